@@ -1,0 +1,1 @@
+"""pleach client: an offline-first session runtime for LLM agents over a local SQLite file."""

@@ -1,0 +1,141 @@
+"""The ``StorageAdapter`` protocol: what the runtime needs from a device's local store.
+
+Writes go through ``commit(batch)``: every record of the batch, its outbox rows and any
+``sync_state`` keys land in ONE transaction, so after a crash either all exist or none.
+Reads return records (msgspec Structs from ``shared.records``). Audit rows have no update or
+delete, only ``gdpr_soft_delete``. Implementations: ``MemoryAdapter`` (non-durable) and
+``SQLiteAdapter`` (aiosqlite), run against one conformance suite.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import msgspec
+
+from shared.records import (
+    ArtifactUpdate,
+    AuditRow,
+    Checkpoint,
+    Event,
+    Message,
+    Record,
+    Session,
+)
+
+
+class WriteBatch(msgspec.Struct, kw_only=True):
+    """Everything one logical mutation writes.
+
+    ``records`` are upserted by id (a session replaces its row; an event may be replaced when
+    its provisional place is rebased; other kinds are immutable and re-inserting is a no-op).
+    With ``outbox`` true, each record also gets an outbox row with the next ``client_seq``.
+    ``meta`` sets ``sync_state`` keys (``hlc``, ``cursor``, ...) in the same transaction.
+    ``purge_checkpoints_for`` deletes every checkpoint of those session ids (delete cascade).
+    """
+
+    records: list[Record] = []
+    outbox: bool = True
+    meta: dict[str, str] = {}
+    purge_checkpoints_for: list[str] = []
+
+
+class OutboxEntry(msgspec.Struct, kw_only=True):
+    client_seq: int
+    record: Record
+    attempts: int = 0
+    created_at: float = 0.0
+    last_error_code: int | None = None
+    last_error_message: str | None = None
+
+
+class DeadLetter(msgspec.Struct, kw_only=True):
+    client_seq: int
+    record: Record
+    code: int
+    message: str
+    attempts: int
+    failed_at: float
+
+
+class CommitReceipt(msgspec.Struct, kw_only=True):
+    """``client_seqs`` are the outbox sequence numbers given to the batch's records, in order."""
+
+    client_seqs: list[int]
+    records: int
+
+
+@runtime_checkable
+class StorageAdapter(Protocol):
+    """A device's local store. Use as ``async with``; ``open()`` runs migrations."""
+
+    durable: bool
+
+    async def open(self) -> None: ...
+    async def close(self) -> None: ...
+
+    # -- writes ---------------------------------------------------------------------------
+    async def commit(self, batch: WriteBatch) -> CommitReceipt: ...
+    async def gdpr_soft_delete(self, subject_key: str) -> int:
+        """Clear identifying fields of audit rows with ``subject_key``; returns rows touched."""
+        ...
+
+    # -- sync state -----------------------------------------------------------------------
+    async def get_meta(self, key: str) -> str | None: ...
+    async def set_meta(self, key: str, value: str) -> None: ...
+
+    # -- reads ----------------------------------------------------------------------------
+    async def get_session(self, session_id: str) -> Session | None: ...
+    async def list_sessions(self, *, include_deleted: bool = False) -> list[Session]:
+        """Sessions newest first (by ``updated_at``)."""
+        ...
+
+    async def get_messages(self, message_ids: list[str]) -> list[Message]:
+        """Messages in the order of ``message_ids``; unknown ids are skipped."""
+        ...
+
+    async def get_checkpoint(self, checkpoint_id: str) -> Checkpoint | None: ...
+    async def list_checkpoints(self, session_id: str) -> list[Checkpoint]:
+        """Checkpoints of a session, oldest first (by hlc)."""
+        ...
+
+    async def list_events(self, session_id: str, *, from_sequence: int = 0) -> list[Event]:
+        """Events of a session with ``sequence_number >= from_sequence``, in chain order."""
+        ...
+
+    async def get_event(self, event_id: str) -> Event | None: ...
+    async def list_audit(
+        self, *, session_id: str | None = None, client_id: str | None = None
+    ) -> list[AuditRow]:
+        """Audit rows ordered by (client_id, sequence_number): each device's chain in order."""
+        ...
+
+    async def list_artifact_updates(self, artifact_id: str) -> list[ArtifactUpdate]: ...
+
+    # -- outbox ---------------------------------------------------------------------------
+    async def outbox_pending(self, limit: int = 500) -> list[OutboxEntry]:
+        """Oldest first, by client_seq."""
+        ...
+
+    async def outbox_count(self) -> int: ...
+    async def outbox_remove(self, client_seqs: list[int]) -> None:
+        """Drop acknowledged entries."""
+        ...
+
+    async def outbox_mark_attempt(
+        self, client_seqs: list[int], code: int | None, message: str | None
+    ) -> None:
+        """Count one more failed attempt with its error (entries stay queued)."""
+        ...
+
+    async def outbox_dead_letter(self, client_seq: int, code: int, message: str) -> None:
+        """Move one entry from the outbox to dead_letters (it stays visible)."""
+        ...
+
+    async def dead_letters(self) -> list[DeadLetter]: ...
+    async def dead_letter_count(self) -> int: ...
+    async def retry_dead_letter(self, client_seq: int) -> int | None:
+        """Re-enqueue a dead letter under a new client_seq (returned); None if unknown."""
+        ...
+
+    async def discard_dead_letter(self, client_seq: int) -> bool: ...

@@ -1,0 +1,1 @@
+"""pleach server: the WebSocket sync server that reconciles a user's devices."""

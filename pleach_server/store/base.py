@@ -1,0 +1,73 @@
+"""The ``ServerStore`` protocol: what the sync server needs from its database.
+
+Two implementations pass one conformance suite: ``SQLiteServerStore`` (embedded default) and
+``PostgresServerStore`` (asyncpg). A push batch commits in ONE transaction together with the
+device's ``last_seq``; every applied record is appended to the tenant's feed under a
+monotonic ``cursor``. A pull never skips a change that commits later under a lower cursor.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import msgspec
+
+from shared.clock import HybridClock
+from shared.messages import ChangeResult
+from shared.records import Change, FeedChange
+
+
+class Tenant(msgspec.Struct, frozen=True, kw_only=True):
+    """Who a connection acts for, from its bearer token."""
+
+    org_id: str
+    user_id: str
+
+
+class PushResult(msgspec.Struct, kw_only=True):
+    """``cursors`` are the feed cursors this push wrote (empty when nothing was applied)."""
+
+    results: list[ChangeResult]
+    last_seq: int
+    head_cursor: int
+    cursors: list[int] = []
+
+
+class PullResult(msgspec.Struct, kw_only=True):
+    changes: list[FeedChange]
+    to_cursor: int
+    more: bool
+
+
+@runtime_checkable
+class ServerStore(Protocol):
+    """A server database. Use as ``async with``; ``open()`` applies migrations."""
+
+    async def open(self) -> None: ...
+    async def close(self) -> None: ...
+    async def healthy(self) -> bool:
+        """True when the database answers a trivial query now."""
+        ...
+
+    async def client_state(self, tenant: Tenant, client_id: str) -> tuple[int, int]:
+        """``(last_seq, head_cursor)`` for a device, for ``Welcome``."""
+        ...
+
+    async def push(
+        self, tenant: Tenant, client_id: str, changes: list[Change], clock: HybridClock
+    ) -> PushResult:
+        """Apply a batch idempotently in one transaction; see ``store/apply.py`` for rules.
+
+        Raises ``StorageUnavailable`` (3009, retryable) when the database is unreachable;
+        nothing of the batch is then committed.
+        """
+        ...
+
+    async def pull(self, tenant: Tenant, cursor: int, limit: int) -> PullResult:
+        """Feed entries with ``cursor > cursor``, at most ``limit``, in cursor order.
+
+        Raises ``CursorTooOld`` (3010) when ``cursor`` predates the retained feed.
+        """
+        ...
+
+    async def head_cursor(self, tenant: Tenant) -> int: ...

@@ -1,0 +1,1 @@
+"""Pure building blocks shared by the pleach client and server: no I/O here."""

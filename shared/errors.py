@@ -1,0 +1,184 @@
+"""One error tree for pleach, and the 3xxx sync error codes.
+
+::
+
+    PleachError
+    ├── InvalidState            an action in the wrong state of a state machine
+    ├── NotFound                a session, checkpoint or record that does not exist
+    ├── SessionLocked           provider/model of a session cannot change
+    ├── StorageError            a local or server store failed (sqlite3, asyncpg translated)
+    ├── ProviderError           an LLM provider call failed (anthropic translated)
+    ├── ToolError               a tool failed or its input was invalid
+    ├── ChainError              a hash chain does not verify
+    └── SyncError               carries a 3xxx ``code`` and ``retryable``
+        ├── Unauthorized        3001
+        ├── Forbidden           3002
+        ├── ProtocolVersion     3003
+        ├── MalformedFrame      3004
+        ├── FrameTooLarge       3005
+        ├── SequenceGap         3006
+        ├── InvalidRecord       3007
+        ├── RateLimited         3008
+        ├── StorageUnavailable  3009 (retryable)
+        ├── CursorTooOld        3010 (resync)
+        └── ClockSkew           3011
+
+Foreign errors are translated where they enter: callers only ever catch ``PleachError``.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ErrorCode(IntEnum):
+    UNAUTHORIZED = 3001
+    FORBIDDEN = 3002
+    PROTOCOL_VERSION = 3003
+    MALFORMED_FRAME = 3004
+    FRAME_TOO_LARGE = 3005
+    SEQUENCE_GAP = 3006
+    INVALID_RECORD = 3007
+    RATE_LIMITED = 3008
+    STORAGE_UNAVAILABLE = 3009
+    CURSOR_TOO_OLD = 3010
+    CLOCK_SKEW = 3011
+
+
+class PleachError(Exception):
+    """Root of every error pleach raises on purpose."""
+
+
+class InvalidState(PleachError):
+    """An action was attempted in a state that does not allow it."""
+
+
+class NotFound(PleachError):
+    """The named session, checkpoint or record does not exist (or is deleted)."""
+
+
+class SessionLocked(PleachError):
+    """A session's provider and model are locked at creation; create a new session instead."""
+
+
+class StorageError(PleachError):
+    """A store failed. ``retryable`` says whether trying again may succeed."""
+
+    def __init__(self, message: str, *, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class ProviderError(PleachError):
+    """A provider call failed; ``code`` is a short stable name such as ``overloaded``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str = "provider_error",
+        retryable: bool = False,
+        status: int | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retryable = retryable
+        self.status = status
+        self.request_id = request_id
+
+
+class ToolError(PleachError):
+    """A tool failed or was called with invalid input."""
+
+
+class ChainError(PleachError):
+    """A hash chain failed to verify; ``index`` is the first bad position."""
+
+    def __init__(self, message: str, *, index: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
+
+
+class SyncError(PleachError):
+    """A sync failure with a 3xxx code, as sent in an ``Error`` frame."""
+
+    code: ErrorCode = ErrorCode.MALFORMED_FRAME
+    retryable: bool = False
+
+    def __init__(self, message: str = "", *, retryable: bool | None = None) -> None:
+        super().__init__(message or self.__class__.__name__)
+        self.message = message or self.__class__.__name__
+        if retryable is not None:
+            self.retryable = retryable
+
+
+class Unauthorized(SyncError):
+    code = ErrorCode.UNAUTHORIZED
+
+
+class Forbidden(SyncError):
+    code = ErrorCode.FORBIDDEN
+
+
+class ProtocolVersion(SyncError):
+    code = ErrorCode.PROTOCOL_VERSION
+
+
+class MalformedFrame(SyncError):
+    code = ErrorCode.MALFORMED_FRAME
+
+
+class FrameTooLarge(SyncError):
+    code = ErrorCode.FRAME_TOO_LARGE
+
+
+class SequenceGap(SyncError):
+    code = ErrorCode.SEQUENCE_GAP
+    retryable = True
+
+
+class InvalidRecord(SyncError):
+    code = ErrorCode.INVALID_RECORD
+
+
+class RateLimited(SyncError):
+    code = ErrorCode.RATE_LIMITED
+    retryable = True
+
+
+class StorageUnavailable(SyncError):
+    code = ErrorCode.STORAGE_UNAVAILABLE
+    retryable = True
+
+
+class CursorTooOld(SyncError):
+    code = ErrorCode.CURSOR_TOO_OLD
+
+
+class ClockSkew(SyncError):
+    code = ErrorCode.CLOCK_SKEW
+
+
+_BY_CODE: dict[int, type[SyncError]] = {
+    cls.code: cls
+    for cls in (
+        Unauthorized,
+        Forbidden,
+        ProtocolVersion,
+        MalformedFrame,
+        FrameTooLarge,
+        SequenceGap,
+        InvalidRecord,
+        RateLimited,
+        StorageUnavailable,
+        CursorTooOld,
+        ClockSkew,
+    )
+}
+
+
+def sync_error(code: int, message: str, *, retryable: bool | None = None) -> SyncError:
+    """Build the ``SyncError`` subclass for a wire ``code`` (unknown codes give ``SyncError``)."""
+    cls = _BY_CODE.get(code, SyncError)
+    return cls(message, retryable=retryable)

@@ -1,0 +1,131 @@
+"""Hash chains over event-log rows (per session) and audit rows (per tenant and device).
+
+``row_hash = sha256(prev_hash || digest(row))``, hex encoded, with ``prev_hash = ""`` for the
+first row. ``digest`` is the sha256 of the row's canonical msgpack bytes (keys sorted), taken
+over every field except the chain's own (``prev_hash``, ``row_hash``, ``canonical``; for audit
+rows also ``payload_digest`` and ``redacted``). Audit rows keep their digest in the row, so a
+GDPR soft delete may clear identifying fields and the chain still verifies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import msgspec
+
+from .records import AuditRow, Event
+
+GENESIS = ""
+
+_CANONICAL = msgspec.msgpack.Encoder(order="deterministic")
+_EVENT_CHAIN_FIELDS = frozenset({"prev_hash", "row_hash", "canonical"})
+_AUDIT_CHAIN_FIELDS = frozenset({"prev_hash", "row_hash", "payload_digest", "redacted"})
+
+Chained = Event | AuditRow
+
+
+def _body(row: msgspec.Struct, skip: frozenset[str]) -> dict[str, object]:
+    return {f: getattr(row, f) for f in row.__struct_fields__ if f not in skip}
+
+
+def event_digest(event: Event) -> str:
+    return hashlib.sha256(_CANONICAL.encode(_body(event, _EVENT_CHAIN_FIELDS))).hexdigest()
+
+
+def audit_digest(row: AuditRow) -> str:
+    return hashlib.sha256(_CANONICAL.encode(_body(row, _AUDIT_CHAIN_FIELDS))).hexdigest()
+
+
+def link(prev_hash: str, digest: str) -> str:
+    return hashlib.sha256(prev_hash.encode() + digest.encode()).hexdigest()
+
+
+def row_digest(row: Chained) -> str:
+    """The digest a row's hash is computed over (the stored one for audit rows)."""
+    if isinstance(row, Event):
+        return event_digest(row)
+    return row.payload_digest or audit_digest(row)
+
+
+def chain_event(event: Event, prev_hash: str, sequence_number: int) -> Event:
+    """A copy of ``event`` placed at ``sequence_number`` after ``prev_hash``."""
+    placed = msgspec.structs.replace(event, sequence_number=sequence_number, prev_hash=prev_hash)
+    return msgspec.structs.replace(placed, row_hash=link(prev_hash, event_digest(placed)))
+
+
+def chain_audit(row: AuditRow, prev_hash: str, sequence_number: int) -> AuditRow:
+    """A copy of ``row`` placed at ``sequence_number``, with its payload digest fixed."""
+    placed = msgspec.structs.replace(row, sequence_number=sequence_number, prev_hash=prev_hash)
+    digest = audit_digest(placed)
+    return msgspec.structs.replace(placed, payload_digest=digest, row_hash=link(prev_hash, digest))
+
+
+class ChainVerification(msgspec.Struct, kw_only=True):
+    """Result of ``verify_chain``: ``first_bad_index`` is None when the chain verifies."""
+
+    ok: bool
+    checked: int
+    first_bad_index: int | None = None
+    reason: str | None = None
+    head_hash: str = GENESIS
+
+
+def verify_chain(rows: Sequence[Chained], genesis: str = GENESIS) -> ChainVerification:
+    """Check rows in chain order; name the first index whose link or content is wrong."""
+    prev = genesis
+    for index, row in enumerate(rows):
+        if row.prev_hash != prev:
+            return ChainVerification(
+                ok=False, checked=index, first_bad_index=index, reason="prev_hash mismatch"
+            )
+        if isinstance(row, AuditRow):
+            if not row.redacted and audit_digest(row) != row.payload_digest:
+                return ChainVerification(
+                    ok=False, checked=index, first_bad_index=index, reason="payload altered"
+                )
+            digest = row.payload_digest
+        else:
+            digest = event_digest(row)
+        if link(prev, digest) != row.row_hash:
+            return ChainVerification(
+                ok=False, checked=index, first_bad_index=index, reason="row_hash mismatch"
+            )
+        prev = row.row_hash
+    return ChainVerification(ok=True, checked=len(rows), head_hash=prev)
+
+
+class Proof(msgspec.Struct, kw_only=True):
+    """The hashes that place one row in a chain: recompute from ``prev_hash`` to ``head_hash``."""
+
+    record_id: str
+    index: int
+    prev_hash: str
+    digest: str
+    following_digests: list[str]
+    head_hash: str
+
+
+def generate_proof(rows: Sequence[Chained], record_id: str) -> Proof:
+    """Proof that the row ``record_id`` sits at its index of the chain ``rows``."""
+    for index, row in enumerate(rows):
+        if row.id == record_id:
+            return Proof(
+                record_id=record_id,
+                index=index,
+                prev_hash=row.prev_hash,
+                digest=row_digest(row),
+                following_digests=[row_digest(r) for r in rows[index + 1 :]],
+                head_hash=rows[-1].row_hash,
+            )
+    raise KeyError(record_id)
+
+
+def verify_proof(proof: Proof, row: Chained | None = None) -> bool:
+    """True when the proof links up to its head hash (and matches ``row`` when given)."""
+    if row is not None and (row.id != proof.record_id or row_digest(row) != proof.digest):
+        return False
+    current = link(proof.prev_hash, proof.digest)
+    for digest in proof.following_digests:
+        current = link(current, digest)
+    return current == proof.head_hash

@@ -1,0 +1,47 @@
+"""UUIDv7 identifiers (RFC 9562): time-ordered, so ids sort by creation time."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+
+_lock = threading.Lock()
+_last_ms = 0
+_last_rand = 0
+
+
+def uuid7(now_ms: int | None = None) -> str:
+    """Return a new UUIDv7 as a string; ids made in one process are strictly increasing."""
+    global _last_ms, _last_rand
+    with _lock:
+        ms = int(time.time() * 1000) if now_ms is None else now_ms
+        if ms <= _last_ms:
+            # Same (or earlier) millisecond: keep order by incrementing the random tail.
+            ms = _last_ms
+            rand = _last_rand + 1
+        else:
+            rand = int.from_bytes(os.urandom(10), "big") >> 6  # 74 random bits
+        _last_ms, _last_rand = ms, rand
+    rand_a = (rand >> 62) & 0xFFF
+    rand_b = rand & ((1 << 62) - 1)
+    value = (ms & ((1 << 48) - 1)) << 80
+    value |= 0x7 << 76
+    value |= rand_a << 64
+    value |= 0b10 << 62
+    value |= rand_b
+    return str(uuid.UUID(int=value))
+
+
+def uuid7_time_ms(value: str) -> int:
+    """The millisecond timestamp inside a UUIDv7."""
+    return uuid.UUID(value).int >> 80
+
+
+def is_uuid(value: str) -> bool:
+    try:
+        uuid.UUID(value)
+    except (ValueError, AttributeError, TypeError):
+        return False
+    return True

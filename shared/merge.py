@@ -1,0 +1,96 @@
+"""Merge rules for synced records, pure.
+
+Sessions merge by version vector; concurrent versions are settled by last-writer-wins on the
+HLC ``updated_at`` (ties broken by ``client_id``), and the caller keeps the loser as a fork.
+Immutable kinds (messages, checkpoints, events, audit rows, artifact updates) merge by union.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from .clock import Order, vv_compare, vv_merge
+from .records import Session
+
+Side = Literal["local", "remote"]
+
+# The fields of a session whose divergence is reported, as dotted paths.
+_COMPARED_PATHS = (
+    "title",
+    "provider",
+    "model",
+    "tools",
+    "head_checkpoint_id",
+    "deleted",
+    "state.message_ids",
+    "state.pending_tool_calls",
+    "state.artifacts",
+    "state.jobs",
+)
+
+
+class ConflictedPath(msgspec.Struct, kw_only=True):
+    path: str
+    local_value: Any
+    remote_value: Any
+    chosen_side: Side
+
+
+class Resolution(msgspec.Struct, kw_only=True):
+    """The outcome of comparing two versions of one session.
+
+    ``order`` is how local relates to remote. ``winner`` is the side to keep on the session id;
+    when ``concurrent`` is true the other side must be kept as a fork. ``merged_vv`` dominates
+    or equals both inputs.
+    """
+
+    order: Order
+    winner: Side
+    concurrent: bool
+    merged_vv: dict[str, int]
+    conflicted_paths: list[ConflictedPath] = []
+
+
+def _get(session: Session, path: str) -> Any:
+    value: Any = session
+    for part in path.split("."):
+        value = getattr(value, part)
+    return msgspec.to_builtins(value)
+
+
+def diverged_paths(local: Session, remote: Session, chosen: Side) -> list[ConflictedPath]:
+    """Every compared field whose values differ, with the side that was kept."""
+    out = []
+    for path in _COMPARED_PATHS:
+        lv, rv = _get(local, path), _get(remote, path)
+        if lv != rv:
+            out.append(
+                ConflictedPath(path=path, local_value=lv, remote_value=rv, chosen_side=chosen)
+            )
+    return out
+
+
+def lww_key(session: Session) -> tuple[str, str]:
+    return (session.updated_at, session.client_id)
+
+
+def resolve_conflicts(local: Session, remote: Session) -> Resolution:
+    """Decide which version of a session wins; pure, so both sides reach the same answer."""
+    if local.id != remote.id:
+        raise ValueError("resolve_conflicts compares two versions of the same session")
+    order = vv_compare(local.vv, remote.vv)
+    merged = vv_merge(local.vv, remote.vv)
+    if order is Order.CONCURRENT:
+        winner: Side = "local" if lww_key(local) > lww_key(remote) else "remote"
+        return Resolution(
+            order=order,
+            winner=winner,
+            concurrent=True,
+            merged_vv=merged,
+            conflicted_paths=diverged_paths(local, remote, winner),
+        )
+    # Ordered versions: the dominating side wins outright; equal vectors keep the remote.
+    winner = "local" if order is Order.DOMINATES else "remote"
+    return Resolution(order=order, winner=winner, concurrent=False, merged_vv=merged)
