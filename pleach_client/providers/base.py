@@ -8,7 +8,7 @@ after some events were already yielded (a mid-stream error).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
@@ -110,6 +110,6 @@ class Provider(Protocol):
 
     name: str
 
-    def stream(self, request: ProviderRequest) -> AsyncIterator[ProviderEvent]:
+    def stream(self, request: ProviderRequest) -> AsyncGenerator[ProviderEvent, None]:
         """Start one call; iterate for events; ``aclose()`` the iterator to abort it."""
         ...

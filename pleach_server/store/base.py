@@ -58,8 +58,9 @@ class ServerStore(Protocol):
     ) -> PushResult:
         """Apply a batch idempotently in one transaction; see ``store/apply.py`` for rules.
 
-        Raises ``StorageUnavailable`` (3009, retryable) when the database is unreachable;
-        nothing of the batch is then committed.
+        ``clock`` is the server's HLC; ``clock.client_id`` is the server id whose version-vector
+        entry is bumped when a conflict is settled. Raises ``StorageUnavailable`` (3009,
+        retryable) when the database is unreachable; nothing of the batch is then committed.
         """
         ...
 
@@ -71,3 +72,12 @@ class ServerStore(Protocol):
         ...
 
     async def head_cursor(self, tenant: Tenant) -> int: ...
+
+    async def compact_feed(self, tenant: Tenant, keep_after_cursor: int) -> int:
+        """Drop the tenant's feed entries with ``cursor <= keep_after_cursor``; return how many.
+
+        Records the tenant's feed floor (it never moves back, nor past the tenant's head
+        cursor). A later ``pull`` from a cursor below the floor raises ``CursorTooOld`` (3010):
+        that device must resync in full. The records themselves are kept.
+        """
+        ...

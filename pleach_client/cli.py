@@ -1,0 +1,223 @@
+"""The ``pleach`` command: chat, sessions, events, sync, status, demo.
+
+Errors print one clear line (``pleach: ...``) and exit non-zero; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from shared.errors import PleachError
+
+from .providers.base import Provider
+from .runtime import SessionRuntime
+from .store.sqlite import SQLiteAdapter
+
+DEFAULT_DB = "pleach.db"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pleach", description="pleach: offline-first agent sessions")
+    parser.add_argument("--db", default=os.environ.get("PLEACH_CLIENT_DB", DEFAULT_DB),
+                        help="device database file (env PLEACH_CLIENT_DB; default ./pleach.db)")
+    parser.add_argument("--user", default=os.environ.get("PLEACH_USER", "anonymous"))
+    parser.add_argument("--org", default=os.environ.get("PLEACH_ORG", "default"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    chat = sub.add_parser("chat", help="chat in a session, streaming replies")
+    chat.add_argument("--session", help="continue this session id")
+    chat.add_argument("--offline", action="store_true",
+                      help="use the scripted offline provider (no API key, no network)")
+    chat.add_argument("--model", help="model for a new session")
+    chat.add_argument("-m", "--message", action="append",
+                      help="send this message and exit (repeatable); otherwise read lines")
+
+    sessions = sub.add_parser("sessions", help="list, show or delete sessions")
+    ssub = sessions.add_subparsers(dest="action", required=True)
+    ssub.add_parser("list")
+    show = ssub.add_parser("show")
+    show.add_argument("session_id")
+    delete = ssub.add_parser("delete")
+    delete.add_argument("session_id")
+
+    events = sub.add_parser("events", help="event-log tools")
+    esub = events.add_subparsers(dest="action", required=True)
+    verify = esub.add_parser("verify", help="verify a session's hash chain")
+    verify.add_argument("session_id")
+
+    sync = sub.add_parser("sync", help="flush the outbox and pull, once")
+    sync.add_argument("--server", required="PLEACH_SERVER" not in os.environ,
+                      default=os.environ.get("PLEACH_SERVER"),
+                      help="ws://host:port/sync")
+    sync.add_argument("--token", required="PLEACH_TOKEN" not in os.environ,
+                      default=os.environ.get("PLEACH_TOKEN"))
+    sync.add_argument("--timeout", type=float, default=30.0)
+
+    sub.add_parser("status", help="what is pending, stuck or synced")
+    demo = sub.add_parser("demo", help="two devices and a server, offline and back, no API key")
+    demo.add_argument("--keep", help="keep the demo files in this folder")
+    return parser
+
+
+def _provider(offline: bool) -> Provider:
+    if offline:
+        from .providers.scripted import ScriptedProvider
+
+        return ScriptedProvider()
+    if not os.environ.get("ANTHROPIC_API_KEY"):
+        raise PleachError(
+            "ANTHROPIC_API_KEY is not set. Set it to chat with Claude, "
+            "or run `pleach chat --offline` for the scripted offline provider."
+        )
+    from .providers.anthropic import AnthropicProvider
+
+    return AnthropicProvider.from_env()
+
+
+def _out(text: str = "", end: str = "\n") -> None:
+    sys.stdout.write(text + end)
+    sys.stdout.flush()
+
+
+async def _chat(args: argparse.Namespace) -> int:
+    provider = _provider(args.offline)
+    async with SessionRuntime(SQLiteAdapter(args.db), provider, user_id=args.user,
+                              org_id=args.org) as rt:
+        if args.session:
+            handle = await rt.resume_session(args.session)
+            _out(f"resumed session {handle.id} ({handle.provider}/{handle.model}, "
+                 f"{len(handle.message_ids)} messages)")
+        else:
+            handle = await rt.create_session(model=args.model)
+            _out(f"new session {handle.id} ({handle.provider}/{handle.model})")
+        messages = args.message if args.message else None
+        while True:
+            if messages is not None:
+                if not messages:
+                    break
+                text = messages.pop(0)
+                _out(f"> {text}")
+            else:
+                _out("> ", end="")
+                line = await asyncio.to_thread(sys.stdin.readline)
+                if not line:
+                    break
+                text = line.strip()
+                if not text:
+                    continue
+                if text in ("/quit", "/exit"):
+                    break
+            async for event in rt.execute_message(handle.id, text):
+                match event.type:
+                    case "message.delta":
+                        _out(event.delta, end="")  # type: ignore[attr-defined]
+                    case "message.complete":
+                        _out()
+                    case "tool.started":
+                        _out(f"[tool {event.name} {event.input}]")  # type: ignore[attr-defined]
+                    case "tool.completed":
+                        _out(f"[tool -> {event.output}]")  # type: ignore[attr-defined]
+                    case "tool.failed":
+                        _out(f"[tool failed: {event.error}]")  # type: ignore[attr-defined]
+                    case "error":
+                        _out(f"error ({event.code}): {event.error}")  # type: ignore[attr-defined]
+        _out(f"session {handle.id} saved in {args.db}")
+    return 0
+
+
+async def _sessions(args: argparse.Namespace) -> int:
+    async with SessionRuntime(SQLiteAdapter(args.db), user_id=args.user, org_id=args.org) as rt:
+        if args.action == "list":
+            rows = await rt.sessions.list()
+            if not rows:
+                _out("no sessions")
+            for s in rows:
+                fork = f" fork of {s.forked_from}" if s.forked_from else ""
+                _out(f"{s.id}  {s.provider}/{s.model}  {len(s.state.message_ids)} messages  "
+                     f"{s.title or '(untitled)'}{fork}")
+        elif args.action == "show":
+            messages = await rt.sessions.messages(args.session_id)
+            for m in messages:
+                for block in m.content:
+                    kind = block.get("type")
+                    if kind == "text":
+                        body = block.get("text", "")
+                    elif kind == "tool_use":
+                        body = f"[tool_use {block.get('name')} {block.get('input')}]"
+                    elif kind == "tool_result":
+                        body = f"[tool_result {block.get('content')}]"
+                    else:
+                        continue
+                    flag = " (aborted)" if m.aborted else ""
+                    _out(f"{m.role}{flag}: {body}")
+        else:
+            receipt = await rt.delete_session(args.session_id)
+            _out(msgspec.json.encode(receipt).decode())
+            return 0 if receipt.deleted else 1
+    return 0
+
+
+async def _events(args: argparse.Namespace) -> int:
+    async with SessionRuntime(SQLiteAdapter(args.db), user_id=args.user, org_id=args.org) as rt:
+        report = await rt.events.verify_chain(args.session_id)
+        if report.ok:
+            _out(f"ok: {report.checked} events verify (head {report.head_hash[:16]})")
+            return 0
+        _out(f"broken at index {report.first_bad_index}: {report.reason}")
+        return 1
+
+
+async def _sync(args: argparse.Namespace) -> int:
+    async with SessionRuntime(SQLiteAdapter(args.db), user_id=args.user, org_id=args.org) as rt:
+        receipt = await rt.sync.sync_once(args.server, args.token, timeout=args.timeout)
+        _out(msgspec.json.encode(receipt).decode())
+        status = await rt.sync.status()
+        _out(msgspec.json.encode(status).decode())
+        return 0 if receipt.outcome in ("all-flushed", "none-pending") else 1
+
+
+async def _status(args: argparse.Namespace) -> int:
+    async with SessionRuntime(SQLiteAdapter(args.db), user_id=args.user, org_id=args.org) as rt:
+        status = await rt.sync.status()
+        _out(msgspec.json.encode(status).decode())
+        for dead in await rt.sync.dead_letters():
+            _out(f"dead letter {dead.client_seq}: {dead.code} {dead.message}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handlers: dict[str, Any] = {
+        "chat": _chat,
+        "sessions": _sessions,
+        "events": _events,
+        "sync": _sync,
+        "status": _status,
+    }
+    try:
+        if args.command == "demo":
+            from .demo import run_demo
+
+            return asyncio.run(run_demo(keep=args.keep))
+        return int(asyncio.run(handlers[args.command](args)))
+    except PleachError as exc:
+        sys.stderr.write(f"pleach: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except OSError as exc:
+        sys.stderr.write(f"pleach: {exc}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())

@@ -1,0 +1,263 @@
+"""The event-log, checkpoint and audit facets of ``SessionRuntime``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import msgspec
+
+from shared.errors import NotFound
+from shared.hashchain import ChainVerification, Proof, generate_proof, verify_chain
+from shared.ids import uuid7
+from shared.records import AuditRow, Checkpoint, Event, Message
+
+from .receipts import (
+    AuditRollup,
+    ForkReceipt,
+    GdprSoftDeleteReceipt,
+    RollbackReceipt,
+    TurnRollup,
+)
+from .stream import Callback, CheckpointCreated
+
+if TYPE_CHECKING:
+    from .runtime import SessionRuntime
+
+S = TypeVar("S")
+
+
+@dataclass(frozen=True)
+class Projection(Generic[S]):
+    """A fold over event-log rows: ``initial()`` then ``apply(state, event)`` per row."""
+
+    name: str
+    initial: Callable[[], S]
+    apply: Callable[[S, Event], S]
+
+
+@dataclass(frozen=True)
+class FoldResult(Generic[S]):
+    state: S
+    rows_processed: int
+    projection: str
+
+
+class EventsFacet:
+    """The durable event log (iterate, fold, verify, prove) and the live bus."""
+
+    def __init__(self, rt: SessionRuntime) -> None:
+        self._rt = rt
+
+    async def iterate(
+        self, session_id: str, *, from_sequence: int = 0, page_size: int = 500
+    ) -> AsyncIterator[Event]:
+        """Rows of a session's log in chain order, read a page at a time."""
+        start = from_sequence
+        while True:
+            rows = await self._rt.store.list_events(session_id, from_sequence=start)
+            page = rows[:page_size]
+            for row in page:
+                yield row
+            if len(rows) <= page_size:
+                return
+            start = page[-1].sequence_number + 1
+
+    async def fold(
+        self, projection: Projection[S], session_id: str, *, from_sequence: int = 0
+    ) -> FoldResult[S]:
+        state = projection.initial()
+        count = 0
+        async for row in self.iterate(session_id, from_sequence=from_sequence):
+            state = projection.apply(state, row)
+            count += 1
+        return FoldResult(state=state, rows_processed=count, projection=projection.name)
+
+    async def verify_chain(self, session_id: str) -> ChainVerification:
+        """Verify the session's chain; ``first_bad_index`` names the first bad row."""
+        return verify_chain(await self._rt.store.list_events(session_id))
+
+    async def generate_proof(self, event_id: str) -> Proof:
+        event = await self._rt.store.get_event(event_id)
+        if event is None:
+            raise NotFound(f"no event {event_id}")
+        return generate_proof(await self._rt.store.list_events(event.session_id), event_id)
+
+    def on(self, event_type: str, handler: Callback) -> None:
+        self._rt.bus.on(event_type, handler)
+
+    def once(self, event_type: str, handler: Callback) -> None:
+        self._rt.bus.once(event_type, handler)
+
+    def off(self, event_type: str, handler: Callback) -> bool:
+        return self._rt.bus.off(event_type, handler)
+
+
+class CheckpointsFacet:
+    """Checkpoints: list, rollback, fork, and time travel (``state_at``)."""
+
+    def __init__(self, rt: SessionRuntime) -> None:
+        self._rt = rt
+
+    async def list(self, session_id: str) -> list[Checkpoint]:
+        return await self._rt.store.list_checkpoints(session_id)
+
+    def _rebuild(self, checkpoint_id: str, by_id: dict[str, Checkpoint]) -> list[str]:
+        """Message ids at a checkpoint: walk parents to a snapshot or the root, replay."""
+        chain: list[Checkpoint] = []
+        current = by_id.get(checkpoint_id)
+        while current is not None:
+            chain.append(current)
+            if current.snapshot is not None or current.parent_id is None:
+                break
+            current = by_id.get(current.parent_id)
+        ids: list[str] = []
+        for cp in reversed(chain):
+            if cp.snapshot is not None:
+                ids = list(cp.snapshot)
+            if cp.truncate_to is not None:
+                ids = ids[: cp.truncate_to]
+            ids.extend(cp.appended)
+        return ids
+
+    async def _checkpoint_ids(self, session_id: str, checkpoint_id: str) -> list[str]:
+        checkpoints = await self._rt.store.list_checkpoints(session_id)
+        by_id = {c.id: c for c in checkpoints}
+        if checkpoint_id not in by_id:
+            raise NotFound(f"no checkpoint {checkpoint_id} in session {session_id}")
+        return self._rebuild(checkpoint_id, by_id)
+
+    async def state_at(self, session_id: str, checkpoint_id: str) -> list[Message]:
+        """Time travel: the transcript as it stood at ``checkpoint_id``."""
+        ids = await self._checkpoint_ids(session_id, checkpoint_id)
+        return await self._rt.store.get_messages(ids)
+
+    async def rollback(self, session_id: str, checkpoint_id: str) -> RollbackReceipt:
+        """Restore the session to a checkpoint as a NEW checkpoint; lineage and audit stay."""
+        rt = self._rt
+        session = await rt._load_session(session_id)
+        ids = await self._checkpoint_ids(session_id, checkpoint_id)
+        cp = rt._new_checkpoint(session, turn_id=None, reason="rollback", appended=[],
+                                snapshot=ids)
+        updated = rt._bump(
+            msgspec.structs.replace(
+                session,
+                head_checkpoint_id=cp.id,
+                state=msgspec.structs.replace(session.state, message_ids=ids,
+                                              pending_tool_calls=[]),
+            ),
+            base=session,
+        )
+        ev = rt._new_event(updated, "checkpoint.rollback",
+                           {"to_checkpoint": checkpoint_id, "checkpoint_id": cp.id})
+        await rt._write([cp, ev, updated])
+        rt._emit(CheckpointCreated(session_id=session_id, checkpoint_id=cp.id,
+                                   parent_id=cp.parent_id, turn_id=None, reason="rollback"))
+        return RollbackReceipt(
+            session_id=session_id,
+            checkpoint_id=checkpoint_id,
+            new_checkpoint_id=cp.id,
+            messages_before=len(session.state.message_ids),
+            messages_after=len(ids),
+        )
+
+    async def fork(self, session_id: str, checkpoint_id: str | None = None) -> ForkReceipt:
+        """A new session at ``checkpoint_id`` (default: the head); the original is untouched."""
+        rt = self._rt
+        source = await rt._load_session(session_id)
+        if checkpoint_id is None:
+            ids = list(source.state.message_ids)
+        else:
+            ids = await self._checkpoint_ids(session_id, checkpoint_id)
+        now = rt._clock.now()
+        fork = msgspec.structs.replace(
+            source,
+            id=uuid7(),
+            client_id=rt.client_id,
+            hlc=now,
+            created_at=now,
+            updated_at=now,
+            vv={rt.client_id: 1},
+            state=msgspec.structs.replace(source.state, message_ids=ids, pending_tool_calls=[]),
+            forked_from=session_id,
+            forked_at_checkpoint=checkpoint_id or source.head_checkpoint_id,
+            conflict_id=None,
+            conflict_loser_side=None,
+            head_checkpoint_id=None,
+        )
+        cp = rt._new_checkpoint(fork, turn_id=None, reason="fork", appended=[], snapshot=ids,
+                                parent_id=None)
+        fork = msgspec.structs.replace(fork, head_checkpoint_id=cp.id)
+        rt._event_heads[fork.id] = (0, "")
+        ev = rt._new_event(fork, "session.forked",
+                           {"forked_from": session_id, "checkpoint_id": checkpoint_id})
+        await rt._write([cp, ev, fork])
+        return ForkReceipt(session_id=fork.id, forked_from=session_id,
+                           checkpoint_id=checkpoint_id, messages=len(ids))
+
+
+class AuditFacet:
+    """The append-only ledger: rows, rollups, chain checks and GDPR soft delete."""
+
+    def __init__(self, rt: SessionRuntime) -> None:
+        self._rt = rt
+
+    async def rows(self, session_id: str | None = None) -> list[AuditRow]:
+        return await self._rt.store.list_audit(session_id=session_id)
+
+    async def rollup(self, session_id: str | None = None) -> AuditRollup:
+        """Tokens and cost by session (or all) and by turn."""
+        rows = await self.rows(session_id)
+        turns: dict[str, list[AuditRow]] = {}
+        for row in rows:
+            turns.setdefault(row.turn_id, []).append(row)
+        turn_rollups = [_sum_rows(rows_, turn_id=t) for t, rows_ in turns.items()]
+        total = _sum_rows(rows, turn_id="")
+        return AuditRollup(
+            session_id=session_id,
+            calls=total.calls,
+            input_tokens=total.input_tokens,
+            output_tokens=total.output_tokens,
+            cache_creation_input_tokens=total.cache_creation_input_tokens,
+            cache_read_input_tokens=total.cache_read_input_tokens,
+            cost_usd=total.cost_usd,
+            turns=turn_rollups,
+            outcomes=total.outcomes,
+        )
+
+    async def verify_chain(self, client_id: str | None = None) -> ChainVerification:
+        """Verify one device's chain of audit rows (this device by default)."""
+        rows = await self._rt.store.list_audit(client_id=client_id or self._rt.client_id)
+        return verify_chain(rows)
+
+    async def gdpr_soft_delete(self, subject_key: str) -> GdprSoftDeleteReceipt:
+        """Clear identifying fields of a subject's rows; ids and the chain stay intact."""
+        count = await self._rt.store.gdpr_soft_delete(subject_key)
+        report = await self.verify_chain()
+        return GdprSoftDeleteReceipt(
+            subject_key=subject_key, rows_redacted=count, chain_verified=report.ok
+        )
+
+
+def _sum_rows(rows: list[AuditRow], *, turn_id: str) -> TurnRollup:
+    cost: float | None = 0.0
+    outcomes: dict[str, int] = {}
+    for row in rows:
+        outcomes[row.outcome.status] = outcomes.get(row.outcome.status, 0) + 1
+        cost = None if cost is None or row.cost_usd is None else cost + row.cost_usd
+    return TurnRollup(
+        turn_id=turn_id,
+        calls=len(rows),
+        input_tokens=sum(r.usage.input_tokens for r in rows),
+        output_tokens=sum(r.usage.output_tokens for r in rows),
+        cache_creation_input_tokens=sum(r.usage.cache_creation_input_tokens for r in rows),
+        cache_read_input_tokens=sum(r.usage.cache_read_input_tokens for r in rows),
+        cost_usd=cost,
+        outcomes=outcomes,
+    )
+
+
+__all__ = ["AuditFacet", "CheckpointsFacet", "EventsFacet", "FoldResult", "Projection"]
+
+_ = Any

@@ -1,0 +1,429 @@
+"""``MemoryAdapter``: the non-durable local store, for tests, demos and throwaway sessions.
+
+It keeps the semantics of ``SQLiteAdapter`` (one conformance suite runs against both): every
+record is held as its msgpack bytes, so a caller only ever gets copies and cannot mutate stored
+state; a commit is staged in full before anything is applied, so a failing batch leaves no
+trace; outbox sequence numbers are never reused. Data lives as long as the object: closing and
+re-opening the same adapter keeps it, like re-opening a file.
+
+No method awaits anything, so each one is atomic with respect to other tasks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+from types import TracebackType
+from typing import Self, TypeVar
+
+import msgspec
+
+from shared.errors import InvalidState, StorageError
+from shared.records import (
+    ArtifactUpdate,
+    AuditRow,
+    Checkpoint,
+    Event,
+    Message,
+    Record,
+    Session,
+    encode_record,
+)
+
+from .base import CommitReceipt, DeadLetter, OutboxEntry, WriteBatch
+
+__all__ = ["MemoryAdapter"]
+
+_T = TypeVar("_T")
+
+_SESSION: msgspec.msgpack.Decoder[Session] = msgspec.msgpack.Decoder(Session)
+_MESSAGE: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
+_CHECKPOINT: msgspec.msgpack.Decoder[Checkpoint] = msgspec.msgpack.Decoder(Checkpoint)
+_EVENT: msgspec.msgpack.Decoder[Event] = msgspec.msgpack.Decoder(Event)
+_AUDIT: msgspec.msgpack.Decoder[AuditRow] = msgspec.msgpack.Decoder(AuditRow)
+_ARTIFACT: msgspec.msgpack.Decoder[ArtifactUpdate] = msgspec.msgpack.Decoder(ArtifactUpdate)
+_RECORD: msgspec.msgpack.Decoder[Record] = msgspec.msgpack.Decoder(Record)
+_KINDS = (Session, Message, Checkpoint, Event, AuditRow, ArtifactUpdate)
+
+
+class _State(Enum):
+    NEW = "new"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+@dataclass(slots=True)
+class _SessionRow:
+    updated_at: str
+    deleted: bool
+    body: bytes
+
+
+@dataclass(slots=True)
+class _ChildRow:
+    """A checkpoint, event or artifact update: its group (session or artifact) and sort key."""
+
+    group: str
+    order: str | int
+    body: bytes
+
+
+@dataclass(slots=True)
+class _AuditRow:
+    client_id: str
+    session_id: str
+    sequence_number: int
+    subject_key: str | None
+    body: bytes
+
+
+@dataclass(slots=True)
+class _OutboxRow:
+    body: bytes
+    attempts: int
+    created_at: float
+    last_error_code: int | None = None
+    last_error_message: str | None = None
+
+
+@dataclass(slots=True)
+class _DeadRow:
+    body: bytes
+    code: int
+    message: str
+    attempts: int
+    failed_at: float
+
+
+class _Index:
+    """Rows of one table by id, plus the ids of each group (session or artifact)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, _ChildRow] = {}
+        self.groups: dict[str, set[str]] = {}
+
+    def put(self, row_id: str, row: _ChildRow) -> None:
+        old = self.rows.get(row_id)
+        if old is not None and old.group != row.group:
+            self.groups[old.group].discard(row_id)
+        self.rows[row_id] = row
+        self.groups.setdefault(row.group, set()).add(row_id)
+
+    def group(self, group: str) -> list[tuple[str, _ChildRow]]:
+        """The rows of ``group``, sorted by their key then id."""
+        rows = [(row_id, self.rows[row_id]) for row_id in self.groups.get(group, ())]
+        rows.sort(key=lambda item: (item[1].order, item[0]))
+        return rows
+
+    def drop_group(self, group: str) -> None:
+        for row_id in self.groups.pop(group, ()):
+            del self.rows[row_id]
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[_T], body: bytes) -> _T:
+    # Bodies were made by ``encode_record`` in this process, so they always decode.
+    return decoder.decode(body)
+
+
+class MemoryAdapter:
+    """A ``StorageAdapter`` that keeps everything in the heap (``durable = False``).
+
+    Use as ``async with MemoryAdapter() as store``; every call needs the store open.
+    """
+
+    durable = False
+
+    def __init__(self) -> None:
+        self._state = _State.NEW
+        self._sessions: dict[str, _SessionRow] = {}
+        self._messages: dict[str, bytes] = {}
+        self._checkpoints = _Index()
+        self._events = _Index()
+        self._artifacts = _Index()
+        self._audit: dict[str, _AuditRow] = {}
+        self._outbox: dict[int, _OutboxRow] = {}
+        self._dead: dict[int, _DeadRow] = {}
+        self._meta: dict[str, str] = {}
+        self._last_seq = 0
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Open the store (a closed one re-opens with its data); raises if already open."""
+        if self._state is _State.OPEN:
+            raise InvalidState("MemoryAdapter is already open")
+        self._state = _State.OPEN
+
+    async def close(self) -> None:
+        """Close the store; idempotent. The data stays with the object."""
+        if self._state is _State.OPEN:
+            self._state = _State.CLOSED
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def _check_open(self) -> None:
+        if self._state is not _State.OPEN:
+            raise InvalidState(f"MemoryAdapter is {self._state.value}; open it first")
+
+    # -- writes ---------------------------------------------------------------------------
+
+    async def commit(self, batch: WriteBatch) -> CommitReceipt:
+        """Write the batch all-or-nothing; raises ``StorageError`` and changes nothing if any
+        record cannot be encoded or a meta value is not a string."""
+        self._check_open()
+        encoded: list[tuple[Record, bytes]] = []
+        for record in batch.records:
+            if not isinstance(record, _KINDS):
+                raise StorageError(f"commit failed: not a record: {type(record).__name__}")
+            try:
+                encoded.append((record, encode_record(record)))
+            except (TypeError, OverflowError, msgspec.EncodeError) as exc:
+                raise StorageError(
+                    f"commit failed: cannot encode {type(record).__name__} {record.id!r}: {exc}"
+                ) from exc
+        for key, value in batch.meta.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise StorageError(f"commit failed: meta {key!r} must map str to str")
+
+        # Nothing below can fail: the batch is applied whole.
+        for record, body in encoded:
+            self._put(record, body)
+        for session_id in batch.purge_checkpoints_for:
+            self._checkpoints.drop_group(session_id)
+        seqs: list[int] = []
+        if batch.outbox:
+            now = time.time()
+            for _, body in encoded:
+                seqs.append(self._enqueue(body, now))
+        self._meta.update(batch.meta)
+        return CommitReceipt(client_seqs=seqs, records=len(encoded))
+
+    def _put(self, record: Record, body: bytes) -> None:
+        match record:
+            case Session():
+                self._sessions[record.id] = _SessionRow(record.updated_at, record.deleted, body)
+            case Message():
+                self._messages.setdefault(record.id, body)
+            case Checkpoint():
+                if record.id not in self._checkpoints.rows:
+                    row = _ChildRow(record.session_id, record.hlc, body)
+                    self._checkpoints.put(record.id, row)
+            case Event():
+                # Upsert: a provisional event is rebased to its canonical place.
+                row = _ChildRow(record.session_id, record.sequence_number, body)
+                self._events.put(record.id, row)
+            case AuditRow():
+                if record.id not in self._audit:
+                    self._audit[record.id] = _AuditRow(
+                        record.client_id,
+                        record.session_id,
+                        record.sequence_number,
+                        record.subject_key,
+                        body,
+                    )
+            case ArtifactUpdate():
+                if record.id not in self._artifacts.rows:
+                    row = _ChildRow(record.artifact_id, record.hlc, body)
+                    self._artifacts.put(record.id, row)
+
+    def _enqueue(self, body: bytes, now: float) -> int:
+        self._last_seq += 1
+        self._outbox[self._last_seq] = _OutboxRow(body=body, attempts=0, created_at=now)
+        return self._last_seq
+
+    async def gdpr_soft_delete(self, subject_key: str) -> int:
+        """Clear ``subject_key``, ``request_id`` and ``detail`` of the subject's audit rows and
+        mark them ``redacted``; ids, digests and hashes stay. Returns the rows touched."""
+        self._check_open()
+        touched = 0
+        for row in self._audit.values():
+            if row.subject_key != subject_key:
+                continue
+            old = _decode(_AUDIT, row.body)
+            new = msgspec.structs.replace(
+                old, subject_key=None, request_id=None, detail={}, redacted=True
+            )
+            row.body = encode_record(new)
+            row.subject_key = None
+            touched += 1
+        return touched
+
+    # -- sync state -----------------------------------------------------------------------
+
+    async def get_meta(self, key: str) -> str | None:
+        self._check_open()
+        return self._meta.get(key)
+
+    async def set_meta(self, key: str, value: str) -> None:
+        self._check_open()
+        if not isinstance(value, str):
+            raise StorageError(f"meta {key!r} must be a string, not {type(value).__name__}")
+        self._meta[key] = value
+
+    # -- reads ----------------------------------------------------------------------------
+
+    async def get_session(self, session_id: str) -> Session | None:
+        self._check_open()
+        row = self._sessions.get(session_id)
+        return None if row is None else _decode(_SESSION, row.body)
+
+    async def list_sessions(self, *, include_deleted: bool = False) -> list[Session]:
+        """Sessions newest first (by ``updated_at``, then id, both descending)."""
+        self._check_open()
+        rows = [
+            (row.updated_at, session_id, row.body)
+            for session_id, row in self._sessions.items()
+            if include_deleted or not row.deleted
+        ]
+        rows.sort(reverse=True)
+        return [_decode(_SESSION, body) for _, _, body in rows]
+
+    async def get_messages(self, message_ids: list[str]) -> list[Message]:
+        """Messages in the order of ``message_ids``; unknown ids are skipped."""
+        self._check_open()
+        return [
+            _decode(_MESSAGE, self._messages[message_id])
+            for message_id in message_ids
+            if message_id in self._messages
+        ]
+
+    async def get_checkpoint(self, checkpoint_id: str) -> Checkpoint | None:
+        self._check_open()
+        row = self._checkpoints.rows.get(checkpoint_id)
+        return None if row is None else _decode(_CHECKPOINT, row.body)
+
+    async def list_checkpoints(self, session_id: str) -> list[Checkpoint]:
+        """Checkpoints of a session, oldest first (by hlc, then id)."""
+        self._check_open()
+        return [_decode(_CHECKPOINT, row.body) for _, row in self._checkpoints.group(session_id)]
+
+    async def list_events(self, session_id: str, *, from_sequence: int = 0) -> list[Event]:
+        """Events with ``sequence_number >= from_sequence``, by sequence number, then id."""
+        self._check_open()
+        return [
+            _decode(_EVENT, row.body)
+            for _, row in self._events.group(session_id)
+            if int(row.order) >= from_sequence
+        ]
+
+    async def get_event(self, event_id: str) -> Event | None:
+        self._check_open()
+        row = self._events.rows.get(event_id)
+        return None if row is None else _decode(_EVENT, row.body)
+
+    async def list_audit(
+        self, *, session_id: str | None = None, client_id: str | None = None
+    ) -> list[AuditRow]:
+        """Audit rows ordered by (client_id, sequence_number, id)."""
+        self._check_open()
+        rows = [
+            (row.client_id, row.sequence_number, row_id, row.body)
+            for row_id, row in self._audit.items()
+            if (session_id is None or row.session_id == session_id)
+            and (client_id is None or row.client_id == client_id)
+        ]
+        rows.sort(key=lambda item: item[:3])
+        return [_decode(_AUDIT, body) for *_, body in rows]
+
+    async def list_artifact_updates(self, artifact_id: str) -> list[ArtifactUpdate]:
+        """Updates of one artifact by hlc, then id (any order merges to the same document)."""
+        self._check_open()
+        return [_decode(_ARTIFACT, row.body) for _, row in self._artifacts.group(artifact_id)]
+
+    # -- outbox ---------------------------------------------------------------------------
+
+    async def outbox_pending(self, limit: int = 500) -> list[OutboxEntry]:
+        """Oldest first, by client_seq."""
+        self._check_open()
+        seqs = sorted(self._outbox)[: max(limit, 0)]
+        return [self._entry(seq, self._outbox[seq]) for seq in seqs]
+
+    @staticmethod
+    def _entry(seq: int, row: _OutboxRow) -> OutboxEntry:
+        return OutboxEntry(
+            client_seq=seq,
+            record=_decode(_RECORD, row.body),
+            attempts=row.attempts,
+            created_at=row.created_at,
+            last_error_code=row.last_error_code,
+            last_error_message=row.last_error_message,
+        )
+
+    async def outbox_count(self) -> int:
+        self._check_open()
+        return len(self._outbox)
+
+    async def outbox_remove(self, client_seqs: list[int]) -> None:
+        """Drop acknowledged entries; unknown sequence numbers are ignored."""
+        self._check_open()
+        for seq in client_seqs:
+            self._outbox.pop(seq, None)
+
+    async def outbox_mark_attempt(
+        self, client_seqs: list[int], code: int | None, message: str | None
+    ) -> None:
+        """Count one more failed attempt with its error; entries stay queued."""
+        self._check_open()
+        for seq in _unique(client_seqs):
+            row = self._outbox.get(seq)
+            if row is not None:
+                row.attempts += 1
+                row.last_error_code = code
+                row.last_error_message = message
+
+    async def outbox_dead_letter(self, client_seq: int, code: int, message: str) -> None:
+        """Move one entry to dead_letters, keeping its attempts count (count the rejecting
+        attempt with ``outbox_mark_attempt`` first if it should show); unknown seq: no-op."""
+        self._check_open()
+        row = self._outbox.pop(client_seq, None)
+        if row is not None:
+            self._dead[client_seq] = _DeadRow(row.body, code, message, row.attempts, time.time())
+
+    async def dead_letters(self) -> list[DeadLetter]:
+        """Dead letters by client_seq."""
+        self._check_open()
+        return [
+            DeadLetter(
+                client_seq=seq,
+                record=_decode(_RECORD, row.body),
+                code=row.code,
+                message=row.message,
+                attempts=row.attempts,
+                failed_at=row.failed_at,
+            )
+            for seq, row in sorted(self._dead.items())
+        ]
+
+    async def dead_letter_count(self) -> int:
+        self._check_open()
+        return len(self._dead)
+
+    async def retry_dead_letter(self, client_seq: int) -> int | None:
+        """Re-enqueue a dead letter under a new client_seq (returned, with attempts reset);
+        None if unknown."""
+        self._check_open()
+        row = self._dead.pop(client_seq, None)
+        if row is None:
+            return None
+        return self._enqueue(row.body, time.time())
+
+    async def discard_dead_letter(self, client_seq: int) -> bool:
+        """Forget a dead letter for good; False if unknown."""
+        self._check_open()
+        return self._dead.pop(client_seq, None) is not None
+
+
+def _unique(values: Iterable[int]) -> list[int]:
+    return list(dict.fromkeys(values))

@@ -1,0 +1,751 @@
+"""``SQLiteAdapter``: the device's durable local store, one SQLite file over aiosqlite.
+
+WAL mode, ``synchronous`` NORMAL by default (FULL as an option), one connection, one writer.
+Each record is kept as its msgpack bytes (``body``) beside the columns its queries filter and
+sort on. Every write is one explicit ``BEGIN IMMEDIATE`` transaction built from one
+``executemany`` per table: aiosqlite costs ~50-150 us per awaited call, so a commit costs a
+fixed handful of round trips to the connection thread however many records it holds.
+
+The schema version is ``PRAGMA user_version``. ``_MIGRATIONS`` are applied in order, in one
+transaction, by ``open()``; re-opening is a no-op, and a file written by a newer pleach is
+refused without being touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sqlite3
+import time
+import warnings
+from collections.abc import AsyncIterator, Sequence
+from enum import Enum
+from types import TracebackType
+from typing import Any, Final, Literal, Self, TypeVar
+
+import aiosqlite
+import msgspec
+
+from shared.errors import InvalidState, StorageError
+from shared.records import (
+    ArtifactUpdate,
+    AuditRow,
+    Checkpoint,
+    Event,
+    Message,
+    Record,
+    Session,
+    encode_record,
+)
+
+from .base import CommitReceipt, DeadLetter, OutboxEntry, WriteBatch
+
+__all__ = ["SCHEMA_VERSION", "SQLiteAdapter", "Synchronous"]
+
+Synchronous = Literal["NORMAL", "FULL"]
+
+# One tuple of statements per schema version; append, never edit a released step.
+_MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
+    (  # 1: the initial schema
+        """CREATE TABLE sessions (
+            id TEXT PRIMARY KEY NOT NULL,
+            updated_at TEXT NOT NULL,
+            deleted INTEGER NOT NULL,
+            body BLOB NOT NULL)""",
+        "CREATE INDEX ix_sessions_updated ON sessions (updated_at, id)",
+        "CREATE INDEX ix_sessions_live ON sessions (updated_at, id) WHERE deleted = 0",
+        """CREATE TABLE messages (
+            id TEXT PRIMARY KEY NOT NULL,
+            session_id TEXT NOT NULL,
+            hlc TEXT NOT NULL,
+            body BLOB NOT NULL)""",
+        """CREATE TABLE checkpoints (
+            id TEXT PRIMARY KEY NOT NULL,
+            session_id TEXT NOT NULL,
+            hlc TEXT NOT NULL,
+            body BLOB NOT NULL)""",
+        "CREATE INDEX ix_checkpoints_session ON checkpoints (session_id, hlc, id)",
+        """CREATE TABLE events (
+            id TEXT PRIMARY KEY NOT NULL,
+            session_id TEXT NOT NULL,
+            sequence_number INTEGER NOT NULL,
+            hlc TEXT NOT NULL,
+            body BLOB NOT NULL)""",
+        "CREATE INDEX ix_events_session ON events (session_id, sequence_number, id)",
+        """CREATE TABLE audit (
+            id TEXT PRIMARY KEY NOT NULL,
+            client_id TEXT NOT NULL,
+            session_id TEXT NOT NULL,
+            sequence_number INTEGER NOT NULL,
+            subject_key TEXT,
+            body BLOB NOT NULL)""",
+        "CREATE INDEX ix_audit_client ON audit (client_id, sequence_number, id)",
+        "CREATE INDEX ix_audit_session ON audit (session_id, client_id, sequence_number, id)",
+        "CREATE INDEX ix_audit_subject ON audit (subject_key) WHERE subject_key IS NOT NULL",
+        """CREATE TABLE artifact_updates (
+            id TEXT PRIMARY KEY NOT NULL,
+            artifact_id TEXT NOT NULL,
+            session_id TEXT NOT NULL,
+            hlc TEXT NOT NULL,
+            body BLOB NOT NULL)""",
+        "CREATE INDEX ix_artifact_updates ON artifact_updates (artifact_id, hlc, id)",
+        # AUTOINCREMENT: sqlite_sequence remembers the largest client_seq ever used, so a
+        # sequence number is never handed out twice, even after its row is removed.
+        """CREATE TABLE outbox (
+            client_seq INTEGER PRIMARY KEY AUTOINCREMENT,
+            record_id TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            body BLOB NOT NULL,
+            attempts INTEGER NOT NULL DEFAULT 0,
+            created_at REAL NOT NULL,
+            last_error_code INTEGER,
+            last_error_message TEXT)""",
+        """CREATE TABLE dead_letters (
+            client_seq INTEGER PRIMARY KEY NOT NULL,
+            record_id TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            body BLOB NOT NULL,
+            code INTEGER NOT NULL,
+            message TEXT NOT NULL,
+            attempts INTEGER NOT NULL,
+            failed_at REAL NOT NULL)""",
+        """CREATE TABLE sync_state (
+            key TEXT PRIMARY KEY NOT NULL,
+            value TEXT NOT NULL)""",
+    ),
+)
+SCHEMA_VERSION: Final = len(_MIGRATIONS)
+
+# Immutable kinds: "ON CONFLICT DO NOTHING" rather than "INSERT OR IGNORE", which would also
+# silently skip a row that breaks a NOT NULL constraint.
+_PUT_SESSION = (
+    "INSERT INTO sessions (id, updated_at, deleted, body) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT (id) DO UPDATE SET updated_at = excluded.updated_at, "
+    "deleted = excluded.deleted, body = excluded.body"
+)
+_PUT_MESSAGE = (
+    "INSERT INTO messages (id, session_id, hlc, body) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT (id) DO NOTHING"
+)
+_PUT_CHECKPOINT = (
+    "INSERT INTO checkpoints (id, session_id, hlc, body) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT (id) DO NOTHING"
+)
+_PUT_EVENT = (
+    "INSERT INTO events (id, session_id, sequence_number, hlc, body) VALUES (?, ?, ?, ?, ?) "
+    "ON CONFLICT (id) DO UPDATE SET session_id = excluded.session_id, "
+    "sequence_number = excluded.sequence_number, hlc = excluded.hlc, body = excluded.body"
+)
+_PUT_AUDIT = (
+    "INSERT INTO audit (id, client_id, session_id, sequence_number, subject_key, body) "
+    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING"
+)
+_PUT_ARTIFACT = (
+    "INSERT INTO artifact_updates (id, artifact_id, session_id, hlc, body) "
+    "VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING"
+)
+_PURGE_CHECKPOINTS = "DELETE FROM checkpoints WHERE session_id = ?"
+_PUT_META = (
+    "INSERT INTO sync_state (key, value) VALUES (?, ?) "
+    "ON CONFLICT (key) DO UPDATE SET value = excluded.value"
+)
+_LAST_SEQ = "SELECT seq FROM sqlite_sequence WHERE name = 'outbox'"
+_ENQUEUE = (
+    "INSERT INTO outbox (client_seq, record_id, kind, body, attempts, created_at) "
+    "VALUES (?, ?, ?, ?, 0, ?)"
+)
+_REDACT_AUDIT = "UPDATE audit SET subject_key = NULL, body = ? WHERE id = ?"
+
+# Every read, named so the tests can check each one's query plan uses an index.
+QUERIES: Final[dict[str, str]] = {
+    "get_session": "SELECT id, body FROM sessions WHERE id = ?",
+    "list_sessions": (
+        "SELECT id, body FROM sessions WHERE deleted = 0 ORDER BY updated_at DESC, id DESC"
+    ),
+    "list_sessions_all": "SELECT id, body FROM sessions ORDER BY updated_at DESC, id DESC",
+    # json_each: any number of ids in one bound parameter and one round trip.
+    "get_messages": "SELECT id, body FROM messages WHERE id IN (SELECT value FROM json_each(?))",
+    "get_checkpoint": "SELECT id, body FROM checkpoints WHERE id = ?",
+    "list_checkpoints": (
+        "SELECT id, body FROM checkpoints WHERE session_id = ? ORDER BY hlc, id"
+    ),
+    "get_event": "SELECT id, body FROM events WHERE id = ?",
+    "list_events": (
+        "SELECT id, body FROM events WHERE session_id = ? AND sequence_number >= ? "
+        "ORDER BY sequence_number, id"
+    ),
+    "list_audit": "SELECT id, body FROM audit ORDER BY client_id, sequence_number, id",
+    "list_audit_session": (
+        "SELECT id, body FROM audit WHERE session_id = ? "
+        "ORDER BY client_id, sequence_number, id"
+    ),
+    "list_audit_client": (
+        "SELECT id, body FROM audit WHERE client_id = ? ORDER BY sequence_number, id"
+    ),
+    "list_audit_both": (
+        "SELECT id, body FROM audit WHERE session_id = ? AND client_id = ? "
+        "ORDER BY sequence_number, id"
+    ),
+    "audit_subject": "SELECT id, body FROM audit WHERE subject_key = ?",
+    "list_artifact_updates": (
+        "SELECT id, body FROM artifact_updates WHERE artifact_id = ? ORDER BY hlc, id"
+    ),
+    "get_meta": "SELECT value FROM sync_state WHERE key = ?",
+    "outbox_pending": (
+        "SELECT client_seq, body, attempts, created_at, last_error_code, last_error_message "
+        "FROM outbox ORDER BY client_seq LIMIT ?"
+    ),
+    "outbox_count": "SELECT count(*) FROM outbox",
+    "dead_letters": (
+        "SELECT client_seq, body, code, message, attempts, failed_at "
+        "FROM dead_letters ORDER BY client_seq"
+    ),
+    "dead_letter_count": "SELECT count(*) FROM dead_letters",
+}
+
+_T = TypeVar("_T")
+_SESSION: msgspec.msgpack.Decoder[Session] = msgspec.msgpack.Decoder(Session)
+_MESSAGE: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
+_CHECKPOINT: msgspec.msgpack.Decoder[Checkpoint] = msgspec.msgpack.Decoder(Checkpoint)
+_EVENT: msgspec.msgpack.Decoder[Event] = msgspec.msgpack.Decoder(Event)
+_AUDIT: msgspec.msgpack.Decoder[AuditRow] = msgspec.msgpack.Decoder(AuditRow)
+_ARTIFACT: msgspec.msgpack.Decoder[ArtifactUpdate] = msgspec.msgpack.Decoder(ArtifactUpdate)
+_RECORD: msgspec.msgpack.Decoder[Record] = msgspec.msgpack.Decoder(Record)
+
+# Errors that can come out of the sqlite3 module: OverflowError when binding an int that
+# does not fit in 64 bits.
+_DB_ERRORS = (sqlite3.Error, OverflowError)
+_SQLITE_BUSY, _SQLITE_LOCKED = 5, 6
+_SYNCHRONOUS_NAMES = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}
+
+
+class _State(Enum):
+    CLOSED = "closed"
+    OPENING = "opening"
+    OPEN = "open"
+
+
+def _storage_error(action: str, exc: BaseException) -> StorageError:
+    """Translate a sqlite3 error; "database is locked" / busy is worth retrying."""
+    text = str(exc)
+    code = getattr(exc, "sqlite_errorcode", None)
+    busy = (isinstance(code, int) and code & 0xFF in (_SQLITE_BUSY, _SQLITE_LOCKED)) or (
+        "locked" in text or "busy" in text
+    )
+    return StorageError(f"{action} failed: {text}", retryable=busy)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[_T], table: str, key: object, body: object) -> _T:
+    try:
+        if not isinstance(body, bytes):
+            raise TypeError(f"body is {type(body).__name__}, not bytes")
+        return decoder.decode(body)
+    except (msgspec.DecodeError, TypeError) as exc:
+        raise StorageError(f"corrupt row in {table} (id {key!r}): {exc}") from exc
+
+
+def _encode_batch(
+    records: Sequence[Record],
+) -> tuple[dict[str, list[tuple[Any, ...]]], list[tuple[str, str, bytes]]]:
+    """Rows per insert statement (in order of first appearance) and the outbox rows."""
+    groups: dict[str, list[tuple[Any, ...]]] = {}
+    outbox: list[tuple[str, str, bytes]] = []
+    for record in records:
+        try:
+            body = encode_record(record)
+        except (TypeError, OverflowError, msgspec.EncodeError) as exc:
+            name = getattr(record, "id", "?")
+            raise StorageError(
+                f"commit failed: cannot encode {type(record).__name__} {name!r}: {exc}"
+            ) from exc
+        sql: str
+        row: tuple[Any, ...]
+        match record:
+            case Session():
+                sql, row = _PUT_SESSION, (record.id, record.updated_at, record.deleted, body)
+            case Message():
+                sql, row = _PUT_MESSAGE, (record.id, record.session_id, record.hlc, body)
+            case Checkpoint():
+                sql, row = _PUT_CHECKPOINT, (record.id, record.session_id, record.hlc, body)
+            case Event():
+                sql = _PUT_EVENT
+                row = (record.id, record.session_id, record.sequence_number, record.hlc, body)
+            case AuditRow():
+                sql = _PUT_AUDIT
+                row = (
+                    record.id,
+                    record.client_id,
+                    record.session_id,
+                    record.sequence_number,
+                    record.subject_key,
+                    body,
+                )
+            case ArtifactUpdate():
+                sql = _PUT_ARTIFACT
+                row = (record.id, record.artifact_id, record.session_id, record.hlc, body)
+            case _:
+                raise StorageError(f"commit failed: not a record: {type(record).__name__}")
+        groups.setdefault(sql, []).append(row)
+        outbox.append((record.id, type(record).__name__, body))
+    return groups, outbox
+
+
+async def _fetch(
+    conn: aiosqlite.Connection, sql: str, params: Sequence[Any] = ()
+) -> list[sqlite3.Row]:
+    return list(await conn.execute_fetchall(sql, params))
+
+
+async def _last_seq(conn: aiosqlite.Connection) -> int:
+    rows = await _fetch(conn, _LAST_SEQ)
+    return int(rows[0][0]) if rows else 0
+
+
+async def _rollback(conn: aiosqlite.Connection, cause: BaseException) -> None:
+    try:
+        await conn.execute("ROLLBACK")
+    except sqlite3.Error as exc:
+        # SQLite rolls back by itself on some errors (SQLITE_FULL, IOERR...): nothing to undo.
+        if "no transaction is active" not in str(exc):
+            cause.add_note(f"rollback also failed: {exc}")
+
+
+@contextlib.asynccontextmanager
+async def _immediate(conn: aiosqlite.Connection, action: str) -> AsyncIterator[None]:
+    """One ``BEGIN IMMEDIATE`` transaction: committed on exit, rolled back on any error
+    (cancellation included; the rollback itself is shielded), sqlite errors translated."""
+    try:
+        await conn.execute("BEGIN IMMEDIATE")
+    except _DB_ERRORS as exc:
+        raise _storage_error(action, exc) from exc
+    except BaseException as exc:
+        # Cancelled while waiting for the write lock: BEGIN may still go through.
+        await asyncio.shield(_rollback(conn, exc))
+        raise
+    try:
+        yield
+        await conn.execute("COMMIT")
+    except BaseException as exc:
+        await asyncio.shield(_rollback(conn, exc))
+        if isinstance(exc, _DB_ERRORS):
+            raise _storage_error(action, exc) from exc
+        raise
+
+
+class SQLiteAdapter:
+    """A ``StorageAdapter`` over one SQLite file (``durable = True``).
+
+    Use as ``async with SQLiteAdapter(path) as store``, or call ``open()`` and ``close()``.
+    ``synchronous="FULL"`` also survives power loss (not just a crash) at some write cost.
+    ``busy_timeout_ms`` is how long a write waits for another process's lock before failing
+    with a retryable ``StorageError``. Calls are serialised on one connection; a store dropped
+    while open warns with ``ResourceWarning``.
+    """
+
+    durable = True
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        synchronous: Synchronous = "NORMAL",
+        busy_timeout_ms: int = 5000,
+    ) -> None:
+        if synchronous not in ("NORMAL", "FULL"):
+            raise ValueError(f"synchronous must be 'NORMAL' or 'FULL', not {synchronous!r}")
+        if busy_timeout_ms < 0:
+            raise ValueError("busy_timeout_ms must be >= 0")
+        self.path = os.fspath(path)
+        self.synchronous: Synchronous = synchronous
+        self.busy_timeout_ms = int(busy_timeout_ms)
+        self._state = _State.CLOSED
+        self._conn: aiosqlite.Connection | None = None
+        self._lock = asyncio.Lock()
+        self._closing: asyncio.Future[None] | None = None
+
+    def __repr__(self) -> str:
+        return f"<SQLiteAdapter {self.path!r} {self._state.value}>"
+
+    def __del__(self, _warn: Any = warnings.warn) -> None:
+        if getattr(self, "_conn", None) is not None:
+            _warn(
+                f"unclosed {self!r}: use 'async with' or 'await store.close()'",
+                ResourceWarning,
+                source=self,
+            )
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Connect, set WAL and ``synchronous``, apply migrations. Raises ``StorageError``
+        if the file cannot be opened or was written by a newer pleach."""
+        if self._closing is not None and not self._closing.done():
+            await asyncio.shield(self._closing)
+        if self._state is not _State.CLOSED:
+            raise InvalidState(f"{self!r} cannot open: it is {self._state.value}")
+        self._state = _State.OPENING
+        try:
+            try:
+                conn = await aiosqlite.connect(
+                    self.path, timeout=self.busy_timeout_ms / 1000, isolation_level=None
+                )
+            except _DB_ERRORS as exc:
+                raise _storage_error(f"open {self.path!r}", exc) from exc
+            try:
+                await self._prepare(conn)
+            except BaseException as exc:
+                await asyncio.shield(_close_after_error(conn, exc))
+                if isinstance(exc, _DB_ERRORS):
+                    raise _storage_error(f"open {self.path!r}", exc) from exc
+                raise
+        except BaseException:
+            self._state = _State.CLOSED
+            raise
+        self._conn = conn
+        self._closing = None
+        self._state = _State.OPEN
+
+    async def _prepare(self, conn: aiosqlite.Connection) -> None:
+        # Refuse a newer file before changing anything in it (even its journal mode).
+        await self._check_version(conn)
+        await conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
+        await conn.execute("PRAGMA journal_mode = WAL")
+        await conn.execute(f"PRAGMA synchronous = {self.synchronous}")
+        if await self._check_version(conn) < SCHEMA_VERSION:
+            async with _immediate(conn, f"migrate {self.path!r}"):
+                # Read again under the write lock: another process may have migrated.
+                version = await self._check_version(conn)
+                for step in _MIGRATIONS[version:]:
+                    for statement in step:
+                        await conn.execute(statement)
+                await conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    async def _check_version(self, conn: aiosqlite.Connection) -> int:
+        version = int((await _fetch(conn, "PRAGMA user_version"))[0][0])
+        if version > SCHEMA_VERSION:
+            raise StorageError(
+                f"{self.path!r} has schema version {version}, newer than this pleach "
+                f"supports ({SCHEMA_VERSION}): upgrade pleach to open it"
+            )
+        return version
+
+    async def close(self) -> None:
+        """Close the file after any call in progress; idempotent. The close completes even
+        if the caller is cancelled; a second call waits for the first."""
+        if self._closing is None:
+            conn = self._conn
+            if conn is None:
+                return
+            self._conn = None
+            self._state = _State.CLOSED
+            self._closing = asyncio.ensure_future(self._shutdown(conn))
+        await asyncio.shield(self._closing)
+
+    async def _shutdown(self, conn: aiosqlite.Connection) -> None:
+        async with self._lock:  # let the transaction in progress finish
+            try:
+                await conn.close()
+            except _DB_ERRORS as exc:
+                raise _storage_error(f"close {self.path!r}", exc) from exc
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def _require_open(self) -> aiosqlite.Connection:
+        if self._conn is None:
+            raise InvalidState(f"{self!r} is not open")
+        return self._conn
+
+    @contextlib.asynccontextmanager
+    async def _transaction(self, action: str) -> AsyncIterator[aiosqlite.Connection]:
+        async with self._lock:
+            conn = self._require_open()
+            async with _immediate(conn, action):
+                yield conn
+
+    @contextlib.asynccontextmanager
+    async def _reading(self, action: str) -> AsyncIterator[aiosqlite.Connection]:
+        # Reads wait for the lock too, so they never see a transaction in progress.
+        async with self._lock:
+            conn = self._require_open()
+            try:
+                yield conn
+            except _DB_ERRORS as exc:
+                raise _storage_error(action, exc) from exc
+
+    # -- diagnostics ----------------------------------------------------------------------
+
+    async def settings(self) -> dict[str, str | int]:
+        """The connection's effective ``journal_mode``, ``synchronous``, ``busy_timeout_ms``
+        and ``schema_version``."""
+        async with self._reading("settings") as conn:
+            journal = (await _fetch(conn, "PRAGMA journal_mode"))[0][0]
+            sync = (await _fetch(conn, "PRAGMA synchronous"))[0][0]
+            busy = (await _fetch(conn, "PRAGMA busy_timeout"))[0][0]
+            version = (await _fetch(conn, "PRAGMA user_version"))[0][0]
+        return {
+            "journal_mode": str(journal),
+            "synchronous": _SYNCHRONOUS_NAMES.get(int(sync), str(sync)),
+            "busy_timeout_ms": int(busy),
+            "schema_version": int(version),
+        }
+
+    async def integrity_check(self) -> list[str]:
+        """Run ``PRAGMA integrity_check``; returns the problems found (empty: file is sound)."""
+        async with self._reading("integrity check") as conn:
+            rows = await _fetch(conn, "PRAGMA integrity_check")
+        problems = [str(row[0]) for row in rows]
+        return [] if problems == ["ok"] else problems
+
+    # -- writes ---------------------------------------------------------------------------
+
+    async def commit(self, batch: WriteBatch) -> CommitReceipt:
+        """Write the batch in one transaction: records (one executemany per table), then the
+        checkpoint purge, the outbox rows and the meta keys. Raises ``StorageError`` with
+        nothing written on any failure."""
+        groups, outbox = _encode_batch(batch.records)
+        seqs: list[int] = []
+        if not (groups or batch.purge_checkpoints_for or batch.meta):
+            return CommitReceipt(client_seqs=seqs, records=0)
+        async with self._transaction("commit") as conn:
+            for sql, rows in groups.items():
+                await conn.executemany(sql, rows)
+            if batch.purge_checkpoints_for:
+                purge = [(session_id,) for session_id in batch.purge_checkpoints_for]
+                await conn.executemany(_PURGE_CHECKPOINTS, purge)
+            if batch.outbox and outbox:
+                first = await _last_seq(conn) + 1
+                seqs = list(range(first, first + len(outbox)))
+                now = time.time()
+                await conn.executemany(
+                    _ENQUEUE,
+                    [
+                        (seq, record_id, kind, body, now)
+                        for seq, (record_id, kind, body) in zip(seqs, outbox, strict=True)
+                    ],
+                )
+            if batch.meta:
+                await conn.executemany(_PUT_META, list(batch.meta.items()))
+        return CommitReceipt(client_seqs=seqs, records=len(batch.records))
+
+    async def gdpr_soft_delete(self, subject_key: str) -> int:
+        """Clear ``subject_key``, ``request_id`` and ``detail`` of the subject's audit rows and
+        mark them ``redacted``; ids, digests and hashes stay. Returns the rows touched."""
+        async with self._transaction("gdpr soft delete") as conn:
+            rows = await _fetch(conn, QUERIES["audit_subject"], (subject_key,))
+            updates = []
+            for row_id, body in rows:
+                old = _decode(_AUDIT, "audit", row_id, body)
+                new = msgspec.structs.replace(
+                    old, subject_key=None, request_id=None, detail={}, redacted=True
+                )
+                updates.append((encode_record(new), row_id))
+            if updates:
+                await conn.executemany(_REDACT_AUDIT, updates)
+        return len(updates)
+
+    # -- sync state -----------------------------------------------------------------------
+
+    async def get_meta(self, key: str) -> str | None:
+        async with self._reading("get meta") as conn:
+            rows = await _fetch(conn, QUERIES["get_meta"], (key,))
+        return str(rows[0][0]) if rows else None
+
+    async def set_meta(self, key: str, value: str) -> None:
+        if not isinstance(value, str):
+            raise StorageError(f"meta {key!r} must be a string, not {type(value).__name__}")
+        async with self._transaction("set meta") as conn:
+            await conn.execute(_PUT_META, (key, value))
+
+    # -- reads ----------------------------------------------------------------------------
+
+    async def _one(
+        self, decoder: msgspec.msgpack.Decoder[_T], table: str, query: str, key: str
+    ) -> _T | None:
+        async with self._reading(f"read {table}") as conn:
+            rows = await _fetch(conn, QUERIES[query], (key,))
+        return _decode(decoder, table, rows[0][0], rows[0][1]) if rows else None
+
+    async def _many(
+        self, decoder: msgspec.msgpack.Decoder[_T], table: str, query: str, params: Sequence[Any]
+    ) -> list[_T]:
+        async with self._reading(f"read {table}") as conn:
+            rows = await _fetch(conn, QUERIES[query], params)
+        return [_decode(decoder, table, row_id, body) for row_id, body in rows]
+
+    async def get_session(self, session_id: str) -> Session | None:
+        return await self._one(_SESSION, "sessions", "get_session", session_id)
+
+    async def list_sessions(self, *, include_deleted: bool = False) -> list[Session]:
+        """Sessions newest first (by ``updated_at``, then id, both descending)."""
+        query = "list_sessions_all" if include_deleted else "list_sessions"
+        return await self._many(_SESSION, "sessions", query, ())
+
+    async def get_messages(self, message_ids: list[str]) -> list[Message]:
+        """Messages in the order of ``message_ids``; unknown ids are skipped."""
+        if not message_ids:
+            return []
+        async with self._reading("read messages") as conn:
+            rows = await _fetch(
+                conn, QUERIES["get_messages"], (msgspec.json.encode(message_ids).decode(),)
+            )
+        bodies: dict[str, bytes] = {row_id: body for row_id, body in rows}
+        # Decoding per position: a repeated id gets its own copy.
+        return [
+            _decode(_MESSAGE, "messages", message_id, bodies[message_id])
+            for message_id in message_ids
+            if message_id in bodies
+        ]
+
+    async def get_checkpoint(self, checkpoint_id: str) -> Checkpoint | None:
+        return await self._one(_CHECKPOINT, "checkpoints", "get_checkpoint", checkpoint_id)
+
+    async def list_checkpoints(self, session_id: str) -> list[Checkpoint]:
+        """Checkpoints of a session, oldest first (by hlc, then id)."""
+        return await self._many(_CHECKPOINT, "checkpoints", "list_checkpoints", (session_id,))
+
+    async def list_events(self, session_id: str, *, from_sequence: int = 0) -> list[Event]:
+        """Events with ``sequence_number >= from_sequence``, by sequence number, then id."""
+        return await self._many(_EVENT, "events", "list_events", (session_id, from_sequence))
+
+    async def get_event(self, event_id: str) -> Event | None:
+        return await self._one(_EVENT, "events", "get_event", event_id)
+
+    async def list_audit(
+        self, *, session_id: str | None = None, client_id: str | None = None
+    ) -> list[AuditRow]:
+        """Audit rows ordered by (client_id, sequence_number, id)."""
+        if session_id is not None and client_id is not None:
+            return await self._many(_AUDIT, "audit", "list_audit_both", (session_id, client_id))
+        if session_id is not None:
+            return await self._many(_AUDIT, "audit", "list_audit_session", (session_id,))
+        if client_id is not None:
+            return await self._many(_AUDIT, "audit", "list_audit_client", (client_id,))
+        return await self._many(_AUDIT, "audit", "list_audit", ())
+
+    async def list_artifact_updates(self, artifact_id: str) -> list[ArtifactUpdate]:
+        """Updates of one artifact by hlc, then id (any order merges to the same document)."""
+        return await self._many(
+            _ARTIFACT, "artifact_updates", "list_artifact_updates", (artifact_id,)
+        )
+
+    # -- outbox ---------------------------------------------------------------------------
+
+    async def outbox_pending(self, limit: int = 500) -> list[OutboxEntry]:
+        """Oldest first, by client_seq."""
+        async with self._reading("read outbox") as conn:
+            rows = await _fetch(conn, QUERIES["outbox_pending"], (max(limit, 0),))
+        return [
+            OutboxEntry(
+                client_seq=seq,
+                record=_decode(_RECORD, "outbox", seq, body),
+                attempts=attempts,
+                created_at=created_at,
+                last_error_code=code,
+                last_error_message=message,
+            )
+            for seq, body, attempts, created_at, code, message in rows
+        ]
+
+    async def outbox_count(self) -> int:
+        return await self._count("outbox_count")
+
+    async def _count(self, query: str) -> int:
+        async with self._reading(query) as conn:
+            rows = await _fetch(conn, QUERIES[query])
+        return int(rows[0][0])
+
+    async def outbox_remove(self, client_seqs: list[int]) -> None:
+        """Drop acknowledged entries; unknown sequence numbers are ignored."""
+        if not client_seqs:
+            return
+        async with self._transaction("outbox remove") as conn:
+            await conn.executemany(
+                "DELETE FROM outbox WHERE client_seq = ?", [(seq,) for seq in client_seqs]
+            )
+
+    async def outbox_mark_attempt(
+        self, client_seqs: list[int], code: int | None, message: str | None
+    ) -> None:
+        """Count one more failed attempt with its error; entries stay queued."""
+        if not client_seqs:
+            return
+        async with self._transaction("outbox mark attempt") as conn:
+            await conn.executemany(
+                "UPDATE outbox SET attempts = attempts + 1, last_error_code = ?, "
+                "last_error_message = ? WHERE client_seq = ?",
+                [(code, message, seq) for seq in dict.fromkeys(client_seqs)],
+            )
+
+    async def outbox_dead_letter(self, client_seq: int, code: int, message: str) -> None:
+        """Move one entry to dead_letters, keeping its attempts count (count the rejecting
+        attempt with ``outbox_mark_attempt`` first if it should show); unknown seq: no-op."""
+        async with self._transaction("outbox dead letter") as conn:
+            await conn.execute(
+                "INSERT INTO dead_letters "
+                "(client_seq, record_id, kind, body, code, message, attempts, failed_at) "
+                "SELECT client_seq, record_id, kind, body, ?, ?, attempts, ? "
+                "FROM outbox WHERE client_seq = ?",
+                (code, message, time.time(), client_seq),
+            )
+            await conn.execute("DELETE FROM outbox WHERE client_seq = ?", (client_seq,))
+
+    async def dead_letters(self) -> list[DeadLetter]:
+        """Dead letters by client_seq."""
+        async with self._reading("read dead letters") as conn:
+            rows = await _fetch(conn, QUERIES["dead_letters"])
+        return [
+            DeadLetter(
+                client_seq=seq,
+                record=_decode(_RECORD, "dead_letters", seq, body),
+                code=code,
+                message=message,
+                attempts=attempts,
+                failed_at=failed_at,
+            )
+            for seq, body, code, message, attempts, failed_at in rows
+        ]
+
+    async def dead_letter_count(self) -> int:
+        return await self._count("dead_letter_count")
+
+    async def retry_dead_letter(self, client_seq: int) -> int | None:
+        """Re-enqueue a dead letter under a new client_seq (returned, with attempts reset);
+        None if unknown."""
+        async with self._transaction("retry dead letter") as conn:
+            seq = await _last_seq(conn) + 1
+            cursor = await conn.execute(
+                "INSERT INTO outbox (client_seq, record_id, kind, body, attempts, created_at) "
+                "SELECT ?, record_id, kind, body, 0, ? FROM dead_letters WHERE client_seq = ?",
+                (seq, time.time(), client_seq),
+            )
+            if cursor.rowcount == 0:
+                return None
+            await conn.execute("DELETE FROM dead_letters WHERE client_seq = ?", (client_seq,))
+        return seq
+
+    async def discard_dead_letter(self, client_seq: int) -> bool:
+        """Forget a dead letter for good; False if unknown."""
+        async with self._transaction("discard dead letter") as conn:
+            cursor = await conn.execute(
+                "DELETE FROM dead_letters WHERE client_seq = ?", (client_seq,)
+            )
+            return cursor.rowcount > 0
+
+
+async def _close_after_error(conn: aiosqlite.Connection, cause: BaseException) -> None:
+    try:
+        await conn.close()
+    except _DB_ERRORS as exc:
+        cause.add_note(f"closing the connection also failed: {exc}")
+

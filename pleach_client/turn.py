@@ -1,0 +1,537 @@
+"""One turn: the provider stream into stream events, the tool loop, abort accounting.
+
+``run_turn`` is the body of ``SessionRuntime.execute_message``. It collects everything the turn
+writes (messages, events, audit rows, the checkpoint and the new session row) and commits it
+in ONE transaction at the end, whatever the outcome: ok, provider error, tool error or abort.
+Abort arrives either as the ``abort`` event being set or as cancellation of the consuming task
+(or ``aclose()`` of the generator); the partial turn is then committed, shielded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from shared.clock import vv_bump
+from shared.errors import PleachError, ProviderError, ToolError
+from shared.ids import uuid7
+from shared.records import AuditRow, Checkpoint, Event, Message, Outcome, Session, Usage
+
+from .providers.base import (
+    BlockStop,
+    MessageDelta,
+    MessageStart,
+    MessageStop,
+    ProviderEvent,
+    ProviderRequest,
+    TextDelta,
+    ThinkingDelta,
+    ToolInputDelta,
+    ToolUseStart,
+)
+from .providers.pricing import cost_usd
+from .stream import (
+    CheckpointCreated,
+    ErrorEvent,
+    MessageAdded,
+    MessageComplete,
+    StreamEventBase,
+    ThinkingComplete,
+    ToolCompleted,
+    ToolFailed,
+    ToolStarted,
+    TurnComplete,
+)
+from .stream import MessageDelta as MessageDeltaEvent
+from .stream import ThinkingDelta as ThinkingDeltaEvent
+
+if TYPE_CHECKING:
+    from .runtime import SessionRuntime
+
+ABORTED_TOOL_RESULT = "Tool call was not run: the user aborted the turn."
+SNAPSHOT_EVERY = 32
+
+
+class _Aborted(Exception):
+    """The abort event was set while waiting on the provider or a tool."""
+
+
+@dataclass
+class _Call:
+    """Accounting for one provider call."""
+
+    seq: int
+    started: float
+    request_id: str | None = None
+    input_tokens: int | None = None
+    cache_creation: int = 0
+    cache_read: int = 0
+    output_tokens: int = 0
+    chars_out: int = 0
+    finished: bool = False
+    blocks: dict[int, dict[str, Any]] = field(default_factory=dict)
+    partial_text: dict[int, str] = field(default_factory=dict)
+    partial_thinking: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class _TurnWrites:
+    messages: list[Message] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    audit: list[AuditRow] = field(default_factory=list)
+
+
+def to_api_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """Messages as the Anthropic API accepts them.
+
+    Consecutive messages of one role are merged (tool results first), thinking blocks of
+    aborted replies (which carry no signature) and empty text blocks are dropped.
+    """
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        blocks = []
+        for block in message.content:
+            kind = block.get("type")
+            if kind == "text" and not block.get("text"):
+                continue
+            if kind == "thinking" and not block.get("signature"):
+                continue
+            blocks.append(dict(block))
+        if not blocks:
+            continue
+        if out and out[-1]["role"] == message.role:
+            merged = out[-1]["content"] + blocks
+            merged.sort(key=lambda b: 0 if b.get("type") == "tool_result" else 1)
+            out[-1]["content"] = merged
+        else:
+            out.append({"role": message.role, "content": blocks})
+    return out
+
+
+async def _next_event(
+    stream: AsyncGenerator[ProviderEvent, None], abort_wait: asyncio.Future[Any] | None
+) -> ProviderEvent:
+    if abort_wait is None:
+        return await anext(stream)
+    step: asyncio.Future[ProviderEvent] = asyncio.ensure_future(anext(stream))
+    await asyncio.wait({step, abort_wait}, return_when=asyncio.FIRST_COMPLETED)
+    if step.done():
+        return step.result()
+    step.cancel()
+    try:
+        await step
+    except (asyncio.CancelledError, StopAsyncIteration):
+        pass  # cancelled on purpose: the abort wins
+    raise _Aborted
+
+
+async def run_turn(  # noqa: C901 - one linear story is easier to follow than fragments
+    rt: SessionRuntime,
+    session_id: str,
+    content: str,
+    abort: asyncio.Event | None,
+) -> AsyncIterator[StreamEventBase]:
+    session = await rt._load_session(session_id)
+    turn_id = uuid7()
+    writes = _TurnWrites()
+    history = await rt.store.get_messages(session.state.message_ids)
+    provider = rt._provider_for(session)
+    tool_specs = rt.tools.specs(session.tools)
+    outcome = "ok"
+    totals = {"input": 0, "output": 0}
+    cost_total: float | None = 0.0
+    calls = 0
+    aborted = False
+    call: _Call | None = None
+    abort_wait: asyncio.Future[Any] | None = (
+        asyncio.ensure_future(abort.wait()) if abort is not None else None
+    )
+
+    def event(kind: str, payload: dict[str, Any]) -> None:
+        writes.events.append(rt._new_event(session, kind, payload))
+
+    def add_message(role: str, blocks: list[dict[str, Any]], **extra: Any) -> Message:
+        message = Message(
+            id=uuid7(),
+            session_id=session.id,
+            org_id=session.org_id,
+            user_id=session.user_id,
+            client_id=rt.client_id,
+            hlc=rt._clock.now(),
+            role=role,  # type: ignore[arg-type]
+            content=blocks,
+            turn_id=turn_id,
+            **extra,
+        )
+        writes.messages.append(message)
+        return message
+
+    def audit(c: _Call, status: str, code: str | None = None, message: str | None = None) -> None:
+        nonlocal cost_total
+        estimated = status == "user-aborted" and not c.finished
+        output = c.output_tokens
+        if estimated:
+            output = max(output, math.ceil(c.chars_out / 4))
+        usage = Usage(
+            input_tokens=c.input_tokens or 0,
+            output_tokens=output,
+            cache_creation_input_tokens=c.cache_creation,
+            cache_read_input_tokens=c.cache_read,
+            output_estimated=estimated,
+        )
+        cost = cost_usd(
+            session.model,
+            input_tokens=usage.input_tokens,
+            output_tokens=usage.output_tokens,
+            cache_creation_input_tokens=usage.cache_creation_input_tokens,
+            cache_read_input_tokens=usage.cache_read_input_tokens,
+        )
+        cost_total = None if cost is None or cost_total is None else cost_total + cost
+        totals["input"] += usage.input_tokens
+        totals["output"] += usage.output_tokens
+        writes.audit.append(
+            rt._new_audit(
+                session=session,
+                turn_id=turn_id,
+                stage_id="tool-loop" if c.seq < rt.max_tool_iterations else "synthesis",
+                seq_within_turn=c.seq,
+                provider=provider.name,
+                request_id=c.request_id,
+                usage=usage,
+                latency_ms=(time.monotonic() - c.started) * 1000.0,
+                cost=cost,
+                outcome=Outcome(status=status, code=code, message=message),  # type: ignore[arg-type]
+            )
+        )
+
+    user = add_message("user", [{"type": "text", "text": content}])
+    event("message.added", {"message_id": user.id, "role": "user", "turn_id": turn_id})
+    yield MessageAdded(session_id=session.id, message_id=user.id, role="user", turn_id=turn_id)
+
+    try:
+        for seq in range(rt.max_tool_iterations + 1):
+            if abort is not None and abort.is_set():
+                raise _Aborted
+            request = ProviderRequest(
+                model=session.model,
+                messages=to_api_messages(history + writes.messages),
+                system=rt.system,
+                tools=tool_specs,
+                max_tokens=rt.max_tokens,
+            )
+            call = _Call(seq=seq, started=time.monotonic())
+            calls += 1
+            reply_id = uuid7()
+            stream = provider.stream(request)
+            stop: MessageStop | None = None
+            try:
+                while True:
+                    if abort is not None and abort.is_set():
+                        raise _Aborted
+                    try:
+                        pev = await _next_event(stream, abort_wait)
+                    except StopAsyncIteration:
+                        break
+                    match pev:
+                        case MessageStart():
+                            call.request_id = pev.request_id
+                            call.input_tokens = pev.input_tokens
+                            call.cache_creation = pev.cache_creation_input_tokens
+                            call.cache_read = pev.cache_read_input_tokens
+                        case TextDelta(index=i, text=text):
+                            call.partial_text[i] = call.partial_text.get(i, "") + text
+                            call.chars_out += len(text)
+                            yield MessageDeltaEvent(
+                                session_id=session.id, message_id=reply_id, delta=text
+                            )
+                        case ThinkingDelta(index=i, thinking=text):
+                            call.partial_thinking[i] = call.partial_thinking.get(i, "") + text
+                            call.chars_out += len(text)
+                            yield ThinkingDeltaEvent(
+                                session_id=session.id, message_id=reply_id, delta=text
+                            )
+                        case ToolUseStart():
+                            pass
+                        case ToolInputDelta(partial_json=chunk):
+                            call.chars_out += len(chunk)
+                        case BlockStop(index=i, block=block):
+                            call.blocks[i] = block
+                            if block.get("type") == "thinking":
+                                yield ThinkingComplete(
+                                    session_id=session.id,
+                                    message_id=reply_id,
+                                    thinking=str(block.get("thinking", "")),
+                                )
+                        case MessageDelta(output_tokens=n):
+                            call.output_tokens = n
+                        case MessageStop():
+                            stop = pev
+                            call.finished = True
+                            call.output_tokens = pev.output_tokens
+                            call.input_tokens = pev.input_tokens
+                            call.request_id = pev.request_id or call.request_id
+            except ProviderError as exc:
+                outcome = "provider-error"
+                audit(call, "provider-error", exc.code, str(exc))
+                _keep_partial(call, add_message, aborted=True)
+                event("error", {"code": exc.code, "message": str(exc), "turn_id": turn_id})
+                yield ErrorEvent(
+                    session_id=session.id, code=exc.code, error=str(exc), retryable=exc.retryable
+                )
+                call = None
+                break
+            finally:
+                await stream.aclose()
+
+            if stop is None:
+                exc = ProviderError("provider stream ended without message_stop", code="truncated")
+                outcome = "provider-error"
+                audit(call, "provider-error", exc.code, str(exc))
+                _keep_partial(call, add_message, aborted=True)
+                event("error", {"code": exc.code, "message": str(exc), "turn_id": turn_id})
+                yield ErrorEvent(session_id=session.id, code=exc.code, error=str(exc))
+                call = None
+                break
+
+            reply = Message(
+                id=reply_id,
+                session_id=session.id,
+                org_id=session.org_id,
+                user_id=session.user_id,
+                client_id=rt.client_id,
+                hlc=rt._clock.now(),
+                role="assistant",
+                content=stop.content,
+                turn_id=turn_id,
+            )
+            writes.messages.append(reply)
+            event(
+                "message.complete",
+                {"message_id": reply.id, "stop_reason": stop.stop_reason, "turn_id": turn_id},
+            )
+            yield MessageComplete(
+                session_id=session.id,
+                message_id=reply.id,
+                content=stop.content,
+                stop_reason=stop.stop_reason,
+            )
+            tool_uses = [b for b in stop.content if b.get("type") == "tool_use"]
+            if stop.stop_reason != "tool_use" or not tool_uses:
+                audit(call, "ok")
+                call = None
+                break
+            if seq >= rt.max_tool_iterations:
+                audit(call, "tool-error", "tool_iteration_limit", "tool loop cap reached")
+                call = None
+                outcome = "tool-error"
+                msg = f"tool loop stopped after {rt.max_tool_iterations} iterations"
+                event("error", {"code": "tool_iteration_limit", "message": msg})
+                yield ErrorEvent(session_id=session.id, code="tool_iteration_limit", error=msg)
+                break
+
+            results: list[dict[str, Any]] = []
+            failures: list[str] = []
+            add_message("user", results)
+            for block in tool_uses:
+                if abort is not None and abort.is_set():
+                    raise _Aborted
+                name, tool_id = str(block["name"]), str(block["id"])
+                tool_input = block.get("input") or {}
+                yield ToolStarted(
+                    session_id=session.id, tool_call_id=tool_id, name=name, input=tool_input
+                )
+                try:
+                    tool = rt.tools.get(name)
+                    if tool is None or name not in session.tools:
+                        raise ToolError(f"tool {name!r} is not enabled for this session")
+                    output = await _run_tool(tool.call(tool_input), abort_wait)
+                except ToolError as exc:
+                    failures.append(f"{name}: {exc}")
+                    results.append(
+                        {"type": "tool_result", "tool_use_id": tool_id, "content": str(exc),
+                         "is_error": True}
+                    )
+                    event("tool.failed", {"tool_call_id": tool_id, "name": name,
+                                          "error": str(exc)})
+                    yield ToolFailed(
+                        session_id=session.id, tool_call_id=tool_id, name=name, error=str(exc)
+                    )
+                    continue
+                results.append({"type": "tool_result", "tool_use_id": tool_id, "content": output})
+                event("tool.completed", {"tool_call_id": tool_id, "name": name})
+                yield ToolCompleted(
+                    session_id=session.id, tool_call_id=tool_id, name=name, output=output
+                )
+            if failures:
+                audit(call, "tool-error", "tool_failed", "; ".join(failures))
+                outcome = "tool-error"
+            else:
+                audit(call, "ok")
+            call = None
+        # The loop ran out of iterations only through the cap branch above.
+    except _Aborted:
+        aborted = True
+    except (asyncio.CancelledError, GeneratorExit):
+        aborted = True
+        await asyncio.shield(
+            _finish(rt, session, turn_id, writes, call, add_message, audit, event, True, outcome)
+        )
+        raise
+    finally:
+        if abort_wait is not None and not abort_wait.done():
+            abort_wait.cancel()
+
+    finished = await _finish(
+        rt, session, turn_id, writes, call, add_message, audit, event, aborted, outcome
+    )
+    for ev in finished:
+        yield ev
+    yield TurnComplete(
+        session_id=session.id,
+        turn_id=turn_id,
+        outcome="user-aborted" if aborted else outcome,  # type: ignore[arg-type]
+        input_tokens=totals["input"],
+        output_tokens=totals["output"],
+        cost_usd=cost_total,
+        provider_calls=calls,
+    )
+
+
+async def _run_tool(call: Any, abort_wait: asyncio.Future[Any] | None) -> str:
+    if abort_wait is None:
+        result: str = await call
+        return result
+    step: asyncio.Future[str] = asyncio.ensure_future(call)
+    await asyncio.wait({step, abort_wait}, return_when=asyncio.FIRST_COMPLETED)
+    if step.done():
+        return step.result()
+    step.cancel()
+    try:
+        await step
+    except (asyncio.CancelledError, ToolError):
+        pass  # the abort wins; the tool's own outcome no longer matters
+    raise _Aborted
+
+
+def _keep_partial(call: _Call, add_message: Any, *, aborted: bool) -> Message | None:
+    """Keep what a cut-off call produced: finished blocks, partial text and thinking."""
+    blocks: dict[int, dict[str, Any]] = dict(call.blocks)
+    for i, text in call.partial_text.items():
+        if i not in blocks and text:
+            blocks[i] = {"type": "text", "text": text}
+    for i, text in call.partial_thinking.items():
+        if i not in blocks and text:
+            blocks[i] = {"type": "thinking", "thinking": text}
+    content = [blocks[i] for i in sorted(blocks)]
+    if not content:
+        return None
+    message: Message = add_message("assistant", content, aborted=aborted)
+    return message
+
+
+def _close_dangling(messages: list[Message], add_message: Any) -> None:
+    """Give every tool_use of the last assistant reply a tool_result, synthetic if needed."""
+    last_assistant = next((m for m in reversed(messages) if m.role == "assistant"), None)
+    if last_assistant is None:
+        return
+    wanted = [b["id"] for b in last_assistant.content if b.get("type") == "tool_use"]
+    if not wanted:
+        return
+    after = messages[messages.index(last_assistant) + 1 :]
+    answered = {
+        b.get("tool_use_id") for m in after for b in m.content if b.get("type") == "tool_result"
+    }
+    missing = [tool_id for tool_id in wanted if tool_id not in answered]
+    if not missing:
+        return
+    blocks = [
+        {"type": "tool_result", "tool_use_id": tool_id, "content": ABORTED_TOOL_RESULT,
+         "is_error": True}
+        for tool_id in missing
+    ]
+    target = next((m for m in after if m.role == "user"), None)
+    if target is not None:
+        target.content.extend(blocks)
+    else:
+        add_message("user", blocks, synthetic=True)
+
+
+async def _finish(
+    rt: SessionRuntime,
+    session: Session,
+    turn_id: str,
+    writes: _TurnWrites,
+    call: _Call | None,
+    add_message: Any,
+    audit: Any,
+    event: Any,
+    aborted: bool,
+    outcome: str,
+) -> list[StreamEventBase]:
+    """Account for an unfinished call, close dangling tool calls, commit the turn."""
+    out: list[StreamEventBase] = []
+    if aborted and call is not None:
+        audit(call, "user-aborted", "user_aborted", "aborted by the user")
+        partial = None if call.finished else _keep_partial(call, add_message, aborted=True)
+        if partial is not None:
+            event("message.complete", {"message_id": partial.id, "aborted": True,
+                                       "turn_id": turn_id})
+            out.append(
+                MessageComplete(
+                    session_id=session.id,
+                    message_id=partial.id,
+                    content=partial.content,
+                    aborted=True,
+                )
+            )
+    _close_dangling(writes.messages, add_message)
+    # Empty tool-result holders (an abort before any tool ran) carry no content: drop them.
+    writes.messages = [m for m in writes.messages if m.content]
+    final = "user-aborted" if aborted else outcome
+    checkpoint = rt._new_checkpoint(
+        session,
+        turn_id=turn_id,
+        reason="aborted" if aborted else "turn",
+        appended=[m.id for m in writes.messages],
+    )
+    event("checkpoint.created", {"checkpoint_id": checkpoint.id, "turn_id": turn_id,
+                                 "reason": checkpoint.kind})
+    event("turn.complete", {"turn_id": turn_id, "outcome": final})
+    updated = msgspec.structs.replace(
+        session,
+        client_id=rt.client_id,
+        hlc=rt._clock.now(),
+        vv=vv_bump(session.vv, rt.client_id),
+        state=msgspec.structs.replace(
+            session.state,
+            message_ids=session.state.message_ids + [m.id for m in writes.messages],
+            pending_tool_calls=[],
+        ),
+        head_checkpoint_id=checkpoint.id,
+    )
+    updated = msgspec.structs.replace(updated, updated_at=updated.hlc)
+    await rt._commit_turn(updated, writes.messages, checkpoint, writes.events, writes.audit)
+    out.append(
+        CheckpointCreated(
+            session_id=session.id,
+            checkpoint_id=checkpoint.id,
+            parent_id=checkpoint.parent_id,
+            turn_id=turn_id,
+            reason=checkpoint.kind,
+        )
+    )
+    return out
+
+
+def dumps_input(tool_input: dict[str, Any]) -> str:
+    return json.dumps(tool_input, sort_keys=True)
+
+
+__all__ = ["PleachError", "run_turn", "to_api_messages"]

@@ -1,0 +1,126 @@
+"""Small factories for synced records, with sensible defaults; any field can be overridden.
+
+Defaults: tenant ``org``/``user``, device ``dev-a``, ids from ``uuid7`` and ``hlc`` stamps
+from one ``HybridClock`` per client id (so stamps of one device always increase). Pass the
+parent ids (``session_id``...) to tie records together; otherwise each gets a fresh one.
+
+    session = make_session(title="plane")
+    message = make_message(session_id=session.id, role="assistant")
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shared.clock import HybridClock
+from shared.ids import uuid7
+from shared.records import (
+    ArtifactUpdate,
+    AuditRow,
+    Checkpoint,
+    Event,
+    Message,
+    Outcome,
+    Session,
+    Usage,
+)
+
+__all__ = [
+    "CLIENT",
+    "ORG",
+    "USER",
+    "clock_for",
+    "make_artifact_update",
+    "make_audit",
+    "make_checkpoint",
+    "make_event",
+    "make_message",
+    "make_session",
+]
+
+ORG = "org"
+USER = "user"
+CLIENT = "dev-a"
+
+_clocks: dict[str, HybridClock] = {}
+
+
+def clock_for(client_id: str = CLIENT) -> HybridClock:
+    """The shared clock of one device id (created on first use)."""
+    clock = _clocks.get(client_id)
+    if clock is None:
+        clock = _clocks[client_id] = HybridClock(client_id)
+    return clock
+
+
+def _base(overrides: dict[str, Any]) -> dict[str, Any]:
+    """Tenant, device and a fresh hlc (from that device's clock) unless overridden."""
+    client_id = overrides.get("client_id", CLIENT)
+    fields: dict[str, Any] = {"id": uuid7(), "org_id": ORG, "user_id": USER}
+    fields["client_id"] = client_id
+    fields["hlc"] = overrides["hlc"] if "hlc" in overrides else clock_for(client_id).now()
+    return fields
+
+
+def make_session(**overrides: Any) -> Session:
+    fields = _base(overrides)
+    fields.update(
+        provider="scripted",
+        model="scripted-1",
+        created_at=fields["hlc"],
+        updated_at=fields["hlc"],
+        vv={fields["client_id"]: 1},
+        title="",
+    )
+    fields.update(overrides)
+    return Session(**fields)
+
+
+def make_message(**overrides: Any) -> Message:
+    fields = _base(overrides)
+    fields.update(
+        session_id=uuid7(),
+        role="user",
+        content=[{"type": "text", "text": "hello"}],
+    )
+    fields.update(overrides)
+    return Message(**fields)
+
+
+def make_checkpoint(**overrides: Any) -> Checkpoint:
+    fields = _base(overrides)
+    fields.update(session_id=uuid7(), parent_id=None, turn_id=uuid7())
+    fields.update(overrides)
+    return Checkpoint(**fields)
+
+
+def make_event(**overrides: Any) -> Event:
+    fields = _base(overrides)
+    fields.update(session_id=uuid7(), type="message.added", payload={})
+    fields.update(overrides)
+    return Event(**fields)
+
+
+def make_audit(**overrides: Any) -> AuditRow:
+    fields = _base(overrides)
+    fields.update(
+        session_id=uuid7(),
+        turn_id=uuid7(),
+        stage_id="main",
+        seq_within_turn=0,
+        provider="scripted",
+        model="scripted-1",
+        outcome=Outcome(status="ok"),
+        usage=Usage(input_tokens=10, output_tokens=5),
+        request_id="req_" + fields["id"][-12:],
+        latency_ms=12.5,
+    )
+    fields.update(overrides)
+    return AuditRow(**fields)
+
+
+def make_artifact_update(**overrides: Any) -> ArtifactUpdate:
+    fields = _base(overrides)
+    fields.update(artifact_id=uuid7(), session_id=uuid7(), update=b"\x00\x00")
+    fields.update(overrides)
+    return ArtifactUpdate(**fields)

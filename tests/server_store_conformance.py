@@ -1,0 +1,783 @@
+"""The ``ServerStore`` conformance suite: every server store must pass it unchanged.
+
+Subclass ``ServerStoreConformance`` in a backend's test module and provide two fixtures:
+
+- ``make_store``: ``make_store(tx_wrapper=None) -> ServerStore``, a new UNOPENED store on the
+  same database every time it is called within one test. ``tx_wrapper`` (when given) wraps
+  the ``StoreTx`` each push runs against, so a test can inject faults mid-batch.
+- ``server_store``: an open store from ``make_store()``, closed after the test.
+
+The suite uses only the ``ServerStore`` protocol (``compact_feed`` included) and ``StoreTx``;
+each test works in fresh tenants, so stores on a shared database stay independent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Protocol
+
+import msgspec
+import pytest
+
+from pleach_server.store.apply import StoreTx
+from pleach_server.store.base import PullResult, PushResult, ServerStore, Tenant
+from shared.clock import HybridClock, Order, vv_compare, wall_clock_ms
+from shared.errors import CursorTooOld, ErrorCode
+from shared.hashchain import verify_chain
+from shared.ids import uuid7
+from shared.records import Change, Event, FeedChange, Record, RecordKind, Session
+from tests.server_factories import DAY_MS, Device, new_tenant
+
+TxWrapper = Callable[[StoreTx], StoreTx]
+
+
+class MakeStore(Protocol):
+    def __call__(self, tx_wrapper: TxWrapper | None = None) -> ServerStore: ...
+
+
+class InjectedFault(Exception):
+    """Raised by ``FaultyTx``; a store must roll back and let it propagate unchanged."""
+
+
+class FaultyTx:
+    """A ``StoreTx`` that delegates to ``inner`` and misbehaves on its ``fail_at``-th write.
+
+    Writes are ``put_session``, ``insert_if_absent`` and ``insert_event``. With ``block`` set,
+    the failing write instead sets ``reached`` and waits forever (for cancellation tests).
+    """
+
+    def __init__(
+        self,
+        inner: StoreTx,
+        fail_at: int,
+        *,
+        block: bool = False,
+        reached: asyncio.Event | None = None,
+    ) -> None:
+        self.inner = inner
+        self.fail_at = fail_at
+        self.block = block
+        self.writes = 0
+        self.reached = reached or asyncio.Event()
+
+    async def _write(self) -> None:
+        self.writes += 1
+        if self.writes == self.fail_at:
+            self.reached.set()
+            if self.block:
+                await asyncio.Event().wait()
+            raise InjectedFault(f"injected failure at write {self.writes}")
+
+    async def lock_tenant(self, tenant: Tenant) -> None:
+        await self.inner.lock_tenant(tenant)
+
+    async def get_last_seq(self, tenant: Tenant, client_id: str) -> int:
+        return await self.inner.get_last_seq(tenant, client_id)
+
+    async def set_last_seq(self, tenant: Tenant, client_id: str, last_seq: int) -> None:
+        await self.inner.set_last_seq(tenant, client_id, last_seq)
+
+    async def owner_of(self, kind: RecordKind, record_id: str) -> Tenant | None:
+        return await self.inner.owner_of(kind, record_id)
+
+    async def get_session(self, session_id: str) -> Session | None:
+        return await self.inner.get_session(session_id)
+
+    async def put_session(self, session: Session) -> None:
+        await self._write()
+        await self.inner.put_session(session)
+
+    async def insert_if_absent(self, record: Record) -> bool:
+        await self._write()
+        return await self.inner.insert_if_absent(record)
+
+    async def last_event(self, session_id: str) -> tuple[int, str] | None:
+        return await self.inner.last_event(session_id)
+
+    async def insert_event(self, event: Event) -> None:
+        await self._write()
+        await self.inner.insert_event(event)
+
+    async def append_feed(self, tenant: Tenant, record: Record) -> int:
+        return await self.inner.append_feed(tenant, record)
+
+    async def head_cursor(self, tenant: Tenant) -> int:
+        return await self.inner.head_cursor(tenant)
+
+
+async def pull_all(store: ServerStore, tenant: Tenant, cursor: int = 0) -> list[FeedChange]:
+    """Every feed entry after ``cursor``, paging until ``more`` is false."""
+    out: list[FeedChange] = []
+    while True:
+        page = await store.pull(tenant, cursor, 100)
+        out.extend(page.changes)
+        cursor = page.to_cursor
+        if not page.more:
+            return out
+
+
+def statuses(result: PushResult) -> list[str]:
+    return [r.status for r in result.results]
+
+
+def codes(result: PushResult) -> list[int | None]:
+    return [r.code for r in result.results]
+
+
+class ServerStoreConformance:
+    """Behaviour every ``ServerStore`` shares; see the module docstring for the fixtures."""
+
+    @pytest.fixture
+    def server_clock(self) -> HybridClock:
+        return HybridClock(f"server-{uuid7()}")
+
+    # -- basics --------------------------------------------------------------------------------
+
+    async def test_fresh_tenant_is_empty(self, server_store: ServerStore) -> None:
+        tenant = new_tenant()
+        assert isinstance(server_store, ServerStore)
+        assert await server_store.healthy()
+        assert await server_store.client_state(tenant, "dev-1") == (0, 0)
+        assert await server_store.head_cursor(tenant) == 0
+        assert await server_store.pull(tenant, 0, 10) == PullResult(
+            changes=[], to_cursor=0, more=False
+        )
+
+    async def test_push_applies_every_kind(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        dev = Device(new_tenant())
+        session = dev.session(title="t")
+        records: list[Record] = [
+            session,
+            dev.message(session.id),
+            dev.checkpoint(session.id),
+            dev.event(session.id),
+            dev.audit(session.id),
+            dev.artifact(session.id),
+        ]
+        result = await server_store.push(
+            dev.tenant, dev.client_id, dev.changes(*records), server_clock
+        )
+        assert statuses(result) == ["applied"] * 6
+        assert [r.client_seq for r in result.results] == [1, 2, 3, 4, 5, 6]
+        cursors = [r.cursor for r in result.results]
+        assert result.cursors == cursors
+        assert result.cursors == sorted(result.cursors) and len(set(result.cursors)) == 6
+        assert result.last_seq == 6
+        assert result.head_cursor == result.cursors[-1]
+        assert await server_store.head_cursor(dev.tenant) == result.head_cursor
+        assert await server_store.client_state(dev.tenant, dev.client_id) == (
+            6,
+            result.head_cursor,
+        )
+
+        feed = await pull_all(server_store, dev.tenant)
+        assert [c.cursor for c in feed] == result.cursors
+        pulled = [c.record for c in feed]
+        for before, after in zip(records, pulled, strict=True):
+            if isinstance(before, Event):
+                assert isinstance(after, Event) and after.id == before.id
+                assert after.canonical and after.sequence_number == 1
+            else:
+                assert after == before
+
+    # -- idempotency -------------------------------------------------------------------------
+
+    async def test_resend_is_idempotent(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        dev = Device(new_tenant())
+        session = dev.session()
+        batch = dev.changes(session, dev.message(session.id), dev.event(session.id))
+        first = await server_store.push(dev.tenant, dev.client_id, batch, server_clock)
+        assert statuses(first) == ["applied"] * 3
+
+        again = await server_store.push(dev.tenant, dev.client_id, batch, server_clock)
+        assert statuses(again) == ["duplicate"] * 3
+        assert again.cursors == [] and all(r.cursor is None for r in again.results)
+        assert again.last_seq == 3 and again.head_cursor == first.head_cursor
+        assert len(await pull_all(server_store, dev.tenant)) == 3
+
+        # A resend overlapping new work: the old part is duplicate, the new part applies.
+        extra = dev.changes(dev.message(session.id))
+        overlap = await server_store.push(
+            dev.tenant, dev.client_id, batch[1:] + extra, server_clock
+        )
+        assert statuses(overlap) == ["duplicate", "duplicate", "applied"]
+        assert overlap.last_seq == 4
+        assert len(await pull_all(server_store, dev.tenant)) == 4
+
+    async def test_same_record_under_new_seq_is_duplicate(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        dev = Device(new_tenant())
+        session = dev.session()
+        message, event = dev.message(session.id), dev.event(session.id)
+        await server_store.push(
+            dev.tenant, dev.client_id, dev.changes(session, message, event), server_clock
+        )
+        result = await server_store.push(
+            dev.tenant, dev.client_id, dev.changes(message, event), server_clock
+        )
+        assert statuses(result) == ["duplicate", "duplicate"]
+        assert result.last_seq == 5
+        assert len(await pull_all(server_store, dev.tenant)) == 3
+
+    async def test_sequence_gap_rejects_rest_and_keeps_last_seq(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        dev = Device(new_tenant())
+        session = dev.session()
+        m = [dev.message(session.id) for _ in range(4)]
+        await server_store.push(dev.tenant, dev.client_id, dev.changes(session), server_clock)
+
+        gapped = [Change(client_seq=4, record=m[2]), Change(client_seq=5, record=m[3])]
+        result = await server_store.push(dev.tenant, dev.client_id, gapped, server_clock)
+        assert statuses(result) == ["rejected", "rejected"]
+        assert codes(result) == [ErrorCode.SEQUENCE_GAP] * 2
+        assert result.last_seq == 1 and result.cursors == []
+        assert await server_store.client_state(dev.tenant, dev.client_id) == (
+            1,
+            result.head_cursor,
+        )
+
+        # A gap mid-batch: what precedes it applies, everything after it is rejected.
+        mixed = [
+            Change(client_seq=2, record=m[0]),
+            Change(client_seq=4, record=m[2]),
+            Change(client_seq=3, record=m[1]),
+        ]
+        result = await server_store.push(dev.tenant, dev.client_id, mixed, server_clock)
+        assert statuses(result) == ["applied", "rejected", "rejected"]
+        assert codes(result) == [None, ErrorCode.SEQUENCE_GAP, ErrorCode.SEQUENCE_GAP]
+        assert result.last_seq == 2
+
+        # The device resends from last_seq + 1 and everything lands.
+        resend = [Change(client_seq=3 + i, record=m[1 + i]) for i in range(3)]
+        result = await server_store.push(dev.tenant, dev.client_id, resend, server_clock)
+        assert statuses(result) == ["applied"] * 3 and result.last_seq == 5
+        feed = await pull_all(server_store, dev.tenant)
+        assert [c.record.id for c in feed] == [session.id] + [x.id for x in m]
+
+    async def test_rejected_change_advances_last_seq(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        dev = Device(new_tenant())
+        session = dev.session()
+        foreign = msgspec.structs.replace(dev.message(session.id), org_id="someone-else")
+        ok = dev.message(session.id)
+        batch = dev.changes(session, foreign, ok)
+        result = await server_store.push(dev.tenant, dev.client_id, batch, server_clock)
+        assert statuses(result) == ["applied", "rejected", "applied"]
+        assert codes(result) == [None, ErrorCode.FORBIDDEN, None]
+        assert result.results[1].message
+        assert result.last_seq == 3
+        assert await server_store.client_state(dev.tenant, dev.client_id) == (
+            3,
+            result.head_cursor,
+        )
+        feed = await pull_all(server_store, dev.tenant)
+        assert [c.record.id for c in feed] == [session.id, ok.id]
+        # Resending the rejected change is a duplicate: it is never re-evaluated.
+        again = await server_store.push(dev.tenant, dev.client_id, batch[1:2], server_clock)
+        assert statuses(again) == ["duplicate"]
+
+    # -- validation --------------------------------------------------------------------------
+
+    async def test_other_tenants_ids_are_forbidden(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        alice, mallory = Device(new_tenant()), Device(new_tenant())
+        session = alice.session(title="alice's")
+        message = alice.message(session.id)
+        event = alice.event(session.id)
+        await server_store.push(
+            alice.tenant, alice.client_id, alice.changes(session, message, event), server_clock
+        )
+
+        stolen_message = msgspec.structs.replace(
+            mallory.message(uuid7()), id=message.id
+        )  # same message id, own session
+        stolen_event = msgspec.structs.replace(mallory.event(uuid7()), id=event.id)
+        attempts: list[Record] = [
+            stolen_message,
+            stolen_event,
+            mallory.session(id=session.id, title="mine now"),
+            mallory.message(session.id),
+            mallory.event(session.id),
+            mallory.checkpoint(session.id),
+        ]
+        result = await server_store.push(
+            mallory.tenant, mallory.client_id, mallory.changes(*attempts), server_clock
+        )
+        assert statuses(result) == ["rejected"] * len(attempts)
+        assert codes(result) == [ErrorCode.FORBIDDEN] * len(attempts)
+        assert result.last_seq == len(attempts)
+        assert await pull_all(server_store, mallory.tenant) == []
+        feed = await pull_all(server_store, alice.tenant)
+        assert [c.record.id for c in feed] == [session.id, message.id, event.id]
+        assert feed[0].record == session
+
+    async def test_session_id_claimed_by_records_before_its_row(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        alice, mallory = Device(new_tenant()), Device(new_tenant())
+        session_id = uuid7()  # alice's events arrive before her session row
+        await server_store.push(
+            alice.tenant, alice.client_id, alice.changes(alice.event(session_id)), server_clock
+        )
+        result = await server_store.push(
+            mallory.tenant,
+            mallory.client_id,
+            mallory.changes(mallory.event(session_id), mallory.session(id=session_id)),
+            server_clock,
+        )
+        assert codes(result) == [ErrorCode.FORBIDDEN, ErrorCode.FORBIDDEN]
+        later = await server_store.push(
+            alice.tenant, alice.client_id, alice.changes(alice.session(id=session_id)), server_clock
+        )
+        assert statuses(later) == ["applied"]
+
+    async def test_invalid_records_are_rejected_3007(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        dev = Device(new_tenant())
+        session = dev.session()
+        bad: list[Record] = [
+            msgspec.structs.replace(dev.message(session.id), client_id="another-device"),
+            msgspec.structs.replace(dev.message(session.id), hlc="yesterday"),
+            msgspec.structs.replace(dev.message(session.id), id=""),
+            msgspec.structs.replace(dev.event(session.id), session_id=""),
+            msgspec.structs.replace(dev.session(), updated_at="not-a-stamp"),
+        ]
+        result = await server_store.push(
+            dev.tenant, dev.client_id, dev.changes(session, *bad), server_clock
+        )
+        assert statuses(result) == ["applied"] + ["rejected"] * len(bad)
+        assert codes(result)[1:] == [ErrorCode.INVALID_RECORD] * len(bad)
+        assert result.last_seq == 1 + len(bad)
+        assert len(await pull_all(server_store, dev.tenant)) == 1
+
+    async def test_clock_skew_is_rejected_3011(self, server_store: ServerStore) -> None:
+        tenant = new_tenant()
+        clock = HybridClock(f"server-{uuid7()}", max_skew_ms=60_000)
+        ahead = Device(tenant, wall=lambda: wall_clock_ms() + DAY_MS)
+        session = ahead.session()
+        result = await server_store.push(
+            tenant, ahead.client_id, ahead.changes(session, ahead.message(session.id)), clock
+        )
+        assert codes(result) == [ErrorCode.CLOCK_SKEW, ErrorCode.CLOCK_SKEW]
+        assert result.last_seq == 2
+        # The server clock did not jump a day ahead by looking at the rejected stamps.
+        assert clock.now() < session.hlc
+
+        on_time = Device(tenant)
+        ok = on_time.session()
+        result = await server_store.push(tenant, on_time.client_id, on_time.changes(ok), clock)
+        assert statuses(result) == ["applied"]
+
+    # -- sessions --------------------------------------------------------------------------------
+
+    async def test_session_versions_dominate_or_are_superseded(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        tenant = new_tenant()
+        laptop, phone = Device(tenant), Device(tenant)
+        v1 = laptop.session(title="v1")
+        await server_store.push(tenant, laptop.client_id, laptop.changes(v1), server_clock)
+
+        v2 = phone.edit(v1, title="v2")
+        result = await server_store.push(tenant, phone.client_id, phone.changes(v2), server_clock)
+        assert statuses(result) == ["applied"]
+        assert result.results[0].cursor == result.head_cursor
+
+        stale = await server_store.push(tenant, laptop.client_id, laptop.changes(v1), server_clock)
+        same = await server_store.push(tenant, phone.client_id, phone.changes(v2), server_clock)
+        assert statuses(stale) == ["superseded"] and statuses(same) == ["superseded"]
+        assert stale.cursors == [] and same.cursors == []
+        assert stale.results[0].conflict is None
+
+        feed = await pull_all(server_store, tenant)
+        assert [c.record for c in feed] == [v1, v2]
+
+    async def test_concurrent_push_that_wins_forks_the_server_version(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        tenant = new_tenant()
+        laptop, phone = Device(tenant), Device(tenant)
+        v1 = laptop.session(title="v1", message_ids=["m1"])
+        await server_store.push(tenant, laptop.client_id, laptop.changes(v1), server_clock)
+        on_phone = phone.edit(v1, title="phone", message_ids=["m1", "p2"])
+        await server_store.push(tenant, phone.client_id, phone.changes(on_phone), server_clock)
+
+        laptop.clock.observe(on_phone.updated_at)  # the laptop writes later: it wins LWW
+        on_laptop = laptop.edit(v1, title="laptop", message_ids=["m1", "l2"])
+        before = await server_store.head_cursor(tenant)
+        result = await server_store.push(
+            tenant, laptop.client_id, laptop.changes(on_laptop), server_clock
+        )
+        change = result.results[0]
+        assert change.status == "resolved"
+        receipt = change.conflict
+        assert receipt is not None
+        assert receipt.session_id == v1.id and receipt.winner == "local"
+        assert receipt.fork_session_id not in ("", v1.id)
+        assert receipt.conflict_id and receipt.detected_at
+        paths = {p.path: p for p in receipt.conflicted_paths}
+        assert set(paths) == {"title", "state.message_ids"}
+        assert paths["title"].local_value == "laptop"
+        assert paths["title"].remote_value == "phone"
+        assert {p.chosen_side for p in paths.values()} == {"local"}
+
+        feed = await pull_all(server_store, tenant, before)
+        assert [c.cursor for c in feed] == result.cursors and len(feed) == 2
+        assert change.cursor == result.cursors[-1] == result.head_cursor
+        winner, fork = (c.record for c in feed)
+        assert isinstance(winner, Session) and isinstance(fork, Session)
+        assert winner.id == v1.id and winner.title == "laptop"
+        assert winner.state.message_ids == ["m1", "l2"]
+        assert winner.conflict_id == receipt.conflict_id
+        assert vv_compare(winner.vv, on_laptop.vv) is Order.DOMINATES
+        assert vv_compare(winner.vv, on_phone.vv) is Order.DOMINATES
+        assert server_clock.client_id in winner.vv
+
+        assert fork.id == receipt.fork_session_id
+        assert fork.title == "phone" and fork.state.message_ids == ["m1", "p2"]
+        assert fork.forked_from == v1.id and fork.conflict_id == receipt.conflict_id
+        assert fork.conflict_loser_side == "remote"
+        assert fork.vv == {server_clock.client_id: 1}
+        assert (fork.org_id, fork.user_id) == (tenant.org_id, tenant.user_id)
+        assert fork.updated_at == fork.hlc > on_laptop.updated_at
+
+        # Both devices now converge: the winner dominates what either of them holds.
+        stale = await server_store.push(
+            tenant, phone.client_id, phone.changes(on_phone), server_clock
+        )
+        assert statuses(stale) == ["superseded"]
+
+    async def test_concurrent_push_that_loses_becomes_the_fork(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        tenant = new_tenant()
+        laptop, phone = Device(tenant), Device(tenant)
+        v1 = laptop.session(title="v1")
+        await server_store.push(tenant, laptop.client_id, laptop.changes(v1), server_clock)
+        on_laptop = laptop.edit(v1, title="laptop", message_ids=["l1"])
+        phone.clock.observe(on_laptop.updated_at)  # the phone writes later: it wins LWW
+        on_phone = phone.edit(v1, title="phone")
+        await server_store.push(tenant, phone.client_id, phone.changes(on_phone), server_clock)
+
+        result = await server_store.push(
+            tenant, laptop.client_id, laptop.changes(on_laptop), server_clock
+        )
+        receipt = result.results[0].conflict
+        assert result.results[0].status == "resolved" and receipt is not None
+        assert receipt.winner == "remote"
+        assert {p.chosen_side for p in receipt.conflicted_paths} == {"remote"}
+        winner, fork = [c.record for c in await pull_all(server_store, tenant)][-2:]
+        assert isinstance(winner, Session) and isinstance(fork, Session)
+        assert winner.id == v1.id and winner.title == "phone"
+        assert vv_compare(winner.vv, on_laptop.vv) is Order.DOMINATES
+        assert vv_compare(winner.vv, on_phone.vv) is Order.DOMINATES
+        assert fork.id == receipt.fork_session_id and fork.title == "laptop"
+        assert fork.state.message_ids == ["l1"]
+        assert fork.conflict_loser_side == "local" and fork.forked_from == v1.id
+
+    # -- events ----------------------------------------------------------------------------------
+
+    async def test_events_get_canonical_contiguous_places(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        tenant = new_tenant()
+        laptop, phone = Device(tenant), Device(tenant)
+        session = laptop.session()
+        other = laptop.session()
+        e = [laptop.event(session.id, n=1), laptop.event(session.id, n=2)]
+        await server_store.push(
+            tenant,
+            laptop.client_id,
+            laptop.changes(session, other, *e, laptop.event(other.id)),
+            server_clock,
+        )
+        e.append(phone.event(session.id, n=3))
+        await server_store.push(tenant, phone.client_id, phone.changes(e[-1]), server_clock)
+        e.append(laptop.event(session.id, n=4))
+        await server_store.push(tenant, laptop.client_id, laptop.changes(e[-1]), server_clock)
+        dup = await server_store.push(tenant, laptop.client_id, laptop.changes(e[0]), server_clock)
+        assert statuses(dup) == ["duplicate"]
+
+        events = [
+            c.record
+            for c in await pull_all(server_store, tenant)
+            if isinstance(c.record, Event) and c.record.session_id == session.id
+        ]
+        assert [ev.id for ev in events] == [x.id for x in e]
+        assert [ev.sequence_number for ev in events] == [1, 2, 3, 4]
+        assert all(ev.canonical for ev in events)
+        assert [ev.payload for ev in events] == [x.payload for x in e]
+        check = verify_chain(events)
+        assert check.ok, check
+        assert events[0].prev_hash == ""
+
+    async def test_concurrent_pushes_keep_chains_contiguous(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        tenant = new_tenant()
+        devices = [Device(tenant) for _ in range(3)]
+        session = devices[0].session()
+        await server_store.push(
+            tenant, devices[0].client_id, devices[0].changes(session), server_clock
+        )
+        pushes = [
+            server_store.push(
+                tenant,
+                d.client_id,
+                d.changes(*(d.event(session.id, i=i) for i in range(3))),
+                server_clock,
+            )
+            for d in devices
+        ]
+        results = await asyncio.gather(*pushes)
+        assert all(statuses(r) == ["applied"] * 3 for r in results)
+        events = [
+            c.record for c in await pull_all(server_store, tenant) if isinstance(c.record, Event)
+        ]
+        assert sorted(ev.sequence_number for ev in events) == list(range(1, 10))
+        assert [ev.sequence_number for ev in events] == list(range(1, 10))  # feed order
+        assert verify_chain(events).ok
+
+    # -- pull ------------------------------------------------------------------------------------
+
+    async def test_pull_pages(self, server_store: ServerStore, server_clock: HybridClock) -> None:
+        dev = Device(new_tenant())
+        session = dev.session()
+        messages = [dev.message(session.id, f"m{i}") for i in range(5)]
+        pushed = await server_store.push(
+            dev.tenant, dev.client_id, dev.changes(session, *messages), server_clock
+        )
+        cursors = pushed.cursors
+
+        page = await server_store.pull(dev.tenant, 0, 2)
+        assert [c.cursor for c in page.changes] == cursors[:2]
+        assert page.more and page.to_cursor == cursors[1]
+        page = await server_store.pull(dev.tenant, page.to_cursor, 2)
+        assert [c.cursor for c in page.changes] == cursors[2:4]
+        assert page.more and page.to_cursor == cursors[3]
+        page = await server_store.pull(dev.tenant, page.to_cursor, 2)
+        assert [c.cursor for c in page.changes] == cursors[4:]
+        assert not page.more and page.to_cursor == cursors[5] == pushed.head_cursor
+        exact = await server_store.pull(dev.tenant, cursors[3], 2)
+        assert len(exact.changes) == 2 and not exact.more
+        empty = await server_store.pull(dev.tenant, page.to_cursor, 2)
+        assert empty == PullResult(changes=[], to_cursor=page.to_cursor, more=False)
+        assert [c.record for c in (await server_store.pull(dev.tenant, 0, 100)).changes] == [
+            session,
+            *messages,
+        ]
+
+    async def test_pulls_are_tenant_isolated(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        a, b = Device(new_tenant()), Device(new_tenant(), client_id="shared-device-id")
+        b_twin = Device(new_tenant(), client_id="shared-device-id")
+        sa, sb, sc = a.session(), b.session(), b_twin.session()
+        ra = await server_store.push(a.tenant, a.client_id, a.changes(sa), server_clock)
+        rb = await server_store.push(
+            b.tenant, b.client_id, b.changes(sb, b.message(sb.id)), server_clock
+        )
+        await server_store.push(b_twin.tenant, b_twin.client_id, b_twin.changes(sc), server_clock)
+
+        assert [c.record.id for c in await pull_all(server_store, a.tenant)] == [sa.id]
+        assert [c.cursor for c in await pull_all(server_store, b.tenant)] == rb.cursors
+        assert await server_store.head_cursor(a.tenant) == ra.head_cursor
+        assert await server_store.head_cursor(b.tenant) == rb.head_cursor
+        # The same client_id in two tenants is two devices with their own last_seq.
+        assert (await server_store.client_state(b.tenant, "shared-device-id"))[0] == 2
+        assert (await server_store.client_state(b_twin.tenant, "shared-device-id"))[0] == 1
+        assert (await server_store.client_state(a.tenant, "shared-device-id"))[0] == 0
+
+    async def test_cursor_too_old_after_compaction(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        dev, bystander = Device(new_tenant()), Device(new_tenant())
+        session = dev.session()
+        pushed = await server_store.push(
+            dev.tenant,
+            dev.client_id,
+            dev.changes(session, *(dev.message(session.id) for _ in range(4))),
+            server_clock,
+        )
+        other = await server_store.push(
+            bystander.tenant,
+            bystander.client_id,
+            bystander.changes(bystander.session()),
+            server_clock,
+        )
+        c = pushed.cursors
+        assert await server_store.compact_feed(dev.tenant, c[2]) == 3
+        assert await server_store.compact_feed(dev.tenant, c[1]) == 0  # the floor never drops
+
+        for stale in (0, c[0], c[1]):
+            with pytest.raises(CursorTooOld) as info:
+                await server_store.pull(dev.tenant, stale, 10)
+            assert info.value.code == ErrorCode.CURSOR_TOO_OLD
+        page = await server_store.pull(dev.tenant, c[2], 10)
+        assert [x.cursor for x in page.changes] == c[3:]
+        assert await server_store.head_cursor(dev.tenant) == c[-1]
+        # Other tenants keep their whole feed.
+        assert [x.cursor for x in await pull_all(server_store, bystander.tenant)] == other.cursors
+
+        # Compacting past the head stops at the head: a device there is still current.
+        assert await server_store.compact_feed(dev.tenant, c[-1] + 1000) == 2
+        head = await server_store.head_cursor(dev.tenant)
+        assert head == c[-1]
+        assert await server_store.pull(dev.tenant, head, 10) == PullResult(
+            changes=[], to_cursor=head, more=False
+        )
+        assert await server_store.client_state(dev.tenant, dev.client_id) == (5, head)
+        later = await server_store.push(
+            dev.tenant, dev.client_id, dev.changes(dev.message(session.id)), server_clock
+        )
+        page = await server_store.pull(dev.tenant, head, 10)
+        assert [x.cursor for x in page.changes] == later.cursors
+
+    # -- atomicity and durability -----------------------------------------------------------------
+
+    async def test_failed_batch_leaves_nothing(
+        self, make_store: MakeStore, server_clock: HybridClock
+    ) -> None:
+        dev = Device(new_tenant())
+        session = dev.session()
+        batch = dev.changes(
+            session, dev.message(session.id), dev.event(session.id), dev.message(session.id)
+        )
+        faulty: list[FaultyTx] = []
+
+        def wrap(tx: StoreTx) -> StoreTx:
+            faulty.append(FaultyTx(tx, fail_at=4))
+            return faulty[-1]
+
+        store = make_store(tx_wrapper=wrap)
+        await store.open()
+        try:
+            with pytest.raises(InjectedFault):
+                await store.push(dev.tenant, dev.client_id, batch, server_clock)
+            assert faulty[0].writes == 4  # three records were written before the fault
+            assert await store.client_state(dev.tenant, dev.client_id) == (0, 0)
+            assert await store.pull(dev.tenant, 0, 10) == PullResult(
+                changes=[], to_cursor=0, more=False
+            )
+        finally:
+            await store.close()
+
+        store = make_store()
+        await store.open()
+        try:
+            result = await store.push(dev.tenant, dev.client_id, batch, server_clock)
+            assert statuses(result) == ["applied"] * 4
+            records = [c.record for c in await pull_all(store, dev.tenant)]
+            assert [r.id for r in records] == [c.record.id for c in batch]
+        finally:
+            await store.close()
+
+    async def test_cancelled_push_rolls_back(
+        self, make_store: MakeStore, server_clock: HybridClock
+    ) -> None:
+        dev = Device(new_tenant())
+        session = dev.session()
+        batch = dev.changes(session, dev.message(session.id), dev.message(session.id))
+        reached = asyncio.Event()
+        wrapped: list[FaultyTx] = []
+
+        def wrap(tx: StoreTx) -> StoreTx:
+            if wrapped:  # only the first push blocks
+                return tx
+            wrapped.append(FaultyTx(tx, fail_at=2, block=True, reached=reached))
+            return wrapped[-1]
+
+        store = make_store(tx_wrapper=wrap)
+        await store.open()
+        try:
+            task = asyncio.create_task(store.push(dev.tenant, dev.client_id, batch, server_clock))
+            await reached.wait()  # the push is mid-transaction, one record written
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await store.client_state(dev.tenant, dev.client_id) == (0, 0)
+            result = await store.push(dev.tenant, dev.client_id, batch, server_clock)
+            assert statuses(result) == ["applied"] * 3
+            assert len(await pull_all(store, dev.tenant)) == 3
+        finally:
+            await store.close()
+
+    async def test_state_survives_close_and_reopen(
+        self, make_store: MakeStore, server_clock: HybridClock
+    ) -> None:
+        dev = Device(new_tenant())
+        session = dev.session()
+        store = make_store()
+        await store.open()
+        try:
+            first = await store.push(
+                dev.tenant,
+                dev.client_id,
+                dev.changes(session, dev.message(session.id), dev.event(session.id)),
+                server_clock,
+            )
+            before = await pull_all(store, dev.tenant)
+        finally:
+            await store.close()
+
+        store = make_store()
+        await store.open()
+        try:
+            assert await store.client_state(dev.tenant, dev.client_id) == (3, first.head_cursor)
+            assert await pull_all(store, dev.tenant) == before
+            resend = await store.push(
+                dev.tenant,
+                dev.client_id,
+                [Change(client_seq=3, record=before[2].record)],
+                server_clock,
+            )
+            assert statuses(resend) == ["duplicate"]
+            more = await store.push(
+                dev.tenant, dev.client_id, dev.changes(dev.event(session.id)), server_clock
+            )
+            assert statuses(more) == ["applied"] and more.cursors[0] > first.head_cursor
+            events = [c.record for c in await pull_all(store, dev.tenant)]
+            chain = [r for r in events if isinstance(r, Event)]
+            assert [e.sequence_number for e in chain] == [1, 2]
+            assert verify_chain(chain).ok
+        finally:
+            await store.close()
+
+    async def test_client_state_tracks_each_device(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        tenant = new_tenant()
+        laptop, phone = Device(tenant), Device(tenant)
+        session = laptop.session()
+        await server_store.push(
+            tenant,
+            laptop.client_id,
+            laptop.changes(session, laptop.message(session.id)),
+            server_clock,
+        )
+        result = await server_store.push(
+            tenant, phone.client_id, phone.changes(phone.message(session.id)), server_clock
+        )
+        assert await server_store.client_state(tenant, laptop.client_id) == (2, result.head_cursor)
+        assert await server_store.client_state(tenant, phone.client_id) == (1, result.head_cursor)
+        assert await server_store.client_state(tenant, "never-seen") == (0, result.head_cursor)
+
+
+__all__ = [
+    "FaultyTx",
+    "InjectedFault",
+    "MakeStore",
+    "ServerStoreConformance",
+    "TxWrapper",
+    "pull_all",
+]

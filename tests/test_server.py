@@ -1,0 +1,696 @@
+"""End-to-end: a real SyncServer on a free loopback port, a real SQLiteServerStore on a tmp
+file, real ``websockets`` clients speaking msgpack frames.
+
+Nothing here sleeps to wait: every wait is on a frame, a close, or a condition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from pleach_server.auth import issue_token
+from pleach_server.server import SyncServer
+from pleach_server.store.base import PullResult, PushResult, Tenant
+from pleach_server.store.sqlite import SQLiteServerStore
+from shared.clock import HybridClock
+from shared.errors import ErrorCode
+from shared.messages import (
+    PROTOCOL_VERSION,
+    Changes,
+    Error,
+    Frame,
+    FrameCodec,
+    Hello,
+    Pull,
+    Push,
+    PushAck,
+    Welcome,
+)
+from shared.records import Change
+from tests.server_factories import Device, new_tenant
+
+SECRET = b"test-secret"
+TIMEOUT = 10.0
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# -- a tiny device client --------------------------------------------------------------------
+
+
+class Client:
+    """One device connection: sends frames, and sorts what arrives into answers and live."""
+
+    def __init__(self, ws: ClientConnection) -> None:
+        self.ws = ws
+        self.codec = FrameCodec()
+        self.live: list[Changes] = []
+
+    async def send(self, frame: Frame) -> None:
+        await self.ws.send(self.codec.encode(frame))
+
+    async def send_raw(self, data: bytes | str) -> None:
+        await self.ws.send(data)
+
+    async def recv(self) -> Frame:
+        async with asyncio.timeout(TIMEOUT):
+            data = await self.ws.recv()
+        assert isinstance(data, bytes)
+        return self.codec.decode(data)
+
+    async def answer(self) -> Frame:
+        """The next frame that is not a live ``Changes`` (live ones are kept in ``live``)."""
+        while True:
+            frame = await self.recv()
+            if isinstance(frame, Changes) and frame.live:
+                self.live.append(frame)
+                continue
+            return frame
+
+    async def live_frame(self) -> Changes:
+        if self.live:
+            return self.live.pop(0)
+        frame = await self.recv()
+        assert isinstance(frame, Changes) and frame.live, frame
+        return frame
+
+    async def hello(self, client_id: str, cursor: int = 0) -> Welcome:
+        await self.send(Hello(protocol=PROTOCOL_VERSION, client_id=client_id, cursor=cursor))
+        welcome = await self.answer()
+        assert isinstance(welcome, Welcome), welcome
+        return welcome
+
+    async def push(self, changes: list[Change]) -> PushAck:
+        await self.send(Push(changes=changes))
+        ack = await self.answer()
+        assert isinstance(ack, PushAck), ack
+        return ack
+
+    async def pull(self, cursor: int, limit: int = 500) -> Changes:
+        await self.send(Pull(cursor=cursor, limit=limit))
+        page = await self.answer()
+        assert isinstance(page, Changes), page
+        return page
+
+    async def error(self) -> Error:
+        frame = await self.answer()
+        assert isinstance(frame, Error), frame
+        return frame
+
+    async def closed(self) -> ConnectionClosed:
+        """Wait for the server to close; returns the close exception (code in ``.rcvd``)."""
+        with pytest.raises(ConnectionClosed) as info:
+            while True:
+                await self.answer()
+        return info.value
+
+
+def token_for(tenant: Tenant, ttl_s: int | None = 3600, secret: bytes = SECRET) -> str:
+    return issue_token(secret, tenant, ttl_s)
+
+
+@contextlib.asynccontextmanager
+async def open_client(
+    srv: SyncServer, tenant: Tenant | None = None, token: str | None = None, **kwargs: Any
+) -> AsyncIterator[Client]:
+    if token is None:
+        assert tenant is not None
+        token = token_for(tenant)
+    async with connect(
+        srv.url,
+        additional_headers={"Authorization": f"Bearer {token}"},
+        compression=None,
+        proxy=None,
+        open_timeout=TIMEOUT,
+        close_timeout=2,
+        **kwargs,
+    ) as ws:
+        yield Client(ws)
+
+
+@contextlib.asynccontextmanager
+async def device(srv: SyncServer, dev: Device, cursor: int = 0) -> AsyncIterator[Client]:
+    """A connected device that has said Hello."""
+    async with open_client(srv, dev.tenant) as client:
+        await client.hello(dev.client_id, cursor)
+        yield client
+
+
+async def http_get(port: int, path: str, headers: str = "") -> tuple[int, dict[str, str], bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(
+            f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{headers}\r\n".encode("ascii")
+        )
+        await writer.drain()
+        async with asyncio.timeout(TIMEOUT):
+            raw = await reader.read()  # the server closes after an HTTP response
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    hdrs = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:])}
+    return status, hdrs, body
+
+
+# -- fixtures --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[SQLiteServerStore]:
+    async with SQLiteServerStore(tmp_path / "server.db", synchronous="NORMAL") as s:
+        yield s
+
+
+ServerFactory = Callable[..., Awaitable[SyncServer]]
+
+
+@pytest.fixture
+async def make_server(store: SQLiteServerStore) -> AsyncIterator[ServerFactory]:
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def make(**kwargs: Any) -> SyncServer:
+            kwargs.setdefault("rate_limit_per_s", None)
+            return await stack.enter_async_context(
+                SyncServer(store, port=0, secret=SECRET, **kwargs)
+            )
+
+        yield make
+
+
+@pytest.fixture
+async def srv(make_server: ServerFactory) -> SyncServer:
+    return await make_server()
+
+
+# -- auth ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["missing", "forged", "expired", "malformed", "basic"])
+async def test_upgrade_without_a_valid_token_is_401(srv: SyncServer, case: str) -> None:
+    tenant = new_tenant()
+    headers = {
+        "missing": {},
+        "forged": {"Authorization": f"Bearer {token_for(tenant, secret=b'wrong')}"},
+        "expired": {
+            "Authorization": "Bearer "
+            + issue_token(SECRET, tenant, ttl_s=1, now=1_000_000_000)
+        },
+        "malformed": {"Authorization": "Bearer not-a-token"},
+        "basic": {"Authorization": "Basic dXNlcjpwYXNz"},
+    }[case]
+    with pytest.raises(InvalidStatus) as info:
+        async with connect(srv.url, additional_headers=headers, proxy=None):
+            pytest.fail("a WebSocket was opened without a valid token")
+    assert info.value.response.status_code == 401
+    assert info.value.response.headers["WWW-Authenticate"].startswith("Bearer")
+    body = msgspec.json.decode(info.value.response.body)
+    assert body["code"] == ErrorCode.UNAUTHORIZED
+    assert len(srv.connections) == 0
+
+
+async def test_unknown_path_is_404(srv: SyncServer) -> None:
+    status, _, _ = await http_get(srv.port, "/nope")
+    assert status == 404
+
+
+# -- hello, push, pull -----------------------------------------------------------------------
+
+
+async def test_hello_welcome_push_ack_and_last_seq(srv: SyncServer) -> None:
+    dev = Device(new_tenant())
+    async with open_client(srv, dev.tenant) as client:
+        welcome = await client.hello(dev.client_id)
+        assert (welcome.server_id, welcome.last_seq, welcome.head_cursor) == (
+            srv.server_id,
+            0,
+            0,
+        )
+        assert welcome.server_hlc
+        session = dev.session(title="plane")
+        changes = dev.changes(session, dev.message(session.id))
+        ack = await client.push(changes)
+        assert [r.status for r in ack.results] == ["applied", "applied"]
+        assert ack.last_seq == 2 and ack.head_cursor == 2
+        # A resend of the same changes (lost ack) is idempotent.
+        again = await client.push(changes)
+        assert [r.status for r in again.results] == ["duplicate", "duplicate"]
+        assert again.last_seq == 2
+    # A reconnecting device learns what the server already has.
+    async with open_client(srv, dev.tenant) as client:
+        welcome = await client.hello(dev.client_id, cursor=2)
+        assert (welcome.last_seq, welcome.head_cursor) == (2, 2)
+
+
+async def test_pull_pages(srv: SyncServer) -> None:
+    dev = Device(new_tenant())
+    async with device(srv, dev) as client:
+        session = dev.session()
+        records = [session] + [dev.message(session.id, f"m{i}") for i in range(6)]
+        ack = await client.push(dev.changes(*records))
+        assert ack.head_cursor == 7
+        cursor, pages = 0, []
+        while True:
+            page = await client.pull(cursor, limit=3)
+            assert page.from_cursor == cursor and not page.live
+            pages.append([c.cursor for c in page.changes])
+            cursor = page.to_cursor
+            if not page.more:
+                break
+        assert pages == [[1, 2, 3], [4, 5, 6], [7]]
+        empty = await client.pull(7)
+        assert (empty.changes, empty.to_cursor, empty.more) == ([], 7, False)
+
+
+async def test_pull_limit_is_clamped(make_server: ServerFactory) -> None:
+    srv = await make_server(max_pull_limit=2)
+    dev = Device(new_tenant())
+    async with device(srv, dev) as client:
+        s = dev.session()
+        await client.push(dev.changes(s, dev.message(s.id), dev.message(s.id)))
+        page = await client.pull(0, limit=1000)
+        assert len(page.changes) == 2 and page.more
+
+
+async def test_record_of_another_tenant_is_rejected_3002(srv: SyncServer) -> None:
+    alice, bob = Device(new_tenant()), Device(new_tenant())
+    async with device(srv, alice) as client:
+        foreign = bob.session()  # bob's tenant on the record, pushed with alice's token
+        ack = await client.push(
+            [Change(client_seq=1, record=msgspec.structs.replace(foreign, client_id=alice.client_id))]
+        )
+        (result,) = ack.results
+        assert result.status == "rejected" and result.code == ErrorCode.FORBIDDEN
+        assert ack.last_seq == 1  # a rejected change still advances last_seq
+        assert (await client.pull(0)).changes == []
+
+
+# -- live fan-out ----------------------------------------------------------------------------
+
+
+async def test_push_reaches_other_devices_of_the_tenant_live(srv: SyncServer) -> None:
+    tenant = new_tenant()
+    a, b, c = Device(tenant), Device(tenant), Device(new_tenant())
+    async with device(srv, a) as ca, device(srv, b) as cb, device(srv, c) as cc:
+        session = a.session(title="from A")
+        ack = await ca.push(a.changes(session))
+        live = await cb.live_frame()
+        assert live.live and (live.from_cursor, live.to_cursor) == (0, ack.head_cursor)
+        assert [ch.record.id for ch in live.changes] == [session.id]
+        # A sees its own commit too (it advances A's cursor).
+        assert (await ca.live_frame()).to_cursor == ack.head_cursor
+        # Tenant C's device hears nothing: its next frame is the answer to its own pull.
+        page = await cc.pull(0)
+        assert page.changes == [] and cc.live == []
+        # B keeps working normally after the live frame.
+        assert [ch.record.id for ch in (await cb.pull(0)).changes] == [session.id]
+
+
+# -- protocol errors -------------------------------------------------------------------------
+
+
+async def test_malformed_and_mistyped_frames_get_3004_and_the_connection_lives(
+    srv: SyncServer,
+) -> None:
+    dev = Device(new_tenant())
+    async with device(srv, dev) as client:
+        await client.send_raw(b"\xc1 not msgpack")
+        err = await client.error()
+        assert err.code == ErrorCode.MALFORMED_FRAME and not err.retryable
+        await client.send_raw(msgspec.msgpack.encode({"type": "pull", "cursor": "zero"}))
+        assert (await client.error()).code == ErrorCode.MALFORMED_FRAME
+        await client.send_raw(msgspec.msgpack.encode({"type": "nope"}))
+        assert (await client.error()).code == ErrorCode.MALFORMED_FRAME
+        await client.send_raw("text is not allowed")
+        assert (await client.error()).code == ErrorCode.MALFORMED_FRAME
+        # Still usable.
+        ack = await client.push(dev.changes(dev.session()))
+        assert ack.results[0].status == "applied"
+
+
+async def test_frame_over_max_frame_bytes_gets_3005_then_1009(
+    make_server: ServerFactory,
+) -> None:
+    srv = await make_server(max_frame_bytes=64 * 1024)
+    dev, other = Device(new_tenant()), Device(new_tenant())
+    async with device(srv, other) as bystander:
+        async with device(srv, dev) as client:
+            await client.send_raw(os.urandom(100 * 1024))  # between the limit and twice it
+            err = await client.error()
+            assert err.code == ErrorCode.FRAME_TOO_LARGE
+            closed = await client.closed()
+            assert closed.rcvd is not None and closed.rcvd.code == 1009
+        async with device(srv, dev) as client:
+            await client.send_raw(os.urandom(200 * 1024))  # over twice: websockets refuses
+            closed = await client.closed()
+            assert closed.rcvd is not None and closed.rcvd.code == 1009
+        await assert_still_served(bystander, other)
+
+
+async def test_push_before_hello_is_an_error_and_closes_1008(srv: SyncServer) -> None:
+    dev, other = Device(new_tenant()), Device(new_tenant())
+    async with device(srv, other) as bystander:
+        async with open_client(srv, dev.tenant) as client:
+            await client.send(Push(changes=dev.changes(dev.session())))
+            err = await client.error()
+            assert err.code == ErrorCode.MALFORMED_FRAME
+            closed = await client.closed()
+            assert closed.rcvd is not None and closed.rcvd.code == 1008
+        async with open_client(srv, dev.tenant) as client:
+            await client.send(Hello(protocol=PROTOCOL_VERSION + 99, client_id=dev.client_id))
+            assert (await client.error()).code == ErrorCode.PROTOCOL_VERSION
+            closed = await client.closed()
+            assert closed.rcvd is not None and closed.rcvd.code == 1008
+        await assert_still_served(bystander, other)
+
+
+async def assert_still_served(client: Client, dev: Device) -> None:
+    session = dev.session()
+    ack = await client.push(dev.changes(session))
+    assert ack.results[0].status == "applied"
+    page = await client.pull(ack.head_cursor - 1)
+    assert [c.record.id for c in page.changes] == [session.id]
+
+
+async def test_rate_limit_gets_3008_and_the_connection_lives(
+    make_server: ServerFactory,
+) -> None:
+    # Burst of 2 and (practically) no refill: the third frame is over the limit.
+    srv = await make_server(rate_limit_per_s=1e-6, rate_limit_burst=2)
+    dev = Device(new_tenant())
+    async with open_client(srv, dev.tenant) as client:
+        await client.hello(dev.client_id)
+        await client.pull(0)
+        await client.send(Pull(cursor=0))
+        err = await client.error()
+        assert err.code == ErrorCode.RATE_LIMITED and err.retryable
+        assert srv.connections  # still connected
+
+
+class FlakyStore:
+    """The real SQLite store, with ``pull`` failing on demand (a database outage)."""
+
+    def __init__(self, inner: SQLiteServerStore) -> None:
+        self.inner = inner
+        self.fail_pull: Exception | None = None
+        self.push_entered = asyncio.Event()
+        self.push_gate: asyncio.Event | None = None
+
+    async def open(self) -> None: ...
+    async def close(self) -> None: ...
+
+    async def healthy(self) -> bool:
+        return self.fail_pull is None and await self.inner.healthy()
+
+    async def client_state(self, tenant: Tenant, client_id: str) -> tuple[int, int]:
+        return await self.inner.client_state(tenant, client_id)
+
+    async def push(
+        self, tenant: Tenant, client_id: str, changes: list[Change], clock: HybridClock
+    ) -> PushResult:
+        self.push_entered.set()
+        if self.push_gate is not None:
+            await self.push_gate.wait()
+        return await self.inner.push(tenant, client_id, changes, clock)
+
+    async def pull(self, tenant: Tenant, cursor: int, limit: int) -> PullResult:
+        if self.fail_pull is not None:
+            raise self.fail_pull
+        return await self.inner.pull(tenant, cursor, limit)
+
+    async def head_cursor(self, tenant: Tenant) -> int:
+        return await self.inner.head_cursor(tenant)
+
+    async def compact_feed(self, tenant: Tenant, keep_after_cursor: int) -> int:
+        return await self.inner.compact_feed(tenant, keep_after_cursor)
+
+
+async def test_store_errors_become_error_frames_and_the_connection_lives(
+    store: SQLiteServerStore,
+) -> None:
+    from shared.errors import StorageUnavailable
+
+    flaky = FlakyStore(store)
+    async with SyncServer(flaky, port=0, secret=SECRET) as srv:
+        dev = Device(new_tenant())
+        async with device(srv, dev) as client:
+            s = dev.session()
+            ack = await client.push(dev.changes(s, dev.message(s.id), dev.message(s.id)))
+            assert ack.head_cursor == 3
+            await store.compact_feed(dev.tenant, 2)
+            await client.send(Pull(cursor=0))
+            assert (await client.error()).code == ErrorCode.CURSOR_TOO_OLD
+            flaky.fail_pull = StorageUnavailable("database is down")
+            await client.send(Pull(cursor=2))
+            err = await client.error()
+            assert err.code == ErrorCode.STORAGE_UNAVAILABLE and err.retryable
+            status, _, body = await http_get(srv.port, "/healthz")
+            assert status == 503
+            assert msgspec.json.decode(body) == {
+                "status": "unavailable",
+                "store": False,
+                "connections": 1,
+            }
+            flaky.fail_pull = None
+            page = await client.pull(2)
+            assert [c.cursor for c in page.changes] == [3]
+
+
+# -- slow consumers --------------------------------------------------------------------------
+
+
+async def test_slow_device_is_cut_and_others_keep_their_live_frames(
+    make_server: ServerFactory,
+) -> None:
+    srv = await make_server(fanout_queue=8)
+    tenant = new_tenant()
+    pusher, reader_dev, slow_dev = Device(tenant), Device(tenant), Device(tenant)
+
+    # The slow device never reads: a tiny receive buffer and a 1-frame client queue make its
+    # socket back up after a few frames, so the server's writer for it blocks.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", srv.port))
+    payload = os.urandom(16 * 1024).hex()  # incompressible, 32 KiB per event
+
+    async with (
+        open_client(srv, tenant, sock=sock, max_queue=1) as slow,
+        device(srv, pusher) as cp,
+        device(srv, reader_dev) as cr,
+    ):
+        await slow.hello(slow_dev.client_id)
+        received: list[Changes] = []
+        enough = asyncio.Event()
+        expected: list[int] = []
+
+        async def read_live() -> None:
+            while True:
+                frame = await cr.live_frame()
+                received.append(frame)
+                if expected and frame.to_cursor >= expected[-1] and enough.is_set():
+                    return
+
+        reader = asyncio.create_task(read_live())
+        session = pusher.session()
+        await cp.push(pusher.changes(session))
+        heads = []
+        for _ in range(400):  # bounded: the cut comes long before this
+            ack = await cp.push(pusher.changes(pusher.event(session.id, blob=payload)))
+            heads.append(ack.head_cursor)
+            if srv.hub.drops > 0:
+                break
+        assert srv.hub.drops > 0, "the slow device was never cut"
+        # A few more after the cut: the fast path is unaffected.
+        for _ in range(5):
+            ack = await cp.push(pusher.changes(pusher.event(session.id, blob="x")))
+            heads.append(ack.head_cursor)
+        expected.extend([1, *heads])
+        enough.set()
+        async with asyncio.timeout(TIMEOUT):
+            await reader
+        # The reading device got every commit, in order, with no gap and no marker.
+        assert [f.to_cursor for f in received] == expected
+        assert all(f.changes for f in received)
+        # The slow device, once it reads, finds a cut marker telling it to pull.
+        frames: list[Changes] = []
+        while not frames or frames[-1].to_cursor < expected[-1]:
+            frames.append(await slow.live_frame())
+        markers = [f for f in frames if not f.changes]
+        assert markers and all(m.from_cursor == m.to_cursor for m in markers)
+        assert len(frames) < len(expected)  # it did not get every frame
+        page = await slow.pull(markers[0].to_cursor)
+        assert page.from_cursor == markers[0].to_cursor
+
+    status, _, body = await http_get(srv.port, "/metrics")
+    assert status == 200
+    drops = [
+        ln for ln in body.decode().splitlines() if ln.startswith("pleach_fanout_drops_total ")
+    ]
+    assert drops and float(drops[0].split()[1]) > 0
+
+
+# -- HTTP: health and metrics ----------------------------------------------------------------
+
+
+async def test_healthz(srv: SyncServer) -> None:
+    status, headers, body = await http_get(srv.port, "/healthz")
+    assert status == 200 and headers["content-type"] == "application/json"
+    assert msgspec.json.decode(body) == {"status": "ok", "store": True, "connections": 0}
+    dev = Device(new_tenant())
+    async with device(srv, dev):
+        _, _, body = await http_get(srv.port, "/healthz")
+        assert msgspec.json.decode(body)["connections"] == 1
+
+
+async def test_metrics_exposition(srv: SyncServer) -> None:
+    dev = Device(new_tenant())
+    async with device(srv, dev) as client:
+        s = dev.session()
+        await client.push(dev.changes(s, dev.message(s.id), dev.message(s.id)))
+        await client.push([Change(client_seq=1, record=s)])  # a duplicate
+        await client.pull(0)
+        status, headers, body = await http_get(srv.port, "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    text = body.decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    assert samples['pleach_changes_total{status="applied"}'] == 3
+    assert samples['pleach_changes_total{status="duplicate"}'] == 1
+    assert samples["pleach_connections"] == 1
+    assert samples['pleach_frames_received_total{type="push"}'] == 2
+    assert samples['pleach_frames_received_total{type="hello"}'] == 1
+    assert samples['pleach_frames_sent_total{type="push_ack"}'] == 2
+    assert samples['pleach_frames_sent_total{type="welcome"}'] == 1
+    assert samples["pleach_push_seconds_count"] == 2
+    for name in ("pleach_conflicts_total", "pleach_fanout_drops_total", "pleach_errors"):
+        assert name in text
+
+
+async def test_servers_have_private_metrics(make_server: ServerFactory) -> None:
+    one, two = await make_server(), await make_server()
+    one.metrics.changes.labels("applied").inc(5)
+    assert b'pleach_changes_total{status="applied"} 5.0' in one.metrics.render()
+    assert b'status="applied"' not in two.metrics.render()
+
+
+# -- graceful shutdown -----------------------------------------------------------------------
+
+
+async def test_shutdown_closes_clients_with_1001(store: SQLiteServerStore) -> None:
+    srv = SyncServer(store, port=0, secret=SECRET)
+    async with srv:
+        dev = Device(new_tenant())
+        async with device(srv, dev) as client:
+            await srv.shutdown()
+            closed = await client.closed()
+            assert closed.rcvd is not None and closed.rcvd.code == 1001
+    await srv.shutdown()  # idempotent
+    with pytest.raises(OSError):
+        await http_get(srv.port, "/healthz")
+
+
+async def test_shutdown_lets_an_in_flight_push_finish(store: SQLiteServerStore) -> None:
+    flaky = FlakyStore(store)
+    flaky.push_gate = asyncio.Event()
+    async with SyncServer(flaky, port=0, secret=SECRET) as srv:
+        dev = Device(new_tenant())
+        async with device(srv, dev) as client:
+            await client.send(Push(changes=dev.changes(dev.session())))
+            async with asyncio.timeout(TIMEOUT):
+                await flaky.push_entered.wait()
+            stopping = asyncio.create_task(srv.shutdown())
+            while not srv.draining:  # shutdown has begun: it waits for the push
+                await asyncio.sleep(0)
+            flaky.push_gate.set()
+            ack = await client.answer()
+            assert isinstance(ack, PushAck) and ack.results[0].status == "applied"
+            closed = await client.closed()
+            assert closed.rcvd is not None and closed.rcvd.code == 1001
+            await stopping
+    assert (await store.client_state(dev.tenant, dev.client_id))[0] == 1
+
+
+# -- the real command ------------------------------------------------------------------------
+
+
+async def test_pleach_server_subprocess(tmp_path: Path) -> None:
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("PLEACH_") and k != "PYTHONPATH"
+    }
+    env["PYTHONPATH"] = str(ROOT)
+    db = tmp_path / "cli.db"
+    base = [sys.executable, "-m", "pleach_server.cli"]
+
+    token_proc = await asyncio.create_subprocess_exec(
+        *base, "token", "create", "--user", "u1", "--org", "o1", "--db", str(db),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    out, err = await token_proc.communicate()
+    assert token_proc.returncode == 0, err
+    token = out.decode().strip()
+    assert token.count(".") == 1
+    assert (tmp_path / "cli.db.secret").exists()
+
+    proc = await asyncio.create_subprocess_exec(
+        *base, "--port", "0", "--db", str(db), "--log-level", "warning",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        async with asyncio.timeout(TIMEOUT * 3):
+            line = (await proc.stdout.readline()).decode()
+        assert line.startswith("pleach-server listening on ws://127.0.0.1:"), line
+        url = line.split()[-1]
+        assert url.endswith("/sync")
+        async with asyncio.timeout(TIMEOUT):
+            data_line = (await proc.stdout.readline()).decode()
+        assert str(db) in data_line
+
+        dev = Device(Tenant(org_id="o1", user_id="u1"))
+        async with connect(
+            url, additional_headers={"Authorization": f"Bearer {token}"}, proxy=None
+        ) as ws:
+            client = Client(ws)
+            await client.hello(dev.client_id)
+            ack = await client.push(dev.changes(dev.session()))
+            assert ack.results[0].status == "applied"
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(TIMEOUT * 3):
+            _, err = await proc.communicate()
+        assert proc.returncode == 0, err
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.communicate()
+
+
+async def test_cli_errors_are_one_line(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PLEACH_")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pleach_server.cli", "--db", "postgresql://db/pleach",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    async with asyncio.timeout(TIMEOUT * 3):
+        _, err = await proc.communicate()
+    assert proc.returncode != 0
+    lines = err.decode().strip().splitlines()
+    assert len(lines) == 1 and "PostgreSQL" in lines[0] and "Traceback" not in lines[0]

@@ -1,0 +1,154 @@
+"""``SQLiteServerStore``: the shared conformance suite, plus what only SQLite has."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiosqlite
+import pytest
+
+from pleach_server.store import ServerStore, SQLiteServerStore
+from pleach_server.store.apply import StoreTx
+from pleach_server.store.sqlite import SCHEMA_VERSION
+from shared.clock import HybridClock
+from shared.errors import CursorTooOld, ErrorCode, InvalidState, StorageError, StorageUnavailable
+from shared.records import Session
+from tests.server_factories import Device, new_tenant
+from tests.server_store_conformance import MakeStore, ServerStoreConformance, TxWrapper, pull_all
+
+
+class _WrappedStore(SQLiteServerStore):
+    def __init__(self, path: Path, tx_wrapper: TxWrapper) -> None:
+        super().__init__(path)
+        self._tx_wrapper = tx_wrapper
+
+    def _wrap_tx(self, tx: StoreTx) -> StoreTx:
+        return self._tx_wrapper(tx)
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "server.db"
+
+
+@pytest.fixture
+def make_store(db_path: Path) -> MakeStore:
+    def make(tx_wrapper: TxWrapper | None = None) -> ServerStore:
+        if tx_wrapper is None:
+            return SQLiteServerStore(db_path)
+        return _WrappedStore(db_path, tx_wrapper)
+
+    return make
+
+
+@pytest.fixture
+async def server_store(db_path: Path) -> AsyncIterator[ServerStore]:
+    async with SQLiteServerStore(db_path) as store:
+        yield store
+
+
+class TestSQLiteServerStore(ServerStoreConformance):
+    pass
+
+
+# -- SQLite only -------------------------------------------------------------------------------
+
+
+async def test_feed_retention_compacts_on_push(db_path: Path) -> None:
+    clock = HybridClock("server")
+    dev = Device(new_tenant())
+    session = dev.session()
+    async with SQLiteServerStore(db_path, feed_retention=3) as store:
+        pushed = await store.push(
+            dev.tenant,
+            dev.client_id,
+            dev.changes(session, *(dev.message(session.id) for _ in range(4))),
+            clock,
+        )
+        assert [c.cursor for c in await pull_all(store, dev.tenant, pushed.cursors[1])] == (
+            pushed.cursors[2:]
+        )
+        with pytest.raises(CursorTooOld):
+            await store.pull(dev.tenant, pushed.cursors[0], 10)
+
+
+async def test_pull_limit_is_capped(db_path: Path) -> None:
+    clock = HybridClock("server")
+    dev = Device(new_tenant())
+    session = dev.session()
+    async with SQLiteServerStore(db_path, max_pull_limit=2) as store:
+        await store.push(
+            dev.tenant, dev.client_id, dev.changes(session, dev.message(session.id)), clock
+        )
+        await store.push(dev.tenant, dev.client_id, dev.changes(dev.message(session.id)), clock)
+        page = await store.pull(dev.tenant, 0, 500)
+        assert len(page.changes) == 2 and page.more
+        with pytest.raises(ValueError):
+            await store.pull(dev.tenant, 0, 0)
+
+
+async def test_sqlite_errors_become_storage_unavailable(db_path: Path) -> None:
+    class Broken:
+        def __init__(self, inner: StoreTx) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.inner, name)
+
+        async def put_session(self, session: Session) -> None:
+            raise sqlite3.OperationalError("disk I/O error")
+
+    clock = HybridClock("server")
+    dev = Device(new_tenant())
+    async with _WrappedStore(db_path, lambda tx: Broken(tx)) as store:  # type: ignore[arg-type, return-value]
+        with pytest.raises(StorageUnavailable) as info:
+            await store.push(dev.tenant, dev.client_id, dev.changes(dev.session()), clock)
+        assert info.value.retryable and info.value.code == ErrorCode.STORAGE_UNAVAILABLE
+        assert await store.client_state(dev.tenant, dev.client_id) == (0, 0)
+        assert await store.healthy()
+
+
+async def test_lifecycle(db_path: Path) -> None:
+    store = SQLiteServerStore(db_path)
+    assert not await store.healthy()
+    with pytest.raises(InvalidState):
+        await store.head_cursor(new_tenant())
+    async with store:
+        assert await store.healthy()
+        with pytest.raises(InvalidState):
+            await store.open()
+    assert not await store.healthy()
+    await store.close()  # idempotent
+
+
+async def test_open_migrates_and_refuses_newer_schema(db_path: Path) -> None:
+    async with SQLiteServerStore(db_path):
+        pass
+    async with aiosqlite.connect(db_path) as conn:
+        async with conn.execute("PRAGMA user_version") as cur:
+            row = await cur.fetchone()
+        assert row is not None and row[0] == SCHEMA_VERSION
+        async with conn.execute("PRAGMA journal_mode") as cur:
+            row = await cur.fetchone()
+        assert row is not None and row[0] == "wal"
+        await conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+        await conn.commit()
+    store = SQLiteServerStore(db_path)
+    with pytest.raises(StorageError, match="schema version"):
+        await store.open()
+    assert not await store.healthy()
+
+
+async def test_unopenable_path_is_storage_unavailable(tmp_path: Path) -> None:
+    store = SQLiteServerStore(tmp_path / "missing-dir" / "server.db")
+    with pytest.raises(StorageUnavailable):
+        await store.open()
+
+
+def test_bad_parameters() -> None:
+    with pytest.raises(ValueError):
+        SQLiteServerStore("x.db", feed_retention=0)
+    with pytest.raises(ValueError):
+        SQLiteServerStore("x.db", max_pull_limit=0)
