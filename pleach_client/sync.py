@@ -132,6 +132,7 @@ class _Link:
             future = self.waiters.popleft()
             if not future.done():
                 future.set_exception(exc)
+                future.exception()  # mark retrieved: a waiter may already have gone
 
 
 class SyncFacet:
@@ -172,13 +173,19 @@ class SyncFacet:
         self._flush_lock = asyncio.Lock()
         self._apply_lock = asyncio.Lock()
         self._head_cursor = 0
+        self._auto = True
 
     # -- public API ---------------------------------------------------------------------------
-    async def connect(self, url: str, token: str) -> None:
-        """Start syncing with ``url`` (``ws://host:port/sync``) in the background."""
+    async def connect(self, url: str, token: str, *, auto: bool = True) -> None:
+        """Start syncing with ``url`` (``ws://host:port/sync``) in the background.
+
+        With ``auto`` false the connection is kept but nothing is flushed or pulled until
+        ``flush_outbox()`` / ``pull()`` are called.
+        """
         if self._task is not None and not self._task.done():
             await self.disconnect()
         self._url, self._token = url, token
+        self._auto = auto
         self._set_state("connecting")
         self._task = asyncio.create_task(self._run(), name="pleach-sync")
 
@@ -259,7 +266,7 @@ class SyncFacet:
 
     async def sync_once(self, url: str, token: str, timeout: float = 30.0) -> OutboxFlushReceipt:
         """Connect, flush, pull to the head, disconnect: one round for scripts and the CLI."""
-        await self.connect(url, token)
+        await self.connect(url, token, auto=False)
         try:
             async with asyncio.timeout(timeout):
                 async with self._changed:
@@ -270,6 +277,8 @@ class SyncFacet:
                 raise SyncError(self._last_error or "unauthorized")
             receipt = await self.flush_outbox()
             await self.pull()
+            self._last_synced_at = time.time()
+            await self._rt.store.set_meta("has_synced", "1")
             return receipt
         finally:
             await self.disconnect()
@@ -400,6 +409,9 @@ class SyncFacet:
                 await self._server_has(welcome.last_seq)
                 self._link = link
                 self._set_state("connected")
+                if not self._auto:
+                    await reader
+                    raise ConnectionError("connection closed by the server")
                 await self._catch_up(link)
                 while True:
                     waits = [
@@ -441,6 +453,13 @@ class SyncFacet:
         self._poke()
 
     async def _reader(self, link: _Link) -> None:
+        try:
+            await self._read_frames(link)
+        finally:
+            # Whoever waits for an answer learns the connection is gone, now.
+            link.fail_all(ConnectionError("connection closed"))
+
+    async def _read_frames(self, link: _Link) -> None:
         async for data in link.ws:
             if isinstance(data, str):
                 data = data.encode()
@@ -624,7 +643,10 @@ class SyncFacet:
     async def _apply(self, changes: list[FeedChange], to_cursor: int) -> int:
         """Apply one page of remote changes in ONE local transaction with the cursor."""
         async with self._apply_lock:
-            return await self._apply_page(changes, to_cursor)
+            cursor = int(await self._rt.store.get_meta("cursor") or 0)
+            if to_cursor <= cursor and changes:
+                return 0  # already applied (a live page that a pull overtook)
+            return await self._apply_page(changes, max(to_cursor, cursor))
 
     async def _apply_page(self, changes: list[FeedChange], to_cursor: int) -> int:
         rt = self._rt
@@ -653,9 +675,6 @@ class SyncFacet:
                     sessions_taken.append(record)
                 case Event():
                     events_by_session.setdefault(record.session_id, []).append(record)
-                    if record.type == "sync.conflict" and record.client_id != rt.client_id:
-                        stream_events.append(_conflict_event(
-                            msgspec.convert(record.payload, ConflictReceipt)))
                 case _:
                     records.append(record)
         locks = [rt._turn_locks.setdefault(sid, asyncio.Lock()) for sid in
@@ -665,7 +684,12 @@ class SyncFacet:
                 await stack.enter_async_context(lock)
             heads: dict[str, tuple[int, str]] = {}
             for session_id, incoming in events_by_session.items():
-                rebased, head = await self._rebase(session_id, incoming)
+                rebased, head, fresh = await self._rebase(session_id, incoming)
+                stream_events.extend(
+                    _conflict_event(msgspec.convert(e.payload, ConflictReceipt))
+                    for e in fresh
+                    if e.type == "sync.conflict" and e.client_id != rt.client_id
+                )
                 records.extend(rebased)
                 heads[session_id] = head
             await store.commit(
@@ -690,13 +714,15 @@ class SyncFacet:
 
     async def _rebase(
         self, session_id: str, incoming: list[Event]
-    ) -> tuple[list[Event], tuple[int, str]]:
+    ) -> tuple[list[Event], tuple[int, str], list[Event]]:
         """Merge canonical events into a session's log and rebase the provisional tail.
 
         The canonical chain is verified first; a chain that fails is refused (ChainError) and
         nothing of the page is applied.
         """
         existing = await self._rt.store.list_events(session_id)
+        known = {e.id for e in existing}
+        fresh = [e for e in incoming if e.id not in known]
         canonical = {e.id: e for e in existing if e.canonical}
         for event in incoming:
             canonical[event.id] = event
@@ -720,7 +746,7 @@ class SyncFacet:
             prev = placed.row_hash
             if placed != event:
                 out.append(placed)
-        return out, (seq, prev)
+        return out, (seq, prev), fresh
 
 
 def _conflict_event(receipt: ConflictReceipt) -> SyncConflict:

@@ -207,8 +207,7 @@ async def test_upgrade_without_a_valid_token_is_401(srv: SyncServer, case: str) 
         "missing": {},
         "forged": {"Authorization": f"Bearer {token_for(tenant, secret=b'wrong')}"},
         "expired": {
-            "Authorization": "Bearer "
-            + issue_token(SECRET, tenant, ttl_s=1, now=1_000_000_000)
+            "Authorization": "Bearer " + issue_token(SECRET, tenant, ttl_s=1, now=1_000_000_000)
         },
         "malformed": {"Authorization": "Bearer not-a-token"},
         "basic": {"Authorization": "Basic dXNlcjpwYXNz"},
@@ -291,7 +290,11 @@ async def test_record_of_another_tenant_is_rejected_3002(srv: SyncServer) -> Non
     async with device(srv, alice) as client:
         foreign = bob.session()  # bob's tenant on the record, pushed with alice's token
         ack = await client.push(
-            [Change(client_seq=1, record=msgspec.structs.replace(foreign, client_id=alice.client_id))]
+            [
+                Change(
+                    client_seq=1, record=msgspec.structs.replace(foreign, client_id=alice.client_id)
+                )
+            ]
         )
         (result,) = ack.results
         assert result.status == "rejected" and result.code == ErrorCode.FORBIDDEN
@@ -318,6 +321,68 @@ async def test_push_reaches_other_devices_of_the_tenant_live(srv: SyncServer) ->
         assert page.changes == [] and cc.live == []
         # B keeps working normally after the live frame.
         assert [ch.record.id for ch in (await cb.pull(0)).changes] == [session.id]
+
+
+async def test_live_frame_starts_at_the_tenants_previous_head(srv: SyncServer) -> None:
+    """Feed cursors are shared by all tenants: another tenant's commit in between must not
+    make a device think it missed something (from_cursor == its own cursor)."""
+    tenant = new_tenant()
+    a, b, other = Device(tenant), Device(tenant), Device(new_tenant())
+    async with device(srv, a) as ca, device(srv, b) as cb, device(srv, other) as co:
+        first = await ca.push(a.changes(a.session()))
+        live = await cb.live_frame()
+        assert live.to_cursor == first.head_cursor
+        await co.push(other.changes(other.session(), other.session()))
+        second = await ca.push(a.changes(a.session()))
+        live = await cb.live_frame()
+        assert live.from_cursor == first.head_cursor  # b's cursor: nothing to pull
+        assert live.to_cursor == second.head_cursor > first.head_cursor + 1
+        assert len(live.changes) == 1
+
+
+class Bus:
+    """Cross-instance notifications in memory: what a Postgres LISTEN/NOTIFY notifier does."""
+
+    def __init__(self) -> None:
+        self.members: list[BusNotifier] = []
+
+
+class BusNotifier:
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.on_commit: Callable[[Tenant, int, int], Awaitable[None]] | None = None
+        self.published: list[tuple[Tenant, int, int]] = []
+
+    async def start(self, on_commit: Callable[[Tenant, int, int], Awaitable[None]]) -> None:
+        self.on_commit = on_commit
+        self.bus.members.append(self)
+
+    async def publish(self, tenant: Tenant, from_cursor: int, to_cursor: int) -> None:
+        self.published.append((tenant, from_cursor, to_cursor))
+        for member in self.bus.members:
+            if member is not self and member.on_commit is not None:
+                await member.on_commit(tenant, from_cursor, to_cursor)
+
+    async def close(self) -> None:
+        if self in self.bus.members:
+            self.bus.members.remove(self)
+
+
+async def test_two_instances_fan_out_through_the_notifier(make_server: ServerFactory) -> None:
+    bus = Bus()
+    n1, n2 = BusNotifier(bus), BusNotifier(bus)
+    srv1 = await make_server(notifier=n1)
+    srv2 = await make_server(notifier=n2)
+    tenant = new_tenant()
+    a, b = Device(tenant), Device(tenant)
+    async with device(srv1, a) as ca, device(srv2, b) as cb:
+        session = a.session()
+        ack = await ca.push(a.changes(session))
+        live = await cb.live_frame()  # served by the other instance
+        assert (live.from_cursor, live.to_cursor) == (0, ack.head_cursor)
+        assert [c.record.id for c in live.changes] == [session.id]
+        assert n1.published == [(tenant, 0, ack.head_cursor)]
+        assert n2.published == []  # a remote commit is not re-announced
 
 
 # -- protocol errors -------------------------------------------------------------------------
@@ -470,6 +535,24 @@ async def test_store_errors_become_error_frames_and_the_connection_lives(
             assert [c.cursor for c in page.changes] == [3]
 
 
+async def test_unexpected_store_failure_closes_only_that_connection_1011(
+    store: SQLiteServerStore,
+) -> None:
+    flaky = FlakyStore(store)
+    async with SyncServer(flaky, port=0, secret=SECRET) as srv:
+        dev, other = Device(new_tenant()), Device(new_tenant())
+        async with device(srv, other) as bystander:
+            async with device(srv, dev) as client:
+                flaky.fail_pull = RuntimeError("a bug in the store")
+                await client.send(Pull(cursor=0))
+                err = await client.error()
+                assert err.code == ErrorCode.STORAGE_UNAVAILABLE and err.retryable
+                closed = await client.closed()
+                assert closed.rcvd is not None and closed.rcvd.code == 1011
+            flaky.fail_pull = None
+            await assert_still_served(bystander, other)
+
+
 # -- slow consumers --------------------------------------------------------------------------
 
 
@@ -538,9 +621,7 @@ async def test_slow_device_is_cut_and_others_keep_their_live_frames(
 
     status, _, body = await http_get(srv.port, "/metrics")
     assert status == 200
-    drops = [
-        ln for ln in body.decode().splitlines() if ln.startswith("pleach_fanout_drops_total ")
-    ]
+    drops = [ln for ln in body.decode().splitlines() if ln.startswith("pleach_fanout_drops_total ")]
     assert drops and float(drops[0].split()[1]) > 0
 
 
@@ -597,11 +678,14 @@ async def test_servers_have_private_metrics(make_server: ServerFactory) -> None:
 async def test_shutdown_closes_clients_with_1001(store: SQLiteServerStore) -> None:
     srv = SyncServer(store, port=0, secret=SECRET)
     async with srv:
+        serving = asyncio.create_task(srv.serve_forever())
         dev = Device(new_tenant())
         async with device(srv, dev) as client:
             await srv.shutdown()
             closed = await client.closed()
             assert closed.rcvd is not None and closed.rcvd.code == 1001
+        async with asyncio.timeout(TIMEOUT):
+            await serving  # serve_forever returns once the server has stopped
     await srv.shutdown()  # idempotent
     with pytest.raises(OSError):
         await http_get(srv.port, "/healthz")
@@ -617,8 +701,13 @@ async def test_shutdown_lets_an_in_flight_push_finish(store: SQLiteServerStore) 
             async with asyncio.timeout(TIMEOUT):
                 await flaky.push_entered.wait()
             stopping = asyncio.create_task(srv.shutdown())
-            while not srv.draining:  # shutdown has begun: it waits for the push
+            # Yield until shutdown has begun (it then waits for the push): a condition, not
+            # a timed wait; it takes one or two turns of the loop.
+            for _ in range(100):
+                if srv.draining:
+                    break
                 await asyncio.sleep(0)
+            assert srv.draining
             flaky.push_gate.set()
             ack = await client.answer()
             assert isinstance(ack, PushAck) and ack.results[0].status == "applied"
@@ -632,9 +721,7 @@ async def test_shutdown_lets_an_in_flight_push_finish(store: SQLiteServerStore) 
 
 
 async def test_pleach_server_subprocess(tmp_path: Path) -> None:
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith("PLEACH_") and k != "PYTHONPATH"
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PLEACH_") and k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(ROOT)
     db = tmp_path / "cli.db"
     base = [sys.executable, "-m", "pleach_server.cli"]

@@ -387,6 +387,10 @@ class SQLiteAdapter:
         self._state = _State.OPENING
         try:
             try:
+                # When connecting fails, aiosqlite leaves its worker thread to finish on its
+                # own, possibly after the event loop is gone; so try the file on a plain
+                # thread first, and only connect when it opens.
+                await asyncio.to_thread(_probe, self.path)
                 conn = await aiosqlite.connect(
                     self.path, timeout=self.busy_timeout_ms / 1000, isolation_level=None
                 )
@@ -741,6 +745,10 @@ class SQLiteAdapter:
                 "DELETE FROM dead_letters WHERE client_seq = ?", (client_seq,)
             )
             return cursor.rowcount > 0
+
+
+def _probe(path: str) -> None:
+    sqlite3.connect(path).close()
 
 
 async def _close_after_error(conn: aiosqlite.Connection, cause: BaseException) -> None:

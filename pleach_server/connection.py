@@ -1,0 +1,407 @@
+"""One device connection: a thin pump around the sans-I/O ``ServerProtocol``.
+
+The reader loop feeds each WebSocket message to ``ServerProtocol.receive_data`` and handles
+the frames it yields (``Hello`` -> ``Welcome``, ``Push`` -> ``PushAck`` + fan-out, ``Pull`` ->
+``Changes``). After ``Welcome`` the connection subscribes to the ``Hub`` and a writer task
+drains its bounded queue of live frames. Both loops write through one ordered outbox, so
+frames leave in the order the protocol produced them.
+
+Failures map to the wire, never to a dead server:
+
+- a ``SyncError`` from the store (3009 storage unavailable, 3010 cursor too old, ...) becomes an
+  ``Error`` frame and the connection stays open;
+- a protocol violation the ``ServerProtocol`` deems fatal is sent as an ``Error`` frame, then
+  the WebSocket closes with 1008 (1009 for a frame over ``max_frame_bytes``);
+- anything unexpected is logged with its traceback, answered with a retryable 3009 ``Error``
+  and closes this one connection with 1011.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+from websockets.frames import CloseCode
+
+from shared.clock import HybridClock
+from shared.errors import (
+    FrameTooLarge,
+    InvalidState,
+    MalformedFrame,
+    RateLimited,
+    StorageError,
+    StorageUnavailable,
+    SyncError,
+)
+from shared.messages import ChangeResult, Hello, Pull, Push, Welcome
+from shared.protocol import ServerProtocol, State
+
+from .hub import Hub, Subscription
+from .notify import Notifier
+from .store.base import ServerStore, Tenant
+
+if TYPE_CHECKING:
+    from .server import SyncMetrics
+
+__all__ = ["Connection", "ConnectionContext", "InFlight", "TokenBucket"]
+
+logger = logging.getLogger("pleach_server.connection")
+
+# A WebSocket close reason must fit in a control frame (123 bytes of UTF-8).
+_MAX_CLOSE_REASON = 120
+
+
+class TokenBucket:
+    """A token bucket: ``rate`` tokens per second, holding at most ``burst``.
+
+    ``allow()`` spends one token and says whether there was one. ``clock`` is injectable
+    for tests (seconds, monotonic).
+    """
+
+    def __init__(
+        self, rate: float, burst: float, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if rate <= 0 or burst < 1:
+            raise ValueError(f"rate must be > 0 and burst >= 1, got {rate}, {burst}")
+        self.rate = rate
+        self.burst = burst
+        self._clock = clock
+        self._tokens = burst
+        self._stamp = clock()
+
+    def allow(self) -> bool:
+        now = self._clock()
+        self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
+        self._stamp = now
+        if self._tokens >= 1:
+            self._tokens -= 1
+            return True
+        return False
+
+
+class InFlight:
+    """Counts operations that a graceful shutdown must let finish (pushes, with their ack)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        self.count += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.count -= 1
+            if self.count == 0:
+                self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Return once nothing is in flight."""
+        await self._idle.wait()
+
+
+@dataclass(eq=False, kw_only=True)
+class ConnectionContext:
+    """What every connection of one server shares. Built by ``SyncServer``."""
+
+    store: ServerStore
+    hub: Hub
+    notifier: Notifier
+    clock: HybridClock
+    server_id: str
+    metrics: SyncMetrics
+    max_frame_bytes: int
+    max_pull_limit: int
+    rate_limit_per_s: float | None
+    rate_limit_burst: float
+    inflight: InFlight = field(default_factory=InFlight)
+    draining: bool = False
+
+    async def fan_out(
+        self, tenant: Tenant, from_cursor: int, to_cursor: int, *, local: bool
+    ) -> None:
+        """Publish the tenant's feed page ``(from_cursor, to_cursor]`` to its devices here.
+
+        ``from_cursor`` must be a head of the tenant read BEFORE the commit (cursors are not
+        contiguous per tenant), so the page read here is complete. Reads it once, whatever
+        the number of devices. ``local`` commits are also announced to the other instances.
+        Never raises for a store failure: it publishes an empty marker at ``to_cursor``
+        instead, so devices pull to catch up.
+        """
+        if self.hub.subscribers(tenant):
+            limit = max(1, min(to_cursor - from_cursor, self.max_pull_limit))
+            try:
+                page = await self.store.pull(tenant, from_cursor, limit)
+            except (SyncError, StorageError) as exc:
+                logger.warning(
+                    "fan-out read of %s (%d, %d] failed: %s", tenant, from_cursor, to_cursor, exc
+                )
+                self.hub.publish(tenant, to_cursor, to_cursor, [])
+            else:
+                if page.changes:
+                    self.hub.publish(tenant, from_cursor, page.to_cursor, page.changes)
+                if page.to_cursor < to_cursor:
+                    # Page cut short (limit): tell devices there is more to pull.
+                    self.hub.publish(tenant, to_cursor, to_cursor, [])
+        if local:
+            try:
+                await self.notifier.publish(tenant, from_cursor, to_cursor)
+            except (SyncError, StorageError, OSError) as exc:
+                # Best effort: other instances' devices catch up on their next pull.
+                logger.warning("notifier publish for %s failed: %s", tenant, exc)
+
+
+class Connection:
+    """One authenticated device connection. ``await run()`` serves it until it closes.
+
+    ``run`` never raises for anything the peer or the store does; it returns when the
+    WebSocket is closed.
+    """
+
+    def __init__(self, ws: ServerConnection, tenant: Tenant, ctx: ConnectionContext) -> None:
+        self.ws = ws
+        self.tenant = tenant
+        self.ctx = ctx
+        self.protocol = ServerProtocol(max_frame_bytes=ctx.max_frame_bytes)
+        self.subscription: Subscription | None = None
+        self.client_id: str | None = None
+        self._limiter = (
+            TokenBucket(ctx.rate_limit_per_s, ctx.rate_limit_burst)
+            if ctx.rate_limit_per_s is not None
+            else None
+        )
+        # Encoded frames waiting to be written, with their type for metrics. Reader and
+        # writer both append; whoever holds the send lock writes them all, in order.
+        self._outbox: deque[tuple[str, bytes]] = deque()
+        self._send_lock = asyncio.Lock()
+        self._writer: asyncio.Task[None] | None = None
+        self._internal_error = False
+
+    def __repr__(self) -> str:
+        return f"<Connection {self.tenant.org_id}/{self.tenant.user_id} {self.client_id}>"
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        metrics = self.ctx.metrics
+        metrics.connections.inc()
+        try:
+            await self._read_loop()
+        except ConnectionClosed:
+            pass  # the peer went away (or we closed): nothing left to answer
+        except Exception:
+            logger.exception("%r failed", self)
+            await self._abort(CloseCode.INTERNAL_ERROR, "internal server error")
+        finally:
+            await self._stop_writer()
+            metrics.connections.dec()
+
+    async def _stop_writer(self) -> None:
+        if self.subscription is not None:
+            self.subscription.close()
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            # It may be blocked writing to a device that stopped reading: cancel it.
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await writer
+
+    async def _abort(self, code: int, reason: str) -> None:
+        """Close the WebSocket, swallowing only "already closed"."""
+        with contextlib.suppress(ConnectionClosed):
+            await self.ws.close(code, _close_reason(reason))
+
+    # -- reader ------------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        protocol = self.protocol
+        received = self.ctx.metrics.frames_received
+        async for message in self.ws:
+            if self._limiter is not None and not self._limiter.allow():
+                received.labels("rate_limited").inc()
+                self._fail(RateLimited("too many frames; slow down and resend"))
+            elif isinstance(message, str):
+                received.labels("text").inc()
+                self._fail(MalformedFrame("text frames are not accepted; send binary msgpack"))
+            else:
+                protocol.receive_data(message)
+                if self._take("error"):  # receive_data only ever queues Error frames
+                    reason = protocol.close_reason
+                    # Non-fatal decode failures are always 3004.
+                    code = reason.code if reason is not None else MalformedFrame.code
+                    self.ctx.metrics.errors.labels(str(int(code))).inc()
+                events = protocol.events_received()
+                if not events:
+                    received.labels("invalid").inc()
+                for event in events:
+                    received.labels(type(event).__name__.lower()).inc()
+                    if protocol.state is not State.CLOSING:
+                        await self._handle(event)
+            await self._flush()
+            if protocol.state is State.CLOSING:
+                await self._close_for_protocol_error()
+                return
+
+    async def _close_for_protocol_error(self) -> None:
+        reason = self.protocol.close_reason
+        if self._internal_error:
+            code = CloseCode.INTERNAL_ERROR
+        elif isinstance(reason, FrameTooLarge):
+            code = CloseCode.MESSAGE_TOO_BIG
+        else:
+            code = CloseCode.POLICY_VIOLATION
+        message = reason.message if reason is not None else "protocol error"
+        logger.info("%r closing (%d): %s", self, code, message)
+        await self._abort(code, message)
+
+    async def _handle(self, event: Hello | Push | Pull | object) -> None:
+        """Answer one frame. Queues the answer (or an ``Error``); the caller flushes."""
+        try:
+            match event:
+                case Hello():
+                    await self._on_hello(event)
+                case Push():
+                    await self._on_push(event)
+                case Pull():
+                    await self._on_pull(event)
+                case _:
+                    # ServerProtocol only yields the three above; guard against drift.
+                    raise InvalidState(f"unexpected event {type(event).__name__}")
+        except SyncError as exc:
+            self._fail(exc)
+        except StorageError as exc:
+            logger.warning("%r: store failed: %s", self, exc)
+            self._fail(StorageUnavailable(str(exc), retryable=exc.retryable))
+        except ConnectionClosed:
+            raise
+        except Exception:
+            # A bug, not the peer's fault: log it, tell the device to retry, and drop only
+            # this connection (the reader loop sees CLOSING and closes with 1011).
+            logger.exception("%r: unexpected error handling %s", self, type(event).__name__)
+            self._internal_error = True
+            self.protocol.fail(StorageUnavailable("internal server error", retryable=True))
+            self._take("error")
+            self.ctx.metrics.errors.labels(str(int(StorageUnavailable.code))).inc()
+
+    async def _on_hello(self, hello: Hello) -> None:
+        if not hello.client_id:
+            self.protocol.fail(MalformedFrame("Hello needs a client_id"))
+            self._take("error")
+            return
+        ctx = self.ctx
+        last_seq, head = await ctx.store.client_state(self.tenant, hello.client_id)
+        self.protocol.send_welcome(
+            Welcome(
+                server_id=ctx.server_id,
+                head_cursor=head,
+                last_seq=last_seq,
+                server_hlc=ctx.clock.now(),
+            )
+        )
+        self.client_id = hello.client_id
+        self._take("welcome")
+        # Welcome goes out before any live frame: subscribe only once it is written. A commit
+        # in between is not lost: the device pulls from its cursor after Welcome.
+        await self._flush()
+        self.subscription = ctx.hub.subscribe(self.tenant)
+        ctx.hub.note_head(self.tenant, head)
+        self._writer = asyncio.create_task(
+            self._write_loop(self.subscription), name=f"pleach-writer-{hello.client_id}"
+        )
+
+    async def _on_push(self, push: Push) -> None:
+        ctx = self.ctx
+        assert self.client_id is not None  # ServerProtocol yields Push only after Hello
+        if ctx.draining:
+            raise StorageUnavailable("server is shutting down; reconnect and push again")
+        with ctx.inflight.track():
+            # The tenant's head before this commit: the live frame starts there. Feed cursors
+            # are shared by all tenants, so it is not min(cursors) - 1.
+            before = ctx.hub.head(self.tenant)
+            if before is None:
+                before = await ctx.store.head_cursor(self.tenant)
+            started = time.perf_counter()
+            result = await ctx.store.push(self.tenant, self.client_id, push.changes, ctx.clock)
+            ctx.metrics.push_seconds.observe(time.perf_counter() - started)
+            self._count_results(result.results)
+            self.protocol.send_push_ack(result.results, result.last_seq, result.head_cursor)
+            self._take("push_ack")
+            await self._flush()
+        if result.cursors:
+            await ctx.fan_out(self.tenant, before, max(result.cursors), local=True)
+
+    def _count_results(self, results: list[ChangeResult]) -> None:
+        metrics = self.ctx.metrics
+        for item in results:
+            metrics.changes.labels(item.status).inc()
+            if item.conflict is not None:
+                metrics.conflicts.inc()
+
+    async def _on_pull(self, pull: Pull) -> None:
+        if pull.cursor < 0:
+            raise MalformedFrame(f"cursor must be >= 0, got {pull.cursor}")
+        limit = max(1, min(pull.limit, self.ctx.max_pull_limit))
+        page = await self.ctx.store.pull(self.tenant, pull.cursor, limit)
+        self.protocol.send_changes(pull.cursor, page.to_cursor, page.changes, more=page.more)
+        self._take("changes")
+
+    # -- writer ------------------------------------------------------------------------
+
+    async def _write_loop(self, subscription: Subscription) -> None:
+        try:
+            while True:
+                frame = await subscription.get()
+                if self.protocol.state is not State.OPEN:
+                    return
+                self.protocol.send_changes(
+                    frame.from_cursor, frame.to_cursor, frame.changes, more=frame.more, live=True
+                )
+                self._take("changes_live")
+                await self._flush()
+        except (InvalidState, ConnectionClosed):
+            return  # unsubscribed, or the socket is gone: the reader loop cleans up
+        except Exception:
+            logger.exception("%r: live writer failed", self)
+            await self._abort(CloseCode.INTERNAL_ERROR, "internal server error")
+
+    # -- output ------------------------------------------------------------------------
+
+    def _fail(self, error: SyncError) -> None:
+        """Queue a non-fatal ``Error`` frame for ``error``; the connection stays open."""
+        self.protocol.fail(error, fatal=False)
+        self._take("error")
+        self.ctx.metrics.errors.labels(str(int(error.code))).inc()
+
+    def _take(self, kind: str) -> int:
+        """Move what the protocol queued into the outbox, labelled ``kind``; return how many."""
+        out = self.protocol.data_to_send()
+        for data in out:
+            self._outbox.append((kind, data))
+        return len(out)
+
+    async def _flush(self) -> None:
+        """Write every queued frame, in order. Raises ``ConnectionClosed`` when it is gone."""
+        if not self._outbox:
+            return
+        sent = self.ctx.metrics.frames_sent
+        async with self._send_lock:
+            while self._outbox:
+                kind, data = self._outbox.popleft()
+                await self.ws.send(data)
+                sent.labels(kind).inc()
+
+
+def _close_reason(text: str) -> str:
+    raw = text.encode("utf-8")[:_MAX_CLOSE_REASON]
+    return raw.decode("utf-8", errors="ignore")

@@ -1,0 +1,391 @@
+"""The sync server: WebSocket ``/sync`` for devices, ``/healthz`` and ``/metrics`` over HTTP.
+
+::
+
+    async with SQLiteServerStore(path) as store:
+        async with SyncServer(store, port=0, secret=secret) as srv:
+            print(srv.url)             # ws://127.0.0.1:PORT/sync
+            await srv.serve_forever()  # until shutdown() (or cancellation)
+
+The bearer token is checked in ``process_request``, BEFORE the upgrade: a missing, forged or
+expired token gets an HTTP 401 and no WebSocket. Each accepted connection is a
+``Connection`` (see ``connection.py``); fan-out goes through one ``Hub`` per server and, across
+server processes, through a ``Notifier``.
+
+The server does not own the store: open it before, close it after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import logging
+import weakref
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Self
+from urllib.parse import urlsplit
+
+import msgspec
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.datastructures import Headers
+from websockets.frames import CloseCode
+from websockets.http11 import Request, Response
+
+from shared.clock import HybridClock
+from shared.errors import InvalidState, StorageError, SyncError, Unauthorized
+from shared.ids import uuid7
+from shared.messages import DEFAULT_MAX_FRAME_BYTES
+
+from .auth import parse_bearer, verify_token
+from .connection import Connection, ConnectionContext
+from .hub import DEFAULT_QUEUE_SIZE, Hub
+from .notify import LocalNotifier, Notifier
+from .store.base import ServerStore, Tenant
+
+__all__ = ["SYNC_PATH", "SyncMetrics", "SyncServer"]
+
+logger = logging.getLogger("pleach_server.server")
+
+SYNC_PATH = "/sync"
+_PUSH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class _HubCollector:
+    """Exposes the hub's own counters at scrape time (the hub stays free of metrics code)."""
+
+    def __init__(self, hub: Hub) -> None:
+        self._hub = hub
+
+    def collect(self) -> Iterable[Metric]:
+        drops = CounterMetricFamily(
+            "pleach_fanout_drops", "Live frames dropped because a device fell behind"
+        )
+        drops.add_metric([], self._hub.drops)
+        cuts = CounterMetricFamily(
+            "pleach_fanout_cuts", "Times a slow device's live queue was cut (it must pull)"
+        )
+        cuts.add_metric([], self._hub.cuts)
+        subs = GaugeMetricFamily("pleach_fanout_subscribers", "Devices receiving live frames")
+        subs.add_metric([], len(self._hub))
+        return [drops, cuts, subs]
+
+
+class SyncMetrics:
+    """Prometheus metrics of one server, in a private registry (servers never share one)."""
+
+    def __init__(self, hub: Hub) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.connections = Gauge(
+            "pleach_connections", "Open device connections (authenticated)", registry=r
+        )
+        self.frames_received = Counter(
+            "pleach_frames_received", "Frames received from devices, by type", ["type"], registry=r
+        )
+        self.frames_sent = Counter(
+            "pleach_frames_sent", "Frames sent to devices, by type", ["type"], registry=r
+        )
+        self.changes = Counter(
+            "pleach_changes", "Pushed changes, by result status", ["status"], registry=r
+        )
+        self.conflicts = Counter(
+            "pleach_conflicts", "Concurrent session edits settled (a fork was kept)", registry=r
+        )
+        self.errors = Counter(
+            "pleach_errors", "Error frames sent to devices, by 3xxx code", ["code"], registry=r
+        )
+        self.push_seconds = Histogram(
+            "pleach_push_seconds",
+            "Time to apply one push batch",
+            buckets=_PUSH_BUCKETS,
+            registry=r,
+        )
+        self.auth_failures = Counter(
+            "pleach_auth_failures", "Upgrade requests refused with 401", registry=r
+        )
+        r.register(_HubCollector(hub))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class SyncServer:
+    """The sync server. Use ``async with SyncServer(store, secret=...) as srv``.
+
+    Limits (all parameters, all with defaults):
+
+    - ``max_frame_bytes`` (4 MiB): a larger frame gets ``Error`` 3005 and a close (1009);
+      frames above twice that are refused by the WebSocket layer itself (1009).
+    - ``fanout_queue`` (256): live frames held per device before it is cut and must pull.
+    - ``max_pull_limit`` (1000): the largest page a ``Pull`` gets, whatever it asks.
+    - ``rate_limit_per_s`` (200) and ``rate_limit_burst`` (2 s worth): frames per second per
+      connection; excess frames get ``Error`` 3008 (retryable) and are not processed.
+      ``None`` disables the limit.
+    - ``max_clock_skew_ms`` (60 s): pushed stamps further in the future are refused (3011).
+    - ``shutdown_timeout`` (10 s): how long ``shutdown`` waits for in-flight pushes.
+    """
+
+    def __init__(
+        self,
+        store: ServerStore,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8765,
+        secret: bytes,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        fanout_queue: int = DEFAULT_QUEUE_SIZE,
+        max_pull_limit: int = 1000,
+        rate_limit_per_s: float | None = 200.0,
+        rate_limit_burst: float | None = None,
+        notifier: Notifier | None = None,
+        server_id: str | None = None,
+        max_clock_skew_ms: int = 60_000,
+        shutdown_timeout: float = 10.0,
+        compression: bool = True,
+    ) -> None:
+        if not secret:
+            raise ValueError("secret must not be empty")
+        if max_frame_bytes < 1024:
+            raise ValueError(f"max_frame_bytes must be at least 1024, got {max_frame_bytes}")
+        if max_pull_limit < 1:
+            raise ValueError(f"max_pull_limit must be at least 1, got {max_pull_limit}")
+        if rate_limit_per_s is not None and rate_limit_per_s <= 0:
+            raise ValueError(f"rate_limit_per_s must be positive, got {rate_limit_per_s}")
+        self.store = store
+        self.host = host
+        self._port = port
+        self._secret = secret
+        self.max_frame_bytes = max_frame_bytes
+        self.server_id = server_id or f"srv-{uuid7()}"
+        self.shutdown_timeout = shutdown_timeout
+        self.compression = compression
+        self.hub = Hub(fanout_queue)
+        self.notifier: Notifier = notifier if notifier is not None else LocalNotifier()
+        self.metrics = SyncMetrics(self.hub)
+        self.clock = HybridClock(self.server_id, max_skew_ms=max_clock_skew_ms)
+        burst = (
+            rate_limit_burst
+            if rate_limit_burst is not None
+            else max(1.0, 2 * (rate_limit_per_s or 1.0))
+        )
+        self._ctx = ConnectionContext(
+            store=store,
+            hub=self.hub,
+            notifier=self.notifier,
+            clock=self.clock,
+            server_id=self.server_id,
+            metrics=self.metrics,
+            max_frame_bytes=max_frame_bytes,
+            max_pull_limit=max_pull_limit,
+            rate_limit_per_s=rate_limit_per_s,
+            rate_limit_burst=burst,
+        )
+        self.connections: set[Connection] = set()
+        # Tenant of each accepted upgrade, from process_request to the handler.
+        self._tenants: weakref.WeakKeyDictionary[ServerConnection, Tenant] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._ws: Server | None = None
+        self._started = False
+        self._stopping = False
+        self._done = asyncio.Event()
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind and start accepting. Call ``shutdown()`` (or leave ``async with``) to stop."""
+        if self._started:
+            raise InvalidState("server already started")
+        self._started = True
+        await self.notifier.start(self._on_remote_commit)
+        try:
+            self._ws = await serve(
+                self._handler,
+                self.host,
+                self._port,
+                process_request=self._process_request,
+                # Frames up to twice our limit reach ServerProtocol and get a coded 3005 Error;
+                # beyond that websockets refuses them itself (close 1009) without buffering.
+                max_size=2 * self.max_frame_bytes,
+                compression="deflate" if self.compression else None,
+                logger=logging.getLogger("pleach_server.websockets"),
+            )
+        except BaseException:
+            await self.notifier.close()
+            raise
+        logger.info("listening on %s (server id %s)", self.url, self.server_id)
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.shutdown()
+
+    @property
+    def port(self) -> int:
+        """The bound port (the real one when constructed with ``port=0``)."""
+        if self._ws is None or not self._ws.sockets:
+            return self._port
+        port: int = self._ws.sockets[0].getsockname()[1]
+        return port
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"ws://{host}:{self.port}{SYNC_PATH}"
+
+    @property
+    def draining(self) -> bool:
+        """True once ``shutdown`` has begun: no new pushes are accepted."""
+        return self._ctx.draining
+
+    async def serve_forever(self) -> None:
+        """Serve until ``shutdown()`` completes; cancelling this shuts the server down."""
+        if not self._started:
+            await self.start()
+        try:
+            await self._done.wait()
+        except asyncio.CancelledError:
+            await asyncio.shield(self.shutdown())
+            raise
+
+    async def shutdown(self) -> None:
+        """Stop gracefully: stop accepting, let in-flight pushes finish (and be acked),
+        close every connection with 1001 (going away), close the notifier.
+
+        Idempotent; concurrent callers all return once the server has stopped.
+        """
+        if self._stopping:
+            await self._done.wait()
+            return
+        self._stopping = True
+        try:
+            if self._ws is not None:
+                await self._drain_and_close(self._ws)
+        finally:
+            self.hub.close()
+            await self.notifier.close()
+            self._done.set()
+            logger.info("stopped")
+
+    async def _drain_and_close(self, ws: Server) -> None:
+        self._ctx.draining = True
+        ws.server.close()  # stop listening; open connections carry on for now
+        inflight = self._ctx.inflight
+        if inflight.count:
+            logger.info("waiting for %d in-flight push(es)", inflight.count)
+            try:
+                async with asyncio.timeout(self.shutdown_timeout):
+                    await inflight.wait_idle()
+            except TimeoutError:
+                logger.warning(
+                    "%d push(es) still in flight after %.1fs; closing anyway",
+                    inflight.count,
+                    self.shutdown_timeout,
+                )
+        ws.close(close_connections=True, code=CloseCode.GOING_AWAY, reason="server shutting down")
+        await ws.wait_closed()
+
+    # -- HTTP routes -------------------------------------------------------------------
+
+    async def _process_request(
+        self, connection: ServerConnection, request: Request
+    ) -> Response | None:
+        path = urlsplit(request.path).path
+        if path == SYNC_PATH:
+            return self._authorize(connection, request)
+        if path == "/healthz":
+            return await self._healthz()
+        if path == "/metrics":
+            return _response(http.HTTPStatus.OK, self.metrics.render(), CONTENT_TYPE_LATEST)
+        return _response(http.HTTPStatus.NOT_FOUND, b"not found\n", "text/plain; charset=utf-8")
+
+    def _authorize(self, connection: ServerConnection, request: Request) -> Response | None:
+        values = request.headers.get_all("Authorization")
+        token = parse_bearer(values[0]) if len(values) == 1 else None
+        try:
+            tenant = verify_token(self._secret, token)
+        except Unauthorized as exc:
+            self.metrics.auth_failures.inc()
+            logger.info("refused upgrade from %s: %s", connection.remote_address, exc.message)
+            response = _response(
+                http.HTTPStatus.UNAUTHORIZED,
+                msgspec.json.encode({"code": int(exc.code), "message": exc.message}),
+                "application/json",
+            )
+            response.headers["WWW-Authenticate"] = 'Bearer realm="pleach"'
+            return response
+        if self._ctx.draining:
+            return _response(
+                http.HTTPStatus.SERVICE_UNAVAILABLE,
+                b"server is shutting down\n",
+                "text/plain; charset=utf-8",
+            )
+        self._tenants[connection] = tenant
+        return None  # carry on with the upgrade
+
+    async def _healthz(self) -> Response:
+        try:
+            store_ok = await self.store.healthy()
+        except (StorageError, SyncError, OSError) as exc:
+            logger.warning("health check: store failed: %s", exc)
+            store_ok = False
+        ok = store_ok and not self._ctx.draining
+        body = msgspec.json.encode(
+            {
+                "status": "ok" if ok else "unavailable",
+                "store": store_ok,
+                "connections": len(self.connections),
+            }
+        )
+        status = http.HTTPStatus.OK if ok else http.HTTPStatus.SERVICE_UNAVAILABLE
+        return _response(status, body, "application/json")
+
+    # -- connections -------------------------------------------------------------------
+
+    async def _handler(self, ws: ServerConnection) -> None:
+        tenant = self._tenants.pop(ws, None)
+        if tenant is None:  # only reachable if routing changes: refuse, never serve anonymous
+            logger.error("connection without an authorized tenant; closing")
+            await ws.close(CloseCode.INTERNAL_ERROR, "not authorized")
+            return
+        conn = Connection(ws, tenant, self._ctx)
+        self.connections.add(conn)
+        try:
+            await conn.run()
+        finally:
+            self.connections.discard(conn)
+
+    async def _on_remote_commit(self, tenant: Tenant, from_cursor: int, to_cursor: int) -> None:
+        """Another instance committed ``(from_cursor, to_cursor]``: serve our devices."""
+        await self._ctx.fan_out(tenant, from_cursor, to_cursor, local=False)
+
+
+def _response(status: http.HTTPStatus, body: bytes, content_type: str) -> Response:
+    headers = Headers(
+        [
+            ("Content-Type", content_type),
+            ("Content-Length", str(len(body))),
+            ("Connection", "close"),
+            ("Cache-Control", "no-store"),
+        ]
+    )
+    return Response(status.value, status.phrase, headers, body)

@@ -1,0 +1,796 @@
+"""``PostgresServerStore``: the production server store, over an asyncpg pool.
+
+Several ``pleach-server`` processes may share one database: every rule that matters runs in
+the database, inside ONE transaction per push, and the push rules themselves live in
+``apply.py`` (this module only speaks SQL).
+
+**Cursor visibility.** Feed cursors come from one identity sequence, and a sequence hands out
+numbers in allocation order, not commit order: transaction A may take cursor 10, B cursor 11,
+B commit, a reader pull up to 11, and only then A commit cursor 10, which that reader has
+already passed. We close that gap per tenant: ``lock_tenant`` takes a transaction-scoped
+advisory lock on the tenant (``pg_advisory_xact_lock``) BEFORE any cursor is allocated and
+holds it until COMMIT. PostgreSQL makes a commit visible before it releases the transaction's
+locks, so the next push of the tenant allocates its cursors only after the previous one is
+visible: a tenant's cursors become visible in increasing order, and a pull (one statement,
+one snapshot) that sees cursor ``c`` sees every cursor of that tenant below ``c``. Pulls only
+ever read one tenant, so other tenants' interleaved cursors do not matter.
+
+**Cross-process fan-out.** A push that wrote cursors calls ``pg_notify('pleach_feed', ...)``
+inside its own transaction: PostgreSQL delivers the notification only if and when the
+transaction commits, in commit order. The JSON payload is
+``{"schema", "org", "user", "from", "to", "server"}``: the tenant's page ``(from, to]`` and the
+pushing server's id (``clock.client_id``), so each process can ignore its own commits (it
+serves its own devices from its local hub). See ``pg_notify.PostgresNotifier``.
+
+**Failures.** Connection loss, a shutting-down or restarting server, too many connections,
+statement timeouts and serialization failures raise ``StorageUnavailable`` (3009,
+retryable); nothing of the batch is committed. Any other database error raises
+``StorageUnavailable`` with ``retryable=False``. The pool reconnects by itself: a connection
+that broke is terminated on release and replaced on the next acquire.
+
+Schema (versioned in ``<schema>.schema_migrations``, migrated at ``open()`` under a
+session-wide advisory lock, so several processes may start at once):
+
+- ``sessions``: one row per session id, its msgpack body.
+- ``records``: immutable records (messages, checkpoints, audit rows, artifact updates).
+- ``events``: canonical events; ``(session_id, sequence_number)`` is unique.
+- ``feed``: every applied change per tenant under a global monotonic ``cursor``;
+  ``feed_tenant (org_id, user_id, cursor)`` serves pulls and head lookups.
+- ``clients``: ``last_seq`` per ``(tenant, client_id)``.
+- ``meta``: the feed floor per tenant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any, Self, TypeVar
+from urllib.parse import urlsplit
+
+import asyncpg  # type: ignore[import-untyped]
+import msgspec
+
+from shared.clock import HybridClock
+from shared.errors import CursorTooOld, InvalidState, StorageError, StorageUnavailable
+from shared.ids import uuid7
+from shared.records import (
+    Change,
+    Event,
+    FeedChange,
+    Record,
+    RecordKind,
+    Session,
+    decode_record,
+    encode_record,
+    record_kind,
+)
+
+from .apply import StoreTx, apply_push
+from .base import PullResult, PushResult, Tenant
+
+__all__ = [
+    "DEFAULT_POOL_MAX",
+    "DEFAULT_SCHEMA",
+    "DEFAULT_STATEMENT_TIMEOUT_MS",
+    "NOTIFY_CHANNEL",
+    "SCHEMA_VERSION",
+    "MigrateResult",
+    "PostgresServerStore",
+    "migrate",
+    "redact_dsn",
+    "tenant_lock_key",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_SCHEMA = "pleach"
+DEFAULT_POOL_MAX = 10
+DEFAULT_STATEMENT_TIMEOUT_MS = 5000
+DEFAULT_MAX_PULL_LIMIT = 1000
+NOTIFY_CHANNEL = "pleach_feed"
+"""The ``LISTEN`` channel every push commit notifies on (payload: see the module docstring)."""
+
+_SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+
+# One tuple of statements per schema version; never edit a shipped version, append a new one.
+# ``{s}`` is the schema name (validated by _SCHEMA_RE, so it needs no quoting).
+_MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (
+        """CREATE TABLE {s}.sessions (
+            id text PRIMARY KEY,
+            org_id text NOT NULL,
+            user_id text NOT NULL,
+            updated_at text NOT NULL,
+            body bytea NOT NULL
+        )""",
+        "CREATE INDEX sessions_tenant ON {s}.sessions (org_id, user_id, updated_at)",
+        """CREATE TABLE {s}.records (
+            kind text NOT NULL,
+            id text NOT NULL,
+            org_id text NOT NULL,
+            user_id text NOT NULL,
+            session_id text,
+            body bytea NOT NULL,
+            PRIMARY KEY (kind, id)
+        )""",
+        "CREATE INDEX records_session ON {s}.records (session_id)",
+        "CREATE INDEX records_tenant ON {s}.records (org_id, user_id, session_id)",
+        """CREATE TABLE {s}.events (
+            id text PRIMARY KEY,
+            session_id text NOT NULL,
+            sequence_number bigint NOT NULL,
+            org_id text NOT NULL,
+            user_id text NOT NULL,
+            row_hash text NOT NULL,
+            body bytea NOT NULL,
+            UNIQUE (session_id, sequence_number)
+        )""",
+        "CREATE INDEX events_tenant ON {s}.events (org_id, user_id, session_id)",
+        """CREATE TABLE {s}.feed (
+            cursor bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+            org_id text NOT NULL,
+            user_id text NOT NULL,
+            kind text NOT NULL,
+            record_id text NOT NULL,
+            body bytea NOT NULL
+        )""",
+        "CREATE INDEX feed_tenant ON {s}.feed (org_id, user_id, cursor)",
+        """CREATE TABLE {s}.clients (
+            org_id text NOT NULL,
+            user_id text NOT NULL,
+            client_id text NOT NULL,
+            last_seq bigint NOT NULL,
+            PRIMARY KEY (org_id, user_id, client_id)
+        )""",
+        """CREATE TABLE {s}.meta (
+            org_id text NOT NULL,
+            user_id text NOT NULL,
+            feed_floor bigint NOT NULL DEFAULT 0,
+            PRIMARY KEY (org_id, user_id)
+        )""",
+    ),
+)
+SCHEMA_VERSION = len(_MIGRATIONS)
+
+# Errors after which trying again may succeed: the connection or the server went away, the
+# server is starting or stopping, it ran out of connections, a statement timed out, or a
+# transaction lost a serialization race.
+_TRANSIENT: tuple[type[BaseException], ...] = (
+    asyncpg.PostgresConnectionError,  # class 08, ConnectionDoesNotExistError included
+    asyncpg.InterfaceError,  # the client side of a closed connection or pool
+    # 57: admin or crash shutdown, cannot connect now, query canceled (statement timeout)
+    asyncpg.exceptions.OperatorInterventionError,
+    asyncpg.exceptions.InsufficientResourcesError,  # 53: too many connections, out of memory
+    asyncpg.exceptions.TransactionRollbackError,  # 40: serialization failure, deadlock
+    asyncpg.exceptions.IdleInTransactionSessionTimeoutError,
+    asyncpg.exceptions.InternalClientError,  # client state confused by a connection lost mid-call
+    OSError,  # refused, reset, unreachable
+    TimeoutError,  # connect or pool-acquire timeout
+)
+# Errors after which a connection must not go back into the pool: terminate it, the pool
+# opens a fresh one on a later acquire.
+_BROKEN: tuple[type[BaseException], ...] = (
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.InternalClientError,
+    asyncpg.exceptions.AdminShutdownError,
+    asyncpg.exceptions.CrashShutdownError,
+    asyncpg.exceptions.IdleInTransactionSessionTimeoutError,
+    OSError,
+    TimeoutError,
+)
+_DATABASE_ERRORS: tuple[type[BaseException], ...] = (
+    *_TRANSIENT,
+    asyncpg.PostgresError,
+)
+_CLOSE_ERRORS: tuple[type[BaseException], ...] = (*_DATABASE_ERRORS, TimeoutError)
+
+_SESSION_DECODER = msgspec.msgpack.Decoder(Session)
+
+
+def redact_dsn(dsn: str) -> str:
+    """``host:port/database`` of a DSN, without user or password (for messages and logs)."""
+    try:
+        parts = urlsplit(dsn)
+        host = parts.hostname or "localhost"
+        port = parts.port or 5432
+    except ValueError:
+        return "<invalid dsn>"
+    return f"{host}:{port}{parts.path or '/'}"
+
+
+def _check_schema(schema: str) -> str:
+    if not _SCHEMA_RE.fullmatch(schema):
+        raise ValueError(
+            f"schema must be a lowercase SQL identifier ([a-z_][a-z0-9_]*), got {schema!r}"
+        )
+    return schema
+
+
+def _key(*parts: str) -> int:
+    digest = hashlib.blake2b("\x00".join(parts).encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+def tenant_lock_key(schema: str, tenant: Tenant) -> int:
+    """The 64-bit advisory lock key of ``tenant`` in ``schema`` (stable across processes)."""
+    return _key("pleach-tenant", schema, tenant.org_id, tenant.user_id)
+
+
+def _migrate_lock_key(schema: str) -> int:
+    return _key("pleach-migrate", schema)
+
+
+def _translate(exc: BaseException, doing: str) -> StorageUnavailable:
+    retryable = isinstance(exc, _TRANSIENT)
+    detail = f"{type(exc).__name__}: {exc}".rstrip(": ")
+    return StorageUnavailable(f"{doing}: {detail}", retryable=retryable)
+
+
+class MigrateResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``migrate`` did: the schema went from ``from_version`` to ``to_version``."""
+
+    schema: str
+    from_version: int
+    to_version: int
+
+    @property
+    def applied(self) -> int:
+        return self.to_version - self.from_version
+
+
+async def _migrate_conn(conn: Any, schema: str) -> MigrateResult:
+    """Bring ``schema`` up to ``SCHEMA_VERSION`` on ``conn``; safe to run concurrently.
+
+    Takes a session advisory lock (concurrent starts wait for each other), then applies the
+    missing versions, each in its own transaction with its ``schema_migrations`` row.
+    """
+    s = _check_schema(schema)
+    key = _migrate_lock_key(s)
+    await conn.execute("SELECT pg_advisory_lock($1)", key)
+    try:
+        await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {s}")
+        await conn.execute(
+            f"""CREATE TABLE IF NOT EXISTS {s}.schema_migrations (
+                version integer PRIMARY KEY,
+                applied_at timestamptz NOT NULL DEFAULT now()
+            )"""
+        )
+        version = int(
+            await conn.fetchval(f"SELECT COALESCE(MAX(version), 0) FROM {s}.schema_migrations")
+        )
+        if version > SCHEMA_VERSION:
+            raise StorageError(
+                f"schema {s} has version {version}; this build knows up to "
+                f"{SCHEMA_VERSION}: upgrade pleach"
+            )
+        for number, statements in enumerate(_MIGRATIONS[version:], start=version + 1):
+            async with conn.transaction():
+                for statement in statements:
+                    await conn.execute(statement.format(s=s))
+                await conn.execute(
+                    f"INSERT INTO {s}.schema_migrations (version) VALUES ($1)", number
+                )
+            log.info("migrated schema %s to version %d", s, number)
+        return MigrateResult(schema=s, from_version=version, to_version=SCHEMA_VERSION)
+    finally:
+        await conn.execute("SELECT pg_advisory_unlock($1)", key)
+
+
+async def migrate(
+    dsn: str, schema: str = DEFAULT_SCHEMA, *, connect_timeout: float = 30.0
+) -> MigrateResult:
+    """Apply the missing schema migrations to ``schema`` of ``dsn`` (``pleach-server migrate``).
+
+    Idempotent, and safe while servers run or start. Raises ``StorageUnavailable`` when the
+    database cannot be reached and ``StorageError`` when it has a newer schema than this build.
+    """
+    _check_schema(schema)
+    try:
+        conn = await asyncpg.connect(
+            dsn, timeout=connect_timeout, server_settings={"application_name": "pleach-migrate"}
+        )
+    except _DATABASE_ERRORS as exc:
+        raise _translate(exc, f"cannot connect to PostgreSQL at {redact_dsn(dsn)}") from exc
+    try:
+        return await _migrate_conn(conn, schema)
+    except _DATABASE_ERRORS as exc:
+        raise _translate(exc, "migration failed") from exc
+    finally:
+        await asyncio.shield(conn.close(timeout=connect_timeout))
+
+
+class _Sql:
+    """The statements of one schema, formatted once."""
+
+    def __init__(self, s: str) -> None:
+        self.get_last_seq = (
+            f"SELECT last_seq FROM {s}.clients "
+            "WHERE org_id = $1 AND user_id = $2 AND client_id = $3"
+        )
+        self.set_last_seq = (
+            f"INSERT INTO {s}.clients (org_id, user_id, client_id, last_seq) "
+            "VALUES ($1, $2, $3, $4) ON CONFLICT (org_id, user_id, client_id) "
+            "DO UPDATE SET last_seq = excluded.last_seq"
+        )
+        self.session_owner = (
+            f"SELECT org_id, user_id FROM {s}.sessions WHERE id = $1 "
+            f"UNION ALL (SELECT org_id, user_id FROM {s}.events WHERE session_id = $1 LIMIT 1) "
+            f"UNION ALL (SELECT org_id, user_id FROM {s}.records WHERE session_id = $1 LIMIT 1) "
+            "LIMIT 1"
+        )
+        self.event_owner = f"SELECT org_id, user_id FROM {s}.events WHERE id = $1"
+        self.record_owner = f"SELECT org_id, user_id FROM {s}.records WHERE kind = $1 AND id = $2"
+        self.get_session = f"SELECT body FROM {s}.sessions WHERE id = $1"
+        self.put_session = (
+            f"INSERT INTO {s}.sessions (id, org_id, user_id, updated_at, body) "
+            "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (id) DO UPDATE SET "
+            "org_id = excluded.org_id, user_id = excluded.user_id, "
+            "updated_at = excluded.updated_at, body = excluded.body"
+        )
+        self.insert_record = (
+            f"INSERT INTO {s}.records (kind, id, org_id, user_id, session_id, body) "
+            "VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (kind, id) DO NOTHING RETURNING 1"
+        )
+        self.last_event = (
+            f"SELECT sequence_number, row_hash FROM {s}.events WHERE session_id = $1 "
+            "ORDER BY sequence_number DESC LIMIT 1"
+        )
+        self.insert_event = (
+            f"INSERT INTO {s}.events "
+            "(id, session_id, sequence_number, org_id, user_id, row_hash, body) "
+            "VALUES ($1, $2, $3, $4, $5, $6, $7)"
+        )
+        self.append_feed = (
+            f"INSERT INTO {s}.feed (org_id, user_id, kind, record_id, body) "
+            "VALUES ($1, $2, $3, $4, $5) RETURNING cursor"
+        )
+        self.head = (
+            "SELECT GREATEST("
+            f"COALESCE((SELECT MAX(cursor) FROM {s}.feed WHERE org_id = $1 AND user_id = $2), 0),"
+            f"COALESCE((SELECT feed_floor FROM {s}.meta WHERE org_id = $1 AND user_id = $2), 0))"
+        )
+        self.client_state = (
+            "SELECT COALESCE((SELECT last_seq FROM "
+            f"{s}.clients WHERE org_id = $1 AND user_id = $2 AND client_id = $3), 0), "
+            "GREATEST("
+            f"COALESCE((SELECT MAX(cursor) FROM {s}.feed WHERE org_id = $1 AND user_id = $2), 0),"
+            f"COALESCE((SELECT feed_floor FROM {s}.meta WHERE org_id = $1 AND user_id = $2), 0))"
+        )
+        self.floor = f"SELECT feed_floor FROM {s}.meta WHERE org_id = $1 AND user_id = $2"
+        # One statement, so the floor check and the page share one snapshot: a compaction
+        # between two statements could otherwise drop entries this page would skip silently.
+        # The LEFT JOIN yields one row (floor, NULL, NULL) when the page is empty. No outer
+        # ORDER BY (it would add a Sort node): ``pull`` sorts the page it got, in O(n).
+        self.pull = (
+            "SELECT fl.floor, f.cursor, f.body FROM (SELECT COALESCE(("
+            f"SELECT feed_floor FROM {s}.meta WHERE org_id = $1 AND user_id = $2), 0) AS floor"
+            ") AS fl LEFT JOIN LATERAL ("
+            f"SELECT cursor, body FROM {s}.feed WHERE org_id = $1 AND user_id = $2 "
+            "AND cursor > $3 ORDER BY cursor LIMIT $4) AS f ON true"
+        )
+        self.retain_cursor = (
+            f"SELECT cursor FROM {s}.feed WHERE org_id = $1 AND user_id = $2 "
+            "ORDER BY cursor DESC LIMIT 1 OFFSET $3"
+        )
+        self.compact = f"DELETE FROM {s}.feed WHERE org_id = $1 AND user_id = $2 AND cursor <= $3"
+        self.set_floor = (
+            f"INSERT INTO {s}.meta (org_id, user_id, feed_floor) VALUES ($1, $2, $3) "
+            "ON CONFLICT (org_id, user_id) DO UPDATE SET feed_floor = excluded.feed_floor"
+        )
+        self.lock_tenant = "SELECT pg_advisory_xact_lock($1)"
+        self.notify = "SELECT pg_notify($1, $2)"
+
+
+class _PostgresTx:
+    """``StoreTx`` over one pool connection, inside the push's transaction."""
+
+    def __init__(self, conn: Any, sql: _Sql, schema: str) -> None:
+        self._conn = conn
+        self._sql = sql
+        self._schema = schema
+
+    async def lock_tenant(self, tenant: Tenant) -> None:
+        # Held until COMMIT / ROLLBACK; see "Cursor visibility" in the module docstring.
+        await self._conn.execute(self._sql.lock_tenant, tenant_lock_key(self._schema, tenant))
+
+    async def get_last_seq(self, tenant: Tenant, client_id: str) -> int:
+        value = await self._conn.fetchval(
+            self._sql.get_last_seq, tenant.org_id, tenant.user_id, client_id
+        )
+        return int(value) if value is not None else 0
+
+    async def set_last_seq(self, tenant: Tenant, client_id: str, last_seq: int) -> None:
+        await self._conn.execute(
+            self._sql.set_last_seq, tenant.org_id, tenant.user_id, client_id, last_seq
+        )
+
+    async def owner_of(self, kind: RecordKind, record_id: str) -> Tenant | None:
+        if kind == "Session":
+            row = await self._conn.fetchrow(self._sql.session_owner, record_id)
+        elif kind == "Event":
+            row = await self._conn.fetchrow(self._sql.event_owner, record_id)
+        else:
+            row = await self._conn.fetchrow(self._sql.record_owner, kind, record_id)
+        return Tenant(org_id=row[0], user_id=row[1]) if row is not None else None
+
+    async def get_session(self, session_id: str) -> Session | None:
+        body = await self._conn.fetchval(self._sql.get_session, session_id)
+        if body is None:
+            return None
+        try:
+            return _SESSION_DECODER.decode(body)
+        except msgspec.DecodeError as exc:
+            raise StorageError(f"corrupt session row {session_id!r}") from exc
+
+    async def put_session(self, session: Session) -> None:
+        await self._conn.execute(
+            self._sql.put_session,
+            session.id,
+            session.org_id,
+            session.user_id,
+            session.updated_at,
+            encode_record(session),
+        )
+
+    async def insert_if_absent(self, record: Record) -> bool:
+        if isinstance(record, Session | Event):
+            raise TypeError(f"{record_kind(record)} records are not stored by insert_if_absent")
+        inserted = await self._conn.fetchval(
+            self._sql.insert_record,
+            record_kind(record),
+            record.id,
+            record.org_id,
+            record.user_id,
+            record.session_id,
+            encode_record(record),
+        )
+        return inserted is not None
+
+    async def last_event(self, session_id: str) -> tuple[int, str] | None:
+        row = await self._conn.fetchrow(self._sql.last_event, session_id)
+        return (int(row[0]), str(row[1])) if row is not None else None
+
+    async def insert_event(self, event: Event) -> None:
+        await self._conn.execute(
+            self._sql.insert_event,
+            event.id,
+            event.session_id,
+            event.sequence_number,
+            event.org_id,
+            event.user_id,
+            event.row_hash,
+            encode_record(event),
+        )
+
+    async def append_feed(self, tenant: Tenant, record: Record) -> int:
+        cursor = await self._conn.fetchval(
+            self._sql.append_feed,
+            tenant.org_id,
+            tenant.user_id,
+            record_kind(record),
+            record.id,
+            encode_record(record),
+        )
+        return int(cursor)
+
+    async def head_cursor(self, tenant: Tenant) -> int:
+        return await _head(self._conn, self._sql, tenant)
+
+
+async def _head(conn: Any, sql: _Sql, tenant: Tenant) -> int:
+    return int(await conn.fetchval(sql.head, tenant.org_id, tenant.user_id))
+
+
+async def _compact(conn: Any, sql: _Sql, tenant: Tenant, keep_after_cursor: int) -> int:
+    """Drop feed entries at or below ``keep_after_cursor``, raising the floor; under the lock."""
+    floor_value = await conn.fetchval(sql.floor, tenant.org_id, tenant.user_id)
+    floor = int(floor_value) if floor_value is not None else 0
+    new_floor = min(keep_after_cursor, await _head(conn, sql, tenant))
+    if new_floor <= floor:
+        return 0
+    status: str = await conn.execute(sql.compact, tenant.org_id, tenant.user_id, new_floor)
+    await conn.execute(sql.set_floor, tenant.org_id, tenant.user_id, new_floor)
+    return int(status.rsplit(" ", 1)[-1])  # "DELETE <n>"
+
+
+class PostgresServerStore:
+    """The PostgreSQL server store. Use as ``async with``.
+
+    - ``dsn``: a ``postgresql://`` URL (libpq keywords in its query string work too).
+    - ``schema`` (``pleach``): the schema holding the tables; created by ``open()``.
+    - ``pool_min`` / ``pool_max`` (1 / 10): pool bounds per process. A push holds one
+      connection for its transaction; pulls and lookups hold one for one statement.
+    - ``statement_timeout_ms`` (5000): the server cancels a statement (a wait on a tenant's
+      lock included) after this long; the push fails with 3009 and is retried by the device.
+    - ``feed_retention`` (None: keep everything): keep at most that many of a tenant's newest
+      feed entries; older ones are compacted by each push in its own transaction.
+    - ``max_pull_limit`` (1000): the largest page a pull returns.
+    - ``application_name`` (``pleach-<random>``): shows in ``pg_stat_activity``.
+    - ``connect_timeout`` / ``acquire_timeout`` (5 s / 10 s): connecting to the server and
+      waiting for a free pool connection; beyond them the call fails with 3009.
+    - ``idle_in_transaction_timeout_ms`` (60000): the server ends a session that sits in an
+      open transaction this long (a hung process must not hold a tenant's lock forever).
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        schema: str = DEFAULT_SCHEMA,
+        pool_min: int = 1,
+        pool_max: int = DEFAULT_POOL_MAX,
+        statement_timeout_ms: int = DEFAULT_STATEMENT_TIMEOUT_MS,
+        feed_retention: int | None = None,
+        max_pull_limit: int = DEFAULT_MAX_PULL_LIMIT,
+        application_name: str | None = None,
+        connect_timeout: float = 5.0,
+        acquire_timeout: float = 10.0,
+        idle_in_transaction_timeout_ms: int = 60_000,
+    ) -> None:
+        if feed_retention is not None and feed_retention < 1:
+            raise ValueError("feed_retention must be at least 1 (or None to keep everything)")
+        if max_pull_limit < 1:
+            raise ValueError("max_pull_limit must be at least 1")
+        if not 0 <= pool_min <= pool_max or pool_max < 1:
+            raise ValueError(
+                f"need 0 <= pool_min <= pool_max and pool_max >= 1, got {pool_min}, {pool_max}"
+            )
+        if statement_timeout_ms < 0 or idle_in_transaction_timeout_ms < 0:
+            raise ValueError("timeouts must be >= 0 (0 disables them)")
+        self.dsn = dsn
+        self.schema = _check_schema(schema)
+        self.pool_min = pool_min
+        self.pool_max = pool_max
+        self.statement_timeout_ms = statement_timeout_ms
+        self.feed_retention = feed_retention
+        self.max_pull_limit = max_pull_limit
+        self.application_name = application_name or f"pleach-{uuid7()[-12:]}"
+        self.connect_timeout = connect_timeout
+        self.acquire_timeout = acquire_timeout
+        self.idle_in_transaction_timeout_ms = idle_in_transaction_timeout_ms
+        self.migrated: MigrateResult | None = None
+        self._sql = _Sql(self.schema)
+        self._pool: Any = None
+
+    def __repr__(self) -> str:
+        state = "open" if self._pool is not None else "closed"
+        return f"<PostgresServerStore {redact_dsn(self.dsn)} schema={self.schema} {state}>"
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def open(self) -> None:
+        """Create the pool and migrate the schema; call once before anything else.
+
+        Raises ``StorageUnavailable`` when the database cannot be reached (nothing is left
+        open then) and ``StorageError`` when its schema is newer than this build.
+        """
+        if self._pool is not None:
+            raise InvalidState("store is already open")
+        where = f"cannot open PostgreSQL at {redact_dsn(self.dsn)}"
+        try:
+            self._pool = await asyncpg.create_pool(
+                self.dsn,
+                min_size=self.pool_min,
+                max_size=self.pool_max,
+                timeout=self.connect_timeout,
+                server_settings={
+                    "application_name": self.application_name,
+                    "statement_timeout": str(self.statement_timeout_ms),
+                    "idle_in_transaction_session_timeout": str(self.idle_in_transaction_timeout_ms),
+                },
+            )
+            async with self._pool.acquire(timeout=self.acquire_timeout) as conn:
+                self.migrated = await _migrate_conn(conn, self.schema)
+        except BaseException as exc:
+            await self.close()
+            if isinstance(exc, _DATABASE_ERRORS):
+                raise _translate(exc, where) from exc
+            raise
+
+    async def close(self) -> None:
+        """Close the pool; idempotent, and finishes even if the caller is cancelled.
+
+        Waits up to ``acquire_timeout`` for in-flight calls to give their connections back,
+        then terminates whatever is left.
+        """
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await asyncio.shield(self._close_pool(pool))
+
+    async def _close_pool(self, pool: Any) -> None:
+        try:
+            async with asyncio.timeout(self.acquire_timeout):
+                await pool.close()
+        except _CLOSE_ERRORS as exc:
+            log.warning("closing the pool of %r failed (%s); terminating it", self, exc)
+            pool.terminate()
+
+    def _require(self) -> Any:
+        if self._pool is None:
+            raise InvalidState("store is not open: use `async with` or call open() first")
+        return self._pool
+
+    # -- transactions ------------------------------------------------------------------------
+
+    def _wrap_tx(self, tx: StoreTx) -> StoreTx:
+        """Hook: the ``StoreTx`` a push runs against. Tests override it to inject faults."""
+        return tx
+
+    async def _run(
+        self, doing: str, body: Callable[[Any], Awaitable[T]], *, transaction: bool
+    ) -> T:
+        """Run ``body`` on a pool connection; database failures become ``StorageUnavailable``.
+
+        With ``transaction``, ``body`` runs in one READ COMMITTED transaction, committed when
+        it returns and rolled back when it raises; the error ``body`` raised is the one that
+        propagates (a cancellation stays a cancellation) even if the rollback fails too.
+
+        A pooled connection may have died while idle (the server restarted, an admin
+        terminated it) without the pool noticing yet. Such a connection is terminated, never
+        reused, and the call is retried ONCE on a fresh connection, but only when nothing can
+        have been written: a read, or a transaction that failed at BEGIN. A failure later in
+        a transaction is never retried here: the device retries the push, idempotently.
+        """
+        retried = False
+        while True:
+            pool = self._require()
+            try:
+                async with pool.acquire(timeout=self.acquire_timeout) as conn:
+                    began = False
+                    try:
+                        if not transaction:
+                            return await body(conn)
+                        tx = conn.transaction()
+                        await tx.start()
+                        began = True
+                        try:
+                            result = await body(conn)
+                        except BaseException:
+                            await asyncio.shield(_rollback(conn, tx))
+                            raise
+                        await tx.commit()
+                        return result
+                    except _BROKEN as exc:
+                        _discard(conn)
+                        if retried or (transaction and began):
+                            raise
+                        retried = True
+                        log.info("%s: stale pool connection (%s); retrying once", doing, exc)
+            except _DATABASE_ERRORS as exc:
+                raise _translate(exc, doing) from exc
+
+    # -- ServerStore -------------------------------------------------------------------------
+
+    async def healthy(self) -> bool:
+        if self._pool is None:
+            return False
+        try:
+            await self._run(
+                "health check", lambda conn: conn.fetchval("SELECT 1"), transaction=False
+            )
+        except (StorageUnavailable, InvalidState):
+            return False
+        return True
+
+    async def client_state(self, tenant: Tenant, client_id: str) -> tuple[int, int]:
+        row = await self._run(
+            "cannot read client state",
+            lambda conn: conn.fetchrow(
+                self._sql.client_state, tenant.org_id, tenant.user_id, client_id
+            ),
+            transaction=False,
+        )
+        return int(row[0]), int(row[1])
+
+    async def push(
+        self, tenant: Tenant, client_id: str, changes: list[Change], clock: HybridClock
+    ) -> PushResult:
+        async def body(conn: Any) -> PushResult:
+            tx = self._wrap_tx(_PostgresTx(conn, self._sql, self.schema))
+            result = await apply_push(tx, tenant, client_id, changes, clock, clock.client_id)
+            if result.cursors:
+                if self.feed_retention is not None:
+                    await self._retain(conn, tenant, self.feed_retention)
+                # Delivered at COMMIT, in commit order; never if this transaction rolls back.
+                payload = json.dumps(
+                    {
+                        "schema": self.schema,
+                        "org": tenant.org_id,
+                        "user": tenant.user_id,
+                        "from": min(result.cursors) - 1,
+                        "to": max(result.cursors),
+                        "server": clock.client_id,
+                    },
+                    separators=(",", ":"),
+                )
+                await conn.execute(self._sql.notify, NOTIFY_CHANNEL, payload)
+            return result
+
+        return await self._run("push failed, rolled back", body, transaction=True)
+
+    async def _retain(self, conn: Any, tenant: Tenant, keep: int) -> None:
+        cursor = await conn.fetchval(self._sql.retain_cursor, tenant.org_id, tenant.user_id, keep)
+        if cursor is not None:
+            await _compact(conn, self._sql, tenant, int(cursor))
+
+    async def pull(self, tenant: Tenant, cursor: int, limit: int) -> PullResult:
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        limit = min(limit, self.max_pull_limit)
+        rows = await self._run(
+            "pull failed",
+            lambda conn: conn.fetch(
+                self._sql.pull, tenant.org_id, tenant.user_id, cursor, limit + 1
+            ),
+            transaction=False,
+        )
+        floor = int(rows[0][0])
+        if cursor < floor:
+            raise CursorTooOld(
+                f"cursor {cursor} predates the retained feed (floor {floor}): resync"
+            )
+        entries = sorted((int(r[1]), bytes(r[2])) for r in rows if r[1] is not None)
+        changes = [FeedChange(cursor=c, record=_decode(c, b)) for c, b in entries[:limit]]
+        return PullResult(
+            changes=changes,
+            to_cursor=changes[-1].cursor if changes else cursor,
+            more=len(entries) > limit,
+        )
+
+    async def head_cursor(self, tenant: Tenant) -> int:
+        return await self._run(
+            "cannot read the head cursor",
+            lambda conn: _head(conn, self._sql, tenant),
+            transaction=False,
+        )
+
+    async def compact_feed(self, tenant: Tenant, keep_after_cursor: int) -> int:
+        async def body(conn: Any) -> int:
+            # Under the tenant's lock: a push cannot append while the floor moves.
+            await conn.execute(self._sql.lock_tenant, tenant_lock_key(self.schema, tenant))
+            return await _compact(conn, self._sql, tenant, keep_after_cursor)
+
+        return await self._run("compaction failed, rolled back", body, transaction=True)
+
+
+async def _rollback(conn: Any, tx: Any) -> None:
+    """Roll ``tx`` back; if the connection is too broken to, terminate it (never reused)."""
+    try:
+        await tx.rollback()
+    except _DATABASE_ERRORS as exc:
+        log.warning("rollback failed (%s: %s); terminating the connection", type(exc).__name__, exc)
+        _discard(conn)
+
+
+def _discard(conn: Any) -> None:
+    """Terminate a pool connection so that it is never reused (the pool replaces it)."""
+    with contextlib.suppress(asyncpg.InterfaceError):  # already released: nothing to do
+        conn.terminate()
+
+
+def _decode(cursor: int, body: bytes) -> Record:
+    try:
+        return decode_record(body)
+    except msgspec.DecodeError as exc:
+        raise StorageError(f"corrupt feed entry at cursor {cursor}") from exc

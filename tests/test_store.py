@@ -1,0 +1,429 @@
+"""Local stores: the conformance suite against both adapters, then SQLite-only behaviour
+(durability, pragmas, migrations, corruption, transactions, locking, lifecycle)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import sqlite3
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# The suite lives outside a test module: ask pytest to rewrite its asserts too.
+pytest.register_assert_rewrite("tests.store_conformance")
+
+from pleach_client.store import MemoryAdapter, SQLiteAdapter, StorageAdapter  # noqa: E402
+from pleach_client.store import sqlite as sqlite_module  # noqa: E402
+from pleach_client.store.sqlite import QUERIES, SCHEMA_VERSION  # noqa: E402
+from shared.errors import InvalidState, StorageError  # noqa: E402
+from shared.records import Record  # noqa: E402
+from tests.factories import make_event, make_message, make_session  # noqa: E402
+from tests.store_conformance import (  # noqa: E402
+    StoreConformance,
+    commit,
+    one_of_each,
+    read_back,
+)
+
+TABLES = {
+    "sessions",
+    "messages",
+    "checkpoints",
+    "events",
+    "audit",
+    "artifact_updates",
+    "outbox",
+    "dead_letters",
+    "sync_state",
+}
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[StorageAdapter]:
+    adapter: StorageAdapter
+    if request.param == "memory":
+        adapter = MemoryAdapter()
+    else:
+        adapter = SQLiteAdapter(tmp_path / "x.db")
+    await adapter.open()
+    try:
+        yield adapter
+    finally:
+        await adapter.close()
+
+
+class TestStoreConformance(StoreConformance):
+    pass
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "x.db"
+
+
+@pytest.fixture
+async def sqlite_store(db_path: Path) -> AsyncIterator[SQLiteAdapter]:
+    async with SQLiteAdapter(db_path) as adapter:
+        yield adapter
+
+
+def raw(path: Path) -> sqlite3.Connection:
+    """A plain sqlite3 connection in autocommit mode, to inspect or damage a file."""
+    return sqlite3.connect(path, isolation_level=None)
+
+
+def test_durability_flags() -> None:
+    assert MemoryAdapter.durable is False
+    assert SQLiteAdapter.durable is True
+
+
+# -- durability ---------------------------------------------------------------------------
+
+
+async def test_data_survives_close_and_reopen(db_path: Path) -> None:
+    records = one_of_each()
+    async with SQLiteAdapter(db_path) as store:
+        await commit(store, *records, meta={"cursor": "12"})
+        await store.outbox_dead_letter(2, 3007, "invalid")
+        await store.outbox_mark_attempt([3], 3009, "unavailable")
+        await store.outbox_remove([1, 4, 5, 6])
+    async with SQLiteAdapter(db_path) as store:
+        for record in records:
+            assert await read_back(store, record) == record
+        assert await store.get_meta("cursor") == "12"
+        (entry,) = await store.outbox_pending()
+        assert (entry.client_seq, entry.attempts, entry.last_error_code) == (3, 1, 3009)
+        (letter,) = await store.dead_letters()
+        assert (letter.client_seq, letter.record) == (2, records[1])
+        # Sequence numbers continue after the largest ever used, not the largest still queued.
+        assert (await commit(store, make_session())).client_seqs == [7]
+        assert await store.retry_dead_letter(2) == 8
+
+
+# -- pragmas and lifecycle ----------------------------------------------------------------
+
+
+async def test_wal_and_synchronous_normal_by_default(sqlite_store: SQLiteAdapter) -> None:
+    assert await sqlite_store.settings() == {
+        "journal_mode": "wal",
+        "synchronous": "NORMAL",
+        "busy_timeout_ms": 5000,
+        "schema_version": SCHEMA_VERSION,
+    }
+
+
+async def test_synchronous_full_and_busy_timeout(db_path: Path) -> None:
+    async with SQLiteAdapter(db_path, synchronous="FULL", busy_timeout_ms=1234) as store:
+        settings = await store.settings()
+    assert settings["synchronous"] == "FULL"
+    assert settings["busy_timeout_ms"] == 1234
+    assert settings["journal_mode"] == "wal"
+
+
+def test_bad_settings_are_refused(db_path: Path) -> None:
+    with pytest.raises(ValueError, match="synchronous"):
+        SQLiteAdapter(db_path, synchronous="OFF")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="busy_timeout_ms"):
+        SQLiteAdapter(db_path, busy_timeout_ms=-1)
+
+
+async def test_unopenable_path_raises_storage_error(tmp_path: Path) -> None:
+    store = SQLiteAdapter(tmp_path / "missing-dir" / "x.db")
+    with pytest.raises(StorageError, match="open"):
+        await store.open()
+    with pytest.raises(InvalidState):
+        await store.get_meta("cursor")
+
+
+async def test_store_dropped_while_open_warns(db_path: Path) -> None:
+    store = SQLiteAdapter(db_path)
+    await store.open()
+    conn = store._conn
+    assert conn is not None
+    with pytest.warns(ResourceWarning, match="unclosed"):
+        del store
+        gc.collect()
+    await conn.close()
+
+
+async def test_close_completes_when_the_caller_is_cancelled(db_path: Path) -> None:
+    store = SQLiteAdapter(db_path)
+    await store.open()
+    session = make_session()
+    await commit(store, session)
+    conn = store._conn
+    assert conn is not None
+    started = asyncio.Event()
+
+    async def closer() -> None:
+        started.set()
+        await store.close()  # runs on until it suspends inside the shielded close
+
+    task = asyncio.create_task(closer())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await store.close()  # waits for the close already under way
+    with pytest.raises(ValueError):  # aiosqlite: the connection is gone
+        await conn.execute("SELECT 1")
+    async with SQLiteAdapter(db_path) as again:
+        assert await again.get_session(session.id) == session
+
+
+async def test_close_waits_for_the_commit_in_progress(db_path: Path) -> None:
+    store = SQLiteAdapter(db_path)
+    await store.open()
+    session = make_session()
+    # gather starts the commit first: it is inside its transaction when close() begins.
+    receipt, _ = await asyncio.gather(commit(store, session), store.close())
+    assert receipt.client_seqs == [1]
+    async with SQLiteAdapter(db_path) as again:
+        assert await again.get_session(session.id) == session
+        assert await again.outbox_count() == 1
+
+
+# -- migrations ---------------------------------------------------------------------------
+
+
+def _schema(path: Path) -> list[tuple[str, str]]:
+    conn = raw(path)
+    try:
+        rows = conn.execute("SELECT name, sql FROM sqlite_master ORDER BY name").fetchall()
+    finally:
+        conn.close()
+    return [(str(name), str(sql)) for name, sql in rows]
+
+
+def _user_version(path: Path) -> int:
+    conn = raw(path)
+    try:
+        return int(conn.execute("PRAGMA user_version").fetchone()[0])
+    finally:
+        conn.close()
+
+
+async def test_fresh_file_gets_the_current_schema(db_path: Path) -> None:
+    async with SQLiteAdapter(db_path):
+        pass
+    assert _user_version(db_path) == SCHEMA_VERSION
+    names = {name for name, _ in _schema(db_path)}
+    assert names >= TABLES
+
+
+async def test_reopening_is_idempotent(db_path: Path) -> None:
+    session = make_session()
+    async with SQLiteAdapter(db_path) as store:
+        await commit(store, session)
+    before = _schema(db_path)
+    for _ in range(2):
+        async with SQLiteAdapter(db_path) as store:
+            assert await store.get_session(session.id) == session
+    assert _schema(db_path) == before
+    assert _user_version(db_path) == SCHEMA_VERSION
+
+
+async def test_newer_schema_is_refused_untouched(db_path: Path) -> None:
+    conn = raw(db_path)
+    conn.execute("CREATE TABLE future (x)")
+    conn.execute("PRAGMA user_version = 99")
+    conn.close()
+    store = SQLiteAdapter(db_path)
+    with pytest.raises(StorageError, match=r"schema version 99, newer than .* upgrade pleach"):
+        await store.open()
+    assert _user_version(db_path) == 99
+    assert [name for name, _ in _schema(db_path)] == ["future"]
+    conn = raw(db_path)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal"
+    conn.close()
+
+
+async def test_failed_migration_changes_nothing(db_path: Path) -> None:
+    conn = raw(db_path)
+    conn.execute("CREATE TABLE outbox (x)")  # collides with a table of step 1
+    conn.close()
+    with pytest.raises(StorageError, match="outbox"):
+        await SQLiteAdapter(db_path).open()
+    assert _user_version(db_path) == 0
+    assert [name for name, _ in _schema(db_path)] == ["outbox"]
+
+
+# -- corruption and integrity -------------------------------------------------------------
+
+
+async def test_corrupt_rows_raise_storage_error_naming_table_and_id(db_path: Path) -> None:
+    session, message = make_session(), make_message()
+    async with SQLiteAdapter(db_path) as store:
+        await commit(store, session, message)
+        await store.outbox_dead_letter(2, 3007, "invalid")
+    conn = raw(db_path)
+    conn.execute("UPDATE sessions SET body = x'c1ff00' WHERE id = ?", (session.id,))
+    # A well-formed body of the wrong kind is corrupt too.
+    conn.execute(
+        "UPDATE messages SET body = (SELECT body FROM outbox WHERE client_seq = 1) WHERE id = ?",
+        (message.id,),
+    )
+    conn.execute("UPDATE outbox SET body = x'c1'")
+    conn.execute("UPDATE dead_letters SET body = 'text, not msgpack'")
+    conn.close()
+    async with SQLiteAdapter(db_path) as store:
+        with pytest.raises(StorageError, match=rf"corrupt row in sessions \(id '{session.id}'\)"):
+            await store.get_session(session.id)
+        with pytest.raises(StorageError, match="sessions"):
+            await store.list_sessions()
+        with pytest.raises(StorageError, match=rf"messages \(id '{message.id}'\)"):
+            await store.get_messages([message.id])
+        with pytest.raises(StorageError, match=r"outbox \(id 1\)"):
+            await store.outbox_pending()
+        with pytest.raises(StorageError, match=r"dead_letters \(id 2\)"):
+            await store.dead_letters()
+        assert await store.integrity_check() == []  # the file itself is sound
+
+
+async def test_integrity_check_after_writes(sqlite_store: SQLiteAdapter) -> None:
+    for _ in range(20):
+        await commit(sqlite_store, *one_of_each(), meta={"cursor": "1"})
+    await sqlite_store.outbox_remove(list(range(1, 60)))
+    await sqlite_store.gdpr_soft_delete("alice")
+    assert await sqlite_store.integrity_check() == []
+
+
+# -- transactions -------------------------------------------------------------------------
+
+
+async def test_commit_is_one_transaction(sqlite_store: SQLiteAdapter) -> None:
+    conn = sqlite_store._conn
+    assert conn is not None
+    statements: list[str] = []
+    await conn.set_trace_callback(statements.append)
+    before = conn.total_changes
+    records: list[Record] = [make_message(session_id="s") for _ in range(50)]
+    records += [make_event(session_id="s", sequence_number=n) for n in range(20)]
+    await commit(sqlite_store, make_session(id="s"), *records, meta={"cursor": "3"})
+    await conn.set_trace_callback(None)  # type: ignore[arg-type]  # sqlite3 takes None
+    verbs = [statement.split()[0].upper() for statement in statements]
+    assert verbs.count("BEGIN") == 1
+    assert verbs.count("COMMIT") == 1
+    assert "ROLLBACK" not in verbs
+    # 71 records, 71 outbox rows and one meta key, all in that one transaction.
+    assert conn.total_changes - before == 71 + 71 + 1
+
+
+class _CountingConnection:
+    """Counts the awaited calls made on an aiosqlite connection."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+async def test_round_trips_do_not_grow_with_the_batch(sqlite_store: SQLiteAdapter) -> None:
+    async def calls_for(size: int) -> Counter[str]:
+        proxy = _CountingConnection(sqlite_store._conn)
+        sqlite_store._conn = proxy  # type: ignore[assignment]
+        try:
+            await commit(
+                sqlite_store,
+                make_session(),
+                *(make_message() for _ in range(size)),
+                *(make_event() for _ in range(size)),
+                meta={"cursor": str(size)},
+            )
+        finally:
+            sqlite_store._conn = proxy.inner
+        return proxy.calls
+
+    small, large = await calls_for(2), await calls_for(300)
+    assert small == large
+    # One executemany per table touched (3), the outbox and the meta keys.
+    assert large["executemany"] == 5
+
+
+async def test_failure_mid_transaction_rolls_everything_back(sqlite_store: SQLiteAdapter) -> None:
+    session, message = make_session(), make_message()
+    # Encodes fine (msgpack uint64), but does not fit SQLite's INTEGER: fails at the events
+    # insert, after the session and message rows were written inside the transaction.
+    bad = make_event(sequence_number=2**63)
+    with pytest.raises(StorageError) as info:
+        await commit(sqlite_store, session, message, bad, meta={"cursor": "1"})
+    assert info.value.retryable is False
+    assert await sqlite_store.get_session(session.id) is None
+    assert await sqlite_store.get_messages([message.id]) == []
+    assert await sqlite_store.get_meta("cursor") is None
+    assert await sqlite_store.outbox_count() == 0
+    assert (await commit(sqlite_store, session)).client_seqs == [1]
+
+
+async def test_constraint_violation_is_a_storage_error(sqlite_store: SQLiteAdapter) -> None:
+    session = make_session()
+    with pytest.raises(StorageError, match="NOT NULL") as info:
+        await commit(sqlite_store, session, make_message(session_id=None))
+    assert info.value.retryable is False
+    assert await sqlite_store.get_session(session.id) is None
+
+
+async def test_locked_database_is_a_retryable_storage_error(db_path: Path) -> None:
+    session = make_session()
+    async with SQLiteAdapter(db_path, busy_timeout_ms=0) as store:
+        other = raw(db_path)
+        other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+        try:
+            with pytest.raises(StorageError, match="locked") as info:
+                await commit(store, session)
+            assert info.value.retryable is True
+            assert await store.outbox_count() == 0  # reads still work under WAL
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        assert (await commit(store, session)).client_seqs == [1]
+
+
+# -- query plans --------------------------------------------------------------------------
+
+
+# The outbox and dead letters are read whole, in rowid (client_seq) order: no index needed.
+WHOLE_TABLE_READS = {"SCAN outbox", "SCAN dead_letters"}
+
+
+def _plan_problems(conn: sqlite3.Connection, sql: str) -> list[str]:
+    params = [None] * sql.count("?")
+    details = [row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + sql, params)]
+    return [
+        detail
+        for detail in details
+        if "TEMP B-TREE" in detail
+        or (
+            detail.startswith("SCAN ")
+            and "USING" not in detail
+            and "json_each" not in detail
+            and detail not in WHOLE_TABLE_READS
+        )
+    ]
+
+
+async def test_every_query_uses_an_index(db_path: Path) -> None:
+    async with SQLiteAdapter(db_path):
+        pass
+    statements = dict(QUERIES)
+    statements["purge_checkpoints"] = sqlite_module._PURGE_CHECKPOINTS
+    conn = raw(db_path)
+    try:
+        problems = {name: _plan_problems(conn, sql) for name, sql in statements.items()}
+    finally:
+        conn.close()
+    assert {name: found for name, found in problems.items() if found} == {}

@@ -1,0 +1,350 @@
+"""Multi-device sync end to end: a real server on a free loopback port, real runtimes on
+SQLite files, real websockets. Waits are on conditions (``wait_until_synced``, events)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from pleach_client.providers.scripted import ScriptedProvider
+from pleach_client.runtime import SessionRuntime
+from pleach_client.store.base import WriteBatch
+from pleach_client.store.sqlite import SQLiteAdapter
+from pleach_client.stream import StreamEventBase
+from pleach_server.auth import issue_token
+from pleach_server.server import SyncServer
+from pleach_server.store import ServerStore, SQLiteServerStore, Tenant
+from shared.clock import HybridClock
+from shared.ids import uuid7
+from shared.records import Message
+
+SECRET = b"test-secret-for-sync"
+ALICE = Tenant(org_id="acme", user_id="alice")
+
+
+class Cluster:
+    """A server and the devices connected to it, torn down together."""
+
+    def __init__(self, tmp: Path, stack: AsyncExitStack) -> None:
+        self.tmp = tmp
+        self.stack = stack
+        self.store: ServerStore | None = None
+        self.server: SyncServer | None = None
+        self.port = 0
+
+    async def start_server(self, store: ServerStore | None = None) -> SyncServer:
+        if store is None:
+            store = SQLiteServerStore(self.tmp / "server.db")
+            await store.open()
+        self.store = store
+        self.server = SyncServer(store, port=self.port, secret=SECRET)
+        await self.server.start()
+        self.port = self.server.port
+        return self.server
+
+    async def stop_server(self) -> None:
+        assert self.server is not None and self.store is not None
+        await self.server.shutdown()
+        await self.store.close()
+        self.server = None
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/sync"
+
+    def token(self, tenant: Tenant = ALICE, ttl: int | None = 3600,
+              now: float | None = None) -> str:
+        return issue_token(SECRET, tenant, ttl, now=now)
+
+    async def device(self, name: str, tenant: Tenant = ALICE) -> SessionRuntime:
+        rt = SessionRuntime(SQLiteAdapter(self.tmp / f"{name}.db"), ScriptedProvider(),
+                            user_id=tenant.user_id, org_id=tenant.org_id, client_id=name)
+        await self.stack.enter_async_context(rt)
+        rt.sync.backoff_initial = 0.01
+        rt.sync.backoff_max = 0.2
+        return rt
+
+    async def online(self, *devices: SessionRuntime) -> None:
+        for rt in devices:
+            await rt.sync.connect(self.url, self.token(Tenant(org_id=rt.org_id,
+                                                              user_id=rt.user_id)))
+        await self.settle(*devices)
+
+    async def settle(self, *devices: SessionRuntime) -> None:
+        for _ in range(3):  # each device's pushes reach the others live; go round twice
+            for rt in devices:
+                assert await rt.sync.wait_until_synced(20), await rt.sync.status()
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    async with AsyncExitStack() as stack:
+        c = Cluster(tmp_path, stack)
+        await c.start_server()
+        try:
+            yield c
+        finally:
+            await stack.aclose()
+            if c.server is not None:
+                await c.stop_server()
+
+
+async def chat(rt: SessionRuntime, session_id: str, text: str) -> list[StreamEventBase]:
+    return [e async for e in rt.execute_message(session_id, text)]
+
+
+async def snapshot(rt: SessionRuntime, session_id: str) -> dict[str, Any]:
+    row = await rt.store.get_session(session_id)
+    assert row is not None
+    events = await rt.store.list_events(session_id)
+    return {
+        "messages": row.state.message_ids,
+        "head": row.head_checkpoint_id,
+        "vv": row.vv,
+        "checkpoints": [c.id for c in await rt.checkpoints.list(session_id)],
+        "events": [(e.id, e.sequence_number, e.row_hash) for e in events],
+        "audit": sorted(r.id for r in await rt.audit.rows(session_id)),
+    }
+
+
+async def test_two_offline_devices_converge(cluster: Cluster) -> None:
+    laptop = await cluster.device("laptop")
+    phone = await cluster.device("phone")
+    status = await laptop.sync.status()
+    assert status.state == "offline" and not status.has_synced
+    session = await laptop.create_session(title="plane")
+    await chat(laptop, session.id, "written on a plane")
+    await chat(laptop, session.id, "still offline")
+    offline = await laptop.sync.status()
+    assert offline.pending > 0 and offline.state == "offline"
+    stuck = await laptop.sync.flush_outbox()
+    assert stuck.outcome == "all-stuck" and stuck.failed_entries
+    assert "offline" in stuck.failed_entries[0].message
+
+    other = await phone.create_session(title="phone notes")
+    await chat(phone, other.id, "from the phone")
+    await cluster.online(laptop, phone)
+
+    for sid in (session.id, other.id):
+        a, b = await snapshot(laptop, sid), await snapshot(phone, sid)
+        assert a == b
+        assert all(seq == i + 1 for i, (_, seq, _) in enumerate(a["events"]))
+        assert (await laptop.events.verify_chain(sid)).ok
+        assert (await phone.events.verify_chain(sid)).ok
+    laptop_status = await laptop.sync.status()
+    assert laptop_status.pending == 0 and laptop_status.has_synced
+    assert laptop_status.state == "connected" and laptop_status.cursor > 0
+
+    # The phone continues the laptop's conversation; the laptop gets it live.
+    resumed = await phone.resume_session(session.id)
+    assert len(resumed.message_ids) == 4
+    await chat(phone, session.id, "continued on the phone")
+    await cluster.settle(phone, laptop)
+    assert await snapshot(laptop, session.id) == await snapshot(phone, session.id)
+    texts = [m.content[0].get("text") for m in await laptop.sessions.messages(session.id)
+             if m.role == "user"]
+    assert texts == ["written on a plane", "still offline", "continued on the phone"]
+
+
+async def test_concurrent_edits_fork_and_resolve(cluster: Cluster) -> None:
+    laptop = await cluster.device("laptop")
+    phone = await cluster.device("phone")
+    session = await laptop.create_session(title="shared")
+    await chat(laptop, session.id, "hello")
+    await cluster.online(laptop, phone)
+    await laptop.sync.disconnect()
+    await phone.sync.disconnect()
+
+    await chat(laptop, session.id, "laptop edit")
+    await chat(phone, session.id, "phone edit")
+    conflicts: dict[str, list[Any]] = {"laptop": [], "phone": []}
+    laptop.events.on("sync.conflict", conflicts["laptop"].append)
+    phone.events.on("sync.conflict", conflicts["phone"].append)
+
+    await cluster.online(laptop)
+    await phone.sync.connect(cluster.url, cluster.token())
+    await cluster.settle(phone, laptop)
+    assert len(conflicts["phone"]) == 1 and len(conflicts["laptop"]) == 1
+    event = conflicts["phone"][0]
+    assert event.session_id == session.id
+    paths = {p.path for p in event.conflicted_paths}
+    assert "state.message_ids" in paths and "head_checkpoint_id" in paths
+    fork_id = event.fork_session_id
+
+    for rt in (laptop, phone):
+        fork = await rt.sessions.find(fork_id)
+        assert fork is not None and fork.forked_from == session.id
+        assert fork.conflict_id == event.conflict_id
+    assert await snapshot(laptop, session.id) == await snapshot(phone, session.id)
+    assert await snapshot(laptop, fork_id) == await snapshot(phone, fork_id)
+    # Nothing was lost: both edits exist, one on the session, the other on the fork.
+    texts = set()
+    for sid in (session.id, fork_id):
+        for m in await laptop.sessions.messages(sid):
+            texts.add(m.content[0].get("text"))
+    assert {"laptop edit", "phone edit"} <= texts
+
+    winner_before = (await laptop.store.get_session(session.id)).state.message_ids  # type: ignore[union-attr]
+    loser_side = (await phone.store.get_session(fork_id)).conflict_loser_side  # type: ignore[union-attr]
+    assert loser_side in ("local", "remote")
+    receipt = await phone.sync.resolve_conflict(session.id, event.conflict_id, loser_side)
+    assert receipt.resolved and receipt.swapped and receipt.resolution == loser_side
+    await cluster.settle(phone, laptop)
+    for rt in (laptop, phone):
+        now = await rt.store.get_session(session.id)
+        fork = await rt.store.get_session(fork_id)
+        assert now is not None and fork is not None
+        assert fork.state.message_ids == winner_before
+        assert now.state.message_ids != winner_before
+    assert await snapshot(laptop, session.id) == await snapshot(phone, session.id)
+    again = await phone.sync.resolve_conflict(session.id, event.conflict_id, loser_side)
+    assert again.resolved and not again.swapped
+
+
+async def test_poisoned_change_is_dead_lettered_and_the_queue_goes_on(cluster: Cluster) -> None:
+    laptop = await cluster.device("laptop")
+    session = await laptop.create_session()
+    await chat(laptop, session.id, "before")
+    clock = HybridClock("laptop")
+    foreign = Message(id=uuid7(), session_id=session.id, org_id="other-org", user_id="mallory",
+                      client_id="laptop", hlc=clock.now(), role="user",
+                      content=[{"type": "text", "text": "not mine"}])
+    await laptop.store.commit(WriteBatch(records=[foreign]))
+    await chat(laptop, session.id, "after")
+    await laptop.sync.connect(cluster.url, cluster.token())
+    # The background loop flushes on connect: wait for the queue to drain.
+    assert await laptop.sync.wait_until_synced(20)
+    status = await laptop.sync.status()
+    assert status.pending == 0 and status.dead_letters == 1
+    dead = await laptop.sync.dead_letters()
+    assert dead[0].code == 3002 and dead[0].record.id == foreign.id
+    phone = await cluster.device("phone")
+    await cluster.online(phone)
+    assert len(await phone.sessions.messages(session.id)) == 4
+    await laptop.sync.disconnect()
+    assert await laptop.sync.discard_dead_letter(dead[0].client_seq)
+    assert (await laptop.sync.status()).dead_letters == 0
+
+
+async def test_flush_receipt_outcomes(cluster: Cluster) -> None:
+    laptop = await cluster.device("laptop")
+    session = await laptop.create_session()
+    receipt = await laptop.sync.sync_once(cluster.url, cluster.token())
+    assert receipt.outcome == "all-flushed" and receipt.flushed == receipt.pending_before > 0
+    assert receipt.pending_after == 0
+    again = await laptop.sync.sync_once(cluster.url, cluster.token())
+    assert again.outcome == "none-pending"
+    clock = HybridClock("laptop")
+    bad = Message(id=uuid7(), session_id=session.id, org_id="x", user_id="y",
+                  client_id="laptop", hlc=clock.now(), role="user", content=[])
+    await laptop.store.commit(WriteBatch(records=[bad]))
+    await chat(laptop, session.id, "fine")
+    partial = await laptop.sync.sync_once(cluster.url, cluster.token())
+    assert partial.outcome == "partial" and partial.failed_entries[0].code == 3002
+    assert partial.flushed > 0 and partial.pending_after == 0
+
+
+async def test_lost_push_ack_is_not_duplicated(cluster: Cluster) -> None:
+    assert cluster.store is not None
+    inner = cluster.store
+    committed = asyncio.Event()
+    release = asyncio.Event()
+
+    class AckEater:
+        """Commits the push, then never answers until released: the ack is lost."""
+
+        armed = True
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(inner, name)
+
+        async def push(self, *args: Any) -> Any:
+            result = await inner.push(*args)
+            if self.armed:
+                self.armed = False
+                committed.set()
+                await release.wait()
+            return result
+
+    await cluster.server.shutdown()  # type: ignore[union-attr]
+    await cluster.start_server(AckEater())  # type: ignore[arg-type]
+    laptop = await cluster.device("laptop")
+    session = await laptop.create_session()
+    await chat(laptop, session.id, "exactly once")
+    queued = sorted(e.record.id for e in await laptop.store.outbox_pending(1000))
+    try:
+        await laptop.sync.connect(cluster.url, cluster.token())
+        async with asyncio.timeout(20):
+            await committed.wait()
+        for conn in list(cluster.server.connections):  # type: ignore[union-attr]
+            conn.ws.transport.abort()  # the connection dies after the commit, before the ack
+        assert await laptop.sync.wait_until_synced(20)
+    finally:
+        release.set()
+    phone = await cluster.device("phone")
+    await cluster.online(phone)
+    changes = (await inner.pull(ALICE, 0, 10_000)).changes
+    assert sorted(c.record.id for c in changes) == queued  # each change exactly once
+    assert await snapshot(phone, session.id) == await snapshot(laptop, session.id)
+
+
+async def test_server_restart_between_batches(cluster: Cluster) -> None:
+    laptop = await cluster.device("laptop")
+    laptop.sync.batch_size = 5
+    session = await laptop.create_session()
+    await chat(laptop, session.id, "first")
+    await cluster.online(laptop)
+    await cluster.stop_server()
+    await chat(laptop, session.id, "while the server was down")
+    await cluster.start_server()
+    assert await laptop.sync.wait_until_synced(20)
+    await chat(laptop, session.id, "after the restart")
+    assert await laptop.sync.wait_until_synced(20)
+    phone = await cluster.device("phone")
+    await cluster.online(phone)
+    assert await snapshot(phone, session.id) == await snapshot(laptop, session.id)
+    assert cluster.store is not None
+    feed = (await cluster.store.pull(ALICE, 0, 10_000)).changes
+    ids = [c.record.id for c in feed if type(c.record).__name__ != "Session"]
+    assert len(ids) == len(set(ids)), "an immutable record was applied twice"
+    versions = [(c.record.id, c.record.vv) for c in feed if type(c.record).__name__ == "Session"]
+    assert len(versions) == len({(i, tuple(sorted(v.items()))) for i, v in versions})
+
+
+async def test_bad_tokens_need_auth_and_tenants_are_isolated(cluster: Cluster) -> None:
+    laptop = await cluster.device("laptop")
+    await laptop.sync.connect(cluster.url, "forged.token")
+    assert await _until(laptop, lambda: laptop.sync._state == "needs-auth")
+    status = await laptop.sync.status()
+    assert status.state == "needs-auth" and status.last_error_code == 3001
+    await laptop.sync.connect(cluster.url, cluster.token(ttl=60, now=time.time() - 7200))
+    assert await _until(laptop, lambda: laptop.sync._state == "needs-auth")
+
+    bob = Tenant(org_id="acme", user_id="bob")
+    bobs = await cluster.device("bobs-phone", tenant=bob)
+    secret_session = await laptop.create_session(title="alice only")
+    await cluster.online(laptop, bobs)
+    assert await bobs.sessions.find(secret_session.id) is None
+    assert await bobs.sessions.list() == []
+
+
+async def _until(rt: SessionRuntime, predicate: Callable[[], bool],
+                 timeout: float = 10.0) -> bool:
+    """Wait on the sync facet's state-change condition until ``predicate`` holds."""
+    try:
+        async with asyncio.timeout(timeout):
+            async with rt.sync._changed:
+                await rt.sync._changed.wait_for(predicate)
+    except TimeoutError:
+        return False
+    return True
+
+
+_ = msgspec
