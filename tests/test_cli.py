@@ -1,0 +1,56 @@
+"""The ``pleach`` command as a user runs it: real subprocesses, real files."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pleach(*args: str, env: dict[str, str] | None = None, stdin: str = "") -> tuple[int, str, str]:
+    base = {k: v for k, v in os.environ.items() if k != "ANTHROPIC_API_KEY"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pleach_client.cli", *args],
+        input=stdin, capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env={**base, "PYTHONPATH": str(ROOT), **(env or {})},
+    )
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_chat_without_key_says_so_in_one_line(tmp_path: Path) -> None:
+    code, out, err = pleach("--db", str(tmp_path / "d.db"), "chat", "-m", "hi")
+    assert code == 2
+    assert "ANTHROPIC_API_KEY is not set" in err and "--offline" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_offline_chat_sessions_and_events(tmp_path: Path) -> None:
+    db = str(tmp_path / "d.db")
+    code, out, _ = pleach("--db", db, "chat", "--offline", "-m", "hello", "-m", "2 more")
+    assert code == 0 and "You said: hello" in out
+    session_id = re.search(r"new session (\S+)", out).group(1)  # type: ignore[union-attr]
+    code, out, _ = pleach("--db", db, "chat", "--offline", "--session", session_id,
+                          stdin="from stdin\n/quit\n")
+    assert code == 0 and "resumed session" in out and "You said: from stdin" in out
+    code, out, _ = pleach("--db", db, "sessions", "list")
+    assert session_id in out and "6 messages" in out
+    code, out, _ = pleach("--db", db, "sessions", "show", session_id)
+    assert "user: hello" in out and "assistant: You said: 2 more" in out
+    code, out, _ = pleach("--db", db, "events", "verify", session_id)
+    assert code == 0 and out.startswith("ok:")
+    code, out, _ = pleach("--db", db, "status")
+    assert code == 0 and '"state":"offline"' in out and '"pending":' in out
+    code, out, _ = pleach("--db", db, "sessions", "delete", session_id)
+    assert code == 0 and '"deleted":true' in out
+    code, _, err = pleach("--db", db, "sessions", "show", session_id)
+    assert code == 2 and "no session" in err and "Traceback" not in err
+
+
+def test_demo_converges() -> None:
+    code, out, err = pleach("demo")
+    assert code == 0, out + err
+    assert "conflict" in out and "identical: yes" in out
