@@ -225,6 +225,8 @@ class SyncServer:
         except BaseException:
             await self.notifier.close()
             raise
+        if self._ws.sockets:
+            self._port = self._ws.sockets[0].getsockname()[1]
         logger.info("listening on %s (server id %s)", self.url, self.server_id)
 
     async def __aenter__(self) -> Self:
@@ -241,11 +243,8 @@ class SyncServer:
 
     @property
     def port(self) -> int:
-        """The bound port (the real one when constructed with ``port=0``)."""
-        if self._ws is None or not self._ws.sockets:
-            return self._port
-        port: int = self._ws.sockets[0].getsockname()[1]
-        return port
+        """The bound port (once started, the real one when constructed with ``port=0``)."""
+        return self._port
 
     @property
     def url(self) -> str:

@@ -38,6 +38,10 @@ class Timestamp:
             wall, counter, client_id = value.split("-", 2)
             if len(wall) != _WALL_DIGITS or len(counter) != _COUNTER_DIGITS:
                 raise ValueError(value)
+            # ASCII digits only: int() also takes "+", spaces, "_" and non-ASCII digits, whose
+            # strings would not sort like their tuples.
+            if not (wall.isascii() and wall.isdigit() and counter.isascii() and counter.isdigit()):
+                raise ValueError(value)
             return cls(int(wall), int(counter), client_id)
         except (ValueError, AttributeError) as exc:
             raise InvalidRecord(f"malformed HLC timestamp: {value!r}") from exc

@@ -125,6 +125,8 @@ def verify_proof(proof: Proof, row: Chained | None = None) -> bool:
     """True when the proof links up to its head hash (and matches ``row`` when given)."""
     if row is not None and (row.id != proof.record_id or row_digest(row) != proof.digest):
         return False
+    if isinstance(row, AuditRow) and not row.redacted and audit_digest(row) != row.payload_digest:
+        return False  # the stored digest no longer covers the row's content
     current = link(proof.prev_hash, proof.digest)
     for digest in proof.following_digests:
         current = link(current, digest)

@@ -21,6 +21,9 @@ def uuid7(now_ms: int | None = None) -> str:
             # Same (or earlier) millisecond: keep order by incrementing the random tail.
             ms = _last_ms
             rand = _last_rand + 1
+            if rand >> 74:
+                # Tail exhausted: borrow the next millisecond rather than wrap to a smaller id.
+                ms, rand = ms + 1, int.from_bytes(os.urandom(10), "big") >> 6
         else:
             rand = int.from_bytes(os.urandom(10), "big") >> 6  # 74 random bits
         _last_ms, _last_rand = ms, rand

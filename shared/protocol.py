@@ -105,7 +105,9 @@ class ServerProtocol(_Protocol):
         if frame is None:
             return
         match frame:
-            case Hello(protocol=version) if self.state is State.AWAITING_HELLO:
+            case Hello(protocol=version) if (
+                self.state is State.AWAITING_HELLO and self.hello is None
+            ):
                 if version != PROTOCOL_VERSION:
                     self.fail(
                         ProtocolVersion(

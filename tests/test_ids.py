@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from itertools import pairwise
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,7 +30,8 @@ def fresh_generator(last_ms: int = 0, last_rand: int = 0) -> Iterator[None]:
 
 def _layout(ms: int, rand: int) -> str:
     """The id uuid7 builds for ``ms`` and a 74-bit random tail."""
-    value = (ms << 80) | (0x7 << 76) | ((rand >> 62) << 64) | (0b10 << 62) | (rand & ((1 << 62) - 1))
+    value = (ms << 80) | (0x7 << 76) | ((rand >> 62) << 64) | (0b10 << 62)
+    value |= rand & ((1 << 62) - 1)
     return str(uuid.UUID(int=value))
 
 
@@ -50,14 +52,14 @@ def test_strictly_increasing_with_real_clock() -> None:
     assert values == sorted(values)
     assert len(set(values)) == len(values)
     ints = [_int(v) for v in values]
-    assert all(a < b for a, b in zip(ints, ints[1:], strict=False))
+    assert all(a < b for a, b in pairwise(ints))
 
 
 def test_strictly_increasing_within_one_millisecond() -> None:
     with fresh_generator():
         values = [uuid7(now_ms=1_700_000_000_000) for _ in range(1000)]
     ints = [_int(v) for v in values]
-    assert all(a < b for a, b in zip(ints, ints[1:], strict=False))
+    assert all(a < b for a, b in pairwise(ints))
     assert values == sorted(values)
     assert {uuid7_time_ms(v) for v in values} == {1_700_000_000_000}
 
@@ -98,7 +100,7 @@ def test_monotonic_for_any_clock_sequence(times: list[int]) -> None:
     with fresh_generator():
         values = [uuid7(now_ms=ms) for ms in times]
     ints = [_int(v) for v in values]
-    assert all(a < b for a, b in zip(ints, ints[1:], strict=False))
+    assert all(a < b for a, b in pairwise(ints))
     # Each id carries the largest time seen so far.
     running = 0
     for ms, value in zip(times, values, strict=True):

@@ -687,7 +687,8 @@ async def test_shutdown_closes_clients_with_1001(store: SQLiteServerStore) -> No
         async with asyncio.timeout(TIMEOUT):
             await serving  # serve_forever returns once the server has stopped
     await srv.shutdown()  # idempotent
-    with pytest.raises(OSError):
+    assert srv.port != 0
+    with pytest.raises(OSError):  # no longer listening
         await http_get(srv.port, "/healthz")
 
 

@@ -261,12 +261,12 @@ async def test_corrupt_rows_raise_storage_error_naming_table_and_id(db_path: Pat
         await commit(store, session, message)
         await store.outbox_dead_letter(2, 3007, "invalid")
     conn = raw(db_path)
-    conn.execute("UPDATE sessions SET body = x'c1ff00' WHERE id = ?", (session.id,))
     # A well-formed body of the wrong kind is corrupt too.
     conn.execute(
-        "UPDATE messages SET body = (SELECT body FROM outbox WHERE client_seq = 1) WHERE id = ?",
+        "UPDATE messages SET body = (SELECT body FROM sessions LIMIT 1) WHERE id = ?",
         (message.id,),
     )
+    conn.execute("UPDATE sessions SET body = x'c1ff00' WHERE id = ?", (session.id,))
     conn.execute("UPDATE outbox SET body = x'c1'")
     conn.execute("UPDATE dead_letters SET body = 'text, not msgpack'")
     conn.close()
@@ -397,7 +397,9 @@ async def test_locked_database_is_a_retryable_storage_error(db_path: Path) -> No
 
 
 # The outbox and dead letters are read whole, in rowid (client_seq) order: no index needed.
-WHOLE_TABLE_READS = {"SCAN outbox", "SCAN dead_letters"}
+# The outbox is read in client_seq (rowid) order from its start: a scan of the rowid b-tree
+# that stops at LIMIT, which is the access wanted.
+WHOLE_TABLE_READS = {"SCAN outbox", "SCAN o", "SCAN dead_letters"}
 
 
 def _plan_problems(conn: sqlite3.Connection, sql: str) -> list[str]:

@@ -81,11 +81,12 @@ class _AuditRow:
 
 @dataclass(slots=True)
 class _OutboxRow:
-    body: bytes
+    body: bytes | None  # None: refers to the current version of a mutable record (``ref``)
     attempts: int
     created_at: float
     last_error_code: int | None = None
     last_error_message: str | None = None
+    ref: tuple[str, str] | None = None
 
 
 @dataclass(slots=True)
@@ -205,8 +206,8 @@ class MemoryAdapter:
         seqs: list[int] = []
         if batch.outbox:
             now = time.time()
-            for _, body in encoded:
-                seqs.append(self._enqueue(body, now))
+            for record, body in encoded:
+                seqs.append(self._enqueue(record, body, now))
         self._meta.update(batch.meta)
         return CommitReceipt(client_seqs=seqs, records=len(encoded))
 
@@ -238,10 +239,26 @@ class MemoryAdapter:
                     row = _ChildRow(record.artifact_id, record.hlc, body)
                     self._artifacts.put(record.id, row)
 
-    def _enqueue(self, body: bytes, now: float) -> int:
+    def _enqueue(self, record: Record, body: bytes, now: float) -> int:
+        # Mutable records (sessions, events) are queued by reference, as in SQLiteAdapter:
+        # the flush sends their current version.
         self._last_seq += 1
-        self._outbox[self._last_seq] = _OutboxRow(body=body, attempts=0, created_at=now)
+        if isinstance(record, Session | Event):
+            row = _OutboxRow(body=None, attempts=0, created_at=now,
+                             ref=(type(record).__name__, record.id))
+        else:
+            row = _OutboxRow(body=body, attempts=0, created_at=now)
+        self._outbox[self._last_seq] = row
         return self._last_seq
+
+    def _body_of(self, row: _OutboxRow) -> bytes:
+        if row.body is not None:
+            return row.body
+        assert row.ref is not None
+        kind, record_id = row.ref
+        if kind == "Session":
+            return self._sessions[record_id].body
+        return self._events.rows[record_id].body
 
     async def gdpr_soft_delete(self, subject_key: str) -> int:
         """Clear ``subject_key``, ``request_id`` and ``detail`` of the subject's audit rows and
@@ -350,11 +367,10 @@ class MemoryAdapter:
         seqs = sorted(self._outbox)[: max(limit, 0)]
         return [self._entry(seq, self._outbox[seq]) for seq in seqs]
 
-    @staticmethod
-    def _entry(seq: int, row: _OutboxRow) -> OutboxEntry:
+    def _entry(self, seq: int, row: _OutboxRow) -> OutboxEntry:
         return OutboxEntry(
             client_seq=seq,
-            record=_decode(_RECORD, row.body),
+            record=_decode(_RECORD, self._body_of(row)),
             attempts=row.attempts,
             created_at=row.created_at,
             last_error_code=row.last_error_code,
@@ -389,7 +405,8 @@ class MemoryAdapter:
         self._check_open()
         row = self._outbox.pop(client_seq, None)
         if row is not None:
-            self._dead[client_seq] = _DeadRow(row.body, code, message, row.attempts, time.time())
+            body = self._body_of(row)
+            self._dead[client_seq] = _DeadRow(body, code, message, row.attempts, time.time())
 
     async def dead_letters(self) -> list[DeadLetter]:
         """Dead letters by client_seq."""
@@ -417,7 +434,9 @@ class MemoryAdapter:
         row = self._dead.pop(client_seq, None)
         if row is None:
             return None
-        return self._enqueue(row.body, time.time())
+        self._last_seq += 1
+        self._outbox[self._last_seq] = _OutboxRow(body=row.body, attempts=0, created_at=time.time())
+        return self._last_seq
 
     async def discard_dead_letter(self, client_seq: int) -> bool:
         """Forget a dead letter for good; False if unknown."""

@@ -92,11 +92,14 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         "CREATE INDEX ix_artifact_updates ON artifact_updates (artifact_id, hlc, id)",
         # AUTOINCREMENT: sqlite_sequence remembers the largest client_seq ever used, so a
         # sequence number is never handed out twice, even after its row is removed.
+        # body is NULL for mutable records (sessions, events): the row refers to the record
+        # by id and the flush reads its current version, so a session edited N times offline
+        # costs N small rows, not N copies of a growing row.
         """CREATE TABLE outbox (
             client_seq INTEGER PRIMARY KEY AUTOINCREMENT,
             record_id TEXT NOT NULL,
             kind TEXT NOT NULL,
-            body BLOB NOT NULL,
+            body BLOB,
             attempts INTEGER NOT NULL DEFAULT 0,
             created_at REAL NOT NULL,
             last_error_code INTEGER,
@@ -193,8 +196,12 @@ QUERIES: Final[dict[str, str]] = {
     ),
     "get_meta": "SELECT value FROM sync_state WHERE key = ?",
     "outbox_pending": (
-        "SELECT client_seq, body, attempts, created_at, last_error_code, last_error_message "
-        "FROM outbox ORDER BY client_seq LIMIT ?"
+        "SELECT o.client_seq, " + "COALESCE(o.body, s.body, e.body), "
+        "o.attempts, o.created_at, o.last_error_code, o.last_error_message "
+        "FROM outbox o "
+        "LEFT JOIN sessions s ON o.body IS NULL AND o.kind = 'Session' AND s.id = o.record_id "
+        "LEFT JOIN events e ON o.body IS NULL AND o.kind = 'Event' AND e.id = o.record_id "
+        "ORDER BY o.client_seq LIMIT ?"
     ),
     "outbox_count": "SELECT count(*) FROM outbox",
     "dead_letters": (
@@ -247,10 +254,10 @@ def _decode(decoder: msgspec.msgpack.Decoder[_T], table: str, key: object, body:
 
 def _encode_batch(
     records: Sequence[Record],
-) -> tuple[dict[str, list[tuple[Any, ...]]], list[tuple[str, str, bytes]]]:
+) -> tuple[dict[str, list[tuple[Any, ...]]], list[tuple[str, str, bytes | None]]]:
     """Rows per insert statement (in order of first appearance) and the outbox rows."""
     groups: dict[str, list[tuple[Any, ...]]] = {}
-    outbox: list[tuple[str, str, bytes]] = []
+    outbox: list[tuple[str, str, bytes | None]] = []
     for record in records:
         try:
             body = encode_record(record)
@@ -287,7 +294,8 @@ def _encode_batch(
             case _:
                 raise StorageError(f"commit failed: not a record: {type(record).__name__}")
         groups.setdefault(sql, []).append(row)
-        outbox.append((record.id, type(record).__name__, body))
+        mutable = isinstance(record, Session | Event)
+        outbox.append((record.id, type(record).__name__, None if mutable else body))
     return groups, outbox
 
 
@@ -698,8 +706,11 @@ class SQLiteAdapter:
             await conn.execute(
                 "INSERT INTO dead_letters "
                 "(client_seq, record_id, kind, body, code, message, attempts, failed_at) "
-                "SELECT client_seq, record_id, kind, body, ?, ?, attempts, ? "
-                "FROM outbox WHERE client_seq = ?",
+                "SELECT o.client_seq, o.record_id, o.kind, COALESCE(o.body, s.body, e.body), "
+                "?, ?, o.attempts, ? FROM outbox o "
+                "LEFT JOIN sessions s ON o.kind = 'Session' AND s.id = o.record_id "
+                "LEFT JOIN events e ON o.kind = 'Event' AND e.id = o.record_id "
+                "WHERE o.client_seq = ?",
                 (code, message, time.time(), client_seq),
             )
             await conn.execute("DELETE FROM outbox WHERE client_seq = ?", (client_seq,))

@@ -1,0 +1,301 @@
+"""Hash chains over event and audit rows, proofs and redaction. No event loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.hashchain import (
+    GENESIS,
+    audit_digest,
+    chain_audit,
+    chain_event,
+    event_digest,
+    generate_proof,
+    link,
+    verify_chain,
+    verify_proof,
+)
+from shared.ids import uuid7
+from shared.records import AuditRow, Event, Outcome, Usage
+from tests.factories import make_audit, make_event
+
+N = 6
+
+
+def tampered(value: Any) -> Any:
+    """A different value of the same type."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value + 1.5
+    if isinstance(value, str):
+        return value + "x"
+    if isinstance(value, dict):
+        return {**value, "tampered": True}
+    if isinstance(value, Usage):
+        return msgspec.structs.replace(value, output_tokens=value.output_tokens + 1)
+    if isinstance(value, Outcome):
+        return msgspec.structs.replace(value, status="provider-error")
+    if value is None:
+        return "set"
+    raise AssertionError(f"no tampering for {value!r}")
+
+
+def event_chain(n: int = N) -> list[Event]:
+    session_id = uuid7()
+    rows: list[Event] = []
+    prev = GENESIS
+    for i in range(n):
+        row = chain_event(
+            make_event(session_id=session_id, payload={"i": i, "text": f"m{i}"}), prev, i + 1
+        )
+        rows.append(row)
+        prev = row.row_hash
+    return rows
+
+
+def audit_chain(n: int = N) -> list[AuditRow]:
+    rows: list[AuditRow] = []
+    prev = GENESIS
+    for i in range(n):
+        row = chain_audit(
+            make_audit(
+                seq_within_turn=i,
+                subject_key=f"subject-{i}",
+                detail={"prompt_chars": 100 + i},
+                cost_usd=0.01 * i,
+            ),
+            prev,
+            i + 1,
+        )
+        rows.append(row)
+        prev = row.row_hash
+    return rows
+
+
+# Fields an attacker might alter; ``canonical`` is the chain's own flag, outside the hash.
+EVENT_FIELDS = [f for f in Event.__struct_fields__ if f != "canonical"]
+AUDIT_FIELDS = [f for f in AuditRow.__struct_fields__ if f != "redacted"]
+
+
+# -- event chains ------------------------------------------------------------------------
+
+
+def test_chained_events_link_and_verify() -> None:
+    rows = event_chain()
+    assert rows[0].prev_hash == GENESIS
+    for i, row in enumerate(rows):
+        assert row.sequence_number == i + 1
+        assert row.row_hash == link(row.prev_hash, event_digest(row))
+        if i:
+            assert row.prev_hash == rows[i - 1].row_hash
+    result = verify_chain(rows)
+    assert result.ok
+    assert result.checked == N
+    assert result.first_bad_index is None
+    assert result.head_hash == rows[-1].row_hash
+
+
+def test_empty_chain_verifies_to_genesis() -> None:
+    result = verify_chain([])
+    assert result.ok
+    assert result.head_hash == GENESIS
+
+
+def test_chain_continues_from_a_custom_genesis() -> None:
+    rows = event_chain()
+    assert verify_chain(rows[2:], genesis=rows[1].row_hash).ok
+    bad = verify_chain(rows[2:])
+    assert not bad.ok
+    assert bad.first_bad_index == 0
+
+
+@pytest.mark.parametrize("field", EVENT_FIELDS)
+def test_altering_any_event_field_is_caught_at_its_index(field: str) -> None:
+    rows = event_chain()
+    for k in range(N):
+        altered = list(rows)
+        altered[k] = msgspec.structs.replace(rows[k], **{field: tampered(getattr(rows[k], field))})
+        result = verify_chain(altered)
+        assert not result.ok, (field, k)
+        assert result.first_bad_index == k, (field, k)
+        assert result.checked == k
+
+
+def test_canonical_flag_is_outside_the_hash() -> None:
+    rows = event_chain()
+    placed = [msgspec.structs.replace(r, canonical=True) for r in rows]
+    assert verify_chain(placed).ok
+
+
+@settings(max_examples=100)
+@given(st.data())
+def test_swapping_two_rows_is_caught_at_the_first(data: st.DataObject) -> None:
+    rows = event_chain()
+    i = data.draw(st.integers(min_value=0, max_value=N - 2))
+    j = data.draw(st.integers(min_value=i + 1, max_value=N - 1))
+    swapped = list(rows)
+    swapped[i], swapped[j] = swapped[j], swapped[i]
+    result = verify_chain(swapped)
+    assert not result.ok
+    assert result.first_bad_index == i
+
+
+@pytest.mark.parametrize("k", range(N - 1))
+def test_deleting_a_row_is_caught_where_it_was(k: int) -> None:
+    rows = event_chain()
+    result = verify_chain(rows[:k] + rows[k + 1 :])
+    assert not result.ok
+    assert result.first_bad_index == k
+    assert result.reason == "prev_hash mismatch"
+
+
+def test_deleting_the_last_row_changes_the_head() -> None:
+    # Truncation leaves a valid shorter chain: only the head hash gives it away.
+    rows = event_chain()
+    result = verify_chain(rows[:-1])
+    assert result.ok
+    assert result.head_hash != verify_chain(rows).head_hash
+
+
+def test_event_proof_for_every_row() -> None:
+    rows = event_chain()
+    for k, row in enumerate(rows):
+        proof = generate_proof(rows, row.id)
+        assert proof.index == k
+        assert proof.head_hash == rows[-1].row_hash
+        assert len(proof.following_digests) == N - 1 - k
+        assert verify_proof(proof)
+        assert verify_proof(proof, row)
+        # Survives the wire.
+        wire = msgspec.msgpack.decode(msgspec.msgpack.encode(proof), type=type(proof))
+        assert verify_proof(wire, row)
+
+
+@pytest.mark.parametrize("field", [f for f in EVENT_FIELDS if f not in ("row_hash", "prev_hash")])
+def test_event_proof_fails_for_an_altered_row(field: str) -> None:
+    rows = event_chain()
+    for row in rows:
+        proof = generate_proof(rows, row.id)
+        altered = msgspec.structs.replace(row, **{field: tampered(getattr(row, field))})
+        assert not verify_proof(proof, altered), field
+
+
+def test_event_proof_fails_for_a_wrong_head_or_path() -> None:
+    rows = event_chain()
+    for k, row in enumerate(rows):
+        proof = generate_proof(rows, row.id)
+        assert not verify_proof(msgspec.structs.replace(proof, head_hash="0" * 64), row)
+        assert not verify_proof(msgspec.structs.replace(proof, prev_hash="0" * 64), row)
+        if k < N - 1:
+            path = list(proof.following_digests)
+            path[0] = "0" * 64
+            assert not verify_proof(msgspec.structs.replace(proof, following_digests=path), row)
+    # A proof of row 0 does not vouch for row 1.
+    assert not verify_proof(generate_proof(rows, rows[0].id), rows[1])
+
+
+def test_proof_for_an_unknown_id_raises() -> None:
+    with pytest.raises(KeyError):
+        generate_proof(event_chain(), uuid7())
+
+
+# -- audit chains ------------------------------------------------------------------------
+
+
+def test_chained_audit_rows_verify() -> None:
+    rows = audit_chain()
+    for i, row in enumerate(rows):
+        assert row.payload_digest == audit_digest(row)
+        assert row.row_hash == link(row.prev_hash, row.payload_digest)
+        assert row.sequence_number == i + 1
+    result = verify_chain(rows)
+    assert result.ok
+    assert result.head_hash == rows[-1].row_hash
+
+
+def redact(row: AuditRow) -> AuditRow:
+    return msgspec.structs.replace(
+        row, subject_key=None, request_id=None, detail={}, redacted=True
+    )
+
+
+@pytest.mark.parametrize("k", range(N))
+def test_redaction_still_verifies(k: int) -> None:
+    rows = audit_chain()
+    redacted = list(rows)
+    redacted[k] = redact(rows[k])
+    assert redacted[k].subject_key is None
+    assert redacted[k].request_id is None
+    assert redacted[k].detail == {}
+    result = verify_chain(redacted)
+    assert result.ok
+    assert result.head_hash == rows[-1].row_hash
+    # Proofs keep working for the redacted row and its neighbours.
+    for row in redacted:
+        assert verify_proof(generate_proof(redacted, row.id), row)
+
+
+def test_redacting_every_row_still_verifies() -> None:
+    assert verify_chain([redact(r) for r in audit_chain()]).ok
+
+
+@pytest.mark.parametrize("k", range(N))
+def test_altered_usage_without_redaction_fails(k: int) -> None:
+    rows = audit_chain()
+    altered = list(rows)
+    altered[k] = msgspec.structs.replace(
+        rows[k], usage=msgspec.structs.replace(rows[k].usage, input_tokens=999_999)
+    )
+    result = verify_chain(altered)
+    assert not result.ok
+    assert result.first_bad_index == k
+    assert result.reason == "payload altered"
+
+
+@pytest.mark.parametrize("field", AUDIT_FIELDS)
+def test_altering_any_audit_field_is_caught_at_its_index(field: str) -> None:
+    rows = audit_chain()
+    for k in range(N):
+        altered = list(rows)
+        altered[k] = msgspec.structs.replace(rows[k], **{field: tampered(getattr(rows[k], field))})
+        result = verify_chain(altered)
+        assert not result.ok, (field, k)
+        assert result.first_bad_index == k, (field, k)
+
+
+def test_redacted_row_with_an_altered_digest_fails() -> None:
+    rows = audit_chain()
+    altered = list(rows)
+    altered[2] = msgspec.structs.replace(redact(rows[2]), payload_digest="0" * 64)
+    result = verify_chain(altered)
+    assert not result.ok
+    assert result.first_bad_index == 2
+
+
+def test_audit_proof_for_every_row() -> None:
+    rows = audit_chain()
+    for row in rows:
+        proof = generate_proof(rows, row.id)
+        assert proof.digest == row.payload_digest
+        assert verify_proof(proof, row)
+        assert not verify_proof(msgspec.structs.replace(proof, head_hash="0" * 64), row)
+
+
+def test_audit_proof_fails_for_an_altered_row() -> None:
+    # The stored digest vouches for the row only when the row still matches it.
+    rows = audit_chain()
+    for row in rows:
+        proof = generate_proof(rows, row.id)
+        altered = msgspec.structs.replace(
+            row, usage=msgspec.structs.replace(row.usage, output_tokens=123_456)
+        )
+        assert not verify_proof(proof, altered)
+        assert not verify_proof(proof, msgspec.structs.replace(row, cost_usd=99.0))
