@@ -25,20 +25,32 @@ DEFAULT_DB = "pleach.db"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pleach", description="pleach: offline-first agent sessions")
-    parser.add_argument("--db", default=os.environ.get("PLEACH_CLIENT_DB", DEFAULT_DB),
-                        help="device database file (env PLEACH_CLIENT_DB; default ./pleach.db)")
+    parser = argparse.ArgumentParser(
+        prog="pleach", description="pleach: offline-first agent sessions"
+    )
+    parser.add_argument(
+        "--db",
+        default=os.environ.get("PLEACH_CLIENT_DB", DEFAULT_DB),
+        help="device database file (env PLEACH_CLIENT_DB; default ./pleach.db)",
+    )
     parser.add_argument("--user", default=os.environ.get("PLEACH_USER", "anonymous"))
     parser.add_argument("--org", default=os.environ.get("PLEACH_ORG", "default"))
     sub = parser.add_subparsers(dest="command", required=True)
 
     chat = sub.add_parser("chat", help="chat in a session, streaming replies")
     chat.add_argument("--session", help="continue this session id")
-    chat.add_argument("--offline", action="store_true",
-                      help="use the scripted offline provider (no API key, no network)")
+    chat.add_argument(
+        "--offline",
+        action="store_true",
+        help="use the scripted offline provider (no API key, no network)",
+    )
     chat.add_argument("--model", help="model for a new session")
-    chat.add_argument("-m", "--message", action="append",
-                      help="send this message and exit (repeatable); otherwise read lines")
+    chat.add_argument(
+        "-m",
+        "--message",
+        action="append",
+        help="send this message and exit (repeatable); otherwise read lines",
+    )
 
     sessions = sub.add_parser("sessions", help="list, show or delete sessions")
     ssub = sessions.add_subparsers(dest="action", required=True)
@@ -54,11 +66,15 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("session_id")
 
     sync = sub.add_parser("sync", help="flush the outbox and pull, once")
-    sync.add_argument("--server", required="PLEACH_SERVER" not in os.environ,
-                      default=os.environ.get("PLEACH_SERVER"),
-                      help="ws://host:port/sync")
-    sync.add_argument("--token", required="PLEACH_TOKEN" not in os.environ,
-                      default=os.environ.get("PLEACH_TOKEN"))
+    sync.add_argument(
+        "--server",
+        required="PLEACH_SERVER" not in os.environ,
+        default=os.environ.get("PLEACH_SERVER"),
+        help="ws://host:port/sync",
+    )
+    sync.add_argument(
+        "--token", required="PLEACH_TOKEN" not in os.environ, default=os.environ.get("PLEACH_TOKEN")
+    )
     sync.add_argument("--timeout", type=float, default=30.0)
 
     sub.add_parser("status", help="what is pending, stuck or synced")
@@ -89,12 +105,15 @@ def _out(text: str = "", end: str = "\n") -> None:
 
 async def _chat(args: argparse.Namespace) -> int:
     provider = _provider(args.offline)
-    async with SessionRuntime(SQLiteAdapter(args.db), provider, user_id=args.user,
-                              org_id=args.org) as rt:
+    async with SessionRuntime(
+        SQLiteAdapter(args.db), provider, user_id=args.user, org_id=args.org
+    ) as rt:
         if args.session:
             handle = await rt.resume_session(args.session)
-            _out(f"resumed session {handle.id} ({handle.provider}/{handle.model}, "
-                 f"{len(handle.message_ids)} messages)")
+            _out(
+                f"resumed session {handle.id} ({handle.provider}/{handle.model}, "
+                f"{len(handle.message_ids)} messages)"
+            )
         else:
             handle = await rt.create_session(model=args.model)
             _out(f"new session {handle.id} ({handle.provider}/{handle.model})")
@@ -141,8 +160,10 @@ async def _sessions(args: argparse.Namespace) -> int:
                 _out("no sessions")
             for s in rows:
                 fork = f" fork of {s.forked_from}" if s.forked_from else ""
-                _out(f"{s.id}  {s.provider}/{s.model}  {len(s.state.message_ids)} messages  "
-                     f"{s.title or '(untitled)'}{fork}")
+                _out(
+                    f"{s.id}  {s.provider}/{s.model}  {len(s.state.message_ids)} messages  "
+                    f"{s.title or '(untitled)'}{fork}"
+                )
         elif args.action == "show":
             messages = await rt.sessions.messages(args.session_id)
             for m in messages:

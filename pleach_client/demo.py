@@ -30,8 +30,16 @@ async def _start_server(folder: Path) -> tuple[asyncio.subprocess.Process, str, 
     env = {**os.environ, "PLEACH_SECRET": "demo-secret-" + os.urandom(8).hex()}
     db = folder / "server.db"
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "pleach_server.cli", "--port", "0", "--db", str(db),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
+        sys.executable,
+        "-m",
+        "pleach_server.cli",
+        "--port",
+        "0",
+        "--db",
+        str(db),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=env,
     )
     assert proc.stdout is not None
     url = ""
@@ -44,8 +52,19 @@ async def _start_server(folder: Path) -> tuple[asyncio.subprocess.Process, str, 
             if found:
                 url = found.group(1)
     token_proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "pleach_server.cli", "token", "create", "--user", "demo-user",
-        "--org", "demo", "--db", str(db), stdout=asyncio.subprocess.PIPE, env=env,
+        sys.executable,
+        "-m",
+        "pleach_server.cli",
+        "token",
+        "create",
+        "--user",
+        "demo-user",
+        "--org",
+        "demo",
+        "--db",
+        str(db),
+        stdout=asyncio.subprocess.PIPE,
+        env=env,
     )
     out, _ = await token_proc.communicate()
     return proc, url, out.decode().strip()
@@ -56,8 +75,11 @@ async def _chat(rt: SessionRuntime, session_id: str, who: str, text: str) -> Non
     reply = ""
     async for event in rt.execute_message(session_id, text):
         if event.type == "message.complete":
-            reply = "".join(b.get("text", "") for b in event.content  # type: ignore[attr-defined]
-                            if b.get("type") == "text")
+            reply = "".join(
+                b.get("text", "")
+                for b in event.content  # type: ignore[attr-defined]
+                if b.get("type") == "text"
+            )
     _say(f"  [{who}] assistant: {reply}")
 
 
@@ -68,12 +90,24 @@ async def run_demo(keep: str | None = None) -> int:
     try:
         _say(f"1. sync server started: {url} (data in {folder / 'server.db'})")
         async with contextlib.AsyncExitStack() as stack:
-            laptop = await stack.enter_async_context(SessionRuntime(
-                SQLiteAdapter(folder / "laptop.db"), ScriptedProvider(),
-                user_id="demo-user", org_id="demo", client_id="laptop"))
-            phone = await stack.enter_async_context(SessionRuntime(
-                SQLiteAdapter(folder / "phone.db"), ScriptedProvider(),
-                user_id="demo-user", org_id="demo", client_id="phone"))
+            laptop = await stack.enter_async_context(
+                SessionRuntime(
+                    SQLiteAdapter(folder / "laptop.db"),
+                    ScriptedProvider(),
+                    user_id="demo-user",
+                    org_id="demo",
+                    client_id="laptop",
+                )
+            )
+            phone = await stack.enter_async_context(
+                SessionRuntime(
+                    SQLiteAdapter(folder / "phone.db"),
+                    ScriptedProvider(),
+                    user_id="demo-user",
+                    org_id="demo",
+                    client_id="phone",
+                )
+            )
 
             _say("2. the laptop chats offline (on a plane):")
             session = await laptop.create_session(title="trip plan")
@@ -113,8 +147,10 @@ async def run_demo(keep: str | None = None) -> int:
             await laptop.sync.wait_until_synced(30)
             for event in conflicts[:1]:
                 paths = ", ".join(p.path for p in event.conflicted_paths)  # type: ignore[attr-defined]
-                _say(f"   conflict {event.conflict_id}: winner {event.winner}, "  # type: ignore[attr-defined]
-                     f"diverged {paths}")
+                _say(
+                    f"   conflict {event.conflict_id}: winner {event.winner}, "  # type: ignore[attr-defined]
+                    f"diverged {paths}"
+                )
                 _say(f"   the other branch lives on as fork {event.fork_session_id}")  # type: ignore[attr-defined]
             _say(f"   sync.conflict events seen on the devices: {len(conflicts)}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -103,16 +104,16 @@ class CheckpointsFacet:
     async def list(self, session_id: str) -> list[Checkpoint]:
         return await self._rt.store.list_checkpoints(session_id)
 
-    def _rebuild(self, checkpoint_id: str, by_id: dict[str, Checkpoint]) -> list[str]:
+    def _rebuild(self, checkpoint_id: str, by_id: dict[str, Checkpoint]) -> builtins.list[str]:
         """Message ids at a checkpoint: walk parents to a snapshot or the root, replay."""
-        chain: list[Checkpoint] = []
+        chain: builtins.list[Checkpoint] = []
         current = by_id.get(checkpoint_id)
         while current is not None:
             chain.append(current)
             if current.snapshot is not None or current.parent_id is None:
                 break
             current = by_id.get(current.parent_id)
-        ids: list[str] = []
+        ids: builtins.list[str] = []
         for cp in reversed(chain):
             if cp.snapshot is not None:
                 ids = list(cp.snapshot)
@@ -121,14 +122,14 @@ class CheckpointsFacet:
             ids.extend(cp.appended)
         return ids
 
-    async def _checkpoint_ids(self, session_id: str, checkpoint_id: str) -> list[str]:
+    async def _checkpoint_ids(self, session_id: str, checkpoint_id: str) -> builtins.list[str]:
         checkpoints = await self._rt.store.list_checkpoints(session_id)
         by_id = {c.id: c for c in checkpoints}
         if checkpoint_id not in by_id:
             raise NotFound(f"no checkpoint {checkpoint_id} in session {session_id}")
         return self._rebuild(checkpoint_id, by_id)
 
-    async def state_at(self, session_id: str, checkpoint_id: str) -> list[Message]:
+    async def state_at(self, session_id: str, checkpoint_id: str) -> builtins.list[Message]:
         """Time travel: the transcript as it stood at ``checkpoint_id``."""
         ids = await self._checkpoint_ids(session_id, checkpoint_id)
         return await self._rt.store.get_messages(ids)
@@ -138,22 +139,30 @@ class CheckpointsFacet:
         rt = self._rt
         session = await rt._load_session(session_id)
         ids = await self._checkpoint_ids(session_id, checkpoint_id)
-        cp = rt._new_checkpoint(session, turn_id=None, reason="rollback", appended=[],
-                                snapshot=ids)
+        cp = rt._new_checkpoint(session, turn_id=None, reason="rollback", appended=[], snapshot=ids)
         updated = rt._bump(
             msgspec.structs.replace(
                 session,
                 head_checkpoint_id=cp.id,
-                state=msgspec.structs.replace(session.state, message_ids=ids,
-                                              pending_tool_calls=[]),
+                state=msgspec.structs.replace(
+                    session.state, message_ids=ids, pending_tool_calls=[]
+                ),
             ),
             base=session,
         )
-        ev = rt._new_event(updated, "checkpoint.rollback",
-                           {"to_checkpoint": checkpoint_id, "checkpoint_id": cp.id})
+        ev = rt._new_event(
+            updated, "checkpoint.rollback", {"to_checkpoint": checkpoint_id, "checkpoint_id": cp.id}
+        )
         await rt._write([cp, ev, updated])
-        rt._emit(CheckpointCreated(session_id=session_id, checkpoint_id=cp.id,
-                                   parent_id=cp.parent_id, turn_id=None, reason="rollback"))
+        rt._emit(
+            CheckpointCreated(
+                session_id=session_id,
+                checkpoint_id=cp.id,
+                parent_id=cp.parent_id,
+                turn_id=None,
+                reason="rollback",
+            )
+        )
         return RollbackReceipt(
             session_id=session_id,
             checkpoint_id=checkpoint_id,
@@ -186,15 +195,21 @@ class CheckpointsFacet:
             conflict_loser_side=None,
             head_checkpoint_id=None,
         )
-        cp = rt._new_checkpoint(fork, turn_id=None, reason="fork", appended=[], snapshot=ids,
-                                parent_id=None)
+        cp = rt._new_checkpoint(
+            fork, turn_id=None, reason="fork", appended=[], snapshot=ids, parent_id=None
+        )
         fork = msgspec.structs.replace(fork, head_checkpoint_id=cp.id)
         rt._event_heads[fork.id] = (0, "")
-        ev = rt._new_event(fork, "session.forked",
-                           {"forked_from": session_id, "checkpoint_id": checkpoint_id})
+        ev = rt._new_event(
+            fork, "session.forked", {"forked_from": session_id, "checkpoint_id": checkpoint_id}
+        )
         await rt._write([cp, ev, fork])
-        return ForkReceipt(session_id=fork.id, forked_from=session_id,
-                           checkpoint_id=checkpoint_id, messages=len(ids))
+        return ForkReceipt(
+            session_id=fork.id,
+            forked_from=session_id,
+            checkpoint_id=checkpoint_id,
+            messages=len(ids),
+        )
 
 
 class AuditFacet:

@@ -9,10 +9,11 @@ and sync drains the outbox later. Facets group the API as in the reference runti
 from __future__ import annotations
 
 import asyncio
+import builtins
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 
@@ -115,8 +116,9 @@ class SessionsFacet:
             tools=list(tools) if tools is not None else rt.tools.names(),
         )
         rt._event_heads[session.id] = (0, "")
-        created = rt._new_event(session, "session.created", {"provider": provider_name,
-                                                              "model": model_id})
+        created = rt._new_event(
+            session, "session.created", {"provider": provider_name, "model": model_id}
+        )
         await rt._write([created, session])
         handle = SessionHandle(id=session.id, record=session, layers=["created"])
         rt._active = handle
@@ -160,7 +162,7 @@ class SessionsFacet:
     async def list(self, *, include_deleted: bool = False) -> list[Session]:
         return await self._rt.store.list_sessions(include_deleted=include_deleted)
 
-    async def messages(self, session_id: str) -> list[Message]:
+    async def messages(self, session_id: str) -> builtins.list[Message]:
         """The session's current transcript, in order."""
         session = await self._rt._load_session(session_id)
         return await self._rt.store.get_messages(session.state.message_ids)
@@ -405,7 +407,9 @@ class SessionRuntime:
         """
         lock = self._turn_locks.setdefault(session_id, asyncio.Lock())
         async with lock:
-            turn = run_turn(self, session_id, content, abort)
+            turn = cast(
+                AsyncGenerator[StreamEventBase, None], run_turn(self, session_id, content, abort)
+            )
             try:
                 async for event in turn:
                     self._emit(event)
@@ -466,7 +470,10 @@ class SessionRuntime:
         """``session`` as a new local version after ``base``: vector bumped, stamped now."""
         now = self._clock.now()
         return msgspec.structs.replace(
-            session, client_id=self.client_id, hlc=now, updated_at=now,
+            session,
+            client_id=self.client_id,
+            hlc=now,
+            updated_at=now,
             vv=vv_bump(base.vv, self.client_id),
         )
 
@@ -532,8 +539,14 @@ class SessionRuntime:
         return row
 
     def _new_checkpoint(
-        self, session: Session, *, turn_id: str | None, reason: str, appended: list[str],
-        snapshot: list[str] | None = None, parent_id: str | None = None,
+        self,
+        session: Session,
+        *,
+        turn_id: str | None,
+        reason: str,
+        appended: list[str],
+        snapshot: list[str] | None = None,
+        parent_id: str | None = None,
     ) -> Checkpoint:
         return Checkpoint(
             id=uuid7(),
@@ -551,8 +564,10 @@ class SessionRuntime:
 
     async def _write(self, records: list[Record], **batch: Any) -> None:
         """Commit records with their outbox rows and the clock, in one transaction."""
-        meta = {"hlc": self._clock.last, f"audit_head:{self.client_id}":
-                f"{self._audit_head[0]}:{self._audit_head[1]}"}
+        meta = {
+            "hlc": self._clock.last,
+            f"audit_head:{self.client_id}": f"{self._audit_head[0]}:{self._audit_head[1]}",
+        }
         try:
             await self.store.commit(WriteBatch(records=records, meta=meta, **batch))
         except BaseException:

@@ -29,8 +29,8 @@ from shared.hashchain import chain_event, verify_chain
 from shared.merge import Resolution, diverged_paths, resolve_conflicts
 from shared.messages import (
     DEFAULT_MAX_FRAME_BYTES,
-    Changes,
     ChangeResult,
+    Changes,
     ConflictReceipt,
     Error,
     Frame,
@@ -270,9 +270,7 @@ class SyncFacet:
         try:
             async with asyncio.timeout(timeout):
                 async with self._changed:
-                    await self._changed.wait_for(
-                        lambda: self._state in ("connected", "needs-auth")
-                    )
+                    await self._changed.wait_for(lambda: self._state in ("connected", "needs-auth"))
             if self._state == "needs-auth":
                 raise SyncError(self._last_error or "unauthorized")
             receipt = await self.flush_outbox()
@@ -305,33 +303,48 @@ class SyncFacet:
         now = rt._clock.now()
         if fork.conflict_loser_side != resolution:
             return SyncConflictResolveReceipt(
-                resolved=True, session_id=session_id, conflict_id=conflict_id,
-                resolution=resolution, resolved_at=now, fork_session_id=fork.id,
+                resolved=True,
+                session_id=session_id,
+                conflict_id=conflict_id,
+                resolution=resolution,
+                resolved_at=now,
+                fork_session_id=fork.id,
             )
         flipped: Side = "remote" if resolution == "local" else "local"
         new_session = rt._bump(
             msgspec.structs.replace(
-                session, title=fork.title, state=fork.state,
+                session,
+                title=fork.title,
+                state=fork.state,
                 head_checkpoint_id=fork.head_checkpoint_id,
             ),
             base=session,
         )
         new_fork = rt._bump(
             msgspec.structs.replace(
-                fork, title=session.title, state=session.state,
-                head_checkpoint_id=session.head_checkpoint_id, conflict_loser_side=flipped,
+                fork,
+                title=session.title,
+                state=session.state,
+                head_checkpoint_id=session.head_checkpoint_id,
+                conflict_loser_side=flipped,
             ),
             base=fork,
         )
         await rt._load_session(fork.id)
         ev = rt._new_event(
-            new_session, "sync.conflict.resolved",
+            new_session,
+            "sync.conflict.resolved",
             {"conflict_id": conflict_id, "resolution": resolution, "fork_session_id": fork.id},
         )
         await rt._write([ev, new_fork, new_session])
         return SyncConflictResolveReceipt(
-            resolved=True, session_id=session_id, conflict_id=conflict_id,
-            resolution=resolution, resolved_at=now, swapped=True, fork_session_id=fork.id,
+            resolved=True,
+            session_id=session_id,
+            conflict_id=conflict_id,
+            resolution=resolution,
+            resolved_at=now,
+            swapped=True,
+            fork_session_id=fork.id,
         )
 
     def notify_local_write(self) -> None:
@@ -364,8 +377,9 @@ class SyncFacet:
                 delay = self.backoff_initial
             except InvalidStatus as exc:
                 status = exc.response.status_code
-                self._error(f"server refused the connection: HTTP {status}",
-                            3001 if status == 401 else None)
+                self._error(
+                    f"server refused the connection: HTTP {status}", 3001 if status == 401 else None
+                )
                 if status in (401, 403):
                     self._set_state("needs-auth")
                     return  # a new token is needed: connect() again with one
@@ -499,8 +513,14 @@ class SyncFacet:
         failed: list[FailedEntry] = []
         conflicts: list[ConflictReceipt] = []
         if pending_before == 0:
-            return OutboxFlushReceipt(outcome="none-pending", flushed=0, failed_entries=[],
-                                      flushed_at=time.time(), pending_before=0, pending_after=0)
+            return OutboxFlushReceipt(
+                outcome="none-pending",
+                flushed=0,
+                failed_entries=[],
+                flushed_at=time.time(),
+                pending_before=0,
+                pending_after=0,
+            )
         self._uploading = True
         self._poke()
         try:
@@ -511,22 +531,30 @@ class SyncFacet:
                 link = self._link
                 if link is None:
                     failed.extend(
-                        FailedEntry(client_seq=e.client_seq, code=None, attempts=e.attempts,
-                                    message="offline: queued until the server is reachable")
+                        FailedEntry(
+                            client_seq=e.client_seq,
+                            code=None,
+                            attempts=e.attempts,
+                            message="offline: queued until the server is reachable",
+                        )
                         for e in entries
                     )
                     break
                 changes = [Change(client_seq=e.client_seq, record=e.record) for e in entries]
                 try:
                     answer = await link.request(
-                        lambda: link.protocol.send_push(changes), self.request_timeout
+                        lambda link=link, changes=changes: link.protocol.send_push(changes),  # type: ignore[misc]
+                        self.request_timeout,
                     )
                 except (ConnectionError, ConnectionClosed, TimeoutError) as exc:
-                    await store.outbox_mark_attempt([e.client_seq for e in entries], None,
-                                                    str(exc))
+                    await store.outbox_mark_attempt([e.client_seq for e in entries], None, str(exc))
                     failed.extend(
-                        FailedEntry(client_seq=e.client_seq, code=None, attempts=e.attempts + 1,
-                                    message=f"connection lost: {exc}")
+                        FailedEntry(
+                            client_seq=e.client_seq,
+                            code=None,
+                            attempts=e.attempts + 1,
+                            message=f"connection lost: {exc}",
+                        )
                         for e in entries
                     )
                     break
@@ -536,8 +564,12 @@ class SyncFacet:
                     )
                     self._error(answer.message, answer.code)
                     failed.extend(
-                        FailedEntry(client_seq=e.client_seq, code=answer.code,
-                                    attempts=e.attempts + 1, message=answer.message)
+                        FailedEntry(
+                            client_seq=e.client_seq,
+                            code=answer.code,
+                            attempts=e.attempts + 1,
+                            message=answer.message,
+                        )
                         for e in entries
                     )
                     break
@@ -560,8 +592,13 @@ class SyncFacet:
         else:
             outcome = "partial"
         return OutboxFlushReceipt(
-            outcome=outcome, flushed=flushed, failed_entries=failed, flushed_at=time.time(),
-            pending_before=pending_before, pending_after=pending_after, conflicts=conflicts,
+            outcome=outcome,
+            flushed=flushed,
+            failed_entries=failed,
+            flushed_at=time.time(),
+            pending_before=pending_before,
+            pending_after=pending_after,
+            conflicts=conflicts,
         )
 
     async def _settle(
@@ -583,17 +620,23 @@ class SyncFacet:
                     result.client_seq, result.code or 3007, result.message or "rejected"
                 )
                 failed.append(
-                    FailedEntry(client_seq=result.client_seq, code=result.code,
-                                message=result.message or "rejected",
-                                attempts=entry.attempts + 1)
+                    FailedEntry(
+                        client_seq=result.client_seq,
+                        code=result.code,
+                        message=result.message or "rejected",
+                        attempts=entry.attempts + 1,
+                    )
                 )
                 continue
             done.append(result.client_seq)
             if result.status == "resolved" and result.conflict is not None:
                 conflicts.append(result.conflict)
         # Anything at or below the server's last_seq is on the server, whatever the result.
-        done.extend(s for s in by_seq if s <= ack.last_seq and s not in done
-                    and not any(f.client_seq == s for f in failed))
+        done.extend(
+            s
+            for s in by_seq
+            if s <= ack.last_seq and s not in done and not any(f.client_seq == s for f in failed)
+        )
         if done:
             await store.outbox_remove(sorted(set(done)))
         for receipt in conflicts:
@@ -621,7 +664,7 @@ class SyncFacet:
             while True:
                 cursor = int(await self._rt.store.get_meta("cursor") or 0)
                 answer = await link.request(
-                    lambda: link.protocol.send_pull(cursor, self.pull_limit),
+                    lambda cursor=cursor: link.protocol.send_pull(cursor, self.pull_limit),  # type: ignore[misc]
                     self.request_timeout,
                 )
                 if isinstance(answer, Error):
@@ -677,8 +720,9 @@ class SyncFacet:
                     events_by_session.setdefault(record.session_id, []).append(record)
                 case _:
                     records.append(record)
-        locks = [rt._turn_locks.setdefault(sid, asyncio.Lock()) for sid in
-                 sorted(events_by_session)]
+        locks = [
+            rt._turn_locks.setdefault(sid, asyncio.Lock()) for sid in sorted(events_by_session)
+        ]
         async with contextlib.AsyncExitStack() as stack:
             for lock in locks:
                 await stack.enter_async_context(lock)
@@ -693,8 +737,11 @@ class SyncFacet:
                 records.extend(rebased)
                 heads[session_id] = head
             await store.commit(
-                WriteBatch(records=records, outbox=False,
-                           meta={"cursor": str(to_cursor), "hlc": clock.last})
+                WriteBatch(
+                    records=records,
+                    outbox=False,
+                    meta={"cursor": str(to_cursor), "hlc": clock.last},
+                )
             )
             rt._event_heads.update(heads)
         for session in sessions_taken:

@@ -8,6 +8,7 @@ raises becomes an error ``tool_result`` and a ``tool.failed`` event; the turn go
 from __future__ import annotations
 
 import ast
+import builtins
 import inspect
 import math
 import operator
@@ -61,9 +62,7 @@ class ToolRegistry:
         self._tools[tool.name] = tool
         return tool
 
-    def add(
-        self, name: str, description: str, input_schema: dict[str, Any], fn: ToolFn
-    ) -> Tool:
+    def add(self, name: str, description: str, input_schema: dict[str, Any], fn: ToolFn) -> Tool:
         """Register a callable as a tool and return it."""
         return self.register(Tool(name, description, input_schema, fn))
 
@@ -76,7 +75,7 @@ class ToolRegistry:
     def list(self) -> list[Tool]:
         return [self._tools[n] for n in self.names()]
 
-    def specs(self, enabled: Iterable[str]) -> list[ToolSpec]:
+    def specs(self, enabled: Iterable[str]) -> builtins.list[ToolSpec]:
         """Specs of the enabled tools that are registered, in the given order."""
         return [self._tools[n].spec() for n in enabled if n in self._tools]
 
@@ -128,7 +127,8 @@ def evaluate(expression: str) -> float | int:
     except SyntaxError as exc:
         raise ToolError(f"not an arithmetic expression: {expression!r}") from exc
     try:
-        return _eval(tree.body)
+        result: float | int = _eval(tree.body)
+        return result
     except (ZeroDivisionError, OverflowError, ValueError) as exc:
         raise ToolError(f"{type(exc).__name__}: {exc}") from exc
 

@@ -22,7 +22,7 @@ import msgspec
 from shared.clock import vv_bump
 from shared.errors import PleachError, ProviderError, ToolError
 from shared.ids import uuid7
-from shared.records import AuditRow, Checkpoint, Event, Message, Outcome, Session, Usage
+from shared.records import AuditRow, Event, Message, Outcome, Session, Usage
 
 from .providers.base import (
     BlockStop,
@@ -132,7 +132,7 @@ async def _next_event(
     raise _Aborted
 
 
-async def run_turn(  # noqa: C901 - one linear story is easier to follow than fragments
+async def run_turn(
     rt: SessionRuntime,
     session_id: str,
     content: str,
@@ -291,12 +291,12 @@ async def run_turn(  # noqa: C901 - one linear story is easier to follow than fr
                 await stream.aclose()
 
             if stop is None:
-                exc = ProviderError("provider stream ended without message_stop", code="truncated")
+                cut = ProviderError("provider stream ended without message_stop", code="truncated")
                 outcome = "provider-error"
-                audit(call, "provider-error", exc.code, str(exc))
+                audit(call, "provider-error", cut.code, str(cut))
                 _keep_partial(call, add_message, aborted=True)
-                event("error", {"code": exc.code, "message": str(exc), "turn_id": turn_id})
-                yield ErrorEvent(session_id=session.id, code=exc.code, error=str(exc))
+                event("error", {"code": cut.code, "message": str(cut), "turn_id": turn_id})
+                yield ErrorEvent(session_id=session.id, code=cut.code, error=str(cut))
                 call = None
                 break
 
@@ -355,11 +355,14 @@ async def run_turn(  # noqa: C901 - one linear story is easier to follow than fr
                 except ToolError as exc:
                     failures.append(f"{name}: {exc}")
                     results.append(
-                        {"type": "tool_result", "tool_use_id": tool_id, "content": str(exc),
-                         "is_error": True}
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": tool_id,
+                            "content": str(exc),
+                            "is_error": True,
+                        }
                     )
-                    event("tool.failed", {"tool_call_id": tool_id, "name": name,
-                                          "error": str(exc)})
+                    event("tool.failed", {"tool_call_id": tool_id, "name": name, "error": str(exc)})
                     yield ToolFailed(
                         session_id=session.id, tool_call_id=tool_id, name=name, error=str(exc)
                     )
@@ -452,8 +455,12 @@ def _close_dangling(messages: list[Message], add_message: Any) -> None:
     if not missing:
         return
     blocks = [
-        {"type": "tool_result", "tool_use_id": tool_id, "content": ABORTED_TOOL_RESULT,
-         "is_error": True}
+        {
+            "type": "tool_result",
+            "tool_use_id": tool_id,
+            "content": ABORTED_TOOL_RESULT,
+            "is_error": True,
+        }
         for tool_id in missing
     ]
     target = next((m for m in after if m.role == "user"), None)
@@ -481,8 +488,9 @@ async def _finish(
         audit(call, "user-aborted", "user_aborted", "aborted by the user")
         partial = None if call.finished else _keep_partial(call, add_message, aborted=True)
         if partial is not None:
-            event("message.complete", {"message_id": partial.id, "aborted": True,
-                                       "turn_id": turn_id})
+            event(
+                "message.complete", {"message_id": partial.id, "aborted": True, "turn_id": turn_id}
+            )
             out.append(
                 MessageComplete(
                     session_id=session.id,
@@ -501,8 +509,10 @@ async def _finish(
         reason="aborted" if aborted else "turn",
         appended=[m.id for m in writes.messages],
     )
-    event("checkpoint.created", {"checkpoint_id": checkpoint.id, "turn_id": turn_id,
-                                 "reason": checkpoint.kind})
+    event(
+        "checkpoint.created",
+        {"checkpoint_id": checkpoint.id, "turn_id": turn_id, "reason": checkpoint.kind},
+    )
     event("turn.complete", {"turn_id": turn_id, "outcome": final})
     updated = msgspec.structs.replace(
         session,

@@ -288,9 +288,7 @@ class StoreConformance:
         assert await store.list_checkpoints("s-2") == [kept]
         assert await store.get_session("s-1") == tombstone
 
-    async def test_events_in_sequence_order_with_from_sequence(
-        self, store: StorageAdapter
-    ) -> None:
+    async def test_events_in_sequence_order_with_from_sequence(self, store: StorageAdapter) -> None:
         events = {n: make_event(session_id="s-1", sequence_number=n) for n in (1, 2, 3, 4)}
         await commit(store, events[3], events[1], make_event(session_id="s-2"), events[4])
         await commit(store, events[2])
@@ -384,9 +382,7 @@ class StoreConformance:
         await commit(store, session, outbox=False, meta={"cursor": "5", "hlc": session.hlc})
         assert await store.get_meta("cursor") == "5"
         assert await store.get_meta("hlc") == session.hlc
-        assert await commit(store, meta={"cursor": "6"}) == CommitReceipt(
-            client_seqs=[], records=0
-        )
+        assert await commit(store, meta={"cursor": "6"}) == CommitReceipt(client_seqs=[], records=0)
         assert await store.get_meta("cursor") == "6"
         assert await store.outbox_count() == 0
 

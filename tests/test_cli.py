@@ -15,14 +15,18 @@ def pleach(*args: str, env: dict[str, str] | None = None, stdin: str = "") -> tu
     base = {k: v for k, v in os.environ.items() if k != "ANTHROPIC_API_KEY"}
     proc = subprocess.run(
         [sys.executable, "-m", "pleach_client.cli", *args],
-        input=stdin, capture_output=True, text=True, timeout=120, cwd=ROOT,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
         env={**base, "PYTHONPATH": str(ROOT), **(env or {})},
     )
     return proc.returncode, proc.stdout, proc.stderr
 
 
 def test_chat_without_key_says_so_in_one_line(tmp_path: Path) -> None:
-    code, out, err = pleach("--db", str(tmp_path / "d.db"), "chat", "-m", "hi")
+    code, _, err = pleach("--db", str(tmp_path / "d.db"), "chat", "-m", "hi")
     assert code == 2
     assert "ANTHROPIC_API_KEY is not set" in err and "--offline" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
@@ -33,8 +37,9 @@ def test_offline_chat_sessions_and_events(tmp_path: Path) -> None:
     code, out, _ = pleach("--db", db, "chat", "--offline", "-m", "hello", "-m", "2 more")
     assert code == 0 and "You said: hello" in out
     session_id = re.search(r"new session (\S+)", out).group(1)  # type: ignore[union-attr]
-    code, out, _ = pleach("--db", db, "chat", "--offline", "--session", session_id,
-                          stdin="from stdin\n/quit\n")
+    code, out, _ = pleach(
+        "--db", db, "chat", "--offline", "--session", session_id, stdin="from stdin\n/quit\n"
+    )
     assert code == 0 and "resumed session" in out and "You said: from stdin" in out
     code, out, _ = pleach("--db", db, "sessions", "list")
     assert session_id in out and "6 messages" in out

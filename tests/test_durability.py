@@ -25,8 +25,14 @@ ROOT = Path(__file__).resolve().parent.parent
 async def _kill_after(db: Path, session_file: Path, turns: int) -> None:
     """Start the writer, let it commit ``turns`` turns (then a random bit more), SIGKILL it."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.scripts.turn_writer", str(db), str(session_file),
-        cwd=ROOT, stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        sys.executable,
+        "-m",
+        "tests.scripts.turn_writer",
+        str(db),
+        str(session_file),
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.stdout is not None
     seen = 0
@@ -48,8 +54,9 @@ async def test_sigkill_at_random_points_leaves_whole_turns(tmp_path: Path) -> No
         await _kill_after(db, session_file, turns=random.randint(1, 6))
         with sqlite3.connect(db) as conn:
             assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok", round_
-        async with SessionRuntime(SQLiteAdapter(db), ScriptedProvider(), user_id="u",
-                                  org_id="o") as rt:
+        async with SessionRuntime(
+            SQLiteAdapter(db), ScriptedProvider(), user_id="u", org_id="o"
+        ) as rt:
             session_id = session_file.read_text().strip()
             handle = await rt.resume_session(session_id)
             messages = await rt.sessions.messages(session_id)

@@ -95,8 +95,16 @@ def test_every_error_class_is_a_pleach_error() -> None:
     assert len(classes) >= 19
     for cls in classes:
         assert issubclass(cls, PleachError), cls
-    for cls in (InvalidState, NotFound, SessionLocked, StorageError, ProviderError, ToolError,
-                ChainError, SyncError):
+    for cls in (
+        InvalidState,
+        NotFound,
+        SessionLocked,
+        StorageError,
+        ProviderError,
+        ToolError,
+        ChainError,
+        SyncError,
+    ):
         assert cls.__bases__ == (PleachError,)
     for cls, _ in BY_CODE.values():
         assert cls.__bases__ == (SyncError,)
@@ -107,6 +115,9 @@ def test_error_attributes() -> None:
     assert StorageError("disk").retryable is False
     perr = ProviderError("busy", code="overloaded", retryable=True, status=529, request_id="r1")
     assert (perr.code, perr.retryable, perr.status, perr.request_id) == (
-        "overloaded", True, 529, "r1"
+        "overloaded",
+        True,
+        529,
+        "r1",
     )
     assert ChainError("bad", index=3).index == 3

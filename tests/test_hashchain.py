@@ -222,9 +222,7 @@ def test_chained_audit_rows_verify() -> None:
 
 
 def redact(row: AuditRow) -> AuditRow:
-    return msgspec.structs.replace(
-        row, subject_key=None, request_id=None, detail={}, redacted=True
-    )
+    return msgspec.structs.replace(row, subject_key=None, request_id=None, detail={}, redacted=True)
 
 
 @pytest.mark.parametrize("k", range(N))

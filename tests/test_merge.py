@@ -26,9 +26,7 @@ def version(
     vv: dict[str, int], *, updated_at: str | None = None, client_id: str = "dev-a", **fields: Any
 ) -> Session:
     at = updated_at or stamp(1000, 0, client_id)
-    return make_session(
-        id=SESSION_ID, vv=vv, updated_at=at, hlc=at, client_id=client_id, **fields
-    )
+    return make_session(id=SESSION_ID, vv=vv, updated_at=at, hlc=at, client_id=client_id, **fields)
 
 
 def at_least(merged: dict[str, int], vv: dict[str, int]) -> bool:

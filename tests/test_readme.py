@@ -16,9 +16,14 @@ def test_quickstart_runs(tmp_path: Path) -> None:
     code = re.findall(r"```python\n(.*?)```", readme, re.S)[0]
     script = tmp_path / "quickstart.py"
     script.write_text(code)
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0, proc.stderr
     assert "[calculator -> 42]" in proc.stdout and "ok=True" in proc.stdout
     assert "state='offline'" in proc.stdout

@@ -68,7 +68,9 @@ async def test_default_runtime_is_in_memory() -> None:
         assert (await run(rt, handle.id, "hi"))[-1].type == "turn.complete"
 
 
-async def test_turn_streams_and_commits(runtime: SessionRuntime, scripted: ScriptedProvider) -> None:
+async def test_turn_streams_and_commits(
+    runtime: SessionRuntime, scripted: ScriptedProvider
+) -> None:
     scripted.extend([ScriptedReply(text="Hello there friend")])
     handle = await runtime.create_session()
     events = await run(runtime, handle.id, "hi")
@@ -86,34 +88,43 @@ async def test_turn_streams_and_commits(runtime: SessionRuntime, scripted: Scrip
     assert rows[0].request_id is not None and rows[0].seq_within_turn == 0
 
 
-async def test_tool_loop_with_calculator(runtime: SessionRuntime, scripted: ScriptedProvider) -> None:
-    scripted.extend([
-        ScriptedReply(text="Computing.", tool_calls=[("calculator", {"expression": "6 * 7"})]),
-        ScriptedReply(text="It is 42."),
-    ])
+async def test_tool_loop_with_calculator(
+    runtime: SessionRuntime, scripted: ScriptedProvider
+) -> None:
+    scripted.extend(
+        [
+            ScriptedReply(text="Computing.", tool_calls=[("calculator", {"expression": "6 * 7"})]),
+            ScriptedReply(text="It is 42."),
+        ]
+    )
     handle = await runtime.create_session()
     events = await run(runtime, handle.id, "6*7?")
     completed = [e for e in events if e.type == "tool.completed"]
     assert completed and completed[0].output == "42"  # type: ignore[attr-defined]
     second = scripted.requests[-1].messages
     assert second[-1]["content"][0] == {
-        "type": "tool_result", "tool_use_id": second[-2]["content"][1]["id"], "content": "42"
+        "type": "tool_result",
+        "tool_use_id": second[-2]["content"][1]["id"],
+        "content": "42",
     }
     rows = await runtime.audit.rows(handle.id)
     assert [r.seq_within_turn for r in rows] == [0, 1]
     assert len({r.turn_id for r in rows}) == 1
 
 
-async def test_failing_tool_becomes_error_result(runtime: SessionRuntime,
-                                                 scripted: ScriptedProvider) -> None:
+async def test_failing_tool_becomes_error_result(
+    runtime: SessionRuntime, scripted: ScriptedProvider
+) -> None:
     def boom(_: dict[str, Any]) -> str:
         raise RuntimeError("disk on fire")
 
     runtime.tools.register(Tool("boom", "fails", {"type": "object"}, boom))
-    scripted.extend([
-        ScriptedReply(tool_calls=[("boom", {}), ("nope", {})]),
-        ScriptedReply(text="Sorry."),
-    ])
+    scripted.extend(
+        [
+            ScriptedReply(tool_calls=[("boom", {}), ("nope", {})]),
+            ScriptedReply(text="Sorry."),
+        ]
+    )
     handle = await runtime.create_session()
     events = await run(runtime, handle.id, "go")
     failed = [e for e in events if e.type == "tool.failed"]
@@ -126,10 +137,12 @@ async def test_failing_tool_becomes_error_result(runtime: SessionRuntime,
     assert (await run(runtime, handle.id, "still there?"))[-1].type == "turn.complete"
 
 
-async def test_provider_error_keeps_session_usable(runtime: SessionRuntime,
-                                                   scripted: ScriptedProvider) -> None:
-    scripted.extend([ScriptedReply(error="overloaded", error_retryable=True),
-                     ScriptedReply(text="Back.")])
+async def test_provider_error_keeps_session_usable(
+    runtime: SessionRuntime, scripted: ScriptedProvider
+) -> None:
+    scripted.extend(
+        [ScriptedReply(error="overloaded", error_retryable=True), ScriptedReply(text="Back.")]
+    )
     handle = await runtime.create_session()
     events = await run(runtime, handle.id, "hi")
     error = next(e for e in events if e.type == "error")
@@ -143,22 +156,27 @@ async def test_provider_error_keeps_session_usable(runtime: SessionRuntime,
 
 
 async def test_tool_iteration_cap(adapter: Any) -> None:
-    provider = ScriptedProvider(default_reply=ScriptedReply(
-        tool_calls=[("calculator", {"expression": "1+1"})]))
+    provider = ScriptedProvider(
+        default_reply=ScriptedReply(tool_calls=[("calculator", {"expression": "1+1"})])
+    )
     async with SessionRuntime(adapter, provider, max_tool_iterations=2) as rt:
         handle = await rt.create_session()
         events = await run(rt, handle.id, "loop forever")
-        assert any(e.type == "error" and e.code == "tool_iteration_limit"  # type: ignore[attr-defined]
-                   for e in events)
+        assert any(
+            e.type == "error" and e.code == "tool_iteration_limit"  # type: ignore[attr-defined]
+            for e in events
+        )
         assert len(provider.requests) == 3
         request = provider.requests[-1]
         assert request.messages[-1]["role"] == "user"
 
 
-async def test_abort_by_event_accounts_and_keeps_partial(runtime: SessionRuntime,
-                                                         scripted: ScriptedProvider) -> None:
-    scripted.extend([ScriptedReply(text="one two three four five six seven eight",
-                                   input_tokens=120)])
+async def test_abort_by_event_accounts_and_keeps_partial(
+    runtime: SessionRuntime, scripted: ScriptedProvider
+) -> None:
+    scripted.extend(
+        [ScriptedReply(text="one two three four five six seven eight", input_tokens=120)]
+    )
     handle = await runtime.create_session()
     abort = asyncio.Event()
     events: list[StreamEventBase] = []
@@ -179,8 +197,9 @@ async def test_abort_by_event_accounts_and_keeps_partial(runtime: SessionRuntime
     assert sent[1]["content"] == [{"type": "text", "text": "one two "}]
 
 
-async def test_abort_during_tools_closes_dangling_tool_use(runtime: SessionRuntime,
-                                                           scripted: ScriptedProvider) -> None:
+async def test_abort_during_tools_closes_dangling_tool_use(
+    runtime: SessionRuntime, scripted: ScriptedProvider
+) -> None:
     started = asyncio.Event()
     release = asyncio.Event()
 
@@ -190,8 +209,13 @@ async def test_abort_during_tools_closes_dangling_tool_use(runtime: SessionRunti
         return "never"
 
     runtime.tools.register(Tool("slow", "waits", {"type": "object"}, slow))
-    scripted.extend([ScriptedReply(text="Working.", tool_calls=[("slow", {}),
-                                                                ("calculator", {"expression": "1"})])])
+    scripted.extend(
+        [
+            ScriptedReply(
+                text="Working.", tool_calls=[("slow", {}), ("calculator", {"expression": "1"})]
+            )
+        ]
+    )
     handle = await runtime.create_session()
     abort = asyncio.Event()
 
@@ -214,8 +238,9 @@ async def test_abort_during_tools_closes_dangling_tool_use(runtime: SessionRunti
     assert sent[2]["content"][-1] == {"type": "text", "text": "next"}
 
 
-async def test_abort_by_cancelling_the_consumer(runtime: SessionRuntime,
-                                                scripted: ScriptedProvider) -> None:
+async def test_abort_by_cancelling_the_consumer(
+    runtime: SessionRuntime, scripted: ScriptedProvider
+) -> None:
     scripted.extend([ScriptedReply(text="a b c d e f g h i j", delay=0.001, input_tokens=50)])
     handle = await runtime.create_session()
     got_delta = asyncio.Event()
@@ -237,8 +262,9 @@ async def test_abort_by_cancelling_the_consumer(runtime: SessionRuntime,
     assert (await run(runtime, handle.id, "go on"))[-1].outcome == "ok"  # type: ignore[attr-defined]
 
 
-async def test_breaking_out_early_with_aclosing_aborts(runtime: SessionRuntime,
-                                                       scripted: ScriptedProvider) -> None:
+async def test_breaking_out_early_with_aclosing_aborts(
+    runtime: SessionRuntime, scripted: ScriptedProvider
+) -> None:
     scripted.extend([ScriptedReply(text="x y z w", input_tokens=9)])
     handle = await runtime.create_session()
     async with contextlib.aclosing(runtime.execute_message(handle.id, "hi")) as stream:
@@ -302,7 +328,8 @@ async def test_event_log_iterate_fold_verify_and_prove(runtime: SessionRuntime) 
     tail = [e async for e in runtime.events.iterate(handle.id, from_sequence=5)]
     assert tail[0].sequence_number == 5
     count_turns: Projection[int] = Projection(
-        "turns", lambda: 0, lambda n, e: n + (e.type == "turn.complete"))
+        "turns", lambda: 0, lambda n, e: n + (e.type == "turn.complete")
+    )
     result = await runtime.events.fold(count_turns, handle.id)
     assert result.state == 3 and result.rows_processed == len(rows)
     proof = await runtime.events.generate_proof(rows[3].id)
@@ -317,8 +344,10 @@ async def test_event_log_iterate_fold_verify_and_prove(runtime: SessionRuntime) 
 
 async def test_live_bus_and_stream_modes(runtime: SessionRuntime) -> None:
     seen: dict[str, list[str]] = {m: [] for m in ("values", "updates", "messages", "all")}
-    unsubscribe = {m: runtime.subscribe_to_stream(m, lambda e, m=m: seen[m].append(e.type))  # type: ignore[misc]
-                   for m in seen}
+    unsubscribe = {
+        m: runtime.subscribe_to_stream(m, lambda e, m=m: seen[m].append(e.type))  # type: ignore[misc]
+        for m in seen
+    }
     once: list[str] = []
     every: list[str] = []
     runtime.events.once("turn.complete", lambda e: once.append(e.type))
@@ -328,8 +357,12 @@ async def test_live_bus_and_stream_modes(runtime: SessionRuntime) -> None:
     await run(runtime, handle.id, "again")
     assert seen["values"][0] == "session.created" and "checkpoint.created" in seen["values"]
     assert "message.delta" not in seen["updates"] and "message.added" in seen["updates"]
-    assert set(seen["messages"]) <= {"message.delta", "message.complete", "thinking.delta",
-                                     "thinking.complete"}
+    assert set(seen["messages"]) <= {
+        "message.delta",
+        "message.complete",
+        "thinking.delta",
+        "thinking.complete",
+    }
     assert once == ["turn.complete"] and every.count("turn.complete") == 2
     assert len(seen["all"]) == len(every)
     assert unsubscribe["all"]() and not unsubscribe["all"]()
@@ -352,7 +385,7 @@ async def test_checkpoints_rollback_fork_and_time_travel(runtime: SessionRuntime
     cps = await runtime.checkpoints.list(handle.id)
     assert [c.parent_id for c in cps] == [None, cps[0].id, cps[1].id]
     at_first = await runtime.checkpoints.state_at(handle.id, cps[0].id)
-    assert [m.content[0]["text"] for m in at_first][0] == "one" and len(at_first) == 2
+    assert at_first[0].content[0]["text"] == "one" and len(at_first) == 2
     audit_before = len(await runtime.audit.rows(handle.id))
     receipt = await runtime.checkpoints.rollback(handle.id, cps[0].id)
     assert receipt.messages_before == 6 and receipt.messages_after == 2
@@ -361,8 +394,11 @@ async def test_checkpoints_rollback_fork_and_time_travel(runtime: SessionRuntime
     assert len(await runtime.audit.rows(handle.id)) == audit_before
     assert (await runtime.checkpoints.list(handle.id))[-1].parent_id == cps[-1].id
     await run(runtime, handle.id, "after rollback")
-    sent = [m["content"][0]["text"] for m in runtime._provider.requests[-1].messages  # type: ignore[union-attr]
-            if m["role"] == "user"]
+    sent = [
+        m["content"][0]["text"]
+        for m in runtime._provider.requests[-1].messages  # type: ignore[union-attr]
+        if m["role"] == "user"
+    ]
     assert sent == ["one", "after rollback"]
     fork = await runtime.checkpoints.fork(handle.id, cps[1].id)
     assert fork.session_id != handle.id and fork.messages == 4
@@ -376,8 +412,12 @@ async def test_checkpoints_rollback_fork_and_time_travel(runtime: SessionRuntime
 async def test_audit_rollup_cost_and_gdpr(adapter: Any) -> None:
     from tests.test_runtime_anthropic import anthropic_provider, text_reply
 
-    provider, _ = anthropic_provider([text_reply("hi", input_tokens=1000, output_tokens=500),
-                                      text_reply("again", input_tokens=2000, output_tokens=100)])
+    provider, _ = anthropic_provider(
+        [
+            text_reply("hi", input_tokens=1000, output_tokens=500),
+            text_reply("again", input_tokens=2000, output_tokens=100),
+        ]
+    )
     async with SessionRuntime(adapter, provider, user_id="bob") as rt:
         handle = await rt.create_session(model="claude-sonnet-4-20250514")
         await run(rt, handle.id, "one")
@@ -400,10 +440,12 @@ async def test_unknown_model_has_no_cost(runtime: SessionRuntime) -> None:
     assert rollup.calls == 1 and rollup.cost_usd is None
 
 
-async def test_turns_on_one_session_do_not_interleave(runtime: SessionRuntime,
-                                                      scripted: ScriptedProvider) -> None:
-    scripted.extend([ScriptedReply(text="first reply", delay=0.001),
-                     ScriptedReply(text="second reply")])
+async def test_turns_on_one_session_do_not_interleave(
+    runtime: SessionRuntime, scripted: ScriptedProvider
+) -> None:
+    scripted.extend(
+        [ScriptedReply(text="first reply", delay=0.001), ScriptedReply(text="second reply")]
+    )
     handle = await runtime.create_session()
     await asyncio.gather(run(runtime, handle.id, "a"), run(runtime, handle.id, "b"))
     messages = await runtime.sessions.messages(handle.id)

@@ -31,33 +31,38 @@ class RecordingAPI:
 
 
 def text_reply(text: str, *, input_tokens: int = 30, output_tokens: int = 10) -> sse.StreamBody:
-    return sse.StreamBody(sse.text_stream(text.split(" "), input_tokens=input_tokens,
-                                          output_tokens=output_tokens))
+    return sse.StreamBody(
+        sse.text_stream(text.split(" "), input_tokens=input_tokens, output_tokens=output_tokens)
+    )
 
 
 def anthropic_provider(bodies: list[sse.StreamBody]) -> tuple[AnthropicProvider, RecordingAPI]:
     """A provider on a real AsyncAnthropic client whose transport replays ``bodies``."""
     api = RecordingAPI(bodies)
     client = anthropic.AsyncAnthropic(
-        api_key="test", base_url="http://test", max_retries=0,
+        api_key="test",
+        base_url="http://test",
+        max_retries=0,
         http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(api.handler)),
     )
     return AnthropicProvider(client), api
 
 
 async def test_turn_with_tool_use_through_the_sdk(adapter: StorageAdapter) -> None:
-    tool_turn = sse.StreamBody([
-        sse.message_start(input_tokens=400),
-        sse.text_start(0),
-        sse.text_delta(0, "Let me add."),
-        sse.block_stop(0),
-        sse.tool_use_start(1, "toolu_01", "calculator"),
-        sse.input_json_delta(1, '{"expres'),
-        sse.input_json_delta(1, 'sion": "2+2"}'),
-        sse.block_stop(1),
-        sse.message_delta(stop_reason="tool_use", output_tokens=40),
-        sse.message_stop(),
-    ])
+    tool_turn = sse.StreamBody(
+        [
+            sse.message_start(input_tokens=400),
+            sse.text_start(0),
+            sse.text_delta(0, "Let me add."),
+            sse.block_stop(0),
+            sse.tool_use_start(1, "toolu_01", "calculator"),
+            sse.input_json_delta(1, '{"expres'),
+            sse.input_json_delta(1, 'sion": "2+2"}'),
+            sse.block_stop(1),
+            sse.message_delta(stop_reason="tool_use", output_tokens=40),
+            sse.message_stop(),
+        ]
+    )
     provider, api = anthropic_provider([tool_turn, text_reply("It is 4.")])
     async with SessionRuntime(adapter, provider) as rt:
         handle = await rt.create_session(model=MODEL)
@@ -67,7 +72,9 @@ async def test_turn_with_tool_use_through_the_sdk(adapter: StorageAdapter) -> No
         assert second["model"] == MODEL
         assert second["tools"][0]["name"] == "calculator"
         assert second["messages"][1]["content"][1] == {
-            "type": "tool_use", "id": "toolu_01", "name": "calculator",
+            "type": "tool_use",
+            "id": "toolu_01",
+            "name": "calculator",
             "input": {"expression": "2+2"},
         }
         assert second["messages"][2]["content"] == [
@@ -80,18 +87,21 @@ async def test_turn_with_tool_use_through_the_sdk(adapter: StorageAdapter) -> No
 
 
 async def test_abort_mid_tool_use_then_next_request_is_valid(adapter: StorageAdapter) -> None:
-    held = sse.StreamBody([
-        sse.message_start(input_tokens=812),
-        sse.text_start(0),
-        sse.text_delta(0, "Checking the weather"),
-        sse.block_stop(0),
-        sse.tool_use_start(1, "toolu_02", "calculator"),
-        sse.input_json_delta(1, '{"expression": "1'),
-        sse.input_json_delta(1, '+1"}'),
-        sse.block_stop(1),
-        sse.message_delta(stop_reason="tool_use", output_tokens=55),
-        sse.message_stop(),
-    ], hold_after=6)
+    held = sse.StreamBody(
+        [
+            sse.message_start(input_tokens=812),
+            sse.text_start(0),
+            sse.text_delta(0, "Checking the weather"),
+            sse.block_stop(0),
+            sse.tool_use_start(1, "toolu_02", "calculator"),
+            sse.input_json_delta(1, '{"expression": "1'),
+            sse.input_json_delta(1, '+1"}'),
+            sse.block_stop(1),
+            sse.message_delta(stop_reason="tool_use", output_tokens=55),
+            sse.message_stop(),
+        ],
+        hold_after=6,
+    )
     provider, api = anthropic_provider([held, text_reply("Fine.")])
     async with SessionRuntime(adapter, provider) as rt:
         handle = await rt.create_session(model=MODEL)
@@ -139,21 +149,23 @@ async def test_abort_after_complete_tool_use_adds_synthetic_result(
         await asyncio.Event().wait()
         return "unreachable"
 
-    tool_turn = sse.StreamBody([
-        sse.message_start(input_tokens=90),
-        sse.tool_use_start(0, "toolu_03", "slow"),
-        sse.input_json_delta(0, "{}"),
-        sse.block_stop(0),
-        sse.message_delta(stop_reason="tool_use", output_tokens=20),
-        sse.message_stop(),
-    ])
+    tool_turn = sse.StreamBody(
+        [
+            sse.message_start(input_tokens=90),
+            sse.tool_use_start(0, "toolu_03", "slow"),
+            sse.input_json_delta(0, "{}"),
+            sse.block_stop(0),
+            sse.message_delta(stop_reason="tool_use", output_tokens=20),
+            sse.message_stop(),
+        ]
+    )
     provider, api = anthropic_provider([tool_turn, text_reply("ok then")])
-    async with SessionRuntime(adapter, provider, tools=[Tool("slow", "s", {"type": "object"},
-                                                             slow)]) as rt:
+    async with SessionRuntime(
+        adapter, provider, tools=[Tool("slow", "s", {"type": "object"}, slow)]
+    ) as rt:
         handle = await rt.create_session(model=MODEL)
         abort = asyncio.Event()
-        task = asyncio.create_task(
-            _drain(rt.execute_message(handle.id, "run slow", abort=abort)))
+        task = asyncio.create_task(_drain(rt.execute_message(handle.id, "run slow", abort=abort)))
         await started.wait()
         abort.set()
         await task
@@ -171,8 +183,14 @@ async def test_abort_after_complete_tool_use_adds_synthetic_result(
 
 
 async def test_sdk_error_event_becomes_error_and_audit_row(adapter: StorageAdapter) -> None:
-    broken = sse.StreamBody([sse.message_start(input_tokens=70), sse.text_start(0),
-                             sse.text_delta(0, "Par"), sse.error()])
+    broken = sse.StreamBody(
+        [
+            sse.message_start(input_tokens=70),
+            sse.text_start(0),
+            sse.text_delta(0, "Par"),
+            sse.error(),
+        ]
+    )
     provider, _ = anthropic_provider([broken, text_reply("recovered")])
     async with SessionRuntime(adapter, provider) as rt:
         handle = await rt.create_session(model=MODEL)

@@ -59,13 +59,19 @@ class Cluster:
     def url(self) -> str:
         return f"ws://127.0.0.1:{self.port}/sync"
 
-    def token(self, tenant: Tenant = ALICE, ttl: int | None = 3600,
-              now: float | None = None) -> str:
+    def token(
+        self, tenant: Tenant = ALICE, ttl: int | None = 3600, now: float | None = None
+    ) -> str:
         return issue_token(SECRET, tenant, ttl, now=now)
 
     async def device(self, name: str, tenant: Tenant = ALICE) -> SessionRuntime:
-        rt = SessionRuntime(SQLiteAdapter(self.tmp / f"{name}.db"), ScriptedProvider(),
-                            user_id=tenant.user_id, org_id=tenant.org_id, client_id=name)
+        rt = SessionRuntime(
+            SQLiteAdapter(self.tmp / f"{name}.db"),
+            ScriptedProvider(),
+            user_id=tenant.user_id,
+            org_id=tenant.org_id,
+            client_id=name,
+        )
         await self.stack.enter_async_context(rt)
         rt.sync.backoff_initial = 0.01
         rt.sync.backoff_max = 0.2
@@ -73,8 +79,9 @@ class Cluster:
 
     async def online(self, *devices: SessionRuntime) -> None:
         for rt in devices:
-            await rt.sync.connect(self.url, self.token(Tenant(org_id=rt.org_id,
-                                                              user_id=rt.user_id)))
+            await rt.sync.connect(
+                self.url, self.token(Tenant(org_id=rt.org_id, user_id=rt.user_id))
+            )
         await self.settle(*devices)
 
     async def settle(self, *devices: SessionRuntime) -> None:
@@ -148,8 +155,11 @@ async def test_two_offline_devices_converge(cluster: Cluster) -> None:
     await chat(phone, session.id, "continued on the phone")
     await cluster.settle(phone, laptop)
     assert await snapshot(laptop, session.id) == await snapshot(phone, session.id)
-    texts = [m.content[0].get("text") for m in await laptop.sessions.messages(session.id)
-             if m.role == "user"]
+    texts = [
+        m.content[0].get("text")
+        for m in await laptop.sessions.messages(session.id)
+        if m.role == "user"
+    ]
     assert texts == ["written on a plane", "still offline", "continued on the phone"]
 
 
@@ -213,9 +223,16 @@ async def test_poisoned_change_is_dead_lettered_and_the_queue_goes_on(cluster: C
     session = await laptop.create_session()
     await chat(laptop, session.id, "before")
     clock = HybridClock("laptop")
-    foreign = Message(id=uuid7(), session_id=session.id, org_id="other-org", user_id="mallory",
-                      client_id="laptop", hlc=clock.now(), role="user",
-                      content=[{"type": "text", "text": "not mine"}])
+    foreign = Message(
+        id=uuid7(),
+        session_id=session.id,
+        org_id="other-org",
+        user_id="mallory",
+        client_id="laptop",
+        hlc=clock.now(),
+        role="user",
+        content=[{"type": "text", "text": "not mine"}],
+    )
     await laptop.store.commit(WriteBatch(records=[foreign]))
     await chat(laptop, session.id, "after")
     await laptop.sync.connect(cluster.url, cluster.token())
@@ -242,8 +259,16 @@ async def test_flush_receipt_outcomes(cluster: Cluster) -> None:
     again = await laptop.sync.sync_once(cluster.url, cluster.token())
     assert again.outcome == "none-pending"
     clock = HybridClock("laptop")
-    bad = Message(id=uuid7(), session_id=session.id, org_id="x", user_id="y",
-                  client_id="laptop", hlc=clock.now(), role="user", content=[])
+    bad = Message(
+        id=uuid7(),
+        session_id=session.id,
+        org_id="x",
+        user_id="y",
+        client_id="laptop",
+        hlc=clock.now(),
+        role="user",
+        content=[],
+    )
     await laptop.store.commit(WriteBatch(records=[bad]))
     await chat(laptop, session.id, "fine")
     partial = await laptop.sync.sync_once(cluster.url, cluster.token())
@@ -338,8 +363,7 @@ async def test_bad_tokens_need_auth_and_tenants_are_isolated(cluster: Cluster) -
     assert await bobs.sessions.list() == []
 
 
-async def _until(rt: SessionRuntime, predicate: Callable[[], bool],
-                 timeout: float = 10.0) -> bool:
+async def _until(rt: SessionRuntime, predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
     """Wait on the sync facet's state-change condition until ``predicate`` holds."""
     try:
         async with asyncio.timeout(timeout):

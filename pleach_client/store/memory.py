@@ -244,8 +244,9 @@ class MemoryAdapter:
         # the flush sends their current version.
         self._last_seq += 1
         if isinstance(record, Session | Event):
-            row = _OutboxRow(body=None, attempts=0, created_at=now,
-                             ref=(type(record).__name__, record.id))
+            row = _OutboxRow(
+                body=None, attempts=0, created_at=now, ref=(type(record).__name__, record.id)
+            )
         else:
             row = _OutboxRow(body=body, attempts=0, created_at=now)
         self._outbox[self._last_seq] = row

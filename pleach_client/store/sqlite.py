@@ -170,9 +170,7 @@ QUERIES: Final[dict[str, str]] = {
     # json_each: any number of ids in one bound parameter and one round trip.
     "get_messages": "SELECT id, body FROM messages WHERE id IN (SELECT value FROM json_each(?))",
     "get_checkpoint": "SELECT id, body FROM checkpoints WHERE id = ?",
-    "list_checkpoints": (
-        "SELECT id, body FROM checkpoints WHERE session_id = ? ORDER BY hlc, id"
-    ),
+    "list_checkpoints": ("SELECT id, body FROM checkpoints WHERE session_id = ? ORDER BY hlc, id"),
     "get_event": "SELECT id, body FROM events WHERE id = ?",
     "list_events": (
         "SELECT id, body FROM events WHERE session_id = ? AND sequence_number >= ? "
@@ -180,8 +178,7 @@ QUERIES: Final[dict[str, str]] = {
     ),
     "list_audit": "SELECT id, body FROM audit ORDER BY client_id, sequence_number, id",
     "list_audit_session": (
-        "SELECT id, body FROM audit WHERE session_id = ? "
-        "ORDER BY client_id, sequence_number, id"
+        "SELECT id, body FROM audit WHERE session_id = ? ORDER BY client_id, sequence_number, id"
     ),
     "list_audit_client": (
         "SELECT id, body FROM audit WHERE client_id = ? ORDER BY sequence_number, id"
@@ -767,4 +764,3 @@ async def _close_after_error(conn: aiosqlite.Connection, cause: BaseException) -
         await conn.close()
     except _DB_ERRORS as exc:
         cause.add_note(f"closing the connection also failed: {exc}")
-

@@ -15,10 +15,14 @@ from pleach_client.store.sqlite import SQLiteAdapter
 
 
 async def main(db: str, session_file: str) -> None:
-    reply = ScriptedReply(text="a reply of several words", tool_calls=[("calculator",
-                                                                        {"expression": "2+3"})])
-    provider = ScriptedProvider(default_reply=lambda req: reply if len(req.messages) % 4 == 1
-                                else ScriptedReply(text="done"))
+    reply = ScriptedReply(
+        text="a reply of several words", tool_calls=[("calculator", {"expression": "2+3"})]
+    )
+    provider = ScriptedProvider(
+        default_reply=lambda req: (
+            reply if len(req.messages) % 4 == 1 else ScriptedReply(text="done")
+        )
+    )
     async with SessionRuntime(SQLiteAdapter(db), provider, user_id="u", org_id="o") as rt:
         path = Path(session_file)
         if path.exists():
