@@ -33,6 +33,7 @@ from shared.records import (
     Usage,
 )
 
+from .artifacts import ArtifactsFacet
 from .facets import AuditFacet, CheckpointsFacet, EventsFacet
 from .providers.base import Provider
 from .store.base import StorageAdapter, WriteBatch
@@ -335,6 +336,7 @@ class SessionRuntime:
         self.events = EventsFacet(self)
         self.checkpoints = CheckpointsFacet(self)
         self.audit = AuditFacet(self)
+        self.artifacts = ArtifactsFacet(self)
         self._clock = HybridClock("pending")
         self._cache: dict[str, Session] = {}
         self._event_heads: dict[str, tuple[int, str]] = {}

@@ -669,7 +669,9 @@ class SyncFacet:
                 )
                 if isinstance(answer, Error):
                     self._error(answer.message, answer.code)
-                    if answer.code == 3010:  # cursor too old: resync from the start
+                    if answer.code == 3010 and cursor > 0:
+                        # Cursor too old: resync from the start of the retained feed. Local
+                        # applies are idempotent, so re-reading what we have costs only time.
                         await self._rt.store.set_meta("cursor", "0")
                         continue
                     raise _as_error(answer)

@@ -375,3 +375,25 @@ async def _until(rt: SessionRuntime, predicate: Callable[[], bool], timeout: flo
 
 
 _ = msgspec
+
+
+async def test_artifacts_merge_concurrent_offline_edits(cluster: Cluster) -> None:
+    laptop = await cluster.device("laptop")
+    phone = await cluster.device("phone")
+    session = await laptop.create_session()
+    created = await laptop.artifacts.create(session.id, "Packing list:")
+    await cluster.online(laptop, phone)
+    assert await phone.artifacts.text(created.artifact_id) == "Packing list:"
+    await laptop.sync.disconnect()
+    await phone.sync.disconnect()
+    await laptop.artifacts.append(created.artifact_id, " umbrella")
+
+    def prepend(body: Any) -> None:
+        body.insert(0, "TRIP. ")
+
+    await phone.artifacts.edit(created.artifact_id, prepend)
+    await cluster.online(laptop, phone)
+    text = await laptop.artifacts.text(created.artifact_id)
+    assert text == await phone.artifacts.text(created.artifact_id)
+    assert text == "TRIP. Packing list: umbrella"
+    assert await phone.artifacts.list(session.id) == [created.artifact_id]
