@@ -391,6 +391,8 @@ class SyncFacet:
                 return
             except SyncError as exc:
                 self._error(exc.message, int(exc.code))
+            except PleachError as exc:  # a refused page (bad chain), a store failure...
+                self._error(f"{type(exc).__name__}: {exc}")
             finally:
                 self._link = None
             self._set_state("offline")

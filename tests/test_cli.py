@@ -59,3 +59,66 @@ def test_demo_converges() -> None:
     code, out, err = pleach("demo")
     assert code == 0, out + err
     assert "conflict" in out and "identical: yes" in out
+
+
+def test_sync_and_status_against_a_server_process(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PLEACH_SECRET": "cli-test-secret"}
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pleach_server.cli",
+            "--port",
+            "0",
+            "--db",
+            str(tmp_path / "server.db"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    try:
+        assert server.stdout is not None
+        url = ""
+        for line in server.stdout:
+            found = re.search(r"(ws://\S+/sync)", line)
+            if found:
+                url = found.group(1)
+                break
+        assert url, "the server did not say where it listens"
+        token = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pleach_server.cli",
+                "token",
+                "create",
+                "--user",
+                "anonymous",
+                "--org",
+                "default",
+                "--db",
+                str(tmp_path / "server.db"),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            check=True,
+            timeout=60,
+        ).stdout.strip()
+        db = str(tmp_path / "d.db")
+        assert pleach("--db", db, "chat", "--offline", "-m", "sync me")[0] == 0
+        code, out, err = pleach("--db", db, "sync", "--server", url, "--token", token)
+        assert code == 0, err
+        assert '"outcome":"all-flushed"' in out and '"pending":0' in out
+        code, out, _ = pleach("--db", db, "status")
+        assert '"has_synced":true' in out and '"dead_letters":0' in out
+        code, _, err = pleach("--db", db, "sync", "--server", url, "--token", "forged")
+        assert code == 2 and "401" in err and "Traceback" not in err
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        if server.stdout is not None:
+            server.stdout.close()

@@ -397,3 +397,35 @@ async def test_artifacts_merge_concurrent_offline_edits(cluster: Cluster) -> Non
     assert text == await phone.artifacts.text(created.artifact_id)
     assert text == "TRIP. Packing list: umbrella"
     assert await phone.artifacts.list(session.id) == [created.artifact_id]
+
+
+async def test_a_pulled_chain_that_does_not_verify_is_refused(cluster: Cluster) -> None:
+    assert cluster.store is not None and cluster.server is not None
+    inner = cluster.store
+
+    class Tamper:
+        """Serves pulls whose events carry altered payloads (hashes left as they were)."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(inner, name)
+
+        async def pull(self, *args: Any) -> Any:
+            result = await inner.pull(*args)
+            for change in result.changes:
+                if type(change.record).__name__ == "Event":
+                    change.record = msgspec.structs.replace(change.record, payload={"forged": True})
+            return result
+
+    laptop = await cluster.device("laptop")
+    session = await laptop.create_session()
+    await chat(laptop, session.id, "genuine")
+    await cluster.online(laptop)
+    await cluster.server.shutdown()
+    await cluster.start_server(Tamper())  # type: ignore[arg-type]
+    phone = await cluster.device("phone")
+    await phone.sync.connect(cluster.url, cluster.token())
+    assert await _until(phone, lambda: (phone.sync._last_error or "").startswith("ChainError"))
+    status = await phone.sync.status()
+    assert status.cursor == 0 and "does not verify" in (status.last_error or "")
+    assert await phone.sessions.find(session.id) is None  # nothing of the page was applied
+    await phone.sync.disconnect()
