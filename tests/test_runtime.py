@@ -455,3 +455,28 @@ async def test_turns_on_one_session_do_not_interleave(
 
 def test_event_records_are_events() -> None:
     assert Event.__struct_config__.tag == "Event"
+
+
+async def test_thinking_streams_and_is_kept(
+    runtime: SessionRuntime, scripted: ScriptedProvider
+) -> None:
+    scripted.extend([ScriptedReply(thinking="weigh the options", text="Answer.")])
+    handle = await runtime.create_session()
+    events = await run(runtime, handle.id, "think")
+    assert "".join(e.delta for e in events if e.type == "thinking.delta") == "weigh the options"  # type: ignore[attr-defined]
+    assert any(e.type == "thinking.complete" for e in events)
+    reply = (await runtime.sessions.messages(handle.id))[-1]
+    assert reply.content[0]["type"] == "thinking" and reply.content[0]["signature"]
+    await run(runtime, handle.id, "next")
+    assert scripted.requests[-1].messages[1]["content"][0]["type"] == "thinking"
+
+
+async def test_memory_default_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    import pleach_client.runtime as runtime_module
+
+    runtime_module._memory_warned = False
+    with caplog.at_level("WARNING", logger="pleach.runtime"):
+        SessionRuntime(provider=ScriptedProvider())
+        SessionRuntime(provider=ScriptedProvider())
+    warnings = [r for r in caplog.records if "in-memory store" in r.getMessage()]
+    assert len(warnings) == 1

@@ -245,8 +245,14 @@ async def test_poisoned_change_is_dead_lettered_and_the_queue_goes_on(cluster: C
     phone = await cluster.device("phone")
     await cluster.online(phone)
     assert len(await phone.sessions.messages(session.id)) == 4
+    # Retrying re-queues it under a new client_seq; the server refuses it again.
+    new_seq = await laptop.sync.retry_dead_letter(dead[0].client_seq)
+    assert new_seq is not None and new_seq > dead[0].client_seq
+    assert await laptop.sync.wait_until_synced(20)
+    again = await laptop.sync.dead_letters()
+    assert [d.client_seq for d in again] == [new_seq] and again[0].code == 3002
     await laptop.sync.disconnect()
-    assert await laptop.sync.discard_dead_letter(dead[0].client_seq)
+    assert await laptop.sync.discard_dead_letter(new_seq)
     assert (await laptop.sync.status()).dead_letters == 0
 
 
