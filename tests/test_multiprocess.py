@@ -129,7 +129,7 @@ async def test_notifier_delivers_other_servers_commits_in_order_and_skips_its_ow
         assert got1 in ([page[1], page[2]], [(tenant, page[1][1], page[2][2])])
         assert await heard2.until(2) == [page[0], page[3]]
         await n1.publish(tenant, 0, 1)  # a no-op: the push itself notified
-        assert n1.published == 1 and n1.ignored == 2 and n2.ignored == 2
+        assert n1.published == 1 and n1.own == 2 and n2.own == 2
         assert heard3.pages == []  # another schema's commits are not ours
 
 

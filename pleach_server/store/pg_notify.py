@@ -104,7 +104,8 @@ class PostgresNotifier:
         self.application_name = f"pleach-listen-{server_id}"[:63]
         self.published = 0  # local commits announced (no-ops: the push NOTIFYs itself)
         self.delivered = 0  # remote pages handed to on_commit
-        self.ignored = 0  # own or foreign-schema notifications skipped
+        self.own = 0  # notifications of this process's own commits, skipped
+        self.ignored = 0  # notifications of another schema, skipped
         self.dropped = 0  # pages dropped on overflow
         self.reconnects = 0
         self._on_commit: CommitCallback | None = None
@@ -267,7 +268,7 @@ class PostgresNotifier:
         if server == self.server_id:
             # Our own commit: our devices already have it. Seal the tenant's queued page so
             # a later remote page is never merged across it (that would resend this one).
-            self.ignored += 1
+            self.own += 1
             self._open_tail.pop(tenant, None)
             return
         self._enqueue(tenant, from_cursor, to_cursor)

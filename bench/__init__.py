@@ -1,0 +1,1 @@
+"""pleach benchmarks: ``python -m bench [--quick] [--json PATH]`` (see docs/BENCHMARKS.md)."""

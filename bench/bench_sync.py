@@ -1,0 +1,365 @@
+"""Sync costs against a real ``SyncServer`` on loopback (SQLite server store on a temp file).
+
+Every figure is printed beside a baseline measured in the same run on the same machine:
+
+- ``sync_once``: one device commits K turns offline, then ``runtime.sync.sync_once`` connects,
+  flushes the outbox (``Push`` batches of 200, each acknowledged) and pulls the feed back.
+  Baseline: raw ``websockets`` round trips of the very same encoded ``Push`` payloads to an echo
+  server (connect included): the same bytes up and down, i.e. what the network layer alone
+  costs. The flush and pull phases are shown on their own (no baseline).
+- ``fan-out``: devices A and B connected live; A commits a turn (t0: commit returned), its sync
+  loop pushes it, the server fans it out, B applies it (t1: B's ``sync.applied`` for the
+  session, checked against B's store). Baseline: a raw ``websockets`` relay that forwards
+  A's message (one turn's encoded ``Push``) to B. Medians and p95 over the rounds.
+
+Run ``python -m bench.bench_sync [--quick]``; bounded (well under a minute, loopback only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from websockets.asyncio.client import connect
+from websockets.asyncio.server import ServerConnection, serve
+
+from bench.bench_local import Row, p95, render, turns
+from pleach_client.providers.scripted import ScriptedProvider
+from pleach_client.runtime import SessionRuntime
+from pleach_client.store.sqlite import SQLiteAdapter
+from pleach_client.stream import StreamEventBase
+from pleach_server.auth import issue_token
+from pleach_server.server import SyncServer
+from pleach_server.store import SQLiteServerStore, Tenant
+from shared.ids import uuid7
+from shared.messages import FrameCodec, Push
+from shared.records import Change
+
+__all__ = ["main", "run"]
+
+SECRET = b"bench-secret-for-sync"
+TIMEOUT = 30.0
+
+
+def device(path: Path, tenant: Tenant, client_id: str) -> SessionRuntime:
+    return SessionRuntime(
+        SQLiteAdapter(path),
+        ScriptedProvider(),
+        user_id=tenant.user_id,
+        org_id=tenant.org_id,
+        client_id=client_id,
+    )
+
+
+def new_tenant(label: str) -> Tenant:
+    """A tenant of its own, so a device's pull reads only its own feed."""
+    return Tenant(org_id="bench", user_id=f"{label}-{uuid7()}")
+
+
+async def outbox_payloads(rt: SessionRuntime, skip: int = 0) -> list[bytes]:
+    """The ``Push`` frames a flush would send for the pending outbox (after ``skip`` rows)."""
+    codec = FrameCodec()
+    pending = (await rt.store.outbox_pending(limit=1_000_000))[skip:]
+    size = rt.sync.batch_size
+    return [
+        codec.encode(
+            Push(changes=[Change(client_seq=e.client_seq, record=e.record) for e in chunk])
+        )
+        for chunk in (pending[i : i + size] for i in range(0, len(pending), size))
+    ]
+
+
+# -- (a) sync_once throughput ------------------------------------------------------------------
+
+
+def push_seconds(server: SyncServer) -> float:
+    """Seconds the server has spent in ``store.push`` so far (its own Prometheus histogram)."""
+    for metric in server.metrics.push_seconds.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_sum"):
+                return sample.value
+    return 0.0
+
+
+@dataclass
+class SyncRound:
+    changes: int
+    total: float
+    flush: float
+    pull: float
+    pulled: int
+    server_push: float
+    payloads: list[bytes]
+
+
+def _time_method(obj: Any, name: str, into: dict[str, float]) -> None:
+    """Wrap ``obj.name`` (an async method) on the instance to add its seconds to ``into``."""
+    method: Callable[..., Awaitable[Any]] = getattr(obj, name)
+
+    async def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return await method(*args, **kwargs)
+        finally:
+            into[name] = into.get(name, 0.0) + time.perf_counter() - started
+
+    setattr(obj, name, timed)
+
+
+async def sync_round(server: SyncServer, tmp: Path, label: str, k: int) -> SyncRound:
+    tenant = new_tenant(label)
+    async with device(tmp / f"{label}.db", tenant, f"dev-{label}") as rt:
+        session_id = (await rt.create_session(title=label)).id
+        await turns(rt, session_id, 0, k)
+        changes = await rt.store.outbox_count()
+        payloads = await outbox_payloads(rt)
+        token = issue_token(SECRET, tenant, 3600)
+        phases: dict[str, float] = {}
+        pulled: list[int] = []
+        _time_method(rt.sync, "flush_outbox", phases)
+        pull = rt.sync.pull
+
+        async def counted_pull() -> int:
+            n = await pull()
+            pulled.append(n)
+            return n
+
+        rt.sync.pull = counted_pull  # type: ignore[method-assign]
+        _time_method(rt.sync, "pull", phases)
+        in_store = push_seconds(server)
+        started = time.perf_counter()
+        receipt = await rt.sync.sync_once(server.url, token, timeout=TIMEOUT)
+        total = time.perf_counter() - started
+        in_store = push_seconds(server) - in_store
+        assert receipt.outcome == "all-flushed" and receipt.flushed == changes, receipt
+        assert await rt.store.outbox_count() == 0
+    return SyncRound(
+        changes, total, phases["flush_outbox"], phases["pull"], sum(pulled), in_store, payloads
+    )
+
+
+async def _echo(ws: ServerConnection) -> None:
+    async for message in ws:
+        await ws.send(message)
+
+
+async def echo_round(url: str, payloads: list[bytes]) -> float:
+    """Connect, send each payload and wait for it to come back, close; returns seconds."""
+    started = time.perf_counter()
+    async with connect(url, max_size=None, proxy=None) as ws:
+        for payload in payloads:
+            await ws.send(payload)
+            async with asyncio.timeout(TIMEOUT):
+                await ws.recv()
+    return time.perf_counter() - started
+
+
+async def throughput(server: SyncServer, tmp: Path, k: int, reps: int) -> list[Row]:
+    async with serve(_echo, "127.0.0.1", 0, max_size=None) as echo:
+        echo_url = f"ws://127.0.0.1:{echo.sockets[0].getsockname()[1]}"
+        warm = await sync_round(server, tmp, "sync-warm", 3)  # warm up once, both sides
+        await echo_round(echo_url, warm.payloads)
+        rounds: list[SyncRound] = []
+        echoes: list[float] = []
+        for rep in range(reps):  # interleaved, so noise hits both alike
+            rounds.append(await sync_round(server, tmp, f"sync-{rep}", k))
+            echoes.append(await echo_round(echo_url, rounds[-1].payloads))
+    changes = rounds[0].changes
+    assert all(r.changes == changes for r in rounds)
+    kib = sum(len(p) for p in rounds[0].payloads) / 1024
+    echo_rate = changes / statistics.median(echoes)
+    return [
+        Row(
+            f"sync_once, {k} turns = {changes} changes, {kib:.0f} KiB (median of {reps})",
+            changes / statistics.median(r.total for r in rounds),
+            "changes/s",
+            "ws echo, same payloads",
+            echo_rate,
+        ),
+        Row(
+            "  flush phase (Push + PushAck batches)",
+            changes / statistics.median(r.flush for r in rounds),
+            "changes/s",
+        ),
+        Row(
+            "    of which the server's store.push",
+            changes / statistics.median(r.server_push for r in rounds),
+            "changes/s",
+        ),
+        Row(
+            f"  pull phase ({rounds[0].pulled} changes pulled back, applied)",
+            rounds[0].pulled / statistics.median(r.pull for r in rounds),
+            "changes/s",
+        ),
+    ]
+
+
+# -- (b) live fan-out latency ------------------------------------------------------------------
+
+
+async def fanout(server: SyncServer, tmp: Path, rounds: int) -> tuple[list[float], float, bytes]:
+    """A commits a turn, B applies it: seconds per round (after one warm-up round), the mean
+    seconds the server spent in ``store.push`` per round, and one turn's encoded ``Push``
+    (the baseline's payload)."""
+    tenant = new_tenant("fanout")
+    token = issue_token(SECRET, tenant, 3600)
+    async with AsyncExitStack() as stack:
+        a = await stack.enter_async_context(device(tmp / "fan-a.db", tenant, "fan-a"))
+        b = await stack.enter_async_context(device(tmp / "fan-b.db", tenant, "fan-b"))
+        session_id = (await a.create_session(title="fan-out")).id
+        before = await a.store.outbox_count()
+        await turns(a, session_id, 0, 1)
+        payload = (await outbox_payloads(a, skip=before))[0]
+        for rt in (a, b):  # A first: B then pulls A's session when it connects
+            await rt.sync.connect(server.url, token)
+            assert await rt.sync.wait_until_synced(TIMEOUT), await rt.sync.status()
+        assert await a.sync.wait_until_synced(TIMEOUT), await a.sync.status()
+
+        committed: list[float] = []
+        applied: list[float] = []
+        wake = asyncio.Event()
+
+        def on_commit(_: StreamEventBase) -> None:
+            committed.append(time.perf_counter())
+
+        def on_applied(event: StreamEventBase) -> None:
+            if getattr(event, "session_id", None) == session_id:
+                applied.append(time.perf_counter())
+                wake.set()
+
+        # checkpoint.created is emitted right after the turn's commit returns, before any
+        # other task can run (so before A's sync loop can start the push).
+        a.events.on("checkpoint.created", on_commit)
+        b.events.on("sync.applied", on_applied)
+        out: list[float] = []
+        in_store = 0.0
+        for r in range(rounds + 1):
+            if r == 1:  # round 0 warms up
+                in_store = push_seconds(server)
+            committed.clear()
+            applied.clear()
+            wake.clear()
+            await turns(a, session_id, r + 1, 1)
+            row = await a.store.get_session(session_id)
+            assert row is not None and len(committed) == 1
+            want = row.vv[a.client_id]
+            async with asyncio.timeout(TIMEOUT):
+                checked = 0
+                while True:
+                    seen = len(applied)
+                    theirs = await b.store.get_session(session_id)
+                    if theirs is not None and theirs.vv.get(a.client_id, 0) >= want:
+                        while len(applied) <= checked:  # emitted right after the commit
+                            await wake.wait()
+                            wake.clear()
+                        t1 = applied[checked]
+                        break
+                    checked = seen
+                    await wake.wait()
+                    wake.clear()
+            if r > 0:
+                out.append(t1 - committed[0])
+            for rt in (a, b):  # quiet before the next round
+                assert await rt.sync.wait_until_synced(TIMEOUT), await rt.sync.status()
+        in_store = (push_seconds(server) - in_store) / rounds
+    return out, in_store, payload
+
+
+async def relay_latency(payload: bytes, rounds: int) -> list[float]:
+    """Raw websockets: A sends ``payload`` to a relay that forwards it to B."""
+    peers: dict[bytes, ServerConnection] = {}
+    both = asyncio.Event()
+
+    async def relay(ws: ServerConnection) -> None:
+        role = await ws.recv()
+        assert isinstance(role, bytes)
+        peers[role] = ws
+        if len(peers) == 2:
+            both.set()
+        async for message in ws:
+            await peers[b"b"].send(message)
+
+    async with serve(relay, "127.0.0.1", 0, max_size=None) as server:
+        url = f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with (
+            connect(url, max_size=None, proxy=None) as a,
+            connect(url, max_size=None, proxy=None) as b,
+        ):
+            await a.send(b"a")
+            await b.send(b"b")
+            await asyncio.wait_for(both.wait(), TIMEOUT)
+            out: list[float] = []
+            for r in range(rounds + 1):
+                started = time.perf_counter()
+                await a.send(payload)
+                async with asyncio.timeout(TIMEOUT):
+                    await b.recv()
+                if r > 0:  # round 0 warms up
+                    out.append(time.perf_counter() - started)
+    return out
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+async def _run(quick: bool) -> list[Row]:
+    k, reps, rounds = (40, 2, 10) if quick else (150, 3, 30)
+    with tempfile.TemporaryDirectory(prefix="pleach-bench-") as tmp:
+        root = Path(tmp)
+        async with (
+            SQLiteServerStore(root / "server.db") as store,
+            SyncServer(store, port=0, secret=SECRET) as server,
+        ):
+            rows = await throughput(server, root, k, reps)
+            latencies, in_store, payload = await fanout(server, root, rounds)
+        baseline = await relay_latency(payload, rounds)
+    kib = len(payload) / 1024
+    rows += [
+        Row(
+            f"fan-out A commit -> B applied, median of {rounds} (1 turn, {kib:.1f} KiB)",
+            statistics.median(latencies) * 1e3,
+            "ms",
+            "ws relay A -> B",
+            statistics.median(baseline) * 1e3,
+        ),
+        Row(
+            "fan-out A commit -> B applied, p95",
+            p95(latencies) * 1e3,
+            "ms",
+            "ws relay A -> B",
+            p95(baseline) * 1e3,
+        ),
+        Row("  of which the server's store.push, mean", in_store * 1e3, "ms"),
+    ]
+    return rows
+
+
+def run(quick: bool = False) -> list[Row]:
+    """Run every measurement, print the table, return the rows."""
+    started = time.perf_counter()
+    rows = asyncio.run(_run(quick))
+    print(render("bench_sync: sync_once throughput, live fan-out latency", rows))
+    print(f"({time.perf_counter() - started:.1f}s, {os.cpu_count()} cpus)")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="fewer turns, repetitions, rounds")
+    args = parser.parse_args(argv)
+    run(args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
