@@ -48,6 +48,7 @@ DEFAULT_PROVIDER = "anthropic"
 DEFAULT_MODELS = {"anthropic": "claude-sonnet-4-20250514", "scripted": "scripted-1"}
 
 _memory_warned = False
+HISTORY_CACHE_SESSIONS = 16  # transcripts kept decoded in memory, least recently used dropped
 
 S = TypeVar("S")
 
@@ -340,6 +341,7 @@ class SessionRuntime:
         self._clock = HybridClock("pending")
         self._cache: dict[str, Session] = {}
         self._event_heads: dict[str, tuple[int, str]] = {}
+        self._histories: dict[str, tuple[list[str], list[Message]]] = {}
         self._audit_head: tuple[int, str] = (0, "")
         self._active: SessionHandle | None = None
         self._turn_locks: dict[str, asyncio.Lock] = {}
@@ -601,7 +603,32 @@ class SessionRuntime:
         audit: list[AuditRow],
     ) -> None:
         # Order matters for sync: referenced records precede the session row in the outbox.
+        before = self._histories.get(session.id)
         await self._write([*messages, checkpoint, *events, *audit, session])
+        if before is not None:
+            ids, history = before
+            if ids + [m.id for m in messages] == session.state.message_ids:
+                self._remember(session.id, session.state.message_ids, history + messages)
+
+    async def _history(self, session: Session) -> list[Message]:
+        """The session's transcript, from a small per-session cache when it is current.
+
+        A turn needs the whole history to build its request; decoding it from the store on
+        every turn made long sessions slow. The cache is checked against the row's message
+        ids, so a rollback, fork or remote change simply misses it and reloads.
+        """
+        cached = self._histories.get(session.id)
+        if cached is not None and cached[0] == session.state.message_ids:
+            return list(cached[1])
+        history = await self.store.get_messages(session.state.message_ids)
+        self._remember(session.id, session.state.message_ids, history)
+        return list(history)
+
+    def _remember(self, session_id: str, ids: list[str], history: list[Message]) -> None:
+        self._histories.pop(session_id, None)
+        self._histories[session_id] = (list(ids), history)
+        while len(self._histories) > HISTORY_CACHE_SESSIONS:
+            self._histories.pop(next(iter(self._histories)))
 
 
 from .receipts import SessionDeleteReceipt  # noqa: E402  (re-exported for facets)

@@ -141,7 +141,7 @@ async def run_turn(
     session = await rt._load_session(session_id)
     turn_id = uuid7()
     writes = _TurnWrites()
-    history = await rt.store.get_messages(session.state.message_ids)
+    history = await rt._history(session)
     provider = rt._provider_for(session)
     tool_specs = rt.tools.specs(session.tools)
     outcome = "ok"
