@@ -124,8 +124,14 @@ class _Link:
             self.waiters.append(future)
             send()
             await self.flush_out()
-            async with asyncio.timeout(timeout):
-                return await future
+            try:
+                async with asyncio.timeout(timeout):
+                    return await future
+            except TimeoutError:
+                # Answers are matched by order: a lost answer would shift every later one.
+                # Drop the connection instead; the loop reconnects and resends what is unacked.
+                self.ws.transport.abort()
+                raise ConnectionError(f"no answer within {timeout}s; reconnecting") from None
 
     def fail_all(self, exc: BaseException) -> None:
         while self.waiters:

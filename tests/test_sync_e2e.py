@@ -435,3 +435,47 @@ async def test_a_pulled_chain_that_does_not_verify_is_refused(cluster: Cluster) 
     assert status.cursor == 0 and "does not verify" in (status.last_error or "")
     assert await phone.sessions.find(session.id) is None  # nothing of the page was applied
     await phone.sync.disconnect()
+
+
+async def test_a_push_that_never_answers_times_out_and_reconnects(cluster: Cluster) -> None:
+    assert cluster.store is not None and cluster.server is not None
+    inner = cluster.store
+    release = asyncio.Event()
+
+    class Stall:
+        """The first push commits and then never answers (until the test ends)."""
+
+        armed = True
+        hellos = 0
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(inner, name)
+
+        async def client_state(self, *args: Any) -> Any:
+            self.hellos += 1
+            return await inner.client_state(*args)
+
+        async def push(self, *args: Any) -> Any:
+            result = await inner.push(*args)
+            if self.armed:
+                self.armed = False
+                await release.wait()
+            return result
+
+    stall = Stall()
+    await cluster.server.shutdown()
+    await cluster.start_server(stall)  # type: ignore[arg-type]
+    laptop = await cluster.device("laptop")
+    laptop.sync.request_timeout = 1.0  # the exercised limit, not a wait
+    session = await laptop.create_session()
+    await chat(laptop, session.id, "stalled once")
+    try:
+        await laptop.sync.connect(cluster.url, cluster.token())
+        assert await laptop.sync.wait_until_synced(30)
+        assert (await laptop.sync.status()).pending == 0
+        assert stall.hellos == 2  # it gave up on the silent connection and came back
+        feed = (await inner.pull(ALICE, 0, 10_000)).changes
+        immutable = [c.record.id for c in feed if type(c.record).__name__ != "Session"]
+        assert len(immutable) == len(set(immutable))
+    finally:
+        release.set()
