@@ -23,7 +23,7 @@ import pytest
 from pleach_server.store.apply import StoreTx
 from pleach_server.store.base import PullResult, PushResult, ServerStore, Tenant
 from shared.clock import HybridClock, Order, vv_compare, wall_clock_ms
-from shared.errors import CursorTooOld, ErrorCode
+from shared.errors import CursorTooOld, ErrorCode, StorageUnavailable
 from shared.hashchain import verify_chain
 from shared.ids import uuid7
 from shared.records import Change, Event, FeedChange, Record, RecordKind, Session
@@ -104,6 +104,28 @@ class FaultyTx:
 
     async def head_cursor(self, tenant: Tenant) -> int:
         return await self.inner.head_cursor(tenant)
+
+
+class FailAfterWritesTx(FaultyTx):
+    """A ``StoreTx`` that fails at ``head_cursor``, after the batch's rows reached the database."""
+
+    def __init__(self, inner: StoreTx) -> None:
+        super().__init__(inner, fail_at=0)
+
+    async def head_cursor(self, tenant: Tenant) -> int:
+        head = await self.inner.head_cursor(tenant)
+        raise InjectedFault(f"injected failure after the writes (head {head})")
+
+
+class CollidingEventsTx(FaultyTx):
+    """A ``StoreTx`` that places every event at ``sequence_number`` 1: the database refuses the
+    second event of a session, in the middle of the batch's writes."""
+
+    def __init__(self, inner: StoreTx) -> None:
+        super().__init__(inner, fail_at=0)
+
+    async def insert_event(self, event: Event) -> None:
+        await self.inner.insert_event(msgspec.structs.replace(event, sequence_number=1))
 
 
 async def pull_all(store: ServerStore, tenant: Tenant, cursor: int = 0) -> list[FeedChange]:
@@ -771,6 +793,168 @@ class ServerStoreConformance:
         assert await server_store.client_state(tenant, laptop.client_id) == (2, result.head_cursor)
         assert await server_store.client_state(tenant, phone.client_id) == (1, result.head_cursor)
         assert await server_store.client_state(tenant, "never-seen") == (0, result.head_cursor)
+
+    # -- one batch: its changes depend on each other ------------------------------------------
+
+    async def test_changes_of_one_batch_see_each_other(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        tenant = new_tenant()
+        laptop = Device(tenant)
+        v1 = laptop.session(title="v1")
+        m = laptop.message(v1.id)
+        v2 = laptop.edit(v1, title="v2", message_ids=[m.id])
+        e = [laptop.event(v1.id, i=i) for i in range(3)]
+        fork = msgspec.structs.replace(laptop.session(title="fork"), forked_from=v1.id)
+        batch = laptop.changes(v1, m, e[0], v2, e[1], m, e[2], v1, fork, laptop.checkpoint(v1.id))
+        result = await server_store.push(tenant, laptop.client_id, batch, server_clock)
+        assert statuses(result) == [
+            "applied",  # v1 creates the session
+            "applied",  # a message in the session created just before
+            "applied",
+            "applied",  # v2 dominates v1, written earlier in this batch
+            "applied",
+            "duplicate",  # the same message again
+            "applied",
+            "superseded",  # v1 again: v2 is the current row now
+            "applied",  # forked from a session this batch created
+            "applied",
+        ]
+        assert result.cursors == [r.cursor for r in result.results if r.cursor is not None]
+        assert result.cursors == sorted(set(result.cursors))
+        assert result.head_cursor == result.cursors[-1] and result.last_seq == 10
+
+        feed = await pull_all(server_store, tenant)
+        assert [c.cursor for c in feed] == result.cursors
+        assert [c.record.id for c in feed] == [
+            v1.id, m.id, e[0].id, v2.id, e[1].id, e[2].id, fork.id, batch[9].record.id
+        ]  # fmt: skip
+        assert feed[3].record == v2
+        events = [c.record for c in feed if isinstance(c.record, Event)]
+        assert [ev.sequence_number for ev in events] == [1, 2, 3]
+        assert verify_chain(events).ok
+
+        # The session created inside the batch is the tenant's: nobody else can claim it.
+        mallory = Device(new_tenant())
+        stolen = msgspec.structs.replace(mallory.session(), forked_from=v1.id)
+        attempt = await server_store.push(
+            mallory.tenant,
+            mallory.client_id,
+            mallory.changes(mallory.message(v1.id), mallory.session(id=v1.id), stolen),
+            server_clock,
+        )
+        assert codes(attempt) == [ErrorCode.FORBIDDEN] * 3
+        again = await server_store.push(tenant, laptop.client_id, batch, server_clock)
+        assert statuses(again) == ["duplicate"] * len(batch)
+
+    async def test_conflicts_within_one_batch_build_on_each_other(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        tenant = new_tenant()
+        laptop, phone = Device(tenant), Device(tenant)
+        v1 = laptop.session(title="v1")
+        await server_store.push(tenant, laptop.client_id, laptop.changes(v1), server_clock)
+        on_phone = phone.edit(v1, title="phone")
+        await server_store.push(tenant, phone.client_id, phone.changes(on_phone), server_clock)
+
+        first = laptop.edit(v1, title="laptop 1")
+        second = laptop.edit(first, title="laptop 2")
+        result = await server_store.push(
+            tenant, laptop.client_id, laptop.changes(first, second), server_clock
+        )
+        assert statuses(result) == ["resolved", "resolved"]
+        assert len(result.cursors) == 4  # two winners, two forks
+        rows = [c.record for c in await pull_all(server_store, tenant)]
+        current = [r for r in rows if isinstance(r, Session) and r.id == v1.id][-1]
+        # The second version was settled against the first one's result, which the server had
+        # already bumped: its entry is bumped twice.
+        assert current.vv[server_clock.client_id] == 2
+        forks = [r for r in rows if isinstance(r, Session) and r.forked_from == v1.id]
+        assert [f.id for f in forks] == [
+            r.conflict.fork_session_id for r in result.results if r.conflict
+        ]
+
+    async def test_a_large_batch_applies_in_order(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        dev = Device(new_tenant())
+        session = dev.session()
+        records: list[Record] = [session]
+        for i in range(600):
+            records += [dev.message(session.id, f"m{i}"), dev.event(session.id, i=i)]
+        result = await server_store.push(
+            dev.tenant, dev.client_id, dev.changes(*records), server_clock
+        )
+        assert statuses(result) == ["applied"] * len(records)
+        assert result.cursors == sorted(set(result.cursors)) and len(result.cursors) == 1201
+        feed = await pull_all(server_store, dev.tenant)
+        assert [(c.cursor, c.record.id) for c in feed] == list(
+            zip(result.cursors, [r.id for r in records], strict=True)
+        )
+        events = [c.record for c in feed if isinstance(c.record, Event)]
+        assert [ev.sequence_number for ev in events] == list(range(1, 601))
+        assert verify_chain(events).ok
+
+    # -- atomicity once the rows are in the database ---------------------------------------------
+
+    async def test_failure_after_the_batch_was_written_leaves_nothing(
+        self, make_store: MakeStore, server_clock: HybridClock
+    ) -> None:
+        dev = Device(new_tenant())
+        session = dev.session()
+        batch = dev.changes(
+            session, dev.message(session.id), dev.event(session.id), dev.event(session.id)
+        )
+        store = make_store(tx_wrapper=FailAfterWritesTx)
+        await store.open()
+        try:
+            with pytest.raises(InjectedFault):
+                await store.push(dev.tenant, dev.client_id, batch, server_clock)
+        finally:
+            await store.close()
+
+        store = make_store()
+        await store.open()
+        try:
+            assert await store.client_state(dev.tenant, dev.client_id) == (0, 0)
+            assert await store.pull(dev.tenant, 0, 10) == PullResult(
+                changes=[], to_cursor=0, more=False
+            )
+            result = await store.push(dev.tenant, dev.client_id, batch, server_clock)
+            assert statuses(result) == ["applied"] * 4
+            events = [c.record for c in await pull_all(store, dev.tenant)][2:]
+            assert [e.sequence_number for e in events if isinstance(e, Event)] == [1, 2]
+        finally:
+            await store.close()
+
+    async def test_database_error_in_the_middle_of_the_writes_leaves_nothing(
+        self, make_store: MakeStore, server_clock: HybridClock
+    ) -> None:
+        dev = Device(new_tenant())
+        session = dev.session()
+        batch = dev.changes(
+            session, dev.message(session.id), dev.event(session.id), dev.event(session.id)
+        )
+        store = make_store(tx_wrapper=CollidingEventsTx)
+        await store.open()
+        try:
+            with pytest.raises(StorageUnavailable):
+                await store.push(dev.tenant, dev.client_id, batch, server_clock)
+            assert await store.client_state(dev.tenant, dev.client_id) == (0, 0)
+            assert await store.pull(dev.tenant, 0, 10) == PullResult(
+                changes=[], to_cursor=0, more=False
+            )
+        finally:
+            await store.close()
+
+        store = make_store()
+        await store.open()
+        try:
+            result = await store.push(dev.tenant, dev.client_id, batch, server_clock)
+            assert statuses(result) == ["applied"] * 4
+            assert len(await pull_all(store, dev.tenant)) == 4
+        finally:
+            await store.close()
 
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Store-independent push logic: what one push batch does, written against ``StoreTx``.
 
-A store opens ONE transaction, wraps it in its ``StoreTx`` and calls ``apply_push``; it commits
+A store opens ONE transaction, wraps it in its ``BatchTx`` and calls ``apply_push``; it commits
 when that returns and rolls back when it raises. Every rule of the sync protocol lives here, so
 the SQLite and PostgreSQL stores cannot drift apart:
 
@@ -18,20 +18,44 @@ the SQLite and PostgreSQL stores cannot drift apart:
   session, hash-chained onto the last canonical row.
 
 Every record written goes to the tenant's feed; its cursor is reported in the result.
+
+**A handful of database calls per batch, whatever its size.** The rules are written change by
+change against ``StoreTx``, a view that ``apply_push`` serves from memory. It speaks to the
+store's ``BatchTx`` only a few times per batch:
+
+1. ``lock_tenant``, then ``get_last_seq``;
+2. ``load``: one query per table for every id the batch's changes will ask about
+   (``batch_keys``): the owners of their record, event and session ids, the current rows of
+   their sessions, the tail of each event chain they extend;
+3. the rules run. Their writes stay in the view, and later changes of the same batch read them:
+   a second version of a session is compared with the first one's result, the events of one
+   session chain in order, a record id seen twice is a duplicate the second time, and a session
+   created earlier in the batch is owned by the tenant;
+4. ``write``: one multi-row statement per table; the feed rows get their cursors, in order;
+5. ``head_cursor``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Hashable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import msgspec
 
 from shared.clock import HybridClock, Order, Timestamp, vv_bump
-from shared.errors import ClockSkew, Forbidden, InvalidRecord, SequenceGap, SyncError
+from shared.errors import (
+    ClockSkew,
+    Forbidden,
+    InvalidRecord,
+    SequenceGap,
+    StorageUnavailable,
+    SyncError,
+)
 from shared.hashchain import GENESIS, chain_event
 from shared.ids import uuid7
 from shared.merge import resolve_conflicts
-from shared.messages import ChangeResult, ConflictReceipt
+from shared.messages import ChangeResult, ConflictReceipt, Status
 from shared.records import (
     ArtifactUpdate,
     AuditRow,
@@ -47,15 +71,82 @@ from shared.records import (
 
 from .base import PushResult, Tenant
 
-__all__ = ["StoreTx", "apply_push", "validate_record"]
+__all__ = [
+    "BatchKeys",
+    "BatchTx",
+    "BatchWrites",
+    "Snapshot",
+    "StoreTx",
+    "apply_push",
+    "batch_keys",
+    "claimed_concurrently",
+    "validate_record",
+]
 
 
-class StoreTx(Protocol):
-    """One open write transaction of a server store, as ``apply_push`` needs it.
+@dataclass(frozen=True, slots=True)
+class BatchKeys:
+    """The ids a batch's changes will ask about: what ``BatchTx.load`` reads."""
 
-    Every method runs inside the same transaction and sees its earlier writes. The store owns
-    BEGIN / COMMIT / ROLLBACK; a method raises only when the database fails (translated to
-    ``StorageUnavailable`` by the store) and the whole batch is then rolled back.
+    records: frozenset[tuple[RecordKind, str]] = frozenset()
+    """``(kind, id)`` of immutable records: messages, checkpoints, audit rows, artifact updates."""
+    events: frozenset[str] = frozenset()
+    """Event ids."""
+    session_owners: frozenset[str] = frozenset()
+    """Session ids whose owner is checked."""
+    sessions: frozenset[str] = frozenset()
+    """Session ids whose current row is read."""
+    chains: frozenset[str] = frozenset()
+    """Session ids whose last canonical event is read."""
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.records or self.events or self.session_owners or self.sessions or self.chains
+        )
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """What ``BatchTx.load`` found for a ``BatchKeys``; an id it did not find is left out."""
+
+    record_owners: dict[tuple[RecordKind, str], Tenant] = field(default_factory=dict)
+    event_owners: dict[str, Tenant] = field(default_factory=dict)
+    session_owners: dict[str, Tenant] = field(default_factory=dict)
+    """The tenant of the session row, else of any event, else of any record filed under the id."""
+    sessions: dict[str, Session] = field(default_factory=dict)
+    chain_tails: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """``(sequence_number, row_hash)`` of the session's last canonical event."""
+
+
+@dataclass(slots=True)
+class BatchWrites:
+    """Everything one batch writes, for ``BatchTx.write``."""
+
+    records: list[Record] = field(default_factory=list)
+    """New immutable records (never a session or an event)."""
+    events: list[Event] = field(default_factory=list)
+    """New canonical events; ``(session_id, sequence_number)`` is unique."""
+    sessions: list[Session] = field(default_factory=list)
+    """Session rows to insert or replace, one per id."""
+    feed: list[Record] = field(default_factory=list)
+    """The tenant's new feed entries, in order."""
+    last_seq: int | None = None
+    """The device's new ``last_seq`` (insert or update), or None when it did not move."""
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.records or self.events or self.sessions or self.feed or self.last_seq is not None
+        )
+
+
+class BatchTx(Protocol):
+    """One open write transaction of a server store, as ``apply_push`` speaks to it.
+
+    A few calls per batch, whatever its size, in this order: ``lock_tenant``, ``get_last_seq``,
+    ``load`` (skipped when the batch has nothing to look up), ``write`` (skipped when it has
+    nothing to write), ``head_cursor``. All run inside the same transaction; the store owns
+    BEGIN / COMMIT / ROLLBACK. A method raises only when the database fails (translated to
+    ``StorageUnavailable`` by the store), and the whole batch is then rolled back.
     """
 
     async def lock_tenant(self, tenant: Tenant) -> None:
@@ -72,8 +163,48 @@ class StoreTx(Protocol):
         """The device's ``last_seq``; 0 for a device never seen."""
         ...
 
+    async def load(self, keys: BatchKeys) -> Snapshot:
+        """Read what ``keys`` lists, at most one query per kind of key (see ``Snapshot``)."""
+        ...
+
+    async def write(self, tenant: Tenant, client_id: str, writes: BatchWrites) -> list[int]:
+        """Write ``writes`` (at most one multi-row statement per table); return the feed cursors.
+
+        The cursors are new, increasing and in the order of ``writes.feed``: each is higher than
+        any cursor the tenant had, and they are allocated under the tenant's lock. Records and
+        events are inserted only where absent; if one is already there (another tenant's push
+        took the id after ``load``, which the tenant lock cannot prevent), raise
+        ``claimed_concurrently()``: the device retries, and the rules then see the owner.
+        """
+        ...
+
+    async def head_cursor(self, tenant: Tenant) -> int:
+        """The tenant's latest feed cursor (0 when none), as this transaction sees it."""
+        ...
+
+
+class StoreTx(Protocol):
+    """The per-change view of a push transaction that the rules are written against.
+
+    ``apply_push`` serves it from memory over the store's ``BatchTx``; a store's ``_wrap_tx``
+    hook may wrap it (the tests inject faults that way). Reads see the database as
+    ``BatchTx.load`` read it under the tenant lock, plus every write made through this view
+    earlier in the batch. They answer only for the ids of the batch's changes (``batch_keys``)
+    and raise ``LookupError`` for any other id. Writes stay in memory until ``apply_push`` hands
+    them all to ``BatchTx.write``, after the last change and before ``head_cursor``: a failure
+    before that point leaves nothing in the database, a failure after it rolls everything back.
+    """
+
+    async def lock_tenant(self, tenant: Tenant) -> None:
+        """Take the tenant's lock (``BatchTx.lock_tenant``); called first."""
+        ...
+
+    async def get_last_seq(self, tenant: Tenant, client_id: str) -> int:
+        """The device's ``last_seq`` in the database; 0 for a device never seen."""
+        ...
+
     async def set_last_seq(self, tenant: Tenant, client_id: str, last_seq: int) -> None:
-        """Store the device's ``last_seq`` (insert or update)."""
+        """Store the batch's device's new ``last_seq`` (written with the batch)."""
         ...
 
     async def owner_of(self, kind: RecordKind, record_id: str) -> Tenant | None:
@@ -108,13 +239,16 @@ class StoreTx(Protocol):
         """Insert a canonical event; ``(session_id, sequence_number)`` is unique."""
         ...
 
-    async def append_feed(self, tenant: Tenant, record: Record) -> int:
-        """Append ``record`` to the tenant's feed; returns its new cursor (monotonic)."""
+    async def head_cursor(self, tenant: Tenant) -> int:
+        """The tenant's latest feed cursor (0 when none), once the batch is written."""
         ...
 
-    async def head_cursor(self, tenant: Tenant) -> int:
-        """The tenant's latest feed cursor (0 when none), as this transaction sees it."""
-        ...
+
+def claimed_concurrently(what: str = "a record id") -> StorageUnavailable:
+    """The error ``BatchTx.write`` raises when another push took one of the batch's ids."""
+    return StorageUnavailable(
+        f"{what} of this batch was written by a concurrent push; retry", retryable=True
+    )
 
 
 _SESSION_SCOPED = (Message, Checkpoint, Event, AuditRow, ArtifactUpdate)
@@ -122,6 +256,19 @@ _SESSION_SCOPED = (Message, Checkpoint, Event, AuditRow, ArtifactUpdate)
 
 def _non_empty(value: object) -> bool:
     return isinstance(value, str) and value != ""
+
+
+def _tenant_of(record: Record) -> Tenant:
+    return Tenant(org_id=record.org_id, user_id=record.user_id)
+
+
+def _filed_under(record: Record) -> list[str]:
+    """The session ids ``record`` claims besides its own id: its session, or a fork's origin."""
+    if isinstance(record, _SESSION_SCOPED):
+        return [record.session_id]
+    if record.forked_from:
+        return [record.forked_from]
+    return []
 
 
 def validate_record(record: Record, tenant: Tenant, client_id: str) -> SyncError | None:
@@ -152,6 +299,165 @@ def validate_record(record: Record, tenant: Tenant, client_id: str) -> SyncError
     return None
 
 
+def batch_keys(changes: list[Change], last_seq: int, tenant: Tenant, client_id: str) -> BatchKeys:
+    """Every id the rules will ask ``StoreTx`` about for ``changes`` after ``last_seq``.
+
+    Only the changes that will be processed count: those after ``last_seq`` and before any gap,
+    that pass ``validate_record``.
+    """
+    records: set[tuple[RecordKind, str]] = set()
+    events: set[str] = set()
+    owners: set[str] = set()
+    sessions: set[str] = set()
+    chains: set[str] = set()
+    expected = last_seq + 1
+    for change in changes:
+        if change.client_seq < expected:
+            continue  # a duplicate
+        if change.client_seq > expected:
+            break  # a gap: nothing after it is processed
+        expected += 1
+        record = change.record
+        if validate_record(record, tenant, client_id) is not None:
+            continue
+        owners.update(_filed_under(record))
+        match record:
+            case Session():
+                owners.add(record.id)
+                sessions.add(record.id)
+            case Event():
+                events.add(record.id)
+                chains.add(record.session_id)
+            case _:
+                records.add((record_kind(record), record.id))
+    return BatchKeys(
+        records=frozenset(records),
+        events=frozenset(events),
+        session_owners=frozenset(owners),
+        sessions=frozenset(sessions),
+        chains=frozenset(chains),
+    )
+
+
+class _BufferedTx:
+    """``StoreTx`` over a ``BatchTx``: reads from the loaded ``Snapshot`` and the batch's own
+    writes; the writes are kept in order and handed to ``BatchTx.write`` by ``flush``."""
+
+    def __init__(self, tx: BatchTx) -> None:
+        self._tx = tx
+        self._keys = BatchKeys()
+        self._loaded = Snapshot()
+        self._records: dict[tuple[RecordKind, str], Record] = {}
+        self._events: list[Event] = []
+        self._event_owners: dict[str, Tenant] = {}
+        self._sessions: dict[str, Session] = {}
+        self._tails: dict[str, tuple[int, str]] = {}
+        self._claims: dict[str, Tenant] = {}  # session ids filed under by new events and records
+        self._last_seq: int | None = None
+
+    async def load(self, keys: BatchKeys) -> None:
+        self._keys = keys
+        if keys:
+            self._loaded = await self._tx.load(keys)
+
+    async def flush(self, tenant: Tenant, client_id: str, feed: list[Record]) -> list[int]:
+        """Write everything the batch wrote through this view; the cursors of ``feed``."""
+        writes = BatchWrites(
+            records=list(self._records.values()),
+            events=self._events,
+            sessions=list(self._sessions.values()),
+            feed=feed,
+            last_seq=self._last_seq,
+        )
+        if not writes:
+            return []
+        cursors = await self._tx.write(tenant, client_id, writes)
+        if len(cursors) != len(feed):  # pragma: no cover - a store bug
+            raise RuntimeError(f"write returned {len(cursors)} cursors for {len(feed)} entries")
+        return cursors
+
+    def _need(self, loaded: Collection[Hashable], key: Hashable, what: str) -> None:
+        if key not in loaded:
+            raise LookupError(f"{what} {key!r} is not among the ids this batch loaded")
+
+    def _claim(self, session_id: str, record: Record) -> None:
+        self._claims.setdefault(session_id, _tenant_of(record))
+
+    # -- StoreTx -----------------------------------------------------------------------------
+
+    async def lock_tenant(self, tenant: Tenant) -> None:
+        await self._tx.lock_tenant(tenant)
+
+    async def get_last_seq(self, tenant: Tenant, client_id: str) -> int:
+        return await self._tx.get_last_seq(tenant, client_id)
+
+    async def set_last_seq(self, tenant: Tenant, client_id: str, last_seq: int) -> None:
+        self._last_seq = last_seq
+
+    async def owner_of(self, kind: RecordKind, record_id: str) -> Tenant | None:
+        if kind == "Session":
+            # The row comes first, as in the database: a row written here replaces the old one.
+            row = self._sessions.get(record_id)
+            if row is not None:
+                return _tenant_of(row)
+            self._need(self._keys.session_owners, record_id, "session id")
+            owner = self._loaded.session_owners.get(record_id)
+            return owner if owner is not None else self._claims.get(record_id)
+        if kind == "Event":
+            owner = self._event_owners.get(record_id)
+            if owner is not None:
+                return owner
+            self._need(self._keys.events, record_id, "event id")
+            return self._loaded.event_owners.get(record_id)
+        key = (kind, record_id)
+        record = self._records.get(key)
+        if record is not None:
+            return _tenant_of(record)
+        self._need(self._keys.records, key, "record")
+        return self._loaded.record_owners.get(key)
+
+    async def get_session(self, session_id: str) -> Session | None:
+        row = self._sessions.get(session_id)
+        if row is not None:
+            return row
+        self._need(self._keys.sessions, session_id, "session")
+        return self._loaded.sessions.get(session_id)
+
+    async def put_session(self, session: Session) -> None:
+        self._sessions[session.id] = session
+
+    async def insert_if_absent(self, record: Record) -> bool:
+        if isinstance(record, Session | Event):
+            raise TypeError(f"{record_kind(record)} records are not stored by insert_if_absent")
+        key = (record_kind(record), record.id)
+        if key in self._records:
+            return False
+        self._need(self._keys.records, key, "record")
+        if key in self._loaded.record_owners:
+            return False
+        self._records[key] = record
+        self._claim(record.session_id, record)
+        return True
+
+    async def last_event(self, session_id: str) -> tuple[int, str] | None:
+        tail = self._tails.get(session_id)
+        if tail is not None:
+            return tail
+        self._need(self._keys.chains, session_id, "event chain")
+        return self._loaded.chain_tails.get(session_id)
+
+    async def insert_event(self, event: Event) -> None:
+        self._events.append(event)
+        self._event_owners.setdefault(event.id, _tenant_of(event))
+        self._claim(event.session_id, event)
+        tail = self._tails.get(event.session_id, self._loaded.chain_tails.get(event.session_id))
+        if tail is None or event.sequence_number > tail[0]:
+            self._tails[event.session_id] = (event.sequence_number, event.row_hash)
+
+    async def head_cursor(self, tenant: Tenant) -> int:
+        return await self._tx.head_cursor(tenant)
+
+
 async def _check_owners(
     tx: StoreTx, record: Record, tenant: Tenant
 ) -> tuple[SyncError | None, bool]:
@@ -163,12 +469,7 @@ async def _check_owners(
     owner = await tx.owner_of(kind, record.id)
     if owner is not None and owner != tenant:
         return Forbidden(f"{kind} id {record.id!r} belongs to another tenant"), False
-    session_ids: list[str] = []
-    if isinstance(record, _SESSION_SCOPED):
-        session_ids.append(record.session_id)
-    elif record.forked_from:
-        session_ids.append(record.forked_from)
-    for session_id in session_ids:
+    for session_id in _filed_under(record):
         other = await tx.owner_of("Session", session_id)
         if other is not None and other != tenant:
             return Forbidden(f"session {session_id!r} belongs to another tenant"), False
@@ -193,19 +494,36 @@ def _rejected(seq: int, error: SyncError) -> ChangeResult:
 
 
 class _Batch:
-    """The state of one ``apply_push`` call: its transaction and the cursors it wrote."""
+    """The state of one ``apply_push`` call: its ``StoreTx`` and the feed entries it adds.
+
+    A result that reports a cursor gets it once the batch is written (``set_cursors``).
+    """
 
     def __init__(self, tx: StoreTx, tenant: Tenant, clock: HybridClock, server_id: str) -> None:
         self.tx = tx
         self.tenant = tenant
         self.clock = clock
         self.server_id = server_id
-        self.cursors: list[int] = []
+        self.feed: list[Record] = []
+        self._cursor_of: list[tuple[ChangeResult, int]] = []  # (result, index in self.feed)
 
-    async def feed(self, record: Record) -> int:
-        cursor = await self.tx.append_feed(self.tenant, record)
-        self.cursors.append(cursor)
-        return cursor
+    def _applied(
+        self,
+        seq: int,
+        record: Record,
+        status: Status = "applied",
+        conflict: ConflictReceipt | None = None,
+    ) -> ChangeResult:
+        """Append ``record`` to the feed; a result that will report its cursor."""
+        self.feed.append(record)
+        result = ChangeResult(client_seq=seq, status=status, conflict=conflict)
+        self._cursor_of.append((result, len(self.feed) - 1))
+        return result
+
+    def set_cursors(self, cursors: list[int]) -> None:
+        """Fill in the cursors of the feed entries, once ``BatchTx.write`` allocated them."""
+        for result, index in self._cursor_of:
+            result.cursor = cursors[index]
 
     async def apply(self, seq: int, record: Record, present: bool) -> ChangeResult:
         """Apply one validated record; ``present`` says the tenant already has its id."""
@@ -219,31 +537,27 @@ class _Batch:
             case _:
                 if not await self.tx.insert_if_absent(record):
                     return ChangeResult(client_seq=seq, status="duplicate")
-                cursor = await self.feed(record)
-                return ChangeResult(client_seq=seq, status="applied", cursor=cursor)
+                return self._applied(seq, record)
 
     async def _event(self, seq: int, event: Event) -> ChangeResult:
         last = await self.tx.last_event(event.session_id)
         number, prev_hash = (last[0] + 1, last[1]) if last is not None else (1, GENESIS)
         placed = msgspec.structs.replace(chain_event(event, prev_hash, number), canonical=True)
         await self.tx.insert_event(placed)
-        cursor = await self.feed(placed)
-        return ChangeResult(client_seq=seq, status="applied", cursor=cursor)
+        return self._applied(seq, placed)
 
     async def _session(self, seq: int, pushed: Session) -> ChangeResult:
         current = await self.tx.get_session(pushed.id)
         if current is None:
             await self.tx.put_session(pushed)
-            cursor = await self.feed(pushed)
-            return ChangeResult(client_seq=seq, status="applied", cursor=cursor)
+            return self._applied(seq, pushed)
         resolution = resolve_conflicts(local=pushed, remote=current)
         if not resolution.concurrent:
             if resolution.order is not Order.DOMINATES:
                 return ChangeResult(client_seq=seq, status="superseded")
             stored = msgspec.structs.replace(pushed, vv=resolution.merged_vv)
             await self.tx.put_session(stored)
-            cursor = await self.feed(stored)
-            return ChangeResult(client_seq=seq, status="applied", cursor=cursor)
+            return self._applied(seq, stored)
 
         # Concurrent: the HLC winner keeps the id under a vector above both versions; the
         # loser lives on as a new session, so nothing written on either device is lost.
@@ -271,9 +585,8 @@ class _Batch:
             conflict_loser_side="remote" if pushed_won else "local",
         )
         await self.tx.put_session(winner_row)
-        await self.feed(winner_row)
+        self.feed.append(winner_row)
         await self.tx.put_session(fork)
-        cursor = await self.feed(fork)
         receipt = ConflictReceipt(
             conflict_id=conflict_id,
             session_id=pushed.id,
@@ -282,26 +595,32 @@ class _Batch:
             conflicted_paths=resolution.conflicted_paths,
             detected_at=now,
         )
-        return ChangeResult(client_seq=seq, status="resolved", conflict=receipt, cursor=cursor)
+        return self._applied(seq, fork, status="resolved", conflict=receipt)
 
 
 async def apply_push(
-    tx: StoreTx,
+    tx: BatchTx,
     tenant: Tenant,
     client_id: str,
     changes: list[Change],
     clock: HybridClock,
     server_id: str,
+    *,
+    wrap: Callable[[StoreTx], StoreTx] | None = None,
 ) -> PushResult:
     """Apply one push batch inside ``tx``, in order; see the module docstring for the rules.
 
     ``clock`` is the server's HLC (it observes every accepted stamp and stamps forks);
-    ``server_id`` is the vector entry the server bumps when it settles a conflict. The caller
+    ``server_id`` is the vector entry the server bumps when it settles a conflict. ``wrap``
+    (a store's ``_wrap_tx`` hook) wraps the ``StoreTx`` the rules run against. The caller
     commits ``tx`` when this returns and rolls it back when it raises.
     """
-    await tx.lock_tenant(tenant)
-    start_seq = last_seq = await tx.get_last_seq(tenant, client_id)
-    batch = _Batch(tx, tenant, clock, server_id)
+    buffered = _BufferedTx(tx)
+    view: StoreTx = buffered if wrap is None else wrap(buffered)
+    await view.lock_tenant(tenant)
+    start_seq = last_seq = await view.get_last_seq(tenant, client_id)
+    await buffered.load(batch_keys(changes, start_seq, tenant, client_id))
+    batch = _Batch(view, tenant, clock, server_id)
     results: list[ChangeResult] = []
     gap = False
     for change in changes:
@@ -321,7 +640,7 @@ async def apply_push(
         present = False
         error = validate_record(record, tenant, client_id)
         if error is None:
-            error, present = await _check_owners(tx, record, tenant)
+            error, present = await _check_owners(view, record, tenant)
         if error is None:
             error = _observe(clock, record)
         if error is not None:
@@ -329,10 +648,12 @@ async def apply_push(
             continue
         results.append(await batch.apply(seq, record, present))
     if last_seq != start_seq:
-        await tx.set_last_seq(tenant, client_id, last_seq)
+        await view.set_last_seq(tenant, client_id, last_seq)
+    cursors = await buffered.flush(tenant, client_id, batch.feed)
+    batch.set_cursors(cursors)
     return PushResult(
         results=results,
         last_seq=last_seq,
-        head_cursor=await tx.head_cursor(tenant),
-        cursors=batch.cursors,
+        head_cursor=await view.head_cursor(tenant),
+        cursors=cursors,
     )

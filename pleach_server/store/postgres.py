@@ -2,7 +2,9 @@
 
 Several ``pleach-server`` processes may share one database: every rule that matters runs in
 the database, inside ONE transaction per push, and the push rules themselves live in
-``apply.py`` (this module only speaks SQL).
+``apply.py`` (this module only speaks SQL). A push batch is a handful of round trips whatever
+its size: each lookup and each table's writes is one statement, its keys and rows passed as
+arrays (``_PostgresTx``).
 
 **Cursor visibility.** Feed cursors come from one identity sequence, and a sequence hands out
 numbers in allocation order, not commit order: transaction A may take cursor 10, B cursor 11,
@@ -64,14 +66,13 @@ from shared.records import (
     Event,
     FeedChange,
     Record,
-    RecordKind,
     Session,
     decode_record,
     encode_record,
     record_kind,
 )
 
-from .apply import StoreTx, apply_push
+from .apply import BatchKeys, BatchWrites, Snapshot, StoreTx, apply_push, claimed_concurrently
 from .base import PullResult, PushResult, Tenant
 
 __all__ = [
@@ -308,6 +309,35 @@ async def migrate(
         await asyncio.shield(conn.close(timeout=connect_timeout))
 
 
+def _session_owner(s: str, key: str) -> str:
+    """A session id is owned by its row, else by any event, else by any record filed under it."""
+    return (
+        f"SELECT org_id, user_id FROM {s}.sessions WHERE id = {key} "
+        f"UNION ALL (SELECT org_id, user_id FROM {s}.events WHERE session_id = {key} LIMIT 1) "
+        f"UNION ALL (SELECT org_id, user_id FROM {s}.records WHERE session_id = {key} LIMIT 1) "
+        "LIMIT 1"
+    )
+
+
+def _event_owner(s: str, key: str) -> str:
+    return f"SELECT org_id, user_id FROM {s}.events WHERE id = {key}"
+
+
+def _record_owner(s: str, kind: str, key: str) -> str:
+    return f"SELECT org_id, user_id FROM {s}.records WHERE kind = {kind} AND id = {key}"
+
+
+def _get_session(s: str, key: str) -> str:
+    return f"SELECT body FROM {s}.sessions WHERE id = {key}"
+
+
+def _last_event(s: str, key: str) -> str:
+    return (
+        f"SELECT sequence_number, row_hash FROM {s}.events WHERE session_id = {key} "
+        "ORDER BY sequence_number DESC LIMIT 1"
+    )
+
+
 class _Sql:
     """The statements of one schema, formatted once."""
 
@@ -321,37 +351,69 @@ class _Sql:
             "VALUES ($1, $2, $3, $4) ON CONFLICT (org_id, user_id, client_id) "
             "DO UPDATE SET last_seq = excluded.last_seq"
         )
-        self.session_owner = (
-            f"SELECT org_id, user_id FROM {s}.sessions WHERE id = $1 "
-            f"UNION ALL (SELECT org_id, user_id FROM {s}.events WHERE session_id = $1 LIMIT 1) "
-            f"UNION ALL (SELECT org_id, user_id FROM {s}.records WHERE session_id = $1 LIMIT 1) "
-            "LIMIT 1"
+        # The lookups of a push, per key. A push runs each for all the keys of its batch in
+        # ONE statement (``*_owners``, ``get_sessions``, ``last_events`` below: a LATERAL join
+        # over the keys, passed as arrays); the per-key forms are kept whole so that their
+        # plans can be checked (test_per_tenant_queries_are_index_scans, docs/POSTGRES.md).
+        # Every LATERAL body has a LIMIT (a no-op on a primary key): the planner cannot flatten
+        # it into a join, so each key stays one index scan, however large the tables grow.
+        self.session_owner = _session_owner(s, "$1")
+        self.event_owner = _event_owner(s, "$1")
+        self.record_owner = _record_owner(s, "$1", "$2")
+        self.get_session = _get_session(s, "$1")
+        self.last_event = _last_event(s, "$1")
+        self.session_owners = (
+            "SELECT k.id, o.org_id, o.user_id FROM unnest($1::text[]) AS k (id) "
+            f"CROSS JOIN LATERAL ({_session_owner(s, 'k.id')}) AS o"
         )
-        self.event_owner = f"SELECT org_id, user_id FROM {s}.events WHERE id = $1"
-        self.record_owner = f"SELECT org_id, user_id FROM {s}.records WHERE kind = $1 AND id = $2"
-        self.get_session = f"SELECT body FROM {s}.sessions WHERE id = $1"
-        self.put_session = (
+        self.event_owners = (
+            "SELECT k.id, o.org_id, o.user_id FROM unnest($1::text[]) AS k (id) "
+            f"CROSS JOIN LATERAL ({_event_owner(s, 'k.id')} LIMIT 1) AS o"
+        )
+        self.record_owners = (
+            "SELECT k.kind, k.id, o.org_id, o.user_id "
+            "FROM unnest($1::text[], $2::text[]) AS k (kind, id) "
+            f"CROSS JOIN LATERAL ({_record_owner(s, 'k.kind', 'k.id')} LIMIT 1) AS o"
+        )
+        self.get_sessions = (
+            "SELECT k.id, o.body FROM unnest($1::text[]) AS k (id) "
+            f"CROSS JOIN LATERAL ({_get_session(s, 'k.id')} LIMIT 1) AS o"
+        )
+        self.last_events = (
+            "SELECT k.id, o.sequence_number, o.row_hash FROM unnest($1::text[]) AS k (id) "
+            f"CROSS JOIN LATERAL ({_last_event(s, 'k.id')}) AS o"
+        )
+        # The writes of a push: one statement per table, the rows passed as arrays (columns).
+        self.insert_records = (
+            f"INSERT INTO {s}.records (kind, id, org_id, user_id, session_id, body) "
+            "SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], "
+            "$6::bytea[]) ON CONFLICT (kind, id) DO NOTHING"
+        )
+        self.insert_events = (
+            f"INSERT INTO {s}.events "
+            "(id, session_id, sequence_number, org_id, user_id, row_hash, body) "
+            "SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::text[], "
+            "$6::text[], $7::bytea[]) ON CONFLICT DO NOTHING"
+        )
+        self.put_sessions = (
             f"INSERT INTO {s}.sessions (id, org_id, user_id, updated_at, body) "
-            "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (id) DO UPDATE SET "
+            "SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[]) "
+            "ON CONFLICT (id) DO UPDATE SET "
             "org_id = excluded.org_id, user_id = excluded.user_id, "
             "updated_at = excluded.updated_at, body = excluded.body"
         )
-        self.insert_record = (
-            f"INSERT INTO {s}.records (kind, id, org_id, user_id, session_id, body) "
-            "VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (kind, id) DO NOTHING RETURNING 1"
-        )
-        self.last_event = (
-            f"SELECT sequence_number, row_hash FROM {s}.events WHERE session_id = $1 "
-            "ORDER BY sequence_number DESC LIMIT 1"
-        )
-        self.insert_event = (
-            f"INSERT INTO {s}.events "
-            "(id, session_id, sequence_number, org_id, user_id, row_hash, body) "
-            "VALUES ($1, $2, $3, $4, $5, $6, $7)"
-        )
+        # n cursors from the identity sequence (the caller holds the tenant lock), paired in
+        # increasing order with the rows in their given order (WITH ORDINALITY).
         self.append_feed = (
-            f"INSERT INTO {s}.feed (org_id, user_id, kind, record_id, body) "
-            "VALUES ($1, $2, $3, $4, $5) RETURNING cursor"
+            f"INSERT INTO {s}.feed (cursor, org_id, user_id, kind, record_id, body) "
+            "OVERRIDING SYSTEM VALUE "
+            "SELECT c.cursor, $1, $2, r.kind, r.record_id, r.body "
+            "FROM unnest($3::text[], $4::text[], $5::bytea[]) WITH ORDINALITY "
+            "AS r (kind, record_id, body, n) "
+            "JOIN (SELECT a.cursor, row_number() OVER (ORDER BY a.cursor) AS n FROM ("
+            f"SELECT nextval(pg_get_serial_sequence('{s}.feed', 'cursor')) AS cursor "
+            "FROM generate_series(1, cardinality($3::text[]))) AS a) AS c USING (n) "
+            "RETURNING cursor"
         )
         self.head = (
             "SELECT GREATEST("
@@ -391,7 +453,11 @@ class _Sql:
 
 
 class _PostgresTx:
-    """``StoreTx`` over one pool connection, inside the push's transaction."""
+    """``BatchTx`` over one pool connection, inside the push's transaction.
+
+    Every method is one round trip per table it touches, whatever the size of the batch: the
+    keys and rows travel as arrays.
+    """
 
     def __init__(self, conn: Any, sql: _Sql, schema: str) -> None:
         self._conn = conn
@@ -408,82 +474,98 @@ class _PostgresTx:
         )
         return int(value) if value is not None else 0
 
-    async def set_last_seq(self, tenant: Tenant, client_id: str, last_seq: int) -> None:
-        await self._conn.execute(
-            self._sql.set_last_seq, tenant.org_id, tenant.user_id, client_id, last_seq
-        )
+    async def load(self, keys: BatchKeys) -> Snapshot:
+        conn, sql, found = self._conn, self._sql, Snapshot()
+        if keys.records:
+            kinds, ids = zip(*keys.records, strict=True)
+            for kind, record_id, org_id, user_id in await conn.fetch(
+                sql.record_owners, list(kinds), list(ids)
+            ):
+                found.record_owners[(kind, record_id)] = Tenant(org_id=org_id, user_id=user_id)
+        if keys.events:
+            for event_id, org_id, user_id in await conn.fetch(sql.event_owners, list(keys.events)):
+                found.event_owners[event_id] = Tenant(org_id=org_id, user_id=user_id)
+        if keys.session_owners:
+            for session_id, org_id, user_id in await conn.fetch(
+                sql.session_owners, list(keys.session_owners)
+            ):
+                found.session_owners[session_id] = Tenant(org_id=org_id, user_id=user_id)
+        if keys.sessions:
+            for session_id, body in await conn.fetch(sql.get_sessions, list(keys.sessions)):
+                try:
+                    found.sessions[session_id] = _SESSION_DECODER.decode(body)
+                except msgspec.DecodeError as exc:
+                    raise StorageError(f"corrupt session row {session_id!r}") from exc
+        if keys.chains:
+            for session_id, number, row_hash in await conn.fetch(
+                sql.last_events, list(keys.chains)
+            ):
+                found.chain_tails[session_id] = (int(number), str(row_hash))
+        return found
 
-    async def owner_of(self, kind: RecordKind, record_id: str) -> Tenant | None:
-        if kind == "Session":
-            row = await self._conn.fetchrow(self._sql.session_owner, record_id)
-        elif kind == "Event":
-            row = await self._conn.fetchrow(self._sql.event_owner, record_id)
-        else:
-            row = await self._conn.fetchrow(self._sql.record_owner, kind, record_id)
-        return Tenant(org_id=row[0], user_id=row[1]) if row is not None else None
-
-    async def get_session(self, session_id: str) -> Session | None:
-        body = await self._conn.fetchval(self._sql.get_session, session_id)
-        if body is None:
-            return None
-        try:
-            return _SESSION_DECODER.decode(body)
-        except msgspec.DecodeError as exc:
-            raise StorageError(f"corrupt session row {session_id!r}") from exc
-
-    async def put_session(self, session: Session) -> None:
-        await self._conn.execute(
-            self._sql.put_session,
-            session.id,
-            session.org_id,
-            session.user_id,
-            session.updated_at,
-            encode_record(session),
-        )
-
-    async def insert_if_absent(self, record: Record) -> bool:
-        if isinstance(record, Session | Event):
-            raise TypeError(f"{record_kind(record)} records are not stored by insert_if_absent")
-        inserted = await self._conn.fetchval(
-            self._sql.insert_record,
-            record_kind(record),
-            record.id,
-            record.org_id,
-            record.user_id,
-            record.session_id,
-            encode_record(record),
-        )
-        return inserted is not None
-
-    async def last_event(self, session_id: str) -> tuple[int, str] | None:
-        row = await self._conn.fetchrow(self._sql.last_event, session_id)
-        return (int(row[0]), str(row[1])) if row is not None else None
-
-    async def insert_event(self, event: Event) -> None:
-        await self._conn.execute(
-            self._sql.insert_event,
-            event.id,
-            event.session_id,
-            event.sequence_number,
-            event.org_id,
-            event.user_id,
-            event.row_hash,
-            encode_record(event),
-        )
-
-    async def append_feed(self, tenant: Tenant, record: Record) -> int:
-        cursor = await self._conn.fetchval(
-            self._sql.append_feed,
-            tenant.org_id,
-            tenant.user_id,
-            record_kind(record),
-            record.id,
-            encode_record(record),
-        )
-        return int(cursor)
+    async def write(self, tenant: Tenant, client_id: str, writes: BatchWrites) -> list[int]:
+        conn, sql = self._conn, self._sql
+        if writes.records:
+            columns: list[list[Any]] = [[], [], [], [], [], []]
+            for r in writes.records:
+                if isinstance(r, Session | Event):
+                    raise TypeError(f"{record_kind(r)} records are not written as records")
+                row = (record_kind(r), r.id, r.org_id, r.user_id, r.session_id, encode_record(r))
+                for column, value in zip(columns, row, strict=True):
+                    column.append(value)
+            status: str = await conn.execute(sql.insert_records, *columns)
+            if _row_count(status) != len(writes.records):
+                raise claimed_concurrently("a record id")
+        if writes.events:
+            events = writes.events
+            status = await conn.execute(
+                sql.insert_events,
+                [e.id for e in events],
+                [e.session_id for e in events],
+                [e.sequence_number for e in events],
+                [e.org_id for e in events],
+                [e.user_id for e in events],
+                [e.row_hash for e in events],
+                [encode_record(e) for e in events],
+            )
+            if _row_count(status) != len(events):
+                raise claimed_concurrently("an event id")
+        if writes.sessions:
+            sessions = writes.sessions
+            await conn.execute(
+                sql.put_sessions,
+                [x.id for x in sessions],
+                [x.org_id for x in sessions],
+                [x.user_id for x in sessions],
+                [x.updated_at for x in sessions],
+                [encode_record(x) for x in sessions],
+            )
+        cursors: list[int] = []
+        if writes.feed:
+            feed = writes.feed
+            rows = await conn.fetch(
+                sql.append_feed,
+                tenant.org_id,
+                tenant.user_id,
+                [record_kind(r) for r in feed],
+                [r.id for r in feed],
+                [encode_record(r) for r in feed],
+            )
+            # The n-th smallest cursor went to the n-th row (see _Sql.append_feed).
+            cursors = sorted(int(row[0]) for row in rows)
+        if writes.last_seq is not None:
+            await conn.execute(
+                sql.set_last_seq, tenant.org_id, tenant.user_id, client_id, writes.last_seq
+            )
+        return cursors
 
     async def head_cursor(self, tenant: Tenant) -> int:
         return await _head(self._conn, self._sql, tenant)
+
+
+def _row_count(status: str) -> int:
+    """The row count of a command status such as ``INSERT 0 5``."""
+    return int(status.rsplit(" ", 1)[-1])
 
 
 async def _head(conn: Any, sql: _Sql, tenant: Tenant) -> int:
@@ -499,7 +581,7 @@ async def _compact(conn: Any, sql: _Sql, tenant: Tenant, keep_after_cursor: int)
         return 0
     status: str = await conn.execute(sql.compact, tenant.org_id, tenant.user_id, new_floor)
     await conn.execute(sql.set_floor, tenant.org_id, tenant.user_id, new_floor)
-    return int(status.rsplit(" ", 1)[-1])  # "DELETE <n>"
+    return _row_count(status)  # "DELETE <n>"
 
 
 class PostgresServerStore:
@@ -634,7 +716,7 @@ class PostgresServerStore:
     # -- transactions ------------------------------------------------------------------------
 
     def _wrap_tx(self, tx: StoreTx) -> StoreTx:
-        """Hook: the ``StoreTx`` a push runs against. Tests override it to inject faults."""
+        """Hook: wraps the ``StoreTx`` view a push's rules run against (tests inject faults)."""
         return tx
 
     async def _run(
@@ -707,8 +789,15 @@ class PostgresServerStore:
         self, tenant: Tenant, client_id: str, changes: list[Change], clock: HybridClock
     ) -> PushResult:
         async def body(conn: Any) -> PushResult:
-            tx = self._wrap_tx(_PostgresTx(conn, self._sql, self.schema))
-            result = await apply_push(tx, tenant, client_id, changes, clock, clock.client_id)
+            result = await apply_push(
+                _PostgresTx(conn, self._sql, self.schema),
+                tenant,
+                client_id,
+                changes,
+                clock,
+                clock.client_id,
+                wrap=self._wrap_tx,
+            )
             if result.cursors:
                 if self.feed_retention is not None:
                     await self._retain(conn, tenant, self.feed_retention)

@@ -4,7 +4,9 @@ One file, WAL mode, two connections: a writer (every push and compaction runs in
 ``BEGIN IMMEDIATE`` transaction, serialized by a lock because aiosqlite shares one connection
 between callers) and a reader (pulls and lookups, each in one read transaction, so they never
 see a push that has not committed). The push rules live in ``apply.py``; this module only
-speaks SQL. ``sqlite3`` errors are translated to ``StorageUnavailable`` (3009, retryable).
+speaks SQL: a push batch is a handful of statements whatever its size (``_SQLiteTx``, one
+``execute_fetchall`` per lookup and one ``executemany`` per table written). ``sqlite3`` errors
+are translated to ``StorageUnavailable`` (3009, retryable).
 
 Schema (versioned by ``PRAGMA user_version``, migrated at ``open()``):
 
@@ -23,7 +25,7 @@ import asyncio
 import logging
 import os
 import sqlite3
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar
 
@@ -37,14 +39,13 @@ from shared.records import (
     Event,
     FeedChange,
     Record,
-    RecordKind,
     Session,
     decode_record,
     encode_record,
     record_kind,
 )
 
-from .apply import StoreTx, apply_push
+from .apply import BatchKeys, BatchWrites, Snapshot, StoreTx, apply_push, claimed_concurrently
 from .base import PullResult, PushResult, Tenant
 
 __all__ = ["DEFAULT_MAX_PULL_LIMIT", "SQLiteServerStore"]
@@ -125,18 +126,67 @@ _HEAD_SQL = """SELECT MAX(
 
 _FLOOR_SQL = "SELECT feed_floor FROM meta WHERE org_id = ? AND user_id = ?"
 
-_SESSION_OWNER_SQL = """
-    SELECT org_id, user_id FROM sessions WHERE id = ?
-    UNION ALL SELECT org_id, user_id FROM events WHERE session_id = ?
-    UNION ALL SELECT org_id, user_id FROM records WHERE session_id = ?
-    LIMIT 1"""
+_LAST_SEQ_SQL = "SELECT last_seq FROM clients WHERE org_id = ? AND user_id = ? AND client_id = ?"
+
+# The batch lookups of a push: each takes its keys as ONE JSON array parameter (no limit on
+# how many, one statement per kind of key) and reads each key through an index.
+_RECORD_OWNERS_SQL = """
+    SELECT r.kind, r.id, r.org_id, r.user_id FROM json_each(?) AS k
+    JOIN records AS r ON r.kind = json_extract(k.value, '$[0]')
+        AND r.id = json_extract(k.value, '$[1]')"""
+_EVENT_OWNERS_SQL = """
+    SELECT id, org_id, user_id FROM events WHERE id IN (SELECT value FROM json_each(?))"""
+# A session id is owned by its row, else by any event, else by any record filed under it.
+_SESSION_OWNERS_SQL = """
+    SELECT k.value, s.org_id, s.user_id, e.org_id, e.user_id, r.org_id, r.user_id
+    FROM json_each(?) AS k
+    LEFT JOIN sessions AS s ON s.id = k.value
+    LEFT JOIN events AS e
+        ON e.rowid = (SELECT rowid FROM events WHERE session_id = k.value LIMIT 1)
+    LEFT JOIN records AS r
+        ON (r.kind, r.id) = (SELECT kind, id FROM records WHERE session_id = k.value LIMIT 1)"""
+_SESSIONS_SQL = """
+    SELECT id, body FROM sessions WHERE id IN (SELECT value FROM json_each(?))"""
+_CHAIN_TAILS_SQL = """
+    SELECT k.value, e.sequence_number, e.row_hash FROM json_each(?) AS k
+    JOIN events AS e ON e.rowid = (
+        SELECT rowid FROM events WHERE session_id = k.value
+        ORDER BY sequence_number DESC LIMIT 1)"""
+
+_INSERT_RECORD_SQL = (
+    "INSERT INTO records (kind, id, org_id, user_id, session_id, body) "
+    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (kind, id) DO NOTHING"
+)
+_INSERT_EVENT_SQL = (
+    "INSERT INTO events (id, session_id, sequence_number, org_id, user_id, row_hash, body) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+)
+_PUT_SESSION_SQL = (
+    "INSERT INTO sessions (id, org_id, user_id, updated_at, body) VALUES (?, ?, ?, ?, ?) "
+    "ON CONFLICT (id) DO UPDATE SET org_id = excluded.org_id, "
+    "user_id = excluded.user_id, updated_at = excluded.updated_at, body = excluded.body"
+)
+_APPEND_FEED_SQL = (
+    "INSERT INTO feed (org_id, user_id, kind, record_id, body) VALUES (?, ?, ?, ?, ?)"
+)
+_SET_LAST_SEQ_SQL = (
+    "INSERT INTO clients (org_id, user_id, client_id, last_seq) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT (org_id, user_id, client_id) DO UPDATE SET last_seq = excluded.last_seq"
+)
+
+
+async def _fetchall(
+    conn: aiosqlite.Connection, sql: str, params: Sequence[Any] = ()
+) -> list[sqlite3.Row]:
+    """Run ``sql`` and return its rows: one hop to aiosqlite's thread."""
+    return list(await conn.execute_fetchall(sql, params))
 
 
 async def _fetchone(
     conn: aiosqlite.Connection, sql: str, params: Sequence[Any] = ()
 ) -> sqlite3.Row | None:
-    async with conn.execute(sql, params) as cur:
-        return await cur.fetchone()
+    rows = await _fetchall(conn, sql, params)
+    return rows[0] if rows else None
 
 
 async def _rowcount(conn: aiosqlite.Connection, sql: str, params: Sequence[Any]) -> int:
@@ -155,8 +205,24 @@ async def _floor(conn: aiosqlite.Connection, tenant: Tenant) -> int:
     return int(row[0]) if row is not None else 0
 
 
+def _json(keys: Iterable[Any]) -> str:
+    return msgspec.json.encode(sorted(keys)).decode()
+
+
+def _owner(org_id: str | None, user_id: str | None) -> Tenant | None:
+    return (
+        Tenant(org_id=org_id, user_id=user_id)
+        if org_id is not None and user_id is not None
+        else None
+    )
+
+
 class _SQLiteTx:
-    """``StoreTx`` over the writer connection, inside the push's ``BEGIN IMMEDIATE``."""
+    """``BatchTx`` over the writer connection, inside the push's ``BEGIN IMMEDIATE``.
+
+    Every statement is one hop to aiosqlite's thread, whatever the size of the batch: a lookup
+    is one ``execute_fetchall``, a table's writes are one ``executemany``.
+    """
 
     def __init__(self, conn: aiosqlite.Connection) -> None:
         self._conn = conn
@@ -166,110 +232,101 @@ class _SQLiteTx:
         return None
 
     async def get_last_seq(self, tenant: Tenant, client_id: str) -> int:
-        row = await _fetchone(
-            self._conn,
-            "SELECT last_seq FROM clients WHERE org_id = ? AND user_id = ? AND client_id = ?",
-            (tenant.org_id, tenant.user_id, client_id),
-        )
+        row = await _fetchone(self._conn, _LAST_SEQ_SQL, (tenant.org_id, tenant.user_id, client_id))
         return int(row[0]) if row is not None else 0
 
-    async def set_last_seq(self, tenant: Tenant, client_id: str, last_seq: int) -> None:
-        await self._conn.execute(
-            "INSERT INTO clients (org_id, user_id, client_id, last_seq) VALUES (?, ?, ?, ?) "
-            "ON CONFLICT (org_id, user_id, client_id) DO UPDATE SET last_seq = excluded.last_seq",
-            (tenant.org_id, tenant.user_id, client_id, last_seq),
-        )
+    async def load(self, keys: BatchKeys) -> Snapshot:
+        conn, found = self._conn, Snapshot()
+        if keys.records:
+            for kind, record_id, org_id, user_id in await _fetchall(
+                conn, _RECORD_OWNERS_SQL, (_json(keys.records),)
+            ):
+                found.record_owners[(kind, record_id)] = Tenant(org_id=org_id, user_id=user_id)
+        if keys.events:
+            for event_id, org_id, user_id in await _fetchall(
+                conn, _EVENT_OWNERS_SQL, (_json(keys.events),)
+            ):
+                found.event_owners[event_id] = Tenant(org_id=org_id, user_id=user_id)
+        if keys.session_owners:
+            for session_id, *columns in await _fetchall(
+                conn, _SESSION_OWNERS_SQL, (_json(keys.session_owners),)
+            ):
+                owners = (_owner(*columns[i : i + 2]) for i in (0, 2, 4))
+                owner = next((o for o in owners if o is not None), None)
+                if owner is not None:
+                    found.session_owners[session_id] = owner
+        if keys.sessions:
+            for session_id, body in await _fetchall(conn, _SESSIONS_SQL, (_json(keys.sessions),)):
+                try:
+                    found.sessions[session_id] = _SESSION_DECODER.decode(body)
+                except msgspec.DecodeError as exc:
+                    raise StorageError(f"corrupt session row {session_id!r}") from exc
+        if keys.chains:
+            for session_id, number, row_hash in await _fetchall(
+                conn, _CHAIN_TAILS_SQL, (_json(keys.chains),)
+            ):
+                found.chain_tails[session_id] = (int(number), str(row_hash))
+        return found
 
-    async def owner_of(self, kind: RecordKind, record_id: str) -> Tenant | None:
-        if kind == "Session":
-            row = await _fetchone(self._conn, _SESSION_OWNER_SQL, (record_id,) * 3)
-        elif kind == "Event":
-            row = await _fetchone(
-                self._conn, "SELECT org_id, user_id FROM events WHERE id = ?", (record_id,)
+    async def write(self, tenant: Tenant, client_id: str, writes: BatchWrites) -> list[int]:
+        conn = self._conn
+        if writes.records:
+            rows: list[tuple[Any, ...]] = []
+            for r in writes.records:
+                if isinstance(r, Session | Event):
+                    raise TypeError(f"{record_kind(r)} records are not written as records")
+                rows.append(
+                    (record_kind(r), r.id, r.org_id, r.user_id, r.session_id, encode_record(r))
+                )
+            cur = await conn.executemany(_INSERT_RECORD_SQL, rows)
+            if cur.rowcount != len(rows):
+                raise claimed_concurrently("a record id")
+        if writes.events:
+            cur = await conn.executemany(
+                _INSERT_EVENT_SQL,
+                [
+                    (
+                        e.id,
+                        e.session_id,
+                        e.sequence_number,
+                        e.org_id,
+                        e.user_id,
+                        e.row_hash,
+                        encode_record(e),
+                    )
+                    for e in writes.events
+                ],
             )
-        else:
-            row = await _fetchone(
-                self._conn,
-                "SELECT org_id, user_id FROM records WHERE kind = ? AND id = ?",
-                (kind, record_id),
+            if cur.rowcount != len(writes.events):
+                raise claimed_concurrently("an event id")
+        if writes.sessions:
+            await conn.executemany(
+                _PUT_SESSION_SQL,
+                [
+                    (s.id, s.org_id, s.user_id, s.updated_at, encode_record(s))
+                    for s in writes.sessions
+                ],
             )
-        return Tenant(org_id=row[0], user_id=row[1]) if row is not None else None
-
-    async def get_session(self, session_id: str) -> Session | None:
-        row = await _fetchone(self._conn, "SELECT body FROM sessions WHERE id = ?", (session_id,))
-        if row is None:
-            return None
-        try:
-            return _SESSION_DECODER.decode(row[0])
-        except msgspec.DecodeError as exc:
-            raise StorageError(f"corrupt session row {session_id!r}") from exc
-
-    async def put_session(self, session: Session) -> None:
-        await self._conn.execute(
-            "INSERT INTO sessions (id, org_id, user_id, updated_at, body) VALUES (?, ?, ?, ?, ?) "
-            "ON CONFLICT (id) DO UPDATE SET org_id = excluded.org_id, "
-            "user_id = excluded.user_id, updated_at = excluded.updated_at, body = excluded.body",
-            (
-                session.id,
-                session.org_id,
-                session.user_id,
-                session.updated_at,
-                encode_record(session),
-            ),
-        )
-
-    async def insert_if_absent(self, record: Record) -> bool:
-        if isinstance(record, Session | Event):
-            raise TypeError(f"{record_kind(record)} records are not stored by insert_if_absent")
-        count = await _rowcount(
-            self._conn,
-            "INSERT INTO records (kind, id, org_id, user_id, session_id, body) "
-            "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (kind, id) DO NOTHING",
-            (
-                record_kind(record),
-                record.id,
-                record.org_id,
-                record.user_id,
-                record.session_id,
-                encode_record(record),
-            ),
-        )
-        return count == 1
-
-    async def last_event(self, session_id: str) -> tuple[int, str] | None:
-        row = await _fetchone(
-            self._conn,
-            "SELECT sequence_number, row_hash FROM events WHERE session_id = ? "
-            "ORDER BY sequence_number DESC LIMIT 1",
-            (session_id,),
-        )
-        return (int(row[0]), str(row[1])) if row is not None else None
-
-    async def insert_event(self, event: Event) -> None:
-        await self._conn.execute(
-            "INSERT INTO events (id, session_id, sequence_number, org_id, user_id, row_hash, body)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (
-                event.id,
-                event.session_id,
-                event.sequence_number,
-                event.org_id,
-                event.user_id,
-                event.row_hash,
-                encode_record(event),
-            ),
-        )
-
-    async def append_feed(self, tenant: Tenant, record: Record) -> int:
-        row = await _fetchone(
-            self._conn,
-            "INSERT INTO feed (org_id, user_id, kind, record_id, body) VALUES (?, ?, ?, ?, ?) "
-            "RETURNING cursor",
-            (tenant.org_id, tenant.user_id, record_kind(record), record.id, encode_record(record)),
-        )
-        if row is None:  # pragma: no cover - RETURNING always yields the row
-            raise StorageError("feed insert returned no cursor")
-        return int(row[0])
+        cursors: list[int] = []
+        if writes.feed:
+            t = (tenant.org_id, tenant.user_id)
+            await conn.executemany(
+                _APPEND_FEED_SQL,
+                [(*t, record_kind(r), r.id, encode_record(r)) for r in writes.feed],
+            )
+            # AUTOINCREMENT gives each row one more than the largest cursor the table ever had,
+            # and nothing else writes inside this BEGIN IMMEDIATE: the rows just inserted hold
+            # the consecutive cursors that end at the last one.
+            row = await _fetchone(conn, "SELECT last_insert_rowid()")
+            if row is None:  # pragma: no cover - the function always yields a row
+                raise StorageError("feed insert returned no cursor")
+            last = int(row[0])
+            cursors = list(range(last - len(writes.feed) + 1, last + 1))
+        if writes.last_seq is not None:
+            await conn.execute(
+                _SET_LAST_SEQ_SQL, (tenant.org_id, tenant.user_id, client_id, writes.last_seq)
+            )
+        return cursors
 
     async def head_cursor(self, tenant: Tenant) -> int:
         return await _head(self._conn, tenant)
@@ -406,7 +463,7 @@ class SQLiteServerStore:
     # -- transactions ------------------------------------------------------------------------
 
     def _wrap_tx(self, tx: StoreTx) -> StoreTx:
-        """Hook: the ``StoreTx`` a push runs against. Tests override it to inject faults."""
+        """Hook: wraps the ``StoreTx`` view a push's rules run against (tests inject faults)."""
         return tx
 
     async def _write(self, body: Callable[[aiosqlite.Connection], Awaitable[T]]) -> T:
@@ -458,11 +515,7 @@ class SQLiteServerStore:
 
     async def client_state(self, tenant: Tenant, client_id: str) -> tuple[int, int]:
         async def body(conn: aiosqlite.Connection) -> tuple[int, int]:
-            row = await _fetchone(
-                conn,
-                "SELECT last_seq FROM clients WHERE org_id = ? AND user_id = ? AND client_id = ?",
-                (tenant.org_id, tenant.user_id, client_id),
-            )
+            row = await _fetchone(conn, _LAST_SEQ_SQL, (tenant.org_id, tenant.user_id, client_id))
             return (int(row[0]) if row is not None else 0), await _head(conn, tenant)
 
         return await self._read(body)
@@ -471,8 +524,15 @@ class SQLiteServerStore:
         self, tenant: Tenant, client_id: str, changes: list[Change], clock: HybridClock
     ) -> PushResult:
         async def body(conn: aiosqlite.Connection) -> PushResult:
-            tx = self._wrap_tx(_SQLiteTx(conn))
-            result = await apply_push(tx, tenant, client_id, changes, clock, clock.client_id)
+            result = await apply_push(
+                _SQLiteTx(conn),
+                tenant,
+                client_id,
+                changes,
+                clock,
+                clock.client_id,
+                wrap=self._wrap_tx,
+            )
             if self.feed_retention is not None and result.cursors:
                 await self._retain(conn, tenant, self.feed_retention)
             return result
@@ -500,12 +560,12 @@ class SQLiteServerStore:
                 raise CursorTooOld(
                     f"cursor {cursor} predates the retained feed (floor {floor}): resync"
                 )
-            async with conn.execute(
+            rows = await _fetchall(
+                conn,
                 "SELECT cursor, body FROM feed WHERE org_id = ? AND user_id = ? AND cursor > ? "
                 "ORDER BY cursor LIMIT ?",
                 (tenant.org_id, tenant.user_id, cursor, limit + 1),
-            ) as cur:
-                rows = list(await cur.fetchall())
+            )
             changes = [
                 FeedChange(cursor=int(c), record=_decode(int(c), b)) for c, b in rows[:limit]
             ]
