@@ -19,26 +19,16 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.client import connect
 
 from pleach_server.store.base import Tenant
 from pleach_server.store.pg_notify import PostgresNotifier
 from shared.clock import HybridClock
 from shared.messages import (
-    PROTOCOL_VERSION,
-    Changes,
-    Frame,
-    FrameCodec,
-    Hello,
-    Pull,
     Push,
-    PushAck,
-    Welcome,
 )
-from shared.records import Change
 from tests.server_factories import Device, new_tenant
 from tests.test_server_store_postgres import (
     PG_DSN,
@@ -47,6 +37,7 @@ from tests.test_server_store_postgres import (
     scratch_schema,
     terminate_backends,
 )
+from tests.wsclient import Client
 
 pytestmark = pytest.mark.postgres
 
@@ -278,66 +269,6 @@ async def create_token(schema: str, tenant: Tenant) -> str:
         out, err = await proc.communicate()
     assert proc.returncode == 0, err.decode()
     return out.decode().strip()
-
-
-class Client:
-    """A device connection: answers in order, live ``Changes`` kept aside in ``live``."""
-
-    def __init__(self, ws: ClientConnection) -> None:
-        self.ws = ws
-        self.codec = FrameCodec()
-        self.live: list[Changes] = []
-
-    async def send(self, frame: Frame) -> None:
-        await self.ws.send(self.codec.encode(frame))
-
-    async def recv(self) -> Frame:
-        async with asyncio.timeout(TIMEOUT):
-            data = await self.ws.recv()
-        assert isinstance(data, bytes)
-        return self.codec.decode(data)
-
-    async def answer(self) -> Frame:
-        while True:
-            frame = await self.recv()
-            if isinstance(frame, Changes) and frame.live:
-                self.live.append(frame)
-                continue
-            return frame
-
-    async def hello(self, client_id: str, cursor: int = 0) -> Welcome:
-        await self.send(Hello(protocol=PROTOCOL_VERSION, client_id=client_id, cursor=cursor))
-        welcome = await self.answer()
-        assert isinstance(welcome, Welcome), welcome
-        return welcome
-
-    async def push(self, changes: list[Change]) -> PushAck:
-        await self.send(Push(changes=changes))
-        ack = await self.answer()
-        assert isinstance(ack, PushAck), ack
-        return ack
-
-    async def pull_all(self) -> list[Any]:
-        out: list[Any] = []
-        cursor = 0
-        while True:
-            await self.send(Pull(cursor=cursor, limit=100))
-            page = await self.answer()
-            assert isinstance(page, Changes), page
-            out.extend(page.changes)
-            cursor = page.to_cursor
-            if not page.more:
-                return out
-
-    def live_ids(self) -> list[str]:
-        return [c.record.id for frame in self.live for c in frame.changes]
-
-    async def live_until(self, record_ids: set[str]) -> None:
-        """Read live frames (and nothing else) until every id in ``record_ids`` has arrived."""
-        while not record_ids <= set(self.live_ids()):
-            frame = await self.recv()
-            assert isinstance(frame, Changes) and frame.live, frame
-            self.live.append(frame)
 
 
 @contextlib.asynccontextmanager

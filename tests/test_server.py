@@ -18,8 +18,8 @@ from typing import Any
 
 import msgspec
 import pytest
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
 
 from pleach_server.auth import issue_token
 from pleach_server.server import SyncServer
@@ -30,17 +30,14 @@ from shared.errors import ErrorCode
 from shared.messages import (
     PROTOCOL_VERSION,
     Changes,
-    Error,
-    Frame,
-    FrameCodec,
     Hello,
     Pull,
     Push,
     PushAck,
-    Welcome,
 )
 from shared.records import Change
 from tests.server_factories import Device, new_tenant
+from tests.wsclient import Client
 
 SECRET = b"test-secret"
 TIMEOUT = 10.0
@@ -48,73 +45,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # -- a tiny device client --------------------------------------------------------------------
-
-
-class Client:
-    """One device connection: sends frames, and sorts what arrives into answers and live."""
-
-    def __init__(self, ws: ClientConnection) -> None:
-        self.ws = ws
-        self.codec = FrameCodec()
-        self.live: list[Changes] = []
-
-    async def send(self, frame: Frame) -> None:
-        await self.ws.send(self.codec.encode(frame))
-
-    async def send_raw(self, data: bytes | str) -> None:
-        await self.ws.send(data)
-
-    async def recv(self) -> Frame:
-        async with asyncio.timeout(TIMEOUT):
-            data = await self.ws.recv()
-        assert isinstance(data, bytes)
-        return self.codec.decode(data)
-
-    async def answer(self) -> Frame:
-        """The next frame that is not a live ``Changes`` (live ones are kept in ``live``)."""
-        while True:
-            frame = await self.recv()
-            if isinstance(frame, Changes) and frame.live:
-                self.live.append(frame)
-                continue
-            return frame
-
-    async def live_frame(self) -> Changes:
-        if self.live:
-            return self.live.pop(0)
-        frame = await self.recv()
-        assert isinstance(frame, Changes) and frame.live, frame
-        return frame
-
-    async def hello(self, client_id: str, cursor: int = 0) -> Welcome:
-        await self.send(Hello(protocol=PROTOCOL_VERSION, client_id=client_id, cursor=cursor))
-        welcome = await self.answer()
-        assert isinstance(welcome, Welcome), welcome
-        return welcome
-
-    async def push(self, changes: list[Change]) -> PushAck:
-        await self.send(Push(changes=changes))
-        ack = await self.answer()
-        assert isinstance(ack, PushAck), ack
-        return ack
-
-    async def pull(self, cursor: int, limit: int = 500) -> Changes:
-        await self.send(Pull(cursor=cursor, limit=limit))
-        page = await self.answer()
-        assert isinstance(page, Changes), page
-        return page
-
-    async def error(self) -> Error:
-        frame = await self.answer()
-        assert isinstance(frame, Error), frame
-        return frame
-
-    async def closed(self) -> ConnectionClosed:
-        """Wait for the server to close; returns the close exception (code in ``.rcvd``)."""
-        with pytest.raises(ConnectionClosed) as info:
-            while True:
-                await self.answer()
-        return info.value
 
 
 def token_for(tenant: Tenant, ttl_s: int | None = 3600, secret: bytes = SECRET) -> str:
