@@ -5,7 +5,7 @@ from __future__ import annotations
 import builtins
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import msgspec
 
@@ -274,5 +274,3 @@ def _sum_rows(rows: list[AuditRow], *, turn_id: str) -> TurnRollup:
 
 
 __all__ = ["AuditFacet", "CheckpointsFacet", "EventsFacet", "FoldResult", "Projection"]
-
-_ = Any

@@ -36,6 +36,7 @@ from shared.records import (
 from .artifacts import ArtifactsFacet
 from .facets import AuditFacet, CheckpointsFacet, EventsFacet
 from .providers.base import Provider
+from .receipts import SessionDeleteReceipt
 from .store.base import StorageAdapter, WriteBatch
 from .store.memory import MemoryAdapter
 from .stream import Callback, Mode, SessionCreated, SessionResumed, StreamEventBase, StreamManager
@@ -630,7 +631,5 @@ class SessionRuntime:
         while len(self._histories) > HISTORY_CACHE_SESSIONS:
             self._histories.pop(next(iter(self._histories)))
 
-
-from .receipts import SessionDeleteReceipt  # noqa: E402  (re-exported for facets)
 
 __all__ = ["SessionHandle", "SessionRuntime", "hydrate"]

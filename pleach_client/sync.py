@@ -15,7 +15,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
@@ -26,10 +26,9 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from shared.clock import HybridClock, Order, vv_compare
 from shared.errors import ChainError, ClockSkew, InvalidState, NotFound, PleachError, SyncError
 from shared.hashchain import chain_event, verify_chain
-from shared.merge import Resolution, diverged_paths, resolve_conflicts
+from shared.merge import Resolution, resolve_conflicts
 from shared.messages import (
     DEFAULT_MAX_FRAME_BYTES,
-    ChangeResult,
     Changes,
     ConflictReceipt,
     Error,
@@ -832,5 +831,3 @@ __all__ = [
     "SyncFacet",
     "SyncStatus",
 ]
-
-_unused: tuple[Any, ...] = (ChangeResult, Awaitable, diverged_paths)

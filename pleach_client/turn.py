@@ -10,7 +10,6 @@ Abort arrives either as the ``abort`` event being set or as cancellation of the 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from shared.clock import vv_bump
-from shared.errors import PleachError, ProviderError, ToolError
+from shared.errors import ProviderError, ToolError
 from shared.ids import uuid7
 from shared.records import AuditRow, Event, Message, Outcome, Session, Usage
 
@@ -540,8 +539,4 @@ async def _finish(
     return out
 
 
-def dumps_input(tool_input: dict[str, Any]) -> str:
-    return json.dumps(tool_input, sort_keys=True)
-
-
-__all__ = ["PleachError", "run_turn", "to_api_messages"]
+__all__ = ["run_turn", "to_api_messages"]

@@ -380,9 +380,6 @@ async def _until(rt: SessionRuntime, predicate: Callable[[], bool], timeout: flo
     return True
 
 
-_ = msgspec
-
-
 async def test_artifacts_merge_concurrent_offline_edits(cluster: Cluster) -> None:
     laptop = await cluster.device("laptop")
     phone = await cluster.device("phone")
