@@ -432,6 +432,9 @@ class SQLiteServerStore:
                     await conn.close()
 
     async def _connect(self) -> aiosqlite.Connection:
+        # aiosqlite leaves its worker thread behind when connecting fails, and that thread
+        # later crashes against a closed event loop: find out first, with plain sqlite3.
+        await asyncio.to_thread(_probe, str(self.path))
         # isolation_level=None: we issue BEGIN / COMMIT ourselves, sqlite3 never does.
         conn = await aiosqlite.connect(self.path, isolation_level=None)
         try:
@@ -599,3 +602,7 @@ async def _rollback(conn: aiosqlite.Connection) -> None:
         # A COMMIT that went through before a cancellation leaves nothing to roll back.
         if "no transaction is active" not in str(exc):
             log.warning("rollback failed on %r: %s", conn, exc)
+
+
+def _probe(path: str) -> None:
+    sqlite3.connect(path).close()
