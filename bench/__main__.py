@@ -86,7 +86,7 @@ def _run_push(quick: bool) -> dict[str, Any]:
     except SystemExit as exc:  # its argument parser refused our arguments
         if exc.code not in (0, None):
             return {"skipped": f"bench_push exited with {exc.code!r} for arguments {argv}"}
-    except Exception as exc:  # another engineer's benchmark: report it, run the rest
+    except Exception as exc:  # one failing must not hide the others: report it, run the rest
         traceback.print_exc()
         return {"failed": f"{type(exc).__name__}: {exc}"}
     return {"argv": argv, "seconds": time.perf_counter() - started, "output": tee.copy.getvalue()}
