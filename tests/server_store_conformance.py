@@ -620,16 +620,16 @@ class ServerStoreConformance:
         assert (await server_store.client_state(b_twin.tenant, "shared-device-id"))[0] == 1
         assert (await server_store.client_state(a.tenant, "shared-device-id"))[0] == 0
 
-    async def test_cursor_too_old_after_compaction(
+    async def test_compaction_keeps_latest_versions_and_resync_from_zero(
         self, server_store: ServerStore, server_clock: HybridClock
     ) -> None:
         dev, bystander = Device(new_tenant()), Device(new_tenant())
-        session = dev.session()
+        v1 = dev.session(title="v1")
+        m1, m2 = dev.message(v1.id), dev.message(v1.id)
+        v2 = dev.edit(v1, title="v2")
+        v3 = dev.edit(v2, title="v3")
         pushed = await server_store.push(
-            dev.tenant,
-            dev.client_id,
-            dev.changes(session, *(dev.message(session.id) for _ in range(4))),
-            server_clock,
+            dev.tenant, dev.client_id, dev.changes(v1, m1, v2, m2, v3), server_clock
         )
         other = await server_store.push(
             bystander.tenant,
@@ -638,29 +638,32 @@ class ServerStoreConformance:
             server_clock,
         )
         c = pushed.cursors
-        assert await server_store.compact_feed(dev.tenant, c[2]) == 3
+        # Up to v2's entry: v1 and v2 are both superseded (by v3), the messages stay.
+        assert await server_store.compact_feed(dev.tenant, c[2]) == 2
         assert await server_store.compact_feed(dev.tenant, c[1]) == 0  # the floor never drops
-
-        for stale in (0, c[0], c[1]):
+        for stale in (c[0], c[1]):
             with pytest.raises(CursorTooOld) as info:
                 await server_store.pull(dev.tenant, stale, 10)
             assert info.value.code == ErrorCode.CURSOR_TOO_OLD
         page = await server_store.pull(dev.tenant, c[2], 10)
         assert [x.cursor for x in page.changes] == c[3:]
-        assert await server_store.head_cursor(dev.tenant) == c[-1]
+        assert await server_store.compact_feed(dev.tenant, c[-1] + 1000) == 0  # all latest
+        # A pull from 0 is a full resync: the latest version of every record, once each.
+        resync = await pull_all(server_store, dev.tenant)
+        assert [x.record.id for x in resync] == [m1.id, m2.id, v1.id]
+        assert [x.cursor for x in resync] == [c[1], c[3], c[4]]
+        latest = resync[-1].record
+        assert isinstance(latest, Session) and latest.title == "v3"
         # Other tenants keep their whole feed.
         assert [x.cursor for x in await pull_all(server_store, bystander.tenant)] == other.cursors
-
         # Compacting past the head stops at the head: a device there is still current.
-        assert await server_store.compact_feed(dev.tenant, c[-1] + 1000) == 2
         head = await server_store.head_cursor(dev.tenant)
         assert head == c[-1]
         assert await server_store.pull(dev.tenant, head, 10) == PullResult(
             changes=[], to_cursor=head, more=False
         )
-        assert await server_store.client_state(dev.tenant, dev.client_id) == (5, head)
         later = await server_store.push(
-            dev.tenant, dev.client_id, dev.changes(dev.message(session.id)), server_clock
+            dev.tenant, dev.client_id, dev.changes(dev.message(v1.id)), server_clock
         )
         page = await server_store.pull(dev.tenant, head, 10)
         assert [x.cursor for x in page.changes] == later.cursors

@@ -447,7 +447,7 @@ async def test_store_errors_become_error_frames_and_the_connection_lives(
             ack = await client.push(dev.changes(s, dev.message(s.id), dev.message(s.id)))
             assert ack.head_cursor == 3
             await store.compact_feed(dev.tenant, 2)
-            await client.send(Pull(cursor=0))
+            await client.send(Pull(cursor=1))  # below the floor (0 is a full resync)
             assert (await client.error()).code == ErrorCode.CURSOR_TOO_OLD
             flaky.fail_pull = StorageUnavailable("database is down")
             await client.send(Pull(cursor=2))

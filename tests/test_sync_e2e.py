@@ -22,6 +22,7 @@ from pleach_server.auth import issue_token
 from pleach_server.server import SyncServer
 from pleach_server.store import ServerStore, SQLiteServerStore, Tenant
 from shared.clock import HybridClock
+from shared.errors import CursorTooOld
 from shared.ids import uuid7
 from shared.records import Message
 
@@ -476,3 +477,25 @@ async def test_a_push_that_never_answers_times_out_and_reconnects(cluster: Clust
         assert len(immutable) == len(set(immutable))
     finally:
         release.set()
+
+
+async def test_a_device_behind_a_compacted_feed_resyncs_from_zero(cluster: Cluster) -> None:
+    assert cluster.store is not None
+    laptop = await cluster.device("laptop")
+    phone = await cluster.device("phone")
+    session = await laptop.create_session()
+    await chat(laptop, session.id, "before")
+    await cluster.online(laptop, phone)
+    behind = (await phone.sync.status()).cursor
+    await phone.sync.disconnect()
+    for text in ("one", "two", "three"):
+        await chat(laptop, session.id, text)
+    assert await laptop.sync.wait_until_synced(20)
+    head = await cluster.store.head_cursor(ALICE)
+    dropped = await cluster.store.compact_feed(ALICE, head)  # type: ignore[attr-defined]
+    assert dropped > 0  # older versions of the session row went
+    with pytest.raises(CursorTooOld):
+        await cluster.store.pull(ALICE, behind, 10)
+    await cluster.online(phone)
+    assert await snapshot(phone, session.id) == await snapshot(laptop, session.id)
+    assert (await phone.sync.status()).cursor == head

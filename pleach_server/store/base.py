@@ -67,17 +67,20 @@ class ServerStore(Protocol):
     async def pull(self, tenant: Tenant, cursor: int, limit: int) -> PullResult:
         """Feed entries with ``cursor > cursor``, at most ``limit``, in cursor order.
 
-        Raises ``CursorTooOld`` (3010) when ``cursor`` predates the retained feed.
+        Raises ``CursorTooOld`` (3010) when ``0 < cursor`` predates the retained feed; a pull
+        from 0 is always served (a full resync).
         """
         ...
 
     async def head_cursor(self, tenant: Tenant) -> int: ...
 
     async def compact_feed(self, tenant: Tenant, keep_after_cursor: int) -> int:
-        """Drop the tenant's feed entries with ``cursor <= keep_after_cursor``; return how many.
+        """Compact the tenant's feed up to ``keep_after_cursor``; return entries dropped.
 
-        Records the tenant's feed floor (it never moves back, nor past the tenant's head
-        cursor). A later ``pull`` from a cursor below the floor raises ``CursorTooOld`` (3010):
-        that device must resync in full. The records themselves are kept.
+        Log compaction: an entry goes only when a later entry of the same record exists (an
+        older version of a session); the latest version of every record stays, so a pull from
+        cursor 0 is always a complete resync. Records the tenant's feed floor (it never moves
+        back, nor past the head): a ``pull`` from a cursor ``0 < cursor < floor`` raises
+        ``CursorTooOld`` (3010), and the device resyncs from 0.
         """
         ...

@@ -158,6 +158,8 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
             PRIMARY KEY (org_id, user_id)
         )""",
     ),
+    # 2: compaction finds the later versions of a record.
+    ("CREATE INDEX feed_record ON {s}.feed (org_id, user_id, kind, record_id, cursor)",),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -443,7 +445,14 @@ class _Sql:
             f"SELECT cursor FROM {s}.feed WHERE org_id = $1 AND user_id = $2 "
             "ORDER BY cursor DESC LIMIT 1 OFFSET $3"
         )
-        self.compact = f"DELETE FROM {s}.feed WHERE org_id = $1 AND user_id = $2 AND cursor <= $3"
+        # Log compaction: only versions superseded by a later entry of the same record go.
+        self.compact = (
+            f"DELETE FROM {s}.feed AS f WHERE f.org_id = $1 AND f.user_id = $2 "
+            f"AND f.cursor <= $3 AND EXISTS (SELECT 1 FROM {s}.feed AS later "
+            "WHERE later.org_id = f.org_id AND later.user_id = f.user_id "
+            "AND later.kind = f.kind AND later.record_id = f.record_id "
+            "AND later.cursor > f.cursor)"
+        )
         self.set_floor = (
             f"INSERT INTO {s}.meta (org_id, user_id, feed_floor) VALUES ($1, $2, $3) "
             "ON CONFLICT (org_id, user_id) DO UPDATE SET feed_floor = excluded.feed_floor"
@@ -835,7 +844,7 @@ class PostgresServerStore:
             transaction=False,
         )
         floor = int(rows[0][0])
-        if cursor < floor:
+        if 0 < cursor < floor:  # cursor 0: a full resync, always complete
             raise CursorTooOld(
                 f"cursor {cursor} predates the retained feed (floor {floor}): resync"
             )

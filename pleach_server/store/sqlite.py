@@ -115,6 +115,8 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
             PRIMARY KEY (org_id, user_id)
         ) WITHOUT ROWID""",
     ),
+    # 2: compaction finds the later versions of a record.
+    ("CREATE INDEX feed_record ON feed (org_id, user_id, kind, record_id, cursor)",),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -332,15 +334,28 @@ class _SQLiteTx:
         return await _head(self._conn, tenant)
 
 
+_COMPACT = (
+    "DELETE FROM feed WHERE org_id = ? AND user_id = ? AND cursor <= ? AND EXISTS ("
+    "SELECT 1 FROM feed AS later WHERE later.org_id = feed.org_id "
+    "AND later.user_id = feed.user_id AND later.kind = feed.kind "
+    "AND later.record_id = feed.record_id AND later.cursor > feed.cursor)"
+)
+
+
 async def _compact(conn: aiosqlite.Connection, tenant: Tenant, keep_after_cursor: int) -> int:
-    """Drop feed entries at or below ``keep_after_cursor``, raising the floor; in a write tx."""
+    """Compact the feed at or below ``keep_after_cursor`` and raise the floor; in a write tx.
+
+    Log compaction: only entries superseded by a later entry of the same record go (older
+    versions of a session). The latest version of every record stays, so a pull from cursor
+    0 is always a complete resync.
+    """
     floor = await _floor(conn, tenant)
     new_floor = min(keep_after_cursor, await _head(conn, tenant))
     if new_floor <= floor:
         return 0
     dropped = await _rowcount(
         conn,
-        "DELETE FROM feed WHERE org_id = ? AND user_id = ? AND cursor <= ?",
+        _COMPACT,
         (tenant.org_id, tenant.user_id, new_floor),
     )
     await conn.execute(
@@ -559,7 +574,7 @@ class SQLiteServerStore:
 
         async def body(conn: aiosqlite.Connection) -> PullResult:
             floor = await _floor(conn, tenant)
-            if cursor < floor:
+            if 0 < cursor < floor:  # cursor 0: a full resync, always complete
                 raise CursorTooOld(
                     f"cursor {cursor} predates the retained feed (floor {floor}): resync"
                 )
