@@ -1,10 +1,15 @@
 """Hash chains over event-log rows (per session) and audit rows (per tenant and device).
 
 ``row_hash = sha256(prev_hash || digest(row))``, hex encoded, with ``prev_hash = ""`` for the
-first row. ``digest`` is the sha256 of the row's canonical msgpack bytes (keys sorted), taken
-over every field except the chain's own (``prev_hash``, ``row_hash``, ``canonical``; for audit
-rows also ``payload_digest`` and ``redacted``). Audit rows keep their digest in the row, so a
-GDPR soft delete may clear identifying fields and the chain still verifies.
+first row. For events, ``digest`` is the sha256 of the row's canonical msgpack bytes (keys
+sorted) over every field except the chain's own (``prev_hash``, ``row_hash``, ``canonical``).
+
+Audit rows split their content in two: the identifying fields (``subject_key``,
+``request_id``, ``detail``) and the core (everything else but the chain fields).
+``payload_digest = sha256(core_digest || identity_digest)`` and the row keeps its
+``identity_digest``. A GDPR soft delete clears the identifying fields and sets ``redacted``;
+the chain still verifies from the stored identity digest, while the core (tokens, cost,
+outcome...) stays covered: altering it is detected, redacted or not.
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ GENESIS = ""
 
 _CANONICAL = msgspec.msgpack.Encoder(order="deterministic")
 _EVENT_CHAIN_FIELDS = frozenset({"prev_hash", "row_hash", "canonical"})
-_AUDIT_CHAIN_FIELDS = frozenset({"prev_hash", "row_hash", "payload_digest", "redacted"})
+_AUDIT_CHAIN_FIELDS = frozenset(
+    {"prev_hash", "row_hash", "payload_digest", "redacted", "identity_digest"}
+)
+AUDIT_IDENTIFYING_FIELDS = ("subject_key", "request_id", "detail")
 
 Chained = Event | AuditRow
 
@@ -33,8 +41,31 @@ def event_digest(event: Event) -> str:
     return hashlib.sha256(_CANONICAL.encode(_body(event, _EVENT_CHAIN_FIELDS))).hexdigest()
 
 
+def _sha(value: object) -> str:
+    return hashlib.sha256(_CANONICAL.encode(value)).hexdigest()
+
+
+def audit_identity_digest(row: AuditRow) -> str:
+    """Digest of the identifying fields, as they are now."""
+    return _sha({f: getattr(row, f) for f in AUDIT_IDENTIFYING_FIELDS})
+
+
+def audit_core_digest(row: AuditRow) -> str:
+    """Digest of every field that is neither identifying nor part of the chain."""
+    return _sha(_body(row, _AUDIT_CHAIN_FIELDS | set(AUDIT_IDENTIFYING_FIELDS)))
+
+
 def audit_digest(row: AuditRow) -> str:
-    return hashlib.sha256(_CANONICAL.encode(_body(row, _AUDIT_CHAIN_FIELDS))).hexdigest()
+    """The payload digest the row's content gives (the stored identity digest if redacted)."""
+    identity = row.identity_digest if row.redacted else audit_identity_digest(row)
+    return hashlib.sha256((audit_core_digest(row) + identity).encode()).hexdigest()
+
+
+def audit_content_ok(row: AuditRow) -> bool:
+    """The row's content (and, unless redacted, its identity digest) match its payload digest."""
+    if not row.redacted and row.identity_digest != audit_identity_digest(row):
+        return False
+    return audit_digest(row) == row.payload_digest
 
 
 def link(prev_hash: str, digest: str) -> str:
@@ -56,7 +87,13 @@ def chain_event(event: Event, prev_hash: str, sequence_number: int) -> Event:
 
 def chain_audit(row: AuditRow, prev_hash: str, sequence_number: int) -> AuditRow:
     """A copy of ``row`` placed at ``sequence_number``, with its payload digest fixed."""
-    placed = msgspec.structs.replace(row, sequence_number=sequence_number, prev_hash=prev_hash)
+    placed = msgspec.structs.replace(
+        row,
+        sequence_number=sequence_number,
+        prev_hash=prev_hash,
+        identity_digest=audit_identity_digest(row),
+        redacted=False,
+    )
     digest = audit_digest(placed)
     return msgspec.structs.replace(placed, payload_digest=digest, row_hash=link(prev_hash, digest))
 
@@ -80,7 +117,7 @@ def verify_chain(rows: Sequence[Chained], genesis: str = GENESIS) -> ChainVerifi
                 ok=False, checked=index, first_bad_index=index, reason="prev_hash mismatch"
             )
         if isinstance(row, AuditRow):
-            if not row.redacted and audit_digest(row) != row.payload_digest:
+            if not audit_content_ok(row):
                 return ChainVerification(
                     ok=False, checked=index, first_bad_index=index, reason="payload altered"
                 )
@@ -125,7 +162,7 @@ def verify_proof(proof: Proof, row: Chained | None = None) -> bool:
     """True when the proof links up to its head hash (and matches ``row`` when given)."""
     if row is not None and (row.id != proof.record_id or row_digest(row) != proof.digest):
         return False
-    if isinstance(row, AuditRow) and not row.redacted and audit_digest(row) != row.payload_digest:
+    if isinstance(row, AuditRow) and not audit_content_ok(row):
         return False  # the stored digest no longer covers the row's content
     current = link(proof.prev_hash, proof.digest)
     for digest in proof.following_digests:

@@ -128,9 +128,10 @@ class Outcome(msgspec.Struct, kw_only=True):
 class AuditRow(msgspec.Struct, kw_only=True, tag=True, tag_field="record_kind"):
     """One provider call in the append-only ledger, chained per (tenant, origin device).
 
-    ``payload_digest`` covers every field below it; a GDPR soft delete clears the
-    identifying fields (``subject_key``, ``request_id``, ``detail``) and sets ``redacted`` but
-    keeps the digest, so the chain still verifies.
+    ``payload_digest`` covers the row's content (see ``shared.hashchain``); a GDPR soft delete
+    clears the identifying fields (``subject_key``, ``request_id``, ``detail``) and sets
+    ``redacted``; ``identity_digest`` keeps what they hashed to, so the chain still verifies
+    and the rest of the row stays tamper-evident.
     """
 
     id: str
@@ -158,6 +159,7 @@ class AuditRow(msgspec.Struct, kw_only=True, tag=True, tag_field="record_kind"):
     prev_hash: str = ""
     row_hash: str = ""
     redacted: bool = False
+    identity_digest: str = ""
 
 
 class ArtifactUpdate(msgspec.Struct, kw_only=True, tag=True, tag_field="record_kind"):

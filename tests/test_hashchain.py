@@ -269,6 +269,19 @@ def test_altering_any_audit_field_is_caught_at_its_index(field: str) -> None:
         assert result.first_bad_index == k, (field, k)
 
 
+@pytest.mark.parametrize("k", range(N))
+def test_altered_usage_on_a_redacted_row_fails(k: int) -> None:
+    """Redaction clears identifying fields only: the tokens and cost stay tamper-evident."""
+    rows = [redact(r) for r in audit_chain()]
+    altered = list(rows)
+    altered[k] = msgspec.structs.replace(
+        rows[k], usage=msgspec.structs.replace(rows[k].usage, output_tokens=1), cost_usd=0.0
+    )
+    result = verify_chain(altered)
+    assert not result.ok and result.first_bad_index == k
+    assert not verify_proof(generate_proof(rows, rows[k].id), altered[k])
+
+
 def test_redacted_row_with_an_altered_digest_fails() -> None:
     rows = audit_chain()
     altered = list(rows)
