@@ -46,7 +46,8 @@ from .turn import run_turn
 log = logging.getLogger("pleach.runtime")
 
 DEFAULT_PROVIDER = "anthropic"
-DEFAULT_MODELS = {"anthropic": "claude-sonnet-4-20250514", "scripted": "scripted-1"}
+# The reference defaults to claude-sonnet-4-20250514, which the current API no longer lists.
+DEFAULT_MODELS = {"anthropic": "claude-sonnet-4-6", "scripted": "scripted-1"}
 
 _memory_warned = False
 HISTORY_CACHE_SESSIONS = 16  # transcripts kept decoded in memory, least recently used dropped

@@ -480,3 +480,15 @@ async def test_memory_default_warns_once(caplog: pytest.LogCaptureFixture) -> No
         SessionRuntime(provider=ScriptedProvider())
     warnings = [r for r in caplog.records if "in-memory store" in r.getMessage()]
     assert len(warnings) == 1
+
+
+async def test_anthropic_sessions_default_to_a_current_model(adapter: Any) -> None:
+    from pleach_client.providers.anthropic import AnthropicProvider
+    from tests.test_runtime_anthropic import anthropic_provider
+
+    provider, _ = anthropic_provider([])
+    assert isinstance(provider, AnthropicProvider)
+    async with SessionRuntime(adapter, provider) as rt:
+        handle = await rt.create_session()
+        assert (handle.provider, handle.model) == ("anthropic", "claude-sonnet-4-6")
+    await provider.client.close()
