@@ -24,7 +24,7 @@ from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
 from shared.clock import HybridClock, Order, vv_compare
-from shared.errors import ChainError, ClockSkew, InvalidState, NotFound, PleachError, SyncError
+from shared.errors import ChainError, InvalidState, NotFound, PleachError, SyncError
 from shared.hashchain import chain_event, verify_chain
 from shared.merge import Resolution, resolve_conflicts
 from shared.messages import (
@@ -706,29 +706,34 @@ class SyncFacet:
         clock: HybridClock = rt._clock
         records: list[Record] = []
         sessions_taken: list[Session] = []
+        remote_sessions: dict[str, Session] = {}
         events_by_session: dict[str, list[Event]] = {}
         stream_events: list[Any] = []
         for change in changes:
             record = change.record
             try:
                 clock.observe(record.hlc)
-            except (ClockSkew, PleachError) as exc:
+            except PleachError as exc:  # skew or a malformed stamp: apply, but say so
                 log.warning("remote stamp not observed: %s", exc)
             match record:
                 case Session():
-                    local = await store.get_session(record.id)
-                    if local is not None:
-                        order = vv_compare(record.vv, local.vv)
-                        if order not in (Order.DOMINATES, Order.EQUAL):
-                            continue  # ours is newer or concurrent: our push settles it
-                        if order is Order.EQUAL and local == record:
-                            continue
-                    records.append(record)
-                    sessions_taken.append(record)
+                    # The server only ever replaces a session id by a dominating version, in
+                    # feed order: the last version of an id in the page is the one to compare.
+                    remote_sessions[record.id] = record
                 case Event():
                     events_by_session.setdefault(record.session_id, []).append(record)
                 case _:
                     records.append(record)
+        for record in remote_sessions.values():
+            local = await store.get_session(record.id)
+            if local is not None:
+                order = vv_compare(record.vv, local.vv)
+                if order not in (Order.DOMINATES, Order.EQUAL):
+                    continue  # ours is newer or concurrent: our push settles it
+                if order is Order.EQUAL and local == record:
+                    continue
+            records.append(record)
+            sessions_taken.append(record)
         locks = [
             rt._turn_locks.setdefault(sid, asyncio.Lock()) for sid in sorted(events_by_session)
         ]
