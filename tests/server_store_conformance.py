@@ -684,9 +684,7 @@ class ServerStoreConformance:
             faulty.append(FaultyTx(tx, fail_at=4))
             return faulty[-1]
 
-        store = make_store(tx_wrapper=wrap)
-        await store.open()
-        try:
+        async with make_store(tx_wrapper=wrap) as store:
             with pytest.raises(InjectedFault):
                 await store.push(dev.tenant, dev.client_id, batch, server_clock)
             assert faulty[0].writes == 4  # three records were written before the fault
@@ -694,18 +692,12 @@ class ServerStoreConformance:
             assert await store.pull(dev.tenant, 0, 10) == PullResult(
                 changes=[], to_cursor=0, more=False
             )
-        finally:
-            await store.close()
 
-        store = make_store()
-        await store.open()
-        try:
+        async with make_store() as store:
             result = await store.push(dev.tenant, dev.client_id, batch, server_clock)
             assert statuses(result) == ["applied"] * 4
             records = [c.record for c in await pull_all(store, dev.tenant)]
             assert [r.id for r in records] == [c.record.id for c in batch]
-        finally:
-            await store.close()
 
     async def test_cancelled_push_rolls_back(
         self, make_store: MakeStore, server_clock: HybridClock
@@ -722,9 +714,7 @@ class ServerStoreConformance:
             wrapped.append(FaultyTx(tx, fail_at=2, block=True, reached=reached))
             return wrapped[-1]
 
-        store = make_store(tx_wrapper=wrap)
-        await store.open()
-        try:
+        async with make_store(tx_wrapper=wrap) as store:
             task = asyncio.create_task(store.push(dev.tenant, dev.client_id, batch, server_clock))
             await reached.wait()  # the push is mid-transaction, one record written
             task.cancel()
@@ -734,17 +724,13 @@ class ServerStoreConformance:
             result = await store.push(dev.tenant, dev.client_id, batch, server_clock)
             assert statuses(result) == ["applied"] * 3
             assert len(await pull_all(store, dev.tenant)) == 3
-        finally:
-            await store.close()
 
     async def test_state_survives_close_and_reopen(
         self, make_store: MakeStore, server_clock: HybridClock
     ) -> None:
         dev = Device(new_tenant())
         session = dev.session()
-        store = make_store()
-        await store.open()
-        try:
+        async with make_store() as store:
             first = await store.push(
                 dev.tenant,
                 dev.client_id,
@@ -752,12 +738,8 @@ class ServerStoreConformance:
                 server_clock,
             )
             before = await pull_all(store, dev.tenant)
-        finally:
-            await store.close()
 
-        store = make_store()
-        await store.open()
-        try:
+        async with make_store() as store:
             assert await store.client_state(dev.tenant, dev.client_id) == (3, first.head_cursor)
             assert await pull_all(store, dev.tenant) == before
             resend = await store.push(
@@ -775,8 +757,6 @@ class ServerStoreConformance:
             chain = [r for r in events if isinstance(r, Event)]
             assert [e.sequence_number for e in chain] == [1, 2]
             assert verify_chain(chain).ok
-        finally:
-            await store.close()
 
     async def test_client_state_tracks_each_device(
         self, server_store: ServerStore, server_clock: HybridClock
@@ -908,17 +888,11 @@ class ServerStoreConformance:
         batch = dev.changes(
             session, dev.message(session.id), dev.event(session.id), dev.event(session.id)
         )
-        store = make_store(tx_wrapper=FailAfterWritesTx)
-        await store.open()
-        try:
+        async with make_store(tx_wrapper=FailAfterWritesTx) as store:
             with pytest.raises(InjectedFault):
                 await store.push(dev.tenant, dev.client_id, batch, server_clock)
-        finally:
-            await store.close()
 
-        store = make_store()
-        await store.open()
-        try:
+        async with make_store() as store:
             assert await store.client_state(dev.tenant, dev.client_id) == (0, 0)
             assert await store.pull(dev.tenant, 0, 10) == PullResult(
                 changes=[], to_cursor=0, more=False
@@ -927,8 +901,6 @@ class ServerStoreConformance:
             assert statuses(result) == ["applied"] * 4
             events = [c.record for c in await pull_all(store, dev.tenant)][2:]
             assert [e.sequence_number for e in events if isinstance(e, Event)] == [1, 2]
-        finally:
-            await store.close()
 
     async def test_database_error_in_the_middle_of_the_writes_leaves_nothing(
         self, make_store: MakeStore, server_clock: HybridClock
@@ -938,26 +910,18 @@ class ServerStoreConformance:
         batch = dev.changes(
             session, dev.message(session.id), dev.event(session.id), dev.event(session.id)
         )
-        store = make_store(tx_wrapper=CollidingEventsTx)
-        await store.open()
-        try:
+        async with make_store(tx_wrapper=CollidingEventsTx) as store:
             with pytest.raises(StorageUnavailable):
                 await store.push(dev.tenant, dev.client_id, batch, server_clock)
             assert await store.client_state(dev.tenant, dev.client_id) == (0, 0)
             assert await store.pull(dev.tenant, 0, 10) == PullResult(
                 changes=[], to_cursor=0, more=False
             )
-        finally:
-            await store.close()
 
-        store = make_store()
-        await store.open()
-        try:
+        async with make_store() as store:
             result = await store.push(dev.tenant, dev.client_id, batch, server_clock)
             assert statuses(result) == ["applied"] * 4
             assert len(await pull_all(store, dev.tenant)) == 4
-        finally:
-            await store.close()
 
 
 __all__ = [

@@ -9,7 +9,8 @@ delete, only ``gdpr_soft_delete``. Implementations: ``MemoryAdapter`` (non-durab
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from types import TracebackType
+from typing import Protocol, Self, runtime_checkable
 
 import msgspec
 
@@ -73,6 +74,13 @@ class StorageAdapter(Protocol):
 
     async def open(self) -> None: ...
     async def close(self) -> None: ...
+    async def __aenter__(self) -> Self: ...
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
 
     # -- writes ---------------------------------------------------------------------------
     async def commit(self, batch: WriteBatch) -> CommitReceipt: ...

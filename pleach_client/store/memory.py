@@ -15,8 +15,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
-from types import TracebackType
-from typing import Self, TypeVar
+from typing import TypeVar
 
 import msgspec
 
@@ -31,6 +30,7 @@ from shared.records import (
     Session,
     encode_record,
 )
+from shared.resource import AsyncResource
 
 from .base import CommitReceipt, DeadLetter, OutboxEntry, WriteBatch
 
@@ -128,7 +128,7 @@ def _decode(decoder: msgspec.msgpack.Decoder[_T], body: bytes) -> _T:
     return decoder.decode(body)
 
 
-class MemoryAdapter:
+class MemoryAdapter(AsyncResource):
     """A ``StorageAdapter`` that keeps everything in the heap (``durable = False``).
 
     Use as ``async with MemoryAdapter() as store``; every call needs the store open.
@@ -161,18 +161,6 @@ class MemoryAdapter:
         """Close the store; idempotent. The data stays with the object."""
         if self._state is _State.OPEN:
             self._state = _State.CLOSED
-
-    async def __aenter__(self) -> Self:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     def _check_open(self) -> None:
         if self._state is not _State.OPEN:

@@ -21,8 +21,7 @@ import time
 import warnings
 from collections.abc import AsyncIterator, Sequence
 from enum import Enum
-from types import TracebackType
-from typing import Any, Final, Literal, Self, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 import aiosqlite
 import msgspec
@@ -38,6 +37,7 @@ from shared.records import (
     Session,
     encode_record,
 )
+from shared.resource import AsyncResource
 
 from .base import CommitReceipt, DeadLetter, OutboxEntry, WriteBatch
 
@@ -338,7 +338,7 @@ async def _immediate(conn: aiosqlite.Connection, action: str) -> AsyncIterator[N
         raise
 
 
-class SQLiteAdapter:
+class SQLiteAdapter(AsyncResource):
     """A ``StorageAdapter`` over one SQLite file (``durable = True``).
 
     Use as ``async with SQLiteAdapter(path) as store``, or call ``open()`` and ``close()``.
@@ -457,18 +457,6 @@ class SQLiteAdapter:
                 await conn.close()
             except _DB_ERRORS as exc:
                 raise _storage_error(f"close {self.path!r}", exc) from exc
-
-    async def __aenter__(self) -> Self:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     def _require_open(self) -> aiosqlite.Connection:
         if self._conn is None:

@@ -8,7 +8,8 @@ monotonic ``cursor``. A pull never skips a change that commits later under a low
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from types import TracebackType
+from typing import Protocol, Self, runtime_checkable
 
 import msgspec
 
@@ -45,6 +46,13 @@ class ServerStore(Protocol):
 
     async def open(self) -> None: ...
     async def close(self) -> None: ...
+    async def __aenter__(self) -> Self: ...
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
     async def healthy(self) -> bool:
         """True when the database answers a trivial query now."""
         ...

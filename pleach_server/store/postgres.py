@@ -51,8 +51,7 @@ import json
 import logging
 import re
 from collections.abc import Awaitable, Callable
-from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import asyncpg  # type: ignore[import-untyped]
@@ -71,6 +70,7 @@ from shared.records import (
     encode_record,
     record_kind,
 )
+from shared.resource import AsyncResource
 
 from .apply import BatchKeys, BatchWrites, Snapshot, StoreTx, apply_push, claimed_concurrently
 from .base import PullResult, PushResult, Tenant
@@ -593,7 +593,7 @@ async def _compact(conn: Any, sql: _Sql, tenant: Tenant, keep_after_cursor: int)
     return _row_count(status)  # "DELETE <n>"
 
 
-class PostgresServerStore:
+class PostgresServerStore(AsyncResource):
     """The PostgreSQL server store. Use as ``async with``.
 
     - ``dsn``: a ``postgresql://`` URL (libpq keywords in its query string work too).
@@ -657,18 +657,6 @@ class PostgresServerStore:
         return f"<PostgresServerStore {redact_dsn(self.dsn)} schema={self.schema} {state}>"
 
     # -- lifecycle ---------------------------------------------------------------------------
-
-    async def __aenter__(self) -> Self:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def open(self) -> None:
         """Create the pool and migrate the schema; call once before anything else.

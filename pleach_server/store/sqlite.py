@@ -26,8 +26,7 @@ import logging
 import os
 import sqlite3
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from types import TracebackType
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, Literal, TypeVar
 
 import aiosqlite
 import msgspec
@@ -44,6 +43,7 @@ from shared.records import (
     encode_record,
     record_kind,
 )
+from shared.resource import AsyncResource
 
 from .apply import BatchKeys, BatchWrites, Snapshot, StoreTx, apply_push, claimed_concurrently
 from .base import PullResult, PushResult, Tenant
@@ -366,7 +366,7 @@ async def _compact(conn: aiosqlite.Connection, tenant: Tenant, keep_after_cursor
     return dropped
 
 
-class SQLiteServerStore:
+class SQLiteServerStore(AsyncResource):
     """The embedded server store: one SQLite file. Use as ``async with``.
 
     ``feed_retention`` (None: keep everything) keeps at most that many of a tenant's newest
@@ -403,18 +403,6 @@ class SQLiteServerStore:
         return f"<SQLiteServerStore {self.path!r} {state}>"
 
     # -- lifecycle ---------------------------------------------------------------------------
-
-    async def __aenter__(self) -> Self:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def open(self) -> None:
         """Connect, switch to WAL and migrate the schema; call once before anything else."""
