@@ -179,6 +179,8 @@ class SyncFacet:
         self._apply_lock = asyncio.Lock()
         self._head_cursor = 0
         self._auto = True
+        # Per session: the last canonical event this device holds (filled on first apply).
+        self._canonical_heads: dict[str, tuple[int, str]] = {}
 
     # -- public API ---------------------------------------------------------------------------
     async def connect(self, url: str, token: str, *, auto: bool = True) -> None:
@@ -741,8 +743,10 @@ class SyncFacet:
             for lock in locks:
                 await stack.enter_async_context(lock)
             heads: dict[str, tuple[int, str]] = {}
+            canonical_heads: dict[str, tuple[int, str]] = {}
             for session_id, incoming in events_by_session.items():
-                rebased, head, fresh = await self._rebase(session_id, incoming)
+                rebased, head, canonical_head, fresh = await self._rebase(session_id, incoming)
+                canonical_heads[session_id] = canonical_head
                 stream_events.extend(
                     _conflict_event(msgspec.convert(e.payload, ConflictReceipt))
                     for e in fresh
@@ -758,6 +762,7 @@ class SyncFacet:
                 )
             )
             rt._event_heads.update(heads)
+            self._canonical_heads.update(canonical_heads)
         for session in sessions_taken:
             if session.deleted:
                 rt._cache.pop(session.id, None)
@@ -775,39 +780,59 @@ class SyncFacet:
 
     async def _rebase(
         self, session_id: str, incoming: list[Event]
-    ) -> tuple[list[Event], tuple[int, str], list[Event]]:
+    ) -> tuple[list[Event], tuple[int, str], tuple[int, str], list[Event]]:
         """Merge canonical events into a session's log and rebase the provisional tail.
 
-        The canonical chain is verified first; a chain that fails is refused (ChainError) and
-        nothing of the page is applied.
+        Returns the rows to write, the new head of the whole log, the new canonical head and
+        the events seen for the first time. The canonical chain is verified first, from the
+        canonical head this device already holds; a chain that fails is refused (ChainError)
+        and nothing of the page is applied. After the first page of a session only the
+        provisional tail is read, not the whole log.
         """
-        existing = await self._rt.store.list_events(session_id)
-        known = {e.id for e in existing}
-        fresh = [e for e in incoming if e.id not in known]
-        canonical = {e.id: e for e in existing if e.canonical}
-        for event in incoming:
-            canonical[event.id] = event
-        ordered = sorted(canonical.values(), key=lambda e: e.sequence_number)
-        report = verify_chain(ordered)
-        if not report.ok:
+        store = self._rt.store
+        cached = self._canonical_heads.get(session_id)
+        if cached is None:
+            existing = await store.list_events(session_id)
+            verified = sorted((e for e in existing if e.canonical), key=_seq)
+            head = (verified[-1].sequence_number, verified[-1].row_hash) if verified else (0, "")
+            tail = [e for e in existing if not e.canonical]
+        else:
+            head, verified = cached, []
+            tail = [
+                e
+                for e in await store.list_events(session_id, from_sequence=cached[0] + 1)
+                if not e.canonical
+            ]
+        # Pages may overlap (a live page and a pull): what is at or below the head is known.
+        new = sorted((e for e in incoming if e.sequence_number > head[0]), key=_seq)
+        contiguous = [e.sequence_number for e in new] == list(
+            range(head[0] + 1, head[0] + 1 + len(new))
+        )
+        chain = verified + new
+        report = verify_chain(chain, genesis=head[1] if cached else "")
+        if not report.ok or not contiguous:
+            index = report.first_bad_index if not report.ok else len(verified)
             raise ChainError(
                 f"pulled event chain of session {session_id} does not verify at index "
-                f"{report.first_bad_index}: {report.reason}",
-                index=report.first_bad_index,
+                f"{index}: {report.reason or 'sequence numbers are not contiguous'}",
+                index=index,
             )
-        seq = ordered[-1].sequence_number if ordered else 0
-        prev = ordered[-1].row_hash if ordered else ""
-        out = list(incoming)
-        for event in sorted(
-            (e for e in existing if not e.canonical and e.id not in canonical),
-            key=lambda e: e.sequence_number,
-        ):
+        canonical_head = (new[-1].sequence_number, new[-1].row_hash) if new else head
+        placed_ids = {e.id for e in new}
+        fresh = [e for e in new if e.id not in {t.id for t in tail}]
+        seq, prev = canonical_head
+        out = list(new)
+        for event in sorted((e for e in tail if e.id not in placed_ids), key=_seq):
             seq += 1
             placed = chain_event(event, prev, seq)
             prev = placed.row_hash
             if placed != event:
                 out.append(placed)
-        return out, (seq, prev), fresh
+        return out, (seq, prev), canonical_head, fresh
+
+
+def _seq(event: Event) -> int:
+    return event.sequence_number
 
 
 def _conflict_event(receipt: ConflictReceipt) -> SyncConflict:

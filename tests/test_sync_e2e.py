@@ -499,3 +499,41 @@ async def test_a_device_behind_a_compacted_feed_resyncs_from_zero(cluster: Clust
     await cluster.online(phone)
     assert await snapshot(phone, session.id) == await snapshot(laptop, session.id)
     assert (await phone.sync.status()).cursor == head
+
+
+async def test_a_tampered_page_after_the_first_is_refused_too(cluster: Cluster) -> None:
+    """Once a device holds a session's canonical head it verifies new pages from that head."""
+    assert cluster.store is not None and cluster.server is not None
+    inner = cluster.store
+    tamper = asyncio.Event()
+
+    class Tamper:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(inner, name)
+
+        async def pull(self, *args: Any) -> Any:
+            result = await inner.pull(*args)
+            if tamper.is_set():
+                for change in result.changes:
+                    if type(change.record).__name__ == "Event":
+                        change.record = msgspec.structs.replace(
+                            change.record, payload={"forged": True}
+                        )
+            return result
+
+    await cluster.server.shutdown()
+    await cluster.start_server(Tamper())  # type: ignore[arg-type]
+    laptop = await cluster.device("laptop")
+    phone = await cluster.device("phone")
+    session = await laptop.create_session()
+    await chat(laptop, session.id, "genuine")
+    await cluster.online(laptop, phone)
+    before = await snapshot(phone, session.id)
+    cursor = (await phone.sync.status()).cursor
+    tamper.set()
+    await chat(laptop, session.id, "forged on the way")
+    assert await _until(phone, lambda: (phone.sync._last_error or "").startswith("ChainError"))
+    assert (await phone.sync.status()).cursor == cursor
+    assert await snapshot(phone, session.id) == before
+    await phone.sync.disconnect()
+    await laptop.sync.disconnect()
