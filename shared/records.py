@@ -1,12 +1,20 @@
-"""The synced record kinds, as msgspec Structs.
+"""The synced record kinds, as msgspec Structs, and their registry.
 
 Every record carries its tenant (``org_id``, ``user_id``), its origin ``client_id`` and an
 ``hlc`` stamp. The six kinds travel in one tagged union, ``Record``; the tag is the class name.
 New fields get defaults and go at the end: never reorder fields (old peers must still decode).
+
+``RECORD_KINDS`` says, per kind, how it merges and what it hangs off; code that treats kinds
+differently asks it (``kind_of(record)``, ``kind_info(name)``) instead of listing the kinds.
+A new kind is a Struct here, a member of ``Record`` and ``RecordKind``, an entry in
+``RECORD_KINDS``, and the tables that store it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Literal
 
 import msgspec
@@ -193,9 +201,119 @@ class FeedChange(msgspec.Struct, kw_only=True):
     record: Record
 
 
+MergeRule = Literal["versioned", "immutable", "append-only"]
+"""How copies of one record id meet: ``versioned`` rows are replaced by dominating versions
+(version vectors; concurrent ones are settled); ``immutable`` records merge by union of ids;
+``append-only`` records also merge by union of ids and are never removed, not even when their
+session is deleted."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecordKindInfo:
+    """What the stores need to know about one record kind (see ``RECORD_KINDS``)."""
+
+    name: RecordKind
+    """The kind's name: its class name and its wire tag (``record_kind`` field)."""
+    cls: type[Record]
+    merge: MergeRule
+    session_field: str | None
+    """The field naming the session the record belongs to; None for a session itself."""
+    required_ids: tuple[str, ...]
+    """String fields that must be non-empty for the record to be valid (``id`` first)."""
+    deleted_with_session: bool
+    """Removed when its session is deleted (tombstoned): the session's content."""
+    server_placed: bool
+    """The server gives it its canonical place (``sequence_number``, hash chain) per session."""
+    by_reference: bool
+    """A device replaces its stored copy in place (a newer version, a canonical place), so a
+    device's outbox refers to it by id and sends the current copy, instead of copying it."""
+
+    def session_of(self, record: Record) -> str | None:
+        """The id of the session ``record`` belongs to, or None (a session row)."""
+        if self.session_field is None:
+            return None
+        value = getattr(record, self.session_field)
+        return value if isinstance(value, str) else None
+
+
+def _info(
+    cls: type[Record],
+    merge: MergeRule,
+    *,
+    session_field: str | None = "session_id",
+    extra_ids: tuple[str, ...] = (),
+    deleted_with_session: bool = False,
+    server_placed: bool = False,
+    by_reference: bool = False,
+) -> RecordKindInfo:
+    name: RecordKind = cls.__name__  # type: ignore[assignment]
+    ids = ("id",) + ((session_field,) if session_field else ()) + extra_ids
+    return RecordKindInfo(
+        name=name,
+        cls=cls,
+        merge=merge,
+        session_field=session_field,
+        required_ids=ids,
+        deleted_with_session=deleted_with_session,
+        server_placed=server_placed,
+        by_reference=by_reference,
+    )
+
+
+RECORD_KINDS: Mapping[str, RecordKindInfo] = MappingProxyType(
+    {
+        info.name: info
+        for info in (
+            _info(Session, "versioned", session_field=None, by_reference=True),
+            _info(Message, "immutable", deleted_with_session=True),
+            _info(Checkpoint, "immutable", deleted_with_session=True),
+            _info(Event, "append-only", server_placed=True, by_reference=True),
+            _info(AuditRow, "append-only"),
+            _info(
+                ArtifactUpdate,
+                "immutable",
+                extra_ids=("artifact_id",),
+                deleted_with_session=True,
+            ),
+        )
+    }
+)
+"""Every record kind by name, in the order of the ``Record`` union."""
+
+_BY_CLASS: Mapping[type, RecordKindInfo] = MappingProxyType(
+    {info.cls: info for info in RECORD_KINDS.values()}
+)
+
+CASCADE_KINDS: tuple[RecordKind, ...] = tuple(
+    info.name for info in RECORD_KINDS.values() if info.deleted_with_session
+)
+"""The kinds a session's deletion removes with it."""
+
+
+def kind_of(record: Record) -> RecordKindInfo:
+    """The registry entry of ``record``'s kind; ``TypeError`` for anything not a record."""
+    info = _BY_CLASS.get(type(record))
+    if info is None:
+        raise TypeError(f"not a record: {type(record).__name__}")
+    return info
+
+
+def kind_info(name: str) -> RecordKindInfo:
+    """The registry entry of the kind called ``name``; ``KeyError`` for an unknown name."""
+    try:
+        return RECORD_KINDS[name]
+    except KeyError:
+        raise KeyError(f"unknown record kind {name!r}") from None
+
+
 def record_kind(record: Record) -> RecordKind:
-    kind: RecordKind = type(record).__name__  # type: ignore[assignment]
-    return kind
+    """The kind name of ``record`` (its tag)."""
+    return kind_of(record).name
+
+
+def session_of(record: Record) -> str | None:
+    """The id of the session ``record`` belongs to; None for a session row."""
+    return kind_of(record).session_of(record)
 
 
 _ENCODER = msgspec.msgpack.Encoder()
