@@ -6,14 +6,17 @@ the frames it yields (``Hello`` -> ``Welcome``, ``Push`` -> ``PushAck`` + fan-ou
 drains its bounded queue of live frames. Both loops write through one ordered outbox, so
 frames leave in the order the protocol produced them.
 
+Every request frame gets exactly one answer, which echoes its ``request_id``: the result, or
+an ``Error`` (refused by the rate limit, by the store, or by the protocol).
+
 Failures map to the wire, never to a dead server:
 
-- a ``SyncError`` from the store (3009 storage unavailable, 3010 cursor too old, ...) becomes an
-  ``Error`` frame and the connection stays open;
+- a ``SyncError`` from the store (``StorageUnavailable``, ``CursorTooOld``, ...) becomes an
+  ``Error`` frame answering the request, and the connection stays open;
 - a protocol violation the ``ServerProtocol`` deems fatal is sent as an ``Error`` frame, then
   the WebSocket closes with 1008 (1009 for a frame over ``max_frame_bytes``);
-- anything unexpected is logged with its traceback, answered with a retryable 3009 ``Error``
-  and closes this one connection with 1011.
+- anything unexpected is logged with its traceback, answered with a retryable
+  ``StorageUnavailable`` ``Error`` and closes this one connection with 1011.
 """
 
 from __future__ import annotations
@@ -228,21 +231,28 @@ class Connection:
         protocol = self.protocol
         received = self.ctx.metrics.frames_received
         async for message in self.ws:
-            if self._limiter is not None and not self._limiter.allow():
-                received.labels("rate_limited").inc()
-                self._fail(RateLimited("too many frames; slow down and resend"))
-            elif isinstance(message, str):
+            if isinstance(message, str):
                 received.labels("text").inc()
                 self._fail(MalformedFrame("text frames are not accepted; send binary msgpack"))
+            elif self._limiter is not None and not self._limiter.allow():
+                received.labels("rate_limited").inc()
+                # Answered, not processed: the Error echoes the request id, if readable.
+                error = RateLimited("too many frames; slow down and resend")
+                protocol.refuse(message, error)
+                self._take("error")
+                self.ctx.metrics.errors.labels(str(int(error.code))).inc()
             else:
+                ignored = protocol.ignored_frames
                 protocol.receive_data(message)
                 if self._take("error"):  # receive_data only ever queues Error frames
                     reason = protocol.close_reason
-                    # Non-fatal decode failures are always 3004.
+                    # Non-fatal decode failures are always malformed frames.
                     code = reason.code if reason is not None else MalformedFrame.code
                     self.ctx.metrics.errors.labels(str(int(code))).inc()
                 events = protocol.events_received()
-                if not events:
+                if protocol.ignored_frames > ignored:
+                    received.labels("ignored").inc()
+                elif not events:
                     received.labels("invalid").inc()
                 for event in events:
                     received.labels(type(event).__name__.lower()).inc()
@@ -265,8 +275,9 @@ class Connection:
         logger.info("%r closing (%d): %s", self, code, message)
         await self._abort(code, message)
 
-    async def _handle(self, event: Hello | Push | Pull | object) -> None:
+    async def _handle(self, event: Hello | Push | Pull) -> None:
         """Answer one frame. Queues the answer (or an ``Error``); the caller flushes."""
+        request_id = event.request_id
         try:
             match event:
                 case Hello():
@@ -279,10 +290,10 @@ class Connection:
                     # ServerProtocol only yields the three above; guard against drift.
                     raise InvalidState(f"unexpected event {type(event).__name__}")
         except SyncError as exc:
-            self._fail(exc)
+            self._fail(exc, request_id=request_id)
         except StorageError as exc:
             logger.warning("%r: store failed: %s", self, exc)
-            self._fail(StorageUnavailable(str(exc), retryable=exc.retryable))
+            self._fail(StorageUnavailable(str(exc), retryable=exc.retryable), request_id=request_id)
         except ConnectionClosed:
             raise
         except Exception:
@@ -290,13 +301,17 @@ class Connection:
             # this connection (the reader loop sees CLOSING and closes with 1011).
             logger.exception("%r: unexpected error handling %s", self, type(event).__name__)
             self._internal_error = True
-            self.protocol.fail(StorageUnavailable("internal server error", retryable=True))
+            self.protocol.fail(
+                StorageUnavailable("internal server error", retryable=True), request_id=request_id
+            )
             self._take("error")
             self.ctx.metrics.errors.labels(str(int(StorageUnavailable.code))).inc()
 
     async def _on_hello(self, hello: Hello) -> None:
         if not hello.client_id:
-            self.protocol.fail(MalformedFrame("Hello needs a client_id"))
+            self.protocol.fail(
+                MalformedFrame("Hello needs a client_id"), request_id=hello.request_id
+            )
             self._take("error")
             return
         ctx = self.ctx
@@ -307,6 +322,8 @@ class Connection:
                 head_cursor=head,
                 last_seq=last_seq,
                 server_hlc=ctx.clock.now(),
+                org_id=self.tenant.org_id,
+                user_id=self.tenant.user_id,
             )
         )
         self.client_id = hello.client_id
@@ -335,7 +352,9 @@ class Connection:
             result = await ctx.store.push(self.tenant, self.client_id, push.changes, ctx.clock)
             ctx.metrics.push_seconds.observe(time.perf_counter() - started)
             self._count_results(result.results)
-            self.protocol.send_push_ack(result.results, result.last_seq, result.head_cursor)
+            self.protocol.send_push_ack(
+                result.results, result.last_seq, result.head_cursor, request_id=push.request_id
+            )
             self._take("push_ack")
             await self._flush()
         if result.cursors:
@@ -353,7 +372,9 @@ class Connection:
             raise MalformedFrame(f"cursor must be >= 0, got {pull.cursor}")
         limit = max(1, min(pull.limit, self.ctx.max_pull_limit))
         page = await self.ctx.store.pull(self.tenant, pull.cursor, limit)
-        self.protocol.send_changes(pull.cursor, page.to_cursor, page.changes, more=page.more)
+        self.protocol.send_changes(
+            pull.cursor, page.to_cursor, page.changes, more=page.more, request_id=pull.request_id
+        )
         self._take("changes")
 
     # -- writer ------------------------------------------------------------------------
@@ -377,9 +398,10 @@ class Connection:
 
     # -- output ------------------------------------------------------------------------
 
-    def _fail(self, error: SyncError) -> None:
-        """Queue a non-fatal ``Error`` frame for ``error``; the connection stays open."""
-        self.protocol.fail(error, fatal=False)
+    def _fail(self, error: SyncError, *, request_id: int = 0) -> None:
+        """Queue a non-fatal ``Error`` frame for ``error`` answering ``request_id`` (0: none);
+        the connection stays open."""
+        self.protocol.fail(error, fatal=False, request_id=request_id)
         self._take("error")
         self.ctx.metrics.errors.labels(str(int(error.code))).inc()
 

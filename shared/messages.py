@@ -1,11 +1,31 @@
 """Wire frames of the sync protocol: one tagged union, msgpack on the wire.
 
 Every frame is a ``msgspec.Struct`` tagged by ``type``. Decode with one typed decoder built
-once (``FrameCodec``) and dispatch with ``match``. New fields get defaults and go last.
+once (``FrameCodec``) and dispatch with ``match``. New fields get defaults and go last; never
+reorder fields. Decoders ignore fields they do not know, so a field added to a known frame
+never breaks an older peer.
+
+Protocol versions (``Hello`` offers a range, ``Welcome.protocol`` names the one chosen: the
+highest both sides speak):
+
+- **1**: ``Hello{protocol}`` names one version. Answers carry no request id: a device matches
+  them to its requests by order (the server answers one frame at a time, in order).
+- **2**: ``Hello`` may offer ``min_protocol..max_protocol``. Request frames (``Hello``,
+  ``Push``, ``Pull``) carry a ``request_id`` that the answer (``Welcome``, ``PushAck``, a
+  non-live ``Changes``, or an ``Error`` answering the request) echoes; an ``Error`` with
+  ``request_id`` 0 answers nothing. ``Welcome`` names the version and the token's tenant
+  (``org_id``, ``user_id``). A frame whose tag the receiver does not know is skipped when its
+  map carries ``optional: true`` (``optional`` is a reserved key in every frame map); without
+  it, it is a malformed frame (3004). Send an optional frame only to a peer at version 2 or
+  later: version 1 peers refuse unknown tags.
+
+A version 1 peer reads version 2 frames unchanged (it ignores the new fields), which is why the
+server fills them whatever version it agreed.
 """
 
 from __future__ import annotations
 
+import typing
 from typing import Literal
 
 import msgspec
@@ -13,7 +33,12 @@ import msgspec
 from .merge import ConflictedPath
 from .records import Change, FeedChange
 
-PROTOCOL_VERSION = 1
+MIN_PROTOCOL = 1
+"""The oldest protocol version this code speaks."""
+MAX_PROTOCOL = 2
+"""The newest protocol version this code speaks."""
+PROTOCOL_VERSION = MAX_PROTOCOL
+"""The newest version (a ``Hello`` naming only it negotiates exactly it)."""
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 
 Status = Literal["applied", "duplicate", "superseded", "resolved", "rejected"]
@@ -36,20 +61,45 @@ class ConflictReceipt(msgspec.Struct, kw_only=True):
 
 
 class Hello(msgspec.Struct, kw_only=True, tag="hello"):
+    """The first frame of a connection: who the device is and which versions it speaks.
+
+    ``protocol`` is the version a server that predates ranges reads (a version 1 server
+    accepts only ``protocol == 1``): set it to the lowest version you speak.
+    ``min_protocol`` and ``max_protocol`` (0: same as ``protocol``) bound the range offered.
+    """
+
     protocol: int
     client_id: str
     cursor: int = 0
+    min_protocol: int = 0
+    max_protocol: int = 0
+    request_id: int = 0
+
+    def protocol_range(self) -> tuple[int, int]:
+        """The versions offered, ``(lowest, highest)``; empty when lowest > highest."""
+        return (self.min_protocol or self.protocol, self.max_protocol or self.protocol)
 
 
 class Welcome(msgspec.Struct, kw_only=True, tag="welcome"):
+    """The answer to ``Hello``. ``protocol`` defaults to 1: a version 1 server omits it.
+
+    ``org_id`` and ``user_id`` are the tenant of the token the connection authenticated with
+    (empty from a server that predates them).
+    """
+
     server_id: str
     head_cursor: int
     last_seq: int
     server_hlc: str = ""
+    protocol: int = 1
+    org_id: str = ""
+    user_id: str = ""
+    request_id: int = 0
 
 
 class Push(msgspec.Struct, kw_only=True, tag="push"):
     changes: list[Change]
+    request_id: int = 0
 
 
 class ChangeResult(msgspec.Struct, kw_only=True):
@@ -65,32 +115,57 @@ class PushAck(msgspec.Struct, kw_only=True, tag="push_ack"):
     results: list[ChangeResult]
     last_seq: int
     head_cursor: int = 0
+    request_id: int = 0
 
 
 class Pull(msgspec.Struct, kw_only=True, tag="pull"):
     cursor: int
     limit: int = 500
+    request_id: int = 0
 
 
 class Changes(msgspec.Struct, kw_only=True, tag="changes"):
-    """A page of the feed. ``live`` pages arrive unsolicited after commits."""
+    """A page of the feed. ``live`` pages arrive unsolicited after commits (``request_id`` 0);
+    a page answering a ``Pull`` echoes its ``request_id``."""
 
     from_cursor: int
     to_cursor: int
     changes: list[FeedChange]
     more: bool = False
     live: bool = False
+    request_id: int = 0
 
 
 class Error(msgspec.Struct, kw_only=True, tag="error"):
+    """A refusal. ``code`` is an ``ErrorCode``; ``request_id`` names the request it answers
+    (0: it answers none, e.g. a frame that could not be read, or the reason for a close)."""
+
     code: int
     message: str
     retryable: bool = False
+    request_id: int = 0
 
 
 Frame = Hello | Welcome | Push | PushAck | Pull | Changes | Error
 ClientFrame = Hello | Push | Pull
 ServerFrame = Welcome | PushAck | Changes | Error
+
+FRAME_TAGS: frozenset[str] = frozenset(
+    str(cls.__struct_config__.tag) for cls in typing.get_args(Frame)
+)
+"""The tags of every frame this code knows."""
+
+
+class Envelope(msgspec.Struct):
+    """What any frame map may be read as without knowing its tag (other keys are skipped).
+
+    ``optional`` is reserved in every frame map: a frame type that older peers may skip
+    declares ``optional: bool = True``.
+    """
+
+    type: str
+    optional: bool = False
+    request_id: int = 0
 
 
 class FrameCodec:
@@ -99,6 +174,7 @@ class FrameCodec:
     def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder: msgspec.msgpack.Decoder[Frame] = msgspec.msgpack.Decoder(Frame)
+        self._envelope: msgspec.msgpack.Decoder[Envelope] = msgspec.msgpack.Decoder(Envelope)
 
     def encode(self, frame: Frame) -> bytes:
         return self._encoder.encode(frame)
@@ -106,3 +182,11 @@ class FrameCodec:
     def decode(self, data: bytes) -> Frame:
         """Raises ``msgspec.DecodeError`` (malformed) or ``msgspec.ValidationError`` (mistyped)."""
         return self._decoder.decode(data)
+
+    def peek(self, data: bytes) -> Envelope | None:
+        """Read ``data`` as an ``Envelope`` (tag, ``optional``, ``request_id``), or ``None``
+        when it is not a map with a string ``type`` and well-typed reserved keys."""
+        try:
+            return self._envelope.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None

@@ -1,14 +1,28 @@
 """Sans-I/O sync protocol: ``ClientProtocol`` and ``ServerProtocol``.
 
-Neither touches sockets or asyncio. Feed received bytes to ``receive_data``; take decoded
-frames from ``events_received()`` and bytes to write from ``data_to_send()``. A protocol
-violation queues an ``Error`` frame, moves to ``CLOSING`` (when fatal) and records
-``close_reason``; the pump must then send what is queued and close the connection.
+Neither touches sockets or asyncio. Feed received bytes to ``receive_data``; take what was
+received (``events_received()`` on the server, ``take_events()`` on the client) and bytes to
+write from ``data_to_send()``. A protocol violation queues an ``Error`` frame, moves to
+``CLOSING`` (when fatal) and records ``close_reason``; the pump must then send what is queued
+and close the connection.
+
+Both sides skip a frame whose tag they do not know when its map carries ``optional: true``
+(counted in ``ignored_frames``, logged at debug); any other unreadable frame is answered
+with a non-fatal 3004.
+
+Versions are negotiated by ``Hello``/``Welcome`` (see ``shared.messages``). The client
+matches every answer to its request: by ``request_id`` when it is set, else (version 1, or
+before ``Welcome``) by order. It sorts what it receives into ``Answer``, ``Live`` and
+``Notice`` events.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 
@@ -21,9 +35,12 @@ from .errors import (
 )
 from .messages import (
     DEFAULT_MAX_FRAME_BYTES,
-    PROTOCOL_VERSION,
+    FRAME_TAGS,
+    MAX_PROTOCOL,
+    MIN_PROTOCOL,
     ChangeResult,
     Changes,
+    ClientFrame,
     Error,
     Frame,
     FrameCodec,
@@ -35,11 +52,36 @@ from .messages import (
 )
 from .records import Change, FeedChange
 
+__all__ = [
+    "Answer",
+    "AnswerFrame",
+    "ClientEvent",
+    "ClientProtocol",
+    "Live",
+    "Notice",
+    "ServerProtocol",
+    "State",
+    "negotiate",
+]
+
+logger = logging.getLogger("shared.protocol")
+
+# First protocol version whose answers carry the request's id.
+_REQUEST_IDS_SINCE = 2
+_MAX_LOGGED_TAG = 64
+
 
 class State(enum.Enum):
     AWAITING_HELLO = "awaiting-hello"  # server: nothing received yet; client: Hello sent
     OPEN = "open"
     CLOSING = "closing"
+
+
+def negotiate(offered: tuple[int, int], supported: tuple[int, int]) -> int | None:
+    """The highest version in both inclusive ranges ``(lowest, highest)``, or ``None``."""
+    low = max(offered[0], supported[0])
+    high = min(offered[1], supported[1])
+    return high if low <= high else None
 
 
 class _Protocol:
@@ -48,13 +90,8 @@ class _Protocol:
         self.state = State.AWAITING_HELLO
         self.codec = FrameCodec()
         self.close_reason: SyncError | None = None
-        self._events: list[Frame] = []
+        self.ignored_frames = 0  # optional frames of unknown type, skipped
         self._out: list[bytes] = []
-
-    def events_received(self) -> list[Frame]:
-        """Frames decoded since the last call, in order."""
-        events, self._events = self._events, []
-        return events
 
     def data_to_send(self) -> list[bytes]:
         """Encoded frames to write, in order, since the last call."""
@@ -66,13 +103,21 @@ class _Protocol:
             raise InvalidState("protocol is closing; nothing more may be sent")
         self._out.append(self.codec.encode(frame))
 
-    def fail(self, error: SyncError, *, fatal: bool = True) -> None:
-        """Queue an ``Error`` frame for ``error``; when fatal, move to ``CLOSING``."""
+    def fail(self, error: SyncError, *, fatal: bool = True, request_id: int = 0) -> None:
+        """Queue an ``Error`` frame for ``error``; when fatal, move to ``CLOSING``.
+
+        ``request_id`` names the request the error answers (0: none).
+        """
         if self.state is State.CLOSING:
             return
         self._out.append(
             self.codec.encode(
-                Error(code=int(error.code), message=error.message, retryable=error.retryable)
+                Error(
+                    code=int(error.code),
+                    message=error.message,
+                    retryable=error.retryable,
+                    request_id=request_id,
+                )
             )
         )
         if fatal:
@@ -88,54 +133,127 @@ class _Protocol:
         try:
             return self.codec.decode(data)
         except msgspec.ValidationError as exc:
-            self.fail(MalformedFrame(f"mistyped frame: {exc}"), fatal=False)
+            envelope = self.codec.peek(data)
+            if envelope is None:
+                self.fail(MalformedFrame(f"mistyped frame: {exc}"), fatal=False)
+            elif envelope.type in FRAME_TAGS:
+                self.fail(
+                    MalformedFrame(f"mistyped frame: {exc}"),
+                    fatal=False,
+                    request_id=envelope.request_id,
+                )
+            elif envelope.optional:
+                self.ignored_frames += 1
+                logger.debug("skipped optional frame %r", envelope.type[:_MAX_LOGGED_TAG])
+            else:
+                tag = envelope.type[:_MAX_LOGGED_TAG]
+                self.fail(
+                    MalformedFrame(f"unknown frame type {tag!r} (not marked optional)"),
+                    fatal=False,
+                    request_id=envelope.request_id,
+                )
         except msgspec.DecodeError as exc:
             self.fail(MalformedFrame(f"malformed frame: {exc}"), fatal=False)
         return None
 
 
 class ServerProtocol(_Protocol):
-    """The server side of one device connection."""
+    """The server side of one device connection.
+
+    Speaks versions ``min_protocol..max_protocol``; ``version`` is the one agreed with the
+    device once its ``Hello`` is accepted. Every ``send_*`` takes the ``request_id`` of the
+    frame it answers (0 for live pages).
+    """
 
     client_id: str | None = None
     hello: Hello | None = None
+    version: int | None = None
+
+    def __init__(
+        self,
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        min_protocol: int = MIN_PROTOCOL,
+        max_protocol: int = MAX_PROTOCOL,
+    ) -> None:
+        super().__init__(max_frame_bytes=max_frame_bytes)
+        if not 1 <= min_protocol <= max_protocol:
+            raise ValueError(
+                f"need 1 <= min_protocol <= max_protocol, got {min_protocol}..{max_protocol}"
+            )
+        self.supported = (min_protocol, max_protocol)
+        self._events: list[ClientFrame] = []
+
+    def events_received(self) -> list[ClientFrame]:
+        """Frames decoded since the last call, in order: ``Hello``, then ``Push``/``Pull``."""
+        events, self._events = self._events, []
+        return events
 
     def receive_data(self, data: bytes) -> None:
         frame = self._decode(data)
         if frame is None:
             return
         match frame:
-            case Hello(protocol=version) if (
-                self.state is State.AWAITING_HELLO and self.hello is None
-            ):
-                if version != PROTOCOL_VERSION:
+            case Hello() if self.state is State.AWAITING_HELLO and self.hello is None:
+                offered = frame.protocol_range()
+                version = negotiate(offered, self.supported)
+                if version is None:
                     self.fail(
                         ProtocolVersion(
-                            f"protocol {version} unsupported; server speaks {PROTOCOL_VERSION}"
-                        )
+                            f"no protocol version in common: device speaks "
+                            f"{offered[0]}..{offered[1]}, server speaks "
+                            f"{self.supported[0]}..{self.supported[1]}"
+                        ),
+                        request_id=frame.request_id,
                     )
                     return
                 self.hello = frame
+                self.version = version
                 self.client_id = frame.client_id
                 self._events.append(frame)
             case Push() | Pull() if self.state is State.OPEN:
                 self._events.append(frame)
             case Hello():
-                self.fail(MalformedFrame("Hello was already received"))
+                self.fail(MalformedFrame("Hello was already received"), request_id=frame.request_id)
             case Push() | Pull():
-                self.fail(MalformedFrame("send Hello first"))
+                self.fail(MalformedFrame("send Hello first"), request_id=frame.request_id)
             case _:
                 self.fail(MalformedFrame(f"a client may not send {type(frame).__name__}"))
 
+    def refuse(self, data: bytes, error: SyncError) -> None:
+        """Answer the frame ``data`` with ``error`` without processing it (non-fatal).
+
+        The ``Error`` carries the frame's ``request_id`` when it can be read, so the device's
+        request gets its answer. Use it for frames refused before decoding (rate limits).
+        """
+        envelope = self.codec.peek(data) if len(data) <= self.max_frame_bytes else None
+        self.fail(error, fatal=False, request_id=envelope.request_id if envelope else 0)
+
     def send_welcome(self, welcome: Welcome) -> None:
-        if self.state is not State.AWAITING_HELLO or self.hello is None:
+        """Answer the accepted ``Hello``; fills in the agreed ``protocol`` and the request id."""
+        if self.state is not State.AWAITING_HELLO or self.hello is None or self.version is None:
             raise InvalidState("Welcome answers a Hello")
-        self._send(welcome)
+        self._send(
+            msgspec.structs.replace(
+                welcome, protocol=self.version, request_id=self.hello.request_id
+            )
+        )
         self.state = State.OPEN
 
-    def send_push_ack(self, results: list[ChangeResult], last_seq: int, head_cursor: int) -> None:
+    def send_push_ack(
+        self,
+        results: list[ChangeResult],
+        last_seq: int,
+        head_cursor: int,
+        *,
+        request_id: int = 0,
+    ) -> None:
         self._require_open()
-        self._send(PushAck(results=results, last_seq=last_seq, head_cursor=head_cursor))
+        self._send(
+            PushAck(
+                results=results, last_seq=last_seq, head_cursor=head_cursor, request_id=request_id
+            )
+        )
 
     def send_changes(
         self,
@@ -145,11 +263,17 @@ class ServerProtocol(_Protocol):
         *,
         more: bool = False,
         live: bool = False,
+        request_id: int = 0,
     ) -> None:
         self._require_open()
         self._send(
             Changes(
-                from_cursor=from_cursor, to_cursor=to_cursor, changes=changes, more=more, live=live
+                from_cursor=from_cursor,
+                to_cursor=to_cursor,
+                changes=changes,
+                more=more,
+                live=live,
+                request_id=0 if live else request_id,
             )
         )
 
@@ -158,17 +282,104 @@ class ServerProtocol(_Protocol):
             raise InvalidState(f"connection is {self.state.value}")
 
 
+# -- the client ------------------------------------------------------------------------------
+
+AnswerFrame = Welcome | PushAck | Changes | Error
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The answer to this client's request ``request_id`` (an ``Error`` when refused)."""
+
+    request_id: int
+    frame: AnswerFrame
+
+
+@dataclass(frozen=True, slots=True)
+class Live:
+    """A live page of the feed, pushed after a commit of the tenant (not an answer)."""
+
+    changes: Changes
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """An ``Error`` that answers no request: a frame that could not be read, or why the
+    server is about to close."""
+
+    frame: Error
+
+
+ClientEvent = Answer | Live | Notice
+
+_ANSWERS: dict[type[ClientFrame], tuple[type[AnswerFrame], ...]] = {
+    Hello: (Welcome, Error),
+    Push: (PushAck, Error),
+    Pull: (Changes, Error),
+}
+
+
 class ClientProtocol(_Protocol):
-    """The device side of one connection; starts by queueing ``Hello``."""
+    """The device side of one connection; starts by queueing ``Hello``.
+
+    Requests get increasing ids from 1 (``Hello`` is ``hello_request_id``); ``send_push`` and
+    ``send_pull`` return theirs. ``take_events()`` sorts what arrives into ``Answer`` (to one
+    of ``outstanding``), ``Live`` and ``Notice``. An answer to no outstanding request (or of
+    the wrong kind) is a fatal 3004.
+    """
 
     welcome: Welcome | None = None
+    version: int | None = None
 
     def __init__(
-        self, client_id: str, cursor: int, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+        self,
+        client_id: str,
+        cursor: int,
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        min_protocol: int = MIN_PROTOCOL,
+        max_protocol: int = MAX_PROTOCOL,
     ) -> None:
         super().__init__(max_frame_bytes=max_frame_bytes)
+        if not 1 <= min_protocol <= max_protocol:
+            raise ValueError(
+                f"need 1 <= min_protocol <= max_protocol, got {min_protocol}..{max_protocol}"
+            )
         self.client_id = client_id
-        self._send(Hello(protocol=PROTOCOL_VERSION, client_id=client_id, cursor=cursor))
+        self.supported = (min_protocol, max_protocol)
+        self._events: list[ClientEvent] = []
+        self._next_id = 1
+        self._outstanding: OrderedDict[int, type[ClientFrame]] = OrderedDict()
+        self.hello_request_id = self._request(
+            lambda rid: Hello(
+                protocol=min_protocol,
+                client_id=client_id,
+                cursor=cursor,
+                min_protocol=min_protocol,
+                max_protocol=max_protocol,
+                request_id=rid,
+            )
+        )
+
+    @property
+    def outstanding(self) -> tuple[int, ...]:
+        """Ids of the requests sent and not yet answered, oldest first."""
+        return tuple(self._outstanding)
+
+    def take_events(self) -> list[ClientEvent]:
+        """What arrived since the last call, in order, as ``Answer``/``Live``/``Notice``.
+
+        Drains the same queue as ``events_received``: a pump uses one or the other.
+        """
+        events, self._events = self._events, []
+        return events
+
+    def events_received(self) -> list[Frame]:
+        """The frames that arrived since the last call, in order, without their sorting.
+
+        For pumps that match answers by order; prefer ``take_events``.
+        """
+        return [_frame_of(event) for event in self.take_events()]
 
     def receive_data(self, data: bytes) -> None:
         frame = self._decode(data)
@@ -176,26 +387,94 @@ class ClientProtocol(_Protocol):
             return
         match frame:
             case Welcome() if self.state is State.AWAITING_HELLO:
-                self.welcome = frame
-                self.state = State.OPEN
-                self._events.append(frame)
+                self._on_welcome(frame)
+            case Changes(live=True) if self.state is State.OPEN:
+                self._events.append(Live(frame))
             case PushAck() | Changes() if self.state is State.OPEN:
-                self._events.append(frame)
+                self._answer(frame, self.version)
             case Error():
-                self._events.append(frame)
+                self._answer(frame, self.version)
             case _:
                 self.fail(
                     MalformedFrame(f"unexpected {type(frame).__name__} while {self.state.value}")
                 )
 
-    def send_push(self, changes: list[Change]) -> None:
+    def send_push(self, changes: list[Change]) -> int:
+        """Queue a ``Push``; returns its request id (its ``PushAck`` or ``Error`` echoes it)."""
         self._require_open()
-        self._send(Push(changes=changes))
+        return self._request(lambda rid: Push(changes=changes, request_id=rid))
 
-    def send_pull(self, cursor: int, limit: int = 500) -> None:
+    def send_pull(self, cursor: int, limit: int = 500) -> int:
+        """Queue a ``Pull``; returns its request id (its ``Changes`` or ``Error`` echoes it)."""
         self._require_open()
-        self._send(Pull(cursor=cursor, limit=limit))
+        return self._request(lambda rid: Pull(cursor=cursor, limit=limit, request_id=rid))
+
+    def _request(self, build: Callable[[int], Hello | Push | Pull]) -> int:
+        frame = build(self._next_id)
+        self._send(frame)
+        self._outstanding[self._next_id] = type(frame)
+        self._next_id += 1
+        return frame.request_id
+
+    def _on_welcome(self, frame: Welcome) -> None:
+        low, high = self.supported
+        if not low <= frame.protocol <= high:
+            self.fail(
+                ProtocolVersion(
+                    f"server chose protocol {frame.protocol}; this device speaks {low}..{high}"
+                )
+            )
+            return
+        if self._answer(frame, frame.protocol):
+            self.welcome = frame
+            self.version = frame.protocol
+            self.state = State.OPEN
+
+    def _answer(self, frame: AnswerFrame, version: int | None) -> bool:
+        """Queue ``frame`` as the answer to its request (or a ``Notice``); False on failure.
+
+        Until ``Welcome`` names a version with request ids, an answer without one is matched
+        by order: it answers the oldest outstanding request.
+        """
+        request_id = frame.request_id
+        by_order = version is None or version < _REQUEST_IDS_SINCE
+        if request_id == 0:
+            if by_order and self._outstanding:
+                request_id = next(iter(self._outstanding))
+            elif isinstance(frame, Error):
+                self._events.append(Notice(frame))
+                return True
+            elif by_order:
+                self.fail(MalformedFrame(f"{type(frame).__name__} while no request is outstanding"))
+                return False
+            else:
+                self.fail(MalformedFrame(f"{type(frame).__name__} without a request id"))
+                return False
+        sent = self._outstanding.get(request_id)
+        if sent is None:
+            self.fail(
+                MalformedFrame(
+                    f"{type(frame).__name__} answers request {request_id}, which is not outstanding"
+                )
+            )
+            return False
+        if not isinstance(frame, _ANSWERS[sent]):
+            self.fail(
+                MalformedFrame(
+                    f"{type(frame).__name__} cannot answer {sent.__name__} (request {request_id})"
+                )
+            )
+            return False
+        del self._outstanding[request_id]
+        self._events.append(Answer(request_id, frame))
+        return True
 
     def _require_open(self) -> None:
         if self.state is not State.OPEN:
             raise InvalidState(f"connection is {self.state.value}")
+
+
+def _frame_of(event: ClientEvent) -> Frame:
+    if isinstance(event, Live):
+        return event.changes
+    return event.frame

@@ -8,6 +8,8 @@ import pytest
 from shared.errors import InvalidState, MalformedFrame, ProtocolVersion
 from shared.merge import ConflictedPath
 from shared.messages import (
+    MAX_PROTOCOL,
+    MIN_PROTOCOL,
     PROTOCOL_VERSION,
     ChangeResult,
     Changes,
@@ -168,7 +170,9 @@ def test_server_hello_then_welcome_opens() -> None:
     assert server.data_to_send() == []
     server.send_welcome(welcome())
     assert state(server) is State.OPEN
-    assert sent(server) == [welcome()]
+    # The agreed version and the Hello's request id are filled in by the protocol.
+    assert sent(server) == [msgspec.structs.replace(welcome(), protocol=PROTOCOL_VERSION)]
+    assert server.version == PROTOCOL_VERSION
     assert server.close_reason is None
 
 
@@ -252,13 +256,13 @@ def test_server_malformed_frame_before_hello_is_not_fatal() -> None:
 
 
 def test_server_oversize_frame_closes() -> None:
-    server = open_server(max_frame_bytes=64)
+    server = open_server(max_frame_bytes=128)
     big = enc(Pull(cursor=1, limit=2))
-    assert len(big) <= 64
+    assert len(big) <= 128
     server.receive_data(big)
     assert server.events_received() == [Pull(cursor=1, limit=2)]
     huge = enc(Push(changes=[Change(client_seq=1, record=make_message())]))
-    assert len(huge) > 64
+    assert len(huge) > 128
     server.receive_data(huge)
     assert server.events_received() == []
     err = only_error(server)
@@ -268,8 +272,8 @@ def test_server_oversize_frame_closes() -> None:
 
 
 def test_server_oversize_garbage_is_too_large_not_malformed() -> None:
-    server = open_server(max_frame_bytes=64)
-    server.receive_data(b"\xc1" * 65)
+    server = open_server(max_frame_bytes=128)
+    server.receive_data(b"\xc1" * 129)
     assert only_error(server).code == 3005
     assert server.state is State.CLOSING
 
@@ -355,7 +359,19 @@ def test_fail_queues_one_error_and_is_idempotent_when_closing() -> None:
 def test_client_queues_hello_on_creation() -> None:
     client = ClientProtocol("dev-a", 42)
     assert client.state is State.AWAITING_HELLO
-    assert sent(client) == [Hello(protocol=PROTOCOL_VERSION, client_id="dev-a", cursor=42)]
+    # ``protocol`` is the lowest version, so a server that predates ranges still accepts it.
+    assert sent(client) == [
+        Hello(
+            protocol=MIN_PROTOCOL,
+            client_id="dev-a",
+            cursor=42,
+            min_protocol=MIN_PROTOCOL,
+            max_protocol=MAX_PROTOCOL,
+            request_id=1,
+        )
+    ]
+    assert client.hello_request_id == 1
+    assert client.outstanding == (1,)
     assert client.data_to_send() == []
 
 
@@ -366,6 +382,8 @@ def test_client_welcome_opens() -> None:
     assert client.events_received() == [welcome()]
     assert client.state is State.OPEN
     assert client.welcome == welcome()
+    assert client.version == 1  # a Welcome without ``protocol`` is from a version 1 server
+    assert client.outstanding == ()
 
 
 def test_client_send_before_welcome_raises() -> None:
@@ -379,7 +397,12 @@ def test_client_send_before_welcome_raises() -> None:
 
 
 def test_client_decodes_push_ack_changes_and_error() -> None:
-    client = open_client()
+    client = open_client()  # a version 1 server: answers are matched by order
+    push_id = client.send_push([])
+    pull_id = client.send_pull(7)
+    again_id = client.send_pull(8)
+    assert (push_id, pull_id, again_id) == (2, 3, 4)
+    client.data_to_send()
     ack = PushAck(results=[ChangeResult(client_seq=1, status="applied", cursor=8)], last_seq=1)
     changes = Changes(
         from_cursor=7, to_cursor=8, changes=[FeedChange(cursor=8, record=make_message())]
@@ -391,6 +414,7 @@ def test_client_decodes_push_ack_changes_and_error() -> None:
     # An Error frame is surfaced, not answered.
     assert client.state is State.OPEN
     assert client.data_to_send() == []
+    assert client.outstanding == ()
 
 
 def test_client_error_before_welcome_is_surfaced() -> None:
@@ -455,37 +479,44 @@ def test_full_exchange() -> None:
     server = ServerProtocol()
 
     (hello,) = pump(client, server)
-    assert hello == Hello(protocol=PROTOCOL_VERSION, client_id="dev-a", cursor=0)
+    assert isinstance(hello, Hello)
+    assert (hello.client_id, hello.cursor, hello.request_id) == ("dev-a", 0, 1)
     server.send_welcome(Welcome(server_id="srv", head_cursor=0, last_seq=0))
     (got_welcome,) = pump(server, client)
     assert isinstance(got_welcome, Welcome)
+    assert got_welcome.protocol == MAX_PROTOCOL and got_welcome.request_id == 1
+    assert client.version == server.version == MAX_PROTOCOL
     assert client.state is server.state is State.OPEN
 
     records = all_records()
     changes = [Change(client_seq=i + 1, record=r) for i, r in enumerate(records)]  # type: ignore[arg-type]
-    client.send_push(changes)
+    push_id = client.send_push(changes)
     (push,) = pump(client, server)
-    assert push == Push(changes=changes)
+    assert push == Push(changes=changes, request_id=push_id)
 
     results = [
         ChangeResult(client_seq=c.client_seq, status="applied", cursor=c.client_seq)
         for c in changes
     ]
-    server.send_push_ack(results, last_seq=len(changes), head_cursor=len(changes))
+    server.send_push_ack(
+        results, last_seq=len(changes), head_cursor=len(changes), request_id=push_id
+    )
     (ack,) = pump(server, client)
-    assert ack == PushAck(results=results, last_seq=len(changes), head_cursor=len(changes))
+    assert ack == PushAck(
+        results=results, last_seq=len(changes), head_cursor=len(changes), request_id=push_id
+    )
 
-    client.send_pull(0, limit=4)
+    pull_id = client.send_pull(0, limit=4)
     (pull,) = pump(client, server)
-    assert pull == Pull(cursor=0, limit=4)
+    assert pull == Pull(cursor=0, limit=4, request_id=pull_id)
     assert isinstance(pull, Pull)
 
     feed = [FeedChange(cursor=i + 1, record=r) for i, r in enumerate(records)]  # type: ignore[arg-type]
-    server.send_changes(0, 4, feed[:4], more=True)
-    server.send_changes(4, 6, feed[4:], live=True)
+    server.send_changes(0, 4, feed[:4], more=True, request_id=pull_id)
+    server.send_changes(4, 6, feed[4:], live=True, request_id=pull_id)  # live: id dropped
     pages = pump(server, client)
     assert pages == [
-        Changes(from_cursor=0, to_cursor=4, changes=feed[:4], more=True),
+        Changes(from_cursor=0, to_cursor=4, changes=feed[:4], more=True, request_id=pull_id),
         Changes(from_cursor=4, to_cursor=6, changes=feed[4:], live=True),
     ]
     assert [fc.record for page in pages for fc in page.changes] == records  # type: ignore[union-attr]
@@ -504,5 +535,5 @@ def test_exchange_with_a_protocol_error_reaches_the_client() -> None:
     server.receive_data(b"\xc1")  # a corrupt frame on the wire
     (error,) = pump(server, client)
     assert isinstance(error, Error) and error.code == 3004
-    client.send_pull(7)
-    assert pump(client, server) == [Pull(cursor=7)]
+    pull_id = client.send_pull(7)
+    assert pump(client, server) == [Pull(cursor=7, request_id=pull_id)]
