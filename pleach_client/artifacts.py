@@ -16,7 +16,9 @@ import pycrdt
 
 from shared.errors import NotFound
 from shared.ids import uuid7
-from shared.records import ArtifactUpdate
+from shared.records import ArtifactUpdate, Session
+
+from .core import SessionChange, existing
 
 if TYPE_CHECKING:
     from .runtime import SessionRuntime
@@ -40,24 +42,25 @@ class ArtifactsFacet:
 
     async def create(self, session_id: str, text: str = "") -> ArtifactReceipt:
         """A new artifact in ``session_id``, optionally with initial text."""
-        rt = self._rt
-        session = await rt._load_session(session_id)
+        core = self._rt.core
         artifact_id = uuid7()
         doc: pycrdt.Doc[pycrdt.Text] = pycrdt.Doc()
         body = doc.get(BODY, type=pycrdt.Text)
         body += text
         update = self._record(session_id, artifact_id, doc.get_update())
-        updated = rt._bump(
-            msgspec.structs.replace(
-                session,
-                state=msgspec.structs.replace(
-                    session.state, artifacts=[*session.state.artifacts, artifact_id]
-                ),
-            ),
-            base=session,
-        )
-        event = rt._new_event(updated, "artifact.created", {"artifact_id": artifact_id})
-        await rt._write([update, event, updated])
+        event = core.draft_event(session_id, "artifact.created", {"artifact_id": artifact_id})
+
+        def add(current: Session) -> SessionChange:
+            state = msgspec.structs.replace(
+                current.state, artifacts=[*current.state.artifacts, artifact_id]
+            )
+            return SessionChange(
+                row=msgspec.structs.replace(current, state=state),
+                records=[update],
+                events=[event],
+            )
+
+        await core.write([(session_id, existing(add))])
         return ArtifactReceipt(
             artifact_id=artifact_id,
             session_id=session_id,
@@ -67,7 +70,7 @@ class ArtifactsFacet:
         )
 
     async def list(self, session_id: str) -> list[str]:
-        return [*(await self._rt._load_session(session_id)).state.artifacts]
+        return [*(await self._rt.core.session(session_id)).state.artifacts]
 
     async def doc(self, artifact_id: str) -> pycrdt.Doc[pycrdt.Text]:
         """The document rebuilt from every stored update (order does not matter)."""
@@ -100,7 +103,10 @@ class ArtifactsFacet:
         change(body)
         delta = doc.get_update(before)
         record = self._record(session_id, artifact_id, delta)
-        await self._rt._write([record])
+        # Through the session's edit, so an edit of a deleted session's artifact is refused.
+        await self._rt.core.write(
+            [(session_id, existing(lambda _: SessionChange(records=[record])))]
+        )
         return ArtifactReceipt(
             artifact_id=artifact_id,
             session_id=session_id,
@@ -116,14 +122,14 @@ class ArtifactsFacet:
         return await self.edit(artifact_id, add)
 
     def _record(self, session_id: str, artifact_id: str, update: bytes) -> ArtifactUpdate:
-        rt = self._rt
+        core = self._rt.core
         return ArtifactUpdate(
             id=uuid7(),
             artifact_id=artifact_id,
             session_id=session_id,
-            org_id=rt.org_id,
-            user_id=rt.user_id,
-            client_id=rt.client_id,
-            hlc=rt._clock.now(),
+            org_id=core.org_id,
+            user_id=core.user_id,
+            client_id=core.client_id,
+            hlc=core.now(),
             update=update,
         )

@@ -5,15 +5,16 @@ from __future__ import annotations
 import builtins
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import msgspec
 
-from shared.errors import NotFound
+from shared.errors import InvalidState, NotFound
 from shared.hashchain import ChainVerification, Proof, generate_proof, verify_chain
 from shared.ids import uuid7
-from shared.records import AuditRow, Checkpoint, Event, Message
+from shared.records import AuditRow, Checkpoint, Event, Message, Session
 
+from .core import SessionChange, existing
 from .receipts import (
     AuditRollup,
     ForkReceipt,
@@ -104,30 +105,12 @@ class CheckpointsFacet:
     async def list(self, session_id: str) -> list[Checkpoint]:
         return await self._rt.store.list_checkpoints(session_id)
 
-    def _rebuild(self, checkpoint_id: str, by_id: dict[str, Checkpoint]) -> builtins.list[str]:
-        """Message ids at a checkpoint: walk parents to a snapshot or the root, replay."""
-        chain: builtins.list[Checkpoint] = []
-        current = by_id.get(checkpoint_id)
-        while current is not None:
-            chain.append(current)
-            if current.snapshot is not None or current.parent_id is None:
-                break
-            current = by_id.get(current.parent_id)
-        ids: builtins.list[str] = []
-        for cp in reversed(chain):
-            if cp.snapshot is not None:
-                ids = list(cp.snapshot)
-            if cp.truncate_to is not None:
-                ids = ids[: cp.truncate_to]
-            ids.extend(cp.appended)
-        return ids
-
     async def _checkpoint_ids(self, session_id: str, checkpoint_id: str) -> builtins.list[str]:
         checkpoints = await self._rt.store.list_checkpoints(session_id)
         by_id = {c.id: c for c in checkpoints}
         if checkpoint_id not in by_id:
             raise NotFound(f"no checkpoint {checkpoint_id} in session {session_id}")
-        return self._rebuild(checkpoint_id, by_id)
+        return rebuild_message_ids(checkpoint_id, by_id)
 
     async def state_at(self, session_id: str, checkpoint_id: str) -> builtins.list[Message]:
         """Time travel: the transcript as it stood at ``checkpoint_id``."""
@@ -136,29 +119,37 @@ class CheckpointsFacet:
 
     async def rollback(self, session_id: str, checkpoint_id: str) -> RollbackReceipt:
         """Restore the session to a checkpoint as a NEW checkpoint; lineage and audit stay."""
-        rt = self._rt
-        session = await rt._load_session(session_id)
+        core = self._rt.core
         ids = await self._checkpoint_ids(session_id, checkpoint_id)
-        cp = rt._new_checkpoint(session, turn_id=None, reason="rollback", appended=[], snapshot=ids)
-        updated = rt._bump(
-            msgspec.structs.replace(
-                session,
-                head_checkpoint_id=cp.id,
-                state=msgspec.structs.replace(
-                    session.state, message_ids=ids, pending_tool_calls=[]
-                ),
-            ),
-            base=session,
-        )
-        ev = rt._new_event(
-            updated, "checkpoint.rollback", {"to_checkpoint": checkpoint_id, "checkpoint_id": cp.id}
-        )
-        await rt._write([cp, ev, updated])
-        rt._emit(
+        before: builtins.list[Any] = []
+        cp_id = uuid7()
+
+        def rollback(current: Session) -> SessionChange:
+            before[:] = [len(current.state.message_ids), current.head_checkpoint_id]
+            cp = core.draft_checkpoint(
+                session_id,
+                parent_id=current.head_checkpoint_id,
+                turn_id=None,
+                kind="rollback",
+                appended=[],
+                snapshot=ids,
+                checkpoint_id=cp_id,
+            )
+            state = msgspec.structs.replace(current.state, message_ids=ids, pending_tool_calls=[])
+            row = msgspec.structs.replace(current, head_checkpoint_id=cp.id, state=state)
+            event = core.draft_event(
+                session_id,
+                "checkpoint.rollback",
+                {"to_checkpoint": checkpoint_id, "checkpoint_id": cp.id},
+            )
+            return SessionChange(row=row, records=[cp], events=[event])
+
+        await core.write([(session_id, existing(rollback))])
+        self._rt.emit(
             CheckpointCreated(
                 session_id=session_id,
-                checkpoint_id=cp.id,
-                parent_id=cp.parent_id,
+                checkpoint_id=cp_id,
+                parent_id=before[1],
                 turn_id=None,
                 reason="rollback",
             )
@@ -166,50 +157,71 @@ class CheckpointsFacet:
         return RollbackReceipt(
             session_id=session_id,
             checkpoint_id=checkpoint_id,
-            new_checkpoint_id=cp.id,
-            messages_before=len(session.state.message_ids),
+            new_checkpoint_id=cp_id,
+            messages_before=before[0],
             messages_after=len(ids),
         )
 
     async def fork(self, session_id: str, checkpoint_id: str | None = None) -> ForkReceipt:
         """A new session at ``checkpoint_id`` (default: the head); the original is untouched."""
-        rt = self._rt
-        source = await rt._load_session(session_id)
+        core = self._rt.core
+        source = await core.session(session_id)
         if checkpoint_id is None:
             ids = list(source.state.message_ids)
         else:
             ids = await self._checkpoint_ids(session_id, checkpoint_id)
-        now = rt._clock.now()
+        fork_id = uuid7()
+        now = core.now()
+        cp = core.draft_checkpoint(
+            fork_id, parent_id=None, turn_id=None, kind="fork", appended=[], snapshot=ids
+        )
         fork = msgspec.structs.replace(
             source,
-            id=uuid7(),
-            client_id=rt.client_id,
-            hlc=now,
+            id=fork_id,
             created_at=now,
-            updated_at=now,
-            vv={rt.client_id: 1},
+            vv={},
             state=msgspec.structs.replace(source.state, message_ids=ids, pending_tool_calls=[]),
             forked_from=session_id,
             forked_at_checkpoint=checkpoint_id or source.head_checkpoint_id,
             conflict_id=None,
             conflict_loser_side=None,
-            head_checkpoint_id=None,
+            head_checkpoint_id=cp.id,
         )
-        cp = rt._new_checkpoint(
-            fork, turn_id=None, reason="fork", appended=[], snapshot=ids, parent_id=None
+        event = core.draft_event(
+            fork_id, "session.forked", {"forked_from": session_id, "checkpoint_id": checkpoint_id}
         )
-        fork = msgspec.structs.replace(fork, head_checkpoint_id=cp.id)
-        rt._event_heads[fork.id] = (0, "")
-        ev = rt._new_event(
-            fork, "session.forked", {"forked_from": session_id, "checkpoint_id": checkpoint_id}
-        )
-        await rt._write([cp, ev, fork])
+
+        def create(current: Session | None) -> SessionChange:
+            if current is not None:
+                raise InvalidState(f"session {fork_id} already exists")
+            return SessionChange(row=fork, records=[cp], events=[event])
+
+        await core.write([(fork_id, create)])
         return ForkReceipt(
-            session_id=fork.id,
+            session_id=fork_id,
             forked_from=session_id,
             checkpoint_id=checkpoint_id,
             messages=len(ids),
         )
+
+
+def rebuild_message_ids(checkpoint_id: str, by_id: dict[str, Checkpoint]) -> builtins.list[str]:
+    """Message ids at a checkpoint: walk parents to a snapshot or the root, replay."""
+    chain: builtins.list[Checkpoint] = []
+    current = by_id.get(checkpoint_id)
+    while current is not None and len(chain) <= len(by_id):
+        chain.append(current)
+        if current.snapshot is not None or current.parent_id is None:
+            break
+        current = by_id.get(current.parent_id)
+    ids: builtins.list[str] = []
+    for cp in reversed(chain):
+        if cp.snapshot is not None:
+            ids = list(cp.snapshot)
+        if cp.truncate_to is not None:
+            ids = ids[: cp.truncate_to]
+        ids.extend(cp.appended)
+    return ids
 
 
 class AuditFacet:
@@ -273,4 +285,11 @@ def _sum_rows(rows: list[AuditRow], *, turn_id: str) -> TurnRollup:
     )
 
 
-__all__ = ["AuditFacet", "CheckpointsFacet", "EventsFacet", "FoldResult", "Projection"]
+__all__ = [
+    "AuditFacet",
+    "CheckpointsFacet",
+    "EventsFacet",
+    "FoldResult",
+    "Projection",
+    "rebuild_message_ids",
+]

@@ -12,32 +12,20 @@ import asyncio
 import builtins
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 import msgspec
 
-from shared.clock import HybridClock, vv_bump
-from shared.errors import NotFound, SessionLocked
-from shared.hashchain import chain_audit, chain_event
+from shared.errors import InvalidState, PleachError, ProviderError, SessionLocked
 from shared.ids import uuid7
-from shared.records import (
-    AuditRow,
-    Checkpoint,
-    Event,
-    Message,
-    Outcome,
-    Record,
-    Session,
-    SessionState,
-    Usage,
-)
+from shared.records import Checkpoint, Event, Message, Session, SessionState
 
 from .artifacts import ArtifactsFacet
-from .facets import AuditFacet, CheckpointsFacet, EventsFacet
+from .core import DeviceCore, SessionChange, SessionHandle, existing
+from .facets import AuditFacet, CheckpointsFacet, EventsFacet, rebuild_message_ids
 from .providers.base import Provider
 from .receipts import SessionDeleteReceipt
-from .store.base import StorageAdapter, WriteBatch
+from .store.base import StorageAdapter
 from .store.memory import MemoryAdapter
 from .stream import Callback, Mode, SessionCreated, SessionResumed, StreamEventBase, StreamManager
 from .tools import Tool, ToolRegistry, default_registry
@@ -50,39 +38,82 @@ DEFAULT_PROVIDER = "anthropic"
 DEFAULT_MODELS = {"anthropic": "claude-sonnet-4-6", "scripted": "scripted-1"}
 
 _memory_warned = False
-HISTORY_CACHE_SESSIONS = 16  # transcripts kept decoded in memory, least recently used dropped
 
 S = TypeVar("S")
 
 
-@dataclass
-class SessionHandle:
-    """A session loaded into the runtime. ``id`` is what every other call takes.
+class SessionConfigError(PleachError, ValueError):
+    """``create_session`` got a config it cannot take; the message names the field."""
 
-    ``hydrated`` is transient state folded from the event log on resume (turn counts, last
-    outcome, conflicts); it is never written back to the row.
+
+def session_config(
+    provider: object = None,
+    model: object = None,
+    tools: object = None,
+    title: object = "",
+    **unknown: object,
+) -> tuple[str | None, str | None, list[str] | None, str]:
+    """Plain values from a session config, in either of its two shapes.
+
+    Accepts plain values (``provider="anthropic"``, ``model="claude-sonnet-4-6"``,
+    ``tools=["calculator"]``) or the reference's nested shape (``provider={"type": ...}``,
+    ``model={"id": ...}``, ``tools={"enabled": [...]}``). Anything else raises
+    ``SessionConfigError`` before anything is written.
     """
+    if unknown:
+        names = ", ".join(sorted(unknown))
+        raise SessionConfigError(
+            f"unknown session config field(s): {names}; expected provider, model, tools, title"
+        )
+    return (
+        _config_value("provider", provider, "type"),
+        _config_value("model", model, "id"),
+        _config_tools(tools),
+        _config_title(title),
+    )
 
-    id: str
-    record: Session
-    hydrated: dict[str, Any] = field(default_factory=dict)
-    layers: list[str] = field(default_factory=list)
 
-    @property
-    def provider(self) -> str:
-        return self.record.provider
+def _config_value(name: str, value: object, key: str) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        extra = sorted(str(k) for k in value if k != key)
+        if extra or not isinstance(value.get(key), str) or not value.get(key):
+            raise SessionConfigError(
+                f"session config {name!r} must be a non-empty string or "
+                f"{{{key!r}: <non-empty string>}}, not {value!r}"
+            )
+        return str(value[key])
+    if isinstance(value, str) and value:
+        return value
+    raise SessionConfigError(
+        f"session config {name!r} must be a non-empty string or "
+        f"{{{key!r}: <non-empty string>}}, not {value!r}"
+    )
 
-    @property
-    def model(self) -> str:
-        return self.record.model
 
-    @property
-    def title(self) -> str:
-        return self.record.title
+def _config_tools(value: object) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        if set(value) != {"enabled"}:
+            raise SessionConfigError(
+                f"session config 'tools' must be a list of tool names or "
+                f"{{'enabled': [names]}}, not {value!r}"
+            )
+        value = value["enabled"]
+    if isinstance(value, list | tuple) and all(isinstance(v, str) and v for v in value):
+        return list(value)
+    raise SessionConfigError(
+        f"session config 'tools' must be a list of tool names or {{'enabled': [names]}}, "
+        f"not {value!r}"
+    )
 
-    @property
-    def message_ids(self) -> list[str]:
-        return list(self.record.state.message_ids)
+
+def _config_title(value: object) -> str:
+    if isinstance(value, str):
+        return value
+    raise SessionConfigError(f"session config 'title' must be a string, not {value!r}")
 
 
 class SessionsFacet:
@@ -90,104 +121,124 @@ class SessionsFacet:
 
     def __init__(self, rt: SessionRuntime) -> None:
         self._rt = rt
+        self._core = rt.core
 
-    async def create(
-        self,
-        *,
-        provider: str | None = None,
-        model: str | None = None,
-        title: str = "",
-        tools: list[str] | None = None,
-    ) -> SessionHandle:
-        """Mint a session and persist it before returning; provider and model are locked."""
-        rt = self._rt
+    async def create(self, **config: Any) -> SessionHandle:
+        """Mint a session and persist it before returning; provider and model are locked.
+
+        ``config``: ``provider``, ``model``, ``tools``, ``title`` as plain values or in the
+        reference's nested shape; anything else raises ``SessionConfigError`` at once.
+        """
+        rt, core = self._rt, self._core
+        provider, model, tools, title = session_config(**config)
         provider_name = provider or rt.default_provider_name
         model_id = model or DEFAULT_MODELS.get(provider_name, DEFAULT_MODELS["anthropic"])
-        now = rt._clock.now()
+        now = core.now()
         session = Session(
             id=uuid7(),
-            org_id=rt.org_id,
-            user_id=rt.user_id,
-            client_id=rt.client_id,
+            org_id=core.org_id,
+            user_id=core.user_id,
+            client_id=core.client_id,
             hlc=now,
             provider=provider_name,
             model=model_id,
             created_at=now,
             updated_at=now,
-            vv={rt.client_id: 1},
+            vv={},
             title=title,
             state=SessionState(),
             tools=list(tools) if tools is not None else rt.tools.names(),
         )
-        rt._event_heads[session.id] = (0, "")
-        created = rt._new_event(
-            session, "session.created", {"provider": provider_name, "model": model_id}
+        created = core.draft_event(
+            session.id, "session.created", {"provider": provider_name, "model": model_id}
         )
-        await rt._write([created, session])
-        handle = SessionHandle(id=session.id, record=session, layers=["created"])
-        rt._active = handle
-        rt._emit(SessionCreated(session_id=session.id, provider=provider_name, model=model_id))
+
+        def create(current: Session | None) -> SessionChange:
+            if current is not None:
+                raise InvalidState(f"session {session.id} already exists")
+            return SessionChange(row=session, events=[created])
+
+        result = await core.write([(session.id, create)])
+        row = result.sessions[session.id]
+        handle = SessionHandle(id=row.id, record=row, layers=["created"])
+        core.active = handle
+        rt.emit(SessionCreated(session_id=row.id, provider=provider_name, model=model_id))
         return handle
 
     async def resume(self, session_id: str) -> SessionHandle:
-        """Rebuild a session from its row, a newer checkpoint, and its event log."""
-        rt = self._rt
-        row = await rt.store.get_session(session_id)
-        if row is None or row.deleted:
-            raise NotFound(f"no session {session_id}")
+        """Rebuild a session from its row, a newer checkpoint of its own lineage, and its
+        event log.
+
+        The checkpoint layer only ever moves the row forward along its own lineage: a
+        checkpoint that descends from the row's head and extends its transcript. A checkpoint
+        of a concurrent branch (another device's, pulled before this device's own version
+        was pushed) is never overlaid, however recent its clock.
+        """
+        rt, core = self._rt, self._core
+        row = await core.session(session_id)
         layers = ["row"]
-        checkpoints = await rt.store.list_checkpoints(session_id)
-        if checkpoints:
-            latest = checkpoints[-1]
-            if latest.hlc >= row.updated_at and latest.id != row.head_checkpoint_id:
-                ids = rt.checkpoints._rebuild(latest.id, {c.id: c for c in checkpoints})
-                row = msgspec.structs.replace(
-                    row,
-                    head_checkpoint_id=latest.id,
-                    state=msgspec.structs.replace(row.state, message_ids=ids),
+        overlay = _lineage_overlay(row, await rt.store.list_checkpoints(session_id))
+        if overlay is not None:
+            head_id, ids = overlay
+
+            def forward(current: Session) -> SessionChange | None:
+                if current.head_checkpoint_id != row.head_checkpoint_id:
+                    return None  # the row moved on meanwhile: it is newer than the overlay
+                state = msgspec.structs.replace(current.state, message_ids=ids)
+                return SessionChange(
+                    row=msgspec.structs.replace(current, head_checkpoint_id=head_id, state=state)
                 )
-                layers.append("checkpoint")
+
+            result = await core.write([(session_id, existing(forward))])
+            row = result.sessions.get(session_id, row)
+            layers.append("checkpoint")
         events = await rt.store.list_events(session_id)
-        rt._event_heads[session_id] = (
-            (events[-1].sequence_number, events[-1].row_hash) if events else (0, "")
-        )
         hydrated = hydrate(events)
         layers.append("events")
-        rt._cache[session_id] = row
         handle = SessionHandle(id=session_id, record=row, hydrated=hydrated, layers=layers)
-        rt._active = handle
-        rt._emit(SessionResumed(session_id=session_id, layers=layers))
+        core.active = handle
+        rt.emit(SessionResumed(session_id=session_id, layers=layers))
         return handle
 
     async def find(self, session_id: str) -> Session | None:
         row = await self._rt.store.get_session(session_id)
         return None if row is None or row.deleted else row
 
-    async def list(self, *, include_deleted: bool = False) -> list[Session]:
+    async def list(self, *, include_deleted: bool = False) -> builtins.list[Session]:
         return await self._rt.store.list_sessions(include_deleted=include_deleted)
 
     async def messages(self, session_id: str) -> builtins.list[Message]:
         """The session's current transcript, in order."""
-        session = await self._rt._load_session(session_id)
+        session = await self._core.session(session_id)
         return await self._rt.store.get_messages(session.state.message_ids)
 
     async def save(self, session: Session) -> Session:
-        """Persist an explicit change to a session row (title, jobs, artifacts...).
+        """Persist an explicit change to a session row (title, tools, state...).
 
         Provider and model cannot change (``SessionLocked``). Returns the stored version.
         """
-        rt = self._rt
-        current = await rt._load_session(session.id)
-        if (session.provider, session.model) != (current.provider, current.model):
-            raise SessionLocked("provider and model are locked; create a new session instead")
-        updated = rt._bump(session, base=current)
-        saved = rt._new_event(updated, "session.saved", {"title": updated.title})
-        await rt._write([saved, updated])
-        return updated
+
+        def save(current: Session) -> SessionChange:
+            if (session.provider, session.model) != (current.provider, current.model):
+                raise SessionLocked("provider and model are locked; create a new session instead")
+            row = msgspec.structs.replace(
+                current, title=session.title, tools=session.tools, state=session.state
+            )
+            event = self._core.draft_event(session.id, "session.saved", {"title": row.title})
+            return SessionChange(row=row, events=[event])
+
+        result = await self._core.write([(session.id, existing(save))])
+        return result.sessions[session.id]
 
     async def rename(self, session_id: str, title: str) -> Session:
-        current = await self._rt._load_session(session_id)
-        return await self.save(msgspec.structs.replace(current, title=title))
+        """Set the title of the session as it is now (concurrent edits are not undone)."""
+
+        def rename(current: Session) -> SessionChange:
+            event = self._core.draft_event(session_id, "session.saved", {"title": title})
+            return SessionChange(row=msgspec.structs.replace(current, title=title), events=[event])
+
+        result = await self._core.write([(session_id, existing(rename))])
+        return result.sessions[session_id]
 
     async def update_provider_model(self, session_id: str, provider: str, model: str) -> None:
         """Always refused: a different provider or model means a new session."""
@@ -197,27 +248,67 @@ class SessionsFacet:
         )
 
     async def delete(self, session_id: str) -> SessionDeleteReceipt:
-        """Tombstone the session, drop its checkpoints; audit rows stay (append-only)."""
-        rt = self._rt
-        row = await rt.store.get_session(session_id)
-        if row is None or row.deleted:
+        """Delete a session and its contents, here and, through sync, on every device.
+
+        The row becomes a tombstone (so the delete syncs) and the session's messages,
+        checkpoints and artifact updates are removed; its event log (with a
+        ``session.deleted`` event) and audit rows stay: the log and the ledger are
+        append-only. ``removed_from_cache`` says whether this runtime had the session loaded.
+        """
+        core = self._core
+        was_loaded = core.cached(session_id) or (
+            core.active is not None and core.active.id == session_id
+        )
+        found = await self._rt.store.get_session(session_id)
+        checkpoints = (
+            len(await self._rt.store.list_checkpoints(session_id)) if found is not None else 0
+        )
+
+        def delete(current: Session | None) -> SessionChange | None:
+            if current is None or current.deleted:
+                return None
+            tomb = msgspec.structs.replace(
+                current, deleted=True, state=SessionState(), head_checkpoint_id=None
+            )
+            event = core.draft_event(session_id, "session.deleted", {})
+            return SessionChange(row=tomb, events=[event], purge=True)
+
+        result = await core.write([(session_id, delete)])
+        if session_id not in result.sessions:
             return SessionDeleteReceipt(
                 deleted=False, session_id=session_id, removed_from_cache=False
             )
-        checkpoints = await rt.store.list_checkpoints(session_id)
-        tomb = rt._bump(msgspec.structs.replace(row, deleted=True), base=row)
-        deleted_event = rt._new_event(tomb, "session.deleted", {})
-        await rt._write([deleted_event, tomb], purge_checkpoints_for=[session_id])
-        removed = rt._cache.pop(session_id, None) is not None
-        rt._event_heads.pop(session_id, None)
-        if rt._active is not None and rt._active.id == session_id:
-            rt._active = None
         return SessionDeleteReceipt(
             deleted=True,
             session_id=session_id,
-            removed_from_cache=removed,
-            checkpoints_removed=len(checkpoints),
+            removed_from_cache=was_loaded,
+            checkpoints_removed=checkpoints,
         )
+
+
+def _lineage_overlay(
+    row: Session, checkpoints: builtins.list[Checkpoint]
+) -> tuple[str, builtins.list[str]] | None:
+    """The newest checkpoint that descends from the row's head and extends its transcript,
+    as ``(checkpoint_id, message_ids)``; None when the row is already at its lineage's tip."""
+    if row.head_checkpoint_id is None or not checkpoints:
+        return None
+    by_id = {c.id: c for c in checkpoints}
+    best: tuple[str, builtins.list[str]] | None = None
+    best_hlc = ""
+    for cp in checkpoints:
+        if cp.id == row.head_checkpoint_id or cp.hlc <= best_hlc:
+            continue
+        ancestor, steps = cp.parent_id, 0
+        while ancestor is not None and ancestor != row.head_checkpoint_id and steps < len(by_id):
+            parent = by_id.get(ancestor)
+            ancestor, steps = (parent.parent_id if parent else None), steps + 1
+        if ancestor != row.head_checkpoint_id:
+            continue
+        ids = rebuild_message_ids(cp.id, by_id)
+        if ids[: len(row.state.message_ids)] == row.state.message_ids:
+            best, best_hlc = (cp.id, ids), cp.hlc
+    return best
 
 
 def hydrate(events: list[Event]) -> dict[str, Any]:
@@ -291,7 +382,8 @@ class SessionRuntime:
     """One user's sessions on this device. Use ``async with SessionRuntime(...) as rt``.
 
     With no arguments: a non-durable ``MemoryAdapter`` (a warning is logged once), user
-    ``"anonymous"`` and a generated client id that the store keeps.
+    ``"anonymous"`` and a generated client id that the store keeps. The device's state (clock,
+    chain heads, caches, the write path) belongs to ``rt.core`` (a ``DeviceCore``).
     """
 
     def __init__(
@@ -318,11 +410,8 @@ class SessionRuntime:
                     "Pass SQLiteAdapter(path) for a durable device store."
                 )
         self.store: StorageAdapter = storage
+        self.core = DeviceCore(storage, org_id=org_id, user_id=user_id, client_id=client_id)
         self._provider = provider
-        self.user_id = user_id
-        self.org_id = org_id
-        self._requested_client_id = client_id
-        self.client_id = client_id or ""
         if isinstance(tools, ToolRegistry):
             self.tools = tools
         else:
@@ -340,34 +429,29 @@ class SessionRuntime:
         self.checkpoints = CheckpointsFacet(self)
         self.audit = AuditFacet(self)
         self.artifacts = ArtifactsFacet(self)
-        self._clock = HybridClock("pending")
-        self._cache: dict[str, Session] = {}
-        self._event_heads: dict[str, tuple[int, str]] = {}
-        self._histories: dict[str, tuple[list[str], list[Message]]] = {}
-        self._audit_head: tuple[int, str] = (0, "")
-        self._active: SessionHandle | None = None
-        self._turn_locks: dict[str, asyncio.Lock] = {}
         self._opened = False
         from .sync import SyncFacet  # sync builds on the runtime; imported late on purpose
 
         self.sync = SyncFacet(self)
+        self.core.on_local_write(self.sync.notify_local_write)
+
+    @property
+    def client_id(self) -> str:
+        return self.core.client_id
+
+    @property
+    def org_id(self) -> str:
+        return self.core.org_id
+
+    @property
+    def user_id(self) -> str:
+        return self.core.user_id
 
     # -- lifecycle ------------------------------------------------------------------------
     async def open(self) -> SessionRuntime:
         if self._opened:
             return self
-        await self.store.open()
-        stored = await self.store.get_meta("client_id")
-        if stored is None:
-            self.client_id = self._requested_client_id or uuid7()
-            await self.store.set_meta("client_id", self.client_id)
-        else:
-            self.client_id = stored
-        self._clock = HybridClock(self.client_id, last=await self.store.get_meta("hlc"))
-        head = await self.store.get_meta(f"audit_head:{self.client_id}")
-        if head:
-            seq, _, digest = head.partition(":")
-            self._audit_head = (int(seq), digest)
+        await self.core.open()
         self._opened = True
         return self
 
@@ -400,7 +484,7 @@ class SessionRuntime:
         return await self.sessions.delete(session_id)
 
     def get_active_session(self) -> SessionHandle | None:
-        return self._active
+        return self.core.active
 
     async def execute_message(
         self, session_id: str, content: str, *, abort: asyncio.Event | None = None
@@ -411,14 +495,13 @@ class SessionRuntime:
         the partial turn is still committed and accounted. Close the generator when you stop
         early: ``async with contextlib.aclosing(rt.execute_message(...)) as events``.
         """
-        lock = self._turn_locks.setdefault(session_id, asyncio.Lock())
-        async with lock:
+        async with self.core.turn_lock(session_id):
             turn = cast(
                 AsyncGenerator[StreamEventBase, None], run_turn(self, session_id, content, abort)
             )
             try:
                 async for event in turn:
-                    self._emit(event)
+                    self.emit(event)
                     yield event
             finally:
                 await turn.aclose()
@@ -437,14 +520,14 @@ class SessionRuntime:
     def default_provider_name(self) -> str:
         return self._provider.name if self._provider is not None else DEFAULT_PROVIDER
 
-    # -- internals used by the turn, the facets and sync ------------------------------------
-    def _emit(self, event: StreamEventBase) -> None:
+    def emit(self, event: StreamEventBase) -> None:
+        """Deliver a stream event to stream subscribers and the event bus."""
         self.stream.emit(event)
         self.bus.emit(event)
 
-    def _provider_for(self, session: Session) -> Provider:
-        from shared.errors import ProviderError
-
+    def provider_for(self, session: Session) -> Provider:
+        """The provider for a turn of ``session``; ``ProviderError`` if it is locked to
+        another provider than this runtime's."""
         if self._provider is None:
             from .providers.anthropic import AnthropicProvider
 
@@ -457,180 +540,11 @@ class SessionRuntime:
             )
         return self._provider
 
-    async def _load_session(self, session_id: str) -> Session:
-        cached = self._cache.get(session_id)
-        if cached is not None:
-            return cached
-        row = await self.store.get_session(session_id)
-        if row is None or row.deleted:
-            raise NotFound(f"no session {session_id}")
-        if session_id not in self._event_heads:
-            events = await self.store.list_events(session_id)
-            self._event_heads[session_id] = (
-                (events[-1].sequence_number, events[-1].row_hash) if events else (0, "")
-            )
-        self._cache[session_id] = row
-        return row
 
-    def _bump(self, session: Session, *, base: Session) -> Session:
-        """``session`` as a new local version after ``base``: vector bumped, stamped now."""
-        now = self._clock.now()
-        return msgspec.structs.replace(
-            session,
-            client_id=self.client_id,
-            hlc=now,
-            updated_at=now,
-            vv=vv_bump(base.vv, self.client_id),
-        )
-
-    def _new_event(self, session: Session, kind: str, payload: dict[str, Any]) -> Event:
-        seq, prev = self._event_heads.get(session.id, (0, ""))
-        event = chain_event(
-            Event(
-                id=uuid7(),
-                session_id=session.id,
-                org_id=session.org_id,
-                user_id=session.user_id,
-                client_id=self.client_id,
-                hlc=self._clock.now(),
-                type=kind,
-                payload=payload,
-            ),
-            prev,
-            seq + 1,
-        )
-        self._event_heads[session.id] = (event.sequence_number, event.row_hash)
-        return event
-
-    def _new_audit(
-        self,
-        *,
-        session: Session,
-        turn_id: str,
-        stage_id: str,
-        seq_within_turn: int,
-        provider: str,
-        request_id: str | None,
-        usage: Usage,
-        latency_ms: float,
-        cost: float | None,
-        outcome: Outcome,
-    ) -> AuditRow:
-        seq, prev = self._audit_head
-        row = chain_audit(
-            AuditRow(
-                id=uuid7(),
-                org_id=self.org_id,
-                user_id=self.user_id,
-                client_id=self.client_id,
-                hlc=self._clock.now(),
-                session_id=session.id,
-                turn_id=turn_id,
-                stage_id=stage_id,
-                seq_within_turn=seq_within_turn,
-                provider=provider,
-                model=session.model,
-                outcome=outcome,
-                usage=usage,
-                request_id=request_id,
-                latency_ms=round(latency_ms, 3),
-                cost_usd=cost,
-                subject_key=self.subject_key,
-                detail={"user_id": self.user_id},
-            ),
-            prev,
-            seq + 1,
-        )
-        self._audit_head = (row.sequence_number, row.row_hash)
-        return row
-
-    def _new_checkpoint(
-        self,
-        session: Session,
-        *,
-        turn_id: str | None,
-        reason: str,
-        appended: list[str],
-        snapshot: list[str] | None = None,
-        parent_id: str | None = None,
-    ) -> Checkpoint:
-        return Checkpoint(
-            id=uuid7(),
-            session_id=session.id,
-            org_id=session.org_id,
-            user_id=session.user_id,
-            client_id=self.client_id,
-            hlc=self._clock.now(),
-            parent_id=parent_id if parent_id is not None else session.head_checkpoint_id,
-            turn_id=turn_id,
-            kind=reason,  # type: ignore[arg-type]
-            appended=appended,
-            snapshot=snapshot,
-        )
-
-    async def _write(self, records: list[Record], **batch: Any) -> None:
-        """Commit records with their outbox rows and the clock, in one transaction."""
-        meta = {
-            "hlc": self._clock.last,
-            f"audit_head:{self.client_id}": f"{self._audit_head[0]}:{self._audit_head[1]}",
-        }
-        try:
-            await self.store.commit(WriteBatch(records=records, meta=meta, **batch))
-        except BaseException:
-            # Chain heads were advanced for rows that did not land: reload them next time.
-            for record in records:
-                if isinstance(record, Event):
-                    self._event_heads.pop(record.session_id, None)
-                    self._cache.pop(record.session_id, None)
-            await self._reload_audit_head()
-            raise
-        self.sync.notify_local_write()
-        for record in records:
-            if isinstance(record, Session):
-                self._cache[record.id] = record
-                if self._active is not None and self._active.id == record.id:
-                    self._active.record = record
-
-    async def _reload_audit_head(self) -> None:
-        head = await self.store.get_meta(f"audit_head:{self.client_id}")
-        seq, _, digest = (head or "0:").partition(":")
-        self._audit_head = (int(seq), digest)
-
-    async def _commit_turn(
-        self,
-        session: Session,
-        messages: list[Message],
-        checkpoint: Checkpoint,
-        events: list[Event],
-        audit: list[AuditRow],
-    ) -> None:
-        # Order matters for sync: referenced records precede the session row in the outbox.
-        before = self._histories.get(session.id)
-        await self._write([*messages, checkpoint, *events, *audit, session])
-        if before is not None:
-            ids, history = before
-            if ids + [m.id for m in messages] == session.state.message_ids:
-                self._remember(session.id, session.state.message_ids, history + messages)
-
-    async def _history(self, session: Session) -> list[Message]:
-        """The session's transcript, from a small per-session cache when it is current.
-
-        A turn needs the whole history to build its request; decoding it from the store on
-        every turn made long sessions slow. The cache is checked against the row's message
-        ids, so a rollback, fork or remote change simply misses it and reloads.
-        """
-        cached = self._histories.get(session.id)
-        if cached is not None and cached[0] == session.state.message_ids:
-            return list(cached[1])
-        history = await self.store.get_messages(session.state.message_ids)
-        self._remember(session.id, session.state.message_ids, history)
-        return list(history)
-
-    def _remember(self, session_id: str, ids: list[str], history: list[Message]) -> None:
-        self._histories.pop(session_id, None)
-        self._histories[session_id] = (list(ids), history)
-        while len(self._histories) > HISTORY_CACHE_SESSIONS:
-            self._histories.pop(next(iter(self._histories)))
-
-
-__all__ = ["SessionHandle", "SessionRuntime", "hydrate"]
+__all__ = [
+    "SessionConfigError",
+    "SessionHandle",
+    "SessionRuntime",
+    "hydrate",
+    "session_config",
+]

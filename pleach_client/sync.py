@@ -23,9 +23,8 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
-from shared.clock import HybridClock, Order, vv_compare
-from shared.errors import ChainError, InvalidState, NotFound, PleachError, SyncError
-from shared.hashchain import chain_event, verify_chain
+from shared.errors import InvalidState, NotFound, PleachError, SyncError
+from shared.ids import uuid7
 from shared.merge import Resolution, resolve_conflicts
 from shared.messages import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -37,11 +36,13 @@ from shared.messages import (
     Welcome,
 )
 from shared.protocol import ClientProtocol
-from shared.records import Change, Event, FeedChange, Record, Session
+from shared.records import AuditRow, Change, Event, FeedChange, Record, Session
 
+from .core import RemoteView, SessionChange
 from .receipts import FlushOutcome
-from .store.base import WriteBatch
+from .store.base import OutboxEntry, TxReader, WriteBatch
 from .stream import SyncApplied, SyncConflict
+from .syncplan import Decision, FailedEntry, Sent, decide_session, rebase, settle
 
 if TYPE_CHECKING:
     from .runtime import SessionRuntime
@@ -50,13 +51,6 @@ log = logging.getLogger("pleach.sync")
 
 SyncState = Literal["connected", "connecting", "offline", "needs-auth"]
 Side = Literal["local", "remote"]
-
-
-class FailedEntry(msgspec.Struct, kw_only=True):
-    client_seq: int
-    code: int | None
-    message: str
-    attempts: int
 
 
 class OutboxFlushReceipt(msgspec.Struct, kw_only=True):
@@ -116,7 +110,7 @@ class _Link:
         for data in self.protocol.data_to_send():
             await self.ws.send(data)
 
-    async def request(self, send: Callable[[], None], timeout: float) -> Frame:
+    async def request(self, send: Callable[[], object], timeout: float) -> Frame:
         """Send one request frame and wait for its answer (answers come in order)."""
         async with self.lock:
             future: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
@@ -179,8 +173,6 @@ class SyncFacet:
         self._apply_lock = asyncio.Lock()
         self._head_cursor = 0
         self._auto = True
-        # Per session: the last canonical event this device holds (filled on first apply).
-        self._canonical_heads: dict[str, tuple[int, str]] = {}
 
     # -- public API ---------------------------------------------------------------------------
     async def connect(self, url: str, token: str, *, auto: bool = True) -> None:
@@ -297,53 +289,65 @@ class SyncFacet:
         chosen side lost, the session and its fork swap contents (both as new versions), so
         every device converges on the choice. Works offline: the swap is queued.
         """
-        rt = self._rt
-        session = await rt._load_session(session_id)
+        core = self._rt.core
+        await core.session(session_id)
         forks = [
             s
-            for s in await rt.store.list_sessions()
+            for s in await self._rt.store.list_sessions()
             if s.conflict_id == conflict_id and s.forked_from == session_id
         ]
         if not forks:
             raise NotFound(f"no fork for conflict {conflict_id} of session {session_id}")
-        fork = forks[0]
-        now = rt._clock.now()
-        if fork.conflict_loser_side != resolution:
+        fork_id = forks[0].id
+        now = core.now()
+        if forks[0].conflict_loser_side != resolution:
             return SyncConflictResolveReceipt(
                 resolved=True,
                 session_id=session_id,
                 conflict_id=conflict_id,
                 resolution=resolution,
                 resolved_at=now,
-                fork_session_id=fork.id,
+                fork_session_id=fork_id,
             )
         flipped: Side = "remote" if resolution == "local" else "local"
-        new_session = rt._bump(
-            msgspec.structs.replace(
-                session,
-                title=fork.title,
-                state=fork.state,
-                head_checkpoint_id=fork.head_checkpoint_id,
-            ),
-            base=session,
-        )
-        new_fork = rt._bump(
-            msgspec.structs.replace(
-                fork,
+        seen: dict[str, Session] = {}
+
+        def look(current: Session | None) -> None:
+            if current is None or current.deleted:
+                raise NotFound(f"session {session_id} was deleted")
+            seen["session"] = current
+
+        def swap_fork(current: Session | None) -> SessionChange:
+            if current is None or current.deleted:
+                raise NotFound(f"fork {fork_id} was deleted")
+            seen["fork"] = current
+            session = seen["session"]
+            row = msgspec.structs.replace(
+                current,
                 title=session.title,
                 state=session.state,
                 head_checkpoint_id=session.head_checkpoint_id,
                 conflict_loser_side=flipped,
-            ),
-            base=fork,
-        )
-        await rt._load_session(fork.id)
-        ev = rt._new_event(
-            new_session,
-            "sync.conflict.resolved",
-            {"conflict_id": conflict_id, "resolution": resolution, "fork_session_id": fork.id},
-        )
-        await rt._write([ev, new_fork, new_session])
+            )
+            return SessionChange(row=row)
+
+        def swap_session(current: Session | None) -> SessionChange:
+            assert current is not None
+            fork = seen["fork"]
+            row = msgspec.structs.replace(
+                current,
+                title=fork.title,
+                state=fork.state,
+                head_checkpoint_id=fork.head_checkpoint_id,
+            )
+            event = core.draft_event(
+                session_id,
+                "sync.conflict.resolved",
+                {"conflict_id": conflict_id, "resolution": resolution, "fork_session_id": fork_id},
+            )
+            return SessionChange(row=row, events=[event])
+
+        await core.write([(session_id, look), (fork_id, swap_fork), (session_id, swap_session)])
         return SyncConflictResolveReceipt(
             resolved=True,
             session_id=session_id,
@@ -351,7 +355,7 @@ class SyncFacet:
             resolution=resolution,
             resolved_at=now,
             swapped=True,
-            fork_session_id=fork.id,
+            fork_session_id=fork_id,
         )
 
     def notify_local_write(self) -> None:
@@ -611,58 +615,34 @@ class SyncFacet:
         )
 
     async def _settle(
-        self, entries: list[Any], ack: PushAck, failed: list[FailedEntry]
+        self, entries: list[OutboxEntry], ack: PushAck, failed: list[FailedEntry]
     ) -> tuple[int, list[ConflictReceipt]]:
-        """Apply one PushAck to the outbox: remove, dead-letter, or keep for resend."""
+        """Apply one PushAck to the outbox (the decision is ``syncplan.settle``)."""
         store = self._rt.store
-        by_seq = {e.client_seq: e for e in entries}
-        done: list[int] = []
-        conflicts: list[ConflictReceipt] = []
-        for result in ack.results:
-            entry = by_seq.get(result.client_seq)
-            if entry is None:
-                continue
-            if result.status == "rejected" and result.code == 3006:
-                continue  # a gap: resent from last_seq + 1 on the next round
-            if result.status == "rejected":
-                await store.outbox_dead_letter(
-                    result.client_seq, result.code or 3007, result.message or "rejected"
-                )
-                failed.append(
-                    FailedEntry(
-                        client_seq=result.client_seq,
-                        code=result.code,
-                        message=result.message or "rejected",
-                        attempts=entry.attempts + 1,
-                    )
-                )
-                continue
-            done.append(result.client_seq)
-            if result.status == "resolved" and result.conflict is not None:
-                conflicts.append(result.conflict)
-        # Anything at or below the server's last_seq is on the server, whatever the result.
-        done.extend(
-            s
-            for s in by_seq
-            if s <= ack.last_seq and s not in done and not any(f.client_seq == s for f in failed)
-        )
-        if done:
-            await store.outbox_remove(sorted(set(done)))
-        for receipt in conflicts:
+        plan = settle([Sent(e.client_seq, e.attempts) for e in entries], ack)
+        for client_seq, code, message in plan.dead:
+            await store.outbox_dead_letter(client_seq, code, message)
+        failed.extend(plan.failed)
+        if plan.remove:
+            await store.outbox_remove(plan.remove)
+        for receipt in plan.conflicts:
             await self._record_conflict(receipt)
-        return len(set(done)), conflicts
+        return plan.progress, plan.conflicts
 
     async def _record_conflict(self, receipt: ConflictReceipt) -> None:
         """Log the conflict in the session's event log: it syncs, so every device sees it."""
-        rt = self._rt
-        try:
-            session = await rt._load_session(receipt.session_id)
-        except NotFound:
-            return
+        core = self._rt.core
         payload = msgspec.to_builtins(receipt)
-        ev = rt._new_event(session, "sync.conflict", payload)
-        await rt._write([ev])
-        rt._emit(_conflict_event(receipt))
+
+        def log_conflict(current: Session | None) -> SessionChange | None:
+            if current is None or current.deleted:
+                return None
+            return SessionChange(
+                events=[core.draft_event(receipt.session_id, "sync.conflict", payload)]
+            )
+
+        await core.write([(receipt.session_id, log_conflict)])
+        self._rt.emit(_conflict_event(receipt))
 
     # -- pull and apply ------------------------------------------------------------------------
     async def _pull(self, link: _Link) -> int:
@@ -695,140 +675,132 @@ class SyncFacet:
             self._poke()
 
     async def _apply(self, changes: list[FeedChange], to_cursor: int) -> int:
-        """Apply one page of remote changes in ONE local transaction with the cursor."""
-        async with self._apply_lock:
-            cursor = int(await self._rt.store.get_meta("cursor") or 0)
-            if to_cursor <= cursor and changes:
-                return 0  # already applied (a live page that a pull overtook)
-            return await self._apply_page(changes, max(to_cursor, cursor))
+        """Apply one page of remote changes in ONE local transaction with the cursor.
 
-    async def _apply_page(self, changes: list[FeedChange], to_cursor: int) -> int:
-        rt = self._rt
-        store = rt.store
-        clock: HybridClock = rt._clock
-        records: list[Record] = []
-        sessions_taken: list[Session] = []
-        remote_sessions: dict[str, Session] = {}
-        events_by_session: dict[str, list[Event]] = {}
-        stream_events: list[Any] = []
-        for change in changes:
-            record = change.record
-            try:
-                clock.observe(record.hlc)
-            except PleachError as exc:  # skew or a malformed stamp: apply, but say so
-                log.warning("remote stamp not observed: %s", exc)
-            match record:
-                case Session():
-                    # The server only ever replaces a session id by a dominating version, in
-                    # feed order: the last version of an id in the page is the one to compare.
-                    remote_sessions[record.id] = record
-                case Event():
-                    events_by_session.setdefault(record.session_id, []).append(record)
-                case _:
-                    records.append(record)
-        for record in remote_sessions.values():
-            local = await store.get_session(record.id)
-            if local is not None:
-                order = vv_compare(record.vv, local.vv)
-                if order not in (Order.DOMINATES, Order.EQUAL):
-                    continue  # ours is newer or concurrent: our push settles it
-                if order is Order.EQUAL and local == record:
-                    continue
-            records.append(record)
-            sessions_taken.append(record)
-        locks = [
-            rt._turn_locks.setdefault(sid, asyncio.Lock()) for sid in sorted(events_by_session)
-        ]
-        async with contextlib.AsyncExitStack() as stack:
-            for lock in locks:
-                await stack.enter_async_context(lock)
-            heads: dict[str, tuple[int, str]] = {}
-            canonical_heads: dict[str, tuple[int, str]] = {}
-            for session_id, incoming in events_by_session.items():
-                rebased, head, canonical_head, fresh = await self._rebase(session_id, incoming)
-                canonical_heads[session_id] = canonical_head
-                stream_events.extend(
-                    _conflict_event(msgspec.convert(e.payload, ConflictReceipt))
-                    for e in fresh
-                    if e.type == "sync.conflict" and e.client_id != rt.client_id
-                )
-                records.extend(rebased)
-                heads[session_id] = head
-            await store.commit(
-                WriteBatch(
-                    records=records,
-                    outbox=False,
-                    meta={"cursor": str(to_cursor), "hlc": clock.last},
-                )
-            )
-            rt._event_heads.update(heads)
-            self._canonical_heads.update(canonical_heads)
-        for session in sessions_taken:
-            if session.deleted:
-                rt._cache.pop(session.id, None)
-            else:
-                rt._cache[session.id] = session
-            if rt._active is not None and rt._active.id == session.id:
-                rt._active.record = session
-        touched = {s.id for s in sessions_taken} | set(events_by_session)
-        for sid in touched:
-            rt._emit(SyncApplied(session_id=sid, records=len(changes)))
-        for ev in stream_events:
-            rt._emit(ev)
-        self._poke()
-        return len(changes)
-
-    async def _rebase(
-        self, session_id: str, incoming: list[Event]
-    ) -> tuple[list[Event], tuple[int, str], tuple[int, str], list[Event]]:
-        """Merge canonical events into a session's log and rebase the provisional tail.
-
-        Returns the rows to write, the new head of the whole log, the new canonical head and
-        the events seen for the first time. The canonical chain is verified first, from the
-        canonical head this device already holds; a chain that fails is refused (ChainError)
-        and nothing of the page is applied. After the first page of a session only the
-        provisional tail is read, not the whole log.
+        Decided inside the write (``syncplan.decide_session`` and ``syncplan.rebase`` on the
+        rows as they are under the lock), so a turn committing meanwhile is never
+        overwritten and a page that a pull already overtook is a no-op.
         """
-        store = self._rt.store
-        cached = self._canonical_heads.get(session_id)
-        if cached is None:
-            existing = await store.list_events(session_id)
+        rt = self._rt
+        emitted: list[Any] = []
+
+        async def plan(tx: TxReader, view: RemoteView) -> tuple[WriteBatch | None, int]:
+            cursor = int(await tx.get_meta("cursor") or 0)
+            if to_cursor <= cursor and changes:
+                return None, 0  # already applied (a live page that a pull overtook)
+            batch = await _plan_page(tx, view, changes, emitted)
+            batch.meta = {**batch.meta, "cursor": str(max(to_cursor, cursor))}
+            return batch, len(changes)
+
+        _, applied = await rt.core.transact_remote(plan)
+        for event in emitted:
+            rt.emit(event)
+        self._poke()
+        return int(applied)
+
+
+async def _plan_page(
+    tx: TxReader, view: RemoteView, changes: list[FeedChange], emitted: list[Any]
+) -> WriteBatch:
+    """The writes for one page of remote changes, decided from the rows under the lock."""
+    records: list[Record] = []
+    queued: list[Record] = []
+    purge: list[str] = []
+    remote_sessions: dict[str, Session] = {}
+    events_by_session: dict[str, list[Event]] = {}
+    contents: list[Record] = []
+    for change in changes:
+        record = change.record
+        try:
+            view.clock.observe(record.hlc)
+        except PleachError as exc:  # skew or a malformed stamp: apply, but say so
+            log.warning("remote stamp not observed: %s", exc)
+        match record:
+            case Session():
+                # The server only ever replaces a session id by a dominating version, in feed
+                # order: the last version of an id in the page is the one to compare.
+                remote_sessions[record.id] = record
+            case Event():
+                events_by_session.setdefault(record.session_id, []).append(record)
+            case AuditRow():
+                records.append(record)
+            case _:
+                contents.append(record)
+    touched: set[str] = set()
+    for remote in remote_sessions.values():
+        local = await view.row(tx, remote.id)
+        decision = decide_session(local, remote)
+        if decision is Decision.KEEP:
+            continue
+        records.append(remote)
+        view.rows[remote.id] = remote
+        touched.add(remote.id)
+        if remote.deleted:
+            purge.append(remote.id)
+            view.purged.append(remote.id)
+        if decision is Decision.FORK_LOCAL and local is not None:
+            fork = view.stamp(
+                msgspec.structs.replace(
+                    local,
+                    id=uuid7(),
+                    vv={},
+                    forked_from=local.id,
+                    conflict_id=uuid7(),
+                    conflict_loser_side="local",
+                ),
+                base=None,
+            )
+            queued.append(fork)
+            view.rows[fork.id] = fork
+            touched.add(fork.id)
+    # Contents of a deleted session are not kept (the delete cascade).
+    for record in contents:
+        session_id = getattr(record, "session_id", None)
+        if session_id is not None:
+            row = await view.row(tx, session_id)
+            if row is not None and row.deleted:
+                continue
+        records.append(record)
+    for session_id, incoming in events_by_session.items():
+        known = view.canonical_head(session_id)
+        if known is None:
+            existing = await tx.list_events(session_id)
             verified = sorted((e for e in existing if e.canonical), key=_seq)
             head = (verified[-1].sequence_number, verified[-1].row_hash) if verified else (0, "")
             tail = [e for e in existing if not e.canonical]
+            genesis = ""
         else:
-            head, verified = cached, []
+            head, verified, genesis = known, [], known[1]
             tail = [
                 e
-                for e in await store.list_events(session_id, from_sequence=cached[0] + 1)
+                for e in await tx.list_events(session_id, from_sequence=known[0] + 1)
                 if not e.canonical
             ]
-        # Pages may overlap (a live page and a pull): what is at or below the head is known.
-        new = sorted((e for e in incoming if e.sequence_number > head[0]), key=_seq)
-        contiguous = [e.sequence_number for e in new] == list(
-            range(head[0] + 1, head[0] + 1 + len(new))
+        placed = rebase(
+            session_id, incoming, known_head=head, verified=verified, tail=tail, genesis=genesis
         )
-        chain = verified + new
-        report = verify_chain(chain, genesis=head[1] if cached else "")
-        if not report.ok or not contiguous:
-            index = report.first_bad_index if not report.ok else len(verified)
-            raise ChainError(
-                f"pulled event chain of session {session_id} does not verify at index "
-                f"{index}: {report.reason or 'sequence numbers are not contiguous'}",
-                index=index,
-            )
-        canonical_head = (new[-1].sequence_number, new[-1].row_hash) if new else head
-        placed_ids = {e.id for e in new}
-        fresh = [e for e in new if e.id not in {t.id for t in tail}]
-        seq, prev = canonical_head
-        out = list(new)
-        for event in sorted((e for e in tail if e.id not in placed_ids), key=_seq):
-            seq += 1
-            placed = chain_event(event, prev, seq)
-            prev = placed.row_hash
-            if placed != event:
-                out.append(placed)
-        return out, (seq, prev), canonical_head, fresh
+        view.canonical_heads[session_id] = placed.canonical_head
+        view.heads[session_id] = placed.head
+        records.extend(placed.out)
+        touched.add(session_id)
+        emitted.extend(
+            _conflict_event(receipt)
+            for e in placed.fresh
+            if e.type == "sync.conflict"
+            and e.client_id != view.client_id
+            and (receipt := _receipt(e)) is not None
+        )
+    emitted[:0] = [SyncApplied(session_id=sid, records=len(changes)) for sid in sorted(touched)]
+    return WriteBatch(records=records, outbox=False, purge_sessions=purge, queued=queued)
+
+
+def _receipt(event: Event) -> ConflictReceipt | None:
+    """The receipt in a ``sync.conflict`` event; None (and a warning) if a peer sent junk."""
+    try:
+        return msgspec.convert(event.payload, ConflictReceipt)
+    except msgspec.ValidationError as exc:
+        log.warning("sync.conflict event %s has a malformed payload: %s", event.id, exc)
+        return None
 
 
 def _seq(event: Event) -> int:

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from shared.clock import vv_bump
-from shared.errors import ProviderError, ToolError
+from shared.errors import NotFound, ProviderError, ToolError
 from shared.ids import uuid7
-from shared.records import AuditRow, Event, Message, Outcome, Session, Usage
+from shared.records import AuditRow, Checkpoint, Event, Message, Outcome, Session, Usage
 
+from .core import SessionChange
 from .providers.base import (
     BlockStop,
     MessageDelta,
@@ -137,11 +137,12 @@ async def run_turn(
     content: str,
     abort: asyncio.Event | None,
 ) -> AsyncIterator[StreamEventBase]:
-    session = await rt._load_session(session_id)
+    core = rt.core
+    session = await core.session(session_id)
     turn_id = uuid7()
     writes = _TurnWrites()
-    history = await rt._history(session)
-    provider = rt._provider_for(session)
+    history = await core.history(session)
+    provider = rt.provider_for(session)
     tool_specs = rt.tools.specs(session.tools)
     outcome = "ok"
     totals = {"input": 0, "output": 0}
@@ -154,7 +155,7 @@ async def run_turn(
     )
 
     def event(kind: str, payload: dict[str, Any]) -> None:
-        writes.events.append(rt._new_event(session, kind, payload))
+        writes.events.append(core.draft_event(session.id, kind, payload))
 
     def add_message(role: str, blocks: list[dict[str, Any]], **extra: Any) -> Message:
         message = Message(
@@ -162,8 +163,8 @@ async def run_turn(
             session_id=session.id,
             org_id=session.org_id,
             user_id=session.user_id,
-            client_id=rt.client_id,
-            hlc=rt._clock.now(),
+            client_id=core.client_id,
+            hlc=core.now(),
             role=role,  # type: ignore[arg-type]
             content=blocks,
             turn_id=turn_id,
@@ -196,17 +197,25 @@ async def run_turn(
         totals["input"] += usage.input_tokens
         totals["output"] += usage.output_tokens
         writes.audit.append(
-            rt._new_audit(
-                session=session,
+            AuditRow(
+                id=uuid7(),
+                org_id=core.org_id,
+                user_id=core.user_id,
+                client_id=core.client_id,
+                hlc=core.now(),
+                session_id=session.id,
                 turn_id=turn_id,
                 stage_id="tool-loop" if c.seq < rt.max_tool_iterations else "synthesis",
                 seq_within_turn=c.seq,
                 provider=provider.name,
-                request_id=c.request_id,
-                usage=usage,
-                latency_ms=(time.monotonic() - c.started) * 1000.0,
-                cost=cost,
+                model=session.model,
                 outcome=Outcome(status=status, code=code, message=message),  # type: ignore[arg-type]
+                usage=usage,
+                request_id=c.request_id,
+                latency_ms=round((time.monotonic() - c.started) * 1000.0, 3),
+                cost_usd=cost,
+                subject_key=rt.subject_key,
+                detail={"user_id": core.user_id},
             )
         )
 
@@ -304,8 +313,8 @@ async def run_turn(
                 session_id=session.id,
                 org_id=session.org_id,
                 user_id=session.user_id,
-                client_id=rt.client_id,
-                hlc=rt._clock.now(),
+                client_id=core.client_id,
+                hlc=core.now(),
                 role="assistant",
                 content=stop.content,
                 turn_id=turn_id,
@@ -502,31 +511,49 @@ async def _finish(
     # Empty tool-result holders (an abort before any tool ran) carry no content: drop them.
     writes.messages = [m for m in writes.messages if m.content]
     final = "user-aborted" if aborted else outcome
-    checkpoint = rt._new_checkpoint(
-        session,
-        turn_id=turn_id,
-        reason="aborted" if aborted else "turn",
-        appended=[m.id for m in writes.messages],
-    )
+    core = rt.core
+    appended = [m.id for m in writes.messages]
+    checkpoint_id = uuid7()
+    kind = "aborted" if aborted else "turn"
     event(
         "checkpoint.created",
-        {"checkpoint_id": checkpoint.id, "turn_id": turn_id, "reason": checkpoint.kind},
+        {"checkpoint_id": checkpoint_id, "turn_id": turn_id, "reason": kind},
     )
     event("turn.complete", {"turn_id": turn_id, "outcome": final})
-    updated = msgspec.structs.replace(
-        session,
-        client_id=rt.client_id,
-        hlc=rt._clock.now(),
-        vv=vv_bump(session.vv, rt.client_id),
-        state=msgspec.structs.replace(
-            session.state,
-            message_ids=session.state.message_ids + [m.id for m in writes.messages],
+    placed: list[Checkpoint] = []
+
+    def commit_turn(current: Session | None) -> SessionChange:
+        """The turn onto the session as it is NOW: its messages follow whatever the row
+        holds at commit time (a remote page or another process may have added to it)."""
+        if current is None:
+            raise NotFound(f"session {session.id} does not exist")
+        if current.deleted:
+            # Deleted while the turn ran: the delete wins; the log and the ledger keep the turn.
+            return SessionChange(events=writes.events)
+        checkpoint = core.draft_checkpoint(
+            session.id,
+            parent_id=current.head_checkpoint_id,
+            turn_id=turn_id,
+            kind=kind,
+            appended=appended,
+            checkpoint_id=checkpoint_id,
+        )
+        placed[:] = [checkpoint]
+        state = msgspec.structs.replace(
+            current.state,
+            message_ids=current.state.message_ids + appended,
             pending_tool_calls=[],
-        ),
-        head_checkpoint_id=checkpoint.id,
-    )
-    updated = msgspec.structs.replace(updated, updated_at=updated.hlc)
-    await rt._commit_turn(updated, writes.messages, checkpoint, writes.events, writes.audit)
+        )
+        row = msgspec.structs.replace(current, state=state, head_checkpoint_id=checkpoint.id)
+        return SessionChange(row=row, records=[*writes.messages, checkpoint], events=writes.events)
+
+    result = await core.write([(session.id, commit_turn)], audit=writes.audit)
+    updated = result.sessions.get(session.id)
+    if updated is not None:
+        core.remember_turn(session, updated, writes.messages)
+    checkpoint = placed[0] if placed and updated is not None else None
+    if checkpoint is None:
+        return out
     out.append(
         CheckpointCreated(
             session_id=session.id,

@@ -293,16 +293,25 @@ async def test_resume_overlays_a_newer_checkpoint_only(runtime: SessionRuntime) 
     await run(runtime, handle.id, "one")
     row = await runtime.store.get_session(handle.id)
     assert row is not None
-    # A crash that landed a checkpoint but lost the row write: the checkpoint is newer.
-    extra = runtime._new_checkpoint(row, turn_id=None, reason="turn", appended=["m-x"])
+    # A crash that landed a checkpoint but lost the row write: the checkpoint is newer and
+    # descends from the row's head.
+    extra = runtime.core.draft_checkpoint(
+        handle.id, parent_id=row.head_checkpoint_id, turn_id=None, kind="turn", appended=["m-x"]
+    )
     await runtime.store.commit(WriteBatch(records=[extra], outbox=False))
     resumed = await runtime.resume_session(handle.id)
     assert "checkpoint" in resumed.layers and resumed.message_ids[-1] == "m-x"
-    # A fresher row is never rolled back by an older checkpoint.
-    fresh = runtime._bump(row, base=row)
-    await runtime.store.commit(WriteBatch(records=[fresh], outbox=False))
+    assert resumed.message_ids[:-1] == row.state.message_ids
+    # The overlay is a new local version: the next turn builds on it.
+    stored = await runtime.store.get_session(handle.id)
+    assert stored is not None and stored.head_checkpoint_id == extra.id
+    # A newer checkpoint of another branch (a sibling of the head) is never overlaid.
+    sibling = runtime.core.draft_checkpoint(
+        handle.id, parent_id=row.head_checkpoint_id, turn_id=None, kind="turn", appended=["m-y"]
+    )
+    await runtime.store.commit(WriteBatch(records=[sibling], outbox=False))
     resumed = await runtime.resume_session(handle.id)
-    assert "checkpoint" not in resumed.layers and resumed.message_ids == row.state.message_ids
+    assert "checkpoint" not in resumed.layers and resumed.message_ids[-1] == "m-x"
 
 
 async def test_delete_cascades_checkpoints_keeps_audit(runtime: SessionRuntime) -> None:

@@ -9,6 +9,7 @@ delete, only ``gdpr_soft_delete``. Implementations: ``MemoryAdapter`` (non-durab
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Protocol, Self, runtime_checkable
 
@@ -32,13 +33,37 @@ class WriteBatch(msgspec.Struct, kw_only=True):
     its provisional place is rebased; other kinds are immutable and re-inserting is a no-op).
     With ``outbox`` true, each record also gets an outbox row with the next ``client_seq``.
     ``meta`` sets ``sync_state`` keys (``hlc``, ``cursor``, ...) in the same transaction.
-    ``purge_checkpoints_for`` deletes every checkpoint of those session ids (delete cascade).
+    ``purge_checkpoints_for`` deletes every checkpoint of those session ids.
+    ``purge_sessions`` deletes the contents of those sessions (messages, checkpoints, artifact
+    updates) and any of their outbox rows not yet sent: the delete cascade. The session row
+    (its tombstone), its event log and audit rows stay. The purge runs before ``records`` are
+    written, so a batch may purge a session and write its tombstone.
+    ``queued`` records are written and always get outbox rows, whatever ``outbox`` says (a
+    remote page that also produces a local write, such as a fork keeping a local version).
     """
 
     records: list[Record] = []
     outbox: bool = True
     meta: dict[str, str] = {}
     purge_checkpoints_for: list[str] = []
+    purge_sessions: list[str] = []
+    queued: list[Record] = []
+
+
+class TxReader(Protocol):
+    """Reads inside a write transaction (``StorageAdapter.transact``): they see the file as
+    it is under the write lock, including other processes' commits."""
+
+    async def get_meta(self, key: str) -> str | None: ...
+    async def get_session(self, session_id: str) -> Session | None: ...
+    async def event_head(self, session_id: str) -> tuple[int, str]:
+        """``(sequence_number, row_hash)`` of the session's last event; ``(0, "")`` if none."""
+        ...
+
+    async def list_events(self, session_id: str, *, from_sequence: int = 0) -> list[Event]: ...
+
+
+Plan = Callable[[TxReader], Awaitable[WriteBatch | None]]
 
 
 class OutboxEntry(msgspec.Struct, kw_only=True):
@@ -84,6 +109,12 @@ class StorageAdapter(Protocol):
 
     # -- writes ---------------------------------------------------------------------------
     async def commit(self, batch: WriteBatch) -> CommitReceipt: ...
+    async def transact(self, plan: Plan) -> CommitReceipt:
+        """Take the write lock, call ``plan(reader)`` and commit the batch it returns, all in
+        ONE transaction; ``None`` writes nothing. ``plan`` must only await the reader (it runs
+        while the lock is held): decide from what it reads, then return the writes."""
+        ...
+
     async def gdpr_soft_delete(self, subject_key: str) -> int:
         """Clear identifying fields of audit rows with ``subject_key``; returns rows touched."""
         ...

@@ -11,6 +11,7 @@ No method awaits anything, so each one is atomic with respect to other tasks.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from shared.records import (
 )
 from shared.resource import AsyncResource
 
-from .base import CommitReceipt, DeadLetter, OutboxEntry, WriteBatch
+from .base import CommitReceipt, DeadLetter, OutboxEntry, Plan, WriteBatch
 
 __all__ = ["MemoryAdapter"]
 
@@ -148,6 +149,7 @@ class MemoryAdapter(AsyncResource):
         self._dead: dict[int, _DeadRow] = {}
         self._meta: dict[str, str] = {}
         self._last_seq = 0
+        self._write_lock = asyncio.Lock()
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -172,32 +174,75 @@ class MemoryAdapter(AsyncResource):
         """Write the batch all-or-nothing; raises ``StorageError`` and changes nothing if any
         record cannot be encoded or a meta value is not a string."""
         self._check_open()
+        return self._apply(batch)
+
+    async def transact(self, plan: Plan) -> CommitReceipt:
+        """Call ``plan`` with this store as its reader, then write its batch; transactions
+        run one at a time."""
+        self._check_open()
+        async with self._write_lock:
+            batch = await plan(self)
+            self._check_open()
+            return CommitReceipt(client_seqs=[], records=0) if batch is None else self._apply(batch)
+
+    async def event_head(self, session_id: str) -> tuple[int, str]:
+        self._check_open()
+        rows = self._events.group(session_id)
+        if not rows:
+            return (0, "")
+        event = _decode(_EVENT, rows[-1][1].body)
+        return (event.sequence_number, event.row_hash)
+
+    def _apply(self, batch: WriteBatch) -> CommitReceipt:
         encoded: list[tuple[Record, bytes]] = []
-        for record in batch.records:
-            if not isinstance(record, _KINDS):
-                raise StorageError(f"commit failed: not a record: {type(record).__name__}")
-            try:
-                encoded.append((record, encode_record(record)))
-            except (TypeError, OverflowError, msgspec.EncodeError) as exc:
-                raise StorageError(
-                    f"commit failed: cannot encode {type(record).__name__} {record.id!r}: {exc}"
-                ) from exc
+        queued: list[tuple[Record, bytes]] = []
+        for target, records in ((encoded, batch.records), (queued, batch.queued)):
+            for record in records:
+                if not isinstance(record, _KINDS):
+                    raise StorageError(f"commit failed: not a record: {type(record).__name__}")
+                try:
+                    target.append((record, encode_record(record)))
+                except (TypeError, OverflowError, msgspec.EncodeError) as exc:
+                    raise StorageError(
+                        f"commit failed: cannot encode {type(record).__name__} {record.id!r}: {exc}"
+                    ) from exc
         for key, value in batch.meta.items():
             if not isinstance(key, str) or not isinstance(value, str):
                 raise StorageError(f"commit failed: meta {key!r} must map str to str")
 
         # Nothing below can fail: the batch is applied whole.
-        for record, body in encoded:
+        for session_id in batch.purge_sessions:
+            self._purge_session(session_id)
+        for record, body in encoded + queued:
             self._put(record, body)
         for session_id in batch.purge_checkpoints_for:
             self._checkpoints.drop_group(session_id)
         seqs: list[int] = []
-        if batch.outbox:
-            now = time.time()
-            for record, body in encoded:
-                seqs.append(self._enqueue(record, body, now))
+        now = time.time()
+        for record, body in (encoded if batch.outbox else []) + queued:
+            seqs.append(self._enqueue(record, body, now))
         self._meta.update(batch.meta)
-        return CommitReceipt(client_seqs=seqs, records=len(encoded))
+        return CommitReceipt(client_seqs=seqs, records=len(encoded) + len(queued))
+
+    def _purge_session(self, session_id: str) -> None:
+        gone: set[bytes] = set()
+        for message_id, body in list(self._messages.items()):
+            if _decode(_MESSAGE, body).session_id == session_id:
+                gone.add(body)
+                del self._messages[message_id]
+        for index in (self._checkpoints, self._artifacts):
+            for row_id, row in list(index.rows.items()):
+                child = _decode(_RECORD, row.body)
+                if (
+                    isinstance(child, Checkpoint | ArtifactUpdate)
+                    and child.session_id == session_id
+                ):
+                    gone.add(row.body)
+                    index.rows.pop(row_id)
+                    index.groups.get(row.group, set()).discard(row_id)
+        for seq, outbox_row in list(self._outbox.items()):
+            if outbox_row.body is not None and outbox_row.body in gone:
+                del self._outbox[seq]
 
     def _put(self, record: Record, body: bytes) -> None:
         match record:

@@ -39,7 +39,7 @@ from shared.records import (
 )
 from shared.resource import AsyncResource
 
-from .base import CommitReceipt, DeadLetter, OutboxEntry, WriteBatch
+from .base import CommitReceipt, DeadLetter, OutboxEntry, Plan, TxReader, WriteBatch
 
 __all__ = ["SCHEMA_VERSION", "SQLiteAdapter", "Synchronous"]
 
@@ -172,6 +172,10 @@ QUERIES: Final[dict[str, str]] = {
     "get_checkpoint": "SELECT id, body FROM checkpoints WHERE id = ?",
     "list_checkpoints": ("SELECT id, body FROM checkpoints WHERE session_id = ? ORDER BY hlc, id"),
     "get_event": "SELECT id, body FROM events WHERE id = ?",
+    "event_head": (
+        "SELECT id, body FROM events WHERE session_id = ? "
+        "ORDER BY sequence_number DESC, id DESC LIMIT 1"
+    ),
     "list_events": (
         "SELECT id, body FROM events WHERE session_id = ? AND sequence_number >= ? "
         "ORDER BY sequence_number, id"
@@ -336,6 +340,75 @@ async def _immediate(conn: aiosqlite.Connection, action: str) -> AsyncIterator[N
         if isinstance(exc, _DB_ERRORS):
             raise _storage_error(action, exc) from exc
         raise
+
+
+_PURGE_SESSION = (
+    # Queued rows of the contents go first (they are found through the rows themselves).
+    "DELETE FROM outbox WHERE body IS NOT NULL AND record_id IN ("
+    "SELECT id FROM messages WHERE session_id = ?1 "
+    "UNION ALL SELECT id FROM checkpoints WHERE session_id = ?1 "
+    "UNION ALL SELECT id FROM artifact_updates WHERE session_id = ?1)",
+    "DELETE FROM messages WHERE session_id = ?",
+    "DELETE FROM checkpoints WHERE session_id = ?",
+    "DELETE FROM artifact_updates WHERE session_id = ?",
+)
+
+
+async def _write_batch(conn: aiosqlite.Connection, batch: WriteBatch) -> CommitReceipt:
+    groups, outbox = _encode_batch(batch.records)
+    queued_groups, queued_outbox = _encode_batch(batch.queued)
+    for session_id in batch.purge_sessions:
+        for statement in _PURGE_SESSION:
+            await conn.execute(statement, (session_id,))
+    for sql, rows in groups.items():
+        await conn.executemany(sql, rows)
+    for sql, rows in queued_groups.items():
+        await conn.executemany(sql, rows)
+    if batch.purge_checkpoints_for:
+        purge = [(session_id,) for session_id in batch.purge_checkpoints_for]
+        await conn.executemany(_PURGE_CHECKPOINTS, purge)
+    to_queue = (outbox if batch.outbox else []) + queued_outbox
+    seqs: list[int] = []
+    if to_queue:
+        first = await _last_seq(conn) + 1
+        seqs = list(range(first, first + len(to_queue)))
+        now = time.time()
+        await conn.executemany(
+            _ENQUEUE,
+            [
+                (seq, record_id, kind, body, now)
+                for seq, (record_id, kind, body) in zip(seqs, to_queue, strict=True)
+            ],
+        )
+    if batch.meta:
+        await conn.executemany(_PUT_META, list(batch.meta.items()))
+    return CommitReceipt(client_seqs=seqs, records=len(batch.records) + len(batch.queued))
+
+
+class _Reader:
+    """``TxReader`` on the connection that holds the write transaction."""
+
+    def __init__(self, conn: aiosqlite.Connection) -> None:
+        self._conn = conn
+
+    async def get_meta(self, key: str) -> str | None:
+        rows = await _fetch(self._conn, QUERIES["get_meta"], (key,))
+        return str(rows[0][0]) if rows else None
+
+    async def get_session(self, session_id: str) -> Session | None:
+        rows = await _fetch(self._conn, QUERIES["get_session"], (session_id,))
+        return _decode(_SESSION, "sessions", rows[0][0], rows[0][1]) if rows else None
+
+    async def event_head(self, session_id: str) -> tuple[int, str]:
+        rows = await _fetch(self._conn, QUERIES["event_head"], (session_id,))
+        if not rows:
+            return (0, "")
+        event = _decode(_EVENT, "events", rows[0][0], rows[0][1])
+        return (event.sequence_number, event.row_hash)
+
+    async def list_events(self, session_id: str, *, from_sequence: int = 0) -> list[Event]:
+        rows = await _fetch(self._conn, QUERIES["list_events"], (session_id, from_sequence))
+        return [_decode(_EVENT, "events", row_id, body) for row_id, body in rows]
 
 
 class SQLiteAdapter(AsyncResource):
@@ -507,33 +580,31 @@ class SQLiteAdapter(AsyncResource):
     # -- writes ---------------------------------------------------------------------------
 
     async def commit(self, batch: WriteBatch) -> CommitReceipt:
-        """Write the batch in one transaction: records (one executemany per table), then the
-        checkpoint purge, the outbox rows and the meta keys. Raises ``StorageError`` with
-        nothing written on any failure."""
-        groups, outbox = _encode_batch(batch.records)
-        seqs: list[int] = []
-        if not (groups or batch.purge_checkpoints_for or batch.meta):
-            return CommitReceipt(client_seqs=seqs, records=0)
+        """Write the batch in one transaction: the purges, records (one executemany per
+        table), the outbox rows and the meta keys. Raises ``StorageError`` with nothing
+        written on any failure."""
+        if not (
+            batch.records
+            or batch.queued
+            or batch.purge_checkpoints_for
+            or batch.purge_sessions
+            or batch.meta
+        ):
+            return CommitReceipt(client_seqs=[], records=0)
+
+        async def fixed(_: TxReader) -> WriteBatch:
+            return batch
+
+        return await self.transact(fixed)
+
+    async def transact(self, plan: Plan) -> CommitReceipt:
+        """Call ``plan`` under the write lock (``BEGIN IMMEDIATE``: other processes wait, up
+        to ``busy_timeout_ms``) with a reader on the same transaction, then write its batch."""
         async with self._transaction("commit") as conn:
-            for sql, rows in groups.items():
-                await conn.executemany(sql, rows)
-            if batch.purge_checkpoints_for:
-                purge = [(session_id,) for session_id in batch.purge_checkpoints_for]
-                await conn.executemany(_PURGE_CHECKPOINTS, purge)
-            if batch.outbox and outbox:
-                first = await _last_seq(conn) + 1
-                seqs = list(range(first, first + len(outbox)))
-                now = time.time()
-                await conn.executemany(
-                    _ENQUEUE,
-                    [
-                        (seq, record_id, kind, body, now)
-                        for seq, (record_id, kind, body) in zip(seqs, outbox, strict=True)
-                    ],
-                )
-            if batch.meta:
-                await conn.executemany(_PUT_META, list(batch.meta.items()))
-        return CommitReceipt(client_seqs=seqs, records=len(batch.records))
+            batch = await plan(_Reader(conn))
+            if batch is None:
+                return CommitReceipt(client_seqs=[], records=0)
+            return await _write_batch(conn, batch)
 
     async def gdpr_soft_delete(self, subject_key: str) -> int:
         """Clear ``subject_key``, ``request_id`` and ``detail`` of the subject's audit rows and

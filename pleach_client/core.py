@@ -1,0 +1,489 @@
+"""``DeviceCore``: the one owner of a device's state, and its only write path.
+
+The device's state is its store plus what a process keeps of it in memory: the HLC clock, the
+head of each session's event chain (whole log and canonical part), the head of this device's
+audit chain, decoded session rows and transcripts, the active session and the per-session turn
+locks. All of it lives here. Facets, turns and sync ask the core; nothing else keeps a copy.
+
+Every write is ``StorageAdapter.transact``: under the store's write lock (SQLite's ``BEGIN
+IMMEDIATE``, so another process on the same file waits its turn) the core checks the store's
+``generation`` counter; when another process wrote since this one last looked, every cached
+row and head is dropped and re-read inside the same transaction. An edit is a pure function of
+the session's *current* row, so a turn that streamed for a minute appends to the row as it is
+at commit time (a remote page applied meanwhile, another process's turn), never to the row it
+started from: nothing is overwritten, and event and audit chains are extended from their real
+heads. Caches change only after a commit succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from shared.clock import HybridClock, vv_bump, vv_merge
+from shared.errors import NotFound
+from shared.hashchain import chain_audit, chain_event
+from shared.ids import uuid7
+from shared.records import AuditRow, Checkpoint, Event, Message, Record, Session
+
+from .store.base import CommitReceipt, StorageAdapter, TxReader, WriteBatch
+
+GENERATION = "generation"
+HISTORY_CACHE_SESSIONS = 16  # transcripts kept decoded in memory, least recently used dropped
+
+
+@dataclass
+class SessionChange:
+    """What an edit does to one session, decided from its current row.
+
+    ``row`` is the new content (the core stamps it: vector bumped, HLC now); ``None`` leaves
+    the row as it is. ``records`` (messages, checkpoints, artifact updates) are written with
+    it; ``events`` are unchained drafts that the core chains from the session's real head.
+    ``purge`` deletes the session's contents (the delete cascade).
+    """
+
+    row: Session | None = None
+    records: list[Record] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    purge: bool = False
+
+
+Edit = Callable[[Session | None], SessionChange | None]
+
+
+@dataclass
+class WriteResult:
+    """What a write committed: the stamped rows by id, chained events and audit rows."""
+
+    sessions: dict[str, Session]
+    events: list[Event]
+    audit: list[AuditRow]
+    receipt: CommitReceipt
+    purged: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SessionHandle:
+    """A session loaded into the runtime. ``id`` is what every other call takes.
+
+    ``hydrated`` is transient state folded from the event log on resume (turn counts, last
+    outcome, conflicts); it is never written back to the row.
+    """
+
+    id: str
+    record: Session
+    hydrated: dict[str, Any] = field(default_factory=dict)
+    layers: list[str] = field(default_factory=list)
+
+    @property
+    def provider(self) -> str:
+        return self.record.provider
+
+    @property
+    def model(self) -> str:
+        return self.record.model
+
+    @property
+    def title(self) -> str:
+        return self.record.title
+
+    @property
+    def message_ids(self) -> list[str]:
+        return list(self.record.state.message_ids)
+
+
+def existing(edit: Callable[[Session], SessionChange | None]) -> Edit:
+    """An edit that needs the session to exist and not be deleted (``NotFound`` otherwise)."""
+
+    def run(current: Session | None) -> SessionChange | None:
+        if current is None or current.deleted:
+            raise NotFound("session does not exist or was deleted")
+        return edit(current)
+
+    return run
+
+
+class DeviceCore:
+    """The device's clock, chain heads, caches and single write path (see module docstring).
+
+    Opened by ``SessionRuntime.open``; ``client_id`` is the store's (minted on first open).
+    """
+
+    def __init__(
+        self,
+        store: StorageAdapter,
+        *,
+        org_id: str,
+        user_id: str,
+        client_id: str | None = None,
+    ) -> None:
+        self.store = store
+        self.org_id = org_id
+        self.user_id = user_id
+        self._requested_client_id = client_id
+        self.client_id = client_id or ""
+        self.clock = HybridClock("pending")
+        self._generation: str | None = None
+        self._sessions: dict[str, Session] = {}
+        self._event_heads: dict[str, tuple[int, str]] = {}
+        self._canonical_heads: dict[str, tuple[int, str]] = {}
+        self._histories: dict[str, tuple[list[str], list[Message]]] = {}
+        self._audit_head: tuple[int, str] | None = None
+        self._turn_locks: dict[str, asyncio.Lock] = {}
+        self.active: SessionHandle | None = None
+        self._listeners: list[Callable[[], None]] = []
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def open(self) -> None:
+        await self.store.open()
+        stored = await self.store.get_meta("client_id")
+        if stored is None:
+            self.client_id = self._requested_client_id or uuid7()
+            await self.store.set_meta("client_id", self.client_id)
+        else:
+            self.client_id = stored
+        self.clock = HybridClock(self.client_id, last=await self.store.get_meta("hlc"))
+        self._forget()
+
+    def on_local_write(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` after every commit that queued outbox rows."""
+        self._listeners.append(listener)
+
+    # -- reads ------------------------------------------------------------------------------
+    def now(self) -> str:
+        return self.clock.now()
+
+    def turn_lock(self, session_id: str) -> asyncio.Lock:
+        return self._turn_locks.setdefault(session_id, asyncio.Lock())
+
+    async def session(self, session_id: str) -> Session:
+        """The session's current row; ``NotFound`` if it does not exist or was deleted."""
+        await self._check_generation()
+        row = self._sessions.get(session_id)
+        if row is None:
+            row = await self.store.get_session(session_id)
+            if row is not None:
+                self._sessions[session_id] = row
+        if row is None or row.deleted:
+            raise NotFound(f"no session {session_id}")
+        return row
+
+    def cached(self, session_id: str) -> bool:
+        """Whether this process holds the session's row in memory."""
+        return session_id in self._sessions
+
+    async def history(self, session: Session) -> list[Message]:
+        """The session's transcript, from a small per-session cache when it is current.
+
+        The cache is checked against the row's message ids, so a rollback, fork or remote
+        change simply misses it and reloads.
+        """
+        cached = self._histories.get(session.id)
+        if cached is not None and cached[0] == session.state.message_ids:
+            return list(cached[1])
+        history = await self.store.get_messages(session.state.message_ids)
+        self._remember(session.id, session.state.message_ids, history)
+        return list(history)
+
+    # -- drafts -----------------------------------------------------------------------------
+    def draft_event(self, session_id: str, kind: str, payload: dict[str, Any]) -> Event:
+        """An event not yet placed in its chain: the write chains it."""
+        return Event(
+            id=uuid7(),
+            session_id=session_id,
+            org_id=self.org_id,
+            user_id=self.user_id,
+            client_id=self.client_id,
+            hlc=self.clock.now(),
+            type=kind,
+            payload=payload,
+        )
+
+    def draft_checkpoint(
+        self,
+        session_id: str,
+        *,
+        parent_id: str | None,
+        turn_id: str | None,
+        kind: str,
+        appended: list[str],
+        snapshot: list[str] | None = None,
+        checkpoint_id: str | None = None,
+    ) -> Checkpoint:
+        return Checkpoint(
+            id=checkpoint_id or uuid7(),
+            session_id=session_id,
+            org_id=self.org_id,
+            user_id=self.user_id,
+            client_id=self.client_id,
+            hlc=self.clock.now(),
+            parent_id=parent_id,
+            turn_id=turn_id,
+            kind=kind,  # type: ignore[arg-type]
+            appended=appended,
+            snapshot=snapshot,
+        )
+
+    # -- writes -----------------------------------------------------------------------------
+    async def write(
+        self,
+        edits: Iterable[tuple[str, Edit]] = (),
+        *,
+        records: Iterable[Record] = (),
+        audit: Iterable[AuditRow] = (),
+    ) -> WriteResult:
+        """Commit local changes with their outbox rows, in ONE transaction.
+
+        ``edits`` are ``(session_id, edit)``: each edit gets the session's current row (None
+        if absent) and returns a ``SessionChange`` (or None: nothing for that session).
+        ``records`` are immutable records to write as they are; ``audit`` rows are unchained
+        drafts that join this device's audit chain. Raises what an edit raises, with nothing
+        written.
+        """
+        edit_list = list(edits)
+        record_list = list(records)
+        audit_list = list(audit)
+        result: WriteResult | None = None
+        pending: tuple[str, dict[str, tuple[int, str]], tuple[int, str]] | None = None
+
+        async def plan(tx: TxReader) -> WriteBatch:
+            nonlocal result, pending
+            await self._refresh(tx)
+            heads: dict[str, tuple[int, str]] = {}
+            rows: dict[str, Session] = {}
+            contents: list[Record] = list(record_list)
+            events: list[Event] = []
+            purge: list[str] = []
+            for session_id, edit in edit_list:
+                current = rows.get(session_id) or await self._row(tx, session_id)
+                change = edit(current)
+                if change is None:
+                    continue
+                if change.row is not None:
+                    rows[session_id] = self._stamp(change.row, base=current)
+                contents.extend(change.records)
+                if change.purge:
+                    purge.append(session_id)
+                seq, prev = heads.get(session_id) or await self._event_head(tx, session_id)
+                for draft in change.events:
+                    seq += 1
+                    placed = chain_event(draft, prev, seq)
+                    prev = placed.row_hash
+                    events.append(placed)
+                heads[session_id] = (seq, prev)
+            chained: list[AuditRow] = []
+            seq, prev = await self._audit_chain_head(tx)
+            for audit_draft in audit_list:
+                seq += 1
+                audit_row = chain_audit(audit_draft, prev, seq)
+                prev = audit_row.row_hash
+                chained.append(audit_row)
+            generation = _next_generation()
+            meta = {"hlc": self.clock.last, GENERATION: generation}
+            if chained:
+                meta[f"audit_head:{self.client_id}"] = f"{seq}:{prev}"
+            result = WriteResult(
+                sessions=rows,
+                events=events,
+                audit=chained,
+                receipt=CommitReceipt(client_seqs=[], records=0),
+                purged=purge,
+            )
+            pending = (generation, heads, (seq, prev))
+            # Order matters for sync: referenced records precede the session row.
+            return WriteBatch(
+                records=[*contents, *events, *chained, *rows.values()],
+                meta=meta,
+                purge_sessions=purge,
+            )
+
+        try:
+            receipt = await self.store.transact(plan)
+        except BaseException:
+            self._forget()
+            raise
+        assert result is not None and pending is not None
+        result.receipt = receipt
+        generation, heads, audit_head = pending
+        self._generation = generation
+        self._event_heads.update(heads)
+        if result.audit:
+            self._audit_head = audit_head
+        self._took(result.sessions.values(), purged=result.purged)
+        if receipt.client_seqs:
+            for listener in self._listeners:
+                listener()
+        return result
+
+    async def transact_remote(
+        self, plan: Callable[[TxReader, RemoteView], Any]
+    ) -> tuple[CommitReceipt, Any]:
+        """Run a sync plan in one transaction with a view of the core's heads.
+
+        ``plan(tx, view)`` returns ``(batch | None, outcome)``; on success the core adopts what
+        the view recorded (rows taken, new heads) and the outcome is returned.
+        """
+        view = RemoteView(self)
+        outcome: Any = None
+        wrote = False
+        generation = _next_generation()
+
+        async def run(tx: TxReader) -> WriteBatch | None:
+            nonlocal outcome, wrote
+            await self._refresh(tx)
+            batch: WriteBatch | None
+            batch, outcome = await plan(tx, view)
+            if batch is not None:
+                wrote = True
+                batch.meta = {**batch.meta, "hlc": self.clock.last, GENERATION: generation}
+            return batch
+
+        try:
+            receipt = await self.store.transact(run)
+        except BaseException:
+            self._forget()
+            raise
+        if wrote:
+            self._generation = generation
+            self._event_heads.update(view.heads)
+            self._canonical_heads.update(view.canonical_heads)
+            self._took(view.rows.values(), purged=view.purged)
+        if receipt.client_seqs:
+            for listener in self._listeners:
+                listener()
+        return receipt, outcome
+
+    # -- internals --------------------------------------------------------------------------
+    def _stamp(self, row: Session, *, base: Session | None) -> Session:
+        """``row`` as a new local version after ``base``: vector bumped, stamped now."""
+        now = self.clock.now()
+        vv = row.vv if base is None else vv_merge(base.vv, row.vv)
+        return msgspec.structs.replace(
+            row,
+            client_id=self.client_id,
+            hlc=now,
+            updated_at=now,
+            vv=vv_bump(vv, self.client_id),
+        )
+
+    def _took(self, rows: Iterable[Session], *, purged: Iterable[str] = ()) -> None:
+        for row in rows:
+            if row.deleted:
+                self._sessions.pop(row.id, None)
+            else:
+                self._sessions[row.id] = row
+            if self.active is not None and self.active.id == row.id:
+                if row.deleted:
+                    self.active = None
+                else:
+                    self.active.record = row
+        for session_id in purged:
+            self._histories.pop(session_id, None)
+
+    async def _row(self, tx: TxReader, session_id: str) -> Session | None:
+        row = self._sessions.get(session_id)
+        if row is None:
+            row = await tx.get_session(session_id)
+        return row
+
+    async def _event_head(self, tx: TxReader, session_id: str) -> tuple[int, str]:
+        head = self._event_heads.get(session_id)
+        if head is None:
+            head = await tx.event_head(session_id)
+        return head
+
+    async def _audit_chain_head(self, tx: TxReader) -> tuple[int, str]:
+        if self._audit_head is None:
+            stored = await tx.get_meta(f"audit_head:{self.client_id}")
+            seq, _, digest = (stored or "0:").partition(":")
+            self._audit_head = (int(seq), digest)
+        return self._audit_head
+
+    async def _refresh(self, tx: TxReader) -> None:
+        """Inside a write: drop everything cached if another process wrote since."""
+        generation = await tx.get_meta(GENERATION)
+        if generation != self._generation:
+            self._forget()
+            self._generation = generation
+            stored = await tx.get_meta("hlc")
+            if stored:
+                self.clock.observe(stored)
+
+    async def _check_generation(self) -> None:
+        """Outside a write: a cheap look whether another process wrote (caches dropped)."""
+        generation = await self.store.get_meta(GENERATION)
+        if generation != self._generation:
+            self._forget()
+            self._generation = generation
+
+    def _forget(self) -> None:
+        self._generation = None
+        self._sessions.clear()
+        self._event_heads.clear()
+        self._canonical_heads.clear()
+        self._audit_head = None
+
+    def _remember(self, session_id: str, ids: list[str], history: list[Message]) -> None:
+        self._histories.pop(session_id, None)
+        self._histories[session_id] = (list(ids), history)
+        while len(self._histories) > HISTORY_CACHE_SESSIONS:
+            self._histories.pop(next(iter(self._histories)))
+
+    def remember_turn(self, before: Session, after: Session, messages: list[Message]) -> None:
+        """Extend the cached transcript with a committed turn's messages, when it applies."""
+        cached = self._histories.get(before.id)
+        if cached is None:
+            return
+        ids, history = cached
+        if ids + [m.id for m in messages] == after.state.message_ids:
+            self._remember(after.id, after.state.message_ids, history + messages)
+
+
+class RemoteView:
+    """What a sync plan may know and change of the core's state inside its transaction."""
+
+    def __init__(self, core: DeviceCore) -> None:
+        self._core = core
+        self.rows: dict[str, Session] = {}
+        self.heads: dict[str, tuple[int, str]] = {}
+        self.canonical_heads: dict[str, tuple[int, str]] = {}
+        self.purged: list[str] = []
+
+    @property
+    def client_id(self) -> str:
+        return self._core.client_id
+
+    @property
+    def clock(self) -> HybridClock:
+        return self._core.clock
+
+    async def row(self, tx: TxReader, session_id: str) -> Session | None:
+        return self.rows.get(session_id) or await self._core._row(tx, session_id)
+
+    def canonical_head(self, session_id: str) -> tuple[int, str] | None:
+        return self.canonical_heads.get(session_id) or self._core._canonical_heads.get(session_id)
+
+    def stamp(self, row: Session, *, base: Session | None) -> Session:
+        return self._core._stamp(row, base=base)
+
+
+def _next_generation() -> str:
+    # A fresh unique token rather than a counter: it names one commit, so a process that
+    # sees its own last token knows nobody else has written since.
+    return uuid7()
+
+
+__all__ = [
+    "GENERATION",
+    "DeviceCore",
+    "Edit",
+    "RemoteView",
+    "SessionChange",
+    "SessionHandle",
+    "WriteResult",
+    "existing",
+]

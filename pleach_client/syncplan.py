@@ -1,0 +1,209 @@
+"""The sync client's decisions, as pure functions from values to plans (no I/O, no loop).
+
+- ``settle``: what one ``PushAck`` means for the outbox entries that were sent.
+- ``decide_session``: what to do with a remote version of a session, given the local row.
+- ``rebase``: place canonical events from the server and move the provisional tail after them.
+
+``pleach_client.sync`` loads what these need, calls them, and writes what they return; the
+tests drive them directly (unit and property tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+import msgspec
+
+from shared.clock import Order, vv_compare
+from shared.errors import ChainError, ErrorCode
+from shared.hashchain import chain_event, verify_chain
+from shared.messages import ConflictReceipt, PushAck
+from shared.records import Event, Session
+
+
+class FailedEntry(msgspec.Struct, kw_only=True):
+    client_seq: int
+    code: int | None
+    message: str
+    attempts: int
+
+
+@dataclass(frozen=True)
+class Sent:
+    """An outbox entry that was in the push: its sequence number and failed attempts so far."""
+
+    client_seq: int
+    attempts: int = 0
+
+
+@dataclass
+class Settlement:
+    """What to do with the outbox after a ``PushAck``.
+
+    ``remove``: on the server (applied, duplicate, superseded, resolved, or at or below its
+    ``last_seq``). ``dead``: refused for good, ``(client_seq, code, message)``; they go to the
+    dead letters. ``keep``: resend later (a sequence gap). ``conflicts``: receipts to record.
+    """
+
+    remove: list[int] = field(default_factory=list)
+    dead: list[tuple[int, int, str]] = field(default_factory=list)
+    keep: list[int] = field(default_factory=list)
+    conflicts: list[ConflictReceipt] = field(default_factory=list)
+    failed: list[FailedEntry] = field(default_factory=list)
+
+    @property
+    def progress(self) -> int:
+        return len(self.remove) + len(self.dead)
+
+
+def settle(sent: Sequence[Sent], ack: PushAck) -> Settlement:
+    """Settle the entries of one push against its acknowledgement.
+
+    An entry the ack does not mention is kept unless the server's ``last_seq`` covers it. A
+    result for an entry that was not sent is ignored (a confused or hostile server cannot
+    make the device drop a row it did not send).
+    """
+    by_seq = {s.client_seq: s for s in sent}
+    out = Settlement()
+    decided: set[int] = set()
+    for result in ack.results:
+        entry = by_seq.get(result.client_seq)
+        if entry is None or result.client_seq in decided:
+            continue
+        decided.add(result.client_seq)
+        if result.status == "rejected" and result.code == ErrorCode.SEQUENCE_GAP:
+            out.keep.append(result.client_seq)
+            continue
+        if result.status == "rejected":
+            code = result.code or ErrorCode.INVALID_RECORD
+            message = result.message or "rejected"
+            out.dead.append((result.client_seq, int(code), message))
+            out.failed.append(
+                FailedEntry(
+                    client_seq=result.client_seq,
+                    code=result.code,
+                    message=message,
+                    attempts=entry.attempts + 1,
+                )
+            )
+            continue
+        out.remove.append(result.client_seq)
+        if result.status == "resolved" and result.conflict is not None:
+            out.conflicts.append(result.conflict)
+    for seq in by_seq:
+        if seq in decided:
+            continue
+        # Anything at or below the server's last_seq is on the server, whatever the result.
+        (out.remove if seq <= ack.last_seq else out.keep).append(seq)
+    out.remove.sort()
+    out.keep.sort()
+    return out
+
+
+class Decision(Enum):
+    TAKE = "take"  # the remote version replaces the local row
+    KEEP = "keep"  # the local row stays (newer, concurrent: our push settles it, or deleted)
+    FORK_LOCAL = "fork-local"  # take the remote version, keep the local one as a new session
+
+
+def decide_session(local: Session | None, remote: Session) -> Decision:
+    """What a device does with a remote version of a session it may hold.
+
+    Never overwrites a local version that the remote one does not include: a remote version
+    replaces the row only when its vector dominates the local one. Concurrent: the local row
+    stays, the pending push meets the remote version at the server, which keeps the loser as
+    a fork. Equal vectors with different contents (a device that reused its counters, e.g. a
+    restored file) keep both: the local version becomes a fork. Deletion wins both ways: a
+    remote tombstone is taken, a local tombstone is kept.
+    """
+    if local is None:
+        return Decision.TAKE
+    if local.deleted:
+        return Decision.KEEP
+    if remote.deleted:
+        return Decision.TAKE
+    order = vv_compare(remote.vv, local.vv)
+    if order is Order.DOMINATES:
+        return Decision.TAKE
+    if order is Order.EQUAL and local != remote:
+        return Decision.FORK_LOCAL
+    return Decision.KEEP
+
+
+@dataclass
+class Rebase:
+    """Rows to write for one session's events, and the heads after them.
+
+    ``out``: newly placed canonical events and the rebased provisional tail. ``head``: the last
+    event of the whole log; ``canonical_head``: the last canonical one. ``fresh``: canonical
+    events this device had not seen before (neither placed nor in its tail).
+    """
+
+    out: list[Event]
+    head: tuple[int, str]
+    canonical_head: tuple[int, str]
+    fresh: list[Event]
+
+
+def rebase(
+    session_id: str,
+    incoming: Sequence[Event],
+    *,
+    known_head: tuple[int, str],
+    verified: Sequence[Event],
+    tail: Sequence[Event],
+    genesis: str,
+) -> Rebase:
+    """Merge canonical events into a session's log and rebase the provisional tail.
+
+    ``known_head`` is the last canonical event the device holds; ``verified`` the canonical
+    events to re-verify with the new ones (empty when ``known_head`` was verified before, and
+    then ``genesis`` is its hash); ``tail`` the device's provisional events. Raises
+    ``ChainError`` when the new canonical events do not chain on or are not contiguous: the
+    caller refuses the whole page.
+    """
+    # Pages may overlap (a live page and a pull): what is at or below the head is known.
+    new = sorted((e for e in incoming if e.sequence_number > known_head[0]), key=_seq)
+    contiguous = [e.sequence_number for e in new] == list(
+        range(known_head[0] + 1, known_head[0] + 1 + len(new))
+    )
+    chain = [*verified, *new]
+    report = verify_chain(chain, genesis=genesis)
+    if not report.ok or not contiguous:
+        index = report.first_bad_index if not report.ok else len(verified)
+        raise ChainError(
+            f"pulled event chain of session {session_id} does not verify at index "
+            f"{index}: {report.reason or 'sequence numbers are not contiguous'}",
+            index=index,
+        )
+    canonical_head = (new[-1].sequence_number, new[-1].row_hash) if new else known_head
+    placed_ids = {e.id for e in new}
+    tail_ids = {t.id for t in tail}
+    fresh = [e for e in new if e.id not in tail_ids]
+    seq, prev = canonical_head
+    out = list(new)
+    for event in sorted((e for e in tail if e.id not in placed_ids), key=_seq):
+        seq += 1
+        placed = chain_event(event, prev, seq)
+        prev = placed.row_hash
+        if placed != event:
+            out.append(placed)
+    return Rebase(out=out, head=(seq, prev), canonical_head=canonical_head, fresh=fresh)
+
+
+def _seq(event: Event) -> int:
+    return event.sequence_number
+
+
+__all__ = [
+    "Decision",
+    "FailedEntry",
+    "Rebase",
+    "Sent",
+    "Settlement",
+    "decide_session",
+    "rebase",
+    "settle",
+]
