@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import io
+import tokenize
+from pathlib import Path
+
 import pytest
 
 from shared import errors
@@ -121,3 +126,51 @@ def test_error_attributes() -> None:
         "r1",
     )
     assert ChainError("bad", index=3).index == 3
+
+
+# -- codes are named, never bare -----------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+_CODE_BLOCK = range(3000, 3100)  # the sync error codes' block
+
+
+def bare_codes(source: str) -> list[tuple[int, str]]:
+    """``(line, token)`` of every number or string literal in the 30xx block of ``source``.
+
+    Prose in comments and docstrings may mention codes; a literal the code computes with may
+    not (use ``ErrorCode``).
+    """
+    found = []
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type not in (tokenize.NUMBER, tokenize.STRING):
+            continue
+        try:
+            value = ast.literal_eval(tok.string)
+        except (ValueError, SyntaxError):
+            continue  # f-strings and the like
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool) and value in _CODE_BLOCK:
+            found.append((tok.start[0], tok.string))
+    return found
+
+
+def test_the_scanner_finds_bare_codes() -> None:
+    sample = (
+        '"""Docstrings may say 3004."""\n'
+        "x = 3004  # comments may say 3009\n"
+        'label = "3009"\n'
+        "ok = ErrorCode.MALFORMED_FRAME, 300, 30041, 4004, 0xBBC\n"
+    )
+    assert bare_codes(sample) == [(2, "3004"), (3, '"3009"'), (4, "0xBBC")]
+
+
+def test_no_bare_error_code_literals_in_shared_or_the_server() -> None:
+    offenders = []
+    for package in ("shared", "pleach_server"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path == ROOT / "shared" / "errors.py":
+                continue  # where the codes are defined
+            for line, token in bare_codes(path.read_text(encoding="utf-8")):
+                offenders.append(f"{path.relative_to(ROOT)}:{line}: {token}")
+    assert not offenders, "use ErrorCode.<NAME>, not a bare code:\n" + "\n".join(offenders)

@@ -1,0 +1,555 @@
+"""How the protocol grows: version ranges, optional frames, new fields, request ids.
+
+Sans-I/O: no event loop, bytes in and out of ``ServerProtocol`` / ``ClientProtocol``.
+"""
+
+from __future__ import annotations
+
+import logging
+import typing
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shared.errors import ErrorCode, MalformedFrame, ProtocolVersion
+from shared.messages import (
+    FRAME_TAGS,
+    MAX_PROTOCOL,
+    MIN_PROTOCOL,
+    ChangeResult,
+    Changes,
+    Error,
+    Frame,
+    FrameCodec,
+    Hello,
+    Pull,
+    Push,
+    PushAck,
+    Welcome,
+)
+from shared.protocol import (
+    Answer,
+    ClientEvent,
+    ClientProtocol,
+    Live,
+    Notice,
+    ServerProtocol,
+    State,
+    negotiate,
+)
+from shared.records import Change, FeedChange
+from tests.factories import make_message
+
+codec = FrameCodec()
+
+
+def enc(frame: Frame) -> bytes:
+    return codec.encode(frame)
+
+
+def sent(proto: ServerProtocol | ClientProtocol) -> list[Frame]:
+    return [codec.decode(data) for data in proto.data_to_send()]
+
+
+def only_error(proto: ServerProtocol | ClientProtocol) -> Error:
+    (frame,) = sent(proto)
+    assert isinstance(frame, Error), frame
+    return frame
+
+
+def state(proto: ServerProtocol | ClientProtocol) -> State:
+    return proto.state
+
+
+def welcome(**fields: typing.Any) -> Welcome:
+    return Welcome(server_id="srv", head_cursor=0, last_seq=0, **fields)
+
+
+def connected() -> tuple[ClientProtocol, ServerProtocol]:
+    """A client and a server of this code base, past Hello/Welcome."""
+    client, server = ClientProtocol("dev-a", 0), ServerProtocol()
+    for data in client.data_to_send():
+        server.receive_data(data)
+    assert [type(e) for e in server.events_received()] == [Hello]
+    server.send_welcome(welcome(org_id="org", user_id="ann"))
+    for data in server.data_to_send():
+        client.receive_data(data)
+    (event,) = client.take_events()
+    assert isinstance(event, Answer) and isinstance(event.frame, Welcome)
+    assert event.request_id == client.hello_request_id
+    return client, server
+
+
+# -- version negotiation -------------------------------------------------------------------
+
+
+@given(
+    st.tuples(st.integers(0, 9), st.integers(0, 9)),
+    st.tuples(st.integers(1, 9), st.integers(1, 9)),
+)
+def test_negotiate_picks_the_highest_common_version(
+    offered: tuple[int, int], supported: tuple[int, int]
+) -> None:
+    chosen = negotiate(offered, supported)
+    common = [
+        v for v in range(10) if offered[0] <= v <= offered[1] and supported[0] <= v <= supported[1]
+    ]
+    assert chosen == (max(common) if common else None)
+
+
+@pytest.mark.parametrize(
+    ("hello", "version"),
+    [
+        (Hello(protocol=1, client_id="d"), 1),  # a version 1 device: only ``protocol``
+        (Hello(protocol=2, client_id="d"), 2),
+        (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=2), 2),
+        (Hello(protocol=1, client_id="d", max_protocol=9), 2),
+        (Hello(protocol=2, client_id="d", min_protocol=1, max_protocol=1), 1),
+    ],
+)
+def test_server_agrees_the_highest_common_version(hello: Hello, version: int) -> None:
+    server = ServerProtocol()
+    server.receive_data(enc(hello))
+    assert server.events_received() == [hello]
+    assert server.version == version
+    server.send_welcome(welcome())
+    (frame,) = sent(server)
+    assert isinstance(frame, Welcome) and frame.protocol == version
+
+
+def test_the_server_range_is_one_to_two() -> None:
+    assert (MIN_PROTOCOL, MAX_PROTOCOL) == (1, 2)
+    assert ServerProtocol().supported == (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("hello", "device_range"),
+    [
+        (Hello(protocol=3, client_id="d", request_id=7), "3..3"),
+        (Hello(protocol=3, client_id="d", min_protocol=3, max_protocol=5, request_id=7), "3..5"),
+        (Hello(protocol=0, client_id="d", request_id=7), "0..0"),
+        (Hello(protocol=1, client_id="d", min_protocol=3, max_protocol=2, request_id=7), "3..2"),
+    ],
+)
+def test_no_common_version_is_a_3003_naming_both_ranges(hello: Hello, device_range: str) -> None:
+    server = ServerProtocol()
+    server.receive_data(enc(hello))
+    assert server.events_received() == []
+    err = only_error(server)
+    assert err.code == ErrorCode.PROTOCOL_VERSION
+    assert err.request_id == 7  # it answers the Hello
+    assert f"device speaks {device_range}" in err.message
+    assert "server speaks 1..2" in err.message
+    assert server.state is State.CLOSING
+    assert isinstance(server.close_reason, ProtocolVersion)
+
+
+def test_a_narrower_server_refuses_a_newer_only_device() -> None:
+    server = ServerProtocol(min_protocol=1, max_protocol=1)
+    client = ClientProtocol("d", 0, min_protocol=2, max_protocol=2)
+    for data in client.data_to_send():
+        server.receive_data(data)
+    err = only_error(server)
+    assert err.code == ErrorCode.PROTOCOL_VERSION
+    assert "device speaks 2..2, server speaks 1..1" in err.message
+
+
+def test_empty_ranges_are_refused_at_construction() -> None:
+    with pytest.raises(ValueError):
+        ServerProtocol(min_protocol=2, max_protocol=1)
+    with pytest.raises(ValueError):
+        ClientProtocol("d", 0, min_protocol=0, max_protocol=1)
+
+
+def test_client_refuses_a_welcome_outside_its_range() -> None:
+    client = ClientProtocol("d", 0)
+    client.data_to_send()
+    client.receive_data(enc(welcome(protocol=MAX_PROTOCOL + 1, request_id=1)))
+    assert client.take_events() == []
+    err = only_error(client)
+    assert err.code == ErrorCode.PROTOCOL_VERSION
+    assert client.state is State.CLOSING
+    assert client.welcome is None
+
+
+def test_welcome_names_version_and_tenant() -> None:
+    client, server = connected()
+    assert client.version == server.version == MAX_PROTOCOL
+    assert client.welcome is not None
+    assert (client.welcome.org_id, client.welcome.user_id) == ("org", "ann")
+
+
+# -- fields added to known frames ----------------------------------------------------------
+
+
+class HelloV1(msgspec.Struct, kw_only=True, tag="hello"):
+    protocol: int
+    client_id: str
+    cursor: int = 0
+
+
+class WelcomeV1(msgspec.Struct, kw_only=True, tag="welcome"):
+    server_id: str
+    head_cursor: int
+    last_seq: int
+    server_hlc: str = ""
+
+
+class PushAckV1(msgspec.Struct, kw_only=True, tag="push_ack"):
+    results: list[ChangeResult]
+    last_seq: int
+    head_cursor: int = 0
+
+
+class ChangesV1(msgspec.Struct, kw_only=True, tag="changes"):
+    from_cursor: int
+    to_cursor: int
+    changes: list[FeedChange]
+    more: bool = False
+    live: bool = False
+
+
+class ErrorV1(msgspec.Struct, kw_only=True, tag="error"):
+    code: int
+    message: str
+    retryable: bool = False
+
+
+FrameV1 = HelloV1 | WelcomeV1 | PushAckV1 | ChangesV1 | ErrorV1
+
+
+def test_a_version_1_peer_reads_version_2_frames() -> None:
+    old = msgspec.msgpack.Decoder(FrameV1)
+    got = old.decode(enc(welcome(protocol=2, org_id="o", user_id="u", request_id=1)))
+    assert got == WelcomeV1(server_id="srv", head_cursor=0, last_seq=0)
+    got = old.decode(enc(PushAck(results=[], last_seq=3, request_id=9)))
+    assert got == PushAckV1(results=[], last_seq=3)
+    got = old.decode(enc(Changes(from_cursor=1, to_cursor=2, changes=[], request_id=4)))
+    assert got == ChangesV1(from_cursor=1, to_cursor=2, changes=[])
+    got = old.decode(enc(Error(code=3008, message="slow", request_id=4)))
+    assert got == ErrorV1(code=3008, message="slow")
+
+
+def test_version_2_reads_version_1_frames_with_defaults() -> None:
+    hello = codec.decode(msgspec.msgpack.encode(HelloV1(protocol=1, client_id="d")))
+    assert hello == Hello(protocol=1, client_id="d")
+    assert isinstance(hello, Hello) and hello.protocol_range() == (1, 1)
+    old_welcome = codec.decode(
+        msgspec.msgpack.encode(WelcomeV1(server_id="s", head_cursor=1, last_seq=0))
+    )
+    assert isinstance(old_welcome, Welcome)
+    assert (old_welcome.protocol, old_welcome.org_id, old_welcome.request_id) == (1, "", 0)
+
+
+def test_a_field_from_the_future_on_a_known_frame_is_ignored() -> None:
+    data = msgspec.msgpack.encode(
+        {"type": "pull", "cursor": 3, "request_id": 5, "priority": "high", "optional": False}
+    )
+    assert codec.decode(data) == Pull(cursor=3, request_id=5)
+    _, server = connected()
+    server.receive_data(data)
+    assert server.events_received() == [Pull(cursor=3, request_id=5)]
+    assert server.data_to_send() == []
+
+
+def test_no_wire_struct_forbids_unknown_fields() -> None:
+    from shared import records
+
+    structs: list[type[msgspec.Struct]] = [*typing.get_args(Frame), ChangeResult]
+    structs += [
+        obj
+        for obj in vars(records).values()
+        if isinstance(obj, type) and issubclass(obj, msgspec.Struct)
+    ]
+    for cls in structs:
+        assert not cls.__struct_config__.forbid_unknown_fields, cls
+
+
+# -- frames of unknown type ----------------------------------------------------------------
+
+
+class Ping(msgspec.Struct, kw_only=True, tag="ping"):
+    """A frame type from a later version that older peers may skip."""
+
+    nonce: int
+    optional: bool = True
+    request_id: int = 0
+
+
+def test_frame_tags_are_the_union() -> None:
+    assert {"hello", "welcome", "push", "push_ack", "pull", "changes", "error"} == FRAME_TAGS
+
+
+@pytest.mark.parametrize(
+    "side", ["server-before-hello", "server", "client-before-welcome", "client"]
+)
+def test_an_optional_frame_of_unknown_type_is_skipped(
+    side: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    proto: ServerProtocol | ClientProtocol
+    if side == "server-before-hello":
+        proto = ServerProtocol()
+    elif side == "server":
+        _, proto = connected()
+    elif side == "client-before-welcome":
+        proto = ClientProtocol("d", 0)
+        proto.data_to_send()
+    else:
+        proto, _ = connected()
+    before = proto.state
+    with caplog.at_level(logging.DEBUG, logger="shared.protocol"):
+        proto.receive_data(msgspec.msgpack.encode(Ping(nonce=1)))
+        proto.receive_data(msgspec.msgpack.encode({"type": "x" * 500, "optional": True, "a": [1]}))
+    assert proto.ignored_frames == 2
+    assert proto.data_to_send() == []
+    assert proto.events_received() == []
+    assert proto.state is before and proto.close_reason is None
+    assert "skipped optional frame 'ping'" in caplog.text
+    assert "x" * 65 not in caplog.text  # a peer's tag is truncated in the log
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        msgspec.msgpack.encode(Ping(nonce=1, optional=False, request_id=4)),
+        msgspec.msgpack.encode({"type": "ping", "request_id": 4}),
+        msgspec.msgpack.encode({"type": "ping", "optional": "yes", "request_id": 4}),
+        msgspec.msgpack.encode({"type": 7, "optional": True}),
+        msgspec.msgpack.encode({"optional": True}),
+        msgspec.msgpack.encode([{"type": "ping", "optional": True}]),
+        # A known tag is never skipped, even if marked optional: it is mistyped.
+        msgspec.msgpack.encode({"type": "pull", "cursor": "x", "optional": True, "request_id": 4}),
+        b"\xc1",
+    ],
+)
+@pytest.mark.parametrize("side", ["server", "client"])
+def test_other_unreadable_frames_are_a_3004(data: bytes, side: str) -> None:
+    client, server = connected()
+    proto: ServerProtocol | ClientProtocol = server if side == "server" else client
+    proto.receive_data(data)
+    assert proto.events_received() == []
+    err = only_error(proto)
+    assert err.code == ErrorCode.MALFORMED_FRAME
+    assert proto.ignored_frames == 0
+    assert proto.state is State.OPEN  # not fatal, as before
+    envelope = codec.peek(data)
+    if envelope is not None:
+        assert err.request_id == envelope.request_id  # the request gets its answer
+
+
+def test_refuse_answers_the_frame_it_did_not_process() -> None:
+    _, server = connected()
+    server.receive_data(b"")  # nothing
+    server.data_to_send()
+    server.refuse(enc(Pull(cursor=0, request_id=12)), MalformedFrame("no"))
+    server.refuse(b"\xc1", MalformedFrame("no"))
+    assert [e.request_id for e in sent(server) if isinstance(e, Error)] == [12, 0]
+    assert server.events_received() == []
+    assert server.state is State.OPEN
+
+
+# -- request ids and the client's sorting --------------------------------------------------
+
+
+def test_server_echoes_request_ids() -> None:
+    client, server = connected()
+    push_id = client.send_push([Change(client_seq=1, record=make_message())])
+    pull_id = client.send_pull(0)
+    assert client.outstanding == (push_id, pull_id)
+    for data in client.data_to_send():
+        server.receive_data(data)
+    push, pull = server.events_received()
+    assert isinstance(push, Push) and isinstance(pull, Pull)
+    assert (push.request_id, pull.request_id) == (push_id, pull_id)
+    # The pump answers out of order: ids, not order, match them.
+    server.send_changes(0, 0, [], request_id=pull.request_id)
+    server.send_changes(0, 5, [], live=True)
+    server.fail(MalformedFrame("unsolicited"), fatal=False)
+    server.send_push_ack([], 1, 5, request_id=push.request_id)
+    for data in server.data_to_send():
+        client.receive_data(data)
+    events = client.take_events()
+    assert [type(e) for e in events] == [Answer, Live, Notice, Answer]
+    first, live, notice, last = events
+    assert isinstance(first, Answer) and first.request_id == pull_id
+    assert isinstance(first.frame, Changes) and not first.frame.live
+    assert isinstance(live, Live) and live.changes.to_cursor == 5
+    assert isinstance(notice, Notice) and notice.frame.code == ErrorCode.MALFORMED_FRAME
+    assert isinstance(last, Answer) and last.request_id == push_id
+    assert isinstance(last.frame, PushAck)
+    assert client.outstanding == ()
+
+
+def test_an_error_answering_a_request_is_an_answer() -> None:
+    client, _ = connected()
+    pull_id = client.send_pull(99)
+    client.receive_data(
+        enc(Error(code=ErrorCode.CURSOR_TOO_OLD, message="old", request_id=pull_id))
+    )
+    (event,) = client.take_events()
+    assert event == Answer(pull_id, Error(code=3010, message="old", request_id=pull_id))
+    assert client.outstanding == ()
+
+
+@pytest.mark.parametrize(
+    ("frame", "why"),
+    [
+        (PushAck(results=[], last_seq=0, request_id=9), "not outstanding"),
+        (Changes(from_cursor=0, to_cursor=0, changes=[], request_id=9), "not outstanding"),
+        (Error(code=3009, message="x", request_id=9), "not outstanding"),
+        (PushAck(results=[], last_seq=0), "without a request id"),
+        (Changes(from_cursor=0, to_cursor=0, changes=[]), "without a request id"),
+        (PushAck(results=[], last_seq=0, request_id=2), "cannot answer Pull"),
+    ],
+    ids=lambda v: type(v).__name__ if not isinstance(v, str) else v,
+)
+def test_an_answer_to_no_outstanding_request_is_fatal(frame: Frame, why: str) -> None:
+    client, _ = connected()
+    assert client.send_pull(0) == 2
+    client.data_to_send()
+    client.receive_data(enc(frame))
+    assert client.take_events() == []
+    err = only_error(client)
+    assert err.code == ErrorCode.MALFORMED_FRAME and why in err.message
+    assert state(client) is State.CLOSING
+    assert isinstance(client.close_reason, MalformedFrame)
+
+
+def test_an_answer_cannot_come_twice() -> None:
+    client, _ = connected()
+    pull_id = client.send_pull(0)
+    client.data_to_send()
+    page = Changes(from_cursor=0, to_cursor=0, changes=[], request_id=pull_id)
+    client.receive_data(enc(page))
+    client.receive_data(enc(page))
+    assert client.take_events() == [Answer(pull_id, page)]
+    assert "not outstanding" in only_error(client).message
+
+
+def test_a_version_1_server_is_matched_by_order() -> None:
+    client = ClientProtocol("d", 0)
+    client.data_to_send()
+    client.receive_data(enc(welcome()))  # no ``protocol``, no request id: version 1
+    assert client.version == 1
+    assert client.take_events() == [Answer(client.hello_request_id, welcome())]
+    push_id, pull_id = client.send_push([]), client.send_pull(0)
+    client.data_to_send()
+    ack = PushAck(results=[], last_seq=0)
+    page = Changes(from_cursor=0, to_cursor=0, changes=[])
+    live = Changes(from_cursor=0, to_cursor=1, changes=[], live=True)
+    error = Error(code=3009, message="down")
+    for frame in (ack, live, page, error):
+        client.receive_data(enc(frame))
+    assert client.take_events() == [
+        Answer(push_id, ack),
+        Live(live),
+        Answer(pull_id, page),
+        Notice(error),  # nothing outstanding any more
+    ]
+    client.receive_data(enc(page))  # an answer with nothing outstanding
+    assert "no request is outstanding" in only_error(client).message
+
+
+def test_before_welcome_an_error_answers_the_hello() -> None:
+    # An old server's refusal carries no id; a new server's echoes the Hello's.
+    for request_id in (0, 1):
+        client = ClientProtocol("d", 0)
+        client.data_to_send()
+        refusal = Error(code=ErrorCode.PROTOCOL_VERSION, message="no", request_id=request_id)
+        client.receive_data(enc(refusal))
+        assert client.take_events() == [Answer(client.hello_request_id, refusal)]
+        assert client.state is State.AWAITING_HELLO
+
+
+def test_a_version_2_welcome_must_echo_the_hello() -> None:
+    client = ClientProtocol("d", 0)
+    client.data_to_send()
+    client.receive_data(enc(welcome(protocol=2)))
+    assert "Welcome without a request id" in only_error(client).message
+    assert client.welcome is None and client.state is State.CLOSING
+
+
+def test_events_received_is_the_raw_view_of_the_same_queue() -> None:
+    client, _ = connected()
+    pull_id = client.send_pull(0)
+    page = Changes(from_cursor=0, to_cursor=0, changes=[], request_id=pull_id)
+    live = Changes(from_cursor=0, to_cursor=1, changes=[], live=True)
+    notice = Error(code=3008, message="slow")
+    for frame in (live, page, notice):
+        client.receive_data(enc(frame))
+    assert client.events_received() == [live, page, notice]
+    assert client.take_events() == []
+
+
+# A schedule: the client sends requests, the server answers each exactly once in any order,
+# with live pages and unsolicited errors interleaved.
+Step = tuple[str, int]
+
+
+@st.composite
+def schedules(draw: st.DrawFn) -> tuple[list[str], list[Step]]:
+    kinds = draw(st.lists(st.sampled_from(["push", "pull"]), max_size=12))
+    answers: list[Step] = [("answer", i) for i in draw(st.permutations(range(len(kinds))))]
+    noise: list[Step] = draw(
+        st.lists(st.tuples(st.sampled_from(["live", "notice"]), st.integers(0, 99)), max_size=8)
+    )
+    steps = answers
+    for item in noise:
+        steps.insert(draw(st.integers(0, len(steps))), item)
+    return kinds, steps
+
+
+@given(schedules(), st.booleans())
+def test_every_answer_reaches_its_request(
+    schedule: tuple[list[str], list[Step]], refuse_some: bool
+) -> None:
+    kinds, steps = schedule
+    client, server = connected()
+    ids = [client.send_push([]) if kind == "push" else client.send_pull(0) for kind in kinds]
+    assert ids == sorted(set(ids)) and all(i > client.hello_request_id for i in ids)
+    for data in client.data_to_send():
+        server.receive_data(data)
+    requests = server.events_received()
+    assert [r.request_id for r in requests] == ids  # type: ignore[union-attr]
+    expected: list[ClientEvent] = []
+    for step, n in steps:
+        if step == "live":
+            server.send_changes(n, n + 1, [], live=True)
+            expected.append(Live(Changes(from_cursor=n, to_cursor=n + 1, changes=[], live=True)))
+        elif step == "notice":
+            server.fail(MalformedFrame(f"n{n}"), fatal=False)
+            expected.append(Notice(Error(code=3004, message=f"n{n}")))
+        else:
+            request = requests[n]
+            rid = request.request_id
+            answer: Frame
+            if refuse_some and n % 2:
+                server.fail(MalformedFrame("refused"), fatal=False, request_id=rid)
+                answer = Error(code=3004, message="refused", request_id=rid)
+            elif isinstance(request, Push):
+                server.send_push_ack([], 0, 0, request_id=rid)
+                answer = PushAck(results=[], last_seq=0, head_cursor=0, request_id=rid)
+            else:
+                server.send_changes(0, 0, [], request_id=rid)
+                answer = Changes(from_cursor=0, to_cursor=0, changes=[], request_id=rid)
+            expected.append(Answer(rid, answer))  # type: ignore[arg-type]
+    for data in server.data_to_send():
+        client.receive_data(data)
+    assert client.take_events() == expected
+    assert client.outstanding == ()
+    assert client.state is State.OPEN and client.data_to_send() == []
+
+
+def test_feed_changes_survive_the_sorting() -> None:
+    client, server = connected()
+    pull_id = client.send_pull(0)
+    feed = [FeedChange(cursor=1, record=make_message())]
+    server.receive_data(client.data_to_send()[0])
+    server.send_changes(0, 1, feed, request_id=pull_id)
+    for data in server.data_to_send():
+        client.receive_data(data)
+    (event,) = client.take_events()
+    assert isinstance(event, Answer) and isinstance(event.frame, Changes)
+    assert event.frame.changes == feed
