@@ -6,6 +6,9 @@ Subclass ``ServerStoreConformance`` in a backend's test module and provide two f
   same database every time it is called within one test. ``tx_wrapper`` (when given) wraps
   the ``StoreTx`` each push runs against, so a test can inject faults mid-batch.
 - ``server_store``: an open store from ``make_store()``, closed after the test.
+- ``stored_rows``: ``await stored_rows(tenant) -> set[(kind, id)]``, the tenant's rows in the
+  store's own tables (sessions, events and immutable records), read around the protocol: what
+  a deletion must have removed is checked there, not only in the feed.
 
 The suite uses only the ``ServerStore`` protocol (``compact_feed`` included) and ``StoreTx``;
 each test works in fresh tenants, so stores on a shared database stay independent.
@@ -14,7 +17,7 @@ each test works in fresh tenants, so stores on a shared database stay independen
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import msgspec
@@ -26,10 +29,22 @@ from shared.clock import HybridClock, Order, vv_compare, wall_clock_ms
 from shared.errors import CursorTooOld, ErrorCode, StorageUnavailable
 from shared.hashchain import verify_chain
 from shared.ids import uuid7
-from shared.records import Change, Event, FeedChange, Record, RecordKind, Session
+from shared.records import (
+    CASCADE_KINDS,
+    AuditRow,
+    Change,
+    Event,
+    FeedChange,
+    Record,
+    RecordKind,
+    Session,
+    SessionState,
+    record_kind,
+)
 from tests.server_factories import DAY_MS, Device, new_tenant
 
 TxWrapper = Callable[[StoreTx], StoreTx]
+StoredRows = Callable[[Tenant], Awaitable[set[tuple[str, str]]]]
 
 
 class MakeStore(Protocol):
@@ -99,6 +114,9 @@ class FaultyTx:
         await self._write()
         await self.inner.insert_event(event)
 
+    async def delete_content(self, session_id: str) -> None:
+        await self.inner.delete_content(session_id)
+
     async def append_feed(self, tenant: Tenant, record: Record) -> int:
         return await self.inner.append_feed(tenant, record)
 
@@ -137,6 +155,20 @@ async def pull_all(store: ServerStore, tenant: Tenant, cursor: int = 0) -> list[
         cursor = page.to_cursor
         if not page.more:
             return out
+
+
+def tombstone(dev: Device, session: Session) -> Session:
+    """A device deletes ``session``: a new version with ``deleted`` set and an emptied state."""
+    return msgspec.structs.replace(dev.edit(session, deleted=True), state=SessionState())
+
+
+def kinds_of(feed: list[FeedChange], session_id: str) -> list[str]:
+    """The kinds of the feed entries that are, or belong to, ``session_id``, in feed order."""
+    return [
+        record_kind(c.record)
+        for c in feed
+        if c.record.id == session_id or getattr(c.record, "session_id", None) == session_id
+    ]
 
 
 def statuses(result: PushResult) -> list[str]:
@@ -923,12 +955,334 @@ class ServerStoreConformance:
             assert statuses(result) == ["applied"] * 4
             assert len(await pull_all(store, dev.tenant)) == 4
 
+    # -- deleting a session ------------------------------------------------------------------
+
+    async def test_tombstone_deletes_content_rows_and_feed_entries(
+        self, server_store: ServerStore, server_clock: HybridClock, stored_rows: StoredRows
+    ) -> None:
+        tenant = new_tenant()
+        laptop, phone = Device(tenant), Device(tenant)
+        session, other = laptop.session(title="doomed"), laptop.session(title="kept")
+        m = [laptop.message(session.id), phone.message(session.id)]
+        content: list[Record] = [
+            *m,
+            laptop.checkpoint(session.id, appended=[m[0].id]),
+            laptop.artifact(session.id),
+        ]
+        metadata: list[Record] = [laptop.event(session.id), laptop.audit(session.id)]
+        v2 = laptop.edit(session, message_ids=[x.id for x in m])
+        kept = [laptop.message(other.id), laptop.checkpoint(other.id), laptop.artifact(other.id)]
+        await server_store.push(
+            tenant,
+            laptop.client_id,
+            laptop.changes(session, other, m[0], *content[2:], *metadata, *kept),
+            server_clock,
+        )
+        await server_store.push(tenant, phone.client_id, phone.changes(m[1]), server_clock)
+        await server_store.push(tenant, laptop.client_id, laptop.changes(v2), server_clock)
+        before = await server_store.head_cursor(tenant)
+
+        tomb = tombstone(laptop, v2)
+        gone = laptop.event(session.id, "session.deleted")
+        result = await server_store.push(
+            tenant, laptop.client_id, laptop.changes(gone, tomb), server_clock
+        )
+        assert statuses(result) == ["applied", "applied"]
+        assert result.head_cursor == result.cursors[-1] > before
+
+        rows = await stored_rows(tenant)
+        assert not {(record_kind(r), r.id) for r in content} & rows
+        assert {(record_kind(r), r.id) for r in [*metadata, gone, *kept]} <= rows
+        assert ("Session", session.id) in rows and ("Session", other.id) in rows
+
+        feed = await pull_all(server_store, tenant)
+        assert kinds_of(feed, session.id) == [
+            "Session", "Event", "AuditRow", "Session", "Event", "Session"
+        ]  # fmt: skip
+        latest = [c.record for c in feed if c.record.id == session.id][-1]
+        assert isinstance(latest, Session) and latest.deleted
+        assert latest.state == SessionState() and latest.vv == tomb.vv  # as the device sent it
+        assert {c.record.id for c in feed} >= {r.id for r in kept} | {other.id}
+        events = [
+            c.record
+            for c in feed
+            if isinstance(c.record, Event) and c.record.session_id == session.id
+        ]
+        assert [e.type for e in events] == ["message.added", "session.deleted"]
+        assert verify_chain(events).ok
+
+    async def test_pull_from_zero_after_a_delete_pages_over_the_holes(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        dev = Device(new_tenant())
+        session = dev.session()
+        messages = [dev.message(session.id, f"m{i}") for i in range(7)]
+        first = await server_store.push(
+            dev.tenant, dev.client_id, dev.changes(session, *messages), server_clock
+        )
+        device_cursor = first.cursors[3]  # a device that pulled part of the session
+        deleted = await server_store.push(
+            dev.tenant, dev.client_id, dev.changes(tombstone(dev, session)), server_clock
+        )
+        later = await server_store.push(
+            dev.tenant, dev.client_id, dev.changes(dev.session()), server_clock
+        )
+        head = await server_store.head_cursor(dev.tenant)
+        assert head == later.cursors[-1]
+        # Pages of 2 from 0: the session's first version, the tombstone, the other session.
+        page = await server_store.pull(dev.tenant, 0, 2)
+        assert [c.cursor for c in page.changes] == [first.cursors[0], deleted.cursors[0]]
+        assert page.more and page.to_cursor == deleted.cursors[0]
+        page = await server_store.pull(dev.tenant, page.to_cursor, 2)
+        assert [c.cursor for c in page.changes] == later.cursors and not page.more
+        # The device in the middle of the deleted run moves on to the tombstone.
+        page = await server_store.pull(dev.tenant, device_cursor, 1)
+        assert [c.cursor for c in page.changes] == deleted.cursors and page.more
+        page = await server_store.pull(dev.tenant, head, 10)
+        assert page == PullResult(changes=[], to_cursor=head, more=False)
+        # Compaction afterwards: the first version goes, a cursor below the floor is too old.
+        assert await server_store.compact_feed(dev.tenant, deleted.cursors[0]) == 1
+        with pytest.raises(CursorTooOld):
+            await server_store.pull(dev.tenant, device_cursor, 10)
+        resync = await pull_all(server_store, dev.tenant)
+        assert [c.cursor for c in resync] == deleted.cursors + later.cursors
+
+    async def test_content_pushed_after_the_delete_drains_without_being_stored(
+        self, server_store: ServerStore, server_clock: HybridClock, stored_rows: StoredRows
+    ) -> None:
+        tenant = new_tenant()
+        laptop, phone = Device(tenant), Device(tenant)
+        session = laptop.session()
+        await server_store.push(tenant, laptop.client_id, laptop.changes(session), server_clock)
+        await server_store.push(
+            tenant, laptop.client_id, laptop.changes(tombstone(laptop, session)), server_clock
+        )
+        head = await server_store.head_cursor(tenant)
+        rows = await stored_rows(tenant)
+
+        # The phone was offline: a whole turn for the session, then its own edit of it.
+        message = phone.message(session.id)
+        late_content: list[Record] = [
+            message,
+            phone.checkpoint(session.id, appended=[message.id]),
+            phone.artifact(session.id),
+        ]
+        late_meta: list[Record] = [phone.event(session.id), phone.audit(session.id)]
+        batch = phone.changes(*late_content, *late_meta)
+        result = await server_store.push(tenant, phone.client_id, batch, server_clock)
+        assert statuses(result) == ["superseded"] * 3 + ["applied"] * 2
+        assert [r.cursor for r in result.results[:3]] == [None] * 3
+        assert result.last_seq == 5
+        feed = await pull_all(server_store, tenant, head)
+        assert [c.record.id for c in feed] == [r.id for r in late_meta]
+        assert await stored_rows(tenant) == rows | {(record_kind(r), r.id) for r in late_meta}
+        # Resent under the same client_seq: duplicates, as always.
+        again = await server_store.push(tenant, phone.client_id, batch, server_clock)
+        assert statuses(again) == ["duplicate"] * 5 and again.cursors == []
+        # Resent under new client_seq (a device that lost its acks and rebuilt its outbox).
+        renumbered = await server_store.push(
+            tenant, phone.client_id, phone.changes(*late_content), server_clock
+        )
+        assert statuses(renumbered) == ["superseded"] * 3 and renumbered.cursors == []
+        assert not {(record_kind(r), r.id) for r in late_content} & await stored_rows(tenant)
+
+    async def test_a_live_version_never_undoes_a_delete(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        tenant = new_tenant()
+        laptop, phone = Device(tenant), Device(tenant)
+        v1 = laptop.session(title="v1")
+        await server_store.push(tenant, laptop.client_id, laptop.changes(v1), server_clock)
+        v2 = laptop.edit(v1, title="v2")
+        tomb = tombstone(laptop, v2)
+        await server_store.push(tenant, laptop.client_id, laptop.changes(v2, tomb), server_clock)
+        head = await server_store.head_cursor(tenant)
+
+        # Dominated by the tombstone: superseded, nothing written.
+        stale = await server_store.push(tenant, laptop.client_id, laptop.changes(v2), server_clock)
+        assert statuses(stale) == ["superseded"] and stale.cursors == []
+        assert await server_store.head_cursor(tenant) == head
+
+        # Concurrent with it, and later by the clock: it loses anyway, and is not forked.
+        phone.clock.observe(tomb.updated_at)
+        concurrent = phone.edit(v1, title="phone", message_ids=["p1"])
+        result = await server_store.push(
+            tenant, phone.client_id, phone.changes(concurrent), server_clock
+        )
+        assert statuses(result) == ["superseded"] and result.results[0].conflict is None
+        (reissued,) = [c.record for c in await pull_all(server_store, tenant, head)]
+        assert isinstance(reissued, Session) and reissued.id == v1.id and reissued.deleted
+        assert reissued.state == SessionState() and reissued.title == tomb.title
+        assert vv_compare(reissued.vv, concurrent.vv) is Order.DOMINATES
+        assert vv_compare(reissued.vv, tomb.vv) is Order.DOMINATES
+        assert result.results[0].cursor == result.cursors[0] == result.head_cursor
+
+        # Dominating it (a version built on the tombstone): it cannot bring content back.
+        revived = phone.edit(reissued, deleted=False, title="revived", message_ids=["p2"])
+        result = await server_store.push(
+            tenant, phone.client_id, phone.changes(revived), server_clock
+        )
+        assert statuses(result) == ["superseded"]
+        latest = [c.record for c in await pull_all(server_store, tenant)][-1]
+        assert isinstance(latest, Session) and latest.deleted and latest.title == tomb.title
+        assert vv_compare(latest.vv, revived.vv) is Order.DOMINATES
+        sessions = {c.record.id for c in await pull_all(server_store, tenant)}
+        assert sessions == {v1.id}  # no fork anywhere
+
+        # The laptop resends its tombstone: the server's dominates it, nothing is written.
+        again = await server_store.push(
+            tenant, laptop.client_id, laptop.changes(tomb), server_clock
+        )
+        assert statuses(again) == ["superseded"] and again.cursors == []
+
+    async def test_a_tombstone_wins_over_a_concurrent_live_version(
+        self, server_store: ServerStore, server_clock: HybridClock, stored_rows: StoredRows
+    ) -> None:
+        tenant = new_tenant()
+        laptop, phone = Device(tenant), Device(tenant)
+        v1 = laptop.session()
+        await server_store.push(tenant, laptop.client_id, laptop.changes(v1), server_clock)
+        # The phone writes a turn; the laptop, which never saw it, deletes the session.
+        m = phone.message(v1.id)
+        on_phone = phone.edit(v1, message_ids=[m.id])
+        await server_store.push(tenant, phone.client_id, phone.changes(m, on_phone), server_clock)
+        tomb = tombstone(laptop, v1)
+        assert vv_compare(tomb.vv, on_phone.vv) is Order.CONCURRENT
+        result = await server_store.push(
+            tenant, laptop.client_id, laptop.changes(tomb), server_clock
+        )
+        assert statuses(result) == ["applied"] and result.results[0].conflict is None
+        latest = [c.record for c in await pull_all(server_store, tenant)][-1]
+        assert isinstance(latest, Session) and latest.deleted
+        assert vv_compare(latest.vv, on_phone.vv) is Order.DOMINATES
+        assert vv_compare(latest.vv, tomb.vv) is Order.DOMINATES
+        assert server_clock.client_id in latest.vv
+        assert ("Message", m.id) not in await stored_rows(tenant)
+        assert kinds_of(await pull_all(server_store, tenant), v1.id) == ["Session"] * 3
+
+        # A second, concurrent tombstone (the phone deleted it too): still one deleted session.
+        late_tomb = tombstone(phone, on_phone)
+        again = await server_store.push(
+            tenant, phone.client_id, phone.changes(late_tomb), server_clock
+        )
+        assert statuses(again) == ["superseded"]
+        assert {c.record.id for c in await pull_all(server_store, tenant)} == {v1.id}
+
+    async def test_delete_within_one_batch_and_before_the_session_row(
+        self, server_store: ServerStore, server_clock: HybridClock, stored_rows: StoredRows
+    ) -> None:
+        tenant = new_tenant()
+        dev = Device(tenant)
+        session = dev.session()
+        before = dev.message(session.id)
+        after = dev.message(session.id)
+        tomb = tombstone(dev, session)
+        # Content first, then the tombstone as the first version the server sees (a device
+        # that created and deleted the session offline: its outbox sends the latest version).
+        batch = dev.changes(before, dev.event(session.id), tomb, after, before)
+        result = await server_store.push(tenant, dev.client_id, batch, server_clock)
+        assert statuses(result) == ["applied", "applied", "applied", "superseded", "superseded"]
+        rows = await stored_rows(tenant)
+        assert ("Message", before.id) not in rows and ("Message", after.id) not in rows
+        feed = await pull_all(server_store, tenant)
+        assert kinds_of(feed, session.id) == ["Event", "Session"]
+        assert [c.cursor for c in feed] == result.cursors[1:]
+        again = await server_store.push(tenant, dev.client_id, batch, server_clock)
+        assert statuses(again) == ["duplicate"] * len(batch)
+
+    async def test_a_fork_keeps_the_messages_it_shares_with_a_deleted_session(
+        self, server_store: ServerStore, server_clock: HybridClock, stored_rows: StoredRows
+    ) -> None:
+        tenant = new_tenant()
+        dev = Device(tenant)
+        origin = dev.session()
+        shared_m, own_m = dev.message(origin.id), dev.message(origin.id)
+        artifact = dev.artifact(origin.id)
+        origin = msgspec.structs.replace(
+            dev.edit(origin),
+            state=SessionState(
+                message_ids=[shared_m.id, own_m.id], artifacts=[artifact.artifact_id]
+            ),
+        )
+        fork = msgspec.structs.replace(
+            dev.session(message_ids=[shared_m.id]), forked_from=origin.id
+        )
+        fork = msgspec.structs.replace(
+            fork, state=SessionState(message_ids=[shared_m.id], artifacts=[artifact.artifact_id])
+        )
+        await server_store.push(
+            tenant,
+            dev.client_id,
+            dev.changes(origin, shared_m, own_m, artifact, fork),
+            server_clock,
+        )
+        await server_store.push(
+            tenant, dev.client_id, dev.changes(tombstone(dev, origin)), server_clock
+        )
+        rows = await stored_rows(tenant)
+        assert ("Message", shared_m.id) in rows and ("ArtifactUpdate", artifact.id) in rows
+        assert ("Message", own_m.id) not in rows
+        feed_ids = {c.record.id for c in await pull_all(server_store, tenant)}
+        assert {shared_m.id, artifact.id} <= feed_ids and own_m.id not in feed_ids
+
+        # When the fork goes too, what it kept alive goes with it.
+        await server_store.push(
+            tenant, dev.client_id, dev.changes(tombstone(dev, fork)), server_clock
+        )
+        assert {kind for kind, _ in await stored_rows(tenant)} <= {"Session", "Event", "AuditRow"}
+        assert kinds_of(await pull_all(server_store, tenant), origin.id) == ["Session"] * 2
+
+    async def test_concurrent_pushers_leave_no_content_of_a_deleted_session(
+        self, server_store: ServerStore, server_clock: HybridClock, stored_rows: StoredRows
+    ) -> None:
+        tenant = new_tenant()
+        owner = Device(tenant)
+        session = owner.session()
+        await server_store.push(tenant, owner.client_id, owner.changes(session), server_clock)
+        writers = [Device(tenant) for _ in range(4)]
+
+        async def write(dev: Device) -> list[PushResult]:
+            results = []
+            for i in range(6):
+                batch = dev.changes(
+                    dev.message(session.id, f"{i}"),
+                    dev.checkpoint(session.id),
+                    dev.artifact(session.id),
+                    dev.event(session.id, i=i),
+                    dev.audit(session.id),
+                )
+                results.append(await server_store.push(tenant, dev.client_id, batch, server_clock))
+            return results
+
+        async def delete() -> PushResult:
+            return await server_store.push(
+                tenant, owner.client_id, owner.changes(tombstone(owner, session)), server_clock
+            )
+
+        *written, deleted = await asyncio.gather(*(write(d) for d in writers), delete())
+        assert statuses(deleted) == ["applied"]
+        feed = await pull_all(server_store, tenant)
+        assert not [c for c in feed if record_kind(c.record) in CASCADE_KINDS]
+        assert not {kind for kind, _ in await stored_rows(tenant)} & set(CASCADE_KINDS)
+        events = [c.record for c in feed if isinstance(c.record, Event)]
+        assert len(events) == 24 and verify_chain(events).ok
+        assert len([c for c in feed if isinstance(c.record, AuditRow)]) == 24
+        # Whatever the interleaving, a batch's content was either applied before the delete
+        # (and then deleted with it) or superseded after it; its events and audit rows stay.
+        outcomes = [statuses(result) for results in written for result in results]
+        for outcome in outcomes:
+            assert outcome[:3] in (["applied"] * 3, ["superseded"] * 3), outcome
+            assert outcome[3:] == ["applied"] * 2
+
 
 __all__ = [
     "FaultyTx",
     "InjectedFault",
     "MakeStore",
     "ServerStoreConformance",
+    "StoredRows",
     "TxWrapper",
     "pull_all",
+    "statuses",
+    "tombstone",
 ]

@@ -9,14 +9,20 @@ from pathlib import Path
 import aiosqlite
 import pytest
 
-from pleach_server.store import ServerStore, SQLiteServerStore
+from pleach_server.store import ServerStore, SQLiteServerStore, Tenant
 from pleach_server.store.apply import StoreTx
 from pleach_server.store.sqlite import SCHEMA_VERSION
 from shared.clock import HybridClock
 from shared.errors import CursorTooOld, ErrorCode, InvalidState, StorageError, StorageUnavailable
 from shared.records import Session
 from tests.server_factories import Device, new_tenant
-from tests.server_store_conformance import MakeStore, ServerStoreConformance, TxWrapper, pull_all
+from tests.server_store_conformance import (
+    MakeStore,
+    ServerStoreConformance,
+    StoredRows,
+    TxWrapper,
+    pull_all,
+)
 
 
 class _WrappedStore(SQLiteServerStore):
@@ -47,6 +53,22 @@ def make_store(db_path: Path) -> MakeStore:
 async def server_store(db_path: Path) -> AsyncIterator[ServerStore]:
     async with SQLiteServerStore(db_path) as store:
         yield store
+
+
+@pytest.fixture
+def stored_rows(db_path: Path) -> StoredRows:
+    async def rows(tenant: Tenant) -> set[tuple[str, str]]:
+        t = (tenant.org_id, tenant.user_id)
+        async with aiosqlite.connect(db_path) as conn:
+            found = await conn.execute_fetchall(
+                "SELECT 'Session', id FROM sessions WHERE org_id = ? AND user_id = ? "
+                "UNION ALL SELECT 'Event', id FROM events WHERE org_id = ? AND user_id = ? "
+                "UNION ALL SELECT kind, id FROM records WHERE org_id = ? AND user_id = ?",
+                t * 3,
+            )
+        return {(str(kind), str(record_id)) for kind, record_id in found}
+
+    return rows
 
 
 class TestSQLiteServerStore(ServerStoreConformance):

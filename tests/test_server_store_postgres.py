@@ -33,16 +33,20 @@ from pleach_server.store.postgres import (
 )
 from shared.clock import HybridClock
 from shared.errors import CursorTooOld, ErrorCode, InvalidState, StorageError, StorageUnavailable
+from shared.hashchain import verify_chain
 from shared.ids import uuid7
+from shared.records import CASCADE_KINDS, Event, record_kind
 from tests.server_factories import Device, new_tenant
 from tests.server_store_conformance import (
     FaultyTx,
     InjectedFault,
     MakeStore,
     ServerStoreConformance,
+    StoredRows,
     TxWrapper,
     pull_all,
     statuses,
+    tombstone,
 )
 
 pytestmark = pytest.mark.postgres
@@ -169,6 +173,23 @@ def make_store(pg_schema: str) -> MakeStore:
 async def server_store(pg_schema: str) -> AsyncIterator[ServerStore]:
     async with pg_store(pg_schema) as store:
         yield store
+
+
+@pytest.fixture
+def stored_rows(pg_schema: str) -> StoredRows:
+    async def rows(tenant: Tenant) -> set[tuple[str, str]]:
+        s = pg_schema
+        async with admin() as conn:
+            found = await conn.fetch(
+                f"SELECT 'Session', id FROM {s}.sessions WHERE org_id = $1 AND user_id = $2 "
+                f"UNION ALL SELECT 'Event', id FROM {s}.events WHERE org_id = $1 AND user_id = $2 "
+                f"UNION ALL SELECT kind, id FROM {s}.records WHERE org_id = $1 AND user_id = $2",
+                tenant.org_id,
+                tenant.user_id,
+            )
+        return {(str(kind), str(record_id)) for kind, record_id in found}
+
+    return rows
 
 
 class TestPostgresServerStore(ServerStoreConformance):
@@ -489,6 +510,80 @@ async def test_tenant_lock_closes_the_sequence_gap_race(pg_schema: str) -> None:
     a_cursors, b_cursors, seen = await _open_then_commit_later(store_of, skip_lock=False)
     assert a_cursors[0] < b_cursors[0]
     assert seen == 2
+
+
+async def test_a_delete_racing_many_pushers_leaves_no_content(
+    pg_schema: str, stored_rows: StoredRows
+) -> None:
+    """6 devices push turns into one session on their own pool connections while another
+    deletes it. One pusher's batch is written and held open (tenant lock taken) until every
+    other push, the delete included, waits on the lock; then everything runs to the end.
+    Whatever the order, no content of the session is left, rows or feed, and nothing is
+    rejected: content committed before the delete goes with it, content after it drains."""
+    pushers, batches = 6, 5
+    tenant = new_tenant()
+    owner = Device(tenant)
+    session = owner.session()
+    armed, held, release = False, asyncio.Event(), asyncio.Event()
+
+    async def hold() -> None:
+        held.set()
+        await release.wait()
+
+    def wrap(tx: StoreTx) -> StoreTx:
+        first = armed and not held.is_set()
+        return Hooked(tx, after_cursors=hold if first else None)
+
+    clock = HybridClock(f"server-{uuid7()}")
+    async with pg_store(pg_schema, wrap, pool_max=pushers + 2) as store, admin() as conn:
+        await store.push(tenant, owner.client_id, owner.changes(session), clock)
+        armed = True
+
+        async def pusher() -> list[list[str]]:
+            dev = Device(tenant)
+            outcomes = []
+            for i in range(batches):
+                batch = dev.changes(
+                    dev.message(session.id, f"{i}"),
+                    dev.checkpoint(session.id),
+                    dev.artifact(session.id),
+                    dev.event(session.id, i=i),
+                    dev.audit(session.id),
+                )
+                outcomes.append(statuses(await store.push(tenant, dev.client_id, batch, clock)))
+            return outcomes
+
+        async def everyone_waits_on_the_lock() -> bool:
+            waiting = await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 "
+                "AND wait_event_type = 'Lock' AND wait_event = 'advisory'",
+                store.application_name,
+            )
+            return bool(waiting == pushers)  # the other pushers and the delete
+
+        async with asyncio.timeout(60):
+            pushing = asyncio.gather(*(pusher() for _ in range(pushers)))
+            await held.wait()
+            deleting = asyncio.create_task(
+                store.push(tenant, owner.client_id, owner.changes(tombstone(owner, session)), clock)
+            )
+            await wait_until(everyone_waits_on_the_lock, "every push to wait on the tenant lock")
+            release.set()
+            outcomes = [o for per_device in await pushing for o in per_device]
+            deleted = await deleting
+
+    assert statuses(deleted) == ["applied"]
+    for outcome in outcomes:
+        assert outcome[:3] in (["applied"] * 3, ["superseded"] * 3), outcome
+        assert outcome[3:] == ["applied"] * 2
+    assert ["applied"] * 5 in outcomes  # at least the held batch came before the delete
+    assert ["superseded"] * 3 + ["applied"] * 2 in outcomes  # and some after it
+    async with pg_store(pg_schema) as store:
+        feed = await pull_all(store, tenant)
+    assert not [c for c in feed if record_kind(c.record) in CASCADE_KINDS]
+    assert not {kind for kind, _ in await stored_rows(tenant)} & set(CASCADE_KINDS)
+    events = [c.record for c in feed if isinstance(c.record, Event)]
+    assert len(events) == pushers * batches and verify_chain(events).ok
 
 
 # -- notifications -----------------------------------------------------------------------------

@@ -16,6 +16,17 @@ the SQLite and PostgreSQL stores cannot drift apart:
 - **Immutable kinds** (message, checkpoint, audit row, artifact update) are a union by id.
 - **Events** get their canonical place from the server: the next ``sequence_number`` of their
   session, hash-chained onto the last canonical row.
+- **Delete wins.** A session tombstone (``deleted=True``) is final: once one reaches the
+  server, every later version of the session is a tombstone. Writing one deletes the session's
+  content (the kinds ``deleted_with_session``: messages, checkpoints, artifact updates), rows
+  and feed entries, except what a live session still refers to (a fork shares its origin's
+  messages and artifacts); events and audit rows stay. Content that arrives later for a deleted
+  session is ``superseded`` and not stored; a live version of it that the tombstone does not
+  dominate is ``superseded`` too, and the server writes the tombstone again under a vector
+  that dominates it, so that device adopts the delete when it pulls.
+
+The kinds are told apart by ``shared.records.RECORD_KINDS``: a ``versioned`` kind is the
+session row, a ``server_placed`` kind is an event, every other kind is an immutable record.
 
 Every record written goes to the tenant's feed; its cursor is reported in the result.
 
@@ -37,13 +48,13 @@ store's ``BatchTx`` only a few times per batch:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Collection, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import msgspec
 
-from shared.clock import HybridClock, Order, Timestamp, vv_bump
+from shared.clock import HybridClock, Order, Timestamp, vv_bump, vv_compare, vv_merge
 from shared.errors import (
     ClockSkew,
     Forbidden,
@@ -58,14 +69,15 @@ from shared.merge import resolve_conflicts
 from shared.messages import ChangeResult, ConflictReceipt, Status
 from shared.records import (
     ArtifactUpdate,
-    AuditRow,
     Change,
-    Checkpoint,
     Event,
     Message,
     Record,
     RecordKind,
+    RecordKindInfo,
     Session,
+    kind_info,
+    kind_of,
     record_kind,
 )
 
@@ -80,6 +92,7 @@ __all__ = [
     "apply_push",
     "batch_keys",
     "claimed_concurrently",
+    "content_to_delete",
     "validate_record",
 ]
 
@@ -95,7 +108,8 @@ class BatchKeys:
     session_owners: frozenset[str] = frozenset()
     """Session ids whose owner is checked."""
     sessions: frozenset[str] = frozenset()
-    """Session ids whose current row is read."""
+    """Session ids whose current row is read (a pushed session, or the session of a record
+    deleted with it: is it deleted?)."""
     chains: frozenset[str] = frozenset()
     """Session ids whose last canonical event is read."""
 
@@ -132,10 +146,18 @@ class BatchWrites:
     """The tenant's new feed entries, in order."""
     last_seq: int | None = None
     """The device's new ``last_seq`` (insert or update), or None when it did not move."""
+    deleted_sessions: list[str] = field(default_factory=list)
+    """Sessions tombstoned by this batch. When any, ``write`` ends (after the feed) by deleting
+    the tenant's content of deleted sessions: see ``content_to_delete``."""
 
     def __bool__(self) -> bool:
         return bool(
-            self.records or self.events or self.sessions or self.feed or self.last_seq is not None
+            self.records
+            or self.events
+            or self.sessions
+            or self.feed
+            or self.last_seq is not None
+            or self.deleted_sessions
         )
 
 
@@ -175,6 +197,11 @@ class BatchTx(Protocol):
         events are inserted only where absent; if one is already there (another tenant's push
         took the id after ``load``, which the tenant lock cannot prevent), raise
         ``claimed_concurrently()``: the device retries, and the rules then see the owner.
+
+        When ``writes.deleted_sessions`` is not empty, last (after the feed rows, so content
+        written by this batch is covered too): read the tenant's session rows and the records
+        of ``CASCADE_KINDS`` filed under its deleted sessions, and delete the records
+        ``content_to_delete`` names together with their feed entries (same kind and id).
         """
         ...
 
@@ -239,6 +266,14 @@ class StoreTx(Protocol):
         """Insert a canonical event; ``(session_id, sequence_number)`` is unique."""
         ...
 
+    async def delete_content(self, session_id: str) -> None:
+        """The session was tombstoned: delete its content when the batch is written.
+
+        Its messages, checkpoints and artifact updates go, rows and feed entries, except what a
+        live session refers to (``content_to_delete``); its events and audit rows stay.
+        """
+        ...
+
     async def head_cursor(self, tenant: Tenant) -> int:
         """The tenant's latest feed cursor (0 when none), once the batch is written."""
         ...
@@ -251,7 +286,17 @@ def claimed_concurrently(what: str = "a record id") -> StorageUnavailable:
     )
 
 
-_SESSION_SCOPED = (Message, Checkpoint, Event, AuditRow, ArtifactUpdate)
+_SESSION = kind_info("Session")
+_EVENT = kind_info("Event")
+
+
+def _is_session(info: RecordKindInfo) -> bool:
+    return info.merge == "versioned"
+
+
+def _is_record(info: RecordKindInfo) -> bool:
+    """Stored by ``insert_if_absent`` (the ``records`` table): not a session, not an event."""
+    return not (_is_session(info) or info.server_placed)
 
 
 def _non_empty(value: object) -> bool:
@@ -264,9 +309,10 @@ def _tenant_of(record: Record) -> Tenant:
 
 def _filed_under(record: Record) -> list[str]:
     """The session ids ``record`` claims besides its own id: its session, or a fork's origin."""
-    if isinstance(record, _SESSION_SCOPED):
-        return [record.session_id]
-    if record.forked_from:
+    session_id = kind_of(record).session_of(record)
+    if session_id is not None:
+        return [session_id]
+    if isinstance(record, Session) and record.forked_from:
         return [record.forked_from]
     return []
 
@@ -282,12 +328,10 @@ def validate_record(record: Record, tenant: Tenant, client_id: str) -> SyncError
         return InvalidRecord(
             f"record client_id {record.client_id!r} is not the pushing device {client_id!r}"
         )
-    if not _non_empty(record.id):
-        return InvalidRecord("record id must be a non-empty string")
-    if isinstance(record, _SESSION_SCOPED) and not _non_empty(record.session_id):
-        return InvalidRecord("session_id must be a non-empty string")
-    if isinstance(record, ArtifactUpdate) and not _non_empty(record.artifact_id):
-        return InvalidRecord("artifact_id must be a non-empty string")
+    for name in kind_of(record).required_ids:
+        if not _non_empty(getattr(record, name)):
+            what = "record id" if name == "id" else name
+            return InvalidRecord(f"{what} must be a non-empty string")
     try:
         Timestamp.decode(record.hlc)
         if isinstance(record, Session):
@@ -321,15 +365,19 @@ def batch_keys(changes: list[Change], last_seq: int, tenant: Tenant, client_id: 
         if validate_record(record, tenant, client_id) is not None:
             continue
         owners.update(_filed_under(record))
-        match record:
-            case Session():
-                owners.add(record.id)
-                sessions.add(record.id)
-            case Event():
-                events.add(record.id)
-                chains.add(record.session_id)
-            case _:
-                records.add((record_kind(record), record.id))
+        info = kind_of(record)
+        session_id = info.session_of(record)
+        if _is_session(info):
+            owners.add(record.id)
+            sessions.add(record.id)
+        elif info.server_placed:
+            events.add(record.id)
+            if session_id is not None:
+                chains.add(session_id)
+        else:
+            records.add((info.name, record.id))
+        if info.deleted_with_session and session_id is not None:
+            sessions.add(session_id)  # is it deleted?
     return BatchKeys(
         records=frozenset(records),
         events=frozenset(events),
@@ -354,6 +402,7 @@ class _BufferedTx:
         self._tails: dict[str, tuple[int, str]] = {}
         self._claims: dict[str, Tenant] = {}  # session ids filed under by new events and records
         self._last_seq: int | None = None
+        self._deleted: list[str] = []
 
     async def load(self, keys: BatchKeys) -> None:
         self._keys = keys
@@ -368,6 +417,7 @@ class _BufferedTx:
             sessions=list(self._sessions.values()),
             feed=feed,
             last_seq=self._last_seq,
+            deleted_sessions=self._deleted,
         )
         if not writes:
             return []
@@ -395,7 +445,8 @@ class _BufferedTx:
         self._last_seq = last_seq
 
     async def owner_of(self, kind: RecordKind, record_id: str) -> Tenant | None:
-        if kind == "Session":
+        info = kind_info(kind)
+        if _is_session(info):
             # The row comes first, as in the database: a row written here replaces the old one.
             row = self._sessions.get(record_id)
             if row is not None:
@@ -403,7 +454,7 @@ class _BufferedTx:
             self._need(self._keys.session_owners, record_id, "session id")
             owner = self._loaded.session_owners.get(record_id)
             return owner if owner is not None else self._claims.get(record_id)
-        if kind == "Event":
+        if info.server_placed:
             owner = self._event_owners.get(record_id)
             if owner is not None:
                 return owner
@@ -427,16 +478,18 @@ class _BufferedTx:
         self._sessions[session.id] = session
 
     async def insert_if_absent(self, record: Record) -> bool:
-        if isinstance(record, Session | Event):
-            raise TypeError(f"{record_kind(record)} records are not stored by insert_if_absent")
-        key = (record_kind(record), record.id)
+        info = kind_of(record)
+        if not _is_record(info):
+            raise TypeError(f"{info.name} records are not stored by insert_if_absent")
+        key = (info.name, record.id)
         if key in self._records:
             return False
         self._need(self._keys.records, key, "record")
         if key in self._loaded.record_owners:
             return False
         self._records[key] = record
-        self._claim(record.session_id, record)
+        for session_id in _filed_under(record):
+            self._claim(session_id, record)
         return True
 
     async def last_event(self, session_id: str) -> tuple[int, str] | None:
@@ -454,8 +507,46 @@ class _BufferedTx:
         if tail is None or event.sequence_number > tail[0]:
             self._tails[event.session_id] = (event.sequence_number, event.row_hash)
 
+    async def delete_content(self, session_id: str) -> None:
+        if session_id not in self._deleted:
+            self._deleted.append(session_id)
+
     async def head_cursor(self, tenant: Tenant) -> int:
         return await self._tx.head_cursor(tenant)
+
+
+def content_to_delete(
+    sessions: Iterable[Session], candidates: Iterable[Record]
+) -> list[tuple[RecordKind, str]]:
+    """What a tenant's deleted sessions take with them: ``(kind, id)`` of records to delete.
+
+    ``sessions`` are all the tenant's session rows; ``candidates`` its records of
+    ``CASCADE_KINDS`` filed under deleted sessions (more may be given: they are filtered).
+    A candidate goes unless a live session still refers to it: a message in its
+    ``state.message_ids``, an artifact update of a document in its ``state.artifacts`` (a fork
+    shares these with its origin). Once those live sessions are deleted too, the next deletion
+    takes what they kept.
+    """
+    deleted: set[str] = set()
+    messages: set[str] = set()
+    artifacts: set[str] = set()
+    for session in sessions:
+        if session.deleted:
+            deleted.add(session.id)
+        else:
+            messages.update(session.state.message_ids)
+            artifacts.update(session.state.artifacts)
+    doomed: list[tuple[RecordKind, str]] = []
+    for record in candidates:
+        info = kind_of(record)
+        if not info.deleted_with_session or info.session_of(record) not in deleted:
+            continue
+        if isinstance(record, Message) and record.id in messages:
+            continue
+        if isinstance(record, ArtifactUpdate) and record.artifact_id in artifacts:
+            continue
+        doomed.append((info.name, record.id))
+    return doomed
 
 
 async def _check_owners(
@@ -470,7 +561,7 @@ async def _check_owners(
     if owner is not None and owner != tenant:
         return Forbidden(f"{kind} id {record.id!r} belongs to another tenant"), False
     for session_id in _filed_under(record):
-        other = await tx.owner_of("Session", session_id)
+        other = await tx.owner_of(_SESSION.name, session_id)
         if other is not None and other != tenant:
             return Forbidden(f"session {session_id!r} belongs to another tenant"), False
     return None, owner is not None
@@ -527,17 +618,22 @@ class _Batch:
 
     async def apply(self, seq: int, record: Record, present: bool) -> ChangeResult:
         """Apply one validated record; ``present`` says the tenant already has its id."""
-        match record:
-            case Session():
-                return await self._session(seq, record)
-            case _ if present:
-                return ChangeResult(client_seq=seq, status="duplicate")
-            case Event():
-                return await self._event(seq, record)
-            case _:
-                if not await self.tx.insert_if_absent(record):
-                    return ChangeResult(client_seq=seq, status="duplicate")
-                return self._applied(seq, record)
+        info = kind_of(record)
+        if isinstance(record, Session):
+            return await self._session(seq, record)
+        session_id = info.session_of(record)
+        if info.deleted_with_session and session_id is not None:
+            session = await self.tx.get_session(session_id)
+            if session is not None and session.deleted:
+                # Content of a deleted session, pushed late: drained, never stored.
+                return ChangeResult(client_seq=seq, status="superseded")
+        if present:
+            return ChangeResult(client_seq=seq, status="duplicate")
+        if isinstance(record, Event):
+            return await self._event(seq, record)
+        if not await self.tx.insert_if_absent(record):
+            return ChangeResult(client_seq=seq, status="duplicate")
+        return self._applied(seq, record)
 
     async def _event(self, seq: int, event: Event) -> ChangeResult:
         last = await self.tx.last_event(event.session_id)
@@ -550,7 +646,11 @@ class _Batch:
         current = await self.tx.get_session(pushed.id)
         if current is None:
             await self.tx.put_session(pushed)
+            if pushed.deleted:  # content pushed before the session row may be here already
+                await self.tx.delete_content(pushed.id)
             return self._applied(seq, pushed)
+        if pushed.deleted or current.deleted:
+            return await self._deleted(seq, pushed, current)
         resolution = resolve_conflicts(local=pushed, remote=current)
         if not resolution.concurrent:
             if resolution.order is not Order.DOMINATES:
@@ -596,6 +696,36 @@ class _Batch:
             detected_at=now,
         )
         return self._applied(seq, fork, status="resolved", conflict=receipt)
+
+    async def _deleted(self, seq: int, pushed: Session, current: Session) -> ChangeResult:
+        """A version of a session meets a tombstone (pushed, stored or both): delete wins.
+
+        - The stored tombstone dominates or equals the pushed version: ``superseded``.
+        - A pushed tombstone that dominates the stored row is stored as it is: ``applied``.
+        - Otherwise (concurrent versions, or a live version that dominates a tombstone, or a
+          tombstone dominated by a live row) the tombstone is written again under a vector
+          bumped on the server's entry, above both versions, so every device adopts it:
+          ``applied`` when it is the pushed tombstone, ``superseded`` when the pushed version
+          lost to the stored one. Nothing is forked: a fork would bring the content back.
+
+        Every tombstone written deletes the session's content (``delete_content``).
+        """
+        order = vv_compare(pushed.vv, current.vv)
+        if current.deleted and order in (Order.DOMINATED, Order.EQUAL):
+            return ChangeResult(client_seq=seq, status="superseded")
+        merged = vv_merge(pushed.vv, current.vv)
+        status: Status
+        if pushed.deleted and order is Order.DOMINATES:
+            row, status = msgspec.structs.replace(pushed, vv=merged), "applied"
+        elif current.deleted:  # the stored tombstone beats the pushed version
+            bumped = vv_bump(merged, self.server_id)
+            row, status = msgspec.structs.replace(current, vv=bumped), "superseded"
+        else:  # a pushed tombstone beats a live row it does not dominate
+            bumped = vv_bump(merged, self.server_id)
+            row, status = msgspec.structs.replace(pushed, vv=bumped), "applied"
+        await self.tx.put_session(row)
+        await self.tx.delete_content(row.id)
+        return self._applied(seq, row, status=status)
 
 
 async def apply_push(

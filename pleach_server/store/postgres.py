@@ -61,18 +61,27 @@ from shared.clock import HybridClock
 from shared.errors import CursorTooOld, InvalidState, StorageError, StorageUnavailable
 from shared.ids import uuid7
 from shared.records import (
+    CASCADE_KINDS,
     Change,
-    Event,
     FeedChange,
     Record,
     Session,
     decode_record,
     encode_record,
+    kind_of,
     record_kind,
 )
 from shared.resource import AsyncResource
 
-from .apply import BatchKeys, BatchWrites, Snapshot, StoreTx, apply_push, claimed_concurrently
+from .apply import (
+    BatchKeys,
+    BatchWrites,
+    Snapshot,
+    StoreTx,
+    apply_push,
+    claimed_concurrently,
+    content_to_delete,
+)
 from .base import PullResult, PushResult, Tenant
 
 __all__ = [
@@ -457,6 +466,24 @@ class _Sql:
             f"INSERT INTO {s}.meta (org_id, user_id, feed_floor) VALUES ($1, $2, $3) "
             "ON CONFLICT (org_id, user_id) DO UPDATE SET feed_floor = excluded.feed_floor"
         )
+        # Deleting a session's content: the tenant's session rows, the records of the kinds
+        # deleted with a session filed under its deleted ones, then the chosen records and
+        # their feed entries (sessions_tenant, records_tenant, records' key, feed_record).
+        self.tenant_sessions = (
+            f"SELECT id, body FROM {s}.sessions WHERE org_id = $1 AND user_id = $2"
+        )
+        self.cascade_candidates = (
+            f"SELECT kind, id, body FROM {s}.records WHERE org_id = $1 AND user_id = $2 "
+            "AND session_id = ANY($3::text[]) AND kind = ANY($4::text[])"
+        )
+        self.delete_records = (
+            f"DELETE FROM {s}.records AS r USING unnest($1::text[], $2::text[]) AS k (kind, id) "
+            "WHERE r.kind = k.kind AND r.id = k.id"
+        )
+        self.delete_feed = (
+            f"DELETE FROM {s}.feed AS f USING unnest($3::text[], $4::text[]) AS k (kind, id) "
+            "WHERE f.org_id = $1 AND f.user_id = $2 AND f.kind = k.kind AND f.record_id = k.id"
+        )
         self.lock_tenant = "SELECT pg_advisory_xact_lock($1)"
         self.notify = "SELECT pg_notify($1, $2)"
 
@@ -501,10 +528,7 @@ class _PostgresTx:
                 found.session_owners[session_id] = Tenant(org_id=org_id, user_id=user_id)
         if keys.sessions:
             for session_id, body in await conn.fetch(sql.get_sessions, list(keys.sessions)):
-                try:
-                    found.sessions[session_id] = _SESSION_DECODER.decode(body)
-                except msgspec.DecodeError as exc:
-                    raise StorageError(f"corrupt session row {session_id!r}") from exc
+                found.sessions[session_id] = _decode_session(session_id, body)
         if keys.chains:
             for session_id, number, row_hash in await conn.fetch(
                 sql.last_events, list(keys.chains)
@@ -517,9 +541,10 @@ class _PostgresTx:
         if writes.records:
             columns: list[list[Any]] = [[], [], [], [], [], []]
             for r in writes.records:
-                if isinstance(r, Session | Event):
-                    raise TypeError(f"{record_kind(r)} records are not written as records")
-                row = (record_kind(r), r.id, r.org_id, r.user_id, r.session_id, encode_record(r))
+                info = kind_of(r)
+                if info.merge == "versioned" or info.server_placed:
+                    raise TypeError(f"{info.name} records are not written as records")
+                row = (info.name, r.id, r.org_id, r.user_id, info.session_of(r), encode_record(r))
                 for column, value in zip(columns, row, strict=True):
                     column.append(value)
             status: str = await conn.execute(sql.insert_records, *columns)
@@ -562,6 +587,8 @@ class _PostgresTx:
             )
             # The n-th smallest cursor went to the n-th row (see _Sql.append_feed).
             cursors = sorted(int(row[0]) for row in rows)
+        if writes.deleted_sessions:
+            await self._delete_content(tenant)
         if writes.last_seq is not None:
             await conn.execute(
                 sql.set_last_seq, tenant.org_id, tenant.user_id, client_id, writes.last_seq
@@ -570,6 +597,19 @@ class _PostgresTx:
 
     async def head_cursor(self, tenant: Tenant) -> int:
         return await _head(self._conn, self._sql, tenant)
+
+    async def _delete_content(self, tenant: Tenant) -> None:
+        """Delete the content of the tenant's deleted sessions (``BatchTx.write``)."""
+        conn, sql, t = self._conn, self._sql, (tenant.org_id, tenant.user_id)
+        sessions = [_decode_session(i, b) for i, b in await conn.fetch(sql.tenant_sessions, *t)]
+        deleted = [x.id for x in sessions if x.deleted]
+        rows = await conn.fetch(sql.cascade_candidates, *t, deleted, list(CASCADE_KINDS))
+        candidates = [_decode_record(kind, record_id, body) for kind, record_id, body in rows]
+        doomed = content_to_delete(sessions, candidates)
+        if doomed:
+            kinds, ids = [k for k, _ in doomed], [i for _, i in doomed]
+            await conn.execute(sql.delete_records, kinds, ids)
+            await conn.execute(sql.delete_feed, *t, kinds, ids)
 
 
 def _row_count(status: str) -> int:
@@ -873,6 +913,20 @@ def _discard(conn: Any) -> None:
     """Terminate a pool connection so that it is never reused (the pool replaces it)."""
     with contextlib.suppress(asyncpg.InterfaceError):  # already released: nothing to do
         conn.terminate()
+
+
+def _decode_session(session_id: str, body: bytes) -> Session:
+    try:
+        return _SESSION_DECODER.decode(body)
+    except msgspec.DecodeError as exc:
+        raise StorageError(f"corrupt session row {session_id!r}") from exc
+
+
+def _decode_record(kind: str, record_id: str, body: bytes) -> Record:
+    try:
+        return decode_record(body)
+    except msgspec.DecodeError as exc:
+        raise StorageError(f"corrupt {kind} row {record_id!r}") from exc
 
 
 def _decode(cursor: int, body: bytes) -> Record:

@@ -34,18 +34,27 @@ import msgspec
 from shared.clock import HybridClock
 from shared.errors import CursorTooOld, InvalidState, StorageError, StorageUnavailable
 from shared.records import (
+    CASCADE_KINDS,
     Change,
-    Event,
     FeedChange,
     Record,
     Session,
     decode_record,
     encode_record,
+    kind_of,
     record_kind,
 )
 from shared.resource import AsyncResource
 
-from .apply import BatchKeys, BatchWrites, Snapshot, StoreTx, apply_push, claimed_concurrently
+from .apply import (
+    BatchKeys,
+    BatchWrites,
+    Snapshot,
+    StoreTx,
+    apply_push,
+    claimed_concurrently,
+    content_to_delete,
+)
 from .base import PullResult, PushResult, Tenant
 
 __all__ = ["DEFAULT_MAX_PULL_LIMIT", "SQLiteServerStore"]
@@ -171,6 +180,19 @@ _PUT_SESSION_SQL = (
 _APPEND_FEED_SQL = (
     "INSERT INTO feed (org_id, user_id, kind, record_id, body) VALUES (?, ?, ?, ?, ?)"
 )
+# Deleting a session's content: the tenant's session rows, the records of the kinds deleted
+# with a session filed under its deleted ones, then the chosen records and their feed entries.
+_TENANT_SESSIONS_SQL = "SELECT id, body FROM sessions WHERE org_id = ? AND user_id = ?"
+_CASCADE_CANDIDATES_SQL = """
+    SELECT r.kind, r.id, r.body FROM json_each(?) AS k
+    JOIN records AS r ON r.org_id = ? AND r.user_id = ? AND r.session_id = k.value
+    WHERE r.kind IN (SELECT value FROM json_each(?))"""
+_DELETE_RECORDS_SQL = """
+    DELETE FROM records WHERE (kind, id) IN (
+        SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') FROM json_each(?))"""
+_DELETE_FEED_SQL = """
+    DELETE FROM feed WHERE org_id = ? AND user_id = ? AND (kind, record_id) IN (
+        SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') FROM json_each(?))"""
 _SET_LAST_SEQ_SQL = (
     "INSERT INTO clients (org_id, user_id, client_id, last_seq) VALUES (?, ?, ?, ?) "
     "ON CONFLICT (org_id, user_id, client_id) DO UPDATE SET last_seq = excluded.last_seq"
@@ -259,10 +281,7 @@ class _SQLiteTx:
                     found.session_owners[session_id] = owner
         if keys.sessions:
             for session_id, body in await _fetchall(conn, _SESSIONS_SQL, (_json(keys.sessions),)):
-                try:
-                    found.sessions[session_id] = _SESSION_DECODER.decode(body)
-                except msgspec.DecodeError as exc:
-                    raise StorageError(f"corrupt session row {session_id!r}") from exc
+                found.sessions[session_id] = _decode_session(session_id, body)
         if keys.chains:
             for session_id, number, row_hash in await _fetchall(
                 conn, _CHAIN_TAILS_SQL, (_json(keys.chains),)
@@ -275,10 +294,11 @@ class _SQLiteTx:
         if writes.records:
             rows: list[tuple[Any, ...]] = []
             for r in writes.records:
-                if isinstance(r, Session | Event):
-                    raise TypeError(f"{record_kind(r)} records are not written as records")
+                info = kind_of(r)
+                if info.merge == "versioned" or info.server_placed:
+                    raise TypeError(f"{info.name} records are not written as records")
                 rows.append(
-                    (record_kind(r), r.id, r.org_id, r.user_id, r.session_id, encode_record(r))
+                    (info.name, r.id, r.org_id, r.user_id, info.session_of(r), encode_record(r))
                 )
             cur = await conn.executemany(_INSERT_RECORD_SQL, rows)
             if cur.rowcount != len(rows):
@@ -324,6 +344,8 @@ class _SQLiteTx:
                 raise StorageError("feed insert returned no cursor")
             last = int(row[0])
             cursors = list(range(last - len(writes.feed) + 1, last + 1))
+        if writes.deleted_sessions:
+            await self._delete_content(tenant)
         if writes.last_seq is not None:
             await conn.execute(
                 _SET_LAST_SEQ_SQL, (tenant.org_id, tenant.user_id, client_id, writes.last_seq)
@@ -332,6 +354,22 @@ class _SQLiteTx:
 
     async def head_cursor(self, tenant: Tenant) -> int:
         return await _head(self._conn, tenant)
+
+    async def _delete_content(self, tenant: Tenant) -> None:
+        """Delete the content of the tenant's deleted sessions (``BatchTx.write``)."""
+        conn, t = self._conn, (tenant.org_id, tenant.user_id)
+        sessions = [
+            _decode_session(i, b) for i, b in await _fetchall(conn, _TENANT_SESSIONS_SQL, t)
+        ]
+        deleted = [x.id for x in sessions if x.deleted]
+        rows = await _fetchall(
+            conn, _CASCADE_CANDIDATES_SQL, (_json(deleted), *t, _json(CASCADE_KINDS))
+        )
+        candidates = [_decode_record(kind, record_id, body) for kind, record_id, body in rows]
+        doomed = _json(list(k) for k in content_to_delete(sessions, candidates))
+        if doomed != "[]":
+            await conn.execute(_DELETE_RECORDS_SQL, (doomed,))
+            await conn.execute(_DELETE_FEED_SQL, (*t, doomed))
 
 
 _COMPACT = (
@@ -588,6 +626,20 @@ class SQLiteServerStore(AsyncResource):
 
     async def compact_feed(self, tenant: Tenant, keep_after_cursor: int) -> int:
         return await self._write(lambda conn: _compact(conn, tenant, keep_after_cursor))
+
+
+def _decode_session(session_id: str, body: bytes) -> Session:
+    try:
+        return _SESSION_DECODER.decode(body)
+    except msgspec.DecodeError as exc:
+        raise StorageError(f"corrupt session row {session_id!r}") from exc
+
+
+def _decode_record(kind: str, record_id: str, body: bytes) -> Record:
+    try:
+        return decode_record(body)
+    except msgspec.DecodeError as exc:
+        raise StorageError(f"corrupt {kind} row {record_id!r}") from exc
 
 
 def _decode(cursor: int, body: bytes) -> Record:
