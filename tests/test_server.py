@@ -28,13 +28,16 @@ from pleach_server.store.sqlite import SQLiteServerStore
 from shared.clock import HybridClock
 from shared.errors import ErrorCode
 from shared.messages import (
+    MAX_PROTOCOL,
     PROTOCOL_VERSION,
     Changes,
     Hello,
     Pull,
     Push,
     PushAck,
+    Welcome,
 )
+from shared.protocol import Answer, ClientEvent, ClientProtocol, Live
 from shared.records import Change
 from tests.server_factories import Device, new_tenant
 from tests.wsclient import Client
@@ -394,6 +397,130 @@ async def test_rate_limit_gets_3008_and_the_connection_lives(
         err = await client.error()
         assert err.code == ErrorCode.RATE_LIMITED and err.retryable
         assert srv.connections  # still connected
+
+
+async def test_rate_limited_answer_echoes_the_request_id(make_server: ServerFactory) -> None:
+    srv = await make_server(rate_limit_per_s=1e-6, rate_limit_burst=2)
+    dev = Device(new_tenant())
+    async with open_client(srv, dev.tenant) as client:
+        await client.hello(dev.client_id)
+        await client.pull(0)
+        await client.send(Pull(cursor=0, request_id=41))
+        err = await client.error()
+        assert (err.code, err.request_id) == (ErrorCode.RATE_LIMITED, 41)
+
+
+# -- protocol versions, request ids, optional frames -----------------------------------------
+
+
+async def test_welcome_names_the_agreed_version_and_the_tokens_tenant(srv: SyncServer) -> None:
+    dev = Device(new_tenant())
+    async with open_client(srv, dev.tenant) as client:
+        # A version 1 device names one version and no request id.
+        await client.send(Hello(protocol=1, client_id=dev.client_id))
+        welcome = await client.answer()
+        assert isinstance(welcome, Welcome)
+        assert (welcome.protocol, welcome.request_id) == (1, 0)
+        assert (welcome.org_id, welcome.user_id) == (dev.tenant.org_id, dev.tenant.user_id)
+    async with open_client(srv, dev.tenant) as client:
+        await client.send(
+            Hello(protocol=1, client_id=dev.client_id, min_protocol=1, max_protocol=5, request_id=1)
+        )
+        welcome = await client.answer()
+        assert isinstance(welcome, Welcome)
+        assert (welcome.protocol, welcome.request_id) == (MAX_PROTOCOL, 1)
+        assert (welcome.org_id, welcome.user_id) == (dev.tenant.org_id, dev.tenant.user_id)
+
+
+async def test_no_common_version_gets_3003_naming_both_ranges_then_1008(
+    srv: SyncServer,
+) -> None:
+    dev = Device(new_tenant())
+    async with open_client(srv, dev.tenant) as client:
+        await client.send(
+            Hello(protocol=7, client_id=dev.client_id, min_protocol=7, max_protocol=9, request_id=1)
+        )
+        err = await client.error()
+        assert (err.code, err.request_id) == (ErrorCode.PROTOCOL_VERSION, 1)
+        assert "device speaks 7..9, server speaks 1..2" in err.message
+        closed = await client.closed()
+        assert closed.rcvd is not None and closed.rcvd.code == 1008
+
+
+async def test_answers_echo_request_ids_and_live_frames_carry_none(srv: SyncServer) -> None:
+    tenant = new_tenant()
+    a, b = Device(tenant), Device(tenant)
+    async with device(srv, a) as ca, device(srv, b) as cb:
+        await ca.send(Push(changes=a.changes(a.session()), request_id=10))
+        ack = await ca.answer()
+        assert isinstance(ack, PushAck) and ack.request_id == 10
+        await ca.send(Pull(cursor=0, request_id=11))
+        page = await ca.answer()
+        assert isinstance(page, Changes) and not page.live and page.request_id == 11
+        await ca.send(Pull(cursor=-1, request_id=12))
+        err = await ca.error()
+        assert (err.code, err.request_id) == (ErrorCode.MALFORMED_FRAME, 12)
+        await ca.send_raw(msgspec.msgpack.encode({"type": "pull", "cursor": "x", "request_id": 13}))
+        err = await ca.error()
+        assert (err.code, err.request_id) == (ErrorCode.MALFORMED_FRAME, 13)
+        live = await cb.live_frame()
+        assert live.request_id == 0
+        assert all(frame.request_id == 0 for frame in ca.live)
+
+
+async def test_an_optional_frame_of_unknown_type_is_skipped_and_counted(srv: SyncServer) -> None:
+    dev = Device(new_tenant())
+    async with device(srv, dev) as client:
+        await client.send_raw(
+            msgspec.msgpack.encode({"type": "ping", "optional": True, "request_id": 3})
+        )
+        # Nothing answers it: the next frame is the answer to the pull.
+        page = await client.pull(0)
+        assert page.changes == []
+        await client.send_raw(msgspec.msgpack.encode({"type": "ping", "request_id": 4}))
+        err = await client.error()
+        assert (err.code, err.request_id) == (ErrorCode.MALFORMED_FRAME, 4)
+        assert "ping" in err.message
+        status, _, body = await http_get(srv.port, "/metrics")
+    assert status == 200
+    assert 'pleach_frames_received_total{type="ignored"} 1.0' in body.decode()
+
+
+async def test_a_client_protocol_pump_sorts_what_a_real_server_sends(srv: SyncServer) -> None:
+    tenant = new_tenant()
+    a, b = Device(tenant), Device(tenant)
+    async with open_client(srv, tenant) as raw, device(srv, b) as cb:
+        proto = ClientProtocol(a.client_id, 0)
+
+        async def exchange() -> list[ClientEvent]:
+            for data in proto.data_to_send():
+                await raw.send_raw(data)
+            data = await raw.ws.recv()
+            assert isinstance(data, bytes)
+            proto.receive_data(data)
+            return proto.take_events()
+
+        (event,) = await exchange()
+        assert isinstance(event, Answer) and isinstance(event.frame, Welcome)
+        assert event.request_id == proto.hello_request_id
+        assert (event.frame.org_id, event.frame.user_id) == (tenant.org_id, tenant.user_id)
+        assert proto.version == MAX_PROTOCOL
+
+        push_id = proto.send_push(a.changes(a.session()))
+        (event,) = await exchange()
+        assert event == Answer(push_id, event.frame) and isinstance(event.frame, PushAck)
+        (event,) = await exchange()  # its own commit, live
+        assert isinstance(event, Live)
+        session = b.session()
+        await cb.push(b.changes(session))
+        (event,) = await exchange()
+        assert isinstance(event, Live)
+        assert [c.record.id for c in event.changes.changes] == [session.id]
+        pull_id = proto.send_pull(0)
+        (event,) = await exchange()
+        assert isinstance(event, Answer) and event.request_id == pull_id
+        assert isinstance(event.frame, Changes) and len(event.frame.changes) == 2
+        assert proto.outstanding == () and proto.close_reason is None
 
 
 class FlakyStore:
