@@ -23,7 +23,7 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
-from shared.errors import InvalidState, NotFound, PleachError, SyncError
+from shared.errors import Forbidden, InvalidState, NotFound, PleachError, SyncError
 from shared.ids import uuid7
 from shared.merge import Resolution, resolve_conflicts
 from shared.messages import (
@@ -35,7 +35,7 @@ from shared.messages import (
     PushAck,
     Welcome,
 )
-from shared.protocol import ClientProtocol
+from shared.protocol import Answer, ClientProtocol, Live, Notice
 from shared.records import AuditRow, Change, Event, FeedChange, Record, Session
 
 from .core import RemoteView, SessionChange
@@ -98,37 +98,47 @@ class SyncCoordinator:
 
 
 class _Link:
-    """One open connection: the socket, the protocol, and the in-flight request."""
+    """One open connection: the socket, the protocol, and the requests awaiting answers.
+
+    Answers are matched to requests by the id they echo (``ClientProtocol`` sorts answers,
+    live pages and notices), so one lost or late answer never shifts another.
+    """
 
     def __init__(self, ws: ClientConnection, protocol: ClientProtocol) -> None:
         self.ws = ws
         self.protocol = protocol
-        self.waiters: deque[asyncio.Future[Frame]] = deque()
-        self.lock = asyncio.Lock()
+        self.waiters: dict[int, asyncio.Future[Frame]] = {}
 
     async def flush_out(self) -> None:
         for data in self.protocol.data_to_send():
             await self.ws.send(data)
 
-    async def request(self, send: Callable[[], object], timeout: float) -> Frame:
-        """Send one request frame and wait for its answer (answers come in order)."""
-        async with self.lock:
-            future: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
-            self.waiters.append(future)
-            send()
-            await self.flush_out()
-            try:
-                async with asyncio.timeout(timeout):
-                    return await future
-            except TimeoutError:
-                # Answers are matched by order: a lost answer would shift every later one.
-                # Drop the connection instead; the loop reconnects and resends what is unacked.
-                self.ws.transport.abort()
-                raise ConnectionError(f"no answer within {timeout}s; reconnecting") from None
+    def expect(self, request_id: int) -> asyncio.Future[Frame]:
+        future: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+        self.waiters[request_id] = future
+        return future
+
+    async def request(self, send: Callable[[], int], timeout: float) -> Frame:
+        """Send one request frame (``send`` queues it and returns its id); wait for its
+        answer. A request with no answer within ``timeout`` drops the connection: the loop
+        reconnects and resends what is not acknowledged."""
+        future = self.expect(send())
+        await self.flush_out()
+        try:
+            async with asyncio.timeout(timeout):
+                return await future
+        except TimeoutError:
+            self.ws.transport.abort()
+            raise ConnectionError(f"no answer within {timeout}s; reconnecting") from None
+
+    def answer(self, request_id: int, frame: Frame) -> None:
+        future = self.waiters.pop(request_id, None)
+        if future is not None and not future.done():
+            future.set_result(frame)
 
     def fail_all(self, exc: BaseException) -> None:
-        while self.waiters:
-            future = self.waiters.popleft()
+        waiters, self.waiters = self.waiters, {}
+        for future in waiters.values():
             if not future.done():
                 future.set_exception(exc)
                 future.exception()  # mark retrieved: a waiter may already have gone
@@ -173,6 +183,7 @@ class SyncFacet:
         self._apply_lock = asyncio.Lock()
         self._head_cursor = 0
         self._auto = True
+        self._retry_delay: float | None = None
 
     # -- public API ---------------------------------------------------------------------------
     async def connect(self, url: str, token: str, *, auto: bool = True) -> None:
@@ -400,6 +411,11 @@ class SyncFacet:
                 self._error(f"bad server URL: {exc}")
                 self._set_state("offline")
                 return
+            except TenantMismatch as exc:
+                self._error(exc.message, int(exc.code))
+                self._link = None
+                self._set_state("needs-auth")
+                return  # nothing was sent; the rows stay queued until connect() with a token
             except SyncError as exc:
                 self._error(exc.message, int(exc.code))
             except PleachError as exc:  # a refused page (bad chain), a store failure...
@@ -423,8 +439,7 @@ class SyncFacet:
         ) as ws:
             protocol = ClientProtocol(rt.client_id, cursor, max_frame_bytes=self.max_frame_bytes)
             link = _Link(ws, protocol)
-            welcome_future: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
-            link.waiters.append(welcome_future)
+            welcome_future = link.expect(protocol.hello_request_id)
             await link.flush_out()
             reader = asyncio.create_task(self._reader(link), name="pleach-sync-reader")
             try:
@@ -432,6 +447,9 @@ class SyncFacet:
                     welcome = await welcome_future
                 if not isinstance(welcome, Welcome):
                     raise _as_error(welcome)
+                mismatch = _tenant_mismatch(welcome, rt.org_id, rt.user_id)
+                if mismatch is not None:
+                    raise TenantMismatch(mismatch)
                 self._head_cursor = welcome.head_cursor
                 await self._server_has(welcome.last_seq)
                 self._link = link
@@ -447,10 +465,16 @@ class SyncFacet:
                         reader,
                     ]
                     try:
-                        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                        # Rows a push could not place (rate limited, store down) are retried
+                        # after a growing delay, not only at the next local write.
+                        done, _ = await asyncio.wait(
+                            waits, timeout=self._retry_delay, return_when=asyncio.FIRST_COMPLETED
+                        )
                     finally:
                         for w in waits[:2]:
                             w.cancel()
+                    if not done:
+                        self._dirty.set()
                     if reader.done():
                         reader.result()  # re-raises why the connection ended
                         raise ConnectionError("connection closed by the server")
@@ -466,7 +490,12 @@ class SyncFacet:
         self._dirty.clear()
         self._behind.clear()
         async with self._flush_lock:
-            await self._flush()
+            receipt = await self._flush()
+        if receipt.pending_after and receipt.outcome != "all-flushed":
+            last = self._retry_delay or self.backoff_initial / 2
+            self._retry_delay = min(last * 2, self.backoff_max) * random.uniform(0.5, 1.0)
+        else:
+            self._retry_delay = None
         while self._live:
             frame = self._live.popleft()
             cursor = int(await self._rt.store.get_meta("cursor") or 0)
@@ -491,17 +520,16 @@ class SyncFacet:
             if isinstance(data, str):
                 data = data.encode()
             link.protocol.receive_data(data)
-            for frame in link.protocol.events_received():
-                if isinstance(frame, Changes) and frame.live:
-                    self._head_cursor = max(self._head_cursor, frame.to_cursor)
-                    self._live.append(frame)
-                    self._behind.set()
-                elif link.waiters:
-                    future = link.waiters.popleft()
-                    if not future.done():
-                        future.set_result(frame)
-                elif isinstance(frame, Error):
-                    self._error(frame.message, frame.code)
+            for event in link.protocol.take_events():
+                match event:
+                    case Live(changes=frame):
+                        self._head_cursor = max(self._head_cursor, frame.to_cursor)
+                        self._live.append(frame)
+                        self._behind.set()
+                    case Answer(request_id=request_id, frame=frame):
+                        link.answer(request_id, frame)
+                    case Notice(frame=frame):
+                        self._error(frame.message, frame.code)
             await link.flush_out()
             if link.protocol.close_reason is not None:
                 raise link.protocol.close_reason
@@ -814,6 +842,24 @@ def _conflict_event(receipt: ConflictReceipt) -> SyncConflict:
         fork_session_id=receipt.fork_session_id,
         winner=receipt.winner,
         conflicted_paths=receipt.conflicted_paths,
+    )
+
+
+class TenantMismatch(Forbidden):
+    """The token's tenant is not the one this device writes as (``Welcome`` said so)."""
+
+
+def _tenant_mismatch(welcome: Welcome, org_id: str, user_id: str) -> str | None:
+    """Why this device cannot sync with the token the server accepted, or None."""
+    if not welcome.org_id and not welcome.user_id:
+        return None  # an older server that does not say
+    if (welcome.org_id, welcome.user_id) == (org_id, user_id):
+        return None
+    return (
+        f"tenant mismatch: this device writes as org {org_id!r} user {user_id!r}, but the "
+        f"token is for org {welcome.org_id!r} user {welcome.user_id!r}; nothing was sent and "
+        "pending changes stay queued. Use a token for this device's user, or open the "
+        "runtime with the token's user_id/org_id."
     )
 
 
