@@ -1,0 +1,60 @@
+"""The store-independent delete rules of ``pleach_server.store.apply``, with no database."""
+
+from __future__ import annotations
+
+import msgspec
+
+from pleach_server.store.apply import batch_keys, content_to_delete
+from shared.records import Record, SessionState
+from tests.server_factories import Device, new_tenant
+
+
+def test_content_to_delete_spares_what_live_sessions_refer_to() -> None:
+    dev = Device(new_tenant())
+    gone, live = dev.session(), dev.session()
+    shared_m, own_m = dev.message(gone.id), dev.message(gone.id)
+    shared_doc, own_doc = dev.artifact(gone.id), dev.artifact(gone.id)
+    cp = dev.checkpoint(gone.id)
+    gone = msgspec.structs.replace(gone, deleted=True, state=SessionState())
+    live = msgspec.structs.replace(
+        live, state=SessionState(message_ids=[shared_m.id], artifacts=[shared_doc.artifact_id])
+    )
+    live_content: list[Record] = [dev.message(live.id), dev.checkpoint(live.id)]
+    metadata: list[Record] = [dev.event(gone.id), dev.audit(gone.id)]
+    candidates = [shared_m, own_m, shared_doc, own_doc, cp, *live_content, *metadata]
+
+    doomed = content_to_delete([gone, live], candidates)
+    assert doomed == [
+        ("Message", own_m.id),
+        ("ArtifactUpdate", own_doc.id),
+        ("Checkpoint", cp.id),
+    ]
+    # Once the referring session is deleted too, the shared content goes.
+    live_gone = msgspec.structs.replace(live, deleted=True)
+    assert {i for _, i in content_to_delete([gone, live_gone], candidates)} == {
+        shared_m.id,
+        own_m.id,
+        shared_doc.id,
+        own_doc.id,
+        cp.id,
+        *(r.id for r in live_content),
+    }
+    assert content_to_delete([], candidates) == []
+
+
+def test_batch_keys_load_the_session_of_content_to_see_if_it_is_deleted() -> None:
+    dev = Device(new_tenant())
+    session = dev.session()
+    event, audit = dev.event(session.id), dev.audit(session.id)
+    message, artifact = dev.message("s-1"), dev.artifact("s-2")
+    keys = batch_keys(
+        dev.changes(session, message, artifact, event, audit), 0, dev.tenant, dev.client_id
+    )
+    assert keys.sessions == {session.id, "s-1", "s-2"}  # not the sessions of metadata alone
+    assert keys.records == {
+        ("Message", message.id),
+        ("ArtifactUpdate", artifact.id),
+        ("AuditRow", audit.id),
+    }
+    assert keys.events == {event.id} and keys.chains == {session.id}
+    assert keys.session_owners == {session.id, "s-1", "s-2"}
