@@ -1,0 +1,71 @@
+"""``python -m tests.sim``: replay a seed (shrinking it when it fails), or soak.
+
+    python -m tests.sim --seed 1234 [--backend sqlite|postgres|process] [--shrink-budget 120]
+    python -m tests.sim --soak 10000 [--start 0] [--backend sqlite]
+
+Exit status 1 when any schedule failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .harness import Outcome
+from .runner import BACKENDS, replay, run_seeds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.sim")
+    parser.add_argument("--seed", type=int, help="replay this seed (and shrink it if it fails)")
+    parser.add_argument("--soak", type=int, metavar="N", help="run N schedules")
+    parser.add_argument("--start", type=int, default=0, help="first seed of a soak")
+    parser.add_argument("--backend", choices=BACKENDS, default="sqlite")
+    parser.add_argument("--shrink-budget", type=float, default=120.0, help="seconds")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.CRITICAL)
+    if args.seed is not None:
+        outcome, _ = asyncio.run(
+            replay(args.seed, args.backend, shrink_budget_s=args.shrink_budget)
+        )
+        return 0 if outcome.ok else 1
+    if args.soak is not None:
+        return asyncio.run(soak(args.soak, args.start, args.backend))
+    parser.print_help()
+    return 2
+
+
+async def soak(count: int, start: int, backend_name: str) -> int:
+    failed: list[Outcome] = []
+    started = time.monotonic()
+    done = 0
+
+    def report(outcome: Outcome) -> None:
+        nonlocal done
+        done += 1
+        if not outcome.ok:
+            failed.append(outcome)
+            print(f"FAIL seed {outcome.schedule.seed}: {outcome.problems[0]}", flush=True)
+        if done % 100 == 0:
+            rate = done / (time.monotonic() - started)
+            print(f"{done}/{count} schedules, {len(failed)} failed, {rate:.1f}/s", flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="pleach-soak-") as tmp:
+        await run_seeds(list(range(start, start + count)), backend_name, Path(tmp), report=report)
+    elapsed = time.monotonic() - started
+    print(
+        f"soak ({backend_name}): {done} schedules in {elapsed:.0f}s, {len(failed)} failed"
+        + (f"; failing seeds: {[o.schedule.seed for o in failed]}" if failed else "")
+    )
+    if failed:
+        print(f"replay one with: python -m tests.sim --seed SEED --backend {backend_name}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

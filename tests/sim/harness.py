@@ -1,0 +1,671 @@
+"""The simulated world: devices on real SQLite files, a real server, a scripted network.
+
+``run_schedule(schedule, backend, workdir)`` plays one schedule op by op, brings the world to
+quiescence (every device online on a clean network, synced until nothing changes) and checks
+the invariants (``invariants.check``). Every op runs against the public API of
+``SessionRuntime`` and its facets; the server is a real ``SyncServer`` over a real store, or a
+real ``pleach-server`` process.
+
+Three backends:
+
+- ``EmbeddedBackend``: a ``SyncServer`` in this event loop over ``SQLiteServerStore`` (a file
+  per schedule) or ``PostgresServerStore`` (one schema per run, a tenant per schedule).
+  A server restart is ``shutdown()``, store ``close()``, and a new server on the same store.
+- ``ProcessBackend``: one ``pleach-server`` subprocess per run over a SQLite file, a tenant per
+  schedule; a server restart kills it (SIGKILL) and starts another on the same file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pleach_client.providers.scripted import ScriptedProvider, ScriptedReply, echo_reply
+from pleach_client.runtime import SessionRuntime
+from pleach_client.store.sqlite import SQLiteAdapter
+from pleach_server.auth import issue_token
+from pleach_server.server import SyncServer
+from pleach_server.store import ServerStore, SQLiteServerStore, Tenant
+from shared.clock import HybridClock
+from shared.errors import NotFound
+from shared.ids import uuid7
+
+from .invariants import Ledger, check
+from .network import Proxy
+from .schedule import TURN_OPS, Op, Schedule
+
+SECRET = "simulation-secret"
+ROOT = Path(__file__).resolve().parents[2]
+OP_TIMEOUT = 30.0  # a safety net per op, never a wait
+SYNC_OP_TIMEOUT = 2.0  # the ``sync`` op lets sync run this long at most
+QUIESCE_TIMEOUT = 20.0  # per device per round
+QUIESCE_ROUNDS = 12
+STALE_TIMEOUT = 5.0  # a device behind the server with nothing arriving for this long is stuck
+
+
+# -- servers ---------------------------------------------------------------------------------
+
+
+class Backend:
+    """Where the server runs. ``upstream()`` is its current address."""
+
+    name = "backend"
+
+    def upstream(self) -> tuple[str, int]:
+        raise NotImplementedError
+
+    def token(self, tenant: Tenant) -> str:
+        return issue_token(SECRET.encode(), tenant, None)
+
+    async def begin(self, workdir: Path) -> None:
+        """Before a schedule: make sure a server is up for it."""
+
+    async def end(self) -> None:
+        """After a schedule."""
+
+    async def restart(self) -> None:
+        raise NotImplementedError
+
+    async def feed(self, tenant: Tenant) -> list[Any]:
+        """Every change of the tenant's feed, from cursor 0."""
+        raise NotImplementedError
+
+    async def head(self, tenant: Tenant) -> int:
+        """The tenant's head cursor (the cursor of its latest feed entry)."""
+        feed = await self.feed(tenant)
+        return feed[-1].cursor if feed else 0
+
+    async def close(self) -> None:
+        """After the run."""
+
+
+class EmbeddedBackend(Backend):
+    """A ``SyncServer`` in this loop; ``make_store(workdir)`` builds an unopened store."""
+
+    def __init__(self, name: str, make_store: Callable[[Path], ServerStore]) -> None:
+        self.name = name
+        self._make_store = make_store
+        self._workdir: Path | None = None
+        self.store: ServerStore | None = None
+        self.server: SyncServer | None = None
+        self.restarts = 0
+
+    def upstream(self) -> tuple[str, int]:
+        assert self.server is not None
+        return ("127.0.0.1", self.server.port)
+
+    async def _start(self) -> None:
+        assert self._workdir is not None
+        store = self._make_store(self._workdir)
+        await store.open()
+        server = SyncServer(store, port=0, secret=SECRET.encode())
+        try:
+            await server.start()
+        except BaseException:
+            await store.close()
+            raise
+        self.store, self.server = store, server
+
+    async def _stop(self) -> None:
+        server, store = self.server, self.store
+        if server is not None:
+            await server.shutdown()
+        if store is not None:
+            await store.close()
+
+    async def begin(self, workdir: Path) -> None:
+        self._workdir = workdir
+        await self._start()
+
+    async def end(self) -> None:
+        await self._stop()
+        self.server = self.store = None
+
+    async def restart(self) -> None:
+        self.restarts += 1
+        await self._stop()
+        await self._start()
+
+    async def head(self, tenant: Tenant) -> int:
+        assert self.store is not None
+        return await self.store.head_cursor(tenant)
+
+    async def feed(self, tenant: Tenant) -> list[Any]:
+        assert self.store is not None
+        out: list[Any] = []
+        cursor = 0
+        while True:
+            page = await self.store.pull(tenant, cursor, 1000)
+            out.extend(page.changes)
+            cursor = page.to_cursor
+            if not page.more:
+                return out
+
+
+class ProcessBackend(Backend):
+    """One ``pleach-server`` subprocess (SQLite file), shared by the schedules of a run."""
+
+    name = "process"
+
+    def __init__(self, workdir: Path) -> None:
+        self.db = workdir / "server.db"
+        self.proc: asyncio.subprocess.Process | None = None
+        self.port = 0
+        self.restarts = 0
+        self._stderr: list[str] = []
+        self._drain: asyncio.Task[None] | None = None
+
+    def upstream(self) -> tuple[str, int]:
+        return ("127.0.0.1", self.port)
+
+    async def _start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PLEACH_")}
+        env["PYTHONPATH"] = str(ROOT)
+        env.pop("PYTHONASYNCIODEBUG", None)  # the server runs as in production
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "pleach_server.cli", "--port", "0", "--db", str(self.db),
+            "--secret", SECRET, "--log-level", "warning",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+        )  # fmt: skip
+        assert proc.stdout is not None and proc.stderr is not None
+        try:
+            async with asyncio.timeout(30):
+                line = (await proc.stdout.readline()).decode()
+                if not line.startswith("pleach-server listening on ws://127.0.0.1:"):
+                    raise RuntimeError(f"pleach-server did not start: {line!r}")
+        except BaseException:
+            proc.kill()
+            _, err = await proc.communicate()
+            self._stderr.append(err.decode())
+            raise
+        self.port = int(line.split()[-1].rsplit(":", 1)[1].split("/", 1)[0])
+        self.proc = proc
+        self._drain = asyncio.create_task(self._read(proc))
+
+    async def _read(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None and proc.stderr is not None
+
+        async def pump(stream: asyncio.StreamReader) -> None:
+            async for line in stream:
+                self._stderr.append(line.decode())
+                del self._stderr[:-200]
+
+        await asyncio.gather(pump(proc.stdout), pump(proc.stderr))
+
+    async def _kill(self) -> None:
+        proc, drain = self.proc, self._drain
+        self.proc = self._drain = None
+        if proc is not None:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGKILL)
+            await proc.wait()
+        if drain is not None:
+            await drain
+
+    async def begin(self, workdir: Path) -> None:
+        if self.proc is None or self.proc.returncode is not None:
+            await self._kill()
+            await self._start()
+
+    async def restart(self) -> None:
+        self.restarts += 1
+        await self._kill()
+        await self._start()
+
+    async def feed(self, tenant: Tenant) -> list[Any]:
+        from websockets.asyncio.client import connect
+
+        from tests.wsclient import Client
+
+        async with connect(
+            f"ws://127.0.0.1:{self.port}/sync",
+            additional_headers={"Authorization": f"Bearer {self.token(tenant)}"},
+            proxy=None,
+            open_timeout=20,
+            close_timeout=2,
+        ) as ws:
+            client = Client(ws)
+            await client.hello(f"observer-{uuid7()}")
+            return await client.pull_all()
+
+    async def close(self) -> None:
+        proc = self.proc
+        if proc is not None and proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(20):
+                    await proc.wait()
+            except TimeoutError:
+                proc.kill()
+        await self._kill()
+
+
+def sqlite_backend() -> EmbeddedBackend:
+    return EmbeddedBackend("sqlite", lambda workdir: SQLiteServerStore(workdir / "server.db"))
+
+
+def postgres_backend(dsn: str, schema: str) -> EmbeddedBackend:
+    from pleach_server.store.postgres import PostgresServerStore
+
+    return EmbeddedBackend(
+        "postgres", lambda _: PostgresServerStore(dsn, schema=schema, pool_min=1, pool_max=4)
+    )
+
+
+# -- devices ---------------------------------------------------------------------------------
+
+
+def find_clocks(rt: SessionRuntime) -> list[HybridClock]:
+    """The runtime's hybrid clock(s), looked up by type on it and on its direct members.
+
+    ``SessionRuntime`` takes no wall-clock function; ``HybridClock`` does (``wall=``). To skew
+    a device's clock the simulation swaps the wall function of the clock the runtime built.
+    """
+    found: list[HybridClock] = []
+    for value in vars(rt).values():
+        if isinstance(value, HybridClock):
+            found.append(value)
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            found.extend(v for v in vars(value).values() if isinstance(v, HybridClock))
+    unique: dict[int, HybridClock] = {id(c): c for c in found}
+    return list(unique.values())
+
+
+class Device:
+    """One device: a ``SessionRuntime`` on its own SQLite file, behind its own proxy."""
+
+    def __init__(self, world: World, index: int, skew_ms: int) -> None:
+        self.world = world
+        self.index = index
+        self.name = f"dev{index}"
+        self.path = world.workdir / f"{self.name}.db"
+        self.skew_ms = skew_ms
+        self.proxy = Proxy(self.name, world.backend.upstream)
+        self.rt: SessionRuntime | None = None
+        self.online = False
+        self.replies: deque[ScriptedReply] = deque()
+        self.conflicts: list[tuple[str, str]] = []  # (session id, conflict id) seen here
+        self.skew_applied = False
+        self.applied = asyncio.Event()  # set whenever remote changes are applied here
+
+    def wall(self) -> int:
+        return int(time.time() * 1000) + self.skew_ms
+
+    def _reply(self, request: Any) -> ScriptedReply:
+        if self.replies:
+            return self.replies.popleft()
+        return echo_reply(request)
+
+    def _on_conflict(self, event: Any) -> None:
+        key = (event.session_id, event.conflict_id)
+        if key not in self.conflicts:
+            self.conflicts.append(key)
+
+    async def open(self) -> SessionRuntime:
+        world = self.world
+        rt = SessionRuntime(
+            SQLiteAdapter(self.path),
+            ScriptedProvider(default_reply=self._reply),
+            user_id=world.tenant.user_id,
+            org_id=world.tenant.org_id,
+            client_id=f"{world.tenant.user_id}-{self.name}",
+        )
+        await rt.open()
+        clocks = find_clocks(rt)
+        for clock in clocks:
+            clock._wall = self.wall  # see find_clocks: the only way in without an API for it
+        self.skew_applied = bool(clocks)
+        sync = rt.sync
+        for attr, value in (("backoff_initial", 0.01), ("backoff_max", 0.1)):
+            if hasattr(sync, attr):
+                setattr(sync, attr, value)
+        rt.events.on("sync.conflict", self._on_conflict)
+        rt.events.on("sync.applied", lambda _: self.applied.set())
+        self.rt = rt
+        if self.online:
+            await self.connect()
+        return rt
+
+    async def connect(self) -> None:
+        assert self.rt is not None
+        await self.rt.sync.connect(self.proxy.url, self.world.backend.token(self.world.tenant))
+        self.online = True
+
+    async def disconnect(self) -> None:
+        assert self.rt is not None
+        await self.rt.sync.disconnect()
+        self.online = False
+
+    async def close(self) -> None:
+        rt, self.rt = self.rt, None
+        if rt is not None:
+            await rt.close()
+
+
+# -- the world -------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    schedule: Schedule
+    backend: str
+    problems: list[str] = field(default_factory=list)
+    ops_done: int = 0
+    ops_skipped: int = 0
+    seconds: float = 0.0
+    stats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def categories(self) -> set[str]:
+        return {p.split(":", 1)[0] for p in self.problems}
+
+
+class Skip(Exception):
+    """The op has no target on this device now (no session, no checkpoint...)."""
+
+
+class World:
+    def __init__(self, schedule: Schedule, backend: Backend, workdir: Path) -> None:
+        self.schedule = schedule
+        self.backend = backend
+        self.workdir = workdir
+        self.tenant = Tenant(org_id="sim", user_id=f"u{schedule.seed}-{uuid7()[-12:]}")
+        self.devices = [Device(self, i, s) for i, s in enumerate(schedule.skews_ms)]
+        self.ledger = Ledger()
+        self.artifacts: list[str] = []
+        self.stats: dict[str, int] = {}
+
+    def _count(self, key: str) -> None:
+        self.stats[key] = self.stats.get(key, 0) + 1
+
+    # -- targets -----------------------------------------------------------------------------
+    async def _session(self, dev: Device, pick: int) -> str:
+        """A live session of this device: ``pick`` into its ids in order (uuid7: by age)."""
+        assert dev.rt is not None
+        live = sorted(s.id for s in await dev.rt.sessions.list())
+        if not live:
+            raise Skip("no session on this device")
+        return live[pick % len(live)]
+
+    # -- ops ---------------------------------------------------------------------------------
+    async def run_op(self, index: int, op: Op) -> None:
+        dev = self.devices[op.dev]
+        rt = dev.rt
+        assert rt is not None
+        kind = op.kind
+        if kind == "create":
+            await rt.sessions.create(title=f"s{index}")
+        elif kind in TURN_OPS:
+            await self._turn(index, op, dev, await self._session(dev, op.pick))
+        elif kind == "rename":
+            sid = await self._session(dev, op.pick)
+            await rt.sessions.rename(sid, f"t{index}")
+        elif kind == "rollback":
+            sid = await self._session(dev, op.pick)
+            checkpoints = await rt.checkpoints.list(sid)
+            if not checkpoints:
+                raise Skip("no checkpoint")
+            target = checkpoints[(op.pick // 7) % len(checkpoints)]
+            self.ledger.destructive(index, "rollback", sid)
+            await rt.checkpoints.rollback(sid, target.id)
+        elif kind == "fork":
+            sid = await self._session(dev, op.pick)
+            checkpoint_id = None
+            if op.arg:
+                checkpoints = await rt.checkpoints.list(sid)
+                if checkpoints:
+                    checkpoint_id = checkpoints[(op.pick // 7) % len(checkpoints)].id
+            receipt = await rt.checkpoints.fork(sid, checkpoint_id)
+        elif kind == "delete":
+            sid = await self._session(dev, op.pick)
+            self.ledger.destructive(index, "delete", sid)
+            await rt.sessions.delete(sid)
+        elif kind == "resolve":
+            if not dev.conflicts:
+                raise Skip("no conflict seen on this device")
+            sid, conflict_id = dev.conflicts[op.pick % len(dev.conflicts)]
+            side = "local" if op.arg == 0 else "remote"
+            await rt.sync.resolve_conflict(sid, conflict_id, side)
+        elif kind == "artifact_create":
+            sid = await self._session(dev, op.pick)
+            token = f"a{index}"
+            receipt = await rt.artifacts.create(sid, token)
+            self.artifacts.append(receipt.artifact_id)
+            self.ledger.artifact_tokens[receipt.artifact_id] = [token]
+        elif kind == "artifact_edit":
+            if not self.artifacts:
+                raise Skip("no artifact")
+            artifact_id = self.artifacts[op.pick % len(self.artifacts)]
+            token = f" e{index}"
+            await rt.artifacts.append(artifact_id, token)  # NotFound: not here yet
+            self.ledger.artifact_tokens[artifact_id].append(token.strip())
+        elif kind == "offline":
+            await dev.disconnect()
+        elif kind == "online":
+            await dev.connect()
+        elif kind == "sync":
+            if not dev.online or dev.proxy.faulty:
+                raise Skip("offline or on a faulty network")
+            await rt.sync.wait_until_synced(timeout=SYNC_OP_TIMEOUT)
+        elif kind == "net_cut":
+            dev.proxy.cut()
+        elif kind == "net_hold_live":
+            dev.proxy.hold_live = True
+        elif kind == "net_delay":
+            dev.proxy.delay = True
+        elif kind == "net_release":
+            dev.proxy.heal()
+        elif kind == "net_drop_ack":
+            dev.proxy.drop_next_ack = True
+        elif kind == "net_partition":
+            dev.proxy.partitioned = True
+            dev.proxy.cut()
+        elif kind == "crash":
+            # The network goes first, then the runtime, wherever its sync loop is.
+            dev.proxy.cut()
+            await dev.close()
+            await dev.open()
+        elif kind == "restart":
+            await dev.close()
+            await dev.open()
+        elif kind == "server_restart":
+            await self.backend.restart()
+        elif kind == "skew":
+            if not dev.skew_applied:
+                raise Skip("the runtime's clock cannot be skewed")
+            dev.skew_ms = op.arg
+        else:
+            raise ValueError(f"unknown op {kind}")
+
+    async def _turn(self, index: int, op: Op, dev: Device, sid: str) -> None:
+        rt = dev.rt
+        assert rt is not None
+        dev.replies.clear()
+        abort: asyncio.Event | None = None
+        abort_on = ""
+        if op.kind == "turn_tool":
+            dev.replies.extend(
+                [
+                    ScriptedReply(
+                        text="Let me compute.", tool_calls=[("calculator", {"expression": "6*7"})]
+                    ),
+                    ScriptedReply(text="It is 42."),
+                ]
+            )
+        elif op.kind == "turn_abort":
+            abort = asyncio.Event()
+            if op.arg:
+                abort_on = "tool.started"
+                dev.replies.append(
+                    ScriptedReply(
+                        text="About to.", tool_calls=[("calculator", {"expression": "1+1"})]
+                    )
+                )
+            else:
+                abort_on = "message.delta"
+                dev.replies.append(ScriptedReply(text="a long answer that is cut off midway"))
+        elif op.kind == "turn_fail":
+            if op.arg:
+                dev.replies.append(
+                    ScriptedReply(
+                        text="partial words then", error="api_error", error_after_chunks=2
+                    )
+                )
+            else:
+                dev.replies.append(ScriptedReply(error="overloaded_error"))
+        text = f"u{index}"
+        user_ids: list[str] = []
+        async with aclosing(rt.execute_message(sid, text, abort=abort)) as events:
+            async for event in events:
+                if event.type == "message.added" and getattr(event, "role", "") == "user":
+                    user_ids.append(event.message_id)  # type: ignore[attr-defined]
+                if abort is not None and event.type == abort_on:
+                    abort.set()
+        dev.replies.clear()
+        for message_id in user_ids:
+            self.ledger.wrote(index, message_id, sid, text)
+
+    # -- phases ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.backend.begin(self.workdir)
+        for dev in self.devices:
+            await dev.proxy.start()
+            await dev.open()
+            await dev.connect()
+
+    async def play(self, outcome: Outcome) -> None:
+        for index, op in enumerate(self.schedule.ops):
+            try:
+                async with asyncio.timeout(OP_TIMEOUT):
+                    await self.run_op(index, op)
+            except (Skip, NotFound):
+                outcome.ops_skipped += 1
+                continue
+            except TimeoutError:
+                outcome.problems.append(f"op-timeout: op {index} {op} took over {OP_TIMEOUT}s")
+                return
+            except Exception as exc:
+                outcome.problems.append(f"op-error: op {index} {op}: {type(exc).__name__}: {exc}")
+                return
+            outcome.ops_done += 1
+            self._count(op.kind)
+
+    async def quiesce(self, outcome: Outcome) -> bool:
+        """Heal the network, bring every device online, sync until nothing changes."""
+        for dev in self.devices:
+            dev.proxy.heal()
+            if dev.rt is None:
+                await dev.open()
+            if not dev.online:
+                await dev.connect()
+        previous: Any = None
+        for _ in range(QUIESCE_ROUNDS):
+            for dev in self.devices:
+                dev.applied.clear()
+            stuck = []
+            for dev in self.devices:
+                assert dev.rt is not None
+                if not await dev.rt.sync.wait_until_synced(timeout=QUIESCE_TIMEOUT):
+                    stuck.append(f"{dev.name}: {await dev.rt.sync.status()}")
+            if stuck:
+                outcome.problems.append("no-quiescence: " + "; ".join(stuck))
+                return False
+            head = await self.backend.head(self.tenant)
+            now = []
+            for dev in self.devices:
+                assert dev.rt is not None
+                status = await dev.rt.sync.status()
+                now.append((status.cursor, status.pending))
+                if status.cursor >= head:
+                    continue
+                # Synced by its own account but behind the server: a live page may still be
+                # on its way. Wait for something to be applied (bounded), then go round again.
+                try:
+                    async with asyncio.timeout(STALE_TIMEOUT):
+                        await dev.applied.wait()
+                except TimeoutError:
+                    outcome.problems.append(
+                        f"stale-device: {dev.name} reports synced at cursor {status.cursor} "
+                        f"while the server's head is {head}, and nothing arrived in "
+                        f"{STALE_TIMEOUT}s ({status})"
+                    )
+                    return False
+            if now == previous and all(cursor >= head for cursor, _ in now):
+                return True
+            previous = now
+        outcome.problems.append(f"no-quiescence: still changing after {QUIESCE_ROUNDS} rounds")
+        return False
+
+    async def close(self) -> None:
+        for dev in self.devices:
+            with contextlib.suppress(Exception):
+                await dev.close()
+        for dev in self.devices:
+            await dev.proxy.close()
+        await self.backend.end()
+
+
+async def run_schedule(schedule: Schedule, backend: Backend, workdir: Path) -> Outcome:
+    """Play ``schedule`` and check the invariants; the outcome lists every violation."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    outcome = Outcome(schedule=schedule, backend=backend.name)
+    world = World(schedule, backend, workdir)
+    try:
+        await world.start()
+        await world.play(outcome)
+        if not outcome.problems and await world.quiesce(outcome):
+            feed = await backend.feed(world.tenant)
+            outcome.problems.extend(await check(world, feed))
+    finally:
+        await world.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    outcome.stats = dict(world.stats)
+    outcome.seconds = time.monotonic() - started
+    return outcome
+
+
+async def run_many(
+    schedules: list[Schedule],
+    backend: Backend,
+    workdir: Path,
+    *,
+    on_outcome: Callable[[Outcome], Awaitable[None] | None] | None = None,
+) -> list[Outcome]:
+    """Run schedules one after another in this loop; returns every outcome."""
+    outcomes = []
+    for schedule in schedules:
+        outcome = await run_schedule(schedule, backend, workdir / f"s{schedule.seed}")
+        outcomes.append(outcome)
+        if on_outcome is not None:
+            result = on_outcome(outcome)
+            if result is not None:
+                await result
+    return outcomes
+
+
+__all__ = [
+    "Backend",
+    "EmbeddedBackend",
+    "Outcome",
+    "ProcessBackend",
+    "World",
+    "postgres_backend",
+    "run_many",
+    "run_schedule",
+    "sqlite_backend",
+]

@@ -1,0 +1,294 @@
+"""What must hold once the simulated world is quiet, and the ledger that says what was written.
+
+``check(world, feed)`` compares every device with every other and with the server's feed:
+
+- the same sessions (id, title, message ids, deleted flag, lineage, head checkpoint, vector);
+- the same transcript of every live session, every message id resolving to a message;
+- the same checkpoints of every live session, the same event log per session (ids, canonical
+  sequence numbers and hashes, in order), the same audit rows;
+- every event chain verifies on every device, and every device's audit chain verifies on
+  every device;
+- nothing pending, nothing dead-lettered;
+- every artifact reads the same everywhere and holds every piece of text appended to it;
+- every user message a device wrote is in some live session on every device and on the
+  server, unless a rollback or a delete touched its session's family (the session and every
+  session forked from it or it from, transitively) after the message was written.
+
+Each problem is one string ``"<category>: <detail>"``; the categories let the shrinker keep a
+failure of the same kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from shared.errors import NotFound
+from shared.records import AuditRow, Checkpoint, Event, Message, Session
+
+if TYPE_CHECKING:
+    from .harness import World
+
+MAX_PROBLEMS = 25
+
+
+@dataclass(frozen=True)
+class Written:
+    op: int
+    message_id: str
+    session_id: str
+    text: str
+
+
+@dataclass
+class Ledger:
+    """What the scheduler caused: user messages written, destructive ops, artifact text."""
+
+    written: list[Written] = field(default_factory=list)
+    destructive_ops: list[tuple[int, str, str]] = field(default_factory=list)
+    artifact_tokens: dict[str, list[str]] = field(default_factory=dict)
+
+    def wrote(self, op: int, message_id: str, session_id: str, text: str) -> None:
+        self.written.append(Written(op, message_id, session_id, text))
+
+    def destructive(self, op: int, kind: str, session_id: str) -> None:
+        self.destructive_ops.append((op, kind, session_id))
+
+
+SESSION_FIELDS = (
+    "title",
+    "deleted",
+    "forked_from",
+    "conflict_id",
+    "conflict_loser_side",
+    "head_checkpoint_id",
+    "vv",
+    "updated_at",
+)
+
+
+def session_key(s: Session) -> dict[str, Any]:
+    key = {f: getattr(s, f, None) for f in SESSION_FIELDS}
+    key["message_ids"] = list(s.state.message_ids)
+    key["artifacts"] = list(s.state.artifacts)
+    return key
+
+
+@dataclass
+class View:
+    """One holder's data (a device, or the server's feed), in comparable form."""
+
+    name: str
+    sessions: dict[str, dict[str, Any]] = field(default_factory=dict)
+    transcripts: dict[str, list[tuple[str, str, str]]] = field(default_factory=dict)
+    checkpoints: dict[str, list[str]] = field(default_factory=dict)
+    events: dict[str, list[tuple[str, int, str]]] = field(default_factory=dict)
+    audit: set[str] = field(default_factory=set)
+    messages: set[str] = field(default_factory=set)
+
+    def live(self) -> set[str]:
+        return {sid for sid, s in self.sessions.items() if not s["deleted"]}
+
+
+def _message_key(m: Message) -> tuple[str, str, str]:
+    return (m.id, m.role, msgspec.json.encode(m.content).decode())
+
+
+async def device_view(world: World, index: int, problems: list[str]) -> View:
+    dev = world.devices[index]
+    rt = dev.rt
+    assert rt is not None
+    view = View(dev.name)
+    status = await rt.sync.status()
+    if status.pending:
+        problems.append(f"pending: {dev.name} still has {status.pending} outbox rows")
+    if status.dead_letters:
+        dead = await rt.sync.dead_letters()
+        problems.append(
+            f"dead-letter: {dev.name} dead-lettered "
+            + ", ".join(f"{type(d.record).__name__} {d.code} {d.message}" for d in dead[:3])
+        )
+    for s in await rt.sessions.list(include_deleted=True):
+        view.sessions[s.id] = session_key(s)
+    for sid, key in view.sessions.items():
+        events = [e async for e in rt.events.iterate(sid)]
+        view.events[sid] = [(e.id, e.sequence_number, e.row_hash) for e in events]
+        report = await rt.events.verify_chain(sid)
+        if not report.ok:
+            problems.append(
+                f"event-chain: {dev.name} session {sid} fails at {report.first_bad_index}: "
+                f"{report.reason}"
+            )
+        if key["deleted"]:
+            continue
+        transcript = await rt.sessions.messages(sid)
+        view.transcripts[sid] = [_message_key(m) for m in transcript]
+        view.messages.update(m.id for m in transcript)
+        if [m.id for m in transcript] != key["message_ids"]:
+            missing = set(key["message_ids"]) - {m.id for m in transcript}
+            problems.append(
+                f"missing-message-record: {dev.name} session {sid} refers to "
+                f"{len(missing)} message(s) it does not hold"
+            )
+        view.checkpoints[sid] = sorted(c.id for c in await rt.checkpoints.list(sid))
+    rows = await rt.audit.rows()
+    view.audit = {r.id for r in rows}
+    chains = {r.client_id for r in rows} | {
+        d.rt.client_id for d in world.devices if d.rt is not None
+    }
+    for client_id in sorted(chains):
+        report = await rt.audit.verify_chain(client_id)
+        if not report.ok:
+            problems.append(
+                f"audit-chain: {dev.name} chain of {client_id} fails at "
+                f"{report.first_bad_index}: {report.reason}"
+            )
+    for artifact_id, tokens in world.ledger.artifact_tokens.items():
+        try:
+            text = await rt.artifacts.text(artifact_id)
+        except NotFound:
+            problems.append(f"artifact-missing: {dev.name} has no artifact {artifact_id}")
+            continue
+        lost = [t for t in tokens if t not in text]
+        if lost:
+            problems.append(f"artifact-text: {dev.name} artifact {artifact_id} lost {lost}")
+        view.transcripts[f"artifact:{artifact_id}"] = [("text", "", text)]
+    return view
+
+
+def server_view(feed: list[Any]) -> View:
+    view = View("server")
+    sessions: dict[str, Session] = {}
+    checkpoints: dict[str, list[Checkpoint]] = {}
+    events: dict[str, list[Event]] = {}
+    messages: dict[str, Message] = {}
+    for change in feed:
+        record = change.record
+        match record:
+            case Session():
+                sessions[record.id] = record  # the feed only ever moves a session forward
+            case Checkpoint():
+                checkpoints.setdefault(record.session_id, []).append(record)
+            case Event():
+                events.setdefault(record.session_id, []).append(record)
+            case AuditRow():
+                view.audit.add(record.id)
+            case Message():
+                messages[record.id] = record
+    for sid, s in sessions.items():
+        view.sessions[sid] = session_key(s)
+        if not s.deleted:
+            view.transcripts[sid] = [
+                _message_key(messages[m]) for m in s.state.message_ids if m in messages
+            ]
+            view.messages.update(m for m in s.state.message_ids if m in messages)
+            view.checkpoints[sid] = sorted(c.id for c in checkpoints.get(sid, []))
+    for sid, evs in events.items():
+        view.events[sid] = [
+            (e.id, e.sequence_number, e.row_hash)
+            for e in sorted(evs, key=lambda e: e.sequence_number)
+        ]
+    return view
+
+
+def _diff(a: View, b: View, problems: list[str], *, server: bool) -> None:
+    if set(a.sessions) != set(b.sessions):
+        only_a = sorted(set(a.sessions) - set(b.sessions))
+        only_b = sorted(set(b.sessions) - set(a.sessions))
+        problems.append(f"sessions-differ: only on {a.name}: {only_a}; only on {b.name}: {only_b}")
+    for sid in sorted(set(a.sessions) & set(b.sessions)):
+        x, y = a.sessions[sid], b.sessions[sid]
+        if x != y:
+            fields = sorted(k for k in x if x[k] != y.get(k))
+            problems.append(
+                f"session-differs: {sid} on {a.name} vs {b.name}: "
+                + "; ".join(f"{f}={x[f]!r} vs {y[f]!r}" for f in fields)
+            )
+    for name, left, right in (
+        ("transcript-differs", a.transcripts, b.transcripts),
+        ("checkpoints-differ", a.checkpoints, b.checkpoints),
+        ("events-differ", a.events, b.events),
+    ):
+        for key in sorted(set(left) | set(right)):
+            if key.startswith("artifact:") and server:
+                continue
+            x, y = left.get(key) or [], right.get(key) or []
+            if x != y:
+                only_x = [v for v in x if v not in y][:3]
+                only_y = [v for v in y if v not in x][:3]
+                problems.append(
+                    f"{name}: {key} on {a.name} ({len(x)}) vs {b.name} ({len(y)}); "
+                    f"only on {a.name}: {only_x}; only on {b.name}: {only_y}"
+                    + ("" if only_x or only_y else "; same items, another order")
+                )
+    if a.audit != b.audit:
+        problems.append(
+            f"audit-differs: {len(a.audit - b.audit)} rows only on {a.name}, "
+            f"{len(b.audit - a.audit)} only on {b.name}"
+        )
+
+
+def families(views: list[View]) -> dict[str, str]:
+    """Session id -> a representative of its family (linked by ``forked_from``)."""
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for view in views:
+        for sid, s in view.sessions.items():
+            find(sid)
+            if s["forked_from"]:
+                parent[find(sid)] = find(s["forked_from"])
+    return {sid: find(sid) for sid in list(parent)}
+
+
+def _lost_messages(world: World, views: list[View], problems: list[str]) -> None:
+    family = families(views)
+    touched: list[tuple[int, str]] = [
+        (op, family.get(sid, sid)) for op, _, sid in world.ledger.destructive_ops
+    ]
+    for w in world.ledger.written:
+        fam = family.get(w.session_id, w.session_id)
+        excused = any(op > w.op and f == fam for op, f in touched)
+        if excused:
+            continue
+        for view in views:
+            holders = [
+                sid for sid in view.live() if w.message_id in view.sessions[sid]["message_ids"]
+            ]
+            if not holders or w.message_id not in view.messages:
+                where = {
+                    v.name: sorted(
+                        sid for sid, s in v.sessions.items() if w.message_id in s["message_ids"]
+                    )
+                    for v in views
+                }
+                problems.append(
+                    f"lost-user-message: {w.text!r} ({w.message_id}, op {w.op}, session "
+                    f"{w.session_id}) is in no live session on {view.name}; "
+                    f"sessions holding it anywhere (live or deleted): {where}"
+                )
+                break
+
+
+async def check(world: World, feed: list[Any]) -> list[str]:
+    problems: list[str] = []
+    views = [await device_view(world, i, problems) for i in range(len(world.devices))]
+    server = server_view(feed)
+    for view in views[1:]:
+        _diff(views[0], view, problems, server=False)
+    _diff(views[0], server, problems, server=True)
+    _lost_messages(world, [*views, server], problems)
+    if len(problems) > MAX_PROBLEMS:
+        problems = [*problems[:MAX_PROBLEMS], f"more: {len(problems) - MAX_PROBLEMS} more"]
+    return problems
+
+
+__all__ = ["Ledger", "View", "Written", "check", "device_view", "families", "server_view"]

@@ -1,0 +1,130 @@
+"""Running schedules: backends as context managers, replay with shrinking, soak."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+from .harness import (
+    Backend,
+    Outcome,
+    ProcessBackend,
+    postgres_backend,
+    run_schedule,
+    sqlite_backend,
+)
+from .schedule import Schedule, generate
+from .shrink import shrink
+
+PG_DSN = os.environ.get("PLEACH_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+BACKENDS = ("sqlite", "postgres", "process")
+
+
+@contextlib.asynccontextmanager
+async def backend(name: str, workdir: Path) -> AsyncIterator[Backend]:
+    """A backend for a run of schedules; PostgreSQL gets a fresh schema, dropped after."""
+    if name == "sqlite":
+        yield sqlite_backend()
+    elif name == "postgres":
+        import asyncpg  # type: ignore[import-untyped]
+
+        from shared.ids import uuid7
+
+        schema = f"pleach_sim_{uuid7().replace('-', '')}"
+        try:
+            yield postgres_backend(PG_DSN, schema)
+        finally:
+            conn = await asyncpg.connect(PG_DSN, timeout=10)
+            try:
+                await conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+            finally:
+                await conn.close()
+    elif name == "process":
+        workdir.mkdir(parents=True, exist_ok=True)
+        proc = ProcessBackend(workdir)
+        try:
+            yield proc
+        finally:
+            await proc.close()
+    else:
+        raise ValueError(f"unknown backend {name!r}; one of {BACKENDS}")
+
+
+def schedule_for(seed: int, backend_name: str) -> Schedule:
+    """The schedule a seed means for a backend (the same generator for all three)."""
+    return generate(seed)
+
+
+async def run_seeds(
+    seeds: list[int],
+    backend_name: str,
+    workdir: Path,
+    *,
+    report: Callable[[Outcome], None] | None = None,
+) -> list[Outcome]:
+    outcomes: list[Outcome] = []
+    async with backend(backend_name, workdir / "backend") as be:
+        for seed in seeds:
+            outcome = await run_schedule(schedule_for(seed, backend_name), be, workdir / f"s{seed}")
+            outcomes.append(outcome)
+            if report is not None:
+                report(outcome)
+    return outcomes
+
+
+async def replay(
+    seed: int,
+    backend_name: str = "sqlite",
+    *,
+    shrink_budget_s: float = 120.0,
+    tries: int = 2,
+    schedule: Schedule | None = None,
+    log: Callable[[str], None] = print,
+) -> tuple[Outcome, Schedule | None]:
+    """Run one seed; when it fails, shrink it. Returns the outcome and the shrunk schedule."""
+    with tempfile.TemporaryDirectory(prefix="pleach-sim-") as tmp:
+        workdir = Path(tmp)
+        async with backend(backend_name, workdir / "backend") as be:
+            runs = 0
+
+            async def run(s: Schedule) -> Outcome:
+                nonlocal runs
+                runs += 1
+                return await run_schedule(s, be, workdir / f"r{runs}")
+
+            original = schedule or schedule_for(seed, backend_name)
+            outcome = await run(original)
+            log(original.describe())
+            if outcome.ok:
+                log(f"seed {seed} ({backend_name}): all invariants hold ({outcome.seconds:.2f}s)")
+                return outcome, None
+            log(f"seed {seed} ({backend_name}) FAILS:")
+            for problem in outcome.problems:
+                log(f"  {problem}")
+            wanted = outcome.categories()
+
+            async def fails(candidate: Schedule) -> bool:
+                for _ in range(tries):
+                    if (await run(candidate)).categories() & wanted:
+                        return True
+                return False
+
+            started = time.monotonic()
+            shrunk = await shrink(original, fails, budget_s=shrink_budget_s, log=log)
+            again = await run(shrunk)
+            log(
+                f"shrunk from {len(original.ops)} to {len(shrunk.ops)} ops in "
+                f"{time.monotonic() - started:.0f}s ({runs} runs):"
+            )
+            log(shrunk.describe())
+            log("the shrunk schedule " + ("fails with:" if not again.ok else "passed this time"))
+            for problem in again.problems:
+                log(f"  {problem}")
+            return outcome, shrunk
+
+
+__all__ = ["BACKENDS", "PG_DSN", "backend", "replay", "run_seeds", "schedule_for"]
