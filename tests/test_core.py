@@ -1,0 +1,205 @@
+"""``DeviceCore``: one owner of the device's state, and a write path that never overwrites.
+
+Two runtimes on one SQLite file (two connections, as two processes would have), a turn that
+commits after its session changed underneath it, and a runtime whose caches are stale: in each
+case every message stays in the transcript and both chains verify.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from pleach_client.core import SessionChange, existing
+from pleach_client.providers.scripted import ScriptedProvider, ScriptedReply
+from pleach_client.runtime import SessionConfigError, SessionRuntime
+from pleach_client.store.memory import MemoryAdapter
+from pleach_client.store.sqlite import SQLiteAdapter
+from pleach_client.tools import Tool
+from shared.errors import NotFound, PleachError
+
+
+async def turn(rt: SessionRuntime, session_id: str, text: str) -> None:
+    async for _ in rt.execute_message(session_id, text):
+        pass
+
+
+async def user_texts(rt: SessionRuntime, session_id: str) -> list[str]:
+    return [
+        block["text"]
+        for m in await rt.sessions.messages(session_id)
+        if m.role == "user"
+        for block in m.content
+        if block.get("type") == "text"
+    ]
+
+
+async def chains_ok(rt: SessionRuntime, session_id: str) -> None:
+    report = await rt.events.verify_chain(session_id)
+    assert report.ok, report
+    audit = await rt.audit.verify_chain()
+    assert audit.ok, audit
+
+
+async def test_two_runtimes_on_one_file_interleave_without_losing_or_breaking(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "device.db"
+    async with (
+        SessionRuntime(SQLiteAdapter(path), ScriptedProvider()) as a,
+        SessionRuntime(SQLiteAdapter(path), ScriptedProvider()) as b,
+    ):
+        assert a.client_id == b.client_id  # one device file, one device
+        shared = await a.create_session(title="shared")
+        other = await b.create_session(title="other")
+        # Each runtime's caches go stale as soon as the other writes; run them at once.
+        await asyncio.gather(
+            *(turn(a, shared.id, f"a{i}") for i in range(6)),
+            *(turn(b, shared.id, f"b{i}") for i in range(6)),
+            *(turn(a, other.id, f"c{i}") for i in range(4)),
+            *(turn(b, other.id, f"d{i}") for i in range(4)),
+        )
+        texts = await user_texts(a, shared.id)
+        assert sorted(texts) == sorted([f"a{i}" for i in range(6)] + [f"b{i}" for i in range(6)])
+        assert sorted(await user_texts(b, other.id)) == sorted(
+            [f"c{i}" for i in range(4)] + [f"d{i}" for i in range(4)]
+        )
+        for rt in (a, b):
+            await chains_ok(rt, shared.id)
+            await chains_ok(rt, other.id)
+        # The outbox holds one row per record written, by either runtime.
+        assert (await a.sync.status()).pending == (await b.sync.status()).pending > 0
+
+
+async def test_a_turn_commits_onto_the_row_as_it_is_at_commit_time(tmp_path: Path) -> None:
+    gate = asyncio.Event()
+    entered = asyncio.Event()
+
+    async def wait_for_gate(_: dict[str, Any]) -> str:
+        entered.set()
+        await gate.wait()
+        return "opened"
+
+    provider = ScriptedProvider(
+        [
+            ScriptedReply(text="let me wait", tool_calls=[("gate", {})]),
+            ScriptedReply(text="done"),
+        ]
+    )
+    tool = Tool("gate", "waits", {"type": "object", "properties": {}}, wait_for_gate)
+    async with SessionRuntime(SQLiteAdapter(tmp_path / "d.db"), provider, tools=[tool]) as rt:
+        handle = await rt.create_session()
+        running = asyncio.create_task(turn(rt, handle.id, "slow turn"))
+        await entered.wait()
+        # While the turn is in flight, the row changes (a rename here; a remote page, a
+        # resolve or another process's turn alike).
+        renamed = await rt.sessions.rename(handle.id, "renamed meanwhile")
+        gate.set()
+        await running
+        row = await rt.store.get_session(handle.id)
+        assert row is not None
+        assert row.title == "renamed meanwhile"  # the rename was not overwritten
+        assert await user_texts(rt, handle.id) == ["slow turn"]
+        assert row.vv[rt.client_id] == renamed.vv[rt.client_id] + 1
+        await chains_ok(rt, handle.id)
+
+
+async def test_stale_caches_are_dropped_when_another_process_wrote(tmp_path: Path) -> None:
+    path = tmp_path / "device.db"
+    async with SessionRuntime(SQLiteAdapter(path), ScriptedProvider()) as a:
+        handle = await a.create_session()
+        await turn(a, handle.id, "one")
+        async with SessionRuntime(SQLiteAdapter(path), ScriptedProvider()) as b:
+            await turn(b, handle.id, "two")
+            await b.sessions.rename(handle.id, "from b")
+        # ``a`` still holds the session and both chain heads from before b wrote.
+        await turn(a, handle.id, "three")
+        assert await user_texts(a, handle.id) == ["one", "two", "three"]
+        row = await a.store.get_session(handle.id)
+        assert row is not None and row.title == "from b"
+        await chains_ok(a, handle.id)
+
+
+async def test_a_failed_edit_writes_nothing_and_keeps_the_core_usable() -> None:
+    async with SessionRuntime(MemoryAdapter(), ScriptedProvider()) as rt:
+        handle = await rt.create_session()
+        before = await rt.sync.status()
+
+        def boom(current: Any) -> SessionChange:
+            raise RuntimeError("edit failed")
+
+        with pytest.raises(RuntimeError):
+            await rt.core.write([(handle.id, existing(boom))])
+        assert (await rt.sync.status()).pending == before.pending
+        await turn(rt, handle.id, "still works")
+        await chains_ok(rt, handle.id)
+        with pytest.raises(NotFound):
+            await rt.core.write([("no-such-session", existing(boom))])
+
+
+async def test_delete_in_a_fresh_runtime_chains_on_and_cascades(tmp_path: Path) -> None:
+    path = tmp_path / "device.db"
+    async with SessionRuntime(SQLiteAdapter(path), ScriptedProvider()) as rt:
+        handle = await rt.create_session()
+        await turn(rt, handle.id, "one")
+        ids = (await rt.store.get_session(handle.id)).state.message_ids  # type: ignore[union-attr]
+    async with SessionRuntime(SQLiteAdapter(path), ScriptedProvider()) as rt:
+        receipt = await rt.delete_session(handle.id)
+        assert receipt.deleted and not receipt.removed_from_cache
+        assert receipt.checkpoints_removed == 1
+        events = await rt.store.list_events(handle.id)
+        assert events[-1].type == "session.deleted" and events[-1].sequence_number > 1
+        await chains_ok(rt, handle.id)
+        assert await rt.store.get_messages(ids) == []
+        assert await rt.checkpoints.list(handle.id) == []
+        # The tombstone syncs; the contents never will.
+        pending = [e.record for e in await rt.store.outbox_pending(1000)]
+        assert not any(getattr(r, "id", None) in ids for r in pending)
+        assert any(getattr(r, "deleted", False) for r in pending)
+        with pytest.raises(NotFound):
+            await turn(rt, handle.id, "after delete")
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        ({"provider": {"kind": "x"}}, "provider"),
+        ({"provider": {"type": "scripted", "extra": 1}}, "provider"),
+        ({"model": 42}, "model"),
+        ({"model": {"id": ""}}, "model"),
+        ({"tools": {"bogus": 1}}, "tools"),
+        ({"tools": "calculator"}, "tools"),
+        ({"title": 3}, "title"),
+        ({"colour": "blue"}, "colour"),
+    ],
+)
+async def test_session_config_is_checked_before_anything_is_written(
+    config: dict[str, Any], field: str
+) -> None:
+    async with SessionRuntime(MemoryAdapter(), ScriptedProvider()) as rt:
+        with pytest.raises(SessionConfigError, match=field) as info:
+            await rt.create_session(**config)
+        assert isinstance(info.value, PleachError) and isinstance(info.value, ValueError)
+        assert await rt.sessions.list() == []
+
+
+async def test_the_reference_config_shape_equals_plain_values() -> None:
+    async with SessionRuntime(MemoryAdapter(), ScriptedProvider()) as rt:
+        nested = await rt.create_session(
+            provider={"type": "scripted"},
+            model={"id": "scripted-1"},
+            tools={"enabled": ["calculator"]},
+        )
+        plain = await rt.create_session(
+            provider="scripted", model="scripted-1", tools=["calculator"]
+        )
+        strip = {"id", "hlc", "created_at", "updated_at"}
+        a = {k: v for k, v in msgspec.structs.asdict(nested.record).items() if k not in strip}
+        b = {k: v for k, v in msgspec.structs.asdict(plain.record).items() if k not in strip}
+        assert a == b
+        await turn(rt, nested.id, "works")
+        assert len(await rt.sessions.list()) == 2

@@ -1,0 +1,240 @@
+"""The sync client's decisions, tested as pure functions: no loop, no store, no socket.
+
+``settle`` (a PushAck against the entries sent), ``decide_session`` (a remote session version
+against the local row) and ``rebase`` (canonical events placed, the provisional tail moved
+after them), each with examples and Hypothesis properties.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pleach_client.syncplan import Decision, Sent, decide_session, rebase, settle
+from shared.clock import Order, vv_bump, vv_compare, vv_merge
+from shared.errors import ChainError, ErrorCode
+from shared.hashchain import chain_event, verify_chain
+from shared.messages import ChangeResult, ConflictReceipt, PushAck
+from tests.factories import make_event, make_session
+
+# -- settle -----------------------------------------------------------------------------------
+
+STATUSES = ["applied", "duplicate", "superseded", "resolved", "rejected"]
+
+
+def ack(results: list[ChangeResult], last_seq: int) -> PushAck:
+    return PushAck(results=results, last_seq=last_seq, head_cursor=0)
+
+
+def test_settle_removes_what_landed_and_dead_letters_what_was_refused() -> None:
+    receipt = ConflictReceipt(
+        conflict_id="c",
+        session_id="s",
+        winner="remote",
+        fork_session_id="f",
+        conflicted_paths=[],
+    )
+    plan = settle(
+        [Sent(1), Sent(2, attempts=2), Sent(3), Sent(4)],
+        ack(
+            [
+                ChangeResult(client_seq=1, status="applied"),
+                ChangeResult(client_seq=2, status="rejected", code=ErrorCode.FORBIDDEN),
+                ChangeResult(client_seq=3, status="resolved", conflict=receipt),
+                ChangeResult(client_seq=4, status="rejected", code=ErrorCode.SEQUENCE_GAP),
+            ],
+            last_seq=3,
+        ),
+    )
+    assert plan.remove == [1, 3]
+    assert plan.dead == [(2, ErrorCode.FORBIDDEN, "rejected")]
+    assert plan.keep == [4]
+    assert plan.conflicts == [receipt]
+    assert [(f.client_seq, f.attempts) for f in plan.failed] == [(2, 3)]
+
+
+def test_settle_ignores_results_for_entries_it_did_not_send() -> None:
+    plan = settle([Sent(5)], ack([ChangeResult(client_seq=9, status="applied")], last_seq=4))
+    assert plan.remove == [] and plan.keep == [5] and plan.progress == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seqs=st.lists(st.integers(1, 60), min_size=1, max_size=20, unique=True),
+    data=st.data(),
+)
+def test_settle_partitions_every_sent_entry_exactly_once(
+    seqs: list[int], data: st.DataObject
+) -> None:
+    sent = [Sent(s) for s in seqs]
+    answered = data.draw(st.lists(st.sampled_from([*seqs, 99, 100]), max_size=30))
+    results = [
+        ChangeResult(
+            client_seq=s,
+            status=data.draw(st.sampled_from(STATUSES)),  # type: ignore[arg-type]
+            code=data.draw(st.sampled_from([None, ErrorCode.SEQUENCE_GAP, ErrorCode.FORBIDDEN])),
+        )
+        for s in answered
+    ]
+    last_seq = data.draw(st.integers(0, 70))
+    plan = settle(sent, ack(results, last_seq))
+    dead = [d[0] for d in plan.dead]
+    everything = plan.remove + dead + plan.keep
+    # Each sent entry lands in exactly one bucket; nothing that was not sent appears.
+    assert sorted(everything) == sorted(seqs)
+    first = {}
+    for r in results:
+        first.setdefault(r.client_seq, r)
+    for s in seqs:
+        r = first.get(s)
+        if r is None:
+            assert (s in plan.remove) == (s <= last_seq)
+        elif r.status == "rejected" and r.code == ErrorCode.SEQUENCE_GAP:
+            assert s in plan.keep
+        elif r.status == "rejected":
+            assert s in dead
+        else:
+            assert s in plan.remove
+    assert plan.progress == len(plan.remove) + len(plan.dead)
+
+
+# -- decide_session ---------------------------------------------------------------------------
+
+
+def test_a_local_version_the_remote_does_not_include_is_never_taken_over() -> None:
+    base = make_session(vv={"a": 1})
+    local = msgspec.structs.replace(base, vv={"a": 2}, title="mine")  # unpushed local edit
+    remote = msgspec.structs.replace(base, vv={"a": 1, "b": 1}, title="theirs")
+    assert decide_session(local, remote) is Decision.KEEP  # concurrent: the push settles it
+    newer = msgspec.structs.replace(base, vv={"a": 2, "b": 1}, title="merged")
+    assert decide_session(local, newer) is Decision.TAKE
+    assert decide_session(None, remote) is Decision.TAKE
+    assert decide_session(newer, local) is Decision.KEEP  # older remote
+
+
+def test_equal_vectors_with_different_contents_keep_both() -> None:
+    local = make_session(vv={"a": 3}, title="restored file's edit")
+    remote = msgspec.structs.replace(local, title="the edit the server saw first")
+    assert decide_session(local, remote) is Decision.FORK_LOCAL
+    assert decide_session(local, local) is Decision.KEEP
+
+
+def test_delete_wins_both_ways() -> None:
+    local = make_session(vv={"a": 5})
+    tomb = msgspec.structs.replace(local, vv={"b": 1}, deleted=True)
+    assert decide_session(local, tomb) is Decision.TAKE
+    assert decide_session(tomb, msgspec.structs.replace(local, vv={"a": 9, "b": 9})) is (
+        Decision.KEEP
+    )
+
+
+vectors = st.dictionaries(st.sampled_from("abcd"), st.integers(1, 4), max_size=4)
+
+
+@settings(max_examples=400, deadline=None)
+@given(local_vv=vectors, remote_vv=vectors, same=st.booleans())
+def test_decide_session_takes_only_what_includes_the_local_version(
+    local_vv: dict[str, int], remote_vv: dict[str, int], same: bool
+) -> None:
+    local = make_session(id="s", vv=local_vv, title="l")
+    remote = msgspec.structs.replace(local, vv=remote_vv, title="l" if same else "r")
+    decision = decide_session(local, remote)
+    order = vv_compare(remote_vv, local_vv)
+    if decision is Decision.TAKE:
+        # The only way a local version is replaced: the remote one includes it.
+        assert order is Order.DOMINATES
+    elif decision is Decision.FORK_LOCAL:
+        assert order is Order.EQUAL and not same
+    else:
+        assert order is not Order.DOMINATES
+    # Applying the merged vector of both, bumped by a third device, is always taken.
+    merged = msgspec.structs.replace(remote, vv=vv_bump(vv_merge(local_vv, remote_vv), "z"))
+    assert decide_session(local, merged) is Decision.TAKE
+
+
+# -- rebase -----------------------------------------------------------------------------------
+
+
+def chain(events: list, prev: str = "", start: int = 1) -> list:
+    out = []
+    for i, e in enumerate(events):
+        placed = chain_event(e, prev, start + i)
+        prev = placed.row_hash
+        out.append(placed)
+    return out
+
+
+def canonical(events: list) -> list:
+    return [msgspec.structs.replace(e, canonical=True) for e in events]
+
+
+def test_rebase_places_remote_events_before_the_local_tail() -> None:
+    shared_log = canonical(chain([make_event(session_id="s") for _ in range(2)]))
+    remote_new = canonical(
+        chain([make_event(session_id="s", client_id="b")], shared_log[-1].row_hash, start=3)
+    )
+    tail = chain([make_event(session_id="s") for _ in range(2)], shared_log[-1].row_hash, start=3)
+    plan = rebase(
+        "s",
+        remote_new,
+        known_head=(2, shared_log[-1].row_hash),
+        verified=[],
+        tail=tail,
+        genesis=shared_log[-1].row_hash,
+    )
+    log = shared_log + [e for e in plan.out]
+    log.sort(key=lambda e: e.sequence_number)
+    assert [e.sequence_number for e in log] == [1, 2, 3, 4, 5]
+    assert verify_chain(log).ok
+    assert [e.id for e in log[3:]] == [t.id for t in tail]
+    assert plan.head == (5, log[-1].row_hash) and plan.canonical_head == (3, remote_new[0].row_hash)
+    assert plan.fresh == remote_new
+
+
+def test_rebase_refuses_a_tampered_or_gapped_page() -> None:
+    log = canonical(chain([make_event(session_id="s") for _ in range(3)]))
+    bad = msgspec.structs.replace(log[1], payload={"forged": True})
+    with pytest.raises(ChainError):
+        rebase("s", [log[0], bad, log[2]], known_head=(0, ""), verified=[], tail=[], genesis="")
+    with pytest.raises(ChainError):
+        rebase("s", [log[0], log[2]], known_head=(0, ""), verified=[], tail=[], genesis="")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    known=st.integers(0, 4),
+    new=st.integers(0, 4),
+    tail=st.integers(0, 4),
+    overlap=st.booleans(),
+    placed_from_tail=st.integers(0, 4),
+)
+def test_rebase_always_yields_one_verifying_chain_with_nothing_lost(
+    known: int, new: int, tail: int, overlap: bool, placed_from_tail: int
+) -> None:
+    # The server's log: ``known`` events this device holds, then ``new`` ones, some of which
+    # may be this device's own tail events placed by the server.
+    mine = [make_event(session_id="s", client_id="me") for _ in range(tail)]
+    placed_mine = mine[: min(placed_from_tail, tail, new)]
+    others = [make_event(session_id="s", client_id="b") for _ in range(new - len(placed_mine))]
+    server = canonical(
+        chain([make_event(session_id="s") for _ in range(known)] + others + placed_mine)
+    )
+    held = server[:known]
+    head = (known, held[-1].row_hash) if held else (0, "")
+    local_tail = chain(mine, head[1], start=known + 1)
+    incoming = server[known:]
+    if overlap and held:
+        incoming = [held[-1], *incoming]  # a live page overlapping what is held
+    plan = rebase("s", incoming, known_head=head, verified=[], tail=local_tail, genesis=head[1])
+    final = {e.id: e for e in held}
+    for e in local_tail:
+        final[e.id] = e
+    for e in plan.out:
+        final[e.id] = e
+    log = sorted(final.values(), key=lambda e: e.sequence_number)
+    assert [e.sequence_number for e in log] == list(range(1, len(log) + 1))
+    assert verify_chain(log).ok
+    assert {e.id for e in log} == {e.id for e in server} | {e.id for e in mine}
+    assert plan.head == ((log[-1].sequence_number, log[-1].row_hash) if log else (0, ""))
