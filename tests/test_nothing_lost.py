@@ -1,9 +1,8 @@
 """Nothing a user wrote is lost: six reported symptoms, reproduced as a user hits them.
 
 Each test drives the public API with real parts: SQLite files, a real sync server on a free
-loopback port, real subprocesses. A test that fails on today's code is marked
-``xfail(strict=True)`` with the symptom; remove the mark once the fix lands (an unexpected
-pass fails the run, so a fixed symptom cannot go unnoticed).
+loopback port, real subprocesses. Each failed before the device core was rebuilt around one
+owner of its state (``pleach_client.core``).
 
 Waits are on conditions (``wait_until_synced``, stream events, process output); a timeout is
 only a safety net, or a window where there is nothing to wait on (said where it is).
@@ -158,7 +157,6 @@ async def assert_kept(rt: SessionRuntime, *texts: str) -> None:
 # -- 1. resume overlays another branch ------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="symptom: resume overlays a concurrent branch's checkpoint")
 async def test_resume_after_pulling_a_concurrent_version_keeps_the_offline_turn(
     cluster: Cluster,
 ) -> None:
@@ -313,9 +311,6 @@ async def _make_sessions(db: Path, count: int) -> list[str]:
         return ids
 
 
-@pytest.mark.xfail(
-    strict=True, reason="symptom: two processes on one file lose turns or break chains"
-)
 async def test_two_processes_on_one_session(tmp_path: Path) -> None:
     for round_ in range(ROUNDS):
         db = tmp_path / f"same-{round_}.db"
@@ -324,7 +319,6 @@ async def test_two_processes_on_one_session(tmp_path: Path) -> None:
         await check_nothing_lost(db, writers, [sid])
 
 
-@pytest.mark.xfail(strict=True, reason="symptom: two processes on one file break the audit chain")
 async def test_two_processes_on_two_sessions(tmp_path: Path) -> None:
     for round_ in range(ROUNDS):
         db = tmp_path / f"two-{round_}.db"
@@ -347,7 +341,6 @@ async def _session_with_a_turn(db: Path) -> tuple[str, list[str]]:
         return handle.id, list(row.state.message_ids)
 
 
-@pytest.mark.xfail(strict=True, reason="symptom: delete in a fresh process breaks the event chain")
 async def test_delete_in_a_fresh_process_chains_on_the_existing_log(tmp_path: Path) -> None:
     db = tmp_path / "device.db"
     sid, _ = await _session_with_a_turn(db)
@@ -361,7 +354,6 @@ async def test_delete_in_a_fresh_process_chains_on_the_existing_log(tmp_path: Pa
         assert not receipt.removed_from_cache, "S was never loaded, so not removed from a cache"
 
 
-@pytest.mark.xfail(strict=True, reason="symptom: a deleted session's messages stay on the device")
 async def test_delete_in_a_fresh_process_removes_messages_and_checkpoints(tmp_path: Path) -> None:
     db = tmp_path / "device.db"
     sid, message_ids = await _session_with_a_turn(db)
@@ -375,7 +367,6 @@ async def test_delete_in_a_fresh_process_removes_messages_and_checkpoints(tmp_pa
         assert left == [], f"{len(left)} messages of the deleted session are still stored"
 
 
-@pytest.mark.xfail(strict=True, reason="symptom: a synced delete leaves the session active/stored")
 async def test_delete_reaches_other_devices_and_new_ones(cluster: Cluster) -> None:
     a = await cluster.device("a")
     b = await cluster.device("b")
@@ -417,7 +408,6 @@ async def device_rt(tmp_path: Path) -> AsyncIterator[SessionRuntime]:
         yield rt
 
 
-@pytest.mark.xfail(strict=True, reason="symptom: the reference's config dicts are not accepted")
 async def test_reference_config_shape_equals_the_flat_one(device_rt: SessionRuntime) -> None:
     rt = device_rt
     shaped = await rt.create_session(
@@ -445,19 +435,16 @@ BAD_CONFIGS = [
     pytest.param(
         {"provider": {"kind": "x"}},
         "provider",
-        marks=pytest.mark.xfail(strict=True, reason="symptom: bad provider dict accepted"),
         id="provider-dict-without-type",
     ),
     pytest.param(
         {"model": 42},
         "model",
-        marks=pytest.mark.xfail(strict=True, reason="symptom: non-string model accepted"),
         id="model-int",
     ),
     pytest.param(
         {"tools": {"bogus": 1}},
         "tools",
-        marks=pytest.mark.xfail(strict=True, reason="symptom: bad tools dict accepted"),
         id="tools-dict-without-enabled",
     ),
     pytest.param({"bogus": 1}, "bogus", id="unknown-keyword"),
@@ -479,7 +466,6 @@ async def test_bad_config_is_refused_at_once(
 # -- 5. tenant mismatch --------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="symptom: tenant mismatch dead-letters the device's rows")
 async def test_tenant_mismatch_keeps_rows_pending_and_says_why(cluster: Cluster) -> None:
     anon = await cluster.device("anon", tenant=Tenant(org_id="default", user_id="anonymous"))
     session = await anon.create_session(title="mine")
@@ -499,9 +485,6 @@ async def test_tenant_mismatch_keeps_rows_pending_and_says_why(cluster: Cluster)
     assert status.pending == pending, f"rows left the outbox: {status}"
 
 
-@pytest.mark.xfail(
-    strict=True, reason="symptom: another user's token makes the device push in a loop"
-)
 async def test_wrong_users_token_does_not_push_in_a_tight_loop(cluster: Cluster) -> None:
     dev = await cluster.device("alice-laptop")
     session = await dev.create_session(title="mine")
@@ -548,9 +531,6 @@ class GatedProvider:
                 yield event
 
 
-@pytest.mark.xfail(
-    strict=True, reason="symptom: a remote page during a turn loses its user message"
-)
 async def test_remote_version_applied_during_a_turn_loses_nothing(cluster: Cluster) -> None:
     provider = GatedProvider()
     a = await cluster.device("a", provider=provider)
