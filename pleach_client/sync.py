@@ -23,7 +23,7 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
-from shared.errors import Forbidden, InvalidState, NotFound, PleachError, SyncError
+from shared.errors import ErrorCode, Forbidden, InvalidState, NotFound, PleachError, SyncError
 from shared.ids import uuid7
 from shared.merge import Resolution, resolve_conflicts
 from shared.messages import (
@@ -400,7 +400,8 @@ class SyncFacet:
             except InvalidStatus as exc:
                 status = exc.response.status_code
                 self._error(
-                    f"server refused the connection: HTTP {status}", 3001 if status == 401 else None
+                    f"server refused the connection: HTTP {status}",
+                    ErrorCode.UNAUTHORIZED if status == 401 else None,
                 )
                 if status in (401, 403):
                     self._set_state("needs-auth")
@@ -686,7 +687,7 @@ class SyncFacet:
                 )
                 if isinstance(answer, Error):
                     self._error(answer.message, answer.code)
-                    if answer.code == 3010 and cursor > 0:
+                    if answer.code == ErrorCode.CURSOR_TOO_OLD and cursor > 0:
                         # Cursor too old: resync from the start of the retained feed. Local
                         # applies are idempotent, so re-reading what we have costs only time.
                         await self._rt.store.set_meta("cursor", "0")
