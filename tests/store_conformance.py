@@ -475,3 +475,99 @@ class StoreConformance:
         assert [d.client_seq for d in await store.dead_letters()] == [2]
         assert await store.dead_letter_count() == 1
         assert await store.outbox_count() == 0
+
+    # -- transactions decided under the write lock ----------------------------------------------
+
+    async def test_transact_reads_under_the_lock_and_commits_the_plan(
+        self, store: StorageAdapter
+    ) -> None:
+        session = make_session(title="one")
+        events = [make_event(session_id=session.id, sequence_number=n) for n in (1, 2)]
+        await commit(store, session, *events, meta={"generation": "g1"})
+        seen: dict[str, Any] = {}
+
+        async def plan(tx: Any) -> WriteBatch:
+            seen["generation"] = await tx.get_meta("generation")
+            seen["row"] = await tx.get_session(session.id)
+            seen["head"] = await tx.event_head(session.id)
+            seen["none"] = await tx.event_head("nope")
+            seen["tail"] = await tx.list_events(session.id, from_sequence=2)
+            renamed = msgspec.structs.replace(seen["row"], title="two")
+            return WriteBatch(records=[renamed], meta={"generation": "g2"})
+
+        receipt = await store.transact(plan)
+        assert seen["generation"] == "g1" and seen["row"] == session
+        assert seen["head"] == (2, events[1].row_hash) and seen["none"] == (0, "")
+        assert [e.id for e in seen["tail"]] == [events[1].id]
+        assert len(receipt.client_seqs) == 1
+        stored = await store.get_session(session.id)
+        assert stored is not None and stored.title == "two"
+        assert await store.get_meta("generation") == "g2"
+
+    async def test_transact_plan_none_or_failing_writes_nothing(
+        self, store: StorageAdapter
+    ) -> None:
+        async def nothing(_: Any) -> None:
+            return None
+
+        assert (await store.transact(nothing)).client_seqs == []
+
+        async def failing(tx: Any) -> WriteBatch:
+            await tx.get_meta("cursor")
+            raise RuntimeError("decided not to")
+
+        with pytest.raises(RuntimeError):
+            await store.transact(failing)
+        assert await store.outbox_count() == 0
+        # The lock was released: later writes go through.
+        await commit(store, make_session())
+        assert await store.outbox_count() == 1
+
+    async def test_transactions_run_one_at_a_time(self, store: StorageAdapter) -> None:
+        await commit(store, make_session(), meta={"n": "0"}, outbox=False)
+
+        async def bump(tx: Any) -> WriteBatch:
+            n = int(await tx.get_meta("n") or 0)
+            return WriteBatch(meta={"n": str(n + 1)})
+
+        await asyncio.gather(*(store.transact(bump) for _ in range(20)))
+        assert await store.get_meta("n") == "20"
+
+    async def test_purge_sessions_removes_contents_keeps_tombstone_log_and_ledger(
+        self, store: StorageAdapter
+    ) -> None:
+        session = make_session()
+        other = make_session()
+        message = make_message(session_id=session.id)
+        kept = make_message(session_id=other.id)
+        checkpoint = make_checkpoint(session_id=session.id)
+        update = make_artifact_update(session_id=session.id)
+        event = make_event(session_id=session.id, sequence_number=1)
+        audit = make_audit(session_id=session.id)
+        await commit(store, session, other, message, kept, checkpoint, update, event, audit)
+        tomb = msgspec.structs.replace(session, deleted=True)
+        receipt = await commit(store, tomb, purge_sessions=[session.id])
+        assert await store.get_messages([message.id, kept.id]) == [kept]
+        assert await store.list_checkpoints(session.id) == []
+        assert await store.list_artifact_updates(update.artifact_id) == []
+        assert await store.get_event(event.id) == event
+        assert await store.list_audit(session_id=session.id) == [audit]
+        stored = await store.get_session(session.id)
+        assert stored is not None and stored.deleted
+        # Queued contents of the deleted session never leave the device; the rest do.
+        pending = [e.record.id for e in await store.outbox_pending()]
+        assert message.id not in pending and checkpoint.id not in pending
+        assert update.id not in pending
+        assert kept.id in pending and event.id in pending and audit.id in pending
+        assert receipt.client_seqs[-1] == max(e.client_seq for e in await store.outbox_pending())
+
+    async def test_queued_records_get_outbox_rows_whatever_outbox_says(
+        self, store: StorageAdapter
+    ) -> None:
+        remote = make_session()
+        local = make_session()
+        receipt = await store.commit(WriteBatch(records=[remote], queued=[local], outbox=False))
+        assert len(receipt.client_seqs) == 1
+        assert [e.record for e in await store.outbox_pending()] == [local]
+        assert await store.get_session(remote.id) == remote
+        assert await store.get_session(local.id) == local
