@@ -258,11 +258,14 @@ class DeviceCore:
             contents: list[Record] = list(record_list)
             events: list[Event] = []
             purge: list[str] = []
+            referenced: set[str] = set()
             for session_id, edit in edit_list:
                 current = rows.get(session_id) or await self._row(tx, session_id)
                 change = edit(current)
                 if change is None:
                     continue
+                if change.purge and current is not None:
+                    referenced.update(current.state.message_ids)
                 if change.row is not None:
                     rows[session_id] = self._stamp(change.row, base=current)
                 contents.extend(change.records)
@@ -294,11 +297,14 @@ class DeviceCore:
                 purged=purge,
             )
             pending = (generation, heads, (seq, prev))
+            keep = await purge_keep(tx, purge, rows.values()) if purge else []
             # Order matters for sync: referenced records precede the session row.
             return WriteBatch(
                 records=[*contents, *events, *chained, *rows.values()],
                 meta=meta,
                 purge_sessions=purge,
+                purge_keep=keep,
+                purge_messages=sorted(referenced.difference(keep)),
             )
 
         try:
@@ -471,6 +477,38 @@ class RemoteView:
         return self._core._stamp(row, base=base)
 
 
+async def purge_keep(
+    tx: TxReader, purged: Iterable[str], written: Iterable[Session] = ()
+) -> list[str]:
+    """Ids of the purged sessions' contents that a live session still refers to.
+
+    A fork (a user's, or a conflict's) shares its origin's messages, artifacts and, for a
+    conflict fork, its checkpoint lineage: deleting the origin must not take them from it.
+    ``written`` are rows of the same batch, which count as they will be after it.
+    """
+    gone = set(purged)
+    live = {s.id: s for s in await tx.list_sessions()}
+    for row in written:
+        live[row.id] = row
+    keep: set[str] = set()
+    heads: set[str] = set()
+    for session in live.values():
+        if session.id in gone or session.deleted:
+            continue
+        keep.update(session.state.message_ids)
+        keep.update(session.state.artifacts)
+        if session.head_checkpoint_id is not None:
+            heads.add(session.head_checkpoint_id)
+    for session_id in gone:
+        by_id = {c.id: c for c in await tx.list_checkpoints(session_id)}
+        for head in heads:
+            current = by_id.get(head)
+            while current is not None and current.id not in keep:
+                keep.add(current.id)
+                current = by_id.get(current.parent_id) if current.parent_id else None
+    return sorted(keep)
+
+
 def _next_generation() -> str:
     # A fresh unique token rather than a counter: it names one commit, so a process that
     # sees its own last token knows nobody else has written since.
@@ -486,4 +524,5 @@ __all__ = [
     "SessionHandle",
     "WriteResult",
     "existing",
+    "purge_keep",
 ]

@@ -36,9 +36,9 @@ from shared.messages import (
     Welcome,
 )
 from shared.protocol import Answer, ClientProtocol, Live, Notice
-from shared.records import AuditRow, Change, Event, FeedChange, Record, Session
+from shared.records import ArtifactUpdate, AuditRow, Change, Event, FeedChange, Record, Session
 
-from .core import RemoteView, SessionChange
+from .core import RemoteView, SessionChange, purge_keep
 from .receipts import FlushOutcome
 from .store.base import OutboxEntry, TxReader, WriteBatch
 from .stream import SyncApplied, SyncConflict
@@ -756,6 +756,7 @@ async def _plan_page(
             case _:
                 contents.append(record)
     touched: set[str] = set()
+    referenced: set[str] = set()
     for remote in remote_sessions.values():
         local = await view.row(tx, remote.id)
         decision = decide_session(local, remote)
@@ -767,6 +768,8 @@ async def _plan_page(
         if remote.deleted:
             purge.append(remote.id)
             view.purged.append(remote.id)
+            if local is not None:
+                referenced.update(local.state.message_ids)
         if decision is Decision.FORK_LOCAL and local is not None:
             fork = view.stamp(
                 msgspec.structs.replace(
@@ -782,12 +785,18 @@ async def _plan_page(
             queued.append(fork)
             view.rows[fork.id] = fork
             touched.add(fork.id)
-    # Contents of a deleted session are not kept (the delete cascade).
+    # Contents of a deleted session are not kept (the delete cascade), unless a live session
+    # (a fork) still refers to them.
+    deleted: set[str] = set()
+    for session_id in {getattr(r, "session_id", "") for r in contents}:
+        row = await view.row(tx, session_id)
+        if row is not None and row.deleted:
+            deleted.add(session_id)
+    kept = set(await purge_keep(tx, deleted, view.rows.values())) if deleted else set()
     for record in contents:
-        session_id = getattr(record, "session_id", None)
-        if session_id is not None:
-            row = await view.row(tx, session_id)
-            if row is not None and row.deleted:
+        if getattr(record, "session_id", None) in deleted:
+            ref = record.artifact_id if isinstance(record, ArtifactUpdate) else record.id
+            if ref not in kept:
                 continue
         records.append(record)
     for session_id, incoming in events_by_session.items():
@@ -820,7 +829,15 @@ async def _plan_page(
             and (receipt := _receipt(e)) is not None
         )
     emitted[:0] = [SyncApplied(session_id=sid, records=len(changes)) for sid in sorted(touched)]
-    return WriteBatch(records=records, outbox=False, purge_sessions=purge, queued=queued)
+    keep = await purge_keep(tx, purge, view.rows.values()) if purge else []
+    return WriteBatch(
+        records=records,
+        outbox=False,
+        purge_sessions=purge,
+        purge_keep=keep,
+        purge_messages=sorted(referenced.difference(keep)),
+        queued=queued,
+    )
 
 
 def _receipt(event: Event) -> ConflictReceipt | None:

@@ -571,3 +571,18 @@ class StoreConformance:
         assert [e.record for e in await store.outbox_pending()] == [local]
         assert await store.get_session(remote.id) == remote
         assert await store.get_session(local.id) == local
+
+    async def test_purge_keeps_what_a_live_session_refers_to(self, store: StorageAdapter) -> None:
+        session = make_session()
+        shared_message = make_message(session_id=session.id)
+        own = make_message(session_id=session.id)
+        checkpoint = make_checkpoint(session_id=session.id)
+        update = make_artifact_update(session_id=session.id)
+        await commit(store, session, shared_message, own, checkpoint, update)
+        keep = [shared_message.id, checkpoint.id, update.artifact_id]
+        await commit(store, purge_sessions=[session.id], purge_keep=keep)
+        assert await store.get_messages([shared_message.id, own.id]) == [shared_message]
+        assert [c.id for c in await store.list_checkpoints(session.id)] == [checkpoint.id]
+        assert await store.list_artifact_updates(update.artifact_id) == [update]
+        pending = [e.record.id for e in await store.outbox_pending()]
+        assert shared_message.id in pending and own.id not in pending

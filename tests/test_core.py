@@ -203,3 +203,24 @@ async def test_the_reference_config_shape_equals_plain_values() -> None:
         assert a == b
         await turn(rt, nested.id, "works")
         assert len(await rt.sessions.list()) == 2
+
+
+async def test_deleting_a_forks_origin_leaves_the_fork_whole(tmp_path: Path) -> None:
+    async with SessionRuntime(SQLiteAdapter(tmp_path / "d.db"), ScriptedProvider()) as rt:
+        origin = await rt.create_session()
+        await turn(rt, origin.id, "one")
+        await turn(rt, origin.id, "two")
+        checkpoints = await rt.checkpoints.list(origin.id)
+        fork = await rt.checkpoints.fork(origin.id, checkpoints[0].id)
+        whole = await rt.checkpoints.fork(origin.id)
+        only_origin = (await rt.sessions.messages(origin.id))[-1]
+        await rt.delete_session(origin.id)
+        assert await user_texts(rt, fork.session_id) == ["one"]
+        assert await user_texts(rt, whole.session_id) == ["one", "two"]
+        # What no live session refers to is gone; what one does stays.
+        assert await rt.store.get_messages([only_origin.id]) == [only_origin]
+        await rt.delete_session(whole.session_id)
+        assert await rt.store.get_messages([only_origin.id]) == []
+        assert await user_texts(rt, fork.session_id) == ["one"]
+        await turn(rt, fork.session_id, "three")
+        assert await user_texts(rt, fork.session_id) == ["one", "three"]

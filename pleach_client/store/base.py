@@ -36,8 +36,12 @@ class WriteBatch(msgspec.Struct, kw_only=True):
     ``purge_checkpoints_for`` deletes every checkpoint of those session ids.
     ``purge_sessions`` deletes the contents of those sessions (messages, checkpoints, artifact
     updates) and any of their outbox rows not yet sent: the delete cascade. The session row
-    (its tombstone), its event log and audit rows stay. The purge runs before ``records`` are
-    written, so a batch may purge a session and write its tombstone.
+    (its tombstone), its event log and audit rows stay, and so does any content whose id (or,
+    for artifact updates, artifact id) is in ``purge_keep``: what a live fork still refers to.
+    ``purge_messages`` deletes those messages (and their unsent outbox rows) by id, whatever
+    session wrote them: a deleted fork's share of its deleted origin's transcript.
+    The purges run before ``records`` are written, so a batch may purge a session and write
+    its tombstone.
     ``queued`` records are written and always get outbox rows, whatever ``outbox`` says (a
     remote page that also produces a local write, such as a fork keeping a local version).
     """
@@ -47,6 +51,8 @@ class WriteBatch(msgspec.Struct, kw_only=True):
     meta: dict[str, str] = {}
     purge_checkpoints_for: list[str] = []
     purge_sessions: list[str] = []
+    purge_keep: list[str] = []
+    purge_messages: list[str] = []
     queued: list[Record] = []
 
 
@@ -61,6 +67,11 @@ class TxReader(Protocol):
         ...
 
     async def list_events(self, session_id: str, *, from_sequence: int = 0) -> list[Event]: ...
+    async def list_sessions(self) -> list[Session]:
+        """The sessions that are not deleted."""
+        ...
+
+    async def list_checkpoints(self, session_id: str) -> list[Checkpoint]: ...
 
 
 Plan = Callable[[TxReader], Awaitable[WriteBatch | None]]

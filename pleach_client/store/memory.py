@@ -211,8 +211,13 @@ class MemoryAdapter(AsyncResource):
                 raise StorageError(f"commit failed: meta {key!r} must map str to str")
 
         # Nothing below can fail: the batch is applied whole.
+        gone = {self._messages.pop(m) for m in batch.purge_messages if m in self._messages}
+        for seq, outbox_row in list(self._outbox.items()):
+            if outbox_row.body is not None and outbox_row.body in gone:
+                del self._outbox[seq]
+        keep = set(batch.purge_keep)
         for session_id in batch.purge_sessions:
-            self._purge_session(session_id)
+            self._purge_session(session_id, keep)
         for record, body in encoded + queued:
             self._put(record, body)
         for session_id in batch.purge_checkpoints_for:
@@ -224,18 +229,20 @@ class MemoryAdapter(AsyncResource):
         self._meta.update(batch.meta)
         return CommitReceipt(client_seqs=seqs, records=len(encoded) + len(queued))
 
-    def _purge_session(self, session_id: str) -> None:
+    def _purge_session(self, session_id: str, keep: set[str]) -> None:
         gone: set[bytes] = set()
         for message_id, body in list(self._messages.items()):
-            if _decode(_MESSAGE, body).session_id == session_id:
+            if message_id not in keep and _decode(_MESSAGE, body).session_id == session_id:
                 gone.add(body)
                 del self._messages[message_id]
         for index in (self._checkpoints, self._artifacts):
             for row_id, row in list(index.rows.items()):
                 child = _decode(_RECORD, row.body)
+                kept = child.artifact_id if isinstance(child, ArtifactUpdate) else row_id
                 if (
                     isinstance(child, Checkpoint | ArtifactUpdate)
                     and child.session_id == session_id
+                    and kept not in keep
                 ):
                     gone.add(row.body)
                     index.rows.pop(row_id)

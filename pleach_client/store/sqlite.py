@@ -342,24 +342,38 @@ async def _immediate(conn: aiosqlite.Connection, action: str) -> AsyncIterator[N
         raise
 
 
+# ?1: the session id; ?2: a JSON array of ids to keep (what a live fork refers to).
+_KEEP = "NOT IN (SELECT value FROM json_each(?2))"
 _PURGE_SESSION = (
     # Queued rows of the contents go first (they are found through the rows themselves).
     "DELETE FROM outbox WHERE body IS NOT NULL AND record_id IN ("
-    "SELECT id FROM messages WHERE session_id = ?1 "
-    "UNION ALL SELECT id FROM checkpoints WHERE session_id = ?1 "
-    "UNION ALL SELECT id FROM artifact_updates WHERE session_id = ?1)",
-    "DELETE FROM messages WHERE session_id = ?",
-    "DELETE FROM checkpoints WHERE session_id = ?",
-    "DELETE FROM artifact_updates WHERE session_id = ?",
+    f"SELECT id FROM messages WHERE session_id = ?1 AND id {_KEEP} "
+    f"UNION ALL SELECT id FROM checkpoints WHERE session_id = ?1 AND id {_KEEP} "
+    "UNION ALL SELECT id FROM artifact_updates WHERE session_id = ?1 "
+    f"AND artifact_id {_KEEP})",
+    f"DELETE FROM messages WHERE session_id = ?1 AND id {_KEEP}",
+    f"DELETE FROM checkpoints WHERE session_id = ?1 AND id {_KEEP}",
+    f"DELETE FROM artifact_updates WHERE session_id = ?1 AND artifact_id {_KEEP}",
+)
+
+_PURGE_MESSAGES = (
+    "DELETE FROM outbox WHERE body IS NOT NULL AND kind = 'Message' "
+    "AND record_id IN (SELECT value FROM json_each(?))",
+    "DELETE FROM messages WHERE id IN (SELECT value FROM json_each(?))",
 )
 
 
 async def _write_batch(conn: aiosqlite.Connection, batch: WriteBatch) -> CommitReceipt:
     groups, outbox = _encode_batch(batch.records)
     queued_groups, queued_outbox = _encode_batch(batch.queued)
+    if batch.purge_messages:
+        ids = msgspec.json.encode(batch.purge_messages).decode()
+        for statement in _PURGE_MESSAGES:
+            await conn.execute(statement, (ids,))
+    keep = msgspec.json.encode(batch.purge_keep).decode()
     for session_id in batch.purge_sessions:
         for statement in _PURGE_SESSION:
-            await conn.execute(statement, (session_id,))
+            await conn.execute(statement, (session_id, keep))
     for sql, rows in groups.items():
         await conn.executemany(sql, rows)
     for sql, rows in queued_groups.items():
@@ -409,6 +423,14 @@ class _Reader:
     async def list_events(self, session_id: str, *, from_sequence: int = 0) -> list[Event]:
         rows = await _fetch(self._conn, QUERIES["list_events"], (session_id, from_sequence))
         return [_decode(_EVENT, "events", row_id, body) for row_id, body in rows]
+
+    async def list_sessions(self) -> list[Session]:
+        rows = await _fetch(self._conn, QUERIES["list_sessions"])
+        return [_decode(_SESSION, "sessions", row_id, body) for row_id, body in rows]
+
+    async def list_checkpoints(self, session_id: str) -> list[Checkpoint]:
+        rows = await _fetch(self._conn, QUERIES["list_checkpoints"], (session_id,))
+        return [_decode(_CHECKPOINT, "checkpoints", row_id, body) for row_id, body in rows]
 
 
 class SQLiteAdapter(AsyncResource):
