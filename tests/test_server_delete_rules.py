@@ -42,6 +42,21 @@ def test_content_to_delete_spares_what_live_sessions_refer_to() -> None:
     assert content_to_delete([], candidates) == []
 
 
+def test_content_to_delete_spares_the_checkpoint_lineage_of_a_live_head() -> None:
+    dev = Device(new_tenant())
+    gone, fork = dev.session(), dev.session()
+    root = dev.checkpoint(gone.id)
+    mid = dev.checkpoint(gone.id, parent_id=root.id)
+    after = dev.checkpoint(gone.id, parent_id=mid.id)  # the origin went on after the fork
+    gone = msgspec.structs.replace(gone, deleted=True)
+    # A conflict fork keeps the loser's head: a checkpoint filed under the origin.
+    fork = msgspec.structs.replace(fork, head_checkpoint_id=mid.id, forked_from=gone.id)
+    doomed = content_to_delete([gone, fork], [root, mid, after])
+    assert doomed == [("Checkpoint", after.id)]
+    fork_gone = msgspec.structs.replace(fork, deleted=True)
+    assert len(content_to_delete([gone, fork_gone], [root, mid, after])) == 3
+
+
 def test_batch_keys_load_the_session_of_content_to_see_if_it_is_deleted() -> None:
     dev = Device(new_tenant())
     session = dev.session()

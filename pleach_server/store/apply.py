@@ -70,6 +70,7 @@ from shared.messages import ChangeResult, ConflictReceipt, Status
 from shared.records import (
     ArtifactUpdate,
     Change,
+    Checkpoint,
     Event,
     Message,
     Record,
@@ -524,18 +525,30 @@ def content_to_delete(
     ``CASCADE_KINDS`` filed under deleted sessions (more may be given: they are filtered).
     A candidate goes unless a live session still refers to it: a message in its
     ``state.message_ids``, an artifact update of a document in its ``state.artifacts`` (a fork
-    shares these with its origin). Once those live sessions are deleted too, the next deletion
+    shares these with its origin), a checkpoint on the parent chain of its
+    ``head_checkpoint_id`` or ``forked_at_checkpoint`` (a conflict fork keeps the loser's head,
+    a checkpoint of the origin). Once those live sessions are deleted too, the next deletion
     takes what they kept.
     """
+    candidates = list(candidates)
     deleted: set[str] = set()
     messages: set[str] = set()
     artifacts: set[str] = set()
+    heads: list[str] = []
     for session in sessions:
         if session.deleted:
             deleted.add(session.id)
         else:
             messages.update(session.state.message_ids)
             artifacts.update(session.state.artifacts)
+            heads.extend(c for c in (session.head_checkpoint_id, session.forked_at_checkpoint) if c)
+    parents = {r.id: r.parent_id for r in candidates if isinstance(r, Checkpoint)}
+    checkpoints: set[str] = set()
+    for head in heads:
+        at: str | None = head
+        while at is not None and at in parents and at not in checkpoints:
+            checkpoints.add(at)
+            at = parents[at]
     doomed: list[tuple[RecordKind, str]] = []
     for record in candidates:
         info = kind_of(record)
@@ -544,6 +557,8 @@ def content_to_delete(
         if isinstance(record, Message) and record.id in messages:
             continue
         if isinstance(record, ArtifactUpdate) and record.artifact_id in artifacts:
+            continue
+        if isinstance(record, Checkpoint) and record.id in checkpoints:
             continue
         doomed.append((info.name, record.id))
     return doomed
