@@ -621,7 +621,7 @@ class SyncFacet:
                 progress, batch_conflicts = await self._settle(entries, answer, failed)
                 flushed += progress
                 conflicts.extend(batch_conflicts)
-                if progress == 0 and not any(r.status == "rejected" for r in answer.results):
+                if progress == 0:  # nothing moved (a sequence gap): do not spin
                     break
         finally:
             self._uploading = False

@@ -554,12 +554,17 @@ class StoreConformance:
         assert await store.list_audit(session_id=session.id) == [audit]
         stored = await store.get_session(session.id)
         assert stored is not None and stored.deleted
-        # Queued contents of the deleted session never leave the device; the rest do.
-        pending = [e.record.id for e in await store.outbox_pending()]
+        # Queued contents of the deleted session never leave the device: their rows send the
+        # tombstone instead, so client_seq stays gap-free. The rest are untouched.
+        entries = await store.outbox_pending()
+        pending = [e.record.id for e in entries]
         assert message.id not in pending and checkpoint.id not in pending
         assert update.id not in pending
         assert kept.id in pending and event.id in pending and audit.id in pending
-        assert receipt.client_seqs[-1] == max(e.client_seq for e in await store.outbox_pending())
+        seqs = [e.client_seq for e in entries]
+        assert seqs == list(range(1, len(seqs) + 1))
+        assert receipt.client_seqs[-1] == seqs[-1]
+        assert [e.record for e in entries].count(tomb) == 5  # 3 purged + 2 of its own
 
     async def test_queued_records_get_outbox_rows_whatever_outbox_says(
         self, store: StorageAdapter
@@ -584,5 +589,7 @@ class StoreConformance:
         assert await store.get_messages([shared_message.id, own.id]) == [shared_message]
         assert [c.id for c in await store.list_checkpoints(session.id)] == [checkpoint.id]
         assert await store.list_artifact_updates(update.artifact_id) == [update]
-        pending = [e.record.id for e in await store.outbox_pending()]
+        entries = await store.outbox_pending()
+        pending = [e.record.id for e in entries]
         assert shared_message.id in pending and own.id not in pending
+        assert [e.client_seq for e in entries] == list(range(1, 6))

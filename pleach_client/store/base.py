@@ -35,11 +35,14 @@ class WriteBatch(msgspec.Struct, kw_only=True):
     ``meta`` sets ``sync_state`` keys (``hlc``, ``cursor``, ...) in the same transaction.
     ``purge_checkpoints_for`` deletes every checkpoint of those session ids.
     ``purge_sessions`` deletes the contents of those sessions (messages, checkpoints, artifact
-    updates) and any of their outbox rows not yet sent: the delete cascade. The session row
-    (its tombstone), its event log and audit rows stay, and so does any content whose id (or,
-    for artifact updates, artifact id) is in ``purge_keep``: what a live fork still refers to.
-    ``purge_messages`` deletes those messages (and their unsent outbox rows) by id, whatever
-    session wrote them: a deleted fork's share of its deleted origin's transcript.
+    updates): the delete cascade. Their queued outbox rows stay (``client_seq`` has no gaps)
+    but send the session's tombstone instead, so the contents never leave the device. The
+    session row (its tombstone), its event log and audit rows stay, and so does any content
+    whose id (or, for artifact updates, artifact id) is in ``purge_keep``: what a live fork
+    still refers to.
+    ``purge_messages`` deletes those messages by id, whatever session wrote them (a deleted
+    fork's share of its deleted origin's transcript); their queued rows send the tombstone of
+    the first of ``purge_sessions``.
     The purges run before ``records`` are written, so a batch may purge a session and write
     its tombstone.
     ``queued`` records are written and always get outbox rows, whatever ``outbox`` says (a

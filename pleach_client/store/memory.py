@@ -211,10 +211,9 @@ class MemoryAdapter(AsyncResource):
                 raise StorageError(f"commit failed: meta {key!r} must map str to str")
 
         # Nothing below can fail: the batch is applied whole.
-        gone = {self._messages.pop(m) for m in batch.purge_messages if m in self._messages}
-        for seq, outbox_row in list(self._outbox.items()):
-            if outbox_row.body is not None and outbox_row.body in gone:
-                del self._outbox[seq]
+        if batch.purge_sessions:
+            gone = {self._messages.pop(m) for m in batch.purge_messages if m in self._messages}
+            self._unqueue(gone, batch.purge_sessions[0])
         keep = set(batch.purge_keep)
         for session_id in batch.purge_sessions:
             self._purge_session(session_id, keep)
@@ -247,9 +246,15 @@ class MemoryAdapter(AsyncResource):
                     gone.add(row.body)
                     index.rows.pop(row_id)
                     index.groups.get(row.group, set()).discard(row_id)
-        for seq, outbox_row in list(self._outbox.items()):
-            if outbox_row.body is not None and outbox_row.body in gone:
-                del self._outbox[seq]
+        self._unqueue(gone, session_id)
+
+    def _unqueue(self, bodies: set[bytes], session_id: str) -> None:
+        """Queued rows of purged contents refer to the deleted session's row instead: they
+        send its tombstone (client_seq stays gap-free) and the contents never leave."""
+        for outbox_row in self._outbox.values():
+            if outbox_row.body is not None and outbox_row.body in bodies:
+                outbox_row.body = None
+                outbox_row.ref = ("Session", session_id)
 
     def _put(self, record: Record, body: bytes) -> None:
         match record:

@@ -344,9 +344,12 @@ async def _immediate(conn: aiosqlite.Connection, action: str) -> AsyncIterator[N
 
 # ?1: the session id; ?2: a JSON array of ids to keep (what a live fork refers to).
 _KEEP = "NOT IN (SELECT value FROM json_each(?2))"
+# Queued rows of purged contents are not removed (client_seq must stay gap-free: the server
+# refuses a gap) but turned into references to the deleted session's row: they send its
+# tombstone, and the contents never leave the device.
 _PURGE_SESSION = (
-    # Queued rows of the contents go first (they are found through the rows themselves).
-    "DELETE FROM outbox WHERE body IS NOT NULL AND record_id IN ("
+    "UPDATE outbox SET kind = 'Session', record_id = ?1, body = NULL "
+    "WHERE body IS NOT NULL AND record_id IN ("
     f"SELECT id FROM messages WHERE session_id = ?1 AND id {_KEEP} "
     f"UNION ALL SELECT id FROM checkpoints WHERE session_id = ?1 AND id {_KEEP} "
     "UNION ALL SELECT id FROM artifact_updates WHERE session_id = ?1 "
@@ -356,20 +359,21 @@ _PURGE_SESSION = (
     f"DELETE FROM artifact_updates WHERE session_id = ?1 AND artifact_id {_KEEP}",
 )
 
-_PURGE_MESSAGES = (
-    "DELETE FROM outbox WHERE body IS NOT NULL AND kind = 'Message' "
-    "AND record_id IN (SELECT value FROM json_each(?))",
-    "DELETE FROM messages WHERE id IN (SELECT value FROM json_each(?))",
+_PURGE_MESSAGES = (  # ?1: the ids; ?2: the deleted session whose tombstone they send
+    "UPDATE outbox SET kind = 'Session', record_id = ?2, body = NULL "
+    "WHERE body IS NOT NULL AND kind = 'Message' "
+    "AND record_id IN (SELECT value FROM json_each(?1))",
+    "DELETE FROM messages WHERE id IN (SELECT value FROM json_each(?1)) AND ?2 IS NOT NULL",
 )
 
 
 async def _write_batch(conn: aiosqlite.Connection, batch: WriteBatch) -> CommitReceipt:
     groups, outbox = _encode_batch(batch.records)
     queued_groups, queued_outbox = _encode_batch(batch.queued)
-    if batch.purge_messages:
+    if batch.purge_messages and batch.purge_sessions:
         ids = msgspec.json.encode(batch.purge_messages).decode()
         for statement in _PURGE_MESSAGES:
-            await conn.execute(statement, (ids,))
+            await conn.execute(statement, (ids, batch.purge_sessions[0]))
     keep = msgspec.json.encode(batch.purge_keep).decode()
     for session_id in batch.purge_sessions:
         for statement in _PURGE_SESSION:
