@@ -120,14 +120,12 @@ def decide_session(local: Session | None, remote: Session) -> Decision:
     """
     if local is None:
         return Decision.TAKE
-    if local.deleted:
-        return Decision.KEEP
-    if remote.deleted:
-        return Decision.TAKE
+    if local.deleted != remote.deleted:
+        return Decision.TAKE if remote.deleted else Decision.KEEP
     order = vv_compare(remote.vv, local.vv)
     if order is Order.DOMINATES:
-        return Decision.TAKE
-    if order is Order.EQUAL and local != remote:
+        return Decision.TAKE  # both tombstones too: converge on the server's
+    if order is Order.EQUAL and local != remote and not local.deleted:
         return Decision.FORK_LOCAL
     return Decision.KEEP
 

@@ -128,6 +128,10 @@ def test_delete_wins_both_ways() -> None:
     assert decide_session(tomb, msgspec.structs.replace(local, vv={"a": 9, "b": 9})) is (
         Decision.KEEP
     )
+    # Two tombstones converge on the one that includes the other.
+    merged = msgspec.structs.replace(tomb, vv={"a": 5, "b": 1, "srv": 1})
+    assert decide_session(tomb, merged) is Decision.TAKE
+    assert decide_session(merged, tomb) is Decision.KEEP
 
 
 vectors = st.dictionaries(st.sampled_from("abcd"), st.integers(1, 4), max_size=4)
