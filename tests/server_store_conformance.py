@@ -456,6 +456,30 @@ class ServerStoreConformance:
         feed = await pull_all(server_store, tenant)
         assert [c.record for c in feed] == [v1, v2]
 
+    async def test_a_relayed_version_the_server_holds_is_superseded_not_refused(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        # A device's queued row refers to its session's current version; after it pulled a
+        # newer version written by another device, that is what the row sends.
+        tenant = new_tenant()
+        laptop, phone = Device(tenant), Device(tenant)
+        v1 = laptop.session(title="v1")
+        await server_store.push(tenant, laptop.client_id, laptop.changes(v1), server_clock)
+        v2 = phone.edit(v1, title="v2")
+        await server_store.push(tenant, phone.client_id, phone.changes(v2), server_clock)
+        relayed = await server_store.push(
+            tenant, laptop.client_id, laptop.changes(v2, v1), server_clock
+        )
+        assert statuses(relayed) == ["superseded", "superseded"]
+        # A version the server does not hold, in another device's name, is still refused.
+        forged = phone.edit(v2, title="forged")
+        refused = await server_store.push(
+            tenant, laptop.client_id, laptop.changes(forged), server_clock
+        )
+        assert statuses(refused) == ["rejected"] and codes(refused) == [ErrorCode.INVALID_RECORD]
+        feed = await pull_all(server_store, tenant)
+        assert [c.record for c in feed] == [v1, v2]
+
     async def test_concurrent_push_that_wins_forks_the_server_version(
         self, server_store: ServerStore, server_clock: HybridClock
     ) -> None:

@@ -318,6 +318,15 @@ def _filed_under(record: Record) -> list[str]:
     return []
 
 
+def _relayed(record: Record, tenant: Tenant, client_id: str) -> bool:
+    """A session version of this tenant that another of its devices wrote."""
+    return (
+        isinstance(record, Session)
+        and record.client_id != client_id
+        and _tenant_of(record) == tenant
+    )
+
+
 def validate_record(record: Record, tenant: Tenant, client_id: str) -> SyncError | None:
     """The checks that need no database: tenant, origin device, ids and stamps.
 
@@ -364,6 +373,8 @@ def batch_keys(changes: list[Change], last_seq: int, tenant: Tenant, client_id: 
         expected += 1
         record = change.record
         if validate_record(record, tenant, client_id) is not None:
+            if _relayed(record, tenant, client_id):
+                sessions.add(record.id)
             continue
         owners.update(_filed_under(record))
         info = kind_of(record)
@@ -784,6 +795,17 @@ async def apply_push(
         record = change.record
         present = False
         error = validate_record(record, tenant, client_id)
+        if error is not None and _relayed(record, tenant, client_id):
+            # Another device's version, relayed: the device's queued row now refers to a
+            # version it pulled. Harmless if the server already includes it.
+            current = await view.get_session(record.id)
+            assert isinstance(record, Session)
+            if current is not None and vv_compare(current.vv, record.vv) in (
+                Order.DOMINATES,
+                Order.EQUAL,
+            ):
+                results.append(ChangeResult(client_seq=seq, status="superseded"))
+                continue
         if error is None:
             error, present = await _check_owners(view, record, tenant)
         if error is None:
