@@ -48,10 +48,10 @@ from .schedule import TURN_OPS, Op, Schedule
 SECRET = "simulation-secret"
 ROOT = Path(__file__).resolve().parents[2]
 OP_TIMEOUT = 30.0  # a safety net per op, never a wait
-SYNC_OP_TIMEOUT = 2.0  # the ``sync`` op lets sync run this long at most
-QUIESCE_TIMEOUT = 20.0  # per device per round
+SYNC_OP_TIMEOUT = 1.0  # the ``sync`` op lets sync run this long at most
+QUIESCE_TIMEOUT = 10.0  # per device per round
 QUIESCE_ROUNDS = 12
-STALE_TIMEOUT = 5.0  # a device behind the server with nothing arriving for this long is stuck
+STALE_TIMEOUT = 3.0  # a device behind the server with nothing arriving for this long is stuck
 
 
 # -- servers ---------------------------------------------------------------------------------
@@ -102,8 +102,9 @@ class EmbeddedBackend(Backend):
         self.restarts = 0
 
     def upstream(self) -> tuple[str, int]:
-        assert self.server is not None
-        return ("127.0.0.1", self.server.port)
+        # While restarting there is no server: port 0 refuses, so the device retries later and
+        # never reaches another server that took over the old port.
+        return ("127.0.0.1", self.server.port if self.server is not None else 0)
 
     async def _start(self) -> None:
         assert self._workdir is not None
@@ -119,6 +120,7 @@ class EmbeddedBackend(Backend):
 
     async def _stop(self) -> None:
         server, store = self.server, self.store
+        self.server = self.store = None
         if server is not None:
             await server.shutdown()
         if store is not None:
@@ -206,6 +208,7 @@ class ProcessBackend(Backend):
     async def _kill(self) -> None:
         proc, drain = self.proc, self._drain
         self.proc = self._drain = None
+        self.port = 0  # refused until the next start: never another listener on the old port
         if proc is not None:
             if proc.returncode is None:
                 proc.send_signal(signal.SIGKILL)
@@ -214,6 +217,7 @@ class ProcessBackend(Backend):
             await drain
 
     async def begin(self, workdir: Path) -> None:
+        self.db.parent.mkdir(parents=True, exist_ok=True)
         if self.proc is None or self.proc.returncode is not None:
             await self._kill()
             await self._start()
@@ -252,7 +256,10 @@ class ProcessBackend(Backend):
 
 
 def sqlite_backend() -> EmbeddedBackend:
-    return EmbeddedBackend("sqlite", lambda workdir: SQLiteServerStore(workdir / "server.db"))
+    # synchronous=NORMAL: the simulation restarts the server process-internally, never the OS.
+    return EmbeddedBackend(
+        "sqlite", lambda workdir: SQLiteServerStore(workdir / "server.db", synchronous="NORMAL")
+    )
 
 
 def postgres_backend(dsn: str, schema: str) -> EmbeddedBackend:
@@ -542,10 +549,13 @@ class World:
     # -- phases ------------------------------------------------------------------------------
     async def start(self) -> None:
         await self.backend.begin(self.workdir)
-        for dev in self.devices:
+
+        async def up(dev: Device) -> None:
             await dev.proxy.start()
             await dev.open()
             await dev.connect()
+
+        await asyncio.gather(*(up(dev) for dev in self.devices))
 
     async def play(self, outcome: Outcome) -> None:
         for index, op in enumerate(self.schedule.ops):
@@ -611,11 +621,12 @@ class World:
         return False
 
     async def close(self) -> None:
-        for dev in self.devices:
+        async def down(dev: Device) -> None:
             with contextlib.suppress(Exception):
                 await dev.close()
-        for dev in self.devices:
             await dev.proxy.close()
+
+        await asyncio.gather(*(down(dev) for dev in self.devices))
         await self.backend.end()
 
 

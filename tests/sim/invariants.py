@@ -10,6 +10,7 @@
   every device;
 - nothing pending, nothing dead-lettered;
 - every artifact reads the same everywhere and holds every piece of text appended to it;
+- every conflict fork on the server is announced by a ``sync.conflict`` event in some log;
 - every user message a device wrote is in some live session on every device and on the
   server, unless a rollback or a delete touched its session's family (the session and every
   session forked from it or it from, transitively) after the message was written.
@@ -87,9 +88,14 @@ class View:
     events: dict[str, list[tuple[str, int, str]]] = field(default_factory=dict)
     audit: set[str] = field(default_factory=set)
     messages: set[str] = field(default_factory=set)
+    announced: set[str] = field(default_factory=set)  # conflict ids of sync.conflict events
 
     def live(self) -> set[str]:
         return {sid for sid, s in self.sessions.items() if not s["deleted"]}
+
+
+def _announced(events: list[Event]) -> set[str]:
+    return {str(e.payload.get("conflict_id")) for e in events if e.type == "sync.conflict"}
 
 
 def _message_key(m: Message) -> tuple[str, str, str]:
@@ -115,6 +121,7 @@ async def device_view(world: World, index: int, problems: list[str]) -> View:
     for sid, key in view.sessions.items():
         events = [e async for e in rt.events.iterate(sid)]
         view.events[sid] = [(e.id, e.sequence_number, e.row_hash) for e in events]
+        view.announced.update(_announced(events))
         report = await rt.events.verify_chain(sid)
         if not report.ok:
             problems.append(
@@ -186,6 +193,7 @@ def server_view(feed: list[Any]) -> View:
             view.messages.update(m for m in s.state.message_ids if m in messages)
             view.checkpoints[sid] = sorted(c.id for c in checkpoints.get(sid, []))
     for sid, evs in events.items():
+        view.announced.update(_announced(evs))
         view.events[sid] = [
             (e.id, e.sequence_number, e.row_hash)
             for e in sorted(evs, key=lambda e: e.sequence_number)
@@ -228,6 +236,17 @@ def _diff(a: View, b: View, problems: list[str], *, server: bool) -> None:
             f"audit-differs: {len(a.audit - b.audit)} rows only on {a.name}, "
             f"{len(b.audit - a.audit)} only on {b.name}"
         )
+
+
+def _unannounced(view: View, problems: list[str]) -> None:
+    """Every conflict fork must be announced by a ``sync.conflict`` event in the log."""
+    for sid, s in sorted(view.sessions.items()):
+        if s["conflict_id"] and s["conflict_id"] not in view.announced:
+            problems.append(
+                f"conflict-unannounced: {view.name} holds fork {sid} of conflict "
+                f"{s['conflict_id']} but no sync.conflict event names it"
+            )
+            return
 
 
 def families(views: list[View]) -> dict[str, str]:
@@ -286,6 +305,7 @@ async def check(world: World, feed: list[Any]) -> list[str]:
         _diff(views[0], view, problems, server=False)
     _diff(views[0], server, problems, server=True)
     _lost_messages(world, [*views, server], problems)
+    _unannounced(server, problems)
     if len(problems) > MAX_PROBLEMS:
         problems = [*problems[:MAX_PROBLEMS], f"more: {len(problems) - MAX_PROBLEMS} more"]
     return problems

@@ -114,6 +114,8 @@ class _Pipe:
     async def run(self) -> None:
         try:
             host, port = self.proxy.upstream()
+            if port == 0:
+                raise ConnectionRefusedError("the server is down")
             srv_reader, self.srv_writer = await asyncio.open_connection(host, port)
             request = await _read_header(self.dev_reader)
             self.srv_writer.write(_strip_extensions(request))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import tempfile
@@ -25,10 +26,14 @@ BACKENDS = ("sqlite", "postgres", "process")
 
 
 @contextlib.asynccontextmanager
-async def backend(name: str, workdir: Path) -> AsyncIterator[Backend]:
-    """A backend for a run of schedules; PostgreSQL gets a fresh schema, dropped after."""
+async def backends(name: str, workdir: Path) -> AsyncIterator[Callable[[], Backend]]:
+    """A factory of backends for a run of schedules.
+
+    Embedded servers are made per schedule (so schedules may run side by side); PostgreSQL
+    gets one fresh schema for the run, dropped after; the server process is one for the run.
+    """
     if name == "sqlite":
-        yield sqlite_backend()
+        yield sqlite_backend
     elif name == "postgres":
         import asyncpg  # type: ignore[import-untyped]
 
@@ -36,7 +41,7 @@ async def backend(name: str, workdir: Path) -> AsyncIterator[Backend]:
 
         schema = f"pleach_sim_{uuid7().replace('-', '')}"
         try:
-            yield postgres_backend(PG_DSN, schema)
+            yield lambda: postgres_backend(PG_DSN, schema)
         finally:
             conn = await asyncpg.connect(PG_DSN, timeout=10)
             try:
@@ -47,15 +52,15 @@ async def backend(name: str, workdir: Path) -> AsyncIterator[Backend]:
         workdir.mkdir(parents=True, exist_ok=True)
         proc = ProcessBackend(workdir)
         try:
-            yield proc
+            yield lambda: proc
         finally:
             await proc.close()
     else:
         raise ValueError(f"unknown backend {name!r}; one of {BACKENDS}")
 
 
-def schedule_for(seed: int, backend_name: str) -> Schedule:
-    """The schedule a seed means for a backend (the same generator for all three)."""
+def schedule_for(seed: int) -> Schedule:
+    """The schedule a seed means (the same for every backend)."""
     return generate(seed)
 
 
@@ -65,14 +70,32 @@ async def run_seeds(
     workdir: Path,
     *,
     report: Callable[[Outcome], None] | None = None,
+    concurrency: int = 1,
+    max_failures: int | None = None,
 ) -> list[Outcome]:
+    """Run the seeds' schedules, ``concurrency`` at a time in this loop (embedded servers
+    only; a shared server process runs one schedule at a time). Stops starting new schedules
+    once ``max_failures`` have failed."""
     outcomes: list[Outcome] = []
-    async with backend(backend_name, workdir / "backend") as be:
-        for seed in seeds:
-            outcome = await run_schedule(schedule_for(seed, backend_name), be, workdir / f"s{seed}")
-            outcomes.append(outcome)
-            if report is not None:
-                report(outcome)
+    if backend_name == "process":
+        concurrency = 1
+    pending = list(seeds)
+    async with backends(backend_name, workdir / "backend") as make:
+
+        async def worker() -> None:
+            while pending:
+                if max_failures is not None and sum(not o.ok for o in outcomes) >= max_failures:
+                    return
+                seed = pending.pop(0)
+                outcome = await run_schedule(schedule_for(seed), make(), workdir / f"s{seed}")
+                outcomes.append(outcome)
+                if report is not None:
+                    report(outcome)
+
+        async with asyncio.TaskGroup() as group:
+            for _ in range(max(1, concurrency)):
+                group.create_task(worker())
+    outcomes.sort(key=lambda o: o.schedule.seed)
     return outcomes
 
 
@@ -81,26 +104,32 @@ async def replay(
     backend_name: str = "sqlite",
     *,
     shrink_budget_s: float = 120.0,
-    tries: int = 2,
+    tries: int = 3,
+    attempts: int = 5,
     schedule: Schedule | None = None,
     log: Callable[[str], None] = print,
 ) -> tuple[Outcome, Schedule | None]:
     """Run one seed; when it fails, shrink it. Returns the outcome and the shrunk schedule."""
     with tempfile.TemporaryDirectory(prefix="pleach-sim-") as tmp:
         workdir = Path(tmp)
-        async with backend(backend_name, workdir / "backend") as be:
+        async with backends(backend_name, workdir / "backend") as make:
             runs = 0
 
             async def run(s: Schedule) -> Outcome:
                 nonlocal runs
                 runs += 1
-                return await run_schedule(s, be, workdir / f"r{runs}")
+                return await run_schedule(s, make(), workdir / f"r{runs}")
 
-            original = schedule or schedule_for(seed, backend_name)
-            outcome = await run(original)
+            original = schedule or schedule_for(seed)
             log(original.describe())
+            # Real sockets vary the interleaving: a failing seed may need a few runs to fail.
+            for attempt in range(1, attempts + 1):
+                outcome = await run(original)
+                if not outcome.ok:
+                    log(f"failed on run {attempt}")
+                    break
             if outcome.ok:
-                log(f"seed {seed} ({backend_name}): all invariants hold ({outcome.seconds:.2f}s)")
+                log(f"seed {seed} ({backend_name}): all invariants hold in {attempts} runs")
                 return outcome, None
             log(f"seed {seed} ({backend_name}) FAILS:")
             for problem in outcome.problems:
@@ -127,4 +156,4 @@ async def replay(
             return outcome, shrunk
 
 
-__all__ = ["BACKENDS", "PG_DSN", "backend", "replay", "run_seeds", "schedule_for"]
+__all__ = ["BACKENDS", "PG_DSN", "backends", "replay", "run_seeds", "schedule_for"]

@@ -85,15 +85,17 @@ class Schedule:
 def generate(
     seed: int,
     *,
-    min_ops: int = 20,
-    max_ops: int = 40,
+    min_ops: int = 8,
+    max_ops: int = 20,
     min_devices: int = 2,
     max_devices: int = 5,
     server_faults: bool = True,
 ) -> Schedule:
     """The schedule of ``seed``: the same seed always gives the same schedule."""
     rng = random.Random(seed)
-    devices = rng.randint(min_devices, max_devices)
+    # Fewer devices are likelier (cheaper); every count from min to max occurs.
+    counts = list(range(min_devices, max_devices + 1))
+    devices = rng.choices(counts, weights=[len(counts) - i for i in range(len(counts))])[0]
     skews = tuple(
         rng.randint(-MAX_SKEW_MS, MAX_SKEW_MS) if rng.random() < 0.5 else 0 for _ in range(devices)
     )
