@@ -654,24 +654,9 @@ class SyncFacet:
         failed.extend(plan.failed)
         if plan.remove:
             await store.outbox_remove(plan.remove)
-        for receipt in plan.conflicts:
-            await self._record_conflict(receipt)
+        # A conflict's sync.conflict event is written by the server into the session's log:
+        # this device, like every other, raises the stream event when the event arrives.
         return plan.progress, plan.conflicts
-
-    async def _record_conflict(self, receipt: ConflictReceipt) -> None:
-        """Log the conflict in the session's event log: it syncs, so every device sees it."""
-        core = self._rt.core
-        payload = msgspec.to_builtins(receipt)
-
-        def log_conflict(current: Session | None) -> SessionChange | None:
-            if current is None or current.deleted:
-                return None
-            return SessionChange(
-                events=[core.draft_event(receipt.session_id, "sync.conflict", payload)]
-            )
-
-        await core.write([(receipt.session_id, log_conflict)])
-        self._rt.emit(_conflict_event(receipt))
 
     # -- pull and apply ------------------------------------------------------------------------
     async def _pull(self, link: _Link) -> int:

@@ -510,9 +510,14 @@ class ServerStoreConformance:
         assert {p.chosen_side for p in paths.values()} == {"local"}
 
         feed = await pull_all(server_store, tenant, before)
-        assert [c.cursor for c in feed] == result.cursors and len(feed) == 2
+        assert [c.cursor for c in feed] == result.cursors and len(feed) == 3
         assert change.cursor == result.cursors[-1] == result.head_cursor
-        winner, fork = (c.record for c in feed)
+        winner, logged, fork = (c.record for c in feed)
+        # The server logs the conflict in the session's log, so every device learns of it.
+        assert isinstance(logged, Event) and logged.type == "sync.conflict"
+        assert logged.session_id == v1.id and logged.canonical
+        assert logged.payload["conflict_id"] == receipt.conflict_id
+        assert logged.payload["fork_session_id"] == receipt.fork_session_id
         assert isinstance(winner, Session) and isinstance(fork, Session)
         assert winner.id == v1.id and winner.title == "laptop"
         assert winner.state.message_ids == ["m1", "l2"]
@@ -554,7 +559,9 @@ class ServerStoreConformance:
         assert result.results[0].status == "resolved" and receipt is not None
         assert receipt.winner == "remote"
         assert {p.chosen_side for p in receipt.conflicted_paths} == {"remote"}
-        winner, fork = [c.record for c in await pull_all(server_store, tenant)][-2:]
+        winner, fork = [
+            c.record for c in await pull_all(server_store, tenant) if isinstance(c.record, Session)
+        ][-2:]
         assert isinstance(winner, Session) and isinstance(fork, Session)
         assert winner.id == v1.id and winner.title == "phone"
         assert vv_compare(winner.vv, on_laptop.vv) is Order.DOMINATES
@@ -902,8 +909,11 @@ class ServerStoreConformance:
             tenant, laptop.client_id, laptop.changes(first, second), server_clock
         )
         assert statuses(result) == ["resolved", "resolved"]
-        assert len(result.cursors) == 4  # two winners, two forks
+        assert len(result.cursors) == 6  # two winners, two sync.conflict events, two forks
         rows = [c.record for c in await pull_all(server_store, tenant)]
+        logged = [r for r in rows if isinstance(r, Event) and r.type == "sync.conflict"]
+        assert [e.sequence_number for e in logged] == [1, 2]
+        assert verify_chain(logged).ok
         current = [r for r in rows if isinstance(r, Session) and r.id == v1.id][-1]
         # The second version was settled against the first one's result, which the server had
         # already bumped: its entry is bumped twice.

@@ -382,6 +382,7 @@ def batch_keys(changes: list[Change], last_seq: int, tenant: Tenant, client_id: 
         if _is_session(info):
             owners.add(record.id)
             sessions.add(record.id)
+            chains.add(record.id)  # a conflict appends a sync.conflict event to its log
         elif info.server_placed:
             events.add(record.id)
             if session_id is not None:
@@ -721,6 +722,23 @@ class _Batch:
             conflicted_paths=resolution.conflicted_paths,
             detected_at=now,
         )
+        # The server logs the conflict in the session's event log itself, so every device
+        # learns of it from the feed, even when the pusher never sees its acknowledgement.
+        last = await self.tx.last_event(pushed.id)
+        number, prev_hash = (last[0] + 1, last[1]) if last is not None else (1, GENESIS)
+        logged = Event(
+            id=uuid7(),
+            session_id=pushed.id,
+            org_id=pushed.org_id,
+            user_id=pushed.user_id,
+            client_id=self.server_id,
+            hlc=now,
+            type="sync.conflict",
+            payload=msgspec.to_builtins(receipt),
+        )
+        placed = msgspec.structs.replace(chain_event(logged, prev_hash, number), canonical=True)
+        await self.tx.insert_event(placed)
+        self.feed.append(placed)
         return self._applied(seq, fork, status="resolved", conflict=receipt)
 
     async def _deleted(self, seq: int, pushed: Session, current: Session) -> ChangeResult:
