@@ -453,6 +453,7 @@ class World:
             receipt = await rt.artifacts.create(sid, token)
             self.artifacts.append(receipt.artifact_id)
             self.ledger.artifact_tokens[receipt.artifact_id] = [token]
+            self.ledger.artifact_sessions[receipt.artifact_id] = sid
         elif kind == "artifact_edit":
             if not self.artifacts:
                 raise Skip("no artifact")

@@ -13,7 +13,9 @@
 - every conflict fork on the server is announced by a ``sync.conflict`` event in some log;
 - every user message a device wrote is in some live session on every device and on the
   server, unless a rollback or a delete touched its session's family (the session and every
-  session forked from it or it from, transitively) after the message was written.
+  session forked from it or it from, transitively) after the message was written, or a delete
+  of its own session happened at any time: delete wins, so what another device wrote to a
+  session before it learned of the delete goes with the session.
 
 Each problem is one string ``"<category>: <detail>"``; the categories let the shrinker keep a
 failure of the same kind.
@@ -50,12 +52,17 @@ class Ledger:
     written: list[Written] = field(default_factory=list)
     destructive_ops: list[tuple[int, str, str]] = field(default_factory=list)
     artifact_tokens: dict[str, list[str]] = field(default_factory=dict)
+    artifact_sessions: dict[str, str] = field(default_factory=dict)
 
     def wrote(self, op: int, message_id: str, session_id: str, text: str) -> None:
         self.written.append(Written(op, message_id, session_id, text))
 
     def destructive(self, op: int, kind: str, session_id: str) -> None:
         self.destructive_ops.append((op, kind, session_id))
+
+    def deleted(self) -> set[str]:
+        """Sessions some device deleted (delete wins over concurrent writes)."""
+        return {sid for _, kind, sid in self.destructive_ops if kind == "delete"}
 
 
 SESSION_FIELDS = (
@@ -152,7 +159,10 @@ async def device_view(world: World, index: int, problems: list[str]) -> View:
                 f"audit-chain: {dev.name} chain of {client_id} fails at "
                 f"{report.first_bad_index}: {report.reason}"
             )
+    deleted = world.ledger.deleted()
     for artifact_id, tokens in world.ledger.artifact_tokens.items():
+        if world.ledger.artifact_sessions.get(artifact_id) in deleted:
+            continue  # its session was deleted: the artifact went with it
         try:
             text = await rt.artifacts.text(artifact_id)
         except NotFound:
@@ -273,9 +283,10 @@ def _lost_messages(world: World, views: list[View], problems: list[str]) -> None
     touched: list[tuple[int, str]] = [
         (op, family.get(sid, sid)) for op, _, sid in world.ledger.destructive_ops
     ]
+    deleted = world.ledger.deleted()
     for w in world.ledger.written:
         fam = family.get(w.session_id, w.session_id)
-        excused = any(op > w.op and f == fam for op, f in touched)
+        excused = w.session_id in deleted or any(op > w.op and f == fam for op, f in touched)
         if excused:
             continue
         for view in views:
