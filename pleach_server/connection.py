@@ -352,13 +352,19 @@ class Connection:
             result = await ctx.store.push(self.tenant, self.client_id, push.changes, ctx.clock)
             ctx.metrics.push_seconds.observe(time.perf_counter() - started)
             self._count_results(result.results)
-            self.protocol.send_push_ack(
-                result.results, result.last_seq, result.head_cursor, request_id=push.request_id
-            )
-            self._take("push_ack")
-            await self._flush()
-        if result.cursors:
-            await ctx.fan_out(self.tenant, before, max(result.cursors), local=True)
+            try:
+                self.protocol.send_push_ack(
+                    result.results, result.last_seq, result.head_cursor, request_id=push.request_id
+                )
+                self._take("push_ack")
+                await self._flush()
+            finally:
+                # Committed is committed: the other devices hear of it even when the pusher's
+                # socket died before its acknowledgement went out.
+                if result.cursors:
+                    await asyncio.shield(
+                        ctx.fan_out(self.tenant, before, max(result.cursors), local=True)
+                    )
 
     def _count_results(self, results: list[ChangeResult]) -> None:
         metrics = self.ctx.metrics
