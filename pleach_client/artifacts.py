@@ -69,6 +69,15 @@ class ArtifactsFacet:
             length=len(text),
         )
 
+    async def copy_to(self, artifact_id: str, session_id: str) -> ArtifactUpdate | None:
+        """A new artifact in ``session_id`` with the same document, as one update record (not
+        written: the caller writes it with what it belongs to); None if there is none."""
+        updates = await self._rt.store.list_artifact_updates(artifact_id)
+        if not updates:
+            return None
+        merged = pycrdt.merge_updates(*(u.update for u in updates))
+        return self._record(session_id, uuid7(), merged)
+
     async def list(self, session_id: str) -> list[str]:
         return [*(await self._rt.core.session(session_id)).state.artifacts]
 

@@ -12,7 +12,7 @@ import msgspec
 from shared.errors import InvalidState, NotFound
 from shared.hashchain import ChainVerification, Proof, generate_proof, verify_chain
 from shared.ids import uuid7
-from shared.records import AuditRow, Checkpoint, Event, Message, Session
+from shared.records import AuditRow, Checkpoint, Event, Message, Record, Session
 
 from .core import SessionChange, existing
 from .receipts import (
@@ -163,7 +163,12 @@ class CheckpointsFacet:
         )
 
     async def fork(self, session_id: str, checkpoint_id: str | None = None) -> ForkReceipt:
-        """A new session at ``checkpoint_id`` (default: the head); the original is untouched."""
+        """A new session at ``checkpoint_id`` (default: the head); the original is untouched.
+
+        The fork gets its own copies of the transcript's messages and of the artifacts (new
+        ids, same content), so it never depends on its origin: deleting the origin, here or
+        on another device that has not seen the fork yet, cannot take anything from it.
+        """
         core = self._rt.core
         source = await core.session(session_id)
         if checkpoint_id is None:
@@ -172,15 +177,37 @@ class CheckpointsFacet:
             ids = await self._checkpoint_ids(session_id, checkpoint_id)
         fork_id = uuid7()
         now = core.now()
+        copies = [
+            msgspec.structs.replace(
+                m,
+                id=uuid7(),
+                session_id=fork_id,
+                org_id=core.org_id,
+                user_id=core.user_id,
+                client_id=core.client_id,
+                hlc=core.now(),
+            )
+            for m in await self._rt.store.get_messages(ids)
+        ]
+        artifacts = [
+            await self._rt.artifacts.copy_to(artifact_id, fork_id)
+            for artifact_id in source.state.artifacts
+        ]
+        copied_ids = [m.id for m in copies]
         cp = core.draft_checkpoint(
-            fork_id, parent_id=None, turn_id=None, kind="fork", appended=[], snapshot=ids
+            fork_id, parent_id=None, turn_id=None, kind="fork", appended=[], snapshot=copied_ids
         )
         fork = msgspec.structs.replace(
             source,
             id=fork_id,
             created_at=now,
             vv={},
-            state=msgspec.structs.replace(source.state, message_ids=ids, pending_tool_calls=[]),
+            state=msgspec.structs.replace(
+                source.state,
+                message_ids=copied_ids,
+                pending_tool_calls=[],
+                artifacts=[a.artifact_id for a in artifacts if a is not None],
+            ),
             forked_from=session_id,
             forked_at_checkpoint=checkpoint_id or source.head_checkpoint_id,
             conflict_id=None,
@@ -194,14 +221,15 @@ class CheckpointsFacet:
         def create(current: Session | None) -> SessionChange:
             if current is not None:
                 raise InvalidState(f"session {fork_id} already exists")
-            return SessionChange(row=fork, records=[cp], events=[event])
+            records: builtins.list[Record] = [*copies, *(a for a in artifacts if a), cp]
+            return SessionChange(row=fork, records=records, events=[event])
 
         await core.write([(fork_id, create)])
         return ForkReceipt(
             session_id=fork_id,
             forked_from=session_id,
             checkpoint_id=checkpoint_id,
-            messages=len(ids),
+            messages=len(copies),
         )
 
 

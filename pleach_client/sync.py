@@ -745,15 +745,20 @@ async def _plan_page(
     for remote in remote_sessions.values():
         local = await view.row(tx, remote.id)
         decision = decide_session(local, remote)
+        if remote.deleted and local is not None and local.deleted:
+            # Our own delete coming back (or a later tombstone): sweep again, so content that
+            # arrived meanwhile for a fork we did not know yet is kept only if a fork uses it.
+            purge.append(remote.id)
         if decision is Decision.KEEP:
             continue
         records.append(remote)
         view.rows[remote.id] = remote
         touched.add(remote.id)
         if remote.deleted:
-            purge.append(remote.id)
+            if remote.id not in purge:
+                purge.append(remote.id)
             view.purged.append(remote.id)
-            if local is not None:
+            if local is not None and not local.deleted:
                 referenced.update(local.state.message_ids)
         if decision is Decision.FORK_LOCAL and local is not None:
             fork = view.stamp(
@@ -770,16 +775,13 @@ async def _plan_page(
             queued.append(fork)
             view.rows[fork.id] = fork
             touched.add(fork.id)
-    # Contents of a deleted session are not kept (the delete cascade), unless a live session
-    # (a fork) still refers to them.
-    deleted: set[str] = set()
-    for session_id in {getattr(r, "session_id", "") for r in contents}:
-        row = await view.row(tx, session_id)
-        if row is not None and row.deleted:
-            deleted.add(session_id)
-    kept = set(await purge_keep(tx, deleted, view.rows.values())) if deleted else set()
+    # Content of a session this page deletes is not kept (the delete cascade), unless a live
+    # session (a fork) still refers to it. Content of a session deleted here earlier is kept
+    # for now: it may belong to a fork this device has not seen yet, and the tombstone's
+    # return through the feed sweeps what no fork uses.
+    kept = set(await purge_keep(tx, purge, view.rows.values())) if purge else set()
     for record in contents:
-        if getattr(record, "session_id", None) in deleted:
+        if getattr(record, "session_id", None) in purge:
             ref = record.artifact_id if isinstance(record, ArtifactUpdate) else record.id
             if ref not in kept:
                 continue
@@ -814,13 +816,12 @@ async def _plan_page(
             and (receipt := _receipt(e)) is not None
         )
     emitted[:0] = [SyncApplied(session_id=sid, records=len(changes)) for sid in sorted(touched)]
-    keep = await purge_keep(tx, purge, view.rows.values()) if purge else []
     return WriteBatch(
         records=records,
         outbox=False,
         purge_sessions=purge,
-        purge_keep=keep,
-        purge_messages=sorted(referenced.difference(keep)),
+        purge_keep=sorted(kept),
+        purge_messages=sorted(referenced.difference(kept)),
         queued=queued,
     )
 

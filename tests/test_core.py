@@ -17,6 +17,7 @@ import pytest
 from pleach_client.core import SessionChange, existing
 from pleach_client.providers.scripted import ScriptedProvider, ScriptedReply
 from pleach_client.runtime import SessionConfigError, SessionRuntime
+from pleach_client.store.base import WriteBatch
 from pleach_client.store.memory import MemoryAdapter
 from pleach_client.store.sqlite import SQLiteAdapter
 from pleach_client.tools import Tool
@@ -210,17 +211,46 @@ async def test_deleting_a_forks_origin_leaves_the_fork_whole(tmp_path: Path) -> 
         origin = await rt.create_session()
         await turn(rt, origin.id, "one")
         await turn(rt, origin.id, "two")
+        await rt.artifacts.create(origin.id, "notes")
         checkpoints = await rt.checkpoints.list(origin.id)
         fork = await rt.checkpoints.fork(origin.id, checkpoints[0].id)
         whole = await rt.checkpoints.fork(origin.id)
-        only_origin = (await rt.sessions.messages(origin.id))[-1]
+        origin_ids = (await rt.store.get_session(origin.id)).state.message_ids  # type: ignore[union-attr]
+        # A user's fork holds its own copies: it never depends on its origin.
+        whole_row = await rt.store.get_session(whole.session_id)
+        assert whole_row is not None and not set(whole_row.state.message_ids) & set(origin_ids)
+        (artifact_id,) = whole_row.state.artifacts
         await rt.delete_session(origin.id)
+        assert await rt.store.get_messages(origin_ids) == []
         assert await user_texts(rt, fork.session_id) == ["one"]
         assert await user_texts(rt, whole.session_id) == ["one", "two"]
-        # What no live session refers to is gone; what one does stays.
-        assert await rt.store.get_messages([only_origin.id]) == [only_origin]
-        await rt.delete_session(whole.session_id)
-        assert await rt.store.get_messages([only_origin.id]) == []
-        assert await user_texts(rt, fork.session_id) == ["one"]
+        assert await rt.artifacts.text(artifact_id) == "notes"
         await turn(rt, fork.session_id, "three")
         assert await user_texts(rt, fork.session_id) == ["one", "three"]
+
+
+async def test_deleting_a_session_keeps_what_its_conflict_fork_shares(tmp_path: Path) -> None:
+    async with SessionRuntime(SQLiteAdapter(tmp_path / "d.db"), ScriptedProvider()) as rt:
+        origin = await rt.create_session()
+        await turn(rt, origin.id, "one")
+        await turn(rt, origin.id, "two")
+        row = await rt.store.get_session(origin.id)
+        assert row is not None
+        shared_ids = row.state.message_ids[:2]
+        # A conflict fork as the server makes it: the loser's state, referring to the
+        # origin's messages and its checkpoint lineage.
+        conflict_fork = msgspec.structs.replace(
+            row,
+            id="conflict-fork",
+            vv={"srv": 1},
+            forked_from=origin.id,
+            conflict_id="c-1",
+            conflict_loser_side="remote",
+            state=msgspec.structs.replace(row.state, message_ids=shared_ids),
+        )
+        await rt.store.commit(WriteBatch(records=[conflict_fork], outbox=False))
+        await rt.delete_session(origin.id)
+        assert [m.id for m in await rt.store.get_messages(row.state.message_ids)] == shared_ids
+        assert await user_texts(rt, "conflict-fork") == ["one"]
+        kept = await rt.store.get_checkpoint(row.head_checkpoint_id)  # type: ignore[arg-type]
+        assert kept is not None  # the fork's head and its parents stay
