@@ -258,14 +258,11 @@ class DeviceCore:
             contents: list[Record] = list(record_list)
             events: list[Event] = []
             purge: list[str] = []
-            referenced: set[str] = set()
             for session_id, edit in edit_list:
                 current = rows.get(session_id) or await self._row(tx, session_id)
                 change = edit(current)
                 if change is None:
                     continue
-                if change.purge and current is not None:
-                    referenced.update(current.state.message_ids)
                 if change.row is not None:
                     rows[session_id] = self._stamp(change.row, base=current)
                 contents.extend(change.records)
@@ -304,7 +301,6 @@ class DeviceCore:
                 meta=meta,
                 purge_sessions=purge,
                 purge_keep=keep,
-                purge_messages=sorted(referenced.difference(keep)),
             )
 
         try:

@@ -36,7 +36,16 @@ from shared.messages import (
     Welcome,
 )
 from shared.protocol import Answer, ClientProtocol, Live, Notice
-from shared.records import ArtifactUpdate, AuditRow, Change, Event, FeedChange, Record, Session
+from shared.records import (
+    ArtifactUpdate,
+    AuditRow,
+    Change,
+    Event,
+    FeedChange,
+    Message,
+    Record,
+    Session,
+)
 
 from .core import RemoteView, SessionChange, purge_keep
 from .receipts import FlushOutcome
@@ -184,6 +193,8 @@ class SyncFacet:
         self._head_cursor = 0
         self._auto = True
         self._retry_delay: float | None = None
+        self._missing: set[str] = set()
+        self._resynced: set[str] = set()
 
     # -- public API ---------------------------------------------------------------------------
     async def connect(self, url: str, token: str, *, auto: bool = True) -> None:
@@ -682,6 +693,12 @@ class SyncFacet:
                     raise _as_error(answer)
                 self._head_cursor = max(self._head_cursor, answer.to_cursor)
                 applied += await self._apply(answer.changes, answer.to_cursor)
+                if not answer.more and self._wants_resync():
+                    # A session this device took refers to messages it does not hold (it
+                    # deleted their session before it learned of a fork that shares them):
+                    # read the feed again from the start, once for those ids.
+                    await self._rt.store.set_meta("cursor", "0")
+                    continue
                 if not answer.more:
                     return applied
         finally:
@@ -698,19 +715,37 @@ class SyncFacet:
         rt = self._rt
         emitted: list[Any] = []
 
+        missing: list[str] = []
+
         async def plan(tx: TxReader, view: RemoteView) -> tuple[WriteBatch | None, int]:
             cursor = int(await tx.get_meta("cursor") or 0)
             if to_cursor <= cursor and changes:
                 return None, 0  # already applied (a live page that a pull overtook)
             batch = await _plan_page(tx, view, changes, emitted)
             batch.meta = {**batch.meta, "cursor": str(max(to_cursor, cursor))}
+            missing.extend(await _missing_content(tx, view, batch))
             return batch, len(changes)
 
         _, applied = await rt.core.transact_remote(plan)
+        self._missing.update(missing)
+        if self._missing - self._resynced:
+            self._behind.set()  # for a live page: the loop pulls, and resyncs, next
         for event in emitted:
             rt.emit(event)
         self._poke()
         return int(applied)
+
+    def _wants_resync(self) -> bool:
+        """True once for each new set of messages that taken sessions refer to and this
+        device lacks; a resync that cannot find them (the server lost them too) is not
+        repeated."""
+        fresh = self._missing - self._resynced
+        if not fresh:
+            return False
+        log.warning("sync: %d referenced message(s) missing here; resyncing", len(fresh))
+        self._resynced |= fresh
+        self._missing.clear()
+        return True
 
 
 async def _plan_page(
@@ -741,7 +776,6 @@ async def _plan_page(
             case _:
                 contents.append(record)
     touched: set[str] = set()
-    referenced: set[str] = set()
     for remote in remote_sessions.values():
         local = await view.row(tx, remote.id)
         decision = decide_session(local, remote)
@@ -758,8 +792,6 @@ async def _plan_page(
             if remote.id not in purge:
                 purge.append(remote.id)
             view.purged.append(remote.id)
-            if local is not None and not local.deleted:
-                referenced.update(local.state.message_ids)
         if decision is Decision.FORK_LOCAL and local is not None:
             fork = view.stamp(
                 msgspec.structs.replace(
@@ -821,9 +853,23 @@ async def _plan_page(
         outbox=False,
         purge_sessions=purge,
         purge_keep=sorted(kept),
-        purge_messages=sorted(referenced.difference(kept)),
         queued=queued,
     )
+
+
+async def _missing_content(tx: TxReader, view: RemoteView, batch: WriteBatch) -> list[str]:
+    """Messages that the live sessions this page took refer to and that neither the store nor
+    the page holds."""
+    wanted = {
+        message_id
+        for row in view.rows.values()
+        if not row.deleted
+        for message_id in row.state.message_ids
+    }
+    if not wanted:
+        return []
+    wanted -= {r.id for r in batch.records if isinstance(r, Message)}
+    return await tx.missing_messages(sorted(wanted))
 
 
 def _receipt(event: Event) -> ConflictReceipt | None:

@@ -8,6 +8,7 @@ case every message stays in the transcript and both chains verify.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -254,3 +255,51 @@ async def test_deleting_a_session_keeps_what_its_conflict_fork_shares(tmp_path: 
         assert await user_texts(rt, "conflict-fork") == ["one"]
         kept = await rt.store.get_checkpoint(row.head_checkpoint_id)  # type: ignore[arg-type]
         assert kept is not None  # the fork's head and its parents stay
+
+
+async def test_a_device_that_lacks_what_a_fork_refers_to_resyncs_once(tmp_path: Path) -> None:
+    from shared.clock import HybridClock
+    from shared.records import Change
+    from tests.test_sync_e2e import ALICE, Cluster
+
+    async with contextlib.AsyncExitStack() as stack:
+        cluster = Cluster(tmp_path, stack)
+        await cluster.start_server()
+        try:
+            laptop = await cluster.device("laptop")
+            session = await laptop.create_session()
+            await turn(laptop, session.id, "shared by a fork")
+            await laptop.sync.connect(cluster.url, cluster.token())
+            assert await laptop.sync.wait_until_synced(timeout=20)
+            await laptop.sync.disconnect()
+            row = await laptop.store.get_session(session.id)
+            assert row is not None
+            ids = row.state.message_ids
+            # Offline, the laptop deletes the session: its messages go from the laptop.
+            await laptop.delete_session(session.id)
+            assert await laptop.store.get_messages(ids) == []
+            # Meanwhile the server got a fork that shares them (as a conflict fork does).
+            fork = msgspec.structs.replace(
+                row,
+                id="fork-of-deleted",
+                client_id="phone",
+                vv={"phone": 1},
+                forked_from=session.id,
+                conflict_id="c-1",
+                conflict_loser_side="remote",
+            )
+            assert cluster.store is not None
+            await cluster.store.push(
+                ALICE, "phone", [Change(client_seq=1, record=fork)], HybridClock("srv")
+            )
+            # Back online: the delete leaves the fork's messages on the server; the laptop
+            # takes the fork, sees it lacks them, and reads the feed again once.
+            await laptop.sync.connect(cluster.url, cluster.token())
+            assert await laptop.sync.wait_until_synced(timeout=20)
+            texts = await user_texts(laptop, "fork-of-deleted")
+            assert texts == ["shared by a fork"]
+            assert (await laptop.sync.status()).dead_letters == 0
+        finally:
+            await stack.aclose()
+            if cluster.server is not None:
+                await cluster.stop_server()

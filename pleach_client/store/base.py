@@ -40,9 +40,6 @@ class WriteBatch(msgspec.Struct, kw_only=True):
     session row (its tombstone), its event log and audit rows stay, and so does any content
     whose id (or, for artifact updates, artifact id) is in ``purge_keep``: what a live fork
     still refers to.
-    ``purge_messages`` deletes those messages by id, whatever session wrote them (a deleted
-    fork's share of its deleted origin's transcript); their queued rows send the tombstone of
-    the first of ``purge_sessions``.
     The purges run before ``records`` are written, so a batch may purge a session and write
     its tombstone.
     ``queued`` records are written and always get outbox rows, whatever ``outbox`` says (a
@@ -55,7 +52,6 @@ class WriteBatch(msgspec.Struct, kw_only=True):
     purge_checkpoints_for: list[str] = []
     purge_sessions: list[str] = []
     purge_keep: list[str] = []
-    purge_messages: list[str] = []
     queued: list[Record] = []
 
 
@@ -75,6 +71,9 @@ class TxReader(Protocol):
         ...
 
     async def list_checkpoints(self, session_id: str) -> list[Checkpoint]: ...
+    async def missing_messages(self, message_ids: list[str]) -> list[str]:
+        """Those of ``message_ids`` this store does not hold."""
+        ...
 
 
 Plan = Callable[[TxReader], Awaitable[WriteBatch | None]]

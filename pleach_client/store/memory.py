@@ -185,6 +185,10 @@ class MemoryAdapter(AsyncResource):
             self._check_open()
             return CommitReceipt(client_seqs=[], records=0) if batch is None else self._apply(batch)
 
+    async def missing_messages(self, message_ids: list[str]) -> list[str]:
+        self._check_open()
+        return [m for m in message_ids if m not in self._messages]
+
     async def event_head(self, session_id: str) -> tuple[int, str]:
         self._check_open()
         rows = self._events.group(session_id)
@@ -211,9 +215,6 @@ class MemoryAdapter(AsyncResource):
                 raise StorageError(f"commit failed: meta {key!r} must map str to str")
 
         # Nothing below can fail: the batch is applied whole.
-        if batch.purge_sessions:
-            gone = {self._messages.pop(m) for m in batch.purge_messages if m in self._messages}
-            self._unqueue(gone, batch.purge_sessions[0])
         keep = set(batch.purge_keep)
         for session_id in batch.purge_sessions:
             self._purge_session(session_id, keep)

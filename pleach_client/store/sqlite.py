@@ -170,6 +170,10 @@ QUERIES: Final[dict[str, str]] = {
     # json_each: any number of ids in one bound parameter and one round trip.
     "get_messages": "SELECT id, body FROM messages WHERE id IN (SELECT value FROM json_each(?))",
     "get_checkpoint": "SELECT id, body FROM checkpoints WHERE id = ?",
+    "missing_messages": (
+        "SELECT value FROM json_each(?) "
+        "WHERE NOT EXISTS (SELECT 1 FROM messages WHERE messages.id = json_each.value)"
+    ),
     "list_checkpoints": ("SELECT id, body FROM checkpoints WHERE session_id = ? ORDER BY hlc, id"),
     "get_event": "SELECT id, body FROM events WHERE id = ?",
     "event_head": (
@@ -359,21 +363,10 @@ _PURGE_SESSION = (
     f"DELETE FROM artifact_updates WHERE session_id = ?1 AND artifact_id {_KEEP}",
 )
 
-_PURGE_MESSAGES = (  # ?1: the ids; ?2: the deleted session whose tombstone they send
-    "UPDATE outbox SET kind = 'Session', record_id = ?2, body = NULL "
-    "WHERE body IS NOT NULL AND kind = 'Message' "
-    "AND record_id IN (SELECT value FROM json_each(?1))",
-    "DELETE FROM messages WHERE id IN (SELECT value FROM json_each(?1)) AND ?2 IS NOT NULL",
-)
-
 
 async def _write_batch(conn: aiosqlite.Connection, batch: WriteBatch) -> CommitReceipt:
     groups, outbox = _encode_batch(batch.records)
     queued_groups, queued_outbox = _encode_batch(batch.queued)
-    if batch.purge_messages and batch.purge_sessions:
-        ids = msgspec.json.encode(batch.purge_messages).decode()
-        for statement in _PURGE_MESSAGES:
-            await conn.execute(statement, (ids, batch.purge_sessions[0]))
     keep = msgspec.json.encode(batch.purge_keep).decode()
     for session_id in batch.purge_sessions:
         for statement in _PURGE_SESSION:
@@ -435,6 +428,13 @@ class _Reader:
     async def list_checkpoints(self, session_id: str) -> list[Checkpoint]:
         rows = await _fetch(self._conn, QUERIES["list_checkpoints"], (session_id,))
         return [_decode(_CHECKPOINT, "checkpoints", row_id, body) for row_id, body in rows]
+
+    async def missing_messages(self, message_ids: list[str]) -> list[str]:
+        if not message_ids:
+            return []
+        ids = msgspec.json.encode(message_ids).decode()
+        rows = await _fetch(self._conn, QUERIES["missing_messages"], (ids,))
+        return [str(row[0]) for row in rows]
 
 
 class SQLiteAdapter(AsyncResource):
