@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from shared.clock import HybridClock, vv_bump, vv_merge
+from shared.clock import HybridClock, vv_bump, vv_merge, wall_clock_ms
 from shared.errors import NotFound
 from shared.hashchain import chain_audit, chain_event
 from shared.ids import uuid7
@@ -120,8 +120,10 @@ class DeviceCore:
         org_id: str,
         user_id: str,
         client_id: str | None = None,
+        wall_clock: Callable[[], int] = wall_clock_ms,
     ) -> None:
         self.store = store
+        self._wall_clock = wall_clock
         self.org_id = org_id
         self.user_id = user_id
         self._requested_client_id = client_id
@@ -146,7 +148,9 @@ class DeviceCore:
             await self.store.set_meta("client_id", self.client_id)
         else:
             self.client_id = stored
-        self.clock = HybridClock(self.client_id, last=await self.store.get_meta("hlc"))
+        self.clock = HybridClock(
+            self.client_id, last=await self.store.get_meta("hlc"), wall=self._wall_clock
+        )
         self._forget()
 
     def on_local_write(self, listener: Callable[[], None]) -> None:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar, cast
 
 import msgspec
 
+from shared.clock import wall_clock_ms
 from shared.errors import InvalidState, PleachError, ProviderError, SessionLocked
 from shared.ids import uuid7
 from shared.records import Checkpoint, Event, Message, Session, SessionState
@@ -384,6 +385,8 @@ class SessionRuntime:
     With no arguments: a non-durable ``MemoryAdapter`` (a warning is logged once), user
     ``"anonymous"`` and a generated client id that the store keeps. The device's state (clock,
     chain heads, caches, the write path) belongs to ``rt.core`` (a ``DeviceCore``).
+    ``wall_clock`` (milliseconds since the epoch) replaces the system clock under the HLC, for
+    simulations and tests of skew.
     """
 
     def __init__(
@@ -399,6 +402,7 @@ class SessionRuntime:
         max_tool_iterations: int = 8,
         max_tokens: int = 4096,
         subject_key: str | None = None,
+        wall_clock: Callable[[], int] | None = None,
     ) -> None:
         global _memory_warned
         if storage is None:
@@ -410,7 +414,13 @@ class SessionRuntime:
                     "Pass SQLiteAdapter(path) for a durable device store."
                 )
         self.store: StorageAdapter = storage
-        self.core = DeviceCore(storage, org_id=org_id, user_id=user_id, client_id=client_id)
+        self.core = DeviceCore(
+            storage,
+            org_id=org_id,
+            user_id=user_id,
+            client_id=client_id,
+            wall_clock=wall_clock or wall_clock_ms,
+        )
         self._provider = provider
         if isinstance(tools, ToolRegistry):
             self.tools = tools

@@ -37,7 +37,6 @@ from pleach_client.store.sqlite import SQLiteAdapter
 from pleach_server.auth import issue_token
 from pleach_server.server import SyncServer
 from pleach_server.store import ServerStore, SQLiteServerStore, Tenant
-from shared.clock import HybridClock
 from shared.errors import NotFound
 from shared.ids import uuid7
 
@@ -273,22 +272,6 @@ def postgres_backend(dsn: str, schema: str) -> EmbeddedBackend:
 # -- devices ---------------------------------------------------------------------------------
 
 
-def find_clocks(rt: SessionRuntime) -> list[HybridClock]:
-    """The runtime's hybrid clock(s), looked up by type on it and on its direct members.
-
-    ``SessionRuntime`` takes no wall-clock function; ``HybridClock`` does (``wall=``). To skew
-    a device's clock the simulation swaps the wall function of the clock the runtime built.
-    """
-    found: list[HybridClock] = []
-    for value in vars(rt).values():
-        if isinstance(value, HybridClock):
-            found.append(value)
-        elif hasattr(value, "__dict__") and not isinstance(value, type):
-            found.extend(v for v in vars(value).values() if isinstance(v, HybridClock))
-    unique: dict[int, HybridClock] = {id(c): c for c in found}
-    return list(unique.values())
-
-
 class Device:
     """One device: a ``SessionRuntime`` on its own SQLite file, behind its own proxy."""
 
@@ -327,12 +310,10 @@ class Device:
             user_id=world.tenant.user_id,
             org_id=world.tenant.org_id,
             client_id=f"{world.tenant.user_id}-{self.name}",
+            wall_clock=self.wall,  # the device's skewed clock (``skew`` ops move it)
         )
         await rt.open()
-        clocks = find_clocks(rt)
-        for clock in clocks:
-            clock._wall = self.wall  # see find_clocks: the only way in without an API for it
-        self.skew_applied = bool(clocks)
+        self.skew_applied = True
         sync = rt.sync
         for attr, value in (("backoff_initial", 0.01), ("backoff_max", 0.1)):
             if hasattr(sync, attr):
