@@ -286,7 +286,6 @@ class Device:
         self.online = False
         self.replies: deque[ScriptedReply] = deque()
         self.conflicts: list[tuple[str, str]] = []  # (session id, conflict id) seen here
-        self.skew_applied = False
         self.applied = asyncio.Event()  # set whenever remote changes are applied here
 
     def wall(self) -> int:
@@ -313,7 +312,6 @@ class Device:
             wall_clock=self.wall,  # the device's skewed clock (``skew`` ops move it)
         )
         await rt.open()
-        self.skew_applied = True
         sync = rt.sync
         for attr, value in (("backoff_initial", 0.01), ("backoff_max", 0.1)):
             if hasattr(sync, attr):
@@ -474,8 +472,6 @@ class World:
         elif kind == "server_restart":
             await self.backend.restart()
         elif kind == "skew":
-            if not dev.skew_applied:
-                raise Skip("the runtime's clock cannot be skewed")
             dev.skew_ms = op.arg
         else:
             raise ValueError(f"unknown op {kind}")
