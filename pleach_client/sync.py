@@ -15,16 +15,13 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import websockets
-from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
 from shared.errors import ErrorCode, Forbidden, InvalidState, NotFound, PleachError, SyncError
-from shared.ids import uuid7
 from shared.merge import Resolution, resolve_conflicts
 from shared.messages import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -37,21 +34,17 @@ from shared.messages import (
 )
 from shared.protocol import Answer, ClientProtocol, Live, Notice
 from shared.records import (
-    ArtifactUpdate,
-    AuditRow,
     Change,
-    Event,
     FeedChange,
-    Message,
-    Record,
     Session,
 )
 
-from .core import RemoteView, SessionChange, purge_keep
+from .apply import missing_content, plan_page
+from .core import RemoteView, SessionChange
+from .link import Link
 from .receipts import FlushOutcome
 from .store.base import OutboxEntry, TxReader, WriteBatch
-from .stream import SyncApplied, SyncConflict
-from .syncplan import Decision, FailedEntry, Sent, decide_session, rebase, settle
+from .syncplan import FailedEntry, Sent, settle
 
 if TYPE_CHECKING:
     from .runtime import SessionRuntime
@@ -106,53 +99,6 @@ class SyncCoordinator:
         return resolve_conflicts(local, remote)
 
 
-class _Link:
-    """One open connection: the socket, the protocol, and the requests awaiting answers.
-
-    Answers are matched to requests by the id they echo (``ClientProtocol`` sorts answers,
-    live pages and notices), so one lost or late answer never shifts another.
-    """
-
-    def __init__(self, ws: ClientConnection, protocol: ClientProtocol) -> None:
-        self.ws = ws
-        self.protocol = protocol
-        self.waiters: dict[int, asyncio.Future[Frame]] = {}
-
-    async def flush_out(self) -> None:
-        for data in self.protocol.data_to_send():
-            await self.ws.send(data)
-
-    def expect(self, request_id: int) -> asyncio.Future[Frame]:
-        future: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
-        self.waiters[request_id] = future
-        return future
-
-    async def request(self, send: Callable[[], int], timeout: float) -> Frame:
-        """Send one request frame (``send`` queues it and returns its id); wait for its
-        answer. A request with no answer within ``timeout`` drops the connection: the loop
-        reconnects and resends what is not acknowledged."""
-        future = self.expect(send())
-        await self.flush_out()
-        try:
-            async with asyncio.timeout(timeout):
-                return await future
-        except TimeoutError:
-            self.ws.transport.abort()
-            raise ConnectionError(f"no answer within {timeout}s; reconnecting") from None
-
-    def answer(self, request_id: int, frame: Frame) -> None:
-        future = self.waiters.pop(request_id, None)
-        if future is not None and not future.done():
-            future.set_result(frame)
-
-    def fail_all(self, exc: BaseException) -> None:
-        waiters, self.waiters = self.waiters, {}
-        for future in waiters.values():
-            if not future.done():
-                future.set_exception(exc)
-                future.exception()  # mark retrieved: a waiter may already have gone
-
-
 class SyncFacet:
     """``runtime.sync``: connect, flush, pull, status, dead letters, conflicts."""
 
@@ -177,7 +123,7 @@ class SyncFacet:
         self._url: str | None = None
         self._token: str | None = None
         self._task: asyncio.Task[None] | None = None
-        self._link: _Link | None = None
+        self._link: Link | None = None
         self._state: SyncState = "offline"
         self._uploading = False
         self._downloading = False
@@ -450,7 +396,7 @@ class SyncFacet:
             open_timeout=self.request_timeout,
         ) as ws:
             protocol = ClientProtocol(rt.client_id, cursor, max_frame_bytes=self.max_frame_bytes)
-            link = _Link(ws, protocol)
+            link = Link(ws, protocol)
             welcome_future = link.expect(protocol.hello_request_id)
             await link.flush_out()
             reader = asyncio.create_task(self._reader(link), name="pleach-sync-reader")
@@ -498,7 +444,7 @@ class SyncFacet:
                     await reader
                 link.fail_all(ConnectionError("connection closed"))
 
-    async def _catch_up(self, link: _Link) -> None:
+    async def _catch_up(self, link: Link) -> None:
         self._dirty.clear()
         self._behind.clear()
         async with self._flush_lock:
@@ -520,14 +466,14 @@ class SyncFacet:
         await self._rt.store.set_meta("has_synced", "1")
         self._poke()
 
-    async def _reader(self, link: _Link) -> None:
+    async def _reader(self, link: Link) -> None:
         try:
             await self._read_frames(link)
         finally:
             # Whoever waits for an answer learns the connection is gone, now.
             link.fail_all(ConnectionError("connection closed"))
 
-    async def _read_frames(self, link: _Link) -> None:
+    async def _read_frames(self, link: Link) -> None:
         async for data in link.ws:
             if isinstance(data, str):
                 data = data.encode()
@@ -546,7 +492,7 @@ class SyncFacet:
             if link.protocol.close_reason is not None:
                 raise link.protocol.close_reason
 
-    def _require_link(self) -> _Link:
+    def _require_link(self) -> Link:
         if self._link is None:
             raise InvalidState("not connected: call connect() and wait for the connection")
         return self._link
@@ -670,7 +616,7 @@ class SyncFacet:
         return plan.progress, plan.conflicts
 
     # -- pull and apply ------------------------------------------------------------------------
-    async def _pull(self, link: _Link) -> int:
+    async def _pull(self, link: Link) -> int:
         applied = 0
         self._downloading = True
         self._poke()
@@ -721,9 +667,9 @@ class SyncFacet:
             cursor = int(await tx.get_meta("cursor") or 0)
             if to_cursor <= cursor and changes:
                 return None, 0  # already applied (a live page that a pull overtook)
-            batch = await _plan_page(tx, view, changes, emitted)
+            batch = await plan_page(tx, view, changes, emitted)
             batch.meta = {**batch.meta, "cursor": str(max(to_cursor, cursor))}
-            missing.extend(await _missing_content(tx, view, batch))
+            missing.extend(await missing_content(tx, view, batch))
             return batch, len(changes)
 
         _, applied = await rt.core.transact_remote(plan)
@@ -746,153 +692,6 @@ class SyncFacet:
         self._resynced |= fresh
         self._missing.clear()
         return True
-
-
-async def _plan_page(
-    tx: TxReader, view: RemoteView, changes: list[FeedChange], emitted: list[Any]
-) -> WriteBatch:
-    """The writes for one page of remote changes, decided from the rows under the lock."""
-    records: list[Record] = []
-    queued: list[Record] = []
-    purge: list[str] = []
-    remote_sessions: dict[str, Session] = {}
-    events_by_session: dict[str, list[Event]] = {}
-    contents: list[Record] = []
-    for change in changes:
-        record = change.record
-        try:
-            view.clock.observe(record.hlc)
-        except PleachError as exc:  # skew or a malformed stamp: apply, but say so
-            log.warning("remote stamp not observed: %s", exc)
-        match record:
-            case Session():
-                # The server only ever replaces a session id by a dominating version, in feed
-                # order: the last version of an id in the page is the one to compare.
-                remote_sessions[record.id] = record
-            case Event():
-                events_by_session.setdefault(record.session_id, []).append(record)
-            case AuditRow():
-                records.append(record)
-            case _:
-                contents.append(record)
-    touched: set[str] = set()
-    for remote in remote_sessions.values():
-        local = await view.row(tx, remote.id)
-        decision = decide_session(local, remote)
-        if remote.deleted and local is not None and local.deleted:
-            # Our own delete coming back (or a later tombstone): sweep again, so content that
-            # arrived meanwhile for a fork we did not know yet is kept only if a fork uses it.
-            purge.append(remote.id)
-        if decision is Decision.KEEP:
-            continue
-        records.append(remote)
-        view.rows[remote.id] = remote
-        touched.add(remote.id)
-        if remote.deleted:
-            if remote.id not in purge:
-                purge.append(remote.id)
-            view.purged.append(remote.id)
-        if decision is Decision.FORK_LOCAL and local is not None:
-            fork = view.stamp(
-                msgspec.structs.replace(
-                    local,
-                    id=uuid7(),
-                    vv={},
-                    forked_from=local.id,
-                    conflict_id=uuid7(),
-                    conflict_loser_side="local",
-                ),
-                base=None,
-            )
-            queued.append(fork)
-            view.rows[fork.id] = fork
-            touched.add(fork.id)
-    # Content of a session this page deletes is not kept (the delete cascade), unless a live
-    # session (a fork) still refers to it. Content of a session deleted here earlier is kept
-    # for now: it may belong to a fork this device has not seen yet, and the tombstone's
-    # return through the feed sweeps what no fork uses.
-    kept = set(await purge_keep(tx, purge, view.rows.values())) if purge else set()
-    for record in contents:
-        if getattr(record, "session_id", None) in purge:
-            ref = record.artifact_id if isinstance(record, ArtifactUpdate) else record.id
-            if ref not in kept:
-                continue
-        records.append(record)
-    for session_id, incoming in events_by_session.items():
-        known = view.canonical_head(session_id)
-        if known is None:
-            existing = await tx.list_events(session_id)
-            verified = sorted((e for e in existing if e.canonical), key=_seq)
-            head = (verified[-1].sequence_number, verified[-1].row_hash) if verified else (0, "")
-            tail = [e for e in existing if not e.canonical]
-            genesis = ""
-        else:
-            head, verified, genesis = known, [], known[1]
-            tail = [
-                e
-                for e in await tx.list_events(session_id, from_sequence=known[0] + 1)
-                if not e.canonical
-            ]
-        placed = rebase(
-            session_id, incoming, known_head=head, verified=verified, tail=tail, genesis=genesis
-        )
-        view.canonical_heads[session_id] = placed.canonical_head
-        view.heads[session_id] = placed.head
-        records.extend(placed.out)
-        touched.add(session_id)
-        emitted.extend(
-            _conflict_event(receipt)
-            for e in placed.fresh
-            if e.type == "sync.conflict"
-            and e.client_id != view.client_id
-            and (receipt := _receipt(e)) is not None
-        )
-    emitted[:0] = [SyncApplied(session_id=sid, records=len(changes)) for sid in sorted(touched)]
-    return WriteBatch(
-        records=records,
-        outbox=False,
-        purge_sessions=purge,
-        purge_keep=sorted(kept),
-        queued=queued,
-    )
-
-
-async def _missing_content(tx: TxReader, view: RemoteView, batch: WriteBatch) -> list[str]:
-    """Messages that the live sessions this page took refer to and that neither the store nor
-    the page holds."""
-    wanted = {
-        message_id
-        for row in view.rows.values()
-        if not row.deleted
-        for message_id in row.state.message_ids
-    }
-    if not wanted:
-        return []
-    wanted -= {r.id for r in batch.records if isinstance(r, Message)}
-    return await tx.missing_messages(sorted(wanted))
-
-
-def _receipt(event: Event) -> ConflictReceipt | None:
-    """The receipt in a ``sync.conflict`` event; None (and a warning) if a peer sent junk."""
-    try:
-        return msgspec.convert(event.payload, ConflictReceipt)
-    except msgspec.ValidationError as exc:
-        log.warning("sync.conflict event %s has a malformed payload: %s", event.id, exc)
-        return None
-
-
-def _seq(event: Event) -> int:
-    return event.sequence_number
-
-
-def _conflict_event(receipt: ConflictReceipt) -> SyncConflict:
-    return SyncConflict(
-        session_id=receipt.session_id,
-        conflict_id=receipt.conflict_id,
-        fork_session_id=receipt.fork_session_id,
-        winner=receipt.winner,
-        conflicted_paths=receipt.conflicted_paths,
-    )
 
 
 class TenantMismatch(Forbidden):

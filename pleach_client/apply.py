@@ -1,0 +1,177 @@
+"""Applying one page of the server's feed: what to write, decided inside the transaction.
+
+``plan_page`` runs in ``DeviceCore.transact_remote``: it reads the rows as they are under the
+write lock (through the ``TxReader`` and the core's ``RemoteView``), asks the pure decisions of
+``syncplan`` (``decide_session``, ``rebase``), and returns the ``WriteBatch``: sessions taken,
+content kept or dropped by the delete cascade, canonical events placed and the provisional tail
+rebased, and a local fork when counters collided. It never writes itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+
+from shared.errors import PleachError
+from shared.ids import uuid7
+from shared.messages import ConflictReceipt
+from shared.records import ArtifactUpdate, AuditRow, Event, FeedChange, Message, Record, Session
+
+from .core import RemoteView, purge_keep
+from .store.base import TxReader, WriteBatch
+from .stream import SyncApplied, SyncConflict
+from .syncplan import Decision, decide_session, rebase
+
+log = logging.getLogger("pleach.sync")
+
+
+async def plan_page(
+    tx: TxReader, view: RemoteView, changes: list[FeedChange], emitted: list[Any]
+) -> WriteBatch:
+    """The writes for one page of remote changes, decided from the rows under the lock."""
+    records: list[Record] = []
+    queued: list[Record] = []
+    purge: list[str] = []
+    remote_sessions: dict[str, Session] = {}
+    events_by_session: dict[str, list[Event]] = {}
+    contents: list[Record] = []
+    for change in changes:
+        record = change.record
+        try:
+            view.clock.observe(record.hlc)
+        except PleachError as exc:  # skew or a malformed stamp: apply, but say so
+            log.warning("remote stamp not observed: %s", exc)
+        match record:
+            case Session():
+                # The server only ever replaces a session id by a dominating version, in feed
+                # order: the last version of an id in the page is the one to compare.
+                remote_sessions[record.id] = record
+            case Event():
+                events_by_session.setdefault(record.session_id, []).append(record)
+            case AuditRow():
+                records.append(record)
+            case _:
+                contents.append(record)
+    touched: set[str] = set()
+    for remote in remote_sessions.values():
+        local = await view.row(tx, remote.id)
+        decision = decide_session(local, remote)
+        if remote.deleted and local is not None and local.deleted:
+            # Our own delete coming back (or a later tombstone): sweep again, so content that
+            # arrived meanwhile for a fork we did not know yet is kept only if a fork uses it.
+            purge.append(remote.id)
+        if decision is Decision.KEEP:
+            continue
+        records.append(remote)
+        view.rows[remote.id] = remote
+        touched.add(remote.id)
+        if remote.deleted:
+            if remote.id not in purge:
+                purge.append(remote.id)
+            view.purged.append(remote.id)
+        if decision is Decision.FORK_LOCAL and local is not None:
+            fork = view.stamp(
+                msgspec.structs.replace(
+                    local,
+                    id=uuid7(),
+                    vv={},
+                    forked_from=local.id,
+                    conflict_id=uuid7(),
+                    conflict_loser_side="local",
+                ),
+                base=None,
+            )
+            queued.append(fork)
+            view.rows[fork.id] = fork
+            touched.add(fork.id)
+    # Content of a session this page deletes is not kept (the delete cascade), unless a live
+    # session (a fork) still refers to it. Content of a session deleted here earlier is kept
+    # for now: it may belong to a fork this device has not seen yet, and the tombstone's
+    # return through the feed sweeps what no fork uses.
+    kept = set(await purge_keep(tx, purge, view.rows.values())) if purge else set()
+    for record in contents:
+        if getattr(record, "session_id", None) in purge:
+            ref = record.artifact_id if isinstance(record, ArtifactUpdate) else record.id
+            if ref not in kept:
+                continue
+        records.append(record)
+    for session_id, incoming in events_by_session.items():
+        known = view.canonical_head(session_id)
+        if known is None:
+            existing = await tx.list_events(session_id)
+            verified = sorted((e for e in existing if e.canonical), key=_seq)
+            head = (verified[-1].sequence_number, verified[-1].row_hash) if verified else (0, "")
+            tail = [e for e in existing if not e.canonical]
+            genesis = ""
+        else:
+            head, verified, genesis = known, [], known[1]
+            tail = [
+                e
+                for e in await tx.list_events(session_id, from_sequence=known[0] + 1)
+                if not e.canonical
+            ]
+        placed = rebase(
+            session_id, incoming, known_head=head, verified=verified, tail=tail, genesis=genesis
+        )
+        view.canonical_heads[session_id] = placed.canonical_head
+        view.heads[session_id] = placed.head
+        records.extend(placed.out)
+        touched.add(session_id)
+        emitted.extend(
+            conflict_event(receipt)
+            for e in placed.fresh
+            if e.type == "sync.conflict"
+            and e.client_id != view.client_id
+            and (receipt := _receipt(e)) is not None
+        )
+    emitted[:0] = [SyncApplied(session_id=sid, records=len(changes)) for sid in sorted(touched)]
+    return WriteBatch(
+        records=records,
+        outbox=False,
+        purge_sessions=purge,
+        purge_keep=sorted(kept),
+        queued=queued,
+    )
+
+
+async def missing_content(tx: TxReader, view: RemoteView, batch: WriteBatch) -> list[str]:
+    """Messages that the live sessions this page took refer to and that neither the store nor
+    the page holds."""
+    wanted = {
+        message_id
+        for row in view.rows.values()
+        if not row.deleted
+        for message_id in row.state.message_ids
+    }
+    if not wanted:
+        return []
+    wanted -= {r.id for r in batch.records if isinstance(r, Message)}
+    return await tx.missing_messages(sorted(wanted))
+
+
+def _receipt(event: Event) -> ConflictReceipt | None:
+    """The receipt in a ``sync.conflict`` event; None (and a warning) if a peer sent junk."""
+    try:
+        return msgspec.convert(event.payload, ConflictReceipt)
+    except msgspec.ValidationError as exc:
+        log.warning("sync.conflict event %s has a malformed payload: %s", event.id, exc)
+        return None
+
+
+def _seq(event: Event) -> int:
+    return event.sequence_number
+
+
+def conflict_event(receipt: ConflictReceipt) -> SyncConflict:
+    return SyncConflict(
+        session_id=receipt.session_id,
+        conflict_id=receipt.conflict_id,
+        fork_session_id=receipt.fork_session_id,
+        winner=receipt.winner,
+        conflicted_paths=receipt.conflicted_paths,
+    )
+
+
+__all__ = ["conflict_event", "missing_content", "plan_page"]
