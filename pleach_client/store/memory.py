@@ -22,6 +22,7 @@ import msgspec
 
 from shared.errors import InvalidState, StorageError
 from shared.records import (
+    RECORD_KINDS,
     ArtifactUpdate,
     AuditRow,
     Checkpoint,
@@ -30,6 +31,7 @@ from shared.records import (
     Record,
     Session,
     encode_record,
+    kind_of,
 )
 from shared.resource import AsyncResource
 
@@ -46,7 +48,7 @@ _EVENT: msgspec.msgpack.Decoder[Event] = msgspec.msgpack.Decoder(Event)
 _AUDIT: msgspec.msgpack.Decoder[AuditRow] = msgspec.msgpack.Decoder(AuditRow)
 _ARTIFACT: msgspec.msgpack.Decoder[ArtifactUpdate] = msgspec.msgpack.Decoder(ArtifactUpdate)
 _RECORD: msgspec.msgpack.Decoder[Record] = msgspec.msgpack.Decoder(Record)
-_KINDS = (Session, Message, Checkpoint, Event, AuditRow, ArtifactUpdate)
+_KINDS = tuple(info.cls for info in RECORD_KINDS.values())
 
 
 class _State(Enum):
@@ -289,7 +291,7 @@ class MemoryAdapter(AsyncResource):
         # Mutable records (sessions, events) are queued by reference, as in SQLiteAdapter:
         # the flush sends their current version.
         self._last_seq += 1
-        if isinstance(record, Session | Event):
+        if kind_of(record).by_reference:
             row = _OutboxRow(
                 body=None, attempts=0, created_at=now, ref=(type(record).__name__, record.id)
             )

@@ -36,6 +36,7 @@ from shared.records import (
     Record,
     Session,
     encode_record,
+    kind_of,
 )
 from shared.resource import AsyncResource
 
@@ -299,7 +300,7 @@ def _encode_batch(
             case _:
                 raise StorageError(f"commit failed: not a record: {type(record).__name__}")
         groups.setdefault(sql, []).append(row)
-        mutable = isinstance(record, Session | Event)
+        mutable = kind_of(record).by_reference
         outbox.append((record.id, type(record).__name__, None if mutable else body))
     return groups, outbox
 
