@@ -177,26 +177,7 @@ class CheckpointsFacet:
             ids = await self._checkpoint_ids(session_id, checkpoint_id)
         fork_id = uuid7()
         now = core.now()
-        copies = [
-            msgspec.structs.replace(
-                m,
-                id=uuid7(),
-                session_id=fork_id,
-                org_id=core.org_id,
-                user_id=core.user_id,
-                client_id=core.client_id,
-                hlc=core.now(),
-            )
-            for m in await self._rt.store.get_messages(ids)
-        ]
-        artifacts = [
-            await self._rt.artifacts.copy_to(artifact_id, fork_id)
-            for artifact_id in source.state.artifacts
-        ]
-        copied_ids = [m.id for m in copies]
-        cp = core.draft_checkpoint(
-            fork_id, parent_id=None, turn_id=None, kind="fork", appended=[], snapshot=copied_ids
-        )
+        copy = await copy_into(self._rt, fork_id, ids, source.state.artifacts, kind="fork")
         fork = msgspec.structs.replace(
             source,
             id=fork_id,
@@ -204,15 +185,15 @@ class CheckpointsFacet:
             vv={},
             state=msgspec.structs.replace(
                 source.state,
-                message_ids=copied_ids,
+                message_ids=copy.message_ids,
                 pending_tool_calls=[],
-                artifacts=[a.artifact_id for a in artifacts if a is not None],
+                artifacts=copy.artifact_ids,
             ),
             forked_from=session_id,
             forked_at_checkpoint=checkpoint_id or source.head_checkpoint_id,
             conflict_id=None,
             conflict_loser_side=None,
-            head_checkpoint_id=cp.id,
+            head_checkpoint_id=copy.checkpoint.id,
         )
         event = core.draft_event(
             fork_id, "session.forked", {"forked_from": session_id, "checkpoint_id": checkpoint_id}
@@ -221,16 +202,66 @@ class CheckpointsFacet:
         def create(current: Session | None) -> SessionChange:
             if current is not None:
                 raise InvalidState(f"session {fork_id} already exists")
-            records: builtins.list[Record] = [*copies, *(a for a in artifacts if a), cp]
-            return SessionChange(row=fork, records=records, events=[event])
+            return SessionChange(row=fork, records=copy.records, events=[event])
 
         await core.write([(fork_id, create)])
         return ForkReceipt(
             session_id=fork_id,
             forked_from=session_id,
             checkpoint_id=checkpoint_id,
-            messages=len(copies),
+            messages=len(copy.message_ids),
         )
+
+
+@dataclass
+class Copy:
+    """A transcript and artifacts copied into another session, ready to write with it."""
+
+    message_ids: builtins.list[str]
+    artifact_ids: builtins.list[str]
+    checkpoint: Checkpoint
+    records: builtins.list[Record]
+
+
+async def copy_into(
+    rt: SessionRuntime,
+    session_id: str,
+    message_ids: builtins.list[str],
+    artifact_ids: builtins.list[str],
+    *,
+    kind: str,
+) -> Copy:
+    """Copies of messages and artifacts under new ids, owned by ``session_id``, and a snapshot
+    checkpoint of them: a session that holds copies never depends on another one's content
+    (deleting that one, anywhere and at any time, takes nothing from it)."""
+    core = rt.core
+    messages = [
+        msgspec.structs.replace(
+            m,
+            id=uuid7(),
+            session_id=session_id,
+            org_id=core.org_id,
+            user_id=core.user_id,
+            client_id=core.client_id,
+            hlc=core.now(),
+        )
+        for m in await rt.store.get_messages(message_ids)
+    ]
+    artifacts = [
+        update
+        for artifact_id in artifact_ids
+        if (update := await rt.artifacts.copy_to(artifact_id, session_id)) is not None
+    ]
+    ids = [m.id for m in messages]
+    checkpoint = core.draft_checkpoint(
+        session_id, parent_id=None, turn_id=None, kind=kind, appended=[], snapshot=ids
+    )
+    return Copy(
+        message_ids=ids,
+        artifact_ids=[a.artifact_id for a in artifacts],
+        checkpoint=checkpoint,
+        records=[*messages, *artifacts, checkpoint],
+    )
 
 
 def rebuild_message_ids(checkpoint_id: str, by_id: dict[str, Checkpoint]) -> builtins.list[str]:

@@ -41,6 +41,7 @@ from shared.records import (
 
 from .apply import missing_content, plan_page
 from .core import RemoteView, SessionChange
+from .facets import Copy, copy_into
 from .link import Link
 from .receipts import FlushOutcome
 from .store.base import OutboxEntry, TxReader, WriteBatch
@@ -278,44 +279,11 @@ class SyncFacet:
                 fork_session_id=fork_id,
             )
         flipped: Side = "remote" if resolution == "local" else "local"
-        seen: dict[str, Session] = {}
-
-        def look(current: Session | None) -> None:
-            if current is None or current.deleted:
-                raise NotFound(f"session {session_id} was deleted")
-            seen["session"] = current
-
-        def swap_fork(current: Session | None) -> SessionChange:
-            if current is None or current.deleted:
-                raise NotFound(f"fork {fork_id} was deleted")
-            seen["fork"] = current
-            session = seen["session"]
-            row = msgspec.structs.replace(
-                current,
-                title=session.title,
-                state=session.state,
-                head_checkpoint_id=session.head_checkpoint_id,
-                conflict_loser_side=flipped,
-            )
-            return SessionChange(row=row)
-
-        def swap_session(current: Session | None) -> SessionChange:
-            assert current is not None
-            fork = seen["fork"]
-            row = msgspec.structs.replace(
-                current,
-                title=fork.title,
-                state=fork.state,
-                head_checkpoint_id=fork.head_checkpoint_id,
-            )
-            event = core.draft_event(
-                session_id,
-                "sync.conflict.resolved",
-                {"conflict_id": conflict_id, "resolution": resolution, "fork_session_id": fork_id},
-            )
-            return SessionChange(row=row, events=[event])
-
-        await core.write([(session_id, look), (fork_id, swap_fork), (session_id, swap_session)])
+        for _ in range(3):  # the rows may change while the copies are made: then again
+            if await self._swap(session_id, fork_id, conflict_id, resolution, flipped):
+                break
+        else:
+            raise InvalidState(f"session {session_id} kept changing; resolve again")
         return SyncConflictResolveReceipt(
             resolved=True,
             session_id=session_id,
@@ -325,6 +293,63 @@ class SyncFacet:
             swapped=True,
             fork_session_id=fork_id,
         )
+
+    async def _swap(
+        self, session_id: str, fork_id: str, conflict_id: str, resolution: Side, flipped: Side
+    ) -> bool:
+        """Swap the contents of a session and its fork, as copies (new ids) owned by the
+        session that receives them: neither depends on the other's content afterwards, so a
+        concurrent delete of one (on another device) cannot take what the other now shows.
+        False when either row changed since the copies were made."""
+        rt, core = self._rt, self._rt.core
+        session, fork = await core.session(session_id), await core.session(fork_id)
+        for_fork = await copy_into(
+            rt, fork_id, session.state.message_ids, session.state.artifacts, kind="resolve"
+        )
+        for_session = await copy_into(
+            rt, session_id, fork.state.message_ids, fork.state.artifacts, kind="resolve"
+        )
+        stale: list[bool] = []
+
+        def swapped(
+            current: Session | None, was: Session, other: Session, copy: Copy
+        ) -> SessionChange | None:
+            if current is None or current.deleted:
+                raise NotFound(f"session {was.id} was deleted")
+            if current.state != was.state or current.title != was.title:
+                stale.append(True)
+                return None
+            state = msgspec.structs.replace(
+                other.state, message_ids=copy.message_ids, artifacts=copy.artifact_ids
+            )
+            row = msgspec.structs.replace(
+                current, title=other.title, state=state, head_checkpoint_id=copy.checkpoint.id
+            )
+            if current.id == fork_id:
+                row = msgspec.structs.replace(row, conflict_loser_side=flipped)
+                return SessionChange(row=row, records=copy.records)
+            event = core.draft_event(
+                session_id,
+                "sync.conflict.resolved",
+                {"conflict_id": conflict_id, "resolution": resolution, "fork_session_id": fork_id},
+            )
+            return SessionChange(row=row, records=copy.records, events=[event])
+
+        def check(current: Session | None, was: Session) -> None:
+            if current is None or current.deleted:
+                raise NotFound(f"session {was.id} was deleted")
+            if current.state != was.state or current.title != was.title:
+                stale.append(True)
+
+        await core.write(
+            [
+                (session_id, lambda current: check(current, session)),
+                (fork_id, lambda current: check(current, fork)),
+                (fork_id, lambda c: None if stale else swapped(c, fork, session, for_fork)),
+                (session_id, lambda c: None if stale else swapped(c, session, fork, for_session)),
+            ]
+        )
+        return not stale
 
     def notify_local_write(self) -> None:
         """Called by the runtime after every local commit: wakes the flusher."""

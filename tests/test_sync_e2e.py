@@ -202,7 +202,10 @@ async def test_concurrent_edits_fork_and_resolve(cluster: Cluster) -> None:
             texts.add(m.content[0].get("text"))
     assert {"laptop edit", "phone edit"} <= texts
 
-    winner_before = (await laptop.store.get_session(session.id)).state.message_ids  # type: ignore[union-attr]
+    winner_before = [
+        m.content for m in await laptop.sessions.messages(session.id)
+    ]  # the swap moves copies (new ids): compare what the messages say
+    loser_before = [m.content for m in await laptop.sessions.messages(fork_id)]
     loser_side = (await phone.store.get_session(fork_id)).conflict_loser_side  # type: ignore[union-attr]
     assert loser_side in ("local", "remote")
     receipt = await phone.sync.resolve_conflict(session.id, event.conflict_id, loser_side)
@@ -212,8 +215,10 @@ async def test_concurrent_edits_fork_and_resolve(cluster: Cluster) -> None:
         now = await rt.store.get_session(session.id)
         fork = await rt.store.get_session(fork_id)
         assert now is not None and fork is not None
-        assert fork.state.message_ids == winner_before
-        assert now.state.message_ids != winner_before
+        assert [m.content for m in await rt.sessions.messages(fork_id)] == winner_before
+        assert [m.content for m in await rt.sessions.messages(session.id)] == loser_before
+        # Each holds copies of its own: neither depends on the other's content any more.
+        assert not set(fork.state.message_ids) & set(now.state.message_ids)
     assert await snapshot(laptop, session.id) == await snapshot(phone, session.id)
     again = await phone.sync.resolve_conflict(session.id, event.conflict_id, loser_side)
     assert again.resolved and not again.swapped
