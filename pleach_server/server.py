@@ -205,6 +205,7 @@ class SyncServer:
         self._started = False
         self._stopping = False
         self._done = asyncio.Event()
+        self._transports: set[asyncio.Transport] = set()
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -225,6 +226,7 @@ class SyncServer:
                 max_size=2 * self.max_frame_bytes,
                 compression="deflate" if self.compression else None,
                 logger=logging.getLogger("pleach_server.websockets"),
+                create_connection=self._connection_class(),
             )
         except BaseException:
             await self.notifier.close()
@@ -306,6 +308,32 @@ class SyncServer:
                 )
         ws.close(close_connections=True, code=CloseCode.GOING_AWAY, reason="server shutting down")
         await ws.wait_closed()
+        # A connection accepted in the instant the listener closed can reach the protocol
+        # after the server stopped waiting for its handlers; drop whatever is left, so a
+        # stopped server holds no socket.
+        for transport in list(self._transports):
+            transport.abort()
+        self._transports.clear()
+
+    def _connection_class(self) -> type[ServerConnection]:
+        """``ServerConnection`` that tells this server about its transport as it is made, and
+        is dropped at once when the server is already stopping."""
+        server = self
+
+        class TrackedConnection(ServerConnection):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                super().connection_made(transport)
+                assert isinstance(transport, asyncio.Transport)
+                if server._stopping and server._done.is_set():
+                    transport.abort()
+                    return
+                server._transports.add(transport)
+
+            def connection_lost(self, exc: Exception | None) -> None:
+                server._transports.discard(self.transport)
+                super().connection_lost(exc)
+
+        return TrackedConnection
 
     # -- HTTP routes -------------------------------------------------------------------
 

@@ -470,6 +470,10 @@ class World:
             await dev.close()
             await dev.open()
         elif kind == "server_restart":
+            # Connections drop as the server goes, as they would on a real restart (and no
+            # connection is left half-way through its handshake with a server being stopped).
+            for other in self.devices:
+                other.proxy.cut()
             await self.backend.restart()
         elif kind == "skew":
             dev.skew_ms = op.arg

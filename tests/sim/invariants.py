@@ -278,6 +278,17 @@ def families(views: list[View]) -> dict[str, str]:
     return {sid: find(sid) for sid in list(parent)}
 
 
+def _holds(view: View, session_id: str, w: Written) -> bool:
+    for message_id, role, content in view.transcripts.get(session_id, []):
+        if message_id == w.message_id:
+            return True
+        if role == "user" and any(
+            block.get("text") == w.text for block in msgspec.json.decode(content)
+        ):
+            return True
+    return False
+
+
 def _lost_messages(world: World, views: list[View], problems: list[str]) -> None:
     family = families(views)
     touched: list[tuple[int, str]] = [
@@ -290,10 +301,10 @@ def _lost_messages(world: World, views: list[View], problems: list[str]) -> None
         if excused:
             continue
         for view in views:
-            holders = [
-                sid for sid in view.live() if w.message_id in view.sessions[sid]["message_ids"]
-            ]
-            if not holders or w.message_id not in view.messages:
+            # The message itself, or a copy of it: a fork and a conflict resolution copy what
+            # they take under new ids (same role and text; every user text is unique).
+            holders = [sid for sid in view.live() if _holds(view, sid, w)]
+            if not holders:
                 where = {
                     v.name: sorted(
                         sid for sid, s in v.sessions.items() if w.message_id in s["message_ids"]

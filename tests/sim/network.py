@@ -192,6 +192,7 @@ class Proxy:
         self._pipes: set[_Pipe] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
+        self._closing = False
         self.port = 0
 
     @property
@@ -208,7 +209,9 @@ class Proxy:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         pipe = _Pipe(self, reader, writer)
-        if self.partitioned:
+        if self.partitioned or self._closing:
+            # A connection accepted while the proxy closes is dropped at once: nothing would
+            # wait for its pump, and its transport would outlive the loop.
             pipe.abort()
             return
         self._pipes.add(pipe)
@@ -242,13 +245,15 @@ class Proxy:
 
     async def close(self) -> None:
         """Stop listening and abort every connection; returns once their pumps have ended."""
+        self._closing = True
         if self._server is not None:
             self._server.close()
         self.cut()
-        tasks = list(self._tasks)
-        if tasks:
+        while self._tasks:
             # Aborted transports end each pump with a read error; the timeout is a safety net.
-            await asyncio.wait(tasks, timeout=10)
+            done, _ = await asyncio.wait(list(self._tasks), timeout=10)
+            if not done:
+                break
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
