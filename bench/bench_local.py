@@ -37,7 +37,7 @@ import msgspec
 
 from pleach_client.providers.scripted import ScriptedProvider
 from pleach_client.runtime import SessionRuntime
-from pleach_client.store.base import CommitReceipt, StorageAdapter, WriteBatch
+from pleach_client.store.base import CommitReceipt, Plan, StorageAdapter, TxReader, WriteBatch
 from pleach_client.store.memory import MemoryAdapter
 from pleach_client.store.sqlite import (
     _ENQUEUE,
@@ -134,18 +134,28 @@ def p95(samples: Sequence[float]) -> float:
 
 
 class RecordingAdapter(SQLiteAdapter):
-    """``SQLiteAdapter`` that keeps each committed batch (a reference) and the commit's time."""
+    """``SQLiteAdapter`` that keeps each committed batch (a reference) and the write's time."""
 
     def __init__(self, path: Path, batches: list[WriteBatch], seconds: list[float]) -> None:
         super().__init__(path)
         self.batches = batches
         self.seconds = seconds
 
-    async def commit(self, batch: WriteBatch) -> CommitReceipt:
+    async def transact(self, plan: Plan) -> CommitReceipt:
+        # Every write goes through here (``commit`` too): the batch is what ``plan`` decided
+        # inside the transaction, the time is the whole transaction's.
+        decided: list[WriteBatch] = []
+
+        async def recording(tx: TxReader) -> WriteBatch | None:
+            batch = await plan(tx)
+            if batch is not None:
+                decided.append(batch)
+            return batch
+
         started = time.perf_counter()
-        receipt = await super().commit(batch)
+        receipt = await super().transact(recording)
         self.seconds.append(time.perf_counter() - started)
-        self.batches.append(batch)
+        self.batches.extend(decided)
         return receipt
 
 
