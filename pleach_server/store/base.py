@@ -14,8 +14,9 @@ from typing import Protocol, Self, runtime_checkable
 import msgspec
 
 from shared.clock import HybridClock
+from shared.errors import StorageError
 from shared.messages import ChangeResult
-from shared.records import Change, FeedChange
+from shared.records import Change, FeedChange, Record, Session, decode_record
 
 
 class Tenant(msgspec.Struct, frozen=True, kw_only=True):
@@ -92,3 +93,22 @@ class ServerStore(Protocol):
         ``CursorTooOld`` (3010), and the device resyncs from 0.
         """
         ...
+
+
+_SESSION_DECODER = msgspec.msgpack.Decoder(Session)
+
+
+def decode_session(session_id: str, body: bytes) -> Session:
+    """A stored session row; ``StorageError`` when it is corrupt."""
+    try:
+        return _SESSION_DECODER.decode(body)
+    except msgspec.DecodeError as exc:
+        raise StorageError(f"corrupt session row {session_id!r}") from exc
+
+
+def decode_stored(kind: str, record_id: str, body: bytes) -> Record:
+    """A stored record of ``kind``; ``StorageError`` when it is corrupt."""
+    try:
+        return decode_record(body)
+    except msgspec.DecodeError as exc:
+        raise StorageError(f"corrupt {kind} row {record_id!r}") from exc

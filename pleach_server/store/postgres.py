@@ -65,7 +65,6 @@ from shared.records import (
     Change,
     FeedChange,
     Record,
-    Session,
     decode_record,
     encode_record,
     kind_of,
@@ -82,7 +81,7 @@ from .apply import (
     claimed_concurrently,
     content_to_delete,
 )
-from .base import PullResult, PushResult, Tenant
+from .base import PullResult, PushResult, Tenant, decode_session, decode_stored
 
 __all__ = [
     "DEFAULT_POOL_MAX",
@@ -204,8 +203,6 @@ _DATABASE_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.PostgresError,
 )
 _CLOSE_ERRORS: tuple[type[BaseException], ...] = (*_DATABASE_ERRORS, TimeoutError)
-
-_SESSION_DECODER = msgspec.msgpack.Decoder(Session)
 
 
 def redact_dsn(dsn: str) -> str:
@@ -528,7 +525,7 @@ class _PostgresTx:
                 found.session_owners[session_id] = Tenant(org_id=org_id, user_id=user_id)
         if keys.sessions:
             for session_id, body in await conn.fetch(sql.get_sessions, list(keys.sessions)):
-                found.sessions[session_id] = _decode_session(session_id, body)
+                found.sessions[session_id] = decode_session(session_id, body)
         if keys.chains:
             for session_id, number, row_hash in await conn.fetch(
                 sql.last_events, list(keys.chains)
@@ -601,10 +598,10 @@ class _PostgresTx:
     async def _delete_content(self, tenant: Tenant) -> None:
         """Delete the content of the tenant's deleted sessions (``BatchTx.write``)."""
         conn, sql, t = self._conn, self._sql, (tenant.org_id, tenant.user_id)
-        sessions = [_decode_session(i, b) for i, b in await conn.fetch(sql.tenant_sessions, *t)]
+        sessions = [decode_session(i, b) for i, b in await conn.fetch(sql.tenant_sessions, *t)]
         deleted = [x.id for x in sessions if x.deleted]
         rows = await conn.fetch(sql.cascade_candidates, *t, deleted, list(CASCADE_KINDS))
-        candidates = [_decode_record(kind, record_id, body) for kind, record_id, body in rows]
+        candidates = [decode_stored(kind, record_id, body) for kind, record_id, body in rows]
         doomed = content_to_delete(sessions, candidates)
         if doomed:
             kinds, ids = [k for k, _ in doomed], [i for _, i in doomed]
@@ -913,20 +910,6 @@ def _discard(conn: Any) -> None:
     """Terminate a pool connection so that it is never reused (the pool replaces it)."""
     with contextlib.suppress(asyncpg.InterfaceError):  # already released: nothing to do
         conn.terminate()
-
-
-def _decode_session(session_id: str, body: bytes) -> Session:
-    try:
-        return _SESSION_DECODER.decode(body)
-    except msgspec.DecodeError as exc:
-        raise StorageError(f"corrupt session row {session_id!r}") from exc
-
-
-def _decode_record(kind: str, record_id: str, body: bytes) -> Record:
-    try:
-        return decode_record(body)
-    except msgspec.DecodeError as exc:
-        raise StorageError(f"corrupt {kind} row {record_id!r}") from exc
 
 
 def _decode(cursor: int, body: bytes) -> Record:

@@ -38,7 +38,6 @@ from shared.records import (
     Change,
     FeedChange,
     Record,
-    Session,
     decode_record,
     encode_record,
     kind_of,
@@ -55,7 +54,7 @@ from .apply import (
     claimed_concurrently,
     content_to_delete,
 )
-from .base import PullResult, PushResult, Tenant
+from .base import PullResult, PushResult, Tenant, decode_session, decode_stored
 
 __all__ = ["DEFAULT_MAX_PULL_LIMIT", "SQLiteServerStore"]
 
@@ -129,7 +128,6 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
-_SESSION_DECODER = msgspec.msgpack.Decoder(Session)
 
 _HEAD_SQL = """SELECT MAX(
     COALESCE((SELECT MAX(cursor) FROM feed WHERE org_id = ? AND user_id = ?), 0),
@@ -281,7 +279,7 @@ class _SQLiteTx:
                     found.session_owners[session_id] = owner
         if keys.sessions:
             for session_id, body in await _fetchall(conn, _SESSIONS_SQL, (_json(keys.sessions),)):
-                found.sessions[session_id] = _decode_session(session_id, body)
+                found.sessions[session_id] = decode_session(session_id, body)
         if keys.chains:
             for session_id, number, row_hash in await _fetchall(
                 conn, _CHAIN_TAILS_SQL, (_json(keys.chains),)
@@ -358,14 +356,12 @@ class _SQLiteTx:
     async def _delete_content(self, tenant: Tenant) -> None:
         """Delete the content of the tenant's deleted sessions (``BatchTx.write``)."""
         conn, t = self._conn, (tenant.org_id, tenant.user_id)
-        sessions = [
-            _decode_session(i, b) for i, b in await _fetchall(conn, _TENANT_SESSIONS_SQL, t)
-        ]
+        sessions = [decode_session(i, b) for i, b in await _fetchall(conn, _TENANT_SESSIONS_SQL, t)]
         deleted = [x.id for x in sessions if x.deleted]
         rows = await _fetchall(
             conn, _CASCADE_CANDIDATES_SQL, (_json(deleted), *t, _json(CASCADE_KINDS))
         )
-        candidates = [_decode_record(kind, record_id, body) for kind, record_id, body in rows]
+        candidates = [decode_stored(kind, record_id, body) for kind, record_id, body in rows]
         doomed = _json(list(k) for k in content_to_delete(sessions, candidates))
         if doomed != "[]":
             await conn.execute(_DELETE_RECORDS_SQL, (doomed,))
@@ -626,20 +622,6 @@ class SQLiteServerStore(AsyncResource):
 
     async def compact_feed(self, tenant: Tenant, keep_after_cursor: int) -> int:
         return await self._write(lambda conn: _compact(conn, tenant, keep_after_cursor))
-
-
-def _decode_session(session_id: str, body: bytes) -> Session:
-    try:
-        return _SESSION_DECODER.decode(body)
-    except msgspec.DecodeError as exc:
-        raise StorageError(f"corrupt session row {session_id!r}") from exc
-
-
-def _decode_record(kind: str, record_id: str, body: bytes) -> Record:
-    try:
-        return decode_record(body)
-    except msgspec.DecodeError as exc:
-        raise StorageError(f"corrupt {kind} row {record_id!r}") from exc
 
 
 def _decode(cursor: int, body: bytes) -> Record:
