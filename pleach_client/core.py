@@ -31,6 +31,7 @@ from shared.ids import uuid7
 from shared.records import AuditRow, Checkpoint, Event, Message, Record, Session
 
 from .store.base import CommitReceipt, StorageAdapter, TxReader, WriteBatch
+from .transcript import Transcript
 
 GENERATION = "generation"
 HISTORY_CACHE_SESSIONS = 16  # transcripts kept decoded in memory, least recently used dropped
@@ -133,7 +134,7 @@ class DeviceCore:
         self._sessions: dict[str, Session] = {}
         self._event_heads: dict[str, tuple[int, str]] = {}
         self._canonical_heads: dict[str, tuple[int, str]] = {}
-        self._histories: dict[str, tuple[list[str], list[Message]]] = {}
+        self._histories: dict[str, Transcript] = {}
         self._audit_head: tuple[int, str] | None = None
         self._turn_locks: dict[str, asyncio.Lock] = {}
         self.active: SessionHandle | None = None
@@ -181,17 +182,23 @@ class DeviceCore:
         return session_id in self._sessions
 
     async def history(self, session: Session) -> list[Message]:
-        """The session's transcript, from a small per-session cache when it is current.
+        """The session's transcript, in order (see ``transcript``)."""
+        return list((await self.transcript(session)).messages)
+
+    async def transcript(self, session: Session) -> Transcript:
+        """The session's transcript and its API form, from a small per-session cache when it
+        is current.
 
         The cache is checked against the row's message ids, so a rollback, fork or remote
-        change simply misses it and reloads.
+        change simply misses it and reloads. The result is shared: do not mutate it.
         """
         cached = self._histories.get(session.id)
-        if cached is not None and cached[0] == session.state.message_ids:
-            return list(cached[1])
+        if cached is not None and cached.ids == session.state.message_ids:
+            return cached
         history = await self.store.get_messages(session.state.message_ids)
-        self._remember(session.id, session.state.message_ids, history)
-        return list(history)
+        transcript = Transcript.of(session.state.message_ids, history)
+        self._remember(session.id, transcript)
+        return transcript
 
     # -- drafts -----------------------------------------------------------------------------
     def draft_event(self, session_id: str, kind: str, payload: dict[str, Any]) -> Event:
@@ -433,9 +440,9 @@ class DeviceCore:
         self._canonical_heads.clear()
         self._audit_head = None
 
-    def _remember(self, session_id: str, ids: list[str], history: list[Message]) -> None:
+    def _remember(self, session_id: str, transcript: Transcript) -> None:
         self._histories.pop(session_id, None)
-        self._histories[session_id] = (list(ids), history)
+        self._histories[session_id] = transcript
         while len(self._histories) > HISTORY_CACHE_SESSIONS:
             self._histories.pop(next(iter(self._histories)))
 
@@ -444,9 +451,9 @@ class DeviceCore:
         cached = self._histories.get(before.id)
         if cached is None:
             return
-        ids, history = cached
-        if ids + [m.id for m in messages] == after.state.message_ids:
-            self._remember(after.id, after.state.message_ids, history + messages)
+        extended = cached.extended(messages)
+        if extended.ids == after.state.message_ids:
+            self._remember(after.id, extended)
 
 
 class RemoteView:

@@ -50,6 +50,7 @@ from .stream import (
 )
 from .stream import MessageDelta as MessageDeltaEvent
 from .stream import ThinkingDelta as ThinkingDeltaEvent
+from .transcript import extend_api, to_api_messages
 
 if TYPE_CHECKING:
     from .runtime import SessionRuntime
@@ -87,33 +88,6 @@ class _TurnWrites:
     audit: list[AuditRow] = field(default_factory=list)
 
 
-def to_api_messages(messages: list[Message]) -> list[dict[str, Any]]:
-    """Messages as the Anthropic API accepts them.
-
-    Consecutive messages of one role are merged (tool results first), thinking blocks of
-    aborted replies (which carry no signature) and empty text blocks are dropped.
-    """
-    out: list[dict[str, Any]] = []
-    for message in messages:
-        blocks = []
-        for block in message.content:
-            kind = block.get("type")
-            if kind == "text" and not block.get("text"):
-                continue
-            if kind == "thinking" and not block.get("signature"):
-                continue
-            blocks.append(dict(block))
-        if not blocks:
-            continue
-        if out and out[-1]["role"] == message.role:
-            merged = out[-1]["content"] + blocks
-            merged.sort(key=lambda b: 0 if b.get("type") == "tool_result" else 1)
-            out[-1]["content"] = merged
-        else:
-            out.append({"role": message.role, "content": blocks})
-    return out
-
-
 async def _next_event(
     stream: AsyncGenerator[ProviderEvent, None], abort_wait: asyncio.Future[Any] | None
 ) -> ProviderEvent:
@@ -141,7 +115,7 @@ async def run_turn(
     session = await core.session(session_id)
     turn_id = uuid7()
     writes = _TurnWrites()
-    history = await core.history(session)
+    transcript = await core.transcript(session)
     provider = rt.provider_for(session)
     tool_specs = rt.tools.specs(session.tools)
     outcome = "ok"
@@ -229,7 +203,7 @@ async def run_turn(
                 raise _Aborted
             request = ProviderRequest(
                 model=session.model,
-                messages=to_api_messages(history + writes.messages),
+                messages=extend_api(list(transcript.api), writes.messages),
                 system=rt.system,
                 tools=tool_specs,
                 max_tokens=rt.max_tokens,

@@ -91,6 +91,20 @@ class ScriptedProvider:
         self.closed = 0
         self._pending: deque[ScriptedReply] = deque(script or ())
         self._tool_ids = 0
+        self._sized: list[dict[str, JSON]] = []
+        self._sized_chars: list[int] = []
+
+    def _json_chars(self, messages: list[dict[str, JSON]]) -> int:
+        """``len(json.dumps(messages))``, measuring only the messages after the part this
+        conversation's previous request shared (a list compare, identity first, in C): the
+        estimate costs what the new messages cost, not the whole conversation again."""
+        known = len(self._sized)
+        if not (len(messages) >= known and messages[:known] == self._sized):
+            known = 0
+            self._sized_chars = []
+        sizes = self._sized_chars[:known] + [len(json.dumps(m)) for m in messages[known:]]
+        self._sized, self._sized_chars = list(messages), sizes
+        return 2 + sum(sizes) + 2 * max(0, len(sizes) - 1)
 
     @property
     def remaining(self) -> int:
@@ -106,8 +120,9 @@ class ScriptedProvider:
 
         ``aclose()`` the iterator (or cancel its task) to abort; ``closed`` then counts it.
         """
-        # A copy: the caller may go on to mutate the message list it passed.
-        self.requests.append(msgspec.convert(msgspec.to_builtins(request), ProviderRequest))
+        # A copy of the list: the caller may go on to append to the list it passed. The message
+        # dicts are shared, as the runtime never mutates a message it has sent.
+        self.requests.append(msgspec.structs.replace(request, messages=list(request.messages)))
         reply = self._next_reply(request)
         request_id = f"req_scripted_{len(self.requests):04d}"
         if reply.error is not None and reply.error_after_chunks is None:
@@ -132,7 +147,7 @@ class ScriptedProvider:
     ) -> AsyncGenerator[ProviderEvent, None]:
         input_tokens = reply.input_tokens
         if input_tokens is None:
-            input_tokens = _tokens(len(_request_text(request)))
+            input_tokens = _tokens(len(request.system or "") + self._json_chars(request.messages))
         yield MessageStart(request_id=request_id, model=request.model, input_tokens=input_tokens)
 
         content: list[dict[str, JSON]] = []
@@ -209,10 +224,6 @@ def _scripted_error(reply: ScriptedReply, request_id: str) -> ProviderError:
 
 def _tokens(chars: int) -> int:
     return max(1, (chars + 3) // 4)
-
-
-def _request_text(request: ProviderRequest) -> str:
-    return (request.system or "") + json.dumps(request.messages)
 
 
 def _last_user_text(messages: list[dict[str, JSON]]) -> str:

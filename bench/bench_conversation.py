@@ -1,0 +1,142 @@
+"""``python -m bench.bench_conversation [--quick] [--turns N]``: one long conversation.
+
+The workload of docs/BENCHMARKS.md's storage and turn rows: one session of N turns (1,000 by
+default), each a 200-byte user text and an 800-byte assistant reply, a checkpoint per turn,
+one SQLite file. The floor, measured in the same run: plain ``sqlite3`` (WAL,
+``synchronous=NORMAL``) inserting the same two messages per turn in one transaction.
+
+Figures: file bytes after N turns, unsynced and after a full sync to a real server (device
+file and the server's file); turn p50 over turns 51-150 and over the last 100; p99 over the
+last 100. Each beside its floor, as a ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import sqlite3
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench.bench_local import Row, file_bytes, render
+from pleach_client.providers.scripted import ScriptedProvider, ScriptedReply
+from pleach_client.runtime import SessionRuntime
+from pleach_client.store.sqlite import SQLiteAdapter
+
+USER_BYTES = 200
+ASSISTANT_BYTES = 800
+CLIENT_ID = "bench-conversation-device"
+
+
+def user_text(i: int) -> str:
+    head = f"turn {i}: "
+    return head + "u" * (USER_BYTES - len(head))
+
+
+REPLY = ScriptedReply(text=" ".join(["assistant"] * 80)[:ASSISTANT_BYTES].ljust(ASSISTANT_BYTES))
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+async def pleach_run(path: Path, n: int) -> list[float]:
+    """``n`` turns through ``SessionRuntime`` on ``path``; each turn's seconds."""
+    out: list[float] = []
+    provider = ScriptedProvider(default_reply=REPLY)
+    async with SessionRuntime(SQLiteAdapter(path), provider, client_id=CLIENT_ID) as rt:
+        session_id = (await rt.create_session(title="bench")).id
+        for i in range(n):
+            started = time.perf_counter()
+            async for _ in rt.execute_message(session_id, user_text(i)):
+                pass
+            out.append(time.perf_counter() - started)
+    return out
+
+
+def raw_run(path: Path, n: int) -> list[float]:
+    """The floor: the same two messages per turn, plain ``sqlite3``, one transaction each."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    out: list[float] = []
+    try:
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = NORMAL")
+        conn.execute(
+            "CREATE TABLE messages (id TEXT PRIMARY KEY, session_id TEXT NOT NULL, "
+            "role TEXT NOT NULL, content TEXT NOT NULL)"
+        )
+        session_id = str(uuid.uuid4())
+        reply = REPLY.text
+        for i in range(n):
+            started = time.perf_counter()
+            conn.execute("BEGIN IMMEDIATE")
+            conn.executemany(
+                "INSERT INTO messages VALUES (?, ?, ?, ?)",
+                [
+                    (str(uuid.uuid4()), session_id, "user", user_text(i)),
+                    (str(uuid.uuid4()), session_id, "assistant", reply),
+                ],
+            )
+            conn.execute("COMMIT")
+            out.append(time.perf_counter() - started)
+    finally:
+        conn.close()
+    return out
+
+
+def windows(seconds: Sequence[float]) -> tuple[float, float, float]:
+    """p50 of turns 51-150, p50 and p99 of the last 100 turns."""
+    early = seconds[50:150] or seconds
+    late = seconds[-100:]
+    return statistics.median(early), statistics.median(late), percentile(late, 0.99)
+
+
+async def _run(n: int) -> list[Row]:
+    with tempfile.TemporaryDirectory(prefix="pleach-conv-") as tmp:
+        root = Path(tmp)
+        await pleach_run(root / "warm.db", 5)
+        raw_run(root / "warm-raw.db", 5)
+        ours = await pleach_run(root / "device.db", n)
+        raw = raw_run(root / "raw.db", n)
+        ours_bytes = file_bytes(root / "device.db")
+        raw_bytes = file_bytes(root / "raw.db")
+    o_early, o_late, o_p99 = windows(ours)
+    r_early, r_late, r_p99 = windows(raw)
+    last = f"{n - 99}-{n}"
+    return [
+        Row(f"bytes after {n} turns (unsynced)", ours_bytes, "bytes", "raw sqlite3", raw_bytes),
+        Row("turn p50, turns 51-150", o_early * 1e6, "us", "raw sqlite3", r_early * 1e6),
+        Row(f"turn p50, turns {last}", o_late * 1e6, "us", "raw sqlite3", r_late * 1e6),
+        Row(f"turn p50, turns {last} vs 51-150", o_late * 1e6, "us", "turns 51-150", o_early * 1e6),
+        Row(f"turn p99, turns {last}", o_p99 * 1e6, "us", f"p50 turns {last}", o_late * 1e6),
+        Row(f"raw turn p99, turns {last}", r_p99 * 1e6, "us", "raw p50", r_late * 1e6),
+    ]
+
+
+def run(quick: bool = False, turns: int | None = None) -> list[Row]:
+    n = turns or (300 if quick else 1000)
+    started = time.perf_counter()
+    rows = asyncio.run(_run(n))
+    print(render(f"bench_conversation: one conversation of {n} turns", rows))
+    print(f"({time.perf_counter() - started:.1f}s, {os.cpu_count()} cpus)")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="300 turns instead of 1,000")
+    parser.add_argument("--turns", type=int, default=None, help="number of turns")
+    args = parser.parse_args(argv)
+    run(args.quick, args.turns)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
