@@ -225,8 +225,8 @@ class RecordKindInfo:
     server_placed: bool
     """The server gives it its canonical place (``sequence_number``, hash chain) per session."""
     by_reference: bool
-    """A device replaces its stored copy in place (a newer version, a canonical place), so a
-    device's outbox refers to it by id and sends the current copy, instead of copying it."""
+    """A device replaces its stored copy in place (a newer version, a canonical place). (A
+    device's outbox refers to every kind by id, so a queued row sends the stored copy.)"""
 
     def session_of(self, record: Record) -> str | None:
         """The id of the session ``record`` belongs to, or None (a session row)."""

@@ -288,6 +288,19 @@ class StoreConformance:
         assert await store.list_checkpoints("s-2") == [kept]
         assert await store.get_session("s-1") == tombstone
 
+    async def test_purged_checkpoints_still_queued_send_the_tombstone(
+        self, store: StorageAdapter
+    ) -> None:
+        doomed = make_checkpoint(session_id="s-1")
+        kept = make_checkpoint(session_id="s-2")
+        first = await commit(store, doomed, kept)
+        tombstone = make_session(id="s-1", deleted=True)
+        await commit(store, tombstone, purge_checkpoints_for=["s-1"])
+        pending = {e.client_seq: e.record for e in await store.outbox_pending()}
+        # The queued row keeps its client_seq (no gap) but sends the tombstone instead.
+        assert pending[first.client_seqs[0]] == tombstone
+        assert pending[first.client_seqs[1]] == kept
+
     async def test_events_in_sequence_order_with_from_sequence(self, store: StorageAdapter) -> None:
         events = {n: make_event(session_id="s-1", sequence_number=n) for n in (1, 2, 3, 4)}
         await commit(store, events[3], events[1], make_event(session_id="s-2"), events[4])
@@ -351,6 +364,8 @@ class StoreConformance:
                 before, subject_key=None, request_id=None, detail={}, redacted=True
             )
             assert row == expected  # ids, digest, prev_hash, row_hash, usage... all kept
+        # Rows not yet sent leave redacted: the outbox refers to the stored row.
+        assert [e.record for e in await store.outbox_pending()] == after
         assert await store.gdpr_soft_delete("alice") == 0
         assert await store.gdpr_soft_delete("nobody") == 0
         assert await store.list_audit(session_id=rows[0].session_id) == [after[0]]

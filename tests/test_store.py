@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
 import sqlite3
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -20,7 +21,7 @@ from pleach_client.store import MemoryAdapter, SQLiteAdapter, StorageAdapter  # 
 from pleach_client.store import sqlite as sqlite_module  # noqa: E402
 from pleach_client.store.sqlite import QUERIES, SCHEMA_VERSION  # noqa: E402
 from shared.errors import InvalidState, StorageError  # noqa: E402
-from shared.records import Record  # noqa: E402
+from shared.records import Record, encode_record  # noqa: E402
 from tests.factories import make_event, make_message, make_session  # noqa: E402
 from tests.store_conformance import (  # noqa: E402
     StoreConformance,
@@ -403,7 +404,8 @@ WHOLE_TABLE_READS = {"SCAN outbox", "SCAN o", "SCAN dead_letters"}
 
 
 def _plan_problems(conn: sqlite3.Connection, sql: str) -> list[str]:
-    params = [None] * sql.count("?")
+    numbered = [int(n) for n in re.findall(r"\?(\d+)", sql)]
+    params = [None] * (max(numbered) if numbered else sql.count("?"))
     details = [row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + sql, params)]
     return [
         detail
@@ -422,10 +424,42 @@ async def test_every_query_uses_an_index(db_path: Path) -> None:
     async with SQLiteAdapter(db_path):
         pass
     statements = dict(QUERIES)
-    statements["purge_checkpoints"] = sqlite_module._PURGE_CHECKPOINTS
+    for i, statement in enumerate(sqlite_module._PURGE_CHECKPOINTS):
+        statements[f"purge_checkpoints_{i}"] = statement
     conn = raw(db_path)
     try:
         problems = {name: _plan_problems(conn, sql) for name, sql in statements.items()}
     finally:
         conn.close()
     assert {name: found for name, found in problems.items() if found} == {}
+
+
+async def test_outbox_refers_to_records_instead_of_copying_them(db_path: Path) -> None:
+    records = one_of_each()
+    async with SQLiteAdapter(db_path) as store:
+        receipt = await commit(store, *records)
+        pending = await store.outbox_pending()
+    assert [e.record for e in pending] == records
+    assert [e.client_seq for e in pending] == receipt.client_seqs
+    conn = raw(db_path)
+    try:
+        copies = conn.execute("SELECT count(*) FROM outbox WHERE body IS NOT NULL").fetchone()[0]
+        rows = conn.execute("SELECT count(*) FROM outbox").fetchone()[0]
+    finally:
+        conn.close()
+    assert (copies, rows) == (0, len(records))
+
+
+async def test_outbox_rows_with_a_copy_from_older_files_still_flush(db_path: Path) -> None:
+    message = make_message()
+    async with SQLiteAdapter(db_path) as store:
+        await commit(store, message)
+    conn = raw(db_path)
+    try:  # a row as older versions wrote it: a copy of the record in ``body``
+        conn.execute("UPDATE outbox SET body = ?", (encode_record(message),))
+        conn.execute("DELETE FROM messages")
+        conn.commit()
+    finally:
+        conn.close()
+    async with SQLiteAdapter(db_path) as store:
+        assert [e.record for e in await store.outbox_pending()] == [message]

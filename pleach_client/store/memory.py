@@ -31,7 +31,6 @@ from shared.records import (
     Record,
     Session,
     encode_record,
-    kind_of,
 )
 from shared.resource import AsyncResource
 
@@ -223,6 +222,10 @@ class MemoryAdapter(AsyncResource):
         for record, body in encoded + queued:
             self._put(record, body)
         for session_id in batch.purge_checkpoints_for:
+            dropped = {
+                ("Checkpoint", row_id) for row_id in self._checkpoints.groups.get(session_id, ())
+            }
+            self._unqueue(dropped, session_id)
             self._checkpoints.drop_group(session_id)
         seqs: list[int] = []
         now = time.time()
@@ -232,10 +235,10 @@ class MemoryAdapter(AsyncResource):
         return CommitReceipt(client_seqs=seqs, records=len(encoded) + len(queued))
 
     def _purge_session(self, session_id: str, keep: set[str]) -> None:
-        gone: set[bytes] = set()
+        gone: set[tuple[str, str]] = set()
         for message_id, body in list(self._messages.items()):
             if message_id not in keep and _decode(_MESSAGE, body).session_id == session_id:
-                gone.add(body)
+                gone.add(("Message", message_id))
                 del self._messages[message_id]
         for index in (self._checkpoints, self._artifacts):
             for row_id, row in list(index.rows.items()):
@@ -246,17 +249,16 @@ class MemoryAdapter(AsyncResource):
                     and child.session_id == session_id
                     and kept not in keep
                 ):
-                    gone.add(row.body)
+                    gone.add((type(child).__name__, row_id))
                     index.rows.pop(row_id)
                     index.groups.get(row.group, set()).discard(row_id)
         self._unqueue(gone, session_id)
 
-    def _unqueue(self, bodies: set[bytes], session_id: str) -> None:
+    def _unqueue(self, refs: set[tuple[str, str]], session_id: str) -> None:
         """Queued rows of purged contents refer to the deleted session's row instead: they
         send its tombstone (client_seq stays gap-free) and the contents never leave."""
         for outbox_row in self._outbox.values():
-            if outbox_row.body is not None and outbox_row.body in bodies:
-                outbox_row.body = None
+            if outbox_row.ref in refs:
                 outbox_row.ref = ("Session", session_id)
 
     def _put(self, record: Record, body: bytes) -> None:
@@ -288,16 +290,11 @@ class MemoryAdapter(AsyncResource):
                     self._artifacts.put(record.id, row)
 
     def _enqueue(self, record: Record, body: bytes, now: float) -> int:
-        # Mutable records (sessions, events) are queued by reference, as in SQLiteAdapter:
-        # the flush sends their current version.
+        # Every record is queued by reference, as in SQLiteAdapter: the flush sends the stored
+        # version (the current one, for sessions and events).
         self._last_seq += 1
-        if kind_of(record).by_reference:
-            row = _OutboxRow(
-                body=None, attempts=0, created_at=now, ref=(type(record).__name__, record.id)
-            )
-        else:
-            row = _OutboxRow(body=body, attempts=0, created_at=now)
-        self._outbox[self._last_seq] = row
+        ref = (type(record).__name__, record.id)
+        self._outbox[self._last_seq] = _OutboxRow(body=None, attempts=0, created_at=now, ref=ref)
         return self._last_seq
 
     def _body_of(self, row: _OutboxRow) -> bytes:
@@ -305,8 +302,17 @@ class MemoryAdapter(AsyncResource):
             return row.body
         assert row.ref is not None
         kind, record_id = row.ref
-        if kind == "Session":
-            return self._sessions[record_id].body
+        match kind:
+            case "Session":
+                return self._sessions[record_id].body
+            case "Message":
+                return self._messages[record_id]
+            case "Checkpoint":
+                return self._checkpoints.rows[record_id].body
+            case "AuditRow":
+                return self._audit[record_id].body
+            case "ArtifactUpdate":
+                return self._artifacts.rows[record_id].body
         return self._events.rows[record_id].body
 
     async def gdpr_soft_delete(self, subject_key: str) -> int:

@@ -36,7 +36,6 @@ from shared.records import (
     Record,
     Session,
     encode_record,
-    kind_of,
 )
 from shared.resource import AsyncResource
 
@@ -93,9 +92,8 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         "CREATE INDEX ix_artifact_updates ON artifact_updates (artifact_id, hlc, id)",
         # AUTOINCREMENT: sqlite_sequence remembers the largest client_seq ever used, so a
         # sequence number is never handed out twice, even after its row is removed.
-        # body is NULL for mutable records (sessions, events): the row refers to the record
-        # by id and the flush reads its current version, so a session edited N times offline
-        # costs N small rows, not N copies of a growing row.
+        # body is NULL: the row refers to its record by kind and id and the flush reads the
+        # stored version, so the outbox costs a small row per change, never a second copy.
         """CREATE TABLE outbox (
             client_seq INTEGER PRIMARY KEY AUTOINCREMENT,
             record_id TEXT NOT NULL,
@@ -149,7 +147,11 @@ _PUT_ARTIFACT = (
     "INSERT INTO artifact_updates (id, artifact_id, session_id, hlc, body) "
     "VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING"
 )
-_PURGE_CHECKPOINTS = "DELETE FROM checkpoints WHERE session_id = ?"
+_PURGE_CHECKPOINTS = (
+    "UPDATE outbox SET kind = 'Session', record_id = ?1, body = NULL WHERE kind = 'Checkpoint' "
+    "AND record_id IN (SELECT id FROM checkpoints WHERE session_id = ?1)",
+    "DELETE FROM checkpoints WHERE session_id = ?1",
+)
 _PUT_META = (
     "INSERT INTO sync_state (key, value) VALUES (?, ?) "
     "ON CONFLICT (key) DO UPDATE SET value = excluded.value"
@@ -160,6 +162,24 @@ _ENQUEUE = (
     "VALUES (?, ?, ?, ?, 0, ?)"
 )
 _REDACT_AUDIT = "UPDATE audit SET subject_key = NULL, body = ? WHERE id = ?"
+
+# The outbox refers to every record by kind and id (``body`` is NULL); the flush reads the
+# record where it is stored. Rows written before that rule still carry a copy (``body``).
+_OUTBOX_TABLES: Final[dict[str, str]] = {
+    "Session": "sessions",
+    "Message": "messages",
+    "Checkpoint": "checkpoints",
+    "Event": "events",
+    "AuditRow": "audit",
+    "ArtifactUpdate": "artifact_updates",
+}
+_OUTBOX_BODY = (
+    "COALESCE(o.body, " + ", ".join(f"t{i}.body" for i in range(len(_OUTBOX_TABLES))) + ")"
+)
+_OUTBOX_JOINS = " ".join(
+    f"LEFT JOIN {table} t{i} ON o.body IS NULL AND o.kind = '{kind}' AND t{i}.id = o.record_id"
+    for i, (kind, table) in enumerate(_OUTBOX_TABLES.items())
+)
 
 # Every read, named so the tests can check each one's query plan uses an index.
 QUERIES: Final[dict[str, str]] = {
@@ -202,12 +222,9 @@ QUERIES: Final[dict[str, str]] = {
     ),
     "get_meta": "SELECT value FROM sync_state WHERE key = ?",
     "outbox_pending": (
-        "SELECT o.client_seq, " + "COALESCE(o.body, s.body, e.body), "
+        f"SELECT o.client_seq, {_OUTBOX_BODY}, "
         "o.attempts, o.created_at, o.last_error_code, o.last_error_message "
-        "FROM outbox o "
-        "LEFT JOIN sessions s ON o.body IS NULL AND o.kind = 'Session' AND s.id = o.record_id "
-        "LEFT JOIN events e ON o.body IS NULL AND o.kind = 'Event' AND e.id = o.record_id "
-        "ORDER BY o.client_seq LIMIT ?"
+        f"FROM outbox o {_OUTBOX_JOINS} ORDER BY o.client_seq LIMIT ?"
     ),
     "outbox_count": "SELECT count(*) FROM outbox",
     "dead_letters": (
@@ -300,8 +317,7 @@ def _encode_batch(
             case _:
                 raise StorageError(f"commit failed: not a record: {type(record).__name__}")
         groups.setdefault(sql, []).append(row)
-        mutable = kind_of(record).by_reference
-        outbox.append((record.id, type(record).__name__, None if mutable else body))
+        outbox.append((record.id, type(record).__name__, None))
     return groups, outbox
 
 
@@ -354,7 +370,7 @@ _KEEP = "NOT IN (SELECT value FROM json_each(?2))"
 # tombstone, and the contents never leave the device.
 _PURGE_SESSION = (
     "UPDATE outbox SET kind = 'Session', record_id = ?1, body = NULL "
-    "WHERE body IS NOT NULL AND record_id IN ("
+    "WHERE kind IN ('Message', 'Checkpoint', 'ArtifactUpdate') AND record_id IN ("
     f"SELECT id FROM messages WHERE session_id = ?1 AND id {_KEEP} "
     f"UNION ALL SELECT id FROM checkpoints WHERE session_id = ?1 AND id {_KEEP} "
     "UNION ALL SELECT id FROM artifact_updates WHERE session_id = ?1 "
@@ -378,7 +394,8 @@ async def _write_batch(conn: aiosqlite.Connection, batch: WriteBatch) -> CommitR
         await conn.executemany(sql, rows)
     if batch.purge_checkpoints_for:
         purge = [(session_id,) for session_id in batch.purge_checkpoints_for]
-        await conn.executemany(_PURGE_CHECKPOINTS, purge)
+        for statement in _PURGE_CHECKPOINTS:
+            await conn.executemany(statement, purge)
     to_queue = (outbox if batch.outbox else []) + queued_outbox
     seqs: list[int] = []
     if to_queue:
@@ -789,10 +806,8 @@ class SQLiteAdapter(AsyncResource):
             await conn.execute(
                 "INSERT INTO dead_letters "
                 "(client_seq, record_id, kind, body, code, message, attempts, failed_at) "
-                "SELECT o.client_seq, o.record_id, o.kind, COALESCE(o.body, s.body, e.body), "
-                "?, ?, o.attempts, ? FROM outbox o "
-                "LEFT JOIN sessions s ON o.kind = 'Session' AND s.id = o.record_id "
-                "LEFT JOIN events e ON o.kind = 'Event' AND e.id = o.record_id "
+                f"SELECT o.client_seq, o.record_id, o.kind, {_OUTBOX_BODY}, "
+                f"?, ?, o.attempts, ? FROM outbox o {_OUTBOX_JOINS} "
                 "WHERE o.client_seq = ?",
                 (code, message, time.time(), client_seq),
             )
