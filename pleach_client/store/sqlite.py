@@ -21,11 +21,12 @@ import time
 import warnings
 from collections.abc import AsyncIterator, Sequence
 from enum import Enum
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Final, Generic, Literal, TypeVar
 
 import aiosqlite
 import msgspec
 
+from shared import compact
 from shared.errors import InvalidState, StorageError
 from shared.records import (
     ArtifactUpdate,
@@ -35,7 +36,6 @@ from shared.records import (
     Message,
     Record,
     Session,
-    encode_record,
 )
 from shared.resource import AsyncResource
 
@@ -235,13 +235,29 @@ QUERIES: Final[dict[str, str]] = {
 }
 
 _T = TypeVar("_T")
-_SESSION: msgspec.msgpack.Decoder[Session] = msgspec.msgpack.Decoder(Session)
-_MESSAGE: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
-_CHECKPOINT: msgspec.msgpack.Decoder[Checkpoint] = msgspec.msgpack.Decoder(Checkpoint)
-_EVENT: msgspec.msgpack.Decoder[Event] = msgspec.msgpack.Decoder(Event)
-_AUDIT: msgspec.msgpack.Decoder[AuditRow] = msgspec.msgpack.Decoder(AuditRow)
-_ARTIFACT: msgspec.msgpack.Decoder[ArtifactUpdate] = msgspec.msgpack.Decoder(ArtifactUpdate)
-_RECORD: msgspec.msgpack.Decoder[Record] = msgspec.msgpack.Decoder(Record)
+
+
+class _Body(Generic[_T]):
+    """Reads a stored body (``shared.compact``, or the map form older versions wrote) as a
+    record of one kind."""
+
+    def __init__(self, cls: type[_T] | None = None) -> None:
+        self.cls = cls
+
+    def decode(self, body: bytes) -> _T:
+        record = compact.decode(body)
+        if self.cls is not None and not isinstance(record, self.cls):
+            raise TypeError(f"holds a {type(record).__name__}, not a {self.cls.__name__}")
+        return record  # type: ignore[return-value]
+
+
+_SESSION: _Body[Session] = _Body(Session)
+_MESSAGE: _Body[Message] = _Body(Message)
+_CHECKPOINT: _Body[Checkpoint] = _Body(Checkpoint)
+_EVENT: _Body[Event] = _Body(Event)
+_AUDIT: _Body[AuditRow] = _Body(AuditRow)
+_ARTIFACT: _Body[ArtifactUpdate] = _Body(ArtifactUpdate)
+_RECORD: _Body[Record] = _Body()
 
 # Errors that can come out of the sqlite3 module: OverflowError when binding an int that
 # does not fit in 64 bits.
@@ -266,12 +282,12 @@ def _storage_error(action: str, exc: BaseException) -> StorageError:
     return StorageError(f"{action} failed: {text}", retryable=busy)
 
 
-def _decode(decoder: msgspec.msgpack.Decoder[_T], table: str, key: object, body: object) -> _T:
+def _decode(decoder: _Body[_T], table: str, key: object, body: object) -> _T:
     try:
         if not isinstance(body, bytes):
             raise TypeError(f"body is {type(body).__name__}, not bytes")
         return decoder.decode(body)
-    except (msgspec.DecodeError, TypeError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
         raise StorageError(f"corrupt row in {table} (id {key!r}): {exc}") from exc
 
 
@@ -283,7 +299,7 @@ def _encode_batch(
     outbox: list[tuple[str, str, bytes | None]] = []
     for record in records:
         try:
-            body = encode_record(record)
+            body = compact.encode(record)
         except (TypeError, OverflowError, msgspec.EncodeError) as exc:
             name = getattr(record, "id", "?")
             raise StorageError(
@@ -661,7 +677,7 @@ class SQLiteAdapter(AsyncResource):
                 new = msgspec.structs.replace(
                     old, subject_key=None, request_id=None, detail={}, redacted=True
                 )
-                updates.append((encode_record(new), row_id))
+                updates.append((compact.encode(new), row_id))
             if updates:
                 await conn.executemany(_REDACT_AUDIT, updates)
         return len(updates)
@@ -681,15 +697,13 @@ class SQLiteAdapter(AsyncResource):
 
     # -- reads ----------------------------------------------------------------------------
 
-    async def _one(
-        self, decoder: msgspec.msgpack.Decoder[_T], table: str, query: str, key: str
-    ) -> _T | None:
+    async def _one(self, decoder: _Body[_T], table: str, query: str, key: str) -> _T | None:
         async with self._reading(f"read {table}") as conn:
             rows = await _fetch(conn, QUERIES[query], (key,))
         return _decode(decoder, table, rows[0][0], rows[0][1]) if rows else None
 
     async def _many(
-        self, decoder: msgspec.msgpack.Decoder[_T], table: str, query: str, params: Sequence[Any]
+        self, decoder: _Body[_T], table: str, query: str, params: Sequence[Any]
     ) -> list[_T]:
         async with self._reading(f"read {table}") as conn:
             rows = await _fetch(conn, QUERIES[query], params)
