@@ -138,13 +138,15 @@ async def plan_page(
 
 async def missing_content(tx: TxReader, view: RemoteView, batch: WriteBatch) -> list[str]:
     """Messages that the live sessions this page took refer to and that neither the store nor
-    the page holds."""
-    wanted = {
-        message_id
-        for row in view.rows.values()
-        if not row.deleted
-        for message_id in row.state.message_ids
-    }
+    the page holds. Only ids the row did not refer to before the page are looked up, so a
+    live page of one turn checks that turn's messages, not the whole conversation."""
+    wanted: set[str] = set()
+    for row in view.rows.values():
+        if row.deleted:
+            continue
+        before = view.before.get(row.id)
+        known = set(before.state.message_ids) if before is not None else set()
+        wanted.update(m for m in row.state.message_ids if m not in known)
     if not wanted:
         return []
     wanted -= {r.id for r in batch.records if isinstance(r, Message)}

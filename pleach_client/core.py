@@ -465,6 +465,8 @@ class RemoteView:
         self.heads: dict[str, tuple[int, str]] = {}
         self.canonical_heads: dict[str, tuple[int, str]] = {}
         self.purged: list[str] = []
+        self.before: dict[str, Session | None] = {}
+        """Each session's row as it was before this page (as first read)."""
 
     @property
     def client_id(self) -> str:
@@ -475,7 +477,11 @@ class RemoteView:
         return self._core.clock
 
     async def row(self, tx: TxReader, session_id: str) -> Session | None:
-        return self.rows.get(session_id) or await self._core._row(tx, session_id)
+        if session_id in self.rows:
+            return self.rows[session_id]
+        current = await self._core._row(tx, session_id)
+        self.before.setdefault(session_id, current)
+        return current
 
     def canonical_head(self, session_id: str) -> tuple[int, str] | None:
         return self.canonical_heads.get(session_id) or self._core._canonical_heads.get(session_id)

@@ -113,8 +113,10 @@ class SyncFacet:
         backoff_max: float = 30.0,
         request_timeout: float = 30.0,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        live_grace: float = 1.0,
     ) -> None:
         self._rt = rt
+        self.live_grace = live_grace
         self.batch_size = batch_size
         self.pull_limit = pull_limit
         self.backoff_initial = backoff_initial
@@ -142,6 +144,9 @@ class SyncFacet:
         self._retry_delay: float | None = None
         self._missing: set[str] = set()
         self._resynced: set[str] = set()
+        self._cursor = 0  # this device's feed cursor as last written here (the store has it)
+        self._pull_due = True  # pull at the next catch-up (a new connection, a gap...)
+        self._marked_synced = False
 
     # -- public API ---------------------------------------------------------------------------
     async def connect(self, url: str, token: str, *, auto: bool = True) -> None:
@@ -414,6 +419,8 @@ class SyncFacet:
         assert self._url is not None and self._token is not None
         rt = self._rt
         cursor = int(await rt.store.get_meta("cursor") or 0)
+        self._cursor = cursor
+        self._pull_due = True
         async with websockets.connect(
             self._url,
             additional_headers={"Authorization": f"Bearer {self._token}"},
@@ -447,17 +454,24 @@ class SyncFacet:
                         asyncio.ensure_future(self._behind.wait()),
                         reader,
                     ]
+                    # Behind the head with nothing queued: the page is on its way live (our own
+                    # push comes back that way); if it has not come within the grace, pull.
+                    behind = self._cursor < self._head_cursor and not self._live
+                    timeouts = [self._retry_delay, self.live_grace if behind else None]
+                    timeout = min((t for t in timeouts if t is not None), default=None)
                     try:
                         # Rows a push could not place (rate limited, store down) are retried
                         # after a growing delay, not only at the next local write.
                         done, _ = await asyncio.wait(
-                            waits, timeout=self._retry_delay, return_when=asyncio.FIRST_COMPLETED
+                            waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
                         )
                     finally:
                         for w in waits[:2]:
                             w.cancel()
                     if not done:
                         self._dirty.set()
+                        if behind:
+                            self._pull_due = True
                     if reader.done():
                         reader.result()  # re-raises why the connection ended
                         raise ConnectionError("connection closed by the server")
@@ -479,16 +493,20 @@ class SyncFacet:
             self._retry_delay = min(last * 2, self.backoff_max) * random.uniform(0.5, 1.0)
         else:
             self._retry_delay = None
+        pull, self._pull_due = self._pull_due, False
         while self._live:
             frame = self._live.popleft()
-            cursor = int(await self._rt.store.get_meta("cursor") or 0)
-            if frame.from_cursor > cursor:
-                self._live.clear()
+            if frame.from_cursor > self._cursor:
+                self._live.clear()  # a gap (or a "you fell behind" marker): pull instead
+                pull = True
                 break
             await self._apply(frame.changes, frame.to_cursor)
-        await self._pull(link)
+        if pull:
+            await self._pull(link)
         self._last_synced_at = time.time()
-        await self._rt.store.set_meta("has_synced", "1")
+        if not self._marked_synced:
+            await self._rt.store.set_meta("has_synced", "1")
+            self._marked_synced = True
         self._poke()
 
     async def _reader(self, link: Link) -> None:
@@ -658,17 +676,20 @@ class SyncFacet:
                         # Cursor too old: resync from the start of the retained feed. Local
                         # applies are idempotent, so re-reading what we have costs only time.
                         await self._rt.store.set_meta("cursor", "0")
+                        self._cursor = 0
                         continue
                     raise _as_error(answer)
                 if not isinstance(answer, Changes):
                     raise _as_error(answer)
                 self._head_cursor = max(self._head_cursor, answer.to_cursor)
-                applied += await self._apply(answer.changes, answer.to_cursor)
-                if not answer.more and self._wants_resync():
+                if answer.changes or answer.to_cursor > cursor:
+                    applied += await self._apply(answer.changes, answer.to_cursor)
+                if not answer.more and await self._wants_resync():
                     # A session this device took refers to messages it does not hold (it
                     # deleted their session before it learned of a fork that shares them):
                     # read the feed again from the start, once for those ids.
                     await self._rt.store.set_meta("cursor", "0")
+                    self._cursor = 0
                     continue
                 if not answer.more:
                     return applied
@@ -688,34 +709,51 @@ class SyncFacet:
 
         missing: list[str] = []
 
+        written: list[int] = []
+
         async def plan(tx: TxReader, view: RemoteView) -> tuple[WriteBatch | None, int]:
             cursor = int(await tx.get_meta("cursor") or 0)
+            written[:] = [cursor]
             if to_cursor <= cursor and changes:
                 return None, 0  # already applied (a live page that a pull overtook)
             batch = await plan_page(tx, view, changes, emitted)
-            batch.meta = {**batch.meta, "cursor": str(max(to_cursor, cursor))}
+            written[:] = [max(to_cursor, cursor)]
+            batch.meta = {**batch.meta, "cursor": str(written[0])}
             missing.extend(await missing_content(tx, view, batch))
             return batch, len(changes)
 
         _, applied = await rt.core.transact_remote(plan)
+        if written:
+            self._cursor = written[0]
         self._missing.update(missing)
         if self._missing - self._resynced:
-            self._behind.set()  # for a live page: the loop pulls, and resyncs, next
+            self._pull_due = True  # for a live page: the loop pulls, and resyncs, next
+            self._behind.set()
         for event in emitted:
             rt.emit(event)
         self._poke()
         return int(applied)
 
-    def _wants_resync(self) -> bool:
+    async def _wants_resync(self) -> bool:
         """True once for each new set of messages that taken sessions refer to and this
-        device lacks; a resync that cannot find them (the server lost them too) is not
+        device still lacks at the end of a pull (a session row may arrive a page before its
+        messages); a resync that cannot find them (the server lost them too) is not
         repeated."""
         fresh = self._missing - self._resynced
+        self._missing.clear()
         if not fresh:
             return False
-        log.warning("sync: %d referenced message(s) missing here; resyncing", len(fresh))
-        self._resynced |= fresh
-        self._missing.clear()
+        still: list[str] = []
+
+        async def check(tx: TxReader, view: RemoteView) -> tuple[None, None]:
+            still.extend(await tx.missing_messages(sorted(fresh)))
+            return None, None
+
+        await self._rt.core.transact_remote(check)
+        if not still:
+            return False
+        log.warning("sync: %d referenced message(s) missing here; resyncing", len(still))
+        self._resynced |= set(still)
         return True
 
 
