@@ -43,6 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
+from websockets.extensions.permessage_deflate import ServerPerMessageDeflateFactory
 from websockets.frames import CloseCode
 from websockets.http11 import Request, Response
 
@@ -123,6 +124,14 @@ class SyncMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+def _deflate() -> ServerPerMessageDeflateFactory:
+    """permessage-deflate with 2 KiB windows both ways and memLevel 4 (websockets' own
+    suggestion for many connections: see its "compression" and "memory" topics)."""
+    return ServerPerMessageDeflateFactory(
+        server_max_window_bits=10, client_max_window_bits=10, compress_settings={"memLevel": 3}
+    )
 
 
 class SyncServer:
@@ -224,7 +233,10 @@ class SyncServer:
                 # Frames up to twice our limit reach ServerProtocol and get a coded 3005 Error;
                 # beyond that websockets refuses them itself (close 1009) without buffering.
                 max_size=2 * self.max_frame_bytes,
-                compression="deflate" if self.compression else None,
+                # Small deflate windows: an idle connection then holds ~15 KiB of zlib state
+                # instead of ~45 KiB, for a few percent of ratio on sync frames.
+                compression=None,
+                extensions=[_deflate()] if self.compression else None,
                 logger=logging.getLogger("pleach_server.websockets"),
                 create_connection=self._connection_class(),
             )

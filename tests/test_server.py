@@ -188,6 +188,21 @@ async def test_hello_welcome_push_ack_and_last_seq(srv: SyncServer) -> None:
         assert (welcome.last_seq, welcome.head_cursor) == (2, 2)
 
 
+async def test_frames_are_compressed_with_small_windows(srv: SyncServer) -> None:
+    """permessage-deflate is on, with 1 KiB windows (memory per idle connection)."""
+    dev = Device(new_tenant())
+    headers = {"Authorization": f"Bearer {token_for(dev.tenant)}"}
+    async with connect(srv.url, additional_headers=headers, proxy=None) as ws:  # deflate offered
+        client = Client(ws)
+        await client.hello(dev.client_id)
+        (extension,) = ws.protocol.extensions
+        assert extension.name == "permessage-deflate"
+        assert (extension.local_max_window_bits, extension.remote_max_window_bits) == (10, 10)
+        session = dev.session(title="x" * 5000)
+        ack = await client.push(dev.changes(session))
+        assert [r.status for r in ack.results] == ["applied"]
+
+
 async def test_pull_pages(srv: SyncServer) -> None:
     dev = Device(new_tenant())
     async with device(srv, dev) as client:
