@@ -2,7 +2,7 @@ PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install serve test lint typecheck bench clean soak
+.PHONY: install serve test lint typecheck bench clean soak bench-peers
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -20,7 +20,12 @@ test: install
 	PYTHONASYNCIODEBUG=1 $(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: install
-	$(BIN)/python -m bench
+	$(BIN)/python -m bench --json
+
+# pleach beside its peers (LangGraph, OpenAI Agents SDK, pycrdt-websocket), which are installed
+# into .venv-peers, never into .venv. QUICK=1 for fewer turns and rounds.
+bench-peers: install
+	$(BIN)/python -m bench.peers --install $(if $(QUICK),--quick) --json
 
 soak: install
 	$(BIN)/python -m tests.sim --soak $(or $(SOAK_SCHEDULES),10000) --backend $(or $(SOAK_BACKEND),sqlite)

@@ -1,8 +1,12 @@
 """``python -m bench [--quick] [--json [PATH]]``: every benchmark, one table each.
 
-Runs ``bench_local`` (device turns, storage, codec), ``bench_sync`` (sync throughput, live
-fan-out) and ``bench_push`` (server push throughput, SQLite vs PostgreSQL) when it is importable
-and its PostgreSQL is reachable; otherwise it says why it skipped. ``--quick`` runs fewer
+Runs ``bench_local`` (device turns, storage, codec), ``bench_conversation`` (one 1,000-turn
+conversation against plain sqlite3), ``bench_sync`` (sync throughput, live fan-out),
+``bench_live`` (live latency with 100 devices writing, SQLite and PostgreSQL servers),
+``bench_server_mem`` (server memory per idle connection), ``bench_catchup`` (a new device
+catching up, resume of a long session) and ``bench_push`` (server push throughput, SQLite vs
+PostgreSQL) when it is importable and its PostgreSQL is reachable; otherwise it says why it
+skipped. ``--quick`` runs fewer
 iterations. ``--json [PATH]`` also writes every figure to PATH (default ``bench/results.json``);
 nothing is written without it.
 """
@@ -26,10 +30,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from bench import bench_local, bench_sync
+from bench import (
+    bench_catchup,
+    bench_conversation,
+    bench_live,
+    bench_local,
+    bench_server_mem,
+    bench_sync,
+)
 from bench.bench_local import Row
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results.json"
+SECTIONS: list[tuple[str, Any]] = [
+    ("bench_local", bench_local),
+    ("bench_conversation", bench_conversation),
+    ("bench_sync", bench_sync),
+    ("bench_live", bench_live),
+    ("bench_server_mem", bench_server_mem),
+    ("bench_catchup", bench_catchup),
+]
 PUSH_QUICK_ARGS = ["--batches", "20", "--devices", "4"]
 PG_CONNECT_TIMEOUT = 3.0
 
@@ -122,10 +141,15 @@ def main(argv: list[str] | None = None) -> int:
             "platform": platform.platform(terse=True),
         },
     }
-    results["bench_local"] = _section(bench_local.run, args.quick)
-    print()
-    results["bench_sync"] = _section(bench_sync.run, args.quick)
-    print()
+    failed = False
+    for name, module in SECTIONS:
+        try:
+            results[name] = _section(module.run, args.quick)
+        except Exception as exc:  # one failing must not hide the others: report it, go on
+            traceback.print_exc()
+            results[name] = {"failed": f"{type(exc).__name__}: {exc}"}
+            failed = True
+        print()
     push = _run_push(args.quick)
     if "skipped" in push:
         print(f"bench_push: skipped: {push['skipped']}")
@@ -138,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
         print(f"results written to {args.json}")
-    return 1 if "failed" in push else 0
+    return 1 if failed or "failed" in push else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,235 @@
+"""Catch-up and resume: a new device pulling a long history, a fresh runtime resuming a session.
+
+- ``catch-up``: the server holds H changes (100,000; 10,000 with ``--quick``) of one user. They
+  are real device records: one device runs turns offline (``ScriptedProvider``, one session of
+  T turns plus sessions of 25 turns until H is reached), and its outbox goes to the server's
+  ``SQLiteServerStore.push`` in batches of 1,000 changes (the call the server makes for a
+  ``Push`` frame; only the WebSocket hop is skipped, to fill the server fast). Then a new device
+  of the same user runs ``sync.sync_once`` against a real ``SyncServer`` on loopback: it pulls
+  and applies the whole feed. Baseline: the very rows that device committed (captured), bulk
+  inserted with plain ``sqlite3`` into a fresh file of the same schema, ``executemany`` per
+  table in ONE transaction (WAL, ``synchronous=NORMAL``).
+- ``resume``: a fresh ``SessionRuntime`` opened on the caught-up device's file resumes the
+  long session (``sessions.resume``: row, checkpoints, every event, hydration) and reads its
+  transcript (``sessions.messages``). Baseline: plain ``sqlite3`` opening the file and
+  ``SELECT``-ing the same rows (session row, checkpoints, events, messages), no decoding.
+
+Run ``python -m bench.bench_catchup [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.bench_local import RecordingAdapter, Row, raw_rows, render
+from pleach_client.providers.scripted import ScriptedProvider, ScriptedReply
+from pleach_client.runtime import SessionRuntime
+from pleach_client.store.base import WriteBatch
+from pleach_client.store.sqlite import _ENQUEUE, _MIGRATIONS, _PUT_META, SQLiteAdapter
+from pleach_server.auth import issue_token
+from pleach_server.server import SyncServer
+from pleach_server.store import SQLiteServerStore, Tenant
+from shared.clock import HybridClock
+from shared.ids import uuid7
+from shared.records import Change
+
+__all__ = ["main", "run"]
+
+SECRET = b"bench-secret-for-catchup"
+REPLY = ScriptedReply(text="Done: three short bullets for tomorrow.")
+TEXT = "Plan tomorrow in three short bullets, please."
+SMALL_SESSION_TURNS = 25
+PUSH_BATCH = 1000
+TIMEOUT = 600.0
+
+
+async def fill(
+    path: Path, tenant: Tenant, store: SQLiteServerStore, history: int, long_turns: int
+) -> tuple[str, int]:
+    """Make ``history`` changes on a device (one session of ``long_turns`` turns first) and
+    push them to ``store``; returns the long session's id and the changes pushed."""
+    clock = HybridClock(f"srv-{uuid7()}")
+    async with SessionRuntime(
+        SQLiteAdapter(path),
+        ScriptedProvider(default_reply=REPLY),
+        user_id=tenant.user_id,
+        org_id=tenant.org_id,
+        client_id="filler",
+    ) as rt:
+
+        async def push_pending() -> int:
+            pending = await rt.store.outbox_pending(limit=1_000_000)
+            for i in range(0, len(pending), PUSH_BATCH):
+                chunk = pending[i : i + PUSH_BATCH]
+                changes = [Change(client_seq=e.client_seq, record=e.record) for e in chunk]
+                result = await store.push(tenant, rt.client_id, changes, clock)
+                # older versions of a session row in the same batch are "superseded"
+                bad = [r for r in result.results if r.status not in ("applied", "superseded")]
+                assert not bad, bad[:3]
+            await rt.store.outbox_remove([e.client_seq for e in pending])
+            return len(pending)
+
+        long_id = (await rt.create_session(title="long")).id
+        for i in range(long_turns):
+            async for _ in rt.execute_message(long_id, f"turn {i}: {TEXT}"):
+                pass
+        pushed = await push_pending()
+        while pushed < history:
+            sid = (await rt.create_session(title="short")).id
+            for i in range(SMALL_SESSION_TURNS):
+                async for _ in rt.execute_message(sid, f"turn {i}: {TEXT}"):
+                    pass
+            if await rt.store.outbox_count() >= 10 * PUSH_BATCH:
+                pushed += await push_pending()
+            elif pushed + await rt.store.outbox_count() >= history:
+                pushed += await push_pending()
+    return long_id, pushed
+
+
+def raw_bulk(path: Path, batches: list[WriteBatch]) -> float:
+    """Plain sqlite3: the rows of ``batches`` in one transaction; returns seconds."""
+    rows = raw_rows(batches)
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = NORMAL")
+        for step in _MIGRATIONS:
+            for statement in step:
+                conn.execute(statement)
+        started = time.perf_counter()
+        conn.execute("BEGIN IMMEDIATE")
+        for groups, enqueue, meta in rows:
+            for sql, params in groups.items():
+                conn.executemany(sql, params)
+            conn.executemany(_ENQUEUE, enqueue)
+            conn.executemany(_PUT_META, meta)
+        conn.execute("COMMIT")
+        return time.perf_counter() - started
+    finally:
+        conn.close()
+
+
+async def resume_once(path: Path, session_id: str) -> tuple[float, int, int]:
+    """Open a fresh runtime on ``path``, resume the session, read its transcript; returns
+    seconds, events hydrated and messages read."""
+    started = time.perf_counter()
+    async with SessionRuntime(SQLiteAdapter(path), ScriptedProvider()) as rt:
+        handle = await rt.sessions.resume(session_id)
+        messages = await rt.sessions.messages(session_id)
+        seconds = time.perf_counter() - started
+        events = len(await rt.store.list_events(session_id))
+    assert handle.id == session_id
+    return seconds, events, len(messages)
+
+
+def raw_resume(path: Path, session_id: str) -> float:
+    started = time.perf_counter()
+    conn = sqlite3.connect(path)
+    try:
+        conn.execute("SELECT body FROM sessions WHERE id = ?", (session_id,)).fetchall()
+        conn.execute(
+            "SELECT id, body FROM checkpoints WHERE session_id = ? ORDER BY hlc, id", (session_id,)
+        ).fetchall()
+        conn.execute(
+            "SELECT id, body FROM events WHERE session_id = ? ORDER BY sequence_number, id",
+            (session_id,),
+        ).fetchall()
+        conn.execute("SELECT id, body FROM messages WHERE session_id = ?", (session_id,)).fetchall()
+        return time.perf_counter() - started
+    finally:
+        conn.close()
+
+
+async def _run(history: int, long_turns: int, reps: int) -> tuple[list[Row], list[str]]:
+    notes: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="pleach-bench-catchup-") as tmp:
+        root = Path(tmp)
+        tenant = Tenant(org_id="bench-catchup", user_id=f"user-{uuid7()}")
+        async with SQLiteServerStore(root / "server.db") as store:
+            started = time.perf_counter()
+            long_id, pushed = await fill(root / "filler.db", tenant, store, history, long_turns)
+            notes.append(
+                f"server filled with {pushed:,} changes (real turns of one device, pushed to "
+                f"SQLiteServerStore.push in batches of {PUSH_BATCH}) in "
+                f"{time.perf_counter() - started:.1f}s"
+            )
+            async with SyncServer(store, port=0, secret=SECRET) as server:
+                batches: list[WriteBatch] = []
+                seconds: list[float] = []
+                device = root / "new-device.db"
+                token = issue_token(SECRET, tenant, 3600)
+                async with SessionRuntime(
+                    RecordingAdapter(device, batches, seconds),
+                    ScriptedProvider(),
+                    user_id=tenant.user_id,
+                    org_id=tenant.org_id,
+                    client_id="new-device",
+                ) as rt:
+                    started = time.perf_counter()
+                    await rt.sync.sync_once(server.url, token, timeout=TIMEOUT)
+                    catchup = time.perf_counter() - started
+                    cursor = int(await rt.store.get_meta("cursor") or 0)
+        applied = sum(len(b.records) for b in batches)
+        raw = await asyncio.to_thread(raw_bulk, root / "raw.db", batches)
+        resumes = [await resume_once(device, long_id) for _ in range(reps)]
+        raws = [await asyncio.to_thread(raw_resume, device, long_id) for _ in range(reps)]
+    events, messages = resumes[0][1], resumes[0][2]
+    rows = [
+        Row(
+            f"catch-up: new device sync_once, {pushed:,} changes ({applied:,} records applied)",
+            pushed / catchup,
+            "changes/s",
+            "raw sqlite3 bulk insert",
+            pushed / raw,
+        ),
+        Row("  catch-up, total", catchup, "s", "raw sqlite3 bulk insert", raw),
+        Row(
+            f"resume: fresh runtime, {events:,}-event session, {messages:,} messages "
+            f"(median of {reps})",
+            statistics.median(r[0] for r in resumes) * 1e3,
+            "ms",
+            "raw sqlite3 SELECT",
+            statistics.median(raws) * 1e3,
+        ),
+    ]
+    notes.append(
+        f"catch-up pulled to cursor {cursor:,} in {len(batches)} local transaction(s); "
+        "resume = open SessionRuntime + sessions.resume + sessions.messages"
+    )
+    return rows, notes
+
+
+def run(
+    quick: bool = False, history: int | None = None, long_turns: int | None = None
+) -> list[Row]:
+    history = history or (10_000 if quick else 100_000)
+    long_turns = long_turns or (250 if quick else 1250)
+    started = time.perf_counter()
+    rows, notes = asyncio.run(_run(history, long_turns, 3))
+    print(render("bench_catchup: a new device catching up, a session resumed", rows))
+    for note in notes:
+        print(f"- {note}")
+    print(f"({time.perf_counter() - started:.1f}s, {os.cpu_count()} cpus)")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="10,000 changes, 250-turn session")
+    parser.add_argument("--history", type=int, default=None, help="changes (100,000)")
+    parser.add_argument("--long-turns", type=int, default=None, help="long session turns (1250)")
+    args = parser.parse_args(argv)
+    run(args.quick, args.history, args.long_turns)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

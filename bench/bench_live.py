@@ -1,0 +1,672 @@
+"""Live latency under load: 100 devices writing at once through one real ``pleach-server``.
+
+50 users, 2 devices each (each user its own tenant and token), all connected live to one
+``pleach-server`` subprocess on loopback. Every device commits turns in its own session
+(``ScriptedProvider``, a short reply) at a steady jittered pace; for every commit on device A
+(t0: its ``checkpoint.created``, emitted right after the commit returns) we time until its peer
+B (same user) has applied it (t1: B's ``sync.applied`` for A's session, on the page whose
+session row carries that commit's version). p50 and p99 over every commit of the measurement
+window, after a warm-up.
+
+Baseline, in the same run: a plain ``websockets`` relay subprocess with the same number of
+connections (one per device, paired the same way), each client sending at the same pace a
+frame of the same bytes as one real turn's encoded ``Push`` (distinct turns, plus an 8-byte
+sequence number), which the relay forwards to the peer connection. Both use websockets'
+default permessage-deflate, as pleach does.
+
+It runs on both server stores: SQLite (a temporary file) and PostgreSQL
+(``PLEACH_TEST_PG_DSN``; skipped, with the reason printed, when it does not answer). CPU used
+by the client process, the server process and PostgreSQL during the window is printed, so the
+load can be read as "loaded" or "saturated".
+
+Run ``python -m bench.bench_live [--quick]`` (``--help`` for the pace and sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import asyncpg  # type: ignore[import-untyped]
+from websockets.asyncio.client import ClientConnection, connect
+
+from bench.bench_local import Row, render
+from bench.bench_push import DEFAULT_DSN, drop_schema, servers
+from bench.bench_push import SECRET as SERVER_SECRET
+from pleach_client.providers.scripted import ScriptedProvider, ScriptedReply
+from pleach_client.runtime import SessionRuntime
+from pleach_client.store.sqlite import SQLiteAdapter
+from pleach_client.stream import StreamEventBase
+from pleach_server.auth import issue_token
+from pleach_server.store import SQLiteServerStore, Tenant
+from shared.ids import uuid7
+from shared.messages import FrameCodec, Push
+from shared.records import Change, FeedChange, Session
+
+__all__ = ["main", "run"]
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT = 60.0
+TURN_TEXT = "Plan tomorrow in three short bullets, please."
+REPLY = ScriptedReply(text="Done: three short bullets for tomorrow.")
+SEQ_BYTES = 8
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..1)."""
+    ordered = sorted(samples)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+# -- processes: CPU, RSS, metrics, small helper servers ----------------------------------------
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+        fields = handle.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+
+
+def postgres_cpu_seconds() -> float:
+    """CPU seconds of every process named ``postgres`` on this machine (0 if none)."""
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/comm", encoding="ascii") as handle:
+                if handle.read().strip() != "postgres":
+                    continue
+            total += proc_cpu_seconds(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+    return total
+
+
+def rss_kib(pid: int) -> int:
+    """``VmRSS`` of process ``pid`` in KiB."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as handle:
+        for line in handle:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+async def scrape_metrics(url: str) -> dict[str, float]:
+    """GET ``/metrics`` of the server behind ``url`` (ws://host:port/...); samples by name."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    async with asyncio.timeout(TIMEOUT):
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            request = f"GET /metrics HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n"
+            writer.write(request.encode() + b"\r\n")
+            data = await reader.read()
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+    status, _, rest = data.partition(b"\r\n")
+    if b" 200 " not in status:
+        raise RuntimeError(f"/metrics answered {status!r}")
+    body = rest.partition(b"\r\n\r\n")[2].decode()
+    out: dict[str, float] = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+class Helper:
+    """A baseline server of ``bench.ws_baselines`` in a subprocess."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, url: str) -> None:
+        self.proc = proc
+        self.url = url
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+@contextlib.asynccontextmanager
+async def helper(kind: str, *extra: str) -> AsyncIterator[Helper]:
+    """Run ``python -m bench.ws_baselines KIND ...`` until the block ends (it prints its URL)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONASYNCIODEBUG"}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "bench.ws_baselines",
+        kind,
+        *extra,
+        stdout=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        async with asyncio.timeout(TIMEOUT):
+            line = (await proc.stdout.readline()).decode().strip()
+        if not line.startswith("listening on "):
+            raise RuntimeError(f"bench.ws_baselines {kind} did not start: {line!r}")
+        yield Helper(proc, line.split()[-1])
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        await proc.wait()
+
+
+# -- the devices -------------------------------------------------------------------------------
+
+
+@dataclass
+class Device:
+    rt: SessionRuntime
+    token: str
+    session_id: str = ""
+    vv: int = 0  # this device's component of its own session's version vector
+    last_commit: float = 0.0
+    commits: list[tuple[int, float]] = field(default_factory=list)  # (vv, t0)
+    seen: list[tuple[int, float]] = field(default_factory=list)  # peer session: (vv, t1)
+    peer: Device | None = None
+
+    @property
+    def client_id(self) -> str:
+        return self.rt.client_id
+
+
+def hook(dev: Device, progress: asyncio.Event) -> None:
+    """Record this device's commit times, and when it applies its peer's commits.
+
+    ``sync.applied`` (emitted right after the page's transaction committed) gives t1; the page
+    itself (the arguments of the sync loop's ``_apply``) tells which version of the peer's
+    session it carried, so t1 is matched to exactly the commits that page delivered.
+    """
+    assert dev.peer is not None
+    peer_session, peer_client = dev.peer.session_id, dev.peer.client_id
+    stamps: dict[str, float] = {}
+
+    def on_commit(event: StreamEventBase) -> None:
+        if event.session_id == dev.session_id:
+            dev.last_commit = time.perf_counter()
+
+    def on_applied(event: StreamEventBase) -> None:
+        stamps[event.session_id] = time.perf_counter()
+
+    dev.rt.events.on("checkpoint.created", on_commit)
+    dev.rt.events.on("sync.applied", on_applied)
+    apply_page: Callable[[list[FeedChange], int], Awaitable[int]] = dev.rt.sync._apply
+
+    async def applying(changes: list[FeedChange], to_cursor: int) -> int:
+        stamps.clear()
+        applied = await apply_page(changes, to_cursor)
+        t1 = stamps.pop(peer_session, None)
+        if t1 is not None:
+            top = max(
+                (
+                    c.record.vv.get(peer_client, 0)
+                    for c in changes
+                    if isinstance(c.record, Session) and c.record.id == peer_session
+                ),
+                default=0,
+            )
+            if top and (not dev.seen or top > dev.seen[-1][0]):
+                dev.seen.append((top, t1))
+                progress.set()
+        return applied
+
+    dev.rt.sync._apply = applying  # type: ignore[method-assign]
+
+
+def device_runtime(path: Path, tenant: Tenant, client_id: str) -> SessionRuntime:
+    return SessionRuntime(
+        SQLiteAdapter(path),
+        ScriptedProvider(default_reply=REPLY),
+        user_id=tenant.user_id,
+        org_id=tenant.org_id,
+        client_id=client_id,
+    )
+
+
+async def turn(rt: SessionRuntime, session_id: str, i: int) -> None:
+    async for _ in rt.execute_message(session_id, f"turn {i}: {TURN_TEXT}"):
+        pass
+
+
+async def open_devices(stack: AsyncExitStack, tmp: Path, users: int) -> list[Device]:
+    """``users`` pairs of devices, each device with its own session (not connected yet)."""
+    devices: list[Device] = []
+    secret = SERVER_SECRET.encode()
+    await asyncio.to_thread(tmp.mkdir, parents=True, exist_ok=True)
+    for u in range(users):
+        tenant = Tenant(org_id="bench-live", user_id=f"user-{u}-{uuid7()}")
+        token = issue_token(secret, tenant, 3600)
+        pair = []
+        for role in "ab":
+            rt = await stack.enter_async_context(
+                device_runtime(tmp / f"u{u}{role}.db", tenant, f"u{u}-{role}")
+            )
+            dev = Device(rt, token)
+            dev.session_id = (await rt.create_session(title=f"u{u}{role}")).id
+            row = await rt.store.get_session(dev.session_id)
+            assert row is not None
+            dev.vv = row.vv[rt.client_id]
+            pair.append(dev)
+        pair[0].peer, pair[1].peer = pair[1], pair[0]
+        devices += pair
+    return devices
+
+
+async def all_synced(devices: Sequence[Device]) -> None:
+    results = await asyncio.gather(*(d.rt.sync.wait_until_synced(TIMEOUT) for d in devices))
+    if not all(results):
+        stuck = [d for d, ok in zip(devices, results, strict=True) if not ok]
+        raise RuntimeError(f"{len(stuck)} device(s) not synced: {await stuck[0].rt.sync.status()}")
+
+
+async def paced(
+    interval: float,
+    start: float,
+    stop_at: float,
+    rng: random.Random,
+    act: Callable[[int], Awaitable[None]],
+) -> int:
+    """Call ``act(i)`` about every ``interval`` s (uniform jitter +-50%, random phase) until
+    ``stop_at``; a late call goes at once (the schedule does not slip). Returns calls made."""
+    next_at = start + rng.uniform(0, interval)
+    i = 0
+    while next_at < stop_at:
+        delay = next_at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)  # pacing the offered load, not waiting for an event
+        await act(i)
+        i += 1
+        next_at += interval * rng.uniform(0.5, 1.5)
+    return i
+
+
+@dataclass
+class LiveResult:
+    samples: list[float]
+    turns: int  # commits in the window
+    window: float
+    client_cpu: float  # seconds over the window
+    server_cpu: float
+    pg_cpu: float
+    push_mean: float  # seconds per push batch on the server during the window
+    pushes: float  # push batches the server handled during the window
+
+
+async def live(
+    server_url: str,
+    server_pid: int,
+    tmp: Path,
+    users: int,
+    interval: float,
+    warm: float,
+    seconds: float,
+    with_pg: bool,
+) -> LiveResult:
+    progress = asyncio.Event()
+    async with AsyncExitStack() as stack:
+        devices = await open_devices(stack, tmp, users)
+        for dev in devices[0::2]:  # A devices first, then B: each pulls the other's session
+            await dev.rt.sync.connect(server_url, dev.token)
+        await all_synced(devices[0::2])
+        for dev in devices[1::2]:
+            await dev.rt.sync.connect(server_url, dev.token)
+        await all_synced(devices)
+        await all_synced(devices)
+        for dev in devices:
+            hook(dev, progress)
+
+        start = time.perf_counter() + 0.05
+        warm_end, stop_at = start + warm, start + warm + seconds
+        master = random.Random(20261129)
+
+        async def write(dev: Device) -> None:
+            async def act(i: int) -> None:
+                await turn(dev.rt, dev.session_id, i)
+                dev.vv += 1
+                dev.commits.append((dev.vv, dev.last_commit))
+
+            await paced(interval, start, stop_at, random.Random(master.random()), act)
+
+        async def measure_cpu() -> tuple[float, float, float, dict[str, float], dict[str, float]]:
+            await asyncio.sleep(max(0.0, warm_end - time.perf_counter()))
+            before = (
+                time.process_time(),
+                proc_cpu_seconds(server_pid),
+                postgres_cpu_seconds() if with_pg else 0.0,
+                await scrape_metrics(server_url),
+            )
+            await asyncio.sleep(max(0.0, stop_at - time.perf_counter()))
+            return (
+                time.process_time() - before[0],
+                proc_cpu_seconds(server_pid) - before[1],
+                (postgres_cpu_seconds() - before[2]) if with_pg else 0.0,
+                before[3],
+                await scrape_metrics(server_url),
+            )
+
+        cpu_task = asyncio.create_task(measure_cpu())
+        await asyncio.gather(*(write(d) for d in devices))
+        client_cpu, server_cpu, pg_cpu, m0, m1 = await cpu_task
+
+        # Every commit must reach its peer: wait for the pages (no deadline but TIMEOUT).
+        async with asyncio.timeout(TIMEOUT):
+            while any(
+                d.peer is not None and (d.peer.seen or [(0, 0.0)])[-1][0] < d.vv for d in devices
+            ):
+                progress.clear()
+                await progress.wait()
+        await all_synced(devices)
+        for dev in devices:  # the counted versions are the stored ones
+            row = await dev.rt.store.get_session(dev.session_id)
+            assert row is not None and row.vv[dev.client_id] == dev.vv, (row, dev.vv)
+            assert dev.peer is not None
+            theirs = await dev.peer.rt.store.get_session(dev.session_id)
+            assert theirs is not None and theirs.vv[dev.client_id] == dev.vv
+
+    samples: list[float] = []
+    for dev in devices:
+        assert dev.peer is not None
+        seen = dev.peer.seen
+        j = 0
+        for vv, t0 in dev.commits:
+            while seen[j][0] < vv:
+                j += 1
+            if warm_end <= t0 < stop_at:
+                samples.append(seen[j][1] - t0)
+    key = "pleach_push_seconds"
+    pushes = m1.get(f"{key}_count", 0.0) - m0.get(f"{key}_count", 0.0)
+    push_sum = m1.get(f"{key}_sum", 0.0) - m0.get(f"{key}_sum", 0.0)
+    return LiveResult(
+        samples,
+        len(samples),
+        seconds,
+        client_cpu,
+        server_cpu,
+        pg_cpu,
+        push_sum / pushes if pushes else float("nan"),
+        pushes,
+    )
+
+
+# -- the baseline relay ------------------------------------------------------------------------
+
+
+async def turn_payloads(tmp: Path, count: int) -> list[bytes]:
+    """``count`` distinct real turns' encoded ``Push`` frames (9 changes each)."""
+    codec = FrameCodec()
+    tenant = Tenant(org_id="bench-live", user_id=f"probe-{uuid7()}")
+    out: list[bytes] = []
+    async with device_runtime(tmp / "probe.db", tenant, "probe") as rt:
+        session_id = (await rt.create_session(title="probe")).id
+        await turn(rt, session_id, 0)
+        done = await rt.store.outbox_count()
+        for i in range(1, count + 1):
+            await turn(rt, session_id, i)
+            pending = (await rt.store.outbox_pending(limit=1_000_000))[done:]
+            done += len(pending)
+            out.append(
+                codec.encode(
+                    Push(
+                        changes=[Change(client_seq=e.client_seq, record=e.record) for e in pending]
+                    )
+                )
+            )
+    return out
+
+
+@dataclass
+class RelayResult:
+    samples: list[float]
+    client_cpu: float
+    server_cpu: float
+
+
+async def relay_run(
+    relay: Helper,
+    pairs: int,
+    payloads: Sequence[bytes],
+    interval: float,
+    warm: float,
+    seconds: float,
+) -> RelayResult:
+    sent: dict[tuple[int, int], float] = {}  # (sender index, seq) -> t0
+    got: dict[tuple[int, int], float] = {}
+    expected = 0
+    progress = asyncio.Event()
+    conns: list[ClientConnection] = []
+    async with AsyncExitStack() as stack:
+        for p in range(pairs):
+            for role in "ab":
+                ws = await stack.enter_async_context(connect(relay.url, max_size=None, proxy=None))
+                await ws.send(f"{p}:{role}".encode())
+                conns.append(ws)
+        for ws in conns:
+            async with asyncio.timeout(TIMEOUT):
+                assert await ws.recv() == b"ok"
+
+        async def read(index: int, ws: ClientConnection) -> None:
+            peer = index ^ 1
+            async for message in ws:
+                assert isinstance(message, bytes)
+                got[(peer, int.from_bytes(message[:SEQ_BYTES], "big"))] = time.perf_counter()
+                if len(got) >= expected:
+                    progress.set()
+
+        readers = [asyncio.create_task(read(i, ws)) for i, ws in enumerate(conns)]
+        start = time.perf_counter() + 0.05
+        warm_end, stop_at = start + warm, start + warm + seconds
+        master = random.Random(20261129)
+
+        async def write(index: int, ws: ClientConnection) -> int:
+            async def act(i: int) -> None:
+                body = payloads[(index + i) % len(payloads)]
+                sent[(index, i)] = time.perf_counter()
+                await ws.send(i.to_bytes(SEQ_BYTES, "big") + body)
+
+            return await paced(interval, start, stop_at, random.Random(master.random()), act)
+
+        async def cpu() -> tuple[float, float]:
+            await asyncio.sleep(max(0.0, warm_end - time.perf_counter()))
+            c0, s0 = time.process_time(), proc_cpu_seconds(relay.pid)
+            await asyncio.sleep(max(0.0, stop_at - time.perf_counter()))
+            return time.process_time() - c0, proc_cpu_seconds(relay.pid) - s0
+
+        cpu_task = asyncio.create_task(cpu())
+        counts = await asyncio.gather(*(write(i, ws) for i, ws in enumerate(conns)))
+        client_cpu, server_cpu = await cpu_task
+        expected = sum(counts)
+        async with asyncio.timeout(TIMEOUT):
+            while len(got) < expected:
+                progress.clear()
+                await progress.wait()
+        for task in readers:
+            task.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+    samples = [got[k] - t0 for k, t0 in sent.items() if warm_end <= t0 < stop_at]
+    return RelayResult(samples, client_cpu, server_cpu)
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+async def pg_setting(dsn: str) -> tuple[str | None, str]:
+    """(``synchronous_commit``, "") when PostgreSQL answers, else (None, why not)."""
+    try:
+        conn = await asyncpg.connect(dsn, timeout=5)
+    except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    try:
+        value = await conn.fetchval("SHOW synchronous_commit")
+        fsync = await conn.fetchval("SHOW fsync")
+        return f"synchronous_commit={value}, fsync={fsync}", ""
+    finally:
+        await conn.close()
+
+
+@dataclass
+class Config:
+    users: int
+    interval: float
+    warm: float
+    seconds: float
+    dsn: str
+
+
+def live_rows(label: str, r: LiveResult, relay: RelayResult) -> list[Row]:
+    window = r.window
+    return [
+        Row(
+            f"{label}: A commit -> B applied, p50 ({len(r.samples)} samples)",
+            percentile(r.samples, 0.5) * 1e3,
+            "ms",
+            "ws relay, p50",
+            percentile(relay.samples, 0.5) * 1e3,
+        ),
+        Row(
+            f"{label}: A commit -> B applied, p99",
+            percentile(r.samples, 0.99) * 1e3,
+            "ms",
+            "ws relay, p99",
+            percentile(relay.samples, 0.99) * 1e3,
+        ),
+        Row(f"{label}:   mean", statistics.fmean(r.samples) * 1e3, "ms"),
+        Row(
+            f"{label}:   server store.push per batch, mean ({r.pushes:.0f} batches)",
+            r.push_mean * 1e3,
+            "ms",
+        ),
+        Row(f"{label}:   turns committed (all devices)", r.turns / window, "turns/s"),
+        Row(f"{label}:   CPU, client process (100 devices)", r.client_cpu / window * 100, "% core"),
+        Row(f"{label}:   CPU, pleach-server process", r.server_cpu / window * 100, "% core"),
+        *(
+            [Row(f"{label}:   CPU, postgres processes", r.pg_cpu / window * 100, "% core")]
+            if r.pg_cpu
+            else []
+        ),
+    ]
+
+
+async def _run(quick: bool, cfg: Config) -> tuple[list[Row], list[str]]:
+    notes: list[str] = []
+    rows: list[Row] = []
+    devices = 2 * cfg.users
+    with tempfile.TemporaryDirectory(prefix="pleach-bench-live-") as tmp:
+        root = Path(tmp)
+        payloads = await turn_payloads(root, 40)
+        mean_payload = statistics.fmean(len(p) for p in payloads)
+        offered = devices / cfg.interval
+        notes.append(
+            f"offered load: {devices} devices ({cfg.users} users x 2), each 1 turn per "
+            f"{cfg.interval * 1e3:.0f} ms +-50% = {offered:.0f} turns/s, "
+            f"{offered * 9:.0f} changes/s, one Push frame of {mean_payload / 1024:.1f} KiB per "
+            f"turn; {cfg.warm:.0f} s warm-up, then {cfg.seconds:.0f} s measured"
+        )
+        device_sync = SQLiteAdapter(root / "unused.db").synchronous
+        server_sync = SQLiteServerStore(root / "unused-server.db").synchronous
+        notes.append(
+            f"fsync policy per hop: device SQLite WAL synchronous={device_sync} (survives a "
+            "process crash, not power loss); server SQLite (pleach-server's SQLiteServerStore "
+            f"default) WAL synchronous={server_sync} (survives power loss)"
+        )
+
+        async with servers(str(root / "server.db"), None, 1) as (srv,):
+            sqlite = await live(
+                srv.url, srv.proc.pid, root / "sqlite", cfg.users, cfg.interval,
+                cfg.warm, cfg.seconds, with_pg=False,
+            )  # fmt: skip
+        async with helper("relay") as relay_srv:
+            relay = await relay_run(
+                relay_srv, cfg.users, payloads, cfg.interval, cfg.warm, cfg.seconds
+            )
+        notes.append(
+            f"ws relay: {devices} connections, {len(relay.samples)} samples; CPU client "
+            f"{relay.client_cpu / cfg.seconds * 100:.0f}% core, relay process "
+            f"{relay.server_cpu / cfg.seconds * 100:.0f}% core"
+        )
+        rows += live_rows("SQLite", sqlite, relay)
+
+        setting, why = await pg_setting(cfg.dsn)
+        if setting is None:
+            notes.append(f"PostgreSQL half skipped: {cfg.dsn} does not answer ({why})")
+        else:
+            notes.append(f"server PostgreSQL: {setting}")
+            schema = f"pleach_bench_live_{uuid7().replace('-', '')}"
+            try:
+                async with servers(cfg.dsn, schema, 1) as (srv,):
+                    pg = await live(
+                        srv.url, srv.proc.pid, root / "pg", cfg.users, cfg.interval,
+                        cfg.warm, cfg.seconds, with_pg=True,
+                    )  # fmt: skip
+            finally:
+                await drop_schema(cfg.dsn, schema)
+            rows += live_rows("PostgreSQL", pg, relay)
+    return rows, notes
+
+
+def run(quick: bool = False, cfg: Config | None = None) -> list[Row]:
+    """Run every measurement, print the table, return the rows."""
+    if cfg is None:
+        cfg = Config(
+            users=50,
+            interval=2.0,
+            warm=2.0 if quick else 3.0,
+            seconds=4.0 if quick else 12.0,
+            dsn=DEFAULT_DSN,
+        )
+    started = time.perf_counter()
+    rows, notes = asyncio.run(_run(quick, cfg))
+    print(render("bench_live: live latency under load (a turn on A until applied on B)", rows))
+    for note in notes:
+        print(f"- {note}")
+    load = os.getloadavg()
+    print(
+        f"({time.perf_counter() - started:.1f}s, {os.cpu_count()} cpus, load average {load[0]:.2f})"
+    )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="a shorter measurement window")
+    parser.add_argument("--users", type=int, default=50, help="users, 2 devices each (50)")
+    parser.add_argument(
+        "--interval", type=float, default=2.0, help="mean seconds between a device's turns (2.0)"
+    )
+    parser.add_argument("--seconds", type=float, default=None, help="measured seconds (12, 4)")
+    parser.add_argument("--dsn", default=DEFAULT_DSN, help="PostgreSQL (PLEACH_TEST_PG_DSN)")
+    args = parser.parse_args(argv)
+    cfg = Config(
+        users=args.users,
+        interval=args.interval,
+        warm=2.0 if args.quick else 3.0,
+        seconds=args.seconds or (4.0 if args.quick else 12.0),
+        dsn=args.dsn,
+    )
+    run(args.quick, cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
