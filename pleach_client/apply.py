@@ -62,6 +62,10 @@ async def plan_page(
             # Our own delete coming back (or a later tombstone): sweep again, so content that
             # arrived meanwhile for a fork we did not know yet is kept only if a fork uses it.
             purge.append(remote.id)
+        if decision is Decision.REUSED and local is not None:
+            if local.client_id == view.client_id:
+                view.identity_reused = True  # the sync loop takes a new id after this page
+            continue
         if decision is Decision.KEEP:
             continue
         records.append(remote)

@@ -18,9 +18,9 @@ heads. Caches change only after a commit succeeds.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -28,12 +28,15 @@ from shared.clock import HybridClock, vv_bump, vv_merge, wall_clock_ms
 from shared.errors import NotFound
 from shared.hashchain import chain_audit, chain_event
 from shared.ids import uuid7
-from shared.records import AuditRow, Checkpoint, Event, Message, Record, Session
+from shared.messages import MAX_PREVIOUS_IDS
+from shared.records import AuditRow, Checkpoint, Event, Message, Record, Session, kind_of
 
 from .store.base import CommitReceipt, StorageAdapter, TxReader, WriteBatch
 from .transcript import Transcript
 
+_R = TypeVar("_R", bound=Record)
 GENERATION = "generation"
+PREVIOUS_IDS = "previous_client_ids"
 HISTORY_CACHE_SESSIONS = 16  # transcripts kept decoded in memory, least recently used dropped
 
 
@@ -51,6 +54,8 @@ class SessionChange:
     records: list[Record] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     purge: bool = False
+    own_vector: bool = False
+    """Stamp ``row`` on its own vector, not merged with the current row's (a re-key)."""
 
 
 Edit = Callable[[Session | None], SessionChange | None]
@@ -246,56 +251,94 @@ class DeviceCore:
         *,
         records: Iterable[Record] = (),
         audit: Iterable[AuditRow] = (),
+        meta: dict[str, str] | None = None,
+        renumber_outbox: bool = False,
+        rechain: Iterable[AuditRow] = (),
+        identity: tuple[str, HybridClock] | None = None,
+        prepare: Callable[[TxReader], Awaitable[tuple[list[tuple[str, Edit]], list[AuditRow]]]]
+        | None = None,
     ) -> WriteResult:
         """Commit local changes with their outbox rows, in ONE transaction.
 
         ``edits`` are ``(session_id, edit)``: each edit gets the session's current row (None
         if absent) and returns a ``SessionChange`` (or None: nothing for that session).
         ``records`` are immutable records to write as they are; ``audit`` rows are unchained
-        drafts that join this device's audit chain. Raises what an edit raises, with nothing
-        written.
+        drafts that join this device's audit chain. ``meta`` sets ``sync_state`` keys and
+        ``renumber_outbox`` restarts the outbox sequence (``WriteBatch``); ``rechain`` are
+        stored audit rows moved onto this device's chain (before ``audit``); ``identity``
+        (client id and clock) is taken inside the transaction, and given back if it does not
+        commit; ``prepare(tx)``, inside the transaction, adds edits and rows to rechain (from
+        what the store holds then). Every record is labelled with the client id it commits
+        under (a draft made before the device took a new id joins the new one). Raises what
+        an edit raises, with nothing written.
         """
+        extra_meta = dict(meta or {})
+        rechain_list = list(rechain)
         edit_list = list(edits)
         record_list = list(records)
         audit_list = list(audit)
         result: WriteResult | None = None
         pending: tuple[str, dict[str, tuple[int, str]], tuple[int, str]] | None = None
 
+        previous: tuple[str, HybridClock] | None = None
+
         async def plan(tx: TxReader) -> WriteBatch:
-            nonlocal result, pending
+            nonlocal result, pending, previous
             await self._refresh(tx)
+            if identity is not None and previous is None:
+                previous = (self.client_id, self.clock)
+                self.client_id, self.clock = identity
+                self._audit_head = None  # the new id's chain starts at its genesis
+            all_edits, moving = list(edit_list), list(rechain_list)
+            if prepare is not None:
+                more_edits, more_rows = await prepare(tx)
+                all_edits += more_edits
+                moving += more_rows
             heads: dict[str, tuple[int, str]] = {}
             rows: dict[str, Session] = {}
-            contents: list[Record] = list(record_list)
+            contents: list[Record] = [self._own(r) for r in record_list]
             events: list[Event] = []
             purge: list[str] = []
-            for session_id, edit in edit_list:
+            for session_id, edit in all_edits:
                 current = rows.get(session_id) or await self._row(tx, session_id)
                 change = edit(current)
                 if change is None:
                     continue
                 if change.row is not None:
-                    rows[session_id] = self._stamp(change.row, base=current)
-                contents.extend(change.records)
+                    base = None if change.own_vector else current
+                    rows[session_id] = self._stamp(change.row, base=base)
+                contents.extend(self._own(r) for r in change.records)
                 if change.purge:
                     purge.append(session_id)
                 seq, prev = heads.get(session_id) or await self._event_head(tx, session_id)
                 for draft in change.events:
                     seq += 1
-                    placed = chain_event(draft, prev, seq)
+                    placed = chain_event(self._own(draft), prev, seq)
                     prev = placed.row_hash
                     events.append(placed)
                 heads[session_id] = (seq, prev)
             chained: list[AuditRow] = []
+            moved: list[AuditRow] = []
             seq, prev = await self._audit_chain_head(tx)
+            for stored_row in moving:
+                seq += 1
+                audit_row = chain_audit(
+                    msgspec.structs.replace(stored_row, client_id=self.client_id), prev, seq
+                )
+                prev = audit_row.row_hash
+                moved.append(audit_row)
             for audit_draft in audit_list:
                 seq += 1
-                audit_row = chain_audit(audit_draft, prev, seq)
+                # Labelled with the id whose chain it joins (a draft made before this device
+                # took a new id is committed on the new id's chain).
+                audit_row = chain_audit(
+                    msgspec.structs.replace(audit_draft, client_id=self.client_id), prev, seq
+                )
                 prev = audit_row.row_hash
                 chained.append(audit_row)
             generation = _next_generation()
-            meta = {"hlc": self.clock.last, GENERATION: generation}
-            if chained:
+            meta = {**extra_meta, "hlc": self.clock.last, GENERATION: generation}
+            if chained or moved:
                 meta[f"audit_head:{self.client_id}"] = f"{seq}:{prev}"
             result = WriteResult(
                 sessions=rows,
@@ -312,11 +355,15 @@ class DeviceCore:
                 meta=meta,
                 purge_sessions=purge,
                 purge_keep=keep,
+                renumber_outbox=renumber_outbox,
+                rechained_audit=moved,
             )
 
         try:
             receipt = await self.store.transact(plan)
         except BaseException:
+            if previous is not None:
+                self.client_id, self.clock = previous
             self._forget()
             raise
         assert result is not None and pending is not None
@@ -324,13 +371,70 @@ class DeviceCore:
         generation, heads, audit_head = pending
         self._generation = generation
         self._event_heads.update(heads)
-        if result.audit:
+        if result.audit or rechain_list or prepare is not None:
             self._audit_head = audit_head
         self._took(result.sessions.values(), purged=result.purged)
         if receipt.client_seqs:
             for listener in self._listeners:
                 listener()
         return result
+
+    async def rekey(self) -> str:
+        """Take a new client id, because another copy of this device's file (a restored
+        backup, a copied file) has used this one. Returns the new id.
+
+        In one transaction, on what the store holds then: the new id is stored, the queued
+        rows are renumbered from 1 (the server has never seen the new id, so it takes them
+        all), each session with queued changes gets a new version stamped by the new id on a
+        vector without the old id (concurrent with whatever the other copy wrote under the
+        old id, so the server settles them as conflicts and keeps both sides, instead of
+        taking one for an old version of the other), and the queued audit rows of the old id
+        (which the server does not hold) move onto the new id's chain, so the old id's chain
+        here stays the one the server holds.
+        """
+        old_id = self.client_id
+        previous = [old_id, *(await self.previous_client_ids())][:MAX_PREVIOUS_IDS]
+        new_id = uuid7()
+        clock = HybridClock(new_id, last=self.clock.last, wall=self._wall_clock)
+
+        def restamp(current: Session | None) -> SessionChange | None:
+            if current is None:
+                return None
+            # The old id's entry goes: the other copy counted under it too, so this copy's
+            # count proves nothing.
+            vv = {k: v for k, v in current.vv.items() if k != old_id}
+            return SessionChange(row=msgspec.structs.replace(current, vv=vv), own_vector=True)
+
+        async def queued(tx: TxReader) -> tuple[list[tuple[str, Edit]], list[AuditRow]]:
+            records = await tx.queued_records()
+            sessions = [
+                r.id if isinstance(r, Session) else kind_of(r).session_of(r) for r in records
+            ]
+            edits: list[tuple[str, Edit]] = [
+                (sid, restamp) for sid in dict.fromkeys(sessions) if sid is not None
+            ]
+            audit = [r for r in records if isinstance(r, AuditRow) and r.client_id == old_id]
+            return edits, sorted(audit, key=lambda row: row.sequence_number)
+
+        await self.write(
+            meta={"client_id": new_id, PREVIOUS_IDS: msgspec.json.encode(previous).decode()},
+            renumber_outbox=True,
+            identity=(new_id, clock),
+            prepare=queued,
+        )
+        self._forget()
+        return new_id
+
+    async def previous_client_ids(self) -> list[str]:
+        """The ids this device wrote under before its current one, newest first."""
+        stored = await self.store.get_meta(PREVIOUS_IDS)
+        if not stored:
+            return []
+        try:
+            ids = msgspec.json.decode(stored, type=list[str])
+        except msgspec.DecodeError:
+            return []
+        return ids[:MAX_PREVIOUS_IDS]
 
     async def transact_remote(
         self, plan: Callable[[TxReader, RemoteView], Any]
@@ -371,6 +475,12 @@ class DeviceCore:
         return receipt, outcome
 
     # -- internals --------------------------------------------------------------------------
+    def _own(self, record: _R) -> _R:
+        """``record`` labelled with this device's client id (as it commits)."""
+        if record.client_id == self.client_id:
+            return record
+        return msgspec.structs.replace(record, client_id=self.client_id)
+
     def _stamp(self, row: Session, *, base: Session | None) -> Session:
         """``row`` as a new local version after ``base``: vector bumped, stamped now."""
         now = self.clock.now()
@@ -467,6 +577,8 @@ class RemoteView:
         self.purged: list[str] = []
         self.before: dict[str, Session | None] = {}
         """Each session's row as it was before this page (as first read)."""
+        self.identity_reused = False
+        """The page holds a version another copy of this device wrote under its id."""
 
     @property
     def client_id(self) -> str:

@@ -147,6 +147,7 @@ class SyncFacet:
         self._cursor = 0  # this device's feed cursor as last written here (the store has it)
         self._pull_due = True  # pull at the next catch-up (a new connection, a gap...)
         self._marked_synced = False
+        self._reconnect_now = False
 
     # -- public API ---------------------------------------------------------------------------
     async def connect(self, url: str, token: str, *, auto: bool = True) -> None:
@@ -247,6 +248,15 @@ class SyncFacet:
             if self._state == "needs-auth":
                 raise SyncError(self._last_error or "unauthorized")
             receipt = await self.flush_outbox()
+            for _ in range(3):
+                if self._link is not None:
+                    break
+                # The device took a new client id during the flush (its file was restored or
+                # copied): the loop reconnects as the new id; flush again there.
+                async with asyncio.timeout(timeout):
+                    async with self._changed:
+                        await self._changed.wait_for(lambda: self._link is not None)
+                receipt = await self.flush_outbox()
             await self.pull()
             self._last_synced_at = time.time()
             await self._rt.store.set_meta("has_synced", "1")
@@ -394,6 +404,10 @@ class SyncFacet:
                     self._set_state("needs-auth")
                     return  # a new token is needed: connect() again with one
             except (OSError, ConnectionClosed, InvalidHandshake, TimeoutError) as exc:
+                if self._reconnect_now:  # closed by this device when it took a new id
+                    self._reconnect_now = False
+                    self._link = None
+                    continue
                 self._error(f"offline: {type(exc).__name__}: {exc}")
             except InvalidURI as exc:
                 self._error(f"bad server URL: {exc}")
@@ -427,7 +441,12 @@ class SyncFacet:
             max_size=self.max_frame_bytes * 2,
             open_timeout=self.request_timeout,
         ) as ws:
-            protocol = ClientProtocol(rt.client_id, cursor, max_frame_bytes=self.max_frame_bytes)
+            protocol = ClientProtocol(
+                rt.client_id,
+                cursor,
+                max_frame_bytes=self.max_frame_bytes,
+                previous_client_ids=await rt.core.previous_client_ids(),
+            )
             link = Link(ws, protocol)
             welcome_future = link.expect(protocol.hello_request_id)
             await link.flush_out()
@@ -441,7 +460,16 @@ class SyncFacet:
                 if mismatch is not None:
                     raise TenantMismatch(mismatch)
                 self._head_cursor = welcome.head_cursor
-                await self._server_has(welcome.last_seq)
+                # Queued rows at or below the server's last_seq are not dropped by number: a
+                # copy of this device's file (a restored backup, a copied file) may have used
+                # those numbers for other changes. The flush resends them and the server says,
+                # change by change, whether it holds each (duplicate) or not (3012).
+                if welcome.last_seq > await rt.store.last_client_seq():
+                    log.warning(
+                        "sync: the server knows client_seq %d of this device, which never gave "
+                        "it out: another copy of this file has synced",
+                        welcome.last_seq,
+                    )
                 self._link = link
                 self._set_state("connected")
                 if not self._auto:
@@ -540,14 +568,31 @@ class SyncFacet:
             raise InvalidState("not connected: call connect() and wait for the connection")
         return self._link
 
-    # -- push -------------------------------------------------------------------------------
-    async def _server_has(self, last_seq: int) -> None:
-        """Drop outbox rows the server already applied (their acks were lost)."""
-        pending = await self._rt.store.outbox_pending(limit=1_000_000)
-        done = [e.client_seq for e in pending if e.client_seq <= last_seq]
-        if done:
-            await self._rt.store.outbox_remove(done)
+    # -- identity -----------------------------------------------------------------------------
+    async def _rekey(self, why: str) -> None:
+        """Another copy of this device's file wrote under its client id (a restored backup, a
+        copied file): take a new id, renumber what is queued, and reconnect as the new id.
+        Nothing queued is dropped; the server takes it all from the new id."""
+        rt = self._rt
+        old = rt.client_id
+        # What is still queued is what the server does not hold (what it held was answered
+        # ``duplicate`` and settled first: it comes earlier in the sequence).
+        pending = await rt.store.outbox_count()
+        new = await rt.core.rekey()
+        self._cursor = int(await rt.store.get_meta("cursor") or 0)
+        message = (
+            f"this device's file was restored or copied ({why}): it now syncs as a new device "
+            f"(client id {new}, was {old}); its {pending} queued change(s) will be sent "
+            "again under the new id"
+        )
+        log.warning("sync: %s", message)
+        self._error(message, int(ErrorCode.IDENTITY_REUSED))
+        link, self._link = self._link, None
+        if link is not None:  # it speaks for the old id: the loop reconnects as the new one
+            self._reconnect_now = True
+            await link.ws.close(code=1000, reason="client id changed")
 
+    # -- push -------------------------------------------------------------------------------
     async def _flush(self) -> OutboxFlushReceipt:
         store = self._rt.store
         pending_before = await store.outbox_count()
@@ -621,8 +666,8 @@ class SyncFacet:
                 progress, batch_conflicts = await self._settle(entries, answer, failed)
                 flushed += progress
                 conflicts.extend(batch_conflicts)
-                if progress == 0:  # nothing moved (a sequence gap): do not spin
-                    break
+                if progress == 0 or self._link is not link:
+                    break  # nothing moved (a sequence gap: do not spin), or the id changed
         finally:
             self._uploading = False
             self._poke()
@@ -648,12 +693,20 @@ class SyncFacet:
     ) -> tuple[int, list[ConflictReceipt]]:
         """Apply one PushAck to the outbox (the decision is ``syncplan.settle``)."""
         store = self._rt.store
-        plan = settle([Sent(e.client_seq, e.attempts) for e in entries], ack)
+        issued = await store.last_client_seq()
+        plan = settle([Sent(e.client_seq, e.attempts) for e in entries], ack, issued)
         for client_seq, code, message in plan.dead:
             await store.outbox_dead_letter(client_seq, code, message)
         failed.extend(plan.failed)
         if plan.remove:
             await store.outbox_remove(plan.remove)
+        if plan.rekey:
+            await self._rekey(
+                f"the server holds client_seq {ack.last_seq} of this device, which only ever "
+                f"gave out {issued}"
+                if ack.last_seq > issued
+                else "the server holds other changes under this device's client_seq numbers"
+            )
         # A conflict's sync.conflict event is written by the server into the session's log:
         # this device, like every other, raises the stream event when the event arrives.
         return plan.progress, plan.conflicts
@@ -710,6 +763,7 @@ class SyncFacet:
         missing: list[str] = []
 
         written: list[int] = []
+        reused: list[bool] = []
 
         async def plan(tx: TxReader, view: RemoteView) -> tuple[WriteBatch | None, int]:
             cursor = int(await tx.get_meta("cursor") or 0)
@@ -717,6 +771,7 @@ class SyncFacet:
             if to_cursor <= cursor and changes:
                 return None, 0  # already applied (a live page that a pull overtook)
             batch = await plan_page(tx, view, changes, emitted)
+            reused[:] = [view.identity_reused]
             written[:] = [max(to_cursor, cursor)]
             batch.meta = {**batch.meta, "cursor": str(written[0])}
             missing.extend(await missing_content(tx, view, batch))
@@ -725,6 +780,8 @@ class SyncFacet:
         _, applied = await rt.core.transact_remote(plan)
         if written:
             self._cursor = written[0]
+        if reused and reused[0]:
+            await self._rekey("a page holds another version under this device's id and counter")
         self._missing.update(missing)
         if self._missing - self._resynced:
             self._pull_due = True  # for a live page: the loop pulls, and resyncs, next

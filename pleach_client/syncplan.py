@@ -45,6 +45,9 @@ class Settlement:
     ``remove``: on the server (applied, duplicate, superseded, resolved, or at or below its
     ``last_seq``). ``dead``: refused for good, ``(client_seq, code, message)``; they go to the
     dead letters. ``keep``: resend later (a sequence gap). ``conflicts``: receipts to record.
+    ``rekey``: another copy of this device (a restored or copied file) has used its client
+    id and numbers: the server says so for each change it does not hold (3012), which is
+    kept, and the device takes a new id.
     """
 
     remove: list[int] = field(default_factory=list)
@@ -52,21 +55,26 @@ class Settlement:
     keep: list[int] = field(default_factory=list)
     conflicts: list[ConflictReceipt] = field(default_factory=list)
     failed: list[FailedEntry] = field(default_factory=list)
+    rekey: bool = False
 
     @property
     def progress(self) -> int:
         return len(self.remove) + len(self.dead)
 
 
-def settle(sent: Sequence[Sent], ack: PushAck) -> Settlement:
+def settle(sent: Sequence[Sent], ack: PushAck, issued: int | None = None) -> Settlement:
     """Settle the entries of one push against its acknowledgement.
 
     An entry the ack does not mention is kept unless the server's ``last_seq`` covers it. A
     result for an entry that was not sent is ignored (a confused or hostile server cannot
-    make the device drop a row it did not send).
+    make the device drop a row it did not send). ``issued`` is the highest ``client_seq``
+    this device ever gave out: a server ``last_seq`` above it means another copy of the
+    device wrote under its id, so an entry the ack does not mention is not taken for held.
+    A ``duplicate`` is the server's word that it holds that change (it checks the id).
     """
     by_seq = {s.client_seq: s for s in sent}
     out = Settlement()
+    reused = issued is not None and ack.last_seq > issued
     decided: set[int] = set()
     for result in ack.results:
         entry = by_seq.get(result.client_seq)
@@ -75,6 +83,10 @@ def settle(sent: Sequence[Sent], ack: PushAck) -> Settlement:
         decided.add(result.client_seq)
         if result.status == "rejected" and result.code == ErrorCode.SEQUENCE_GAP:
             out.keep.append(result.client_seq)
+            continue
+        if result.status == "rejected" and result.code == ErrorCode.IDENTITY_REUSED:
+            out.keep.append(result.client_seq)
+            out.rekey = True
             continue
         if result.status == "rejected":
             code = result.code or ErrorCode.INVALID_RECORD
@@ -95,8 +107,12 @@ def settle(sent: Sequence[Sent], ack: PushAck) -> Settlement:
     for seq in by_seq:
         if seq in decided:
             continue
-        # Anything at or below the server's last_seq is on the server, whatever the result.
-        (out.remove if seq <= ack.last_seq else out.keep).append(seq)
+        # Anything at or below the server's last_seq is on the server, whatever the result
+        # (unless another copy of this device put it there).
+        if seq <= ack.last_seq and not reused:
+            out.remove.append(seq)
+        else:
+            out.keep.append(seq)
     out.remove.sort()
     out.keep.sort()
     return out
@@ -106,6 +122,7 @@ class Decision(Enum):
     TAKE = "take"  # the remote version replaces the local row
     KEEP = "keep"  # the local row stays (newer, concurrent: our push settles it, or deleted)
     FORK_LOCAL = "fork-local"  # take the remote version, keep the local one as a new session
+    REUSED = "reused"  # keep the local row: another copy of its writer wrote the remote one
 
 
 def decide_session(local: Session | None, remote: Session) -> Decision:
@@ -114,9 +131,12 @@ def decide_session(local: Session | None, remote: Session) -> Decision:
     Never overwrites a local version that the remote one does not include: a remote version
     replaces the row only when its vector dominates the local one. Concurrent: the local row
     stays, the pending push meets the remote version at the server, which keeps the loser as
-    a fork. Equal vectors with different contents (a device that reused its counters, e.g. a
-    restored file) keep both: the local version becomes a fork. Deletion wins both ways: a
-    remote tombstone is taken, a local tombstone is kept.
+    a fork. Equal vectors with different contents mean an id was reused (a restored or
+    copied device file): when both versions name the same writer, the local row stays
+    (``REUSED``: that writer, if it is this device, takes a new id and stamps a new version,
+    which the server then settles as a conflict, both kept); otherwise both are kept here,
+    the local version as a fork. Deletion wins both ways: a remote tombstone is taken, a
+    local tombstone is kept.
     """
     if local is None:
         return Decision.TAKE
@@ -126,7 +146,7 @@ def decide_session(local: Session | None, remote: Session) -> Decision:
     if order is Order.DOMINATES:
         return Decision.TAKE  # both tombstones too: converge on the server's
     if order is Order.EQUAL and local != remote and not local.deleted:
-        return Decision.FORK_LOCAL
+        return Decision.REUSED if local.client_id == remote.client_id else Decision.FORK_LOCAL
     return Decision.KEEP
 
 

@@ -179,6 +179,7 @@ class Connection:
         self.protocol = ServerProtocol(max_frame_bytes=ctx.max_frame_bytes)
         self.subscription: Subscription | None = None
         self.client_id: str | None = None
+        self.aliases: frozenset[str] = frozenset()  # the device's earlier client ids
         self._limiter = (
             TokenBucket(ctx.rate_limit_per_s, ctx.rate_limit_burst)
             if ctx.rate_limit_per_s is not None
@@ -327,6 +328,7 @@ class Connection:
             )
         )
         self.client_id = hello.client_id
+        self.aliases = frozenset(hello.previous_client_ids) - {hello.client_id}
         self._take("welcome")
         # Welcome goes out before any live frame: subscribe only once it is written. A commit
         # in between is not lost: the device pulls from its cursor after Welcome.
@@ -349,7 +351,9 @@ class Connection:
             if before is None:
                 before = await ctx.store.head_cursor(self.tenant)
             started = time.perf_counter()
-            result = await ctx.store.push(self.tenant, self.client_id, push.changes, ctx.clock)
+            result = await ctx.store.push(
+                self.tenant, self.client_id, push.changes, ctx.clock, aliases=self.aliases
+            )
             ctx.metrics.push_seconds.observe(time.perf_counter() - started)
             self._count_results(result.results)
             try:

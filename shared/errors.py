@@ -21,7 +21,8 @@
         ├── RateLimited         3008
         ├── StorageUnavailable  3009 (retryable)
         ├── CursorTooOld        3010 (resync)
-        └── ClockSkew           3011
+        ├── ClockSkew           3011
+        └── IdentityReused      3012 (the device takes a new client id and resends)
 
 Foreign errors are translated where they enter: callers only ever catch ``PleachError``.
 """
@@ -43,6 +44,7 @@ class ErrorCode(IntEnum):
     STORAGE_UNAVAILABLE = 3009
     CURSOR_TOO_OLD = 3010
     CLOCK_SKEW = 3011
+    IDENTITY_REUSED = 3012
 
 
 class PleachError(Exception):
@@ -160,6 +162,15 @@ class ClockSkew(SyncError):
     code = ErrorCode.CLOCK_SKEW
 
 
+class IdentityReused(SyncError):
+    """A change arrived under a ``client_seq`` the server already used for a different change
+    of that client id: another copy of the device's file (a restored backup, a copied file)
+    is writing under the same id. The device takes a new id and resends; nothing is lost."""
+
+    code = ErrorCode.IDENTITY_REUSED
+    retryable = True
+
+
 _BY_CODE: dict[int, type[SyncError]] = {
     cls.code: cls
     for cls in (
@@ -174,6 +185,7 @@ _BY_CODE: dict[int, type[SyncError]] = {
         StorageUnavailable,
         CursorTooOld,
         ClockSkew,
+        IdentityReused,
     )
 }
 

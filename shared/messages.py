@@ -26,7 +26,7 @@ server fills them whatever version it agreed.
 from __future__ import annotations
 
 import typing
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -40,6 +40,8 @@ MAX_PROTOCOL = 2
 PROTOCOL_VERSION = MAX_PROTOCOL
 """The newest version (a ``Hello`` naming only it negotiates exactly it)."""
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
+MAX_PREVIOUS_IDS = 16
+"""How many earlier client ids a ``Hello`` may name."""
 
 Status = Literal["applied", "duplicate", "superseded", "resolved", "rejected"]
 Side = Literal["local", "remote"]
@@ -66,6 +68,8 @@ class Hello(msgspec.Struct, kw_only=True, tag="hello"):
     ``protocol`` is the version a server that predates ranges reads (a version 1 server
     accepts only ``protocol == 1``): set it to the lowest version you speak.
     ``min_protocol`` and ``max_protocol`` (0: same as ``protocol``) bound the range offered.
+    ``previous_client_ids`` are ids this device wrote under before it took ``client_id`` (its
+    file was restored or copied): its queued records may still carry one (at most 16).
     """
 
     protocol: int
@@ -74,6 +78,7 @@ class Hello(msgspec.Struct, kw_only=True, tag="hello"):
     min_protocol: int = 0
     max_protocol: int = 0
     request_id: int = 0
+    previous_client_ids: Annotated[list[str], msgspec.Meta(max_length=MAX_PREVIOUS_IDS)] = []
 
     def protocol_range(self) -> tuple[int, int]:
         """The versions offered, ``(lowest, highest)``; empty when lowest > highest."""

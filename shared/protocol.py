@@ -175,6 +175,7 @@ class ServerProtocol(_Protocol):
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         min_protocol: int = MIN_PROTOCOL,
         max_protocol: int = MAX_PROTOCOL,
+        previous_client_ids: list[str] | None = None,
     ) -> None:
         super().__init__(max_frame_bytes=max_frame_bytes)
         if not 1 <= min_protocol <= max_protocol:
@@ -339,6 +340,7 @@ class ClientProtocol(_Protocol):
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         min_protocol: int = MIN_PROTOCOL,
         max_protocol: int = MAX_PROTOCOL,
+        previous_client_ids: list[str] | None = None,
     ) -> None:
         super().__init__(max_frame_bytes=max_frame_bytes)
         if not 1 <= min_protocol <= max_protocol:
@@ -358,6 +360,7 @@ class ClientProtocol(_Protocol):
                 min_protocol=min_protocol,
                 max_protocol=max_protocol,
                 request_id=rid,
+                previous_client_ids=list(previous_client_ids or []),
             )
         )
 

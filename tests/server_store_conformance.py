@@ -279,6 +279,60 @@ class ServerStoreConformance:
         assert result.last_seq == 5
         assert len(await pull_all(server_store, dev.tenant)) == 3
 
+    async def test_a_different_change_under_a_used_seq_is_identity_reused(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        """A copy of the device (restored or copied file) reuses its numbers for new changes:
+        they are not duplicates, and the copy is told so (3012) instead of dropping them."""
+        dev = Device(new_tenant())
+        session = dev.session()
+        batch = dev.changes(session, dev.message(session.id), dev.event(session.id))
+        await server_store.push(dev.tenant, dev.client_id, batch, server_clock)
+        copy = [
+            Change(client_seq=2, record=dev.message(session.id)),
+            Change(client_seq=3, record=dev.event(session.id)),
+        ]
+        result = await server_store.push(dev.tenant, dev.client_id, copy, server_clock)
+        assert statuses(result) == ["rejected", "rejected"]
+        assert codes(result) == [ErrorCode.IDENTITY_REUSED] * 2
+        assert result.last_seq == 3 and result.cursors == []
+        assert len(await pull_all(server_store, dev.tenant)) == 3
+        # The original's own resend (a lost ack) is still a duplicate, mixed in or not.
+        again = await server_store.push(
+            dev.tenant, dev.client_id, batch[1:] + copy[:1], server_clock
+        )
+        assert statuses(again) == ["duplicate", "duplicate", "rejected"]
+
+    async def test_resent_content_of_a_deleted_session_is_a_duplicate(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        dev = Device(new_tenant())
+        session = dev.session()
+        message = dev.message(session.id)
+        first = dev.changes(session, message)
+        await server_store.push(dev.tenant, dev.client_id, first, server_clock)
+        tomb = dev.edit(session, deleted=True)
+        await server_store.push(dev.tenant, dev.client_id, dev.changes(tomb), server_clock)
+        again = await server_store.push(dev.tenant, dev.client_id, first[1:], server_clock)
+        assert statuses(again) == ["duplicate"]
+
+    async def test_records_of_the_devices_earlier_ids_are_accepted(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        old = Device(new_tenant())
+        new = Device(old.tenant)
+        session = old.session()
+        queued = [session, old.message(session.id)]  # written before the device re-keyed
+        changes = [Change(client_seq=i + 1, record=r) for i, r in enumerate(queued)]
+        refused = await server_store.push(new.tenant, new.client_id, changes, server_clock)
+        assert codes(refused) == [ErrorCode.INVALID_RECORD] * 2
+        other = Device(old.tenant)
+        again = [Change(client_seq=i + 1, record=r) for i, r in enumerate(queued)]
+        taken = await server_store.push(
+            other.tenant, other.client_id, again, server_clock, aliases={old.client_id}
+        )
+        assert statuses(taken) == ["applied", "applied"]
+
     async def test_sequence_gap_rejects_rest_and_keeps_last_seq(
         self, server_store: ServerStore, server_clock: HybridClock
     ) -> None:

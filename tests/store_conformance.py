@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from pleach_client.store import StorageAdapter, WriteBatch
-from pleach_client.store.base import CommitReceipt
+from pleach_client.store.base import CommitReceipt, TxReader
 from shared.errors import InvalidState, StorageError
 from shared.records import Record
 from tests.factories import (
@@ -300,6 +300,37 @@ class StoreConformance:
         # The queued row keeps its client_seq (no gap) but sends the tombstone instead.
         assert pending[first.client_seqs[0]] == tombstone
         assert pending[first.client_seqs[1]] == kept
+
+    async def test_renumber_outbox_restarts_the_sequence_in_order(
+        self, store: StorageAdapter
+    ) -> None:
+        records = one_of_each()
+        receipt = await commit(store, *records)
+        await store.outbox_remove(receipt.client_seqs[:2])  # the server took the first two
+        assert await store.last_client_seq() == len(records)
+        more = make_message()
+        again = await commit(store, more, renumber_outbox=True)
+        pending = await store.outbox_pending()
+        assert [e.client_seq for e in pending] == list(range(1, len(records) - 1 + 1))
+        assert [e.record for e in pending] == [*records[2:], more]
+        assert again.client_seqs == [len(records) - 1]
+        assert await store.last_client_seq() == len(records) - 1
+
+        async def read(tx: TxReader) -> None:
+            assert await tx.queued_records() == [*records[2:], more]
+
+        await store.transact(read)
+
+    async def test_rechained_audit_rows_replace_the_stored_ones(
+        self, store: StorageAdapter
+    ) -> None:
+        row = make_audit(client_id="old", sequence_number=3)
+        await commit(store, row)
+        moved = msgspec.structs.replace(row, client_id="new", sequence_number=1)
+        await commit(store, rechained_audit=[moved])
+        assert await store.list_audit(client_id="new") == [moved]
+        assert await store.list_audit(client_id="old") == []
+        assert [e.record for e in await store.outbox_pending()] == [moved]
 
     async def test_events_in_sequence_order_with_from_sequence(self, store: StorageAdapter) -> None:
         events = {n: make_event(session_id="s-1", sequence_number=n) for n in (1, 2, 3, 4)}

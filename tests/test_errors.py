@@ -17,6 +17,7 @@ from shared.errors import (
     ErrorCode,
     Forbidden,
     FrameTooLarge,
+    IdentityReused,
     InvalidRecord,
     InvalidState,
     MalformedFrame,
@@ -47,6 +48,7 @@ BY_CODE: dict[int, tuple[type[SyncError], bool]] = {
     3009: (StorageUnavailable, True),
     3010: (CursorTooOld, False),
     3011: (ClockSkew, False),
+    3012: (IdentityReused, True),
 }
 
 
@@ -77,7 +79,7 @@ def test_sync_error_retryable_override(code: int, override: bool) -> None:
     assert BY_CODE[code][0]("y").retryable is BY_CODE[code][1]
 
 
-@pytest.mark.parametrize("code", [0, 1000, 2999, 3000, 3012, 3999, 4000, -1])
+@pytest.mark.parametrize("code", [0, 1000, 2999, 3000, 3013, 3999, 4000, -1])
 def test_unknown_code_gives_plain_sync_error(code: int) -> None:
     err = sync_error(code, "from the future")
     assert type(err) is SyncError

@@ -55,6 +55,23 @@ def test_settle_removes_what_landed_and_dead_letters_what_was_refused() -> None:
     assert [(f.client_seq, f.attempts) for f in plan.failed] == [(2, 3)]
 
 
+def test_settle_rekeys_on_3012_and_takes_nothing_for_held_by_number() -> None:
+    """The server knows client_seq 9 of this id, but this device only ever gave out 4:
+    another copy used the numbers. Unmentioned entries are not taken for held; what the
+    server says it does not hold (3012) is kept, and the device takes a new id."""
+    results = [ChangeResult(client_seq=3, status="duplicate")]
+    plan = settle([Sent(3), Sent(4)], ack(results, last_seq=9), issued=4)
+    assert plan.remove == [3] and plan.keep == [4] and not plan.rekey
+    same = settle([Sent(3), Sent(4)], ack(results, last_seq=4), issued=4)
+    assert same.remove == [3, 4] and not same.rekey
+    told = settle(
+        [Sent(3)],
+        ack([ChangeResult(client_seq=3, status="rejected", code=ErrorCode.IDENTITY_REUSED)], 4),
+        issued=4,
+    )
+    assert told.keep == [3] and told.dead == [] and told.rekey
+
+
 def test_settle_ignores_results_for_entries_it_did_not_send() -> None:
     plan = settle([Sent(5)], ack([ChangeResult(client_seq=9, status="applied")], last_seq=4))
     assert plan.remove == [] and plan.keep == [5] and plan.progress == 0
@@ -74,12 +91,18 @@ def test_settle_partitions_every_sent_entry_exactly_once(
         ChangeResult(
             client_seq=s,
             status=data.draw(st.sampled_from(STATUSES)),  # type: ignore[arg-type]
-            code=data.draw(st.sampled_from([None, ErrorCode.SEQUENCE_GAP, ErrorCode.FORBIDDEN])),
+            code=data.draw(
+                st.sampled_from(
+                    [None, ErrorCode.SEQUENCE_GAP, ErrorCode.FORBIDDEN, ErrorCode.IDENTITY_REUSED]
+                )
+            ),
         )
         for s in answered
     ]
     last_seq = data.draw(st.integers(0, 70))
-    plan = settle(sent, ack(results, last_seq))
+    issued = data.draw(st.none() | st.integers(0, 70))
+    reused = issued is not None and last_seq > issued
+    plan = settle(sent, ack(results, last_seq), issued)
     dead = [d[0] for d in plan.dead]
     everything = plan.remove + dead + plan.keep
     # Each sent entry lands in exactly one bucket; nothing that was not sent appears.
@@ -90,14 +113,22 @@ def test_settle_partitions_every_sent_entry_exactly_once(
     for s in seqs:
         r = first.get(s)
         if r is None:
-            assert (s in plan.remove) == (s <= last_seq)
+            assert (s in plan.remove) == (s <= last_seq and not reused)
         elif r.status == "rejected" and r.code == ErrorCode.SEQUENCE_GAP:
             assert s in plan.keep
+        elif r.status == "rejected" and r.code == ErrorCode.IDENTITY_REUSED:
+            assert s in plan.keep and plan.rekey
         elif r.status == "rejected":
             assert s in dead
         else:
             assert s in plan.remove
     assert plan.progress == len(plan.remove) + len(plan.dead)
+    told = any(
+        r.status == "rejected" and r.code == ErrorCode.IDENTITY_REUSED
+        for s, r in first.items()
+        if s in seqs
+    )
+    assert plan.rekey == told
 
 
 # -- decide_session ---------------------------------------------------------------------------
@@ -115,10 +146,15 @@ def test_a_local_version_the_remote_does_not_include_is_never_taken_over() -> No
 
 
 def test_equal_vectors_with_different_contents_keep_both() -> None:
+    # One writer id, one vector, two contents: two copies of one device file wrote them.
+    # The local row stays; that device takes a new id and the server settles the conflict.
     local = make_session(vv={"a": 3}, title="restored file's edit")
     remote = msgspec.structs.replace(local, title="the edit the server saw first")
-    assert decide_session(local, remote) is Decision.FORK_LOCAL
+    assert decide_session(local, remote) is Decision.REUSED
     assert decide_session(local, local) is Decision.KEEP
+    # Other writers (a vector reached twice some other way): both kept here, local as a fork.
+    other = msgspec.structs.replace(remote, client_id="b")
+    assert decide_session(local, other) is Decision.FORK_LOCAL
 
 
 def test_delete_wins_both_ways() -> None:

@@ -44,6 +44,11 @@ class WriteBatch(msgspec.Struct, kw_only=True):
     its tombstone.
     ``queued`` records are written and always get outbox rows, whatever ``outbox`` says (a
     remote page that also produces a local write, such as a fork keeping a local version).
+    ``renumber_outbox`` gives the rows already queued the sequence numbers 1..n, in their
+    order, before this batch's own rows are queued after them: a device that took a new
+    client id (its file was restored or copied) starts a new sequence.
+    ``rechained_audit`` replaces stored audit rows by id (client id, place and hashes): the
+    unsent rows of an old client id moved onto the new id's chain.
     """
 
     records: list[Record] = []
@@ -53,6 +58,8 @@ class WriteBatch(msgspec.Struct, kw_only=True):
     purge_sessions: list[str] = []
     purge_keep: list[str] = []
     queued: list[Record] = []
+    renumber_outbox: bool = False
+    rechained_audit: list[AuditRow] = []
 
 
 class TxReader(Protocol):
@@ -73,6 +80,10 @@ class TxReader(Protocol):
     async def list_checkpoints(self, session_id: str) -> list[Checkpoint]: ...
     async def missing_messages(self, message_ids: list[str]) -> list[str]:
         """Those of ``message_ids`` this store does not hold."""
+        ...
+
+    async def queued_records(self) -> list[Record]:
+        """The records the outbox still refers to, in ``client_seq`` order."""
         ...
 
 
@@ -170,6 +181,11 @@ class StorageAdapter(Protocol):
         ...
 
     async def outbox_count(self) -> int: ...
+    async def last_client_seq(self) -> int:
+        """The highest ``client_seq`` this store ever gave out (0 if none): a server that
+        knows a higher one for this client id has seen another copy of this device."""
+        ...
+
     async def outbox_remove(self, client_seqs: list[int]) -> None:
         """Drop acknowledged entries."""
         ...

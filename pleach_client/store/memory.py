@@ -190,6 +190,10 @@ class MemoryAdapter(AsyncResource):
         self._check_open()
         return [m for m in message_ids if m not in self._messages]
 
+    async def queued_records(self) -> list[Record]:
+        self._check_open()
+        return [_decode(_RECORD, self._body_of(self._outbox[seq])) for seq in sorted(self._outbox)]
+
     async def event_head(self, session_id: str) -> tuple[int, str]:
         self._check_open()
         rows = self._events.group(session_id)
@@ -215,7 +219,17 @@ class MemoryAdapter(AsyncResource):
             if not isinstance(key, str) or not isinstance(value, str):
                 raise StorageError(f"commit failed: meta {key!r} must map str to str")
 
+        rechained = [(row, encode_record(row)) for row in batch.rechained_audit]
         # Nothing below can fail: the batch is applied whole.
+        for row, body in rechained:
+            if row.id in self._audit:
+                self._audit[row.id] = _AuditRow(
+                    row.client_id, row.session_id, row.sequence_number, row.subject_key, body
+                )
+        if batch.renumber_outbox:
+            rows = [self._outbox[seq] for seq in sorted(self._outbox)]
+            self._outbox = dict(enumerate(rows, start=1))
+            self._last_seq = len(rows)
         keep = set(batch.purge_keep)
         for session_id in batch.purge_sessions:
             self._purge_session(session_id, keep)
@@ -431,6 +445,10 @@ class MemoryAdapter(AsyncResource):
             last_error_code=row.last_error_code,
             last_error_message=row.last_error_message,
         )
+
+    async def last_client_seq(self) -> int:
+        self._check_open()
+        return self._last_seq
 
     async def outbox_count(self) -> int:
         self._check_open()

@@ -412,6 +412,16 @@ async def _write_batch(conn: aiosqlite.Connection, batch: WriteBatch) -> CommitR
         purge = [(session_id,) for session_id in batch.purge_checkpoints_for]
         for statement in _PURGE_CHECKPOINTS:
             await conn.executemany(statement, purge)
+    if batch.rechained_audit:
+        await conn.executemany(
+            "UPDATE audit SET client_id = ?, sequence_number = ?, body = ? WHERE id = ?",
+            [
+                (row.client_id, row.sequence_number, compact.encode(row), row.id)
+                for row in batch.rechained_audit
+            ],
+        )
+    if batch.renumber_outbox:
+        await _renumber_outbox(conn)
     to_queue = (outbox if batch.outbox else []) + queued_outbox
     seqs: list[int] = []
     if to_queue:
@@ -428,6 +438,22 @@ async def _write_batch(conn: aiosqlite.Connection, batch: WriteBatch) -> CommitR
     if batch.meta:
         await conn.executemany(_PUT_META, list(batch.meta.items()))
     return CommitReceipt(client_seqs=seqs, records=len(batch.records) + len(batch.queued))
+
+
+async def _renumber_outbox(conn: aiosqlite.Connection) -> None:
+    """Queued rows get client_seq 1..n in order, and the sequence restarts after them."""
+    seqs = [int(row[0]) for row in await _fetch(conn, "SELECT client_seq FROM outbox ORDER BY 1")]
+    # Through negative numbers, so no two rows ever hold one key.
+    await conn.execute("UPDATE outbox SET client_seq = -client_seq")
+    await conn.executemany(
+        "UPDATE outbox SET client_seq = ? WHERE client_seq = ?",
+        [(new, -old) for new, old in enumerate(seqs, start=1)],
+    )
+    await conn.execute("DELETE FROM sqlite_sequence WHERE name = 'outbox'")
+    if seqs:
+        await conn.execute(
+            "INSERT INTO sqlite_sequence (name, seq) VALUES ('outbox', ?)", (len(seqs),)
+        )
 
 
 class _Reader:
@@ -469,6 +495,10 @@ class _Reader:
         ids = msgspec.json.encode(message_ids).decode()
         rows = await _fetch(self._conn, QUERIES["missing_messages"], (ids,))
         return [str(row[0]) for row in rows]
+
+    async def queued_records(self) -> list[Record]:
+        rows = await _fetch(self._conn, QUERIES["outbox_pending"], (-1,))
+        return [_decode(_RECORD, "outbox", row[0], row[1]) for row in rows]
 
 
 class SQLiteAdapter(AsyncResource):
@@ -649,6 +679,8 @@ class SQLiteAdapter(AsyncResource):
             or batch.purge_checkpoints_for
             or batch.purge_sessions
             or batch.meta
+            or batch.renumber_outbox
+            or batch.rechained_audit
         ):
             return CommitReceipt(client_seqs=[], records=0)
 
@@ -785,6 +817,10 @@ class SQLiteAdapter(AsyncResource):
 
     async def outbox_count(self) -> int:
         return await self._count("outbox_count")
+
+    async def last_client_seq(self) -> int:
+        async with self._reading("read last client_seq") as conn:
+            return await _last_seq(conn)
 
     async def _count(self, query: str) -> int:
         async with self._reading(query) as conn:

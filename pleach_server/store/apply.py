@@ -5,7 +5,10 @@ when that returns and rolls back when it raises. Every rule of the sync protocol
 the SQLite and PostgreSQL stores cannot drift apart:
 
 - **Idempotency** by ``(tenant, client_id, client_seq)``: ``seq <= last_seq`` is a
-  ``duplicate``; ``last_seq + 1`` is processed; a gap rejects that change and every later one
+  ``duplicate`` when the server holds that change (its id is stored, it was refused, or a
+  delete drained it), else 3012 (``IdentityReused``: another copy of the device, restored or
+  copied, wrote under the same numbers; it takes a new id and resends); ``last_seq + 1`` is
+  processed; a gap rejects that change and every later one
   of the batch with 3006 and leaves ``last_seq`` alone (the device resends from
   ``last_seq + 1``).
 - **Validation** rejects a change with a code and still advances ``last_seq``, so one bad change
@@ -58,6 +61,7 @@ from shared.clock import HybridClock, Order, Timestamp, vv_bump, vv_compare, vv_
 from shared.errors import (
     ClockSkew,
     Forbidden,
+    IdentityReused,
     InvalidRecord,
     SequenceGap,
     StorageUnavailable,
@@ -318,23 +322,28 @@ def _filed_under(record: Record) -> list[str]:
     return []
 
 
-def _relayed(record: Record, tenant: Tenant, client_id: str) -> bool:
+def _relayed(record: Record, tenant: Tenant, client_id: str, aliases: Collection[str] = ()) -> bool:
     """A session version of this tenant that another of its devices wrote."""
     return (
         isinstance(record, Session)
         and record.client_id != client_id
+        and record.client_id not in aliases
         and _tenant_of(record) == tenant
     )
 
 
-def validate_record(record: Record, tenant: Tenant, client_id: str) -> SyncError | None:
+def validate_record(
+    record: Record, tenant: Tenant, client_id: str, aliases: Collection[str] = ()
+) -> SyncError | None:
     """The checks that need no database: tenant, origin device, ids and stamps.
 
-    Returns the error to reject with, or None when the record may proceed.
+    ``aliases`` are the pushing device's earlier client ids (``Hello.previous_client_ids``):
+    records it wrote before it took a new id still carry one. Returns the error to reject
+    with, or None when the record may proceed.
     """
     if record.org_id != tenant.org_id or record.user_id != tenant.user_id:
         return Forbidden("record belongs to another tenant")
-    if record.client_id != client_id:
+    if record.client_id != client_id and record.client_id not in aliases:
         return InvalidRecord(
             f"record client_id {record.client_id!r} is not the pushing device {client_id!r}"
         )
@@ -353,7 +362,70 @@ def validate_record(record: Record, tenant: Tenant, client_id: str) -> SyncError
     return None
 
 
-def batch_keys(changes: list[Change], last_seq: int, tenant: Tenant, client_id: str) -> BatchKeys:
+def _duplicate_keys(
+    record: Record,
+    tenant: Tenant,
+    client_id: str,
+    aliases: Collection[str],
+    records: set[tuple[RecordKind, str]],
+    events: set[str],
+    owners: set[str],
+    sessions: set[str],
+) -> None:
+    """What ``_held`` asks about a change resent under a used ``client_seq``."""
+    if validate_record(record, tenant, client_id, aliases) is not None:
+        return
+    info = kind_of(record)
+    if _is_session(info):
+        owners.add(record.id)
+        sessions.add(record.id)
+    elif info.server_placed:
+        events.add(record.id)
+    else:
+        records.add((info.name, record.id))
+    session_id = info.session_of(record)
+    if info.deleted_with_session and session_id is not None:
+        sessions.add(session_id)
+
+
+async def _held(
+    tx: StoreTx, record: Record, tenant: Tenant, client_id: str, aliases: Collection[str]
+) -> bool:
+    """Whether a change resent under a ``client_seq`` at or below the device's ``last_seq``
+    is one the server took (or refused) when it first came.
+
+    A device resends such changes when an ack was lost; then the server holds them (or holds
+    that it refused them). Another copy of the device (a restored backup, a copied file)
+    sends different changes under the same numbers: the server has never seen their ids, and
+    answering ``duplicate`` would make that copy drop them unsent.
+    """
+    if validate_record(record, tenant, client_id, aliases) is not None:
+        return True  # refused when it first came, and the device was told why
+    info = kind_of(record)
+    if isinstance(record, Session):
+        current = await tx.get_session(record.id)
+        if (
+            current is not None
+            and current.vv == record.vv
+            and (current.hlc, current.client_id) != (record.hlc, record.client_id)
+        ):
+            return False  # another version under the same vector: another copy's
+    if await tx.owner_of(info.name, record.id) is not None:
+        return True  # stored (or, for another tenant's id, refused when it first came)
+    session_id = info.session_of(record)
+    if info.deleted_with_session and session_id is not None:
+        session = await tx.get_session(session_id)
+        return session is not None and session.deleted  # drained by the session's delete
+    return False
+
+
+def batch_keys(
+    changes: list[Change],
+    last_seq: int,
+    tenant: Tenant,
+    client_id: str,
+    aliases: Collection[str] = (),
+) -> BatchKeys:
     """Every id the rules will ask ``StoreTx`` about for ``changes`` after ``last_seq``.
 
     Only the changes that will be processed count: those after ``last_seq`` and before any gap,
@@ -367,13 +439,16 @@ def batch_keys(changes: list[Change], last_seq: int, tenant: Tenant, client_id: 
     expected = last_seq + 1
     for change in changes:
         if change.client_seq < expected:
-            continue  # a duplicate
+            _duplicate_keys(
+                change.record, tenant, client_id, aliases, records, events, owners, sessions
+            )
+            continue
         if change.client_seq > expected:
             break  # a gap: nothing after it is processed
         expected += 1
         record = change.record
-        if validate_record(record, tenant, client_id) is not None:
-            if _relayed(record, tenant, client_id):
+        if validate_record(record, tenant, client_id, aliases) is not None:
+            if _relayed(record, tenant, client_id, aliases):
                 sessions.add(record.id)
             continue
         owners.update(_filed_under(record))
@@ -781,11 +856,13 @@ async def apply_push(
     server_id: str,
     *,
     wrap: Callable[[StoreTx], StoreTx] | None = None,
+    aliases: Collection[str] = (),
 ) -> PushResult:
     """Apply one push batch inside ``tx``, in order; see the module docstring for the rules.
 
     ``clock`` is the server's HLC (it observes every accepted stamp and stamps forks);
-    ``server_id`` is the vector entry the server bumps when it settles a conflict. ``wrap``
+    ``server_id`` is the vector entry the server bumps when it settles a conflict. ``aliases``
+    are the device's earlier client ids (see ``validate_record``). ``wrap``
     (a store's ``_wrap_tx`` hook) wraps the ``StoreTx`` the rules run against. The caller
     commits ``tx`` when this returns and rolls it back when it raises.
     """
@@ -793,12 +870,19 @@ async def apply_push(
     view: StoreTx = buffered if wrap is None else wrap(buffered)
     await view.lock_tenant(tenant)
     start_seq = last_seq = await view.get_last_seq(tenant, client_id)
-    await buffered.load(batch_keys(changes, start_seq, tenant, client_id))
+    await buffered.load(batch_keys(changes, start_seq, tenant, client_id, aliases))
     batch = _Batch(view, tenant, clock, server_id)
     results: list[ChangeResult] = []
     gap = False
+    reused = False
     for change in changes:
         seq = change.client_seq
+        if reused and seq > last_seq:
+            # Nothing new may apply under an id another copy also writes under: the device
+            # takes a new id and resends it. (Numbers at or below last_seq are still each
+            # answered for, so that it knows which of them the server holds.)
+            results.append(_rejected(seq, IdentityReused("client id reused earlier in this batch")))
+            continue
         if gap or seq > last_seq + 1:
             # Nothing after a gap may apply: the device resends from last_seq + 1.
             gap = True
@@ -807,13 +891,21 @@ async def apply_push(
             )
             continue
         if seq <= last_seq:
-            results.append(ChangeResult(client_seq=seq, status="duplicate"))
+            if await _held(view, change.record, tenant, client_id, aliases):
+                results.append(ChangeResult(client_seq=seq, status="duplicate"))
+            else:
+                reused = True
+                copy = IdentityReused(
+                    f"client_seq {seq} of this client id was used for another change: another "
+                    "copy of this device (a restored or copied file) writes under the same id"
+                )
+                results.append(_rejected(seq, copy))
             continue
         last_seq = seq
         record = change.record
         present = False
-        error = validate_record(record, tenant, client_id)
-        if error is not None and _relayed(record, tenant, client_id):
+        error = validate_record(record, tenant, client_id, aliases)
+        if error is not None and _relayed(record, tenant, client_id, aliases):
             # Another device's version, relayed: the device's queued row now refers to a
             # version it pulled. Harmless if the server already includes it.
             current = await view.get_session(record.id)

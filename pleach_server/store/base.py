@@ -8,6 +8,7 @@ monotonic ``cursor``. A pull never skips a change that commits later under a low
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from types import TracebackType
 from typing import Protocol, Self, runtime_checkable
 
@@ -63,13 +64,20 @@ class ServerStore(Protocol):
         ...
 
     async def push(
-        self, tenant: Tenant, client_id: str, changes: list[Change], clock: HybridClock
+        self,
+        tenant: Tenant,
+        client_id: str,
+        changes: list[Change],
+        clock: HybridClock,
+        *,
+        aliases: Collection[str] = (),
     ) -> PushResult:
         """Apply a batch idempotently in one transaction; see ``store/apply.py`` for rules.
 
         ``clock`` is the server's HLC; ``clock.client_id`` is the server id whose version-vector
         entry is bumped when a conflict is settled. Raises ``StorageUnavailable`` (3009,
         retryable) when the database is unreachable; nothing of the batch is then committed.
+        ``aliases`` are the device's earlier client ids (``Hello.previous_client_ids``).
         """
         ...
 

@@ -50,7 +50,7 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -820,7 +820,13 @@ class PostgresServerStore(AsyncResource):
         return int(row[0]), int(row[1])
 
     async def push(
-        self, tenant: Tenant, client_id: str, changes: list[Change], clock: HybridClock
+        self,
+        tenant: Tenant,
+        client_id: str,
+        changes: list[Change],
+        clock: HybridClock,
+        *,
+        aliases: Collection[str] = (),
     ) -> PushResult:
         async def body(conn: Any) -> PushResult:
             result = await apply_push(
@@ -831,6 +837,7 @@ class PostgresServerStore(AsyncResource):
                 clock,
                 clock.client_id,
                 wrap=self._wrap_tx,
+                aliases=aliases,
             )
             if result.cursors:
                 if self.feed_retention is not None:

@@ -25,7 +25,7 @@ import asyncio
 import logging
 import os
 import sqlite3
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from typing import Any, Literal, TypeVar
 
 import aiosqlite
@@ -561,7 +561,13 @@ class SQLiteServerStore(AsyncResource):
         return await self._read(body)
 
     async def push(
-        self, tenant: Tenant, client_id: str, changes: list[Change], clock: HybridClock
+        self,
+        tenant: Tenant,
+        client_id: str,
+        changes: list[Change],
+        clock: HybridClock,
+        *,
+        aliases: Collection[str] = (),
     ) -> PushResult:
         async def body(conn: aiosqlite.Connection) -> PushResult:
             result = await apply_push(
@@ -572,6 +578,7 @@ class SQLiteServerStore(AsyncResource):
                 clock,
                 clock.client_id,
                 wrap=self._wrap_tx,
+                aliases=aliases,
             )
             if self.feed_retention is not None and result.cursors:
                 await self._retain(conn, tenant, self.feed_retention)

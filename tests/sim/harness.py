@@ -272,6 +272,15 @@ def postgres_backend(dsn: str, schema: str) -> EmbeddedBackend:
 # -- devices ---------------------------------------------------------------------------------
 
 
+def copy_db(src: Path, dst: Path) -> None:
+    """Copy a closed SQLite database with its WAL files; stale ones at ``dst`` go first."""
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{dst}{suffix}").unlink(missing_ok=True)
+    for suffix in ("", "-wal", "-shm"):
+        if Path(f"{src}{suffix}").exists():
+            shutil.copyfile(f"{src}{suffix}", f"{dst}{suffix}")
+
+
 class Device:
     """One device: a ``SessionRuntime`` on its own SQLite file, behind its own proxy."""
 
@@ -280,6 +289,8 @@ class Device:
         self.index = index
         self.name = f"dev{index}"
         self.path = world.workdir / f"{self.name}.db"
+        self.backup_path = world.workdir / f"{self.name}.backup.db"
+        self.has_backup = False
         self.skew_ms = skew_ms
         self.proxy = Proxy(self.name, world.backend.upstream)
         self.rt: SessionRuntime | None = None
@@ -477,8 +488,48 @@ class World:
             await self.backend.restart()
         elif kind == "skew":
             dev.skew_ms = op.arg
+        elif kind == "backup":
+            # A copy of the file as it is now, taken with the runtime closed (as a backup
+            # tool or a copy to a new machine would).
+            await dev.close()
+            copy_db(dev.path, dev.backup_path)
+            dev.has_backup = True
+            await dev.open()
+        elif kind == "restore":
+            # The disk is replaced by the backup. What the device wrote since and never
+            # synced is gone with the disk (that is not a sync loss), so the op first lets
+            # the device sync; the restored file then writes on under the old identity.
+            if not dev.has_backup:
+                raise Skip("no backup of this device")
+            await self._drained(dev)
+            dev.proxy.cut()
+            await dev.close()
+            copy_db(dev.backup_path, dev.path)
+            await dev.open()
+            self._count("restored")
+        elif kind == "clone":
+            # Another device's file is copied over this one's (after this one synced): two
+            # devices now write under one identity.
+            source = self.devices[op.pick % len(self.devices)]
+            if source is dev or source.rt is None:
+                raise Skip("no other device to copy")
+            await self._drained(dev)
+            dev.proxy.cut()
+            await dev.close()
+            await source.close()
+            copy_db(source.path, dev.path)
+            await source.open()
+            await dev.open()
+            self._count("cloned")
         else:
             raise ValueError(f"unknown op {kind}")
+
+    async def _drained(self, dev: Device) -> None:
+        """Wait until everything this device wrote is on the server, or skip the op."""
+        if dev.rt is None or not dev.online or dev.proxy.faulty:
+            raise Skip("offline or on a faulty network: cannot drain")
+        if not await dev.rt.sync.wait_until_synced(timeout=SYNC_OP_TIMEOUT):
+            raise Skip("did not drain in time")
 
     async def _turn(self, index: int, op: Op, dev: Device, sid: str) -> None:
         rt = dev.rt

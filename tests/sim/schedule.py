@@ -42,6 +42,9 @@ OP_WEIGHTS: tuple[tuple[str, int], ...] = (
     ("restart", 2),
     ("server_restart", 2),
     ("skew", 2),
+    ("backup", 2),
+    ("restore", 2),
+    ("clone", 1),
 )
 
 NETWORK_OPS = frozenset(k for k, _ in OP_WEIGHTS if k.startswith("net_"))

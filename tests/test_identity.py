@@ -1,0 +1,194 @@
+"""A restored or copied device file: the copy takes a new client id, and nothing is lost.
+
+Real server on a loopback port, real runtimes on SQLite files. A file restored from a backup
+(or copied to a second machine) reuses the client id and ``client_seq`` numbers the server
+already saw; before, its new writes were answered ``duplicate`` and dropped unsent.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from pleach_client.providers.scripted import ScriptedProvider
+from pleach_client.runtime import SessionRuntime
+from pleach_client.store.sqlite import SQLiteAdapter
+from pleach_server.auth import issue_token
+from pleach_server.server import SyncServer
+from pleach_server.store import SQLiteServerStore, Tenant
+from shared.clock import HybridClock
+from shared.errors import ErrorCode
+from shared.records import Change, Message
+
+SECRET = b"identity-test-secret"
+ALICE = Tenant(org_id="acme", user_id="alice")
+TIMEOUT = 20.0
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[tuple[SyncServer, SQLiteServerStore]]:
+    async with (
+        SQLiteServerStore(tmp_path / "server.db", synchronous="NORMAL") as store,
+        SyncServer(store, port=0, secret=SECRET, rate_limit_per_s=None) as srv,
+    ):
+        yield srv, store
+
+
+@asynccontextmanager
+async def device(path: Path, srv: SyncServer) -> AsyncIterator[SessionRuntime]:
+    rt = SessionRuntime(
+        SQLiteAdapter(path), ScriptedProvider(), org_id=ALICE.org_id, user_id=ALICE.user_id
+    )
+    async with rt:
+        rt.sync.backoff_initial = 0.01
+        rt.sync.backoff_max = 0.2
+        await rt.sync.connect(srv.url, issue_token(SECRET, ALICE, 3600))
+        yield rt
+
+
+async def say(rt: SessionRuntime, session_id: str, text: str) -> None:
+    async for _ in rt.execute_message(session_id, text):
+        pass
+
+
+async def synced(rt: SessionRuntime) -> None:
+    assert await rt.sync.wait_until_synced(TIMEOUT), await rt.sync.status()
+
+
+async def server_user_texts(store: SQLiteServerStore) -> set[str]:
+    page = await store.pull(ALICE, 0, 100_000)
+    return {
+        block["text"]
+        for change in page.changes
+        if isinstance(change.record, Message) and change.record.role == "user"
+        for block in change.record.content
+        if block.get("type") == "text"
+    }
+
+
+def copy_file(src: Path, dst: Path) -> None:
+    """A whole-file copy of a closed database (what a backup or a copy to a new machine is)."""
+    for suffix in ("", "-wal", "-shm"):
+        if Path(f"{src}{suffix}").exists():
+            shutil.copyfile(f"{src}{suffix}", f"{dst}{suffix}")
+
+
+async def test_a_restored_backup_takes_a_new_id_and_loses_nothing(
+    tmp_path: Path, server: tuple[SyncServer, SQLiteServerStore]
+) -> None:
+    srv, store = server
+    path, backup = tmp_path / "laptop.db", tmp_path / "backup.db"
+    async with device(path, srv) as rt:
+        session_id = (await rt.create_session(title="trip")).id
+        await say(rt, session_id, "before the backup")
+        await synced(rt)
+        old_id = rt.client_id
+    copy_file(path, backup)
+    async with device(path, srv) as rt:  # the lost future: synced, then the disk dies
+        await say(rt, session_id, "after the backup 1")
+        await say(rt, session_id, "after the backup 2")
+        await synced(rt)
+    copy_file(backup, path)  # restored from the backup
+    async with device(path, srv) as rt:
+        await say(rt, session_id, "written on the restored file")
+        await synced(rt)
+        status = await rt.sync.status()
+        assert rt.client_id != old_id
+        assert status.last_error_code == ErrorCode.IDENTITY_REUSED
+        assert "restored or copied" in (status.last_error or "")
+        texts = {m.content[0]["text"] for m in await rt.sessions.messages(session_id)}
+    on_server = await server_user_texts(store)
+    everything = {
+        "before the backup",
+        "after the backup 1",
+        "after the backup 2",
+        "written on the restored file",
+    }
+    assert everything <= on_server
+    # The restored device ends with every message too: its version and the lost future's
+    # are settled as a conflict, and both sides survive (one as a fork).
+    async with device(path, srv) as rt:
+        await synced(rt)
+        everywhere: set[str] = set()
+        for session in await rt.sessions.list():
+            everywhere |= {m.content[0]["text"] for m in await rt.sessions.messages(session.id)}
+    assert everything <= everywhere | texts
+
+
+@pytest.mark.parametrize("clone_turns", [1, 2, 3])
+async def test_a_copied_file_writing_beside_the_original_loses_nothing(
+    tmp_path: Path, server: tuple[SyncServer, SQLiteServerStore], clone_turns: int
+) -> None:
+    """The copy writes fewer, as many or more changes than the original before both sync:
+    with as many, only the server can tell (same numbers, different changes)."""
+    srv, store = server
+    path, clone_path = tmp_path / "laptop.db", tmp_path / "desktop.db"
+    async with device(path, srv) as rt:
+        session_id = (await rt.create_session(title="shared")).id
+        await synced(rt)
+    copy_file(path, clone_path)
+    async with device(path, srv) as original:
+        for i in range(2):
+            await say(original, session_id, f"original {i}")
+        await synced(original)
+    async with device(clone_path, srv) as clone:
+        other = (await clone.create_session(title="clone's own")).id
+        for i in range(clone_turns):
+            await say(clone, other if i % 2 else session_id, f"clone {i}")
+        await synced(clone)
+        assert (await clone.sync.status()).last_error_code == ErrorCode.IDENTITY_REUSED
+    on_server = await server_user_texts(store)
+    assert {"original 0", "original 1"} <= on_server
+    assert {f"clone {i}" for i in range(clone_turns)} <= on_server
+
+
+async def test_a_lost_ack_is_still_a_duplicate(
+    tmp_path: Path, server: tuple[SyncServer, SQLiteServerStore]
+) -> None:
+    """The ordinary resend (the ack never came) must not look like a copy."""
+    srv, store = server
+    async with device(tmp_path / "phone.db", srv) as rt:
+        session_id = (await rt.create_session(title="x")).id
+        await say(rt, session_id, "hello")
+        await synced(rt)
+        client_id = rt.client_id
+        entries = await rt.store.outbox_pending()
+        assert entries == []
+        # Resend everything the server has under the same numbers, as after a lost ack.
+        page = await store.pull(ALICE, 0, 1000)
+        mine = [c.record for c in page.changes if c.record.client_id == client_id]
+        assert mine
+    changes = [Change(client_seq=i + 1, record=r) for i, r in enumerate(mine)]
+    result = await store.push(ALICE, client_id, changes, HybridClock("test-server"))
+    assert {r.status for r in result.results} <= {"duplicate"}, result.results
+
+
+async def test_sync_once_from_a_copied_file_sends_everything(
+    tmp_path: Path, server: tuple[SyncServer, SQLiteServerStore]
+) -> None:
+    """The one-shot sync the CLI uses re-keys mid-flush and still sends it all."""
+    srv, store = server
+    token = issue_token(SECRET, ALICE, 3600)
+    path, copy = tmp_path / "a.db", tmp_path / "b.db"
+
+    def runtime(p: Path) -> SessionRuntime:
+        return SessionRuntime(
+            SQLiteAdapter(p), ScriptedProvider(), org_id=ALICE.org_id, user_id=ALICE.user_id
+        )
+
+    async with runtime(path) as rt:
+        session_id = (await rt.create_session(title="x")).id
+        await rt.sync.sync_once(srv.url, token)
+    copy_file(path, copy)
+    for p, text in ((path, "from the original"), (copy, "from the copy")):
+        async with runtime(p) as rt:
+            await say(rt, session_id, text)
+    for p in (path, copy):
+        async with runtime(p) as rt:
+            receipt = await rt.sync.sync_once(srv.url, token)
+            assert receipt.pending_after == 0, receipt
+    assert {"from the original", "from the copy"} <= await server_user_texts(store)
