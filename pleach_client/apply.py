@@ -58,6 +58,8 @@ async def plan_page(
     for remote in remote_sessions.values():
         local = await view.row(tx, remote.id)
         decision = decide_session(local, remote)
+        if decision is Decision.TAKE and await _reuses_our_counter(tx, view, local, remote):
+            decision = Decision.REUSED
         if remote.deleted and local is not None and local.deleted:
             # Our own delete coming back (or a later tombstone): sweep again, so content that
             # arrived meanwhile for a fork we did not know yet is kept only if a fork uses it.
@@ -138,6 +140,18 @@ async def plan_page(
         purge_keep=sorted(kept),
         queued=queued,
     )
+
+
+async def _reuses_our_counter(
+    tx: TxReader, view: RemoteView, local: Session | None, remote: Session
+) -> bool:
+    """A remote version that counts this device's latest, still unacknowledged version (its
+    own counter or more) cannot have seen it: nobody has. Another copy of this device's file
+    wrote under the same counter (a restored or copied file)."""
+    if local is None or remote.deleted or local.client_id != view.client_id:
+        return False
+    mine = local.vv.get(view.client_id, 0)
+    return 0 < mine <= remote.vv.get(view.client_id, 0) and await tx.queued(local.id)
 
 
 async def missing_content(tx: TxReader, view: RemoteView, batch: WriteBatch) -> list[str]:

@@ -25,11 +25,20 @@ from typing import Any, TypeVar
 import msgspec
 
 from shared.clock import HybridClock, vv_bump, vv_merge, wall_clock_ms
-from shared.errors import NotFound
+from shared.errors import NotFound, RecordTooLarge
 from shared.hashchain import chain_audit, chain_event
 from shared.ids import uuid7
-from shared.messages import MAX_PREVIOUS_IDS
-from shared.records import AuditRow, Checkpoint, Event, Message, Record, Session, kind_of
+from shared.messages import MAX_PREVIOUS_IDS, MAX_RECORD_BYTES
+from shared.records import (
+    AuditRow,
+    Checkpoint,
+    Event,
+    Message,
+    Record,
+    Session,
+    encode_record,
+    kind_of,
+)
 
 from .store.base import CommitReceipt, StorageAdapter, TxReader, WriteBatch
 from .transcript import Transcript
@@ -348,6 +357,7 @@ class DeviceCore:
                 purged=purge,
             )
             pending = (generation, heads, (seq, prev))
+            _check_sizes([*contents, *events, *chained])
             keep = await purge_keep(tx, purge, rows.values()) if purge else []
             # Order matters for sync: referenced records precede the session row.
             return WriteBatch(
@@ -632,6 +642,17 @@ async def purge_keep(
                 keep.add(current.id)
                 current = by_id.get(current.parent_id) if current.parent_id else None
     return sorted(keep)
+
+
+def _check_sizes(records: Iterable[Record]) -> None:
+    """Refuse a record too large to ever sync (``RecordTooLarge``), before anything is written."""
+    for record in records:
+        size = len(encode_record(record))
+        if size > MAX_RECORD_BYTES:
+            raise RecordTooLarge(
+                f"{type(record).__name__} {record.id} is {size:,} bytes encoded, over the "
+                f"{MAX_RECORD_BYTES:,}-byte limit for a record that syncs"
+            )
 
 
 def _next_generation() -> str:

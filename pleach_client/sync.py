@@ -627,7 +627,11 @@ class SyncFacet:
                         for e in entries
                     )
                     break
-                changes = [Change(client_seq=e.client_seq, record=e.record) for e in entries]
+                changes = _within(
+                    [Change(client_seq=e.client_seq, record=e.record) for e in entries],
+                    self.max_frame_bytes // 2,
+                )
+                entries = entries[: len(changes)]
                 try:
                     answer = await link.request(
                         lambda link=link, changes=changes: link.protocol.send_push(changes),  # type: ignore[misc]
@@ -698,6 +702,12 @@ class SyncFacet:
         for client_seq, code, message in plan.dead:
             await store.outbox_dead_letter(client_seq, code, message)
         failed.extend(plan.failed)
+        if plan.skew is not None:
+            self._error(
+                f"this device's clock is ahead of the server's ({plan.skew}); "
+                f"{len(plan.keep)} change(s) stay queued and go once it is right",
+                int(ErrorCode.CLOCK_SKEW),
+            )
         if plan.remove:
             await store.outbox_remove(plan.remove)
         if plan.rekey:
@@ -812,6 +822,20 @@ class SyncFacet:
         log.warning("sync: %d referenced message(s) missing here; resyncing", len(still))
         self._resynced |= set(still)
         return True
+
+
+_CHANGE_ENCODER = msgspec.msgpack.Encoder()
+
+
+def _within(changes: list[Change], budget: int) -> list[Change]:
+    """The longest prefix of ``changes`` whose encoded size stays within ``budget`` (the first
+    always): a push frame stays under the server's frame limit however large the records."""
+    total = 0
+    for count, change in enumerate(changes):
+        total += len(_CHANGE_ENCODER.encode(change))
+        if count and total > budget:
+            return changes[:count]
+    return changes
 
 
 class TenantMismatch(Forbidden):

@@ -44,7 +44,8 @@ class Settlement:
 
     ``remove``: on the server (applied, duplicate, superseded, resolved, or at or below its
     ``last_seq``). ``dead``: refused for good, ``(client_seq, code, message)``; they go to the
-    dead letters. ``keep``: resend later (a sequence gap). ``conflicts``: receipts to record.
+    dead letters. ``keep``: resend later (a sequence gap, a clock ahead of the server's: 3011).
+    ``conflicts``: receipts to record.
     ``rekey``: another copy of this device (a restored or copied file) has used its client
     id and numbers: the server says so for each change it does not hold (3012), which is
     kept, and the device takes a new id.
@@ -56,6 +57,8 @@ class Settlement:
     conflicts: list[ConflictReceipt] = field(default_factory=list)
     failed: list[FailedEntry] = field(default_factory=list)
     rekey: bool = False
+    skew: str | None = None
+    """The server's word on this device's clock (3011), when it refused stamps ahead of it."""
 
     @property
     def progress(self) -> int:
@@ -83,6 +86,10 @@ def settle(sent: Sequence[Sent], ack: PushAck, issued: int | None = None) -> Set
         decided.add(result.client_seq)
         if result.status == "rejected" and result.code == ErrorCode.SEQUENCE_GAP:
             out.keep.append(result.client_seq)
+            continue
+        if result.status == "rejected" and result.code == ErrorCode.CLOCK_SKEW:
+            out.keep.append(result.client_seq)  # the clock, not the change: send it later
+            out.skew = out.skew or result.message or "clock skew"
             continue
         if result.status == "rejected" and result.code == ErrorCode.IDENTITY_REUSED:
             out.keep.append(result.client_seq)

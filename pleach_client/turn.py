@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from shared.errors import NotFound, ProviderError, ToolError
+from shared.errors import NotFound, ProviderError, RecordTooLarge, ToolError
 from shared.ids import uuid7
+from shared.messages import MAX_RECORD_BYTES
 from shared.records import AuditRow, Checkpoint, Event, Message, Outcome, Session, Usage
 
 from .core import SessionChange
@@ -56,6 +57,10 @@ if TYPE_CHECKING:
     from .runtime import SessionRuntime
 
 ABORTED_TOOL_RESULT = "Tool call was not run: the user aborted the turn."
+MAX_MESSAGE_BYTES = MAX_RECORD_BYTES // 2
+"""The largest user message a turn takes (UTF-8): its record stays well under the limit."""
+MAX_TOOL_RESULT_CHARS = 200_000
+"""A tool's output is cut to this many characters (and says so) before the model sees it."""
 SNAPSHOT_EVERY = 32
 
 
@@ -88,6 +93,14 @@ class _TurnWrites:
     audit: list[AuditRow] = field(default_factory=list)
 
 
+def _capped(output: Any) -> Any:
+    """A tool output a turn can store and sync: long text is cut, and says where."""
+    if isinstance(output, str) and len(output) > MAX_TOOL_RESULT_CHARS:
+        dropped = len(output) - MAX_TOOL_RESULT_CHARS
+        return f"{output[:MAX_TOOL_RESULT_CHARS]}\n[... {dropped:,} more characters cut]"
+    return output
+
+
 async def _next_event(
     stream: AsyncGenerator[ProviderEvent, None], abort_wait: asyncio.Future[Any] | None
 ) -> ProviderEvent:
@@ -112,6 +125,12 @@ async def run_turn(
     abort: asyncio.Event | None,
 ) -> AsyncIterator[StreamEventBase]:
     core = rt.core
+    size = len(content.encode("utf-8", "surrogatepass"))
+    if size > MAX_MESSAGE_BYTES:
+        raise RecordTooLarge(
+            f"the message is {size:,} bytes, over the {MAX_MESSAGE_BYTES:,}-byte limit for a "
+            "message that syncs; attach large content as an artifact or a file instead"
+        )
     session = await core.session(session_id)
     turn_id = uuid7()
     writes = _TurnWrites()
@@ -349,6 +368,7 @@ async def run_turn(
                         session_id=session.id, tool_call_id=tool_id, name=name, error=str(exc)
                     )
                     continue
+                output = _capped(output)
                 results.append({"type": "tool_result", "tool_use_id": tool_id, "content": output})
                 event("tool.completed", {"tool_call_id": tool_id, "name": name})
                 yield ToolCompleted(

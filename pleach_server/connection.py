@@ -126,6 +126,7 @@ class ConnectionContext:
     metrics: SyncMetrics
     max_frame_bytes: int
     max_pull_limit: int
+    max_pull_bytes: int
     rate_limit_per_s: float | None
     rate_limit_burst: float
     inflight: InFlight = field(default_factory=InFlight)
@@ -145,7 +146,7 @@ class ConnectionContext:
         if self.hub.subscribers(tenant):
             limit = max(1, min(to_cursor - from_cursor, self.max_pull_limit))
             try:
-                page = await self.store.pull(tenant, from_cursor, limit)
+                page = await self.store.pull(tenant, from_cursor, limit, self.max_pull_bytes)
             except (SyncError, StorageError) as exc:
                 logger.warning(
                     "fan-out read of %s (%d, %d] failed: %s", tenant, from_cursor, to_cursor, exc
@@ -381,7 +382,7 @@ class Connection:
         if pull.cursor < 0:
             raise MalformedFrame(f"cursor must be >= 0, got {pull.cursor}")
         limit = max(1, min(pull.limit, self.ctx.max_pull_limit))
-        page = await self.ctx.store.pull(self.tenant, pull.cursor, limit)
+        page = await self.ctx.store.pull(self.tenant, pull.cursor, limit, self.ctx.max_pull_bytes)
         self.protocol.send_changes(
             pull.cursor, page.to_cursor, page.changes, more=page.more, request_id=pull.request_id
         )

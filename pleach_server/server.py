@@ -56,7 +56,7 @@ from .auth import parse_bearer, verify_token
 from .connection import Connection, ConnectionContext
 from .hub import DEFAULT_QUEUE_SIZE, Hub
 from .notify import LocalNotifier, Notifier
-from .store.base import ServerStore, Tenant
+from .store.base import DEFAULT_PULL_BYTES, ServerStore, Tenant
 
 __all__ = ["SYNC_PATH", "SyncMetrics", "SyncServer"]
 
@@ -143,6 +143,9 @@ class SyncServer:
       frames above twice that are refused by the WebSocket layer itself (1009).
     - ``fanout_queue`` (256): live frames held per device before it is cut and must pull.
     - ``max_pull_limit`` (1000): the largest page a ``Pull`` gets, whatever it asks.
+    - ``max_pull_bytes`` (1 MiB): a pull or live page also stops once its records add up to
+      this many bytes (a larger record travels alone), so one large pull cannot make a huge
+      frame, hold the server's memory or stall other devices.
     - ``rate_limit_per_s`` (200) and ``rate_limit_burst`` (2 s worth): frames per second per
       connection; excess frames get ``Error`` 3008 (retryable) and are not processed.
       ``None`` disables the limit.
@@ -160,6 +163,7 @@ class SyncServer:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         fanout_queue: int = DEFAULT_QUEUE_SIZE,
         max_pull_limit: int = 1000,
+        max_pull_bytes: int = DEFAULT_PULL_BYTES,
         rate_limit_per_s: float | None = 200.0,
         rate_limit_burst: float | None = None,
         notifier: Notifier | None = None,
@@ -172,6 +176,8 @@ class SyncServer:
             raise ValueError("secret must not be empty")
         if max_frame_bytes < 1024:
             raise ValueError(f"max_frame_bytes must be at least 1024, got {max_frame_bytes}")
+        if max_pull_bytes < 1:
+            raise ValueError(f"max_pull_bytes must be at least 1, got {max_pull_bytes}")
         if max_pull_limit < 1:
             raise ValueError(f"max_pull_limit must be at least 1, got {max_pull_limit}")
         if rate_limit_per_s is not None and rate_limit_per_s <= 0:
@@ -202,6 +208,7 @@ class SyncServer:
             metrics=self.metrics,
             max_frame_bytes=max_frame_bytes,
             max_pull_limit=max_pull_limit,
+            max_pull_bytes=max_pull_bytes,
             rate_limit_per_s=rate_limit_per_s,
             rate_limit_burst=burst,
         )

@@ -10,6 +10,7 @@
     ├── ProviderError           an LLM provider call failed (anthropic translated)
     ├── ToolError               a tool failed or its input was invalid
     ├── ChainError              a hash chain does not verify
+    ├── RecordTooLarge          a record over ``MAX_RECORD_BYTES``, refused before it is written
     └── SyncError               carries a 3xxx ``code`` and ``retryable``
         ├── Unauthorized        3001
         ├── Forbidden           3002
@@ -21,7 +22,7 @@
         ├── RateLimited         3008
         ├── StorageUnavailable  3009 (retryable)
         ├── CursorTooOld        3010 (resync)
-        ├── ClockSkew           3011
+        ├── ClockSkew           3011 (retryable: the device's clock)
         └── IdentityReused      3012 (the device takes a new client id and resends)
 
 Foreign errors are translated where they enter: callers only ever catch ``PleachError``.
@@ -102,6 +103,11 @@ class ChainError(PleachError):
         self.index = index
 
 
+class RecordTooLarge(PleachError):
+    """A record too large to sync (over ``shared.messages.MAX_RECORD_BYTES`` encoded): refused
+    before anything is written, so it can never hold up the outbox."""
+
+
 class SyncError(PleachError):
     """A sync failure with a 3xxx code, as sent in an ``Error`` frame."""
 
@@ -159,7 +165,11 @@ class CursorTooOld(SyncError):
 
 
 class ClockSkew(SyncError):
+    """A stamp too far ahead of the server's clock: the device's clock is wrong. The change is
+    kept and sent again later (retryable), never dead-lettered."""
+
     code = ErrorCode.CLOCK_SKEW
+    retryable = True
 
 
 class IdentityReused(SyncError):

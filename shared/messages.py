@@ -40,6 +40,9 @@ MAX_PROTOCOL = 2
 PROTOCOL_VERSION = MAX_PROTOCOL
 """The newest version (a ``Hello`` naming only it negotiates exactly it)."""
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
+MAX_RECORD_BYTES = DEFAULT_MAX_FRAME_BYTES // 2
+"""The largest record a device writes (encoded): a push of it alone stays well under the frame
+limit, so no record can wedge a device's outbox."""
 MAX_PREVIOUS_IDS = 16
 """How many earlier client ids a ``Hello`` may name."""
 

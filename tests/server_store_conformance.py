@@ -477,9 +477,15 @@ class ServerStoreConformance:
             tenant, ahead.client_id, ahead.changes(session, ahead.message(session.id)), clock
         )
         assert codes(result) == [ErrorCode.CLOCK_SKEW, ErrorCode.CLOCK_SKEW]
-        assert result.last_seq == 2
+        assert "in the future" in (result.results[0].message or "")
+        # Not taken: the device keeps both and sends them again when its clock is right.
+        assert result.last_seq == 0 and result.cursors == []
         # The server clock did not jump a day ahead by looking at the rejected stamps.
         assert clock.now() < session.hlc
+        fixed = Device(tenant, client_id=ahead.client_id)  # the same device, clock fixed
+        again = fixed.session()
+        result = await server_store.push(tenant, fixed.client_id, fixed.changes(again), clock)
+        assert statuses(result) == ["applied"] and result.last_seq == 1
 
         on_time = Device(tenant)
         ok = on_time.session()
@@ -715,6 +721,34 @@ class ServerStoreConformance:
             session,
             *messages,
         ]
+
+    async def test_pull_pages_are_bounded_by_bytes(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        """A page stops once its records add up to the byte budget; a record larger than the
+        budget travels alone; pulling on from each page's cursor gets everything once."""
+        dev = Device(new_tenant())
+        session = dev.session()
+        big = [dev.message(session.id, text="x" * 30_000) for _ in range(4)]
+        small = [dev.message(session.id) for _ in range(3)]
+        await server_store.push(
+            dev.tenant, dev.client_id, dev.changes(session, *big, *small), server_clock
+        )
+        page = await server_store.pull(dev.tenant, 0, 100, 50_000)
+        assert [c.record.id for c in page.changes] == [session.id, big[0].id] and page.more
+        alone = await server_store.pull(dev.tenant, page.to_cursor, 100, 1_000)
+        assert [c.record.id for c in alone.changes] == [big[1].id] and alone.more
+        seen: list[str] = []
+        cursor = 0
+        while True:
+            page = await server_store.pull(dev.tenant, cursor, 100, 50_000)
+            seen += [c.record.id for c in page.changes]
+            cursor = page.to_cursor
+            if not page.more:
+                break
+        assert seen == [session.id] + [m.id for m in big + small]
+        whole = await server_store.pull(dev.tenant, 0, 100)
+        assert len(whole.changes) == 8 and not whole.more
 
     async def test_pulls_are_tenant_isolated(
         self, server_store: ServerStore, server_clock: HybridClock

@@ -47,7 +47,7 @@ BY_CODE: dict[int, tuple[type[SyncError], bool]] = {
     3008: (RateLimited, True),
     3009: (StorageUnavailable, True),
     3010: (CursorTooOld, False),
-    3011: (ClockSkew, False),
+    3011: (ClockSkew, True),
     3012: (IdentityReused, True),
 }
 

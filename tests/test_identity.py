@@ -7,6 +7,7 @@ already saw; before, its new writes were answered ``duplicate`` and dropped unse
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -192,3 +193,45 @@ async def test_sync_once_from_a_copied_file_sends_everything(
             receipt = await rt.sync.sync_once(srv.url, token)
             assert receipt.pending_after == 0, receipt
     assert {"from the original", "from the copy"} <= await server_user_texts(store)
+
+
+async def test_a_clock_ahead_keeps_changes_queued_until_it_is_right(tmp_path: Path) -> None:
+    """A device whose clock runs ahead of the server's is told by how much (3011), keeps its
+    changes queued (no dead letters) and sends them once its stamps are no longer ahead."""
+    import time
+
+    ahead_ms = [3_000]
+
+    def wall() -> int:
+        return int(time.time() * 1000) + ahead_ms[0]
+
+    async with (
+        SQLiteServerStore(tmp_path / "server.db", synchronous="NORMAL") as store,
+        SyncServer(
+            store, port=0, secret=SECRET, rate_limit_per_s=None, max_clock_skew_ms=1_000
+        ) as srv,
+    ):
+        rt = SessionRuntime(
+            SQLiteAdapter(tmp_path / "fast.db"),
+            ScriptedProvider(),
+            org_id=ALICE.org_id,
+            user_id=ALICE.user_id,
+            wall_clock=wall,
+        )
+        async with rt:
+            rt.sync.backoff_initial = 0.05
+            rt.sync.backoff_max = 0.5
+            session_id = (await rt.create_session(title="fast clock")).id
+            await say(rt, session_id, "written with a fast clock")
+            await rt.sync.connect(srv.url, issue_token(SECRET, ALICE, 3600))
+            async with asyncio.timeout(TIMEOUT):
+                while (await rt.sync.status()).last_error_code != ErrorCode.CLOCK_SKEW:
+                    async with rt.sync._changed:  # woken by every sync state change
+                        await rt.sync._changed.wait()
+            status = await rt.sync.status()
+            assert "in the future" in (status.last_error or "")
+            assert status.pending > 0 and status.dead_letters == 0
+            ahead_ms[0] = 0  # the clock is fixed; the stamps already made catch up with time
+            await synced(rt)
+            assert (await rt.sync.status()).dead_letters == 0
+        assert "written with a fast clock" in await server_user_texts(store)

@@ -12,7 +12,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -557,17 +557,25 @@ class FlakyStore:
         return await self.inner.client_state(tenant, client_id)
 
     async def push(
-        self, tenant: Tenant, client_id: str, changes: list[Change], clock: HybridClock
+        self,
+        tenant: Tenant,
+        client_id: str,
+        changes: list[Change],
+        clock: HybridClock,
+        *,
+        aliases: Collection[str] = (),
     ) -> PushResult:
         self.push_entered.set()
         if self.push_gate is not None:
             await self.push_gate.wait()
-        return await self.inner.push(tenant, client_id, changes, clock)
+        return await self.inner.push(tenant, client_id, changes, clock, aliases=aliases)
 
-    async def pull(self, tenant: Tenant, cursor: int, limit: int) -> PullResult:
+    async def pull(
+        self, tenant: Tenant, cursor: int, limit: int, max_bytes: int | None = None
+    ) -> PullResult:
         if self.fail_pull is not None:
             raise self.fail_pull
-        return await self.inner.pull(tenant, cursor, limit)
+        return await self.inner.pull(tenant, cursor, limit, max_bytes)
 
     async def head_cursor(self, tenant: Tenant) -> int:
         return await self.inner.head_cursor(tenant)

@@ -295,7 +295,7 @@ def explain_queries(store: PostgresServerStore) -> dict[str, tuple[str, tuple[An
     """Every per-tenant or per-id query of the store, with example parameters."""
     sql = store._sql
     return {
-        "pull": (sql.pull, ("org-7", "user-7", 100, 51)),
+        "pull": (sql.pull, ("org-7", "user-7", 100, 51, 1 << 20)),
         "head_cursor": (sql.head, ("org-7", "user-7")),
         "client_state": (sql.client_state, ("org-7", "user-7", "dev-7")),
         "get_last_seq": (sql.get_last_seq, ("org-7", "user-7", "dev-7")),

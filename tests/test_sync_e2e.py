@@ -302,8 +302,8 @@ async def test_lost_push_ack_is_not_duplicated(cluster: Cluster) -> None:
         def __getattr__(self, name: str) -> Any:
             return getattr(inner, name)
 
-        async def push(self, *args: Any) -> Any:
-            result = await inner.push(*args)
+        async def push(self, *args: Any, **kwargs: Any) -> Any:
+            result = await inner.push(*args, **kwargs)
             if self.armed:
                 self.armed = False
                 committed.set()
@@ -458,8 +458,8 @@ async def test_a_push_that_never_answers_times_out_and_reconnects(cluster: Clust
             self.hellos += 1
             return await inner.client_state(*args)
 
-        async def push(self, *args: Any) -> Any:
-            result = await inner.push(*args)
+        async def push(self, *args: Any, **kwargs: Any) -> Any:
+            result = await inner.push(*args, **kwargs)
             if self.armed:
                 self.armed = False
                 await release.wait()

@@ -82,6 +82,10 @@ class TxReader(Protocol):
         """Those of ``message_ids`` this store does not hold."""
         ...
 
+    async def queued(self, record_id: str) -> bool:
+        """Whether an outbox row still refers to ``record_id`` (not acknowledged yet)."""
+        ...
+
     async def queued_records(self) -> list[Record]:
         """The records the outbox still refers to, in ``client_seq`` order."""
         ...

@@ -190,6 +190,10 @@ class MemoryAdapter(AsyncResource):
         self._check_open()
         return [m for m in message_ids if m not in self._messages]
 
+    async def queued(self, record_id: str) -> bool:
+        self._check_open()
+        return any(row.ref is not None and row.ref[1] == record_id for row in self._outbox.values())
+
     async def queued_records(self) -> list[Record]:
         self._check_open()
         return [_decode(_RECORD, self._body_of(self._outbox[seq])) for seq in sorted(self._outbox)]

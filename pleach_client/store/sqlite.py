@@ -116,6 +116,9 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
             key TEXT PRIMARY KEY NOT NULL,
             value TEXT NOT NULL)""",
     ),
+    (  # 2: is a record still queued (a session's unacknowledged version)?
+        "CREATE INDEX ix_outbox_record ON outbox (record_id)",
+    ),
 )
 SCHEMA_VERSION: Final = len(_MIGRATIONS)
 
@@ -227,6 +230,7 @@ QUERIES: Final[dict[str, str]] = {
         f"FROM outbox o {_OUTBOX_JOINS} ORDER BY o.client_seq LIMIT ?"
     ),
     "outbox_count": "SELECT count(*) FROM outbox",
+    "queued": "SELECT 1 FROM outbox WHERE record_id = ? LIMIT 1",
     "dead_letters": (
         "SELECT client_seq, body, code, message, attempts, failed_at "
         "FROM dead_letters ORDER BY client_seq"
@@ -495,6 +499,9 @@ class _Reader:
         ids = msgspec.json.encode(message_ids).decode()
         rows = await _fetch(self._conn, QUERIES["missing_messages"], (ids,))
         return [str(row[0]) for row in rows]
+
+    async def queued(self, record_id: str) -> bool:
+        return bool(await _fetch(self._conn, QUERIES["queued"], (record_id,)))
 
     async def queued_records(self) -> list[Record]:
         rows = await _fetch(self._conn, QUERIES["outbox_pending"], (-1,))

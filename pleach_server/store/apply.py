@@ -13,7 +13,9 @@ the SQLite and PostgreSQL stores cannot drift apart:
   ``last_seq + 1``).
 - **Validation** rejects a change with a code and still advances ``last_seq``, so one bad change
   never blocks the queue: foreign tenant 3002, another tenant's id 3002, wrong ``client_id`` or
-  malformed ids/stamps 3007, a stamp too far in the future 3011.
+  malformed ids/stamps 3007. A stamp too far in the future (3011, retryable, the message says
+  by how much) is the device's clock, not the change: like a gap, it and the rest of the batch
+  are refused and ``last_seq`` stays, so the device keeps them and resends them later.
 - **Sessions** merge by version vector; concurrent versions are settled last-writer-wins and
   the loser is kept as a fork (a new session), reported in a ``ConflictReceipt``.
 - **Immutable kinds** (message, checkpoint, audit row, artifact update) are a union by id.
@@ -875,8 +877,14 @@ async def apply_push(
     results: list[ChangeResult] = []
     gap = False
     reused = False
+    skewed: ClockSkew | None = None
     for change in changes:
         seq = change.client_seq
+        if skewed is not None:
+            # Like a gap: the device keeps this and everything after it, and resends it all
+            # once its stamps are no longer ahead of this server's clock.
+            results.append(_rejected(seq, skewed))
+            continue
         if reused and seq > last_seq:
             # Nothing new may apply under an id another copy also writes under: the device
             # takes a new id and resends it. (Numbers at or below last_seq are still each
@@ -920,6 +928,9 @@ async def apply_push(
             error, present = await _check_owners(view, record, tenant)
         if error is None:
             error = _observe(clock, record)
+            if isinstance(error, ClockSkew):
+                last_seq = seq - 1  # not taken: nothing is lost to a wrong clock
+                skewed = error
         if error is not None:
             results.append(_rejected(seq, error))
             continue

@@ -42,6 +42,10 @@ class PullResult(msgspec.Struct, kw_only=True):
     more: bool
 
 
+DEFAULT_PULL_BYTES = 1024 * 1024
+"""The byte budget of a pull or live page (a quarter of the default frame limit)."""
+
+
 @runtime_checkable
 class ServerStore(Protocol):
     """A server database. Use as ``async with``; ``open()`` applies migrations."""
@@ -81,11 +85,16 @@ class ServerStore(Protocol):
         """
         ...
 
-    async def pull(self, tenant: Tenant, cursor: int, limit: int) -> PullResult:
+    async def pull(
+        self, tenant: Tenant, cursor: int, limit: int, max_bytes: int | None = None
+    ) -> PullResult:
         """Feed entries with ``cursor > cursor``, at most ``limit``, in cursor order.
 
-        Raises ``CursorTooOld`` (3010) when ``0 < cursor`` predates the retained feed; a pull
-        from 0 is always served (a full resync).
+        ``max_bytes`` bounds the page by the stored size of its records as well: entries are
+        taken while their sizes add up to at most it, and the first entry always (a record
+        larger than the budget travels alone); ``more`` says the page was cut. Bodies past the
+        cut are not read. Raises ``CursorTooOld`` (3010) when ``0 < cursor`` predates the
+        retained feed; a pull from 0 is always served (a full resync).
         """
         ...
 

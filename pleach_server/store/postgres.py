@@ -440,12 +440,18 @@ class _Sql:
         # between two statements could otherwise drop entries this page would skip silently.
         # The LEFT JOIN yields one row (floor, NULL, NULL) when the page is empty. No outer
         # ORDER BY (it would add a Sort node): ``pull`` sorts the page it got, in O(n).
+        # The running size is summed in cursor order (a pipelined window: no scan past the
+        # LIMIT); bodies past the byte budget ($5) come back NULL, unread (octet_length of a
+        # TOASTed value reads only its header), so the page knows there is more.
         self.pull = (
-            "SELECT fl.floor, f.cursor, f.body FROM (SELECT COALESCE(("
+            "SELECT fl.floor, f.cursor, CASE WHEN f.n = 1 OR f.total <= $5 THEN f.body END "
+            "FROM (SELECT COALESCE(("
             f"SELECT feed_floor FROM {s}.meta WHERE org_id = $1 AND user_id = $2), 0) AS floor"
             ") AS fl LEFT JOIN LATERAL ("
-            f"SELECT cursor, body FROM {s}.feed WHERE org_id = $1 AND user_id = $2 "
-            "AND cursor > $3 ORDER BY cursor LIMIT $4) AS f ON true"
+            "SELECT cursor, body, SUM(octet_length(body)) OVER w AS total, "
+            f"ROW_NUMBER() OVER w AS n FROM {s}.feed WHERE org_id = $1 AND user_id = $2 "
+            "AND cursor > $3 WINDOW w AS (ORDER BY cursor ROWS UNBOUNDED PRECEDING) "
+            "ORDER BY cursor LIMIT $4) AS f ON true"
         )
         self.retain_cursor = (
             f"SELECT cursor FROM {s}.feed WHERE org_id = $1 AND user_id = $2 "
@@ -864,14 +870,17 @@ class PostgresServerStore(AsyncResource):
         if cursor is not None:
             await _compact(conn, self._sql, tenant, int(cursor))
 
-    async def pull(self, tenant: Tenant, cursor: int, limit: int) -> PullResult:
+    async def pull(
+        self, tenant: Tenant, cursor: int, limit: int, max_bytes: int | None = None
+    ) -> PullResult:
         if limit < 1:
             raise ValueError("limit must be at least 1")
         limit = min(limit, self.max_pull_limit)
+        budget = max_bytes if max_bytes is not None else 1 << 62
         rows = await self._run(
             "pull failed",
             lambda conn: conn.fetch(
-                self._sql.pull, tenant.org_id, tenant.user_id, cursor, limit + 1
+                self._sql.pull, tenant.org_id, tenant.user_id, cursor, limit + 1, budget
             ),
             transaction=False,
         )
@@ -880,12 +889,13 @@ class PostgresServerStore(AsyncResource):
             raise CursorTooOld(
                 f"cursor {cursor} predates the retained feed (floor {floor}): resync"
             )
-        entries = sorted((int(r[1]), bytes(r[2])) for r in rows if r[1] is not None)
-        changes = [FeedChange(cursor=c, record=_decode(c, b)) for c, b in entries[:limit]]
+        entries = sorted((int(r[1]), r[2]) for r in rows if r[1] is not None)
+        page = [(c, bytes(b)) for c, b in entries[:limit] if b is not None]
+        changes = [FeedChange(cursor=c, record=_decode(c, b)) for c, b in page]
         return PullResult(
             changes=changes,
             to_cursor=changes[-1].cursor if changes else cursor,
-            more=len(entries) > limit,
+            more=len(entries) > len(changes),
         )
 
     async def head_cursor(self, tenant: Tenant) -> int:

@@ -596,10 +596,13 @@ class SQLiteServerStore(AsyncResource):
         if row is not None:
             await _compact(conn, tenant, int(row[0]))
 
-    async def pull(self, tenant: Tenant, cursor: int, limit: int) -> PullResult:
+    async def pull(
+        self, tenant: Tenant, cursor: int, limit: int, max_bytes: int | None = None
+    ) -> PullResult:
         if limit < 1:
             raise ValueError("limit must be at least 1")
         limit = min(limit, self.max_pull_limit)
+        budget = max_bytes if max_bytes is not None else _NO_BUDGET
 
         async def body(conn: aiosqlite.Connection) -> PullResult:
             floor = await _floor(conn, tenant)
@@ -607,19 +610,24 @@ class SQLiteServerStore(AsyncResource):
                 raise CursorTooOld(
                     f"cursor {cursor} predates the retained feed (floor {floor}): resync"
                 )
+            # The running size is summed over the page in cursor order; bodies past the
+            # budget come back NULL (not read), so the page knows there is more.
             rows = await _fetchall(
                 conn,
-                "SELECT cursor, body FROM feed WHERE org_id = ? AND user_id = ? AND cursor > ? "
-                "ORDER BY cursor LIMIT ?",
-                (tenant.org_id, tenant.user_id, cursor, limit + 1),
+                "SELECT cursor, CASE WHEN n = 1 OR total <= ? THEN body END FROM ("
+                "SELECT cursor, body, SUM(length(body)) OVER w AS total, "
+                "ROW_NUMBER() OVER w AS n FROM feed "
+                "WHERE org_id = ? AND user_id = ? AND cursor > ? "
+                "WINDOW w AS (ORDER BY cursor ROWS UNBOUNDED PRECEDING) "
+                "ORDER BY cursor LIMIT ?)",
+                (budget, tenant.org_id, tenant.user_id, cursor, limit + 1),
             )
-            changes = [
-                FeedChange(cursor=int(c), record=_decode(int(c), b)) for c, b in rows[:limit]
-            ]
+            page = [(int(c), b) for c, b in rows[:limit] if b is not None]
+            changes = [FeedChange(cursor=c, record=_decode(c, b)) for c, b in page]
             return PullResult(
                 changes=changes,
                 to_cursor=changes[-1].cursor if changes else cursor,
-                more=len(rows) > limit,
+                more=len(rows) > len(changes),
             )
 
         return await self._read(body)
@@ -629,6 +637,9 @@ class SQLiteServerStore(AsyncResource):
 
     async def compact_feed(self, tenant: Tenant, keep_after_cursor: int) -> int:
         return await self._write(lambda conn: _compact(conn, tenant, keep_after_cursor))
+
+
+_NO_BUDGET = 1 << 62
 
 
 def _decode(cursor: int, body: bytes) -> Record:
