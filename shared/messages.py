@@ -188,13 +188,17 @@ class FrameCodec:
         return self._encoder.encode(frame)
 
     def decode(self, data: bytes) -> Frame:
-        """Raises ``msgspec.DecodeError`` (malformed) or ``msgspec.ValidationError`` (mistyped)."""
-        return self._decoder.decode(data)
+        """Raises ``msgspec.DecodeError`` (malformed, or nested too deep to decode) or
+        ``msgspec.ValidationError`` (mistyped)."""
+        try:
+            return self._decoder.decode(data)
+        except RecursionError as exc:
+            raise msgspec.DecodeError("frame nested too deep to decode") from exc
 
     def peek(self, data: bytes) -> Envelope | None:
         """Read ``data`` as an ``Envelope`` (tag, ``optional``, ``request_id``), or ``None``
         when it is not a map with a string ``type`` and well-typed reserved keys."""
         try:
             return self._envelope.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             return None

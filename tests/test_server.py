@@ -350,9 +350,35 @@ async def test_malformed_and_mistyped_frames_get_3004_and_the_connection_lives(
         assert (await client.error()).code == ErrorCode.MALFORMED_FRAME
         await client.send_raw("text is not allowed")
         assert (await client.error()).code == ErrorCode.MALFORMED_FRAME
+        # Nested deeper than the decoder goes (a RecursionError once, and a close with no
+        # Error frame): refused like any malformed frame.
+        await client.send_raw(b"\x81\xa4type\xa4push" + b"\x91" * 5000 + b"\xc0")
+        assert (await client.error()).code == ErrorCode.MALFORMED_FRAME
+        deep = {"type": "push", "changes": [{"client_seq": 1, "record": _deep(3000)}]}
+        await client.send_raw(_encode_deep(deep))
+        assert (await client.error()).code == ErrorCode.MALFORMED_FRAME
         # Still usable.
         ack = await client.push(dev.changes(dev.session()))
         assert ack.results[0].status == "applied"
+
+
+def _deep(depth: int) -> list[object]:
+    outer: list[object] = []
+    current = outer
+    for _ in range(depth):
+        inner: list[object] = []
+        current.append(inner)
+        current = inner
+    return outer
+
+
+def _encode_deep(value: object) -> bytes:
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)
+    try:
+        return msgspec.msgpack.encode(value)
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 async def test_frame_over_max_frame_bytes_gets_3005_then_1009(

@@ -174,3 +174,21 @@ def test_bad_parameters() -> None:
         SQLiteServerStore("x.db", feed_retention=0)
     with pytest.raises(ValueError):
         SQLiteServerStore("x.db", max_pull_limit=0)
+
+
+async def test_a_transaction_left_open_never_wedges_the_store(tmp_path: Path) -> None:
+    """A BEGIN that ran after its caller was cancelled leaves a transaction open on the
+    shared connection; the next push and pull still work (and nothing of it is kept)."""
+    from shared.clock import HybridClock
+    from tests.server_factories import Device, new_tenant
+
+    async with SQLiteServerStore(tmp_path / "s.db", synchronous="NORMAL") as store:
+        dev = Device(new_tenant())
+        for conn in (store._writer, store._reader):  # as a cancelled BEGIN would leave them
+            assert conn is not None
+            await conn.execute("BEGIN")
+        session = dev.session()
+        result = await store.push(dev.tenant, dev.client_id, dev.changes(session), HybridClock("s"))
+        assert [r.status for r in result.results] == ["applied"]
+        page = await store.pull(dev.tenant, 0, 10)
+        assert [c.record.id for c in page.changes] == [session.id]

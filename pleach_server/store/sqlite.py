@@ -510,10 +510,7 @@ class SQLiteServerStore(AsyncResource):
         """Run ``body`` in one ``BEGIN IMMEDIATE`` transaction; roll back if it raises."""
         async with self._write_lock:
             conn = self._require(self._writer)
-            try:
-                await conn.execute("BEGIN IMMEDIATE")
-            except sqlite3.Error as exc:
-                raise StorageUnavailable(f"cannot start a write transaction: {exc}") from exc
+            await _begin(conn, "BEGIN IMMEDIATE")
             try:
                 result = await body(conn)
                 await conn.execute("COMMIT")
@@ -528,8 +525,8 @@ class SQLiteServerStore(AsyncResource):
         """Run ``body`` in one read transaction (one consistent snapshot) on the reader."""
         async with self._read_lock:
             conn = self._require(self._reader)
+            await _begin(conn, "BEGIN")
             try:
-                await conn.execute("BEGIN")
                 try:
                     return await body(conn)
                 finally:
@@ -647,6 +644,33 @@ def _decode(cursor: int, body: bytes) -> Record:
         return decode_record(body)
     except msgspec.DecodeError as exc:
         raise StorageError(f"corrupt feed entry at cursor {cursor}") from exc
+
+
+async def _begin(conn: aiosqlite.Connection, statement: str) -> None:
+    """Open a transaction, never leaving one open behind a failure.
+
+    A BEGIN whose caller was cancelled still runs on aiosqlite's thread: the transaction is
+    then rolled back (shielded) before the cancellation goes on. A transaction left open
+    anyway (by a bug, or a process state this code did not foresee) is rolled back and the
+    BEGIN tried once more, so the store can never stay wedged on "cannot start a
+    transaction within a transaction".
+    """
+    try:
+        await conn.execute(statement)
+    except sqlite3.OperationalError as exc:
+        if "within a transaction" not in str(exc):
+            raise StorageUnavailable(f"cannot start a transaction: {exc}") from exc
+        log.warning("a transaction was left open on %r; rolling it back", conn)
+        await asyncio.shield(_rollback(conn))
+        try:
+            await conn.execute(statement)
+        except sqlite3.Error as again:
+            raise StorageUnavailable(f"cannot start a transaction: {again}") from again
+    except sqlite3.Error as exc:
+        raise StorageUnavailable(f"cannot start a transaction: {exc}") from exc
+    except BaseException:
+        await asyncio.shield(_rollback(conn))
+        raise
 
 
 async def _rollback(conn: aiosqlite.Connection) -> None:
