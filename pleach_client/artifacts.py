@@ -8,6 +8,7 @@ whatever order they arrived in. Concurrent offline edits are both kept: no fork 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,7 @@ from .core import SessionChange, existing
 if TYPE_CHECKING:
     from .runtime import SessionRuntime
 
+log = logging.getLogger("pleach.artifacts")
 BODY = "body"
 
 
@@ -88,7 +90,24 @@ class ArtifactsFacet:
             raise NotFound(f"no artifact {artifact_id}")
         doc: pycrdt.Doc[pycrdt.Text] = pycrdt.Doc()
         doc.get(BODY, type=pycrdt.Text)
-        doc.apply_update(pycrdt.merge_updates(*(u.update for u in updates)))
+        try:
+            doc.apply_update(pycrdt.merge_updates(*(u.update for u in updates)))
+        except ValueError:
+            # A peer's update that is not a valid one (a bug, a hostile device) must not
+            # make the artifact unreadable: apply the others one by one, and say which not.
+            doc = pycrdt.Doc()
+            doc.get(BODY, type=pycrdt.Text)
+            for update in updates:
+                try:
+                    doc.apply_update(update.update)
+                except ValueError as exc:
+                    log.warning(
+                        "artifact %s: update %s from device %s is not a valid update, skipped: %s",
+                        artifact_id,
+                        update.id,
+                        update.client_id,
+                        exc,
+                    )
         return doc
 
     async def text(self, artifact_id: str) -> str:

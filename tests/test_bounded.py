@@ -112,3 +112,36 @@ async def test_large_records_push_in_frames_under_the_limit_and_pull_in_byte_pag
             ]
         assert texts == big
         assert len(pages) >= 4 and max(pages) <= 2 * 1024 * 1024
+
+
+async def test_a_garbage_artifact_update_from_a_peer_leaves_the_artifact_readable(
+    tmp_path: Path,
+) -> None:
+    """A device (buggy or hostile) pushes an artifact update that is not a valid one: the
+    other devices still read the artifact, from every valid update, and go on syncing."""
+    import msgspec
+
+    from shared.records import ArtifactUpdate
+
+    async with (
+        SQLiteServerStore(tmp_path / "server.db", synchronous="NORMAL") as store,
+        SyncServer(store, port=0, secret=SECRET, rate_limit_per_s=None) as srv,
+    ):
+        token = issue_token(SECRET, ALICE, 3600)
+        async with runtime(tmp_path / "a.db") as a:
+            session_id = (await a.create_session(title="doc")).id
+            receipt = await a.artifacts.create(session_id, "hello")
+            await a.artifacts.append(receipt.artifact_id, " world")
+            good = (await a.store.list_artifact_updates(receipt.artifact_id))[0]
+            poison = msgspec.structs.replace(
+                good, id="0" + good.id[1:], update=b"not a crdt update", hlc=a.core.now()
+            )
+            await a.core.write(records=[poison])
+            assert isinstance(poison, ArtifactUpdate)
+            await a.sync.sync_once(srv.url, token, timeout=TIMEOUT)
+            assert await a.artifacts.text(receipt.artifact_id) == "hello world"
+        async with runtime(tmp_path / "b.db") as b:
+            await b.sync.sync_once(srv.url, token, timeout=TIMEOUT)
+            assert await b.artifacts.text(receipt.artifact_id) == "hello world"
+            await b.artifacts.append(receipt.artifact_id, "!")
+            assert await b.artifacts.text(receipt.artifact_id) == "hello world!"
