@@ -396,8 +396,10 @@ class SyncFacet:
                 delay = self.backoff_initial
             except InvalidStatus as exc:
                 status = exc.response.status_code
+                reason = _refusal(bytes(exc.response.body or b""))
                 self._error(
-                    f"server refused the connection: HTTP {status}",
+                    f"server refused the connection: HTTP {status}"
+                    + (f": {reason}" if reason else ""),
                     ErrorCode.UNAUTHORIZED if status == 401 else None,
                 )
                 if status in (401, 403):
@@ -825,6 +827,20 @@ class SyncFacet:
 
 
 _CHANGE_ENCODER = msgspec.msgpack.Encoder()
+
+
+class _Refusal(msgspec.Struct):
+    message: str = ""
+
+
+def _refusal(body: bytes | None) -> str:
+    """The server's reason in a refused upgrade's JSON body (``token expired``...), or ""."""
+    if not body:
+        return ""
+    try:
+        return msgspec.json.decode(body, type=_Refusal).message[:200]
+    except msgspec.DecodeError:
+        return ""
 
 
 def _within(changes: list[Change], budget: int) -> list[Change]:

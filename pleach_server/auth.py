@@ -95,6 +95,13 @@ def verify_token(secret: bytes, token: str | None, now: float | None = None) -> 
     Missing, malformed, forged (bad signature) and expired tokens are all refused; the
     message says which, so logs can tell them apart (it never echoes the token).
     """
+    return verify_token_expiry(secret, token, now)[0]
+
+
+def verify_token_expiry(
+    secret: bytes, token: str | None, now: float | None = None
+) -> tuple[Tenant, int | None]:
+    """``verify_token``, with the token's ``exp`` (None: it never expires)."""
     if not token:
         raise Unauthorized("missing bearer token")
     if len(token) > _MAX_TOKEN_CHARS:
@@ -119,7 +126,7 @@ def verify_token(secret: bytes, token: str | None, now: float | None = None) -> 
     current = time.time() if now is None else now
     if claims.exp is not None and current >= claims.exp:
         raise Unauthorized("token expired")
-    return Tenant(org_id=claims.org, user_id=claims.user)
+    return Tenant(org_id=claims.org, user_id=claims.user), claims.exp
 
 
 def parse_bearer(header: str | None) -> str | None:

@@ -43,6 +43,7 @@ from shared.errors import (
     StorageError,
     StorageUnavailable,
     SyncError,
+    Unauthorized,
 )
 from shared.messages import ChangeResult, Hello, Pull, Push, Welcome
 from shared.protocol import ServerProtocol, State
@@ -173,10 +174,18 @@ class Connection:
     WebSocket is closed.
     """
 
-    def __init__(self, ws: ServerConnection, tenant: Tenant, ctx: ConnectionContext) -> None:
+    def __init__(
+        self,
+        ws: ServerConnection,
+        tenant: Tenant,
+        ctx: ConnectionContext,
+        *,
+        expires: float | None = None,
+    ) -> None:
         self.ws = ws
         self.tenant = tenant
         self.ctx = ctx
+        self.expires = expires  # when the token it authenticated with expires (epoch s)
         self.protocol = ServerProtocol(max_frame_bytes=ctx.max_frame_bytes)
         self.subscription: Subscription | None = None
         self.client_id: str | None = None
@@ -201,6 +210,11 @@ class Connection:
     async def run(self) -> None:
         metrics = self.ctx.metrics
         metrics.connections.inc()
+        expiry = (
+            asyncio.create_task(self._expire(self.expires), name="pleach-token-expiry")
+            if self.expires is not None
+            else None
+        )
         try:
             await self._read_loop()
         except ConnectionClosed:
@@ -209,8 +223,22 @@ class Connection:
             logger.exception("%r failed", self)
             await self._abort(CloseCode.INTERNAL_ERROR, "internal server error")
         finally:
+            if expiry is not None:
+                expiry.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await expiry
             await self._stop_writer()
             metrics.connections.dec()
+
+    async def _expire(self, expires: float) -> None:
+        """When the token expires, so does the connection: an ``Error`` 3001 (the device asks
+        for a new token), then a close. An open connection is not a way around expiry."""
+        await asyncio.sleep(max(0.0, expires - time.time()))
+        self.protocol.fail(Unauthorized("token expired: reconnect with a new token"))
+        self._take("error")
+        with contextlib.suppress(ConnectionClosed):
+            await self._flush()
+        await self._abort(CloseCode.POLICY_VIOLATION, "token expired")
 
     async def _stop_writer(self) -> None:
         if self.subscription is not None:

@@ -52,7 +52,7 @@ from shared.errors import InvalidState, StorageError, SyncError, Unauthorized
 from shared.ids import uuid7
 from shared.messages import DEFAULT_MAX_FRAME_BYTES
 
-from .auth import parse_bearer, verify_token
+from .auth import parse_bearer, verify_token_expiry
 from .connection import Connection, ConnectionContext
 from .hub import DEFAULT_QUEUE_SIZE, Hub
 from .notify import LocalNotifier, Notifier
@@ -214,7 +214,7 @@ class SyncServer:
         )
         self.connections: set[Connection] = set()
         # Tenant of each accepted upgrade, from process_request to the handler.
-        self._tenants: weakref.WeakKeyDictionary[ServerConnection, Tenant] = (
+        self._tenants: weakref.WeakKeyDictionary[ServerConnection, tuple[Tenant, int | None]] = (
             weakref.WeakKeyDictionary()
         )
         self._ws: Server | None = None
@@ -372,7 +372,7 @@ class SyncServer:
         values = request.headers.get_all("Authorization")
         token = parse_bearer(values[0]) if len(values) == 1 else None
         try:
-            tenant = verify_token(self._secret, token)
+            tenant, expires = verify_token_expiry(self._secret, token)
         except Unauthorized as exc:
             self.metrics.auth_failures.inc()
             logger.info("refused upgrade from %s: %s", connection.remote_address, exc.message)
@@ -389,7 +389,7 @@ class SyncServer:
                 b"server is shutting down\n",
                 "text/plain; charset=utf-8",
             )
-        self._tenants[connection] = tenant
+        self._tenants[connection] = (tenant, expires)
         return None  # carry on with the upgrade
 
     async def _healthz(self) -> Response:
@@ -412,12 +412,13 @@ class SyncServer:
     # -- connections -------------------------------------------------------------------
 
     async def _handler(self, ws: ServerConnection) -> None:
-        tenant = self._tenants.pop(ws, None)
-        if tenant is None:  # only reachable if routing changes: refuse, never serve anonymous
+        authorized = self._tenants.pop(ws, None)
+        if authorized is None:  # only reachable if routing changes: never serve anonymous
             logger.error("connection without an authorized tenant; closing")
             await ws.close(CloseCode.INTERNAL_ERROR, "not authorized")
             return
-        conn = Connection(ws, tenant, self._ctx)
+        tenant, expires = authorized
+        conn = Connection(ws, tenant, self._ctx, expires=expires)
         self.connections.add(conn)
         try:
             await conn.run()

@@ -235,3 +235,32 @@ async def test_a_clock_ahead_keeps_changes_queued_until_it_is_right(tmp_path: Pa
             await synced(rt)
             assert (await rt.sync.status()).dead_letters == 0
         assert "written with a fast clock" in await server_user_texts(store)
+
+
+async def test_an_open_connection_ends_when_its_token_expires(
+    tmp_path: Path, server: tuple[SyncServer, SQLiteServerStore]
+) -> None:
+    """Expiry holds on open connections too: the server says 3001 and closes, and the device
+    stops in needs-auth with the server's reason, its changes kept."""
+    srv, _ = server
+    rt = SessionRuntime(
+        SQLiteAdapter(tmp_path / "d.db"),
+        ScriptedProvider(),
+        org_id=ALICE.org_id,
+        user_id=ALICE.user_id,
+    )
+    async with rt:
+        rt.sync.backoff_initial = 0.01
+        await rt.sync.connect(srv.url, issue_token(SECRET, ALICE, 1))
+        await synced(rt)
+        async with asyncio.timeout(TIMEOUT):
+            while (await rt.sync.status()).state != "needs-auth":
+                async with rt.sync._changed:
+                    await rt.sync._changed.wait()
+        session_id = (await rt.create_session(title="after expiry")).id
+        status = await rt.sync.status()
+        assert "token expired" in (status.last_error or "")
+        assert status.pending > 0  # kept, not refused
+        await rt.sync.connect(srv.url, issue_token(SECRET, ALICE, 3600))
+        await synced(rt)
+        assert (await rt.store.get_session(session_id)) is not None
