@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from shared.clock import vector_problem
 from shared.errors import PleachError
 from shared.ids import uuid7
 from shared.messages import ConflictReceipt
@@ -45,6 +46,10 @@ async def plan_page(
             log.warning("remote stamp not observed: %s", exc)
         match record:
             case Session():
+                problem = vector_problem(record.vv)
+                if problem is not None:  # a poisoned peer record: refuse it, keep syncing
+                    log.warning("session %s refused from a page: %s", record.id, problem)
+                    continue
                 # The server only ever replaces a session id by a dominating version, in feed
                 # order: the last version of an id in the page is the one to compare.
                 remote_sessions[record.id] = record

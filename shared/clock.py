@@ -163,3 +163,22 @@ def vv_compare(a: Mapping[str, int], b: Mapping[str, int]) -> Order:
     if b_ahead:
         return Order.DOMINATED
     return Order.EQUAL
+
+
+MAX_VV_ENTRY = 2**53
+"""The largest counter a version vector may hold (a peer's huge one would overflow the next
+bump and block every write of that session)."""
+MAX_VV_ENTRIES = 4096
+"""The most devices a session's version vector may name."""
+
+
+def vector_problem(vv: dict[str, int]) -> str | None:
+    """Why ``vv`` is not a version vector this code accepts from a peer, or None."""
+    if len(vv) > MAX_VV_ENTRIES:
+        return f"version vector names {len(vv)} devices, more than {MAX_VV_ENTRIES}"
+    for key, count in vv.items():
+        if not key or len(key) > 256:
+            return "version vector keys must be device ids of 1 to 256 characters"
+        if not 0 <= count <= MAX_VV_ENTRY:
+            return f"version vector entries must be between 0 and {MAX_VV_ENTRY}"
+    return None

@@ -468,6 +468,20 @@ class ServerStoreConformance:
         assert result.last_seq == 1 + len(bad)
         assert len(await pull_all(server_store, dev.tenant)) == 1
 
+    async def test_poisoned_version_vectors_are_rejected_3007(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        dev = Device(new_tenant())
+        huge = msgspec.structs.replace(dev.session(), vv={dev.client_id: 2**63 - 1})
+        crowded = msgspec.structs.replace(
+            dev.session(), vv={f"d{i}": 1 for i in range(5000)} | {dev.client_id: 1}
+        )
+        ok = dev.session()
+        result = await server_store.push(
+            dev.tenant, dev.client_id, dev.changes(huge, crowded, ok), server_clock
+        )
+        assert codes(result) == [ErrorCode.INVALID_RECORD, ErrorCode.INVALID_RECORD, None]
+
     async def test_clock_skew_is_rejected_3011(self, server_store: ServerStore) -> None:
         tenant = new_tenant()
         clock = HybridClock(f"server-{uuid7()}", max_skew_ms=60_000)

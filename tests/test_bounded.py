@@ -145,3 +145,28 @@ async def test_a_garbage_artifact_update_from_a_peer_leaves_the_artifact_readabl
             assert await b.artifacts.text(receipt.artifact_id) == "hello world"
             await b.artifacts.append(receipt.artifact_id, "!")
             assert await b.artifacts.text(receipt.artifact_id) == "hello world!"
+
+
+async def test_a_device_refuses_a_poisoned_session_from_a_page_and_keeps_syncing(
+    tmp_path: Path,
+) -> None:
+    """Whatever a peer (or a hostile server) sends, one bad record is refused alone: a
+    version vector that would overflow the next bump does not block the session's turns."""
+    import msgspec
+
+    from shared.records import FeedChange
+
+    async with runtime(tmp_path / "d.db") as rt:
+        session_id = (await rt.create_session(title="mine")).id
+        await say(rt, session_id, "before")
+        row = await rt.store.get_session(session_id)
+        assert row is not None
+        poisoned = msgspec.structs.replace(row, vv={"peer": 2**63 - 1}, title="poisoned")
+        other = msgspec.structs.replace(row, id="0" + row.id[1:], vv={"peer": 1}, title="fine")
+        page = [FeedChange(cursor=1, record=poisoned), FeedChange(cursor=2, record=other)]
+        await rt.sync._apply(page, 2)  # a page as the sync loop applies it
+        assert (await rt.store.get_session(session_id)).title == "mine"  # type: ignore[union-attr]
+        assert (await rt.store.get_session(other.id)) is not None
+        await say(rt, session_id, "after")  # turns on that session go on
+        texts = [m.content[0]["text"] for m in await rt.sessions.messages(session_id)]
+        assert [t for t in texts if t in ("before", "after")] == ["before", "after"]

@@ -59,7 +59,15 @@ from typing import Protocol
 
 import msgspec
 
-from shared.clock import HybridClock, Order, Timestamp, vv_bump, vv_compare, vv_merge
+from shared.clock import (
+    HybridClock,
+    Order,
+    Timestamp,
+    vector_problem,
+    vv_bump,
+    vv_compare,
+    vv_merge,
+)
 from shared.errors import (
     ClockSkew,
     Forbidden,
@@ -359,8 +367,10 @@ def validate_record(
             Timestamp.decode(record.updated_at)
     except InvalidRecord as exc:
         return exc
-    if isinstance(record, Session) and any(n < 0 for n in record.vv.values()):
-        return InvalidRecord("version vector entries must be >= 0")
+    if isinstance(record, Session):
+        problem = vector_problem(record.vv)
+        if problem is not None:
+            return InvalidRecord(problem)
     return None
 
 
