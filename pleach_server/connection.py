@@ -132,6 +132,22 @@ class ConnectionContext:
     rate_limit_burst: float
     inflight: InFlight = field(default_factory=InFlight)
     draining: bool = False
+    tenant_rate_limit_per_s: float | None = None
+    _tenant_buckets: dict[Tenant, TokenBucket] = field(default_factory=dict)
+
+    def tenant_bucket(self, tenant: Tenant) -> TokenBucket | None:
+        """The tenant's shared token bucket here (None: no per-tenant limit). At most 10,000
+        tenants' buckets are kept; the oldest is dropped first (a fresh bucket is full)."""
+        rate = self.tenant_rate_limit_per_s
+        if rate is None:
+            return None
+        bucket = self._tenant_buckets.pop(tenant, None)
+        if bucket is None:
+            bucket = TokenBucket(rate, max(1.0, 2 * rate))
+            while len(self._tenant_buckets) >= 10_000:
+                self._tenant_buckets.pop(next(iter(self._tenant_buckets)))
+        self._tenant_buckets[tenant] = bucket  # most recently used last
+        return bucket
 
     async def fan_out(
         self, tenant: Tenant, from_cursor: int, to_cursor: int, *, local: bool
@@ -195,6 +211,9 @@ class Connection:
             if ctx.rate_limit_per_s is not None
             else None
         )
+        # One bucket for all of a tenant's connections here: opening more connections does
+        # not buy a tenant more of the server than its share.
+        self._tenant_limiter = ctx.tenant_bucket(tenant)
         # Encoded frames waiting to be written, with their type for metrics. Reader and
         # writer both append; whoever holds the send lock writes them all, in order.
         self._outbox: deque[tuple[str, bytes]] = deque()
@@ -264,7 +283,9 @@ class Connection:
             if isinstance(message, str):
                 received.labels("text").inc()
                 self._fail(MalformedFrame("text frames are not accepted; send binary msgpack"))
-            elif self._limiter is not None and not self._limiter.allow():
+            elif (self._limiter is not None and not self._limiter.allow()) or (
+                self._tenant_limiter is not None and not self._tenant_limiter.allow()
+            ):
                 received.labels("rate_limited").inc()
                 # Answered, not processed: the Error echoes the request id, if readable.
                 error = RateLimited("too many frames; slow down and resend")
@@ -407,8 +428,8 @@ class Connection:
                 metrics.conflicts.inc()
 
     async def _on_pull(self, pull: Pull) -> None:
-        if pull.cursor < 0:
-            raise MalformedFrame(f"cursor must be >= 0, got {pull.cursor}")
+        if not 0 <= pull.cursor < 2**63:
+            raise MalformedFrame(f"cursor must be between 0 and 2^63 - 1, got {pull.cursor}")
         limit = max(1, min(pull.limit, self.ctx.max_pull_limit))
         page = await self.ctx.store.pull(self.tenant, pull.cursor, limit, self.ctx.max_pull_bytes)
         self.protocol.send_changes(

@@ -27,7 +27,7 @@ import logging
 import weakref
 from collections.abc import Iterable
 from types import TracebackType
-from typing import Self
+from typing import Literal, Self
 from urllib.parse import urlsplit
 
 import msgspec
@@ -149,6 +149,9 @@ class SyncServer:
     - ``rate_limit_per_s`` (200) and ``rate_limit_burst`` (2 s worth): frames per second per
       connection; excess frames get ``Error`` 3008 (retryable) and are not processed.
       ``None`` disables the limit.
+    - ``tenant_rate_limit_per_s`` (5x the per-connection rate): frames per second for all of
+      one tenant's connections to this process together, so a tenant that opens many
+      connections gets no more than its share (3008 as above). ``None`` disables it.
     - ``max_clock_skew_ms`` (60 s): pushed stamps further in the future are refused (3011).
     - ``shutdown_timeout`` (10 s): how long ``shutdown`` waits for in-flight pushes.
     """
@@ -165,6 +168,7 @@ class SyncServer:
         max_pull_limit: int = 1000,
         max_pull_bytes: int = DEFAULT_PULL_BYTES,
         rate_limit_per_s: float | None = 200.0,
+        tenant_rate_limit_per_s: float | Literal["auto"] | None = "auto",
         rate_limit_burst: float | None = None,
         notifier: Notifier | None = None,
         server_id: str | None = None,
@@ -180,6 +184,12 @@ class SyncServer:
             raise ValueError(f"max_pull_bytes must be at least 1, got {max_pull_bytes}")
         if max_pull_limit < 1:
             raise ValueError(f"max_pull_limit must be at least 1, got {max_pull_limit}")
+        if tenant_rate_limit_per_s == "auto":
+            tenant_rate_limit_per_s = None if rate_limit_per_s is None else 5 * rate_limit_per_s
+        if tenant_rate_limit_per_s is not None and tenant_rate_limit_per_s <= 0:
+            raise ValueError(
+                f"tenant_rate_limit_per_s must be positive, got {tenant_rate_limit_per_s}"
+            )
         if rate_limit_per_s is not None and rate_limit_per_s <= 0:
             raise ValueError(f"rate_limit_per_s must be positive, got {rate_limit_per_s}")
         self.store = store
@@ -211,6 +221,7 @@ class SyncServer:
             max_pull_bytes=max_pull_bytes,
             rate_limit_per_s=rate_limit_per_s,
             rate_limit_burst=burst,
+            tenant_rate_limit_per_s=tenant_rate_limit_per_s,
         )
         self.connections: set[Connection] = set()
         # Tenant of each accepted upgrade, from process_request to the handler.

@@ -451,6 +451,34 @@ async def test_rate_limited_answer_echoes_the_request_id(make_server: ServerFact
         assert (err.code, err.request_id) == (ErrorCode.RATE_LIMITED, 41)
 
 
+async def test_a_tenants_connections_share_one_rate_limit(make_server: ServerFactory) -> None:
+    """Opening more connections buys a tenant no more frames; another tenant is untouched."""
+    srv = await make_server(rate_limit_per_s=None, tenant_rate_limit_per_s=1e-6)
+    flood, honest = Device(new_tenant()), Device(new_tenant())
+    async with open_client(srv, flood.tenant) as a, open_client(srv, flood.tenant) as b:
+        await a.hello(flood.client_id)  # the bucket holds 1 frame (burst of at least one)
+        await b.send(Hello(protocol=2, client_id=flood.client_id + "-b", request_id=7))
+        err = await b.error()
+        assert (err.code, err.request_id) == (ErrorCode.RATE_LIMITED, 7)
+        async with open_client(srv, honest.tenant) as other:
+            welcome = await other.hello(honest.client_id)
+            assert welcome.protocol >= 1
+
+
+async def test_a_nul_in_an_id_and_a_cursor_past_int64_are_bad_input_not_storage_errors(
+    srv: SyncServer,
+) -> None:
+    dev = Device(new_tenant())
+    async with device(srv, dev) as client:
+        session = msgspec.structs.replace(dev.session(), id="bad\x00id")
+        ack = await client.push(dev.changes(session))
+        assert [r.code for r in ack.results] == [ErrorCode.INVALID_RECORD]
+        await client.send(Pull(cursor=2**63))
+        assert (await client.error()).code == ErrorCode.MALFORMED_FRAME
+        ok = await client.push(dev.changes(dev.session()))
+        assert ok.results[0].status == "applied"
+
+
 # -- protocol versions, request ids, optional frames -----------------------------------------
 
 

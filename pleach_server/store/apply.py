@@ -315,7 +315,8 @@ def _is_record(info: RecordKindInfo) -> bool:
 
 
 def _non_empty(value: object) -> bool:
-    return isinstance(value, str) and value != ""
+    # No NUL: PostgreSQL text cannot hold one (a 3007 here, not a 3009 from the database).
+    return isinstance(value, str) and value != "" and "\x00" not in value
 
 
 def _tenant_of(record: Record) -> Tenant:
@@ -360,7 +361,7 @@ def validate_record(
     for name in kind_of(record).required_ids:
         if not _non_empty(getattr(record, name)):
             what = "record id" if name == "id" else name
-            return InvalidRecord(f"{what} must be a non-empty string")
+            return InvalidRecord(f"{what} must be a non-empty string without NUL")
     try:
         Timestamp.decode(record.hlc)
         if isinstance(record, Session):
