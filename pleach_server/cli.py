@@ -9,7 +9,8 @@
     pleach-server migrate [--db PATH|URL] [--schema S]
 
 Every flag falls back to a ``PLEACH_*`` environment variable (``PLEACH_HOST``, ``PLEACH_PORT``,
-``PLEACH_DB``, ``PLEACH_SECRET``, ``PLEACH_MAX_FRAME_BYTES``, ``PLEACH_LOG_LEVEL``), then to a
+``PLEACH_DB``, ``PLEACH_SECRET``, ``PLEACH_MAX_FRAME_BYTES``, ``PLEACH_LOG_LEVEL``,
+``PLEACH_METRICS_TOKEN``), then to a
 default: with no flags at all the server listens on 127.0.0.1:8765 with ``./pleach-server.db``
 and a signing secret kept beside it.
 
@@ -173,6 +174,11 @@ def _parser() -> argparse.ArgumentParser:
             help="log level (PLEACH_LOG_LEVEL, INFO)",
         )
         p.add_argument(
+            "--metrics-token",
+            default=d(None),
+            help="require this bearer token for /metrics (PLEACH_METRICS_TOKEN; unset: public)",
+        )
+        p.add_argument(
             "--schema", default=d(None), help="PostgreSQL schema (PLEACH_PG_SCHEMA, pleach)"
         )
         p.add_argument(
@@ -329,6 +335,7 @@ def _run_server(args: argparse.Namespace) -> int:
             max_frame_bytes=max_frame,
             notifier=notifier,
             server_id=server_id,
+            metrics_token=args.metrics_token or env.get("PLEACH_METRICS_TOKEN") or None,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from exc

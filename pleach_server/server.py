@@ -22,6 +22,7 @@ The server does not own the store: open it before, close it after.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import http
 import logging
 import weakref
@@ -153,6 +154,8 @@ class SyncServer:
       one tenant's connections to this process together, so a tenant that opens many
       connections gets no more than its share (3008 as above). ``None`` disables it.
     - ``max_clock_skew_ms`` (60 s): pushed stamps further in the future are refused (3011).
+    - ``metrics_token`` (None): when set, ``/metrics`` answers only a request carrying
+      ``Authorization: Bearer <metrics_token>`` (401 otherwise); unset, it is public.
     - ``shutdown_timeout`` (10 s): how long ``shutdown`` waits for in-flight pushes.
     """
 
@@ -175,6 +178,7 @@ class SyncServer:
         max_clock_skew_ms: int = 60_000,
         shutdown_timeout: float = 10.0,
         compression: bool = True,
+        metrics_token: str | None = None,
     ) -> None:
         if not secret:
             raise ValueError("secret must not be empty")
@@ -200,6 +204,9 @@ class SyncServer:
         self.server_id = server_id or f"srv-{uuid7()}"
         self.shutdown_timeout = shutdown_timeout
         self.compression = compression
+        if metrics_token is not None and not metrics_token:
+            raise ValueError("metrics_token must not be empty (None: /metrics is public)")
+        self._metrics_token = metrics_token
         self.hub = Hub(fanout_queue)
         self.notifier: Notifier = notifier if notifier is not None else LocalNotifier()
         self.metrics = SyncMetrics(self.hub)
@@ -376,6 +383,15 @@ class SyncServer:
         if path == "/healthz":
             return await self._healthz()
         if path == "/metrics":
+            if self._metrics_token is not None:
+                values = request.headers.get_all("Authorization")
+                given = parse_bearer(values[0]) if len(values) == 1 else None
+                if given is None or not hmac.compare_digest(given, self._metrics_token):
+                    return _response(
+                        http.HTTPStatus.UNAUTHORIZED,
+                        b"metrics need the metrics token\n",
+                        "text/plain; charset=utf-8",
+                    )
             return _response(http.HTTPStatus.OK, self.metrics.render(), CONTENT_TYPE_LATEST)
         return _response(http.HTTPStatus.NOT_FOUND, b"not found\n", "text/plain; charset=utf-8")
 

@@ -799,6 +799,18 @@ async def test_metrics_exposition(srv: SyncServer) -> None:
         assert name in text
 
 
+async def test_metrics_behind_a_token_when_one_is_set(make_server: ServerFactory) -> None:
+    srv = await make_server(metrics_token="m3trics")
+    status, _, _ = await http_get(srv.port, "/metrics")
+    assert status == 401
+    status, _, _ = await http_get(srv.port, "/metrics", "Authorization: Bearer wrong\r\n")
+    assert status == 401
+    status, _, body = await http_get(srv.port, "/metrics", "Authorization: Bearer m3trics\r\n")
+    assert status == 200 and b"pleach_connections" in body
+    status, _, _ = await http_get(srv.port, "/healthz")
+    assert status == 200  # health stays open for load balancers
+
+
 async def test_servers_have_private_metrics(make_server: ServerFactory) -> None:
     one, two = await make_server(), await make_server()
     one.metrics.changes.labels("applied").inc(5)
