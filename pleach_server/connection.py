@@ -133,6 +133,7 @@ class ConnectionContext:
     inflight: InFlight = field(default_factory=InFlight)
     draining: bool = False
     tenant_rate_limit_per_s: float | None = None
+    tenant_rate_limit_burst: float = 1.0
     _tenant_buckets: dict[Tenant, TokenBucket] = field(default_factory=dict)
 
     def tenant_bucket(self, tenant: Tenant) -> TokenBucket | None:
@@ -143,7 +144,7 @@ class ConnectionContext:
             return None
         bucket = self._tenant_buckets.pop(tenant, None)
         if bucket is None:
-            bucket = TokenBucket(rate, max(1.0, 2 * rate))
+            bucket = TokenBucket(rate, max(1.0, self.tenant_rate_limit_burst))
             while len(self._tenant_buckets) >= 10_000:
                 self._tenant_buckets.pop(next(iter(self._tenant_buckets)))
         self._tenant_buckets[tenant] = bucket  # most recently used last

@@ -188,6 +188,7 @@ class SyncServer:
             raise ValueError(f"max_pull_bytes must be at least 1, got {max_pull_bytes}")
         if max_pull_limit < 1:
             raise ValueError(f"max_pull_limit must be at least 1, got {max_pull_limit}")
+        tenant_auto = tenant_rate_limit_per_s == "auto"
         if tenant_rate_limit_per_s == "auto":
             tenant_rate_limit_per_s = None if rate_limit_per_s is None else 5 * rate_limit_per_s
         if tenant_rate_limit_per_s is not None and tenant_rate_limit_per_s <= 0:
@@ -229,6 +230,10 @@ class SyncServer:
             rate_limit_per_s=rate_limit_per_s,
             rate_limit_burst=burst,
             tenant_rate_limit_per_s=tenant_rate_limit_per_s,
+            # By default a tenant's connections together may burst as much as five connections.
+            tenant_rate_limit_burst=(
+                5 * burst if tenant_auto else max(1.0, 2 * (tenant_rate_limit_per_s or 0.0))
+            ),
         )
         self.connections: set[Connection] = set()
         # Tenant of each accepted upgrade, from process_request to the handler.

@@ -224,10 +224,10 @@ async def test_a_clock_ahead_keeps_changes_queued_until_it_is_right(tmp_path: Pa
             session_id = (await rt.create_session(title="fast clock")).id
             await say(rt, session_id, "written with a fast clock")
             await rt.sync.connect(srv.url, issue_token(SECRET, ALICE, 3600))
-            async with asyncio.timeout(TIMEOUT):
-                while (await rt.sync.status()).last_error_code != ErrorCode.CLOCK_SKEW:
-                    async with rt.sync._changed:  # woken by every sync state change
-                        await rt.sync._changed.wait()
+            async with asyncio.timeout(TIMEOUT), rt.sync._changed:  # woken by state changes
+                await rt.sync._changed.wait_for(
+                    lambda: rt.sync._last_error_code == ErrorCode.CLOCK_SKEW
+                )
             status = await rt.sync.status()
             assert "in the future" in (status.last_error or "")
             assert status.pending > 0 and status.dead_letters == 0
@@ -253,10 +253,8 @@ async def test_an_open_connection_ends_when_its_token_expires(
         rt.sync.backoff_initial = 0.01
         await rt.sync.connect(srv.url, issue_token(SECRET, ALICE, 1))
         await synced(rt)
-        async with asyncio.timeout(TIMEOUT):
-            while (await rt.sync.status()).state != "needs-auth":
-                async with rt.sync._changed:
-                    await rt.sync._changed.wait()
+        async with asyncio.timeout(TIMEOUT), rt.sync._changed:  # woken by every state change
+            await rt.sync._changed.wait_for(lambda: rt.sync._state == "needs-auth")
         session_id = (await rt.create_session(title="after expiry")).id
         status = await rt.sync.status()
         assert "token expired" in (status.last_error or "")

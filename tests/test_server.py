@@ -456,7 +456,7 @@ async def test_a_tenants_connections_share_one_rate_limit(make_server: ServerFac
     srv = await make_server(rate_limit_per_s=None, tenant_rate_limit_per_s=1e-6)
     flood, honest = Device(new_tenant()), Device(new_tenant())
     async with open_client(srv, flood.tenant) as a, open_client(srv, flood.tenant) as b:
-        await a.hello(flood.client_id)  # the bucket holds 1 frame (burst of at least one)
+        await a.hello(flood.client_id)  # the bucket holds 1 frame (no per-connection limit)
         await b.send(Hello(protocol=2, client_id=flood.client_id + "-b", request_id=7))
         err = await b.error()
         assert (err.code, err.request_id) == (ErrorCode.RATE_LIMITED, 7)
