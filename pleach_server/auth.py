@@ -59,8 +59,13 @@ def _b64encode(data: bytes) -> str:
 
 
 def _b64decode(text: str) -> bytes:
+    """Strict unpadded base64url: only its canonical text decodes (no junk characters, no
+    trailing bits), so one token has exactly one spelling."""
     padded = text + "=" * (-len(text) % 4)
-    return base64.urlsafe_b64decode(padded.encode("ascii"))
+    data = base64.b64decode(padded.encode("ascii"), altchars=b"-_", validate=True)
+    if _b64encode(data) != text:
+        raise ValueError("not canonical base64url")
+    return data
 
 
 def _sign(secret: bytes, payload: str) -> bytes:

@@ -59,6 +59,9 @@ __all__ = ["Connection", "ConnectionContext", "InFlight", "TokenBucket"]
 
 logger = logging.getLogger("pleach_server.connection")
 
+FLOOD_CLOSE_AFTER = 100
+"""Frames refused in a row (3008) after which a connection is closed (1008)."""
+
 # A WebSocket close reason must fit in a control frame (123 bytes of UTF-8).
 _MAX_CLOSE_REASON = 120
 
@@ -81,12 +84,15 @@ class TokenBucket:
         self._tokens = burst
         self._stamp = clock()
 
-    def allow(self) -> bool:
+    def allow(self, cost: float = 1.0) -> bool:
+        """Spend ``cost`` tokens if there are that many (a cost above ``burst`` is allowed
+        when the bucket is full, so one large item is never refused for ever)."""
         now = self._clock()
         self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
         self._stamp = now
-        if self._tokens >= 1:
-            self._tokens -= 1
+        cost = min(cost, self.burst)
+        if self._tokens >= cost:
+            self._tokens -= cost
             return True
         return False
 
@@ -134,6 +140,7 @@ class ConnectionContext:
     draining: bool = False
     tenant_rate_limit_per_s: float | None = None
     tenant_rate_limit_burst: float = 1.0
+    rate_limit_bytes_per_s: float | None = None
     _tenant_buckets: dict[Tenant, TokenBucket] = field(default_factory=dict)
 
     def tenant_bucket(self, tenant: Tenant) -> TokenBucket | None:
@@ -215,6 +222,12 @@ class Connection:
         # One bucket for all of a tenant's connections here: opening more connections does
         # not buy a tenant more of the server than its share.
         self._tenant_limiter = ctx.tenant_bucket(tenant)
+        self._byte_limiter = (
+            TokenBucket(ctx.rate_limit_bytes_per_s, 2.0 * ctx.max_frame_bytes)
+            if ctx.rate_limit_bytes_per_s is not None
+            else None
+        )
+        self._refused_in_a_row = 0
         # Encoded frames waiting to be written, with their type for metrics. Reader and
         # writer both append; whoever holds the send lock writes them all, in order.
         self._outbox: deque[tuple[str, bytes]] = deque()
@@ -284,9 +297,14 @@ class Connection:
             if isinstance(message, str):
                 received.labels("text").inc()
                 self._fail(MalformedFrame("text frames are not accepted; send binary msgpack"))
-            elif (self._limiter is not None and not self._limiter.allow()) or (
-                self._tenant_limiter is not None and not self._tenant_limiter.allow()
-            ):
+            elif not self._allowed(len(message)):
+                self._refused_in_a_row += 1
+                if self._refused_in_a_row > FLOOD_CLOSE_AFTER:
+                    # A peer that ignores 3008 and goes on sending is cut: every frame it
+                    # sends costs inflating and reading, answered or not.
+                    received.labels("rate_limited").inc()
+                    await self._abort(CloseCode.POLICY_VIOLATION, "flooding: frames ignored 3008")
+                    return
                 received.labels("rate_limited").inc()
                 # Answered, not processed: the Error echoes the request id, if readable.
                 error = RateLimited("too many frames; slow down and resend")
@@ -294,6 +312,7 @@ class Connection:
                 self._take("error")
                 self.ctx.metrics.errors.labels(str(int(error.code))).inc()
             else:
+                self._refused_in_a_row = 0
                 ignored = protocol.ignored_frames
                 protocol.receive_data(message)
                 if self._take("error"):  # receive_data only ever queues Error frames
@@ -458,6 +477,15 @@ class Connection:
             await self._abort(CloseCode.INTERNAL_ERROR, "internal server error")
 
     # -- output ------------------------------------------------------------------------
+
+    def _allowed(self, size: int) -> bool:
+        """Whether a frame of ``size`` bytes is within this connection's and its tenant's
+        frame rates and this connection's byte rate."""
+        if self._limiter is not None and not self._limiter.allow():
+            return False
+        if self._tenant_limiter is not None and not self._tenant_limiter.allow():
+            return False
+        return self._byte_limiter is None or self._byte_limiter.allow(size)
 
     def _fail(self, error: SyncError, *, request_id: int = 0) -> None:
         """Queue a non-fatal ``Error`` frame for ``error`` answering ``request_id`` (0: none);

@@ -154,6 +154,9 @@ class SyncServer:
       one tenant's connections to this process together, so a tenant that opens many
       connections gets no more than its share (3008 as above). ``None`` disables it.
     - ``max_clock_skew_ms`` (60 s): pushed stamps further in the future are refused (3011).
+    - ``rate_limit_bytes_per_s`` (16 MiB/s): bytes per second per connection (after
+      decompression), refused like frames over the rate (3008). A connection that goes on
+      sending through 100 refusals in a row is closed (1008). ``None`` disables it.
     - ``metrics_token`` (None): when set, ``/metrics`` answers only a request carrying
       ``Authorization: Bearer <metrics_token>`` (401 otherwise); unset, it is public.
     - ``shutdown_timeout`` (10 s): how long ``shutdown`` waits for in-flight pushes.
@@ -179,11 +182,16 @@ class SyncServer:
         shutdown_timeout: float = 10.0,
         compression: bool = True,
         metrics_token: str | None = None,
+        rate_limit_bytes_per_s: float | None = 16 * 1024 * 1024,
     ) -> None:
         if not secret:
             raise ValueError("secret must not be empty")
         if max_frame_bytes < 1024:
             raise ValueError(f"max_frame_bytes must be at least 1024, got {max_frame_bytes}")
+        if rate_limit_bytes_per_s is not None and rate_limit_bytes_per_s <= 0:
+            raise ValueError(
+                f"rate_limit_bytes_per_s must be positive, got {rate_limit_bytes_per_s}"
+            )
         if max_pull_bytes < 1:
             raise ValueError(f"max_pull_bytes must be at least 1, got {max_pull_bytes}")
         if max_pull_limit < 1:
@@ -230,6 +238,7 @@ class SyncServer:
             rate_limit_per_s=rate_limit_per_s,
             rate_limit_burst=burst,
             tenant_rate_limit_per_s=tenant_rate_limit_per_s,
+            rate_limit_bytes_per_s=rate_limit_bytes_per_s,
             # By default a tenant's connections together may burst as much as five connections.
             tenant_rate_limit_burst=(
                 5 * burst if tenant_auto else max(1.0, 2 * (tenant_rate_limit_per_s or 0.0))

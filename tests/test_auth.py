@@ -117,3 +117,12 @@ def test_secret_for_a_url_needs_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PLEACH_SECRET", raising=False)
     with pytest.raises(ValueError, match="PLEACH_SECRET"):
         load_or_create_secret("postgresql://db/pleach")
+
+
+@pytest.mark.parametrize("junk", ["!", " ", "==", "A", "\n", "%", "AA"])
+def test_a_signature_with_trailing_junk_is_refused(junk: str) -> None:
+    """One token, one spelling: characters appended to a valid token make it invalid."""
+    token = issue_token(SECRET, ALICE, ttl_s=60, now=NOW)
+    assert verify_token(SECRET, token, now=NOW) == ALICE
+    with pytest.raises(Unauthorized):
+        verify_token(SECRET, token + junk, now=NOW)

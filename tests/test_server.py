@@ -22,6 +22,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from pleach_server.auth import issue_token
+from pleach_server.connection import FLOOD_CLOSE_AFTER
 from pleach_server.server import SyncServer
 from pleach_server.store.base import PullResult, PushResult, Tenant
 from pleach_server.store.sqlite import SQLiteServerStore
@@ -438,6 +439,32 @@ async def test_rate_limit_gets_3008_and_the_connection_lives(
         err = await client.error()
         assert err.code == ErrorCode.RATE_LIMITED and err.retryable
         assert srv.connections  # still connected
+
+
+async def test_a_peer_that_ignores_3008_is_cut(make_server: ServerFactory) -> None:
+    srv = await make_server(rate_limit_per_s=1e-6, rate_limit_burst=2)
+    dev, other = Device(new_tenant()), Device(new_tenant())
+    async with open_client(srv, dev.tenant) as client:
+        await client.hello(dev.client_id)
+        for _ in range(FLOOD_CLOSE_AFTER + 5):
+            await client.send(Pull(cursor=0))
+        closed = await client.closed()
+        assert closed.rcvd is not None and closed.rcvd.code == 1008
+    async with open_client(srv, other.tenant) as client:  # others are served
+        assert (await client.hello(other.client_id)).head_cursor == 0
+
+
+async def test_bytes_per_second_are_limited_too(make_server: ServerFactory) -> None:
+    srv = await make_server(rate_limit_per_s=None, rate_limit_bytes_per_s=1e-6)
+    dev = Device(new_tenant())
+    async with open_client(srv, dev.tenant) as client:
+        await client.hello(dev.client_id)  # within the burst (twice the frame limit)
+        for _ in range(3):  # 9 MiB of junk: the burst is spent during the third
+            await client.send_raw(b"\x00" * (3 * 1024 * 1024))
+        codes = [(await client.error()).code for _ in range(3)]
+        assert codes == [ErrorCode.MALFORMED_FRAME] * 2 + [ErrorCode.RATE_LIMITED]
+        # A small frame still fits what is left of the budget.
+        assert (await client.pull(0)).to_cursor == 0
 
 
 async def test_rate_limited_answer_echoes_the_request_id(make_server: ServerFactory) -> None:
