@@ -29,6 +29,7 @@ bench-peers: install
 
 soak: install
 	$(BIN)/python -m tests.sim --soak $(or $(SOAK_SCHEDULES),10000) --backend $(or $(SOAK_BACKEND),sqlite)
+	$(BIN)/python -m tests.fuzz --frames $(or $(FUZZ_FRAMES),100000) --seed $(or $(FUZZ_SEED),0)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
