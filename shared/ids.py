@@ -1,4 +1,9 @@
-"""UUIDv7 identifiers (RFC 9562): time-ordered, so ids sort by creation time."""
+"""UUIDv7 identifiers (RFC 9562): time-ordered, so ids sort by creation time.
+
+Within one millisecond the tail grows by a random step of up to 48 bits (RFC 9562's
+"monotonic random" method), not by one: knowing an id does not tell its neighbours, so a
+record id cannot be guessed (and claimed first) by someone who saw another.
+"""
 
 from __future__ import annotations
 
@@ -18,9 +23,9 @@ def uuid7(now_ms: int | None = None) -> str:
     with _lock:
         ms = int(time.time() * 1000) if now_ms is None else now_ms
         if ms <= _last_ms:
-            # Same (or earlier) millisecond: keep order by incrementing the random tail.
+            # Same (or earlier) millisecond: keep order by a random step up the tail.
             ms = _last_ms
-            rand = _last_rand + 1
+            rand = _last_rand + 1 + int.from_bytes(os.urandom(6), "big")
             if rand >> 74:
                 # Tail exhausted: borrow the next millisecond rather than wrap to a smaller id.
                 ms, rand = ms + 1, int.from_bytes(os.urandom(10), "big") >> 6

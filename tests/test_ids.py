@@ -116,3 +116,13 @@ def test_is_uuid() -> None:
         assert not is_uuid(bad)
     assert not is_uuid(None)  # type: ignore[arg-type]
     assert not is_uuid(42)  # type: ignore[arg-type]
+
+
+def test_neighbours_made_in_one_millisecond_are_not_predictable() -> None:
+    """Ids of one millisecond differ by random steps, not by one: seeing one id does not
+    give the next (which someone could otherwise push first under another account)."""
+    ids = [uuid.UUID(uuid7(now_ms=1_800_000_000_000)).int for _ in range(200)]
+    steps = [b - a for a, b in pairwise(ids)]
+    assert all(step > 0 for step in steps)
+    assert len(set(steps)) > 190  # random steps, almost never equal
+    assert min(steps) > 1 or steps.count(1) < 2
