@@ -11,7 +11,9 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test]'
 
-serve: install
+# The server alone: the package without the test tools.
+serve: $(BIN)/python
+	$(BIN)/python -m pip install -q -e .
 	$(BIN)/pleach-server
 
 test: install

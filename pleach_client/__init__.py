@@ -1,1 +1,46 @@
-"""pleach client: an offline-first session runtime for LLM agents over a local SQLite file."""
+"""pleach client: an offline-first session runtime for LLM agents over a local SQLite file.
+
+The common names are importable from here (``from pleach_client import SessionRuntime``); each
+is loaded on first use, so ``import pleach_client`` stays cheap (the anthropic SDK, slow to
+import, is loaded only for ``AnthropicProvider``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .providers.anthropic import AnthropicProvider
+    from .providers.scripted import ScriptedProvider, ScriptedReply
+    from .runtime import SessionRuntime
+    from .store.memory import MemoryAdapter
+    from .store.sqlite import SQLiteAdapter
+    from .tools import Tool
+
+_WHERE = {
+    "SessionRuntime": ".runtime",
+    "SQLiteAdapter": ".store.sqlite",
+    "MemoryAdapter": ".store.memory",
+    "ScriptedProvider": ".providers.scripted",
+    "ScriptedReply": ".providers.scripted",
+    "AnthropicProvider": ".providers.anthropic",
+    "Tool": ".tools",
+}
+
+__all__ = [
+    "AnthropicProvider",
+    "MemoryAdapter",
+    "SQLiteAdapter",
+    "ScriptedProvider",
+    "ScriptedReply",
+    "SessionRuntime",
+    "Tool",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module, __name__), name)

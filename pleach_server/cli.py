@@ -31,6 +31,7 @@ import asyncio
 import logging
 import os
 import signal
+import sqlite3
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -126,7 +127,31 @@ def _env_opt_int(name: str) -> int | None:
     return None if raw is None or raw == "" else _env_int(name, 0)
 
 
+def _refuse_device_database(db: str) -> None:
+    """A device's database given as the server's: say so before touching anything (no
+    secret file is written beside it)."""
+    if _is_postgres(db):
+        return
+    path = _db_path(db)
+    if not Path(path).is_file():
+        return
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise CliError(f"{path} is not a pleach server database: {exc}") from exc
+    if "outbox" in tables and "feed" not in tables:
+        raise CliError(
+            f"{path} is a pleach device database (the client's), not a server one: give "
+            "pleach-server its own file (the default is ./pleach-server.db)"
+        )
+
+
 def _secret_for(db: str, flag: str | None) -> bytes:
+    _refuse_device_database(db)
     if flag:
         return flag.encode("utf-8")
     if _is_postgres(db) and not os.environ.get(SECRET_ENV):
@@ -304,6 +329,10 @@ def _run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    if level != "DEBUG":
+        # websockets says "connection rejected (200 OK)" / "connection closed" for every
+        # HTTP answer (/healthz probes, 401s): noise at INFO, kept at DEBUG.
+        logging.getLogger("pleach_server.websockets").setLevel(logging.WARNING)
     pool_size = args.pool_size if args.pool_size is not None else _env_opt_int("PLEACH_POOL_SIZE")
     timeout_ms = (
         args.statement_timeout_ms

@@ -284,7 +284,8 @@ class SyncServer:
             raise
         if self._ws.sockets:
             self._port = self._ws.sockets[0].getsockname()[1]
-        logger.info("listening on %s (server id %s)", self.url, self.server_id)
+        # DEBUG: the CLI prints the address itself; a library host logs it as it likes.
+        logger.debug("listening on %s (server id %s)", self.url, self.server_id)
 
     async def __aenter__(self) -> Self:
         await self.start()

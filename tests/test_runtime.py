@@ -501,3 +501,25 @@ async def test_anthropic_sessions_default_to_a_current_model(adapter: Any) -> No
         handle = await rt.create_session()
         assert (handle.provider, handle.model) == ("anthropic", "claude-sonnet-4-6")
     await provider.client.close()
+
+
+def test_the_common_names_import_from_the_package_without_the_anthropic_sdk() -> None:
+    """``from pleach_client import SessionRuntime`` works, and does not pay for the anthropic
+    SDK's import (seconds) unless ``AnthropicProvider`` is asked for. A fresh interpreter, so
+    what this test process imported before does not count."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from pleach_client import SessionRuntime, SQLiteAdapter, ScriptedProvider, Tool\n"
+        "assert 'anthropic' not in sys.modules, 'anthropic imported eagerly'\n"
+        "from pleach_client import AnthropicProvider\n"
+        "assert 'anthropic' in sys.modules\n"
+        "print(SessionRuntime.__name__)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "SessionRuntime"

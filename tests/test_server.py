@@ -955,3 +955,25 @@ async def test_cli_errors_are_one_line(tmp_path: Path) -> None:
     assert proc.returncode != 0
     lines = err.decode().strip().splitlines()
     assert len(lines) == 1 and "PostgreSQL" in lines[0] and "Traceback" not in lines[0]
+
+
+async def test_a_device_database_given_to_the_server_is_refused_before_any_write(
+    tmp_path: Path,
+) -> None:
+    from pleach_client.store.sqlite import SQLiteAdapter
+
+    device_db = tmp_path / "laptop.db"
+    async with SQLiteAdapter(device_db):
+        pass
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PLEACH_")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pleach_server.cli", "--db", str(device_db), "--port", "0",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    async with asyncio.timeout(TIMEOUT * 3):
+        _, err = await proc.communicate()
+    assert proc.returncode != 0
+    lines = err.decode().strip().splitlines()
+    assert len(lines) == 1 and "device database" in lines[0], lines
+    assert not Path(f"{device_db}.secret").exists()  # nothing written beside it

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .anthropic import AnthropicProvider, translate_error
+from typing import TYPE_CHECKING, Any
+
 from .base import (
     BlockStop,
     MessageDelta,
@@ -20,6 +21,19 @@ from .base import (
 )
 from .pricing import PRICES, ModelPrice, cost_usd, price_for
 from .scripted import ScriptedProvider, ScriptedReply, echo_reply
+
+if TYPE_CHECKING:
+    from .anthropic import AnthropicProvider, translate_error
+
+
+def __getattr__(name: str) -> Any:
+    # The anthropic SDK takes seconds to import: only a host that uses it pays for it.
+    if name in ("AnthropicProvider", "translate_error"):
+        from . import anthropic
+
+        return getattr(anthropic, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "PRICES",
