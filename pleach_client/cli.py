@@ -22,22 +22,43 @@ from .runtime import SessionRuntime
 from .store.sqlite import SQLiteAdapter
 
 DEFAULT_DB = "pleach.db"
+DEFAULT_USER = "anonymous"
+DEFAULT_ORG = "default"
+
+
+def _globals(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """``--db``, ``--user`` and ``--org``, accepted before or after the subcommand."""
+
+    def d(value: str) -> str:
+        return value if defaults else argparse.SUPPRESS
+
+    parser.add_argument(
+        "--db",
+        default=d(os.environ.get("PLEACH_CLIENT_DB", DEFAULT_DB)),
+        help="device database file (env PLEACH_CLIENT_DB; default ./pleach.db)",
+    )
+    parser.add_argument(
+        "--user",
+        default=d(os.environ.get("PLEACH_USER", DEFAULT_USER)),
+        help=f"user id (env PLEACH_USER; default {DEFAULT_USER!r})",
+    )
+    parser.add_argument(
+        "--org",
+        default=d(os.environ.get("PLEACH_ORG", DEFAULT_ORG)),
+        help=f"org id (env PLEACH_ORG; default {DEFAULT_ORG!r})",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pleach", description="pleach: offline-first agent sessions"
     )
-    parser.add_argument(
-        "--db",
-        default=os.environ.get("PLEACH_CLIENT_DB", DEFAULT_DB),
-        help="device database file (env PLEACH_CLIENT_DB; default ./pleach.db)",
-    )
-    parser.add_argument("--user", default=os.environ.get("PLEACH_USER", "anonymous"))
-    parser.add_argument("--org", default=os.environ.get("PLEACH_ORG", "default"))
+    _globals(parser, defaults=True)
+    common = argparse.ArgumentParser(add_help=False)
+    _globals(common, defaults=False)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    chat = sub.add_parser("chat", help="chat in a session, streaming replies")
+    chat = sub.add_parser("chat", parents=[common], help="chat in a session, streaming replies")
     chat.add_argument("--session", help="continue this session id")
     chat.add_argument(
         "--offline",
@@ -52,20 +73,20 @@ def _parser() -> argparse.ArgumentParser:
         help="send this message and exit (repeatable); otherwise read lines",
     )
 
-    sessions = sub.add_parser("sessions", help="list, show or delete sessions")
+    sessions = sub.add_parser("sessions", parents=[common], help="list, show or delete sessions")
     ssub = sessions.add_subparsers(dest="action", required=True)
-    ssub.add_parser("list")
-    show = ssub.add_parser("show")
+    ssub.add_parser("list", parents=[common])
+    show = ssub.add_parser("show", parents=[common])
     show.add_argument("session_id")
-    delete = ssub.add_parser("delete")
+    delete = ssub.add_parser("delete", parents=[common])
     delete.add_argument("session_id")
 
-    events = sub.add_parser("events", help="event-log tools")
+    events = sub.add_parser("events", parents=[common], help="event-log tools")
     esub = events.add_subparsers(dest="action", required=True)
-    verify = esub.add_parser("verify", help="verify a session's hash chain")
+    verify = esub.add_parser("verify", parents=[common], help="verify a session's hash chain")
     verify.add_argument("session_id")
 
-    sync = sub.add_parser("sync", help="flush the outbox and pull, once")
+    sync = sub.add_parser("sync", parents=[common], help="flush the outbox and pull, once")
     sync.add_argument(
         "--server",
         required="PLEACH_SERVER" not in os.environ,
@@ -77,8 +98,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     sync.add_argument("--timeout", type=float, default=30.0)
 
-    sub.add_parser("status", help="what is pending, stuck or synced")
-    demo = sub.add_parser("demo", help="two devices and a server, offline and back, no API key")
+    sub.add_parser("status", parents=[common], help="what is pending, stuck or synced")
+    demo = sub.add_parser(
+        "demo", parents=[common], help="two devices and a server, offline and back, no API key"
+    )
     demo.add_argument("--keep", help="keep the demo files in this folder")
     return parser
 
@@ -117,12 +140,21 @@ async def _chat(args: argparse.Namespace) -> int:
         else:
             handle = await rt.create_session(model=args.model)
             _out(f"new session {handle.id} ({handle.provider}/{handle.model})")
+        if (args.user, args.org) == (DEFAULT_USER, DEFAULT_ORG):
+            _out(
+                f"(as user {DEFAULT_USER!r} of org {DEFAULT_ORG!r}: set --user/--org or "
+                "PLEACH_USER/PLEACH_ORG to sync as yourself)"
+            )
         messages = args.message if args.message else None
+        failed = False
         while True:
             if messages is not None:
                 if not messages:
                     break
-                text = messages.pop(0)
+                text = messages.pop(0).strip()
+                if not text:
+                    _out("(empty message skipped)")
+                    continue
                 _out(f"> {text}")
             else:
                 _out("> ", end="")
@@ -148,11 +180,24 @@ async def _chat(args: argparse.Namespace) -> int:
                         _out(f"[tool failed: {event.error}]")  # type: ignore[attr-defined]
                     case "error":
                         _out(f"error ({event.code}): {event.error}")  # type: ignore[attr-defined]
+                    case "turn.complete":
+                        failed = failed or event.outcome != "ok"  # type: ignore[attr-defined]
         _out(f"session {handle.id} saved in {args.db}")
-    return 0
+    return 1 if failed else 0
+
+
+def _existing_db(args: argparse.Namespace) -> str:
+    """The device database of a command that reads one: it must exist (a typo in ``--db``
+    would otherwise create an empty database and show nothing)."""
+    if not os.path.exists(args.db):
+        raise PleachError(
+            f"no device database at {args.db} (give --db, or start one with `pleach chat`)"
+        )
+    return str(args.db)
 
 
 async def _sessions(args: argparse.Namespace) -> int:
+    _existing_db(args)
     async with SessionRuntime(SQLiteAdapter(args.db), user_id=args.user, org_id=args.org) as rt:
         if args.action == "list":
             rows = await rt.sessions.list()
@@ -187,6 +232,7 @@ async def _sessions(args: argparse.Namespace) -> int:
 
 
 async def _events(args: argparse.Namespace) -> int:
+    _existing_db(args)
     async with SessionRuntime(SQLiteAdapter(args.db), user_id=args.user, org_id=args.org) as rt:
         report = await rt.events.verify_chain(args.session_id)
         if report.ok:
@@ -197,6 +243,7 @@ async def _events(args: argparse.Namespace) -> int:
 
 
 async def _sync(args: argparse.Namespace) -> int:
+    _existing_db(args)
     async with SessionRuntime(SQLiteAdapter(args.db), user_id=args.user, org_id=args.org) as rt:
         receipt = await rt.sync.sync_once(args.server, args.token, timeout=args.timeout)
         _out(msgspec.json.encode(receipt).decode())
@@ -206,6 +253,7 @@ async def _sync(args: argparse.Namespace) -> int:
 
 
 async def _status(args: argparse.Namespace) -> int:
+    _existing_db(args)
     async with SessionRuntime(SQLiteAdapter(args.db), user_id=args.user, org_id=args.org) as rt:
         status = await rt.sync.status()
         _out(msgspec.json.encode(status).decode())

@@ -148,6 +148,7 @@ class SyncFacet:
         self._pull_due = True  # pull at the next catch-up (a new connection, a gap...)
         self._marked_synced = False
         self._reconnect_now = False
+        self._failures = 0  # connection attempts that ended in an error
 
     # -- public API ---------------------------------------------------------------------------
     async def connect(self, url: str, token: str, *, auto: bool = True) -> None:
@@ -185,7 +186,7 @@ class SyncFacet:
             downloading=self._downloading,
             pending=await store.outbox_count(),
             dead_letters=await store.dead_letter_count(),
-            last_synced_at=self._last_synced_at,
+            last_synced_at=self._last_synced_at or _float(await store.get_meta("last_synced_at")),
             has_synced=(await store.get_meta("has_synced")) == "1",
             cursor=cursor,
             last_error=self._last_error,
@@ -240,13 +241,22 @@ class SyncFacet:
 
     async def sync_once(self, url: str, token: str, timeout: float = 30.0) -> OutboxFlushReceipt:
         """Connect, flush, pull to the head, disconnect: one round for scripts and the CLI."""
+        failures = self._failures
         await self.connect(url, token, auto=False)
         try:
-            async with asyncio.timeout(timeout):
-                async with self._changed:
-                    await self._changed.wait_for(lambda: self._state in ("connected", "needs-auth"))
+            try:
+                async with asyncio.timeout(timeout), self._changed:
+                    await self._changed.wait_for(
+                        lambda: (
+                            self._state in ("connected", "needs-auth") or self._failures > failures
+                        )
+                    )
+            except TimeoutError:
+                raise SyncError(f"no answer from {url} within {timeout:g} s") from None
             if self._state == "needs-auth":
                 raise SyncError(self._last_error or "unauthorized")
+            if self._state != "connected":
+                raise SyncError(f"cannot sync with {url}: {self._last_error or 'unreachable'}")
             receipt = await self.flush_outbox()
             for _ in range(3):
                 if self._link is not None:
@@ -260,6 +270,7 @@ class SyncFacet:
             await self.pull()
             self._last_synced_at = time.time()
             await self._rt.store.set_meta("has_synced", "1")
+            await self._rt.store.set_meta("last_synced_at", repr(self._last_synced_at))
             return receipt
         finally:
             await self.disconnect()
@@ -426,6 +437,7 @@ class SyncFacet:
                 self._error(f"{type(exc).__name__}: {exc}")
             finally:
                 self._link = None
+            self._failures += 1
             self._set_state("offline")
             # Exponential backoff with full jitter, so a fleet does not reconnect in lockstep.
             await asyncio.sleep(random.uniform(0, delay))
@@ -824,6 +836,13 @@ class SyncFacet:
         log.warning("sync: %d referenced message(s) missing here; resyncing", len(still))
         self._resynced |= set(still)
         return True
+
+
+def _float(value: str | None) -> float | None:
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None
 
 
 _CHANGE_ENCODER = msgspec.msgpack.Encoder()

@@ -122,3 +122,39 @@ def test_sync_and_status_against_a_server_process(tmp_path: Path) -> None:
         server.wait(timeout=30)
         if server.stdout is not None:
             server.stdout.close()
+
+
+def test_cli_reasons_for_the_usual_mistakes(tmp_path: Path) -> None:
+    """A typo in --db, a server's database, an unreachable server: one line each, a non-zero
+    exit, fast; --db also works after the subcommand."""
+    import sqlite3
+    import subprocess
+    import sys
+
+    def pleach(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "pleach_client.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+    missing = pleach("sessions", "list", "--db", str(tmp_path / "typo.db"))
+    assert missing.returncode == 2 and "no device database" in missing.stderr
+    assert not (tmp_path / "typo.db").exists()
+
+    server_db = tmp_path / "server.db"
+    conn = sqlite3.connect(server_db)
+    conn.execute("CREATE TABLE feed (cursor INTEGER)")
+    conn.close()
+    wrong = pleach("status", "--db", str(server_db))
+    assert wrong.returncode == 2 and "server database" in wrong.stderr
+
+    device = tmp_path / "d.db"
+    made = pleach("chat", "--offline", "-m", "hello", "--db", str(device))
+    assert made.returncode == 0 and "anonymous" in made.stdout  # the default user, said
+    down = pleach("--db", str(device), "sync", "--server", "ws://127.0.0.1:9/sync", "--token", "t")
+    assert down.returncode == 2 and "cannot sync with" in down.stderr
+    assert len(down.stderr.strip().splitlines()) == 1
+    assert "no answer" not in down.stderr  # it failed on the refusal, not on a timeout

@@ -601,6 +601,12 @@ class SQLiteAdapter(AsyncResource):
                 await conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     async def _check_version(self, conn: aiosqlite.Connection) -> int:
+        tables = {str(r[0]) for r in await _fetch(conn, "SELECT name FROM sqlite_master")}
+        if "feed" in tables and "outbox" not in tables:
+            raise StorageError(
+                f"{self.path!r} is a pleach server database (pleach-server's), not a device "
+                "one: give the device its own file"
+            )
         version = int((await _fetch(conn, "PRAGMA user_version"))[0][0])
         if version > SCHEMA_VERSION:
             raise StorageError(
