@@ -8,8 +8,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -108,9 +111,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def _provider(offline: bool) -> Provider:
     if offline:
-        from .providers.scripted import ScriptedProvider
+        from .providers.scripted import ScriptedProvider, echo_reply
 
-        return ScriptedProvider()
+        delay = float(os.environ.get("PLEACH_OFFLINE_DELAY", "0") or 0)
+        if delay <= 0:
+            return ScriptedProvider()
+        # A slower offline model (seconds per streamed word), for demos and trying Ctrl-C.
+        return ScriptedProvider(
+            default_reply=lambda request: dataclasses.replace(echo_reply(request), delay=delay)
+        )
     if not os.environ.get("ANTHROPIC_API_KEY"):
         raise PleachError(
             "ANTHROPIC_API_KEY is not set. Set it to chat with Claude, "
@@ -119,6 +128,59 @@ def _provider(offline: bool) -> Provider:
     from .providers.anthropic import AnthropicProvider
 
     return AnthropicProvider.from_env()
+
+
+class _Controls:
+    """Ctrl-C and SIGTERM for ``pleach chat``: Ctrl-C during a turn aborts the turn (it is
+    committed and accounted, as any abort) and returns to the prompt; Ctrl-C at the prompt,
+    or SIGTERM at any time (after aborting a running turn), ends the chat."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.turn: asyncio.Event | None = None
+        self.stop = asyncio.Event()
+        loop.add_signal_handler(signal.SIGINT, self._interrupt)
+        loop.add_signal_handler(signal.SIGTERM, self._terminate)
+
+    def _interrupt(self) -> None:
+        if self.turn is not None and not self.turn.is_set():
+            self.turn.set()
+        else:
+            self.stop.set()
+
+    def _terminate(self) -> None:
+        if self.turn is not None:
+            self.turn.set()
+        self.stop.set()
+
+    async def until_stopped(self, waiting: Any) -> Any:
+        """The result of ``waiting``, or None if the chat is stopped first."""
+        task = asyncio.ensure_future(waiting)
+        stopped = asyncio.ensure_future(self.stop.wait())
+        done, _ = await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        return None
+
+    def close(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self.loop.remove_signal_handler(signum)
+
+
+def _stdin_lines(loop: asyncio.AbstractEventLoop) -> asyncio.Queue[str | None]:
+    """Lines of stdin, read by a daemon thread (so a Ctrl-C at the prompt ends the chat at
+    once instead of waiting for Enter); None at the end of input."""
+    queue: asyncio.Queue[str | None] = asyncio.Queue()
+
+    def read() -> None:
+        for line in sys.stdin:
+            loop.call_soon_threadsafe(queue.put_nowait, line)
+        loop.call_soon_threadsafe(queue.put_nowait, None)
+
+    threading.Thread(target=read, name="pleach-stdin", daemon=True).start()
+    return queue
 
 
 def _out(text: str = "", end: str = "\n") -> None:
@@ -147,41 +209,53 @@ async def _chat(args: argparse.Namespace) -> int:
             )
         messages = args.message if args.message else None
         failed = False
-        while True:
-            if messages is not None:
-                if not messages:
-                    break
-                text = messages.pop(0).strip()
-                if not text:
-                    _out("(empty message skipped)")
-                    continue
-                _out(f"> {text}")
-            else:
-                _out("> ", end="")
-                line = await asyncio.to_thread(sys.stdin.readline)
-                if not line:
-                    break
-                text = line.strip()
-                if not text:
-                    continue
-                if text in ("/quit", "/exit"):
-                    break
-            async for event in rt.execute_message(handle.id, text):
-                match event.type:
-                    case "message.delta":
-                        _out(event.delta, end="")  # type: ignore[attr-defined]
-                    case "message.complete":
+        controls = _Controls(asyncio.get_running_loop())
+        lines = None if messages is not None else _stdin_lines(asyncio.get_running_loop())
+        try:
+            while not controls.stop.is_set():
+                if messages is not None:
+                    if not messages:
+                        break
+                    text = messages.pop(0).strip()
+                    if not text:
+                        _out("(empty message skipped)")
+                        continue
+                    _out(f"> {text}")
+                else:
+                    assert lines is not None
+                    _out("> ", end="")
+                    line = await controls.until_stopped(lines.get())
+                    if line is None:  # end of input, Ctrl-C or SIGTERM at the prompt
                         _out()
-                    case "tool.started":
-                        _out(f"[tool {event.name} {event.input}]")  # type: ignore[attr-defined]
-                    case "tool.completed":
-                        _out(f"[tool -> {event.output}]")  # type: ignore[attr-defined]
-                    case "tool.failed":
-                        _out(f"[tool failed: {event.error}]")  # type: ignore[attr-defined]
-                    case "error":
-                        _out(f"error ({event.code}): {event.error}")  # type: ignore[attr-defined]
-                    case "turn.complete":
-                        failed = failed or event.outcome != "ok"  # type: ignore[attr-defined]
+                        break
+                    text = line.strip()
+                    if not text:
+                        continue
+                    if text in ("/quit", "/exit"):
+                        break
+                controls.turn = asyncio.Event()
+                async for event in rt.execute_message(handle.id, text, abort=controls.turn):
+                    match event.type:
+                        case "message.delta":
+                            _out(event.delta, end="")  # type: ignore[attr-defined]
+                        case "message.complete":
+                            _out()
+                        case "tool.started":
+                            _out(f"[tool {event.name} {event.input}]")  # type: ignore[attr-defined]
+                        case "tool.completed":
+                            _out(f"[tool -> {event.output}]")  # type: ignore[attr-defined]
+                        case "tool.failed":
+                            _out(f"[tool failed: {event.error}]")  # type: ignore[attr-defined]
+                        case "error":
+                            _out(f"error ({event.code}): {event.error}")  # type: ignore[attr-defined]
+                        case "turn.complete":
+                            outcome = event.outcome  # type: ignore[attr-defined]
+                            if outcome == "user-aborted":
+                                _out("\n(turn aborted; what was said so far is kept)")
+                            failed = failed or outcome not in ("ok", "user-aborted")
+                controls.turn = None
+        finally:
+            controls.close()
         _out(f"session {handle.id} saved in {args.db}")
     return 1 if failed else 0
 

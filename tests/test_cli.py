@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from pleach_client.runtime import SessionRuntime
+from pleach_client.store.sqlite import SQLiteAdapter
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -128,8 +135,6 @@ def test_cli_reasons_for_the_usual_mistakes(tmp_path: Path) -> None:
     """A typo in --db, a server's database, an unreachable server: one line each, a non-zero
     exit, fast; --db also works after the subcommand."""
     import sqlite3
-    import subprocess
-    import sys
 
     def pleach(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -158,3 +163,48 @@ def test_cli_reasons_for_the_usual_mistakes(tmp_path: Path) -> None:
     assert down.returncode == 2 and "cannot sync with" in down.stderr
     assert len(down.stderr.strip().splitlines()) == 1
     assert "no answer" not in down.stderr  # it failed on the refusal, not on a timeout
+
+
+async def _read_until(stream: asyncio.StreamReader, marker: bytes) -> bytes:
+    seen = b""
+    async with asyncio.timeout(60):
+        while marker not in seen:
+            chunk = await stream.read(256)
+            if not chunk:
+                break
+            seen += chunk
+    return seen
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+async def test_chat_interrupted_mid_turn_keeps_the_turn(tmp_path: Path, signum: int) -> None:
+    """Ctrl-C during a reply aborts the turn and returns to the prompt; SIGTERM aborts it and
+    ends the chat. Either way the user's message and the partial reply are committed."""
+    db = tmp_path / "chat.db"
+    env = {**os.environ, "PLEACH_OFFLINE_DELAY": "0.2"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pleach_client.cli", "chat", "--offline", "--db", str(db),
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(b"please tell me a long story about the sea\n")
+    await proc.stdin.drain()
+    await _read_until(proc.stdout, b"You said:")  # the reply is streaming
+    proc.send_signal(signum)
+    seen = await _read_until(proc.stdout, b"turn aborted")
+    assert b"turn aborted" in seen
+    if signum == signal.SIGINT:  # back at the prompt: the chat goes on
+        proc.stdin.write(b"second\n")
+        await proc.stdin.drain()
+        await _read_until(proc.stdout, b"You said: second")
+        proc.stdin.close()
+    async with asyncio.timeout(60):
+        await proc.wait()
+    assert proc.returncode == 0
+    async with SessionRuntime(SQLiteAdapter(db)) as rt:
+        (session,) = await rt.sessions.list()
+        messages = await rt.sessions.messages(session.id)
+    assert messages[0].content[0]["text"] == "please tell me a long story about the sea"
+    assert messages[1].role == "assistant" and messages[1].aborted
+    if signum == signal.SIGINT:
+        assert [m.content[0]["text"] for m in messages[2:]] == ["second", "You said: second"]
