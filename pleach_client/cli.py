@@ -183,6 +183,15 @@ def _stdin_lines(loop: asyncio.AbstractEventLoop) -> asyncio.Queue[str | None]:
     return queue
 
 
+WAITING_NOTICE_AFTER = 2.0
+
+
+async def _waiting_notice() -> None:
+    """A sign of life when the model has not started answering after a moment."""
+    await asyncio.sleep(WAITING_NOTICE_AFTER)
+    _out("(waiting for the model... Ctrl-C aborts)")
+
+
 def _out(text: str = "", end: str = "\n") -> None:
     sys.stdout.write(text + end)
     sys.stdout.flush()
@@ -234,7 +243,10 @@ async def _chat(args: argparse.Namespace) -> int:
                     if text in ("/quit", "/exit"):
                         break
                 controls.turn = asyncio.Event()
+                waiting = asyncio.create_task(_waiting_notice())
                 async for event in rt.execute_message(handle.id, text, abort=controls.turn):
+                    if event.type not in ("message.added", "stream.started"):
+                        waiting.cancel()
                     match event.type:
                         case "message.delta":
                             _out(event.delta, end="")  # type: ignore[attr-defined]
@@ -253,6 +265,7 @@ async def _chat(args: argparse.Namespace) -> int:
                             if outcome == "user-aborted":
                                 _out("\n(turn aborted; what was said so far is kept)")
                             failed = failed or outcome not in ("ok", "user-aborted")
+                waiting.cancel()
                 controls.turn = None
         finally:
             controls.close()

@@ -546,3 +546,56 @@ def test_models_match_by_longest_prefix(model: str, input_price: float) -> None:
 def test_unknown_model_has_no_cost() -> None:
     assert cost_usd("gpt-4o", input_tokens=10) is None
     assert price_for("claude-instant-1") is None
+
+
+async def test_from_env_takes_the_timeouts() -> None:
+    provider = AnthropicProvider.from_env(
+        environ={
+            "ANTHROPIC_API_KEY": "sk-ant-test",
+            "PLEACH_CONNECT_TIMEOUT": "3",
+            "PLEACH_READ_TIMEOUT": "7.5",
+        }
+    )
+    async with provider:
+        timeout = provider.client.timeout
+        assert (timeout.connect, timeout.read) == (3.0, 7.5)  # type: ignore[union-attr]
+    with pytest.raises(ProviderError, match="seconds"):
+        AnthropicProvider.from_env(
+            environ={"ANTHROPIC_API_KEY": "k", "PLEACH_READ_TIMEOUT": "soon"}
+        )
+
+
+async def test_a_model_that_never_answers_times_out_as_a_turn_error(tmp_path: pathlib.Path) -> None:
+    """A server that accepts the connection and never answers: the turn ends with a timeout
+    error event after ``read_timeout`` (not the SDK's 600 s x 3), and the turn is kept."""
+    from pleach_client.runtime import SessionRuntime
+    from pleach_client.store.sqlite import SQLiteAdapter
+
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)  # read nothing, answer nothing
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    provider = AnthropicProvider(
+        api_key="sk-ant-test",
+        base_url=f"http://127.0.0.1:{port}",
+        max_retries=0,
+        connect_timeout=2.0,
+        read_timeout=0.5,
+    )
+    try:
+        async with provider, SessionRuntime(SQLiteAdapter(tmp_path / "d.db"), provider) as rt:
+            session_id = (await rt.create_session()).id
+            events = [e async for e in rt.execute_message(session_id, "hello?")]
+            errors = [e for e in events if e.type == "error"]
+            assert errors and errors[0].code == "timeout"  # type: ignore[attr-defined]
+            assert events[-1].type == "turn.complete"
+            messages = await rt.sessions.messages(session_id)
+            assert messages[0].content[0]["text"] == "hello?"
+    finally:
+        for writer in accepted:
+            writer.close()
+        server.close()
+        await server.wait_closed()

@@ -67,11 +67,18 @@ _STATUSES: dict[int, tuple[str, bool]] = {
 }
 
 
+DEFAULT_CONNECT_TIMEOUT = 10.0
+DEFAULT_READ_TIMEOUT = 60.0
+
+
 class AnthropicProvider:
     """Streams Claude calls through ``anthropic.AsyncAnthropic``.
 
     Pass a ready ``client`` (tests pass one over ``httpx2.MockTransport``), or let the provider
-    build one from ``api_key``/``base_url``/``max_retries``; the SDK retries a failed request
+    build one from ``api_key``/``base_url``/``max_retries`` and the timeouts: ``connect_timeout``
+    (10 s) to reach the API, ``read_timeout`` (60 s) between two chunks of an answer (the API
+    pings a live stream well within that; the SDK's own default waits 600 s). The SDK retries a
+    failed request
     (429, 5xx, 529, connection errors) ``max_retries`` times before the stream starts, never
     mid-stream. A provider that built its client owns it: ``aclose()`` it, or use it as an
     ``async with`` block, when done.
@@ -86,12 +93,17 @@ class AnthropicProvider:
         api_key: str | None = None,
         base_url: str | None = None,
         max_retries: int = 2,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        read_timeout: float = DEFAULT_READ_TIMEOUT,
     ) -> None:
         self._owns_client = client is None
         if client is None:
             try:
                 client = anthropic.AsyncAnthropic(
-                    api_key=api_key, base_url=base_url, max_retries=max_retries
+                    api_key=api_key,
+                    base_url=base_url,
+                    max_retries=max_retries,
+                    timeout=anthropic.Timeout(read_timeout, connect=connect_timeout),
                 )
             except anthropic.AnthropicError as exc:
                 # A profile or federation config the SDK found on its own is broken.
@@ -114,7 +126,8 @@ class AnthropicProvider:
         base_url: str | None = None,
         max_retries: int = 2,
     ) -> AnthropicProvider:
-        """Build a provider from ``ANTHROPIC_API_KEY`` (and ``ANTHROPIC_BASE_URL`` if set).
+        """Build a provider from ``ANTHROPIC_API_KEY`` (and ``ANTHROPIC_BASE_URL`` if set);
+        ``PLEACH_CONNECT_TIMEOUT`` and ``PLEACH_READ_TIMEOUT`` (seconds) set the timeouts.
 
         Raises ``ProviderError(code="missing_api_key")`` when the key is unset or empty: tell the
         user to export it, or to run offline.
@@ -127,10 +140,20 @@ class AnthropicProvider:
                 "or run offline (pleach chat --offline)",
                 code="missing_api_key",
             )
+        try:
+            connect = float(env.get("PLEACH_CONNECT_TIMEOUT") or DEFAULT_CONNECT_TIMEOUT)
+            read = float(env.get("PLEACH_READ_TIMEOUT") or DEFAULT_READ_TIMEOUT)
+        except ValueError as exc:
+            raise ProviderError(
+                f"PLEACH_CONNECT_TIMEOUT / PLEACH_READ_TIMEOUT must be seconds: {exc}",
+                code="invalid_config",
+            ) from exc
         return cls(
             api_key=api_key,
             base_url=base_url or env.get("ANTHROPIC_BASE_URL") or None,
             max_retries=max_retries,
+            connect_timeout=connect,
+            read_timeout=read,
         )
 
     async def aclose(self) -> None:
