@@ -102,6 +102,15 @@ def _parser() -> argparse.ArgumentParser:
     sync.add_argument("--timeout", type=float, default=30.0)
 
     sub.add_parser("status", parents=[common], help="what is pending, stuck or synced")
+    dead = sub.add_parser(
+        "dead-letters", parents=[common], help="changes the server refused: list, retry, discard"
+    )
+    dsub = dead.add_subparsers(dest="action", required=True)
+    dsub.add_parser("list", parents=[common])
+    retry = dsub.add_parser("retry", parents=[common], help="queue it again (a new client_seq)")
+    retry.add_argument("client_seq", type=int)
+    discard = dsub.add_parser("discard", parents=[common], help="forget it for good")
+    discard.add_argument("client_seq", type=int)
     demo = sub.add_parser(
         "demo", parents=[common], help="two devices and a server, offline and back, no API key"
     )
@@ -237,7 +246,9 @@ async def _chat(args: argparse.Namespace) -> int:
                     if line is None:  # end of input, Ctrl-C or SIGTERM at the prompt
                         _out()
                         break
-                    text = line.strip()
+                    # Bytes that are not UTF-8 become U+FFFD rather than failing the turn.
+                    text = line.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+                    text = text.strip()
                     if not text:
                         continue
                     if text in ("/quit", "/exit"):
@@ -349,6 +360,32 @@ async def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _dead_letters(args: argparse.Namespace) -> int:
+    _existing_db(args)
+    async with SessionRuntime(SQLiteAdapter(args.db), user_id=args.user, org_id=args.org) as rt:
+        if args.action == "list":
+            letters = await rt.sync.dead_letters()
+            if not letters:
+                _out("no dead letters")
+            for dead in letters:
+                record = dead.record
+                _out(
+                    f"{dead.client_seq}  {type(record).__name__} {record.id}  {dead.code}: "
+                    f"{dead.message}  ({dead.attempts} attempts)"
+                )
+            return 0
+        if args.action == "retry":
+            seq = await rt.sync.retry_dead_letter(args.client_seq)
+            if seq is None:
+                raise PleachError(f"no dead letter {args.client_seq}")
+            _out(f"queued again as {seq}; it goes with the next sync")
+            return 0
+        if not await rt.sync.discard_dead_letter(args.client_seq):
+            raise PleachError(f"no dead letter {args.client_seq}")
+        _out(f"dead letter {args.client_seq} discarded")
+        return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers: dict[str, Any] = {
@@ -357,6 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "events": _events,
         "sync": _sync,
         "status": _status,
+        "dead-letters": _dead_letters,
     }
     try:
         if args.command == "demo":

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from shared.errors import NotFound, ProviderError, RecordTooLarge, ToolError
+from shared.errors import InvalidInput, NotFound, ProviderError, RecordTooLarge, ToolError
 from shared.ids import uuid7
 from shared.messages import MAX_RECORD_BYTES
 from shared.records import AuditRow, Checkpoint, Event, Message, Outcome, Session, Usage
@@ -125,7 +125,12 @@ async def run_turn(
     abort: asyncio.Event | None,
 ) -> AsyncIterator[StreamEventBase]:
     core = rt.core
-    size = len(content.encode("utf-8", "surrogatepass"))
+    try:
+        size = len(content.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise InvalidInput(
+            f"the message is not valid text ({exc.reason} at {exc.start}); nothing was sent"
+        ) from exc
     if size > MAX_MESSAGE_BYTES:
         raise RecordTooLarge(
             f"the message is {size:,} bytes, over the {MAX_MESSAGE_BYTES:,}-byte limit for a "

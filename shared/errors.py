@@ -11,6 +11,7 @@
     ├── ToolError               a tool failed or its input was invalid
     ├── ChainError              a hash chain does not verify
     ├── RecordTooLarge          a record over ``MAX_RECORD_BYTES``, refused before it is written
+    ├── InvalidInput            a caller's input that cannot be stored (text that is not Unicode)
     └── SyncError               carries a 3xxx ``code`` and ``retryable``
         ├── Unauthorized        3001
         ├── Forbidden           3002
@@ -106,6 +107,11 @@ class ChainError(PleachError):
 class RecordTooLarge(PleachError):
     """A record too large to sync (over ``shared.messages.MAX_RECORD_BYTES`` encoded): refused
     before anything is written, so it can never hold up the outbox."""
+
+
+class InvalidInput(PleachError):
+    """A caller's input that cannot be stored or synced (text with lone surrogates...):
+    refused before anything is written."""
 
 
 class SyncError(PleachError):

@@ -208,3 +208,73 @@ async def test_chat_interrupted_mid_turn_keeps_the_turn(tmp_path: Path, signum: 
     assert messages[1].role == "assistant" and messages[1].aborted
     if signum == signal.SIGINT:
         assert [m.content[0]["text"] for m in messages[2:]] == ["second", "You said: second"]
+
+
+def test_chat_takes_input_that_is_not_utf8_and_keeps_the_turn(tmp_path: Path) -> None:
+    db = tmp_path / "u.db"
+    out = subprocess.run(
+        [sys.executable, "-m", "pleach_client.cli", "chat", "--offline", "--db", str(db)],
+        input=b"caf\xe9 au lait\n",
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert b"Traceback" not in out.stderr
+    shown = subprocess.run(
+        [sys.executable, "-m", "pleach_client.cli", "sessions", "list", "--db", str(db)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "2 messages" in shown.stdout
+
+
+def test_dead_letters_list_retry_and_discard(tmp_path: Path) -> None:
+    """A change the server refused can be listed, queued again or dropped from the CLI."""
+    from pleach_client.store.base import WriteBatch
+    from tests.factories import make_message
+
+    db = tmp_path / "d.db"
+
+    async def refused() -> tuple[int, int]:
+        async with SQLiteAdapter(db) as store:
+            receipt = await store.commit(WriteBatch(records=[make_message(), make_message()]))
+            for seq in receipt.client_seqs:
+                await store.outbox_dead_letter(seq, 3007, "record client_id is not the device")
+            return receipt.client_seqs[0], receipt.client_seqs[1]
+
+    first, second = asyncio.run(refused())
+
+    def pleach(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "pleach_client.cli", "dead-letters", *args, "--db", str(db)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+    listed = pleach("list")
+    assert (
+        listed.returncode == 0 and f"{first}  Message" in listed.stdout and "3007" in listed.stdout
+    )
+    assert pleach("retry", str(first)).returncode == 0
+    assert pleach("discard", str(second)).returncode == 0
+    assert pleach("discard", str(second)).returncode == 2  # gone
+    assert "no dead letters" in pleach("list").stdout
+
+
+async def test_a_message_that_is_not_valid_text_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    from shared.errors import InvalidInput
+
+    async with SessionRuntime(SQLiteAdapter(tmp_path / "d.db")) as rt:
+        session_id = (await rt.create_session()).id
+        before = await rt.store.outbox_count()
+        with pytest.raises(InvalidInput, match="not valid text"):
+            async for _ in rt.execute_message(session_id, "lone \ud800 surrogate"):
+                pass
+        assert await rt.store.outbox_count() == before
