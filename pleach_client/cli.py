@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +50,12 @@ def _globals(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
         "--org",
         default=d(os.environ.get("PLEACH_ORG", DEFAULT_ORG)),
         help=f"org id (env PLEACH_ORG; default {DEFAULT_ORG!r})",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        default=False if defaults else argparse.SUPPRESS,
+        help="print results as JSON (for scripts) instead of text",
     )
 
 
@@ -324,7 +331,16 @@ async def _sessions(args: argparse.Namespace) -> int:
                     _out(f"{m.role}{flag}: {body}")
         else:
             receipt = await rt.delete_session(args.session_id)
-            _out(msgspec.json.encode(receipt).decode())
+            if args.json:
+                _out(msgspec.json.encode(receipt).decode())
+            elif receipt.deleted:
+                _out(
+                    f"deleted session {receipt.session_id} (its messages, "
+                    f"{receipt.checkpoints_removed} checkpoint(s) and artifacts; the event log "
+                    "and audit rows stay); other devices delete it when they sync"
+                )
+            else:
+                _out(f"session {receipt.session_id} was not deleted")
             return 0 if receipt.deleted else 1
     return 0
 
@@ -344,19 +360,67 @@ async def _sync(args: argparse.Namespace) -> int:
     _existing_db(args)
     async with SessionRuntime(SQLiteAdapter(args.db), user_id=args.user, org_id=args.org) as rt:
         receipt = await rt.sync.sync_once(args.server, args.token, timeout=args.timeout)
-        _out(msgspec.json.encode(receipt).decode())
         status = await rt.sync.status()
-        _out(msgspec.json.encode(status).decode())
+        if args.json:
+            _out(msgspec.json.encode(receipt).decode())
+            _out(msgspec.json.encode(status).decode())
+        else:
+            _out(
+                f"sent {receipt.flushed} change(s); {len(receipt.failed_entries)} refused or "
+                f"stuck; {receipt.pending_after} still queued"
+            )
+            for failed in receipt.failed_entries:
+                _out(f"  change {failed.client_seq}: {failed.code or '-'} {failed.message}")
+            for conflict in receipt.conflicts:
+                _out(
+                    f"  conflict in session {conflict.session_id}: the {conflict.winner} "
+                    f"version kept the session, the other lives on as {conflict.fork_session_id}"
+                )
+            _print_status(status)
         return 0 if receipt.outcome in ("all-flushed", "none-pending") else 1
+
+
+def _ago(stamp: float | None) -> str:
+    if stamp is None:
+        return "never"
+    seconds = max(0, int(time.time() - stamp))
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp))
+    if seconds < 120:
+        return f"{when} ({seconds} s ago)"
+    if seconds < 7200:
+        return f"{when} ({seconds // 60} min ago)"
+    return f"{when} ({seconds // 3600} h ago)"
+
+
+def _print_status(status: Any) -> None:
+    state = status.state
+    if state == "offline" and status.has_synced:
+        state = "not connected now (this command does not stay connected)"
+    rows = [
+        ("state", state),
+        ("queued", f"{status.pending} change(s) not yet on the server"),
+        ("dead letters", f"{status.dead_letters} (pleach dead-letters list)"),
+        ("last synced", _ago(status.last_synced_at)),
+        ("feed cursor", str(status.cursor)),
+    ]
+    if status.last_error:
+        code = f" [{status.last_error_code}]" if status.last_error_code else ""
+        rows.append(("last error", f"{status.last_error}{code}"))
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        _out(f"{name:<{width}}  {value}")
 
 
 async def _status(args: argparse.Namespace) -> int:
     _existing_db(args)
     async with SessionRuntime(SQLiteAdapter(args.db), user_id=args.user, org_id=args.org) as rt:
         status = await rt.sync.status()
-        _out(msgspec.json.encode(status).decode())
+        if args.json:
+            _out(msgspec.json.encode(status).decode())
+            return 0
+        _print_status(status)
         for dead in await rt.sync.dead_letters():
-            _out(f"dead letter {dead.client_seq}: {dead.code} {dead.message}")
+            _out(f"  dead letter {dead.client_seq}: {dead.code} {dead.message}")
     return 0
 
 

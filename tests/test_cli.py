@@ -54,10 +54,12 @@ def test_offline_chat_sessions_and_events(tmp_path: Path) -> None:
     assert "user: hello" in out and "assistant: You said: 2 more" in out
     code, out, _ = pleach("--db", db, "events", "verify", session_id)
     assert code == 0 and out.startswith("ok:")
-    code, out, _ = pleach("--db", db, "status")
+    code, out, _ = pleach("--db", db, "status", "--json")
     assert code == 0 and '"state":"offline"' in out and '"pending":' in out
+    code, out, _ = pleach("--db", db, "status")
+    assert code == 0 and "queued" in out and re.search(r"last synced +never", out)
     code, out, _ = pleach("--db", db, "sessions", "delete", session_id)
-    assert code == 0 and '"deleted":true' in out
+    assert code == 0 and f"deleted session {session_id}" in out
     code, _, err = pleach("--db", db, "sessions", "show", session_id)
     assert code == 2 and "no session" in err and "Traceback" not in err
 
@@ -117,11 +119,15 @@ def test_sync_and_status_against_a_server_process(tmp_path: Path) -> None:
         ).stdout.strip()
         db = str(tmp_path / "d.db")
         assert pleach("--db", db, "chat", "--offline", "-m", "sync me")[0] == 0
-        code, out, err = pleach("--db", db, "sync", "--server", url, "--token", token)
+        code, out, err = pleach("--db", db, "sync", "--server", url, "--token", token, "--json")
         assert code == 0, err
         assert '"outcome":"all-flushed"' in out and '"pending":0' in out
-        code, out, _ = pleach("--db", db, "status")
+        code, out, _ = pleach("--db", db, "status", "--json")
         assert '"has_synced":true' in out and '"dead_letters":0' in out
+        assert '"last_synced_at":null' not in out  # kept across processes
+        code, out, err = pleach("--db", db, "sync", "--server", url, "--token", token)
+        assert code == 0, err
+        assert "sent 0 change(s)" in out and "s ago)" in out
         code, _, err = pleach("--db", db, "sync", "--server", url, "--token", "forged")
         assert code == 2 and "401" in err and "Traceback" not in err
     finally:
