@@ -109,6 +109,11 @@ def _parser() -> argparse.ArgumentParser:
     sync.add_argument("--timeout", type=float, default=30.0)
 
     sub.add_parser("status", parents=[common], help="what is pending, stuck or synced")
+    doctor = sub.add_parser(
+        "doctor", parents=[common], help="check the store, the server, the token and the clock"
+    )
+    doctor.add_argument("--server", default=os.environ.get("PLEACH_SERVER"), help="ws://.../sync")
+    doctor.add_argument("--token", default=os.environ.get("PLEACH_TOKEN"))
     dead = sub.add_parser(
         "dead-letters", parents=[common], help="changes the server refused: list, retry, discard"
     )
@@ -450,6 +455,29 @@ async def _dead_letters(args: argparse.Namespace) -> int:
         return 0
 
 
+async def _doctor(args: argparse.Namespace) -> int:
+    from .doctor import check_server, check_store
+
+    checks = await check_store(args.db, args.user, args.org)
+    if args.server:
+        client_id = "doctor"
+        if await asyncio.to_thread(os.path.exists, args.db):
+            async with SQLiteAdapter(args.db) as store:
+                client_id = await store.get_meta("client_id") or client_id
+        checks += await check_server(args.server, args.token, client_id, args.user, args.org)
+    else:
+        from .doctor import Check
+
+        checks.append(Check("warn", "server", "not checked: give --server (or PLEACH_SERVER)"))
+    if args.json:
+        _out(msgspec.json.encode(checks).decode())
+    else:
+        width = max(len(c.name) for c in checks)
+        for check in checks:
+            _out(f"{check.level:<4}  {check.name:<{width}}  {check.detail}")
+    return 1 if any(c.level == "fail" for c in checks) else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers: dict[str, Any] = {
@@ -459,6 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sync": _sync,
         "status": _status,
         "dead-letters": _dead_letters,
+        "doctor": _doctor,
     }
     try:
         if args.command == "demo":

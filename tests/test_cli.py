@@ -284,3 +284,59 @@ async def test_a_message_that_is_not_valid_text_is_refused_before_anything_is_wr
             async for _ in rt.execute_message(session_id, "lone \ud800 surrogate"):
                 pass
         assert await rt.store.outbox_count() == before
+
+
+def test_doctor_checks_the_store_server_token_and_clock(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PLEACH_SECRET": "doctor-secret"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "pleach_server.cli", "--port", "0", "--db", str(tmp_path / "s.db")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    try:
+        assert server.stdout is not None
+        url = ""
+        for line in server.stdout:
+            found = re.search(r"(ws://\S+/sync)", line)
+            if found:
+                url = found.group(1)
+                break
+        token = subprocess.run(
+            [sys.executable, "-m", "pleach_server.cli", "token", "create", "--user", "ann",
+             "--org", "acme", "--db", str(tmp_path / "s.db")],
+            capture_output=True, text=True, env=env, cwd=ROOT, check=True, timeout=60,
+        ).stdout.strip()  # fmt: skip
+        db = str(tmp_path / "d.db")
+        assert (
+            pleach("--db", db, "--user", "ann", "--org", "acme", "chat", "--offline", "-m", "x")[0]
+            == 0
+        )
+        code, out, _ = pleach(
+            "doctor",
+            "--db",
+            db,
+            "--user",
+            "ann",
+            "--org",
+            "acme",
+            "--server",
+            url,
+            "--token",
+            token,
+        )
+        assert code == 0, out
+        for name in ("store", "event logs", "outbox", "server", "token", "clock"):
+            assert re.search(rf"^ok +{name} ", out, re.M), (name, out)
+        code, out, _ = pleach("doctor", "--db", db, "--server", url, "--token", token)
+        assert code == 1 and re.search(r"^fail +token .*acme/ann", out, re.M)  # wrong user
+        code, out, _ = pleach("doctor", "--db", db, "--server", url, "--token", "forged")
+        assert code == 1 and re.search(r"^fail +token +refused: HTTP 401", out, re.M)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        if server.stdout is not None:
+            server.stdout.close()
+    code, out, _ = pleach("doctor", "--db", db, "--server", url)
+    assert code == 1 and re.search(r"^fail +server +cannot reach", out, re.M)
