@@ -36,6 +36,7 @@ from bench import (
     bench_live,
     bench_local,
     bench_server_mem,
+    bench_startup,
     bench_sync,
 )
 from bench.bench_local import Row
@@ -48,6 +49,7 @@ SECTIONS: list[tuple[str, Any]] = [
     ("bench_live", bench_live),
     ("bench_server_mem", bench_server_mem),
     ("bench_catchup", bench_catchup),
+    ("bench_startup", bench_startup),
 ]
 PUSH_QUICK_ARGS = ["--batches", "20", "--devices", "4"]
 PG_CONNECT_TIMEOUT = 3.0

@@ -263,8 +263,10 @@ async def _chat(args: argparse.Namespace) -> int:
                     text = text.strip()
                     if not text:
                         continue
-                    if text in ("/quit", "/exit"):
-                        break
+                    if text.startswith("/"):
+                        if await _slash(text, rt, handle.id, args):
+                            break
+                        continue
                 controls.turn = asyncio.Event()
                 waiting = asyncio.create_task(_waiting_notice())
                 async for event in rt.execute_message(handle.id, text, abort=controls.turn):
@@ -304,6 +306,32 @@ def _existing_db(args: argparse.Namespace) -> str:
             f"no device database at {args.db} (give --db, or start one with `pleach chat`)"
         )
     return str(args.db)
+
+
+SLASH_HELP = """commands (not sent to the model):
+  /help      this list
+  /sessions  the sessions in this file
+  /status    what is queued, refused or synced
+  /quit      end the chat (Ctrl-D or Ctrl-C at the prompt too)
+Ctrl-C during a reply aborts the turn and keeps what was said."""
+
+
+async def _slash(text: str, rt: SessionRuntime, session_id: str, args: argparse.Namespace) -> bool:
+    """Run a chat command; True when the chat should end."""
+    command = text.split()[0].lower()
+    if command in ("/quit", "/exit"):
+        return True
+    if command == "/help":
+        _out(SLASH_HELP)
+    elif command == "/sessions":
+        for s in await rt.sessions.list():
+            mark = "*" if s.id == session_id else " "
+            _out(f"{mark} {s.id}  {len(s.state.message_ids)} messages  {s.title or '(untitled)'}")
+    elif command == "/status":
+        _print_status(await rt.sync.status())
+    else:
+        _out(f"unknown command {command}: /help lists them (nothing was sent to the model)")
+    return False
 
 
 async def _sessions(args: argparse.Namespace) -> int:

@@ -340,3 +340,26 @@ def test_doctor_checks_the_store_server_token_and_clock(tmp_path: Path) -> None:
             server.stdout.close()
     code, out, _ = pleach("doctor", "--db", db, "--server", url)
     assert code == 1 and re.search(r"^fail +server +cannot reach", out, re.M)
+
+
+def test_chat_slash_commands_are_answered_here_not_sent_to_the_model(tmp_path: Path) -> None:
+    db = tmp_path / "c.db"
+    out = subprocess.run(
+        [sys.executable, "-m", "pleach_client.cli", "chat", "--offline", "--db", str(db)],
+        input="/help\n/sessions\n/status\n/nope\nhello\n/quit\nafter quitting\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "/sessions  the sessions in this file" in out.stdout
+    assert "queued" in out.stdout and "unknown command /nope" in out.stdout
+    assert "You said: hello" in out.stdout and "after quitting" not in out.stdout
+
+    async def texts() -> list[str]:
+        async with SessionRuntime(SQLiteAdapter(db)) as rt:
+            (session,) = await rt.sessions.list()
+            return [m.content[0]["text"] for m in await rt.sessions.messages(session.id)]
+
+    assert asyncio.run(texts()) == ["hello", "You said: hello"]
