@@ -24,6 +24,15 @@ from shared.errors import PleachError
 from .providers.base import Provider
 from .runtime import SessionRuntime
 from .store.sqlite import SQLiteAdapter
+from .stream import (
+    ErrorEvent,
+    MessageComplete,
+    MessageDelta,
+    ToolCompleted,
+    ToolFailed,
+    ToolStarted,
+    TurnComplete,
+)
 
 DEFAULT_DB = "pleach.db"
 DEFAULT_USER = "anonymous"
@@ -272,21 +281,20 @@ async def _chat(args: argparse.Namespace) -> int:
                 async for event in rt.execute_message(handle.id, text, abort=controls.turn):
                     if event.type not in ("message.added", "stream.started"):
                         waiting.cancel()
-                    match event.type:
-                        case "message.delta":
-                            _out(event.delta, end="")  # type: ignore[attr-defined]
-                        case "message.complete":
+                    match event:
+                        case MessageDelta(delta=delta):
+                            _out(delta, end="")
+                        case MessageComplete():
                             _out()
-                        case "tool.started":
-                            _out(f"[tool {event.name} {event.input}]")  # type: ignore[attr-defined]
-                        case "tool.completed":
-                            _out(f"[tool -> {event.output}]")  # type: ignore[attr-defined]
-                        case "tool.failed":
-                            _out(f"[tool failed: {event.error}]")  # type: ignore[attr-defined]
-                        case "error":
-                            _out(f"error ({event.code}): {event.error}")  # type: ignore[attr-defined]
-                        case "turn.complete":
-                            outcome = event.outcome  # type: ignore[attr-defined]
+                        case ToolStarted(name=name, input=tool_input):
+                            _out(f"[tool {name} {tool_input}]")
+                        case ToolCompleted(output=output):
+                            _out(f"[tool -> {output}]")
+                        case ToolFailed(error=error):
+                            _out(f"[tool failed: {error}]")
+                        case ErrorEvent(code=code, error=error):
+                            _out(f"error ({code}): {error}")
+                        case TurnComplete(outcome=outcome):
                             if outcome == "user-aborted":
                                 _out("\n(turn aborted; what was said so far is kept)")
                             failed = failed or outcome not in ("ok", "user-aborted")
@@ -528,6 +536,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`| head`): whatever turn was running is committed as
+        # aborted already; leave quietly, as a command killed by SIGPIPE would.
+        with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except OSError as exc:
         sys.stderr.write(f"pleach: {exc}\n")
         return 2

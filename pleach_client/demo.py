@@ -19,6 +19,7 @@ from pathlib import Path
 from .providers.scripted import ScriptedProvider
 from .runtime import SessionRuntime
 from .store.sqlite import SQLiteAdapter
+from .stream import MessageComplete
 
 
 def _say(text: str) -> None:
@@ -74,12 +75,8 @@ async def _chat(rt: SessionRuntime, session_id: str, who: str, text: str) -> Non
     _say(f"  [{who}] you: {text}")
     reply = ""
     async for event in rt.execute_message(session_id, text):
-        if event.type == "message.complete":
-            reply = "".join(
-                b.get("text", "")
-                for b in event.content  # type: ignore[attr-defined]
-                if b.get("type") == "text"
-            )
+        if isinstance(event, MessageComplete):
+            reply = "".join(b.get("text", "") for b in event.content if b.get("type") == "text")
     _say(f"  [{who}] assistant: {reply}")
 
 

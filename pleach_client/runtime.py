@@ -28,7 +28,15 @@ from .providers.base import Provider
 from .receipts import SessionDeleteReceipt
 from .store.base import StorageAdapter
 from .store.memory import MemoryAdapter
-from .stream import Callback, Mode, SessionCreated, SessionResumed, StreamEventBase, StreamManager
+from .stream import (
+    Callback,
+    Mode,
+    SessionCreated,
+    SessionResumed,
+    StreamEvent,
+    StreamEventBase,
+    StreamManager,
+)
 from .tools import Tool, ToolRegistry, default_registry
 from .turn import run_turn
 
@@ -498,7 +506,7 @@ class SessionRuntime:
 
     async def execute_message(
         self, session_id: str, content: str, *, abort: asyncio.Event | None = None
-    ) -> AsyncIterator[StreamEventBase]:
+    ) -> AsyncIterator[StreamEvent]:
         """Run one turn, yielding stream events as they happen.
 
         Set ``abort`` (or cancel the consuming task, or ``aclose()`` the generator) to abort:
@@ -507,7 +515,7 @@ class SessionRuntime:
         """
         async with self.core.turn_lock(session_id):
             turn = cast(
-                AsyncGenerator[StreamEventBase, None], run_turn(self, session_id, content, abort)
+                AsyncGenerator[StreamEvent, None], run_turn(self, session_id, content, abort)
             )
             try:
                 async for event in turn:

@@ -42,7 +42,7 @@ from .stream import (
     ErrorEvent,
     MessageAdded,
     MessageComplete,
-    StreamEventBase,
+    StreamEvent,
     ThinkingComplete,
     ToolCompleted,
     ToolFailed,
@@ -123,7 +123,7 @@ async def run_turn(
     session_id: str,
     content: str,
     abort: asyncio.Event | None,
-) -> AsyncIterator[StreamEventBase]:
+) -> AsyncIterator[StreamEvent]:
     core = rt.core
     try:
         size = len(content.encode("utf-8"))
@@ -488,9 +488,9 @@ async def _finish(
     event: Any,
     aborted: bool,
     outcome: str,
-) -> list[StreamEventBase]:
+) -> list[StreamEvent]:
     """Account for an unfinished call, close dangling tool calls, commit the turn."""
-    out: list[StreamEventBase] = []
+    out: list[StreamEvent] = []
     if aborted and call is not None:
         audit(call, "user-aborted", "user_aborted", "aborted by the user")
         partial = None if call.finished else _keep_partial(call, add_message, aborted=True)

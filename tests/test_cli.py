@@ -363,3 +363,30 @@ def test_chat_slash_commands_are_answered_here_not_sent_to_the_model(tmp_path: P
             return [m.content[0]["text"] for m in await rt.sessions.messages(session.id)]
 
     assert asyncio.run(texts()) == ["hello", "You said: hello"]
+
+
+def test_chat_into_a_closed_pipe_keeps_the_turn_and_leaves_quietly(tmp_path: Path) -> None:
+    """`pleach chat ... | head -1`: the reader goes away mid-reply; the turn (with the user's
+    message) is committed as aborted, and the command ends without a traceback."""
+    db = tmp_path / "p.db"
+    env = {**os.environ, "PLEACH_OFFLINE_DELAY": "0.05"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pleach_client.cli", "chat", "--offline", "--db", str(db),
+         "-m", "a message long enough to stream for a while"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    while not proc.stdout.readline().startswith(b"> "):  # the turn has started
+        pass
+    proc.stdout.close()  # the reader goes away, like `head` having read enough
+    proc.wait(timeout=120)
+    err = proc.stderr.read()
+    proc.stderr.close()
+    assert proc.returncode == 141 and b"Traceback" not in err
+
+    async def texts() -> list[str]:
+        async with SessionRuntime(SQLiteAdapter(db)) as rt:
+            (session,) = await rt.sessions.list()
+            return [m.content[0]["text"] for m in await rt.sessions.messages(session.id)]
+
+    assert asyncio.run(texts())[0] == "a message long enough to stream for a while"
