@@ -17,7 +17,7 @@ from typing import Any, TypeVar, cast
 import msgspec
 
 from shared.clock import wall_clock_ms
-from shared.errors import InvalidState, PleachError, ProviderError, SessionLocked
+from shared.errors import InvalidState, NotFound, PleachError, ProviderError, SessionLocked
 from shared.ids import uuid7
 from shared.records import Checkpoint, Event, Message, Session, SessionState
 
@@ -239,6 +239,22 @@ class SessionsFacet:
         result = await self._core.write([(session.id, existing(save))])
         return result.sessions[session.id]
 
+    async def set_tools(self, session_id: str, names: Iterable[str]) -> Session:
+        """Set which registered tools the session's model is offered (a session lists its tools
+        when it is created, so a tool registered later is offered only once set here)."""
+        wanted = list(dict.fromkeys(names))
+        unknown = [n for n in wanted if self._rt.tools.get(n) is None]
+        if unknown:
+            raise NotFound(f"no registered tool(s) {unknown}: register them first")
+
+        def set_tools(current: Session) -> SessionChange:
+            row = msgspec.structs.replace(current, tools=wanted)
+            event = self._core.draft_event(current.id, "session.tools", {"tools": wanted})
+            return SessionChange(row=row, events=[event])
+
+        result = await self._core.write([(session_id, existing(set_tools))])
+        return result.sessions[session_id]
+
     async def rename(self, session_id: str, title: str) -> Session:
         """Set the title of the session as it is now (concurrent edits are not undone)."""
 
@@ -430,6 +446,7 @@ class SessionRuntime:
             wall_clock=wall_clock or wall_clock_ms,
         )
         self._provider = provider
+        self._unoffered_warned: set[tuple[str, str]] = set()
         if isinstance(tools, ToolRegistry):
             self.tools = tools
         else:
@@ -523,6 +540,21 @@ class SessionRuntime:
                     yield event
             finally:
                 await turn.aclose()
+
+    def warn_unoffered_tools(self, session: Session) -> None:
+        """Log once per session and tool a registered tool the session does not offer (it
+        lists its tools at creation): ``rt.sessions.set_tools`` enables it."""
+        for name in self.tools.names():
+            key = (session.id, name)
+            if name not in session.tools and key not in self._unoffered_warned:
+                self._unoffered_warned.add(key)
+                log.warning(
+                    "tool %r is registered but not offered in session %s (a session lists its "
+                    "tools when created): rt.sessions.set_tools(%r, [...]) enables it",
+                    name,
+                    session.id,
+                    session.id,
+                )
 
     def subscribe_to_stream(self, mode: Mode, callback: Callback) -> Callable[[], bool]:
         """Call ``callback`` for every event of ``mode``; returns the unsubscribe function."""

@@ -141,6 +141,7 @@ async def run_turn(
     writes = _TurnWrites()
     transcript = await core.transcript(session)
     provider = rt.provider_for(session)
+    rt.warn_unoffered_tools(session)
     tool_specs = rt.tools.specs(session.tools)
     outcome = "ok"
     totals = {"input": 0, "output": 0}

@@ -523,3 +523,31 @@ def test_the_common_names_import_from_the_package_without_the_anthropic_sdk() ->
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "SessionRuntime"
+
+
+async def test_a_tool_registered_after_create_is_named_and_can_be_enabled(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A session lists its tools when created; a tool registered later is not offered. That
+    is said (once) instead of silent, and ``sessions.set_tools`` enables it."""
+    provider = ScriptedProvider()
+    async with SessionRuntime(MemoryAdapter(), provider) as rt:
+        session_id = (await rt.create_session()).id
+        rt.tools.add("late", "added after", {"type": "object", "properties": {}}, lambda _: "ok")
+        with caplog.at_level("WARNING", logger="pleach.runtime"):
+            for text in ("one", "two"):
+                async for _ in rt.execute_message(session_id, text):
+                    pass
+        warnings = [
+            r for r in caplog.records if "'late' is registered but not offered" in r.message
+        ]
+        assert len(warnings) == 1
+        assert "late" not in [t.name for t in provider.requests[-1].tools]
+        current = await rt.sessions.find(session_id)
+        assert current is not None
+        await rt.sessions.set_tools(session_id, [*current.tools, "late"])
+        async for _ in rt.execute_message(session_id, "three"):
+            pass
+        assert "late" in [t.name for t in provider.requests[-1].tools]
+        with pytest.raises(NotFound):
+            await rt.sessions.set_tools(session_id, ["never-registered"])
