@@ -306,6 +306,12 @@ async def _chat(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _runtime(args: argparse.Namespace) -> SessionRuntime:
+    """The runtime of a command that reads the device file (which must exist)."""
+    _existing_db(args)
+    return SessionRuntime(SQLiteAdapter(args.db), user_id=args.user, org_id=args.org)
+
+
 def _existing_db(args: argparse.Namespace) -> str:
     """The device database of a command that reads one: it must exist (a typo in ``--db``
     would otherwise create an empty database and show nothing)."""
@@ -343,8 +349,7 @@ async def _slash(text: str, rt: SessionRuntime, session_id: str, args: argparse.
 
 
 async def _sessions(args: argparse.Namespace) -> int:
-    _existing_db(args)
-    async with SessionRuntime(SQLiteAdapter(args.db), user_id=args.user, org_id=args.org) as rt:
+    async with _runtime(args) as rt:
         if args.action == "list":
             rows = await rt.sessions.list()
             if not rows:
@@ -387,8 +392,7 @@ async def _sessions(args: argparse.Namespace) -> int:
 
 
 async def _events(args: argparse.Namespace) -> int:
-    _existing_db(args)
-    async with SessionRuntime(SQLiteAdapter(args.db), user_id=args.user, org_id=args.org) as rt:
+    async with _runtime(args) as rt:
         report = await rt.events.verify_chain(args.session_id)
         if report.ok:
             _out(f"ok: {report.checked} events verify (head {report.head_hash[:16]})")
@@ -398,8 +402,7 @@ async def _events(args: argparse.Namespace) -> int:
 
 
 async def _sync(args: argparse.Namespace) -> int:
-    _existing_db(args)
-    async with SessionRuntime(SQLiteAdapter(args.db), user_id=args.user, org_id=args.org) as rt:
+    async with _runtime(args) as rt:
         receipt = await rt.sync.sync_once(args.server, args.token, timeout=args.timeout)
         status = await rt.sync.status()
         if args.json:
@@ -453,8 +456,7 @@ def _print_status(status: Any) -> None:
 
 
 async def _status(args: argparse.Namespace) -> int:
-    _existing_db(args)
-    async with SessionRuntime(SQLiteAdapter(args.db), user_id=args.user, org_id=args.org) as rt:
+    async with _runtime(args) as rt:
         status = await rt.sync.status()
         if args.json:
             _out(msgspec.json.encode(status).decode())
@@ -466,8 +468,7 @@ async def _status(args: argparse.Namespace) -> int:
 
 
 async def _dead_letters(args: argparse.Namespace) -> int:
-    _existing_db(args)
-    async with SessionRuntime(SQLiteAdapter(args.db), user_id=args.user, org_id=args.org) as rt:
+    async with _runtime(args) as rt:
         if args.action == "list":
             letters = await rt.sync.dead_letters()
             if not letters:

@@ -262,7 +262,6 @@ class DeviceCore:
         audit: Iterable[AuditRow] = (),
         meta: dict[str, str] | None = None,
         renumber_outbox: bool = False,
-        rechain: Iterable[AuditRow] = (),
         identity: tuple[str, HybridClock] | None = None,
         prepare: Callable[[TxReader], Awaitable[tuple[list[tuple[str, Edit]], list[AuditRow]]]]
         | None = None,
@@ -273,21 +272,20 @@ class DeviceCore:
         if absent) and returns a ``SessionChange`` (or None: nothing for that session).
         ``records`` are immutable records to write as they are; ``audit`` rows are unchained
         drafts that join this device's audit chain. ``meta`` sets ``sync_state`` keys and
-        ``renumber_outbox`` restarts the outbox sequence (``WriteBatch``); ``rechain`` are
-        stored audit rows moved onto this device's chain (before ``audit``); ``identity``
+        ``renumber_outbox`` restarts the outbox sequence (``WriteBatch``); ``identity``
         (client id and clock) is taken inside the transaction, and given back if it does not
-        commit; ``prepare(tx)``, inside the transaction, adds edits and rows to rechain (from
-        what the store holds then). Every record is labelled with the client id it commits
-        under (a draft made before the device took a new id joins the new one). Raises what
-        an edit raises, with nothing written.
+        commit; ``prepare(tx)``, inside the transaction, adds edits and stored audit rows to
+        move onto this device's chain, before ``audit`` (from what the store holds then).
+        Every record is labelled with the client id it commits under (a draft made before the
+        device took a new id joins the new one). Raises what an edit raises, with nothing
+        written.
         """
         extra_meta = dict(meta or {})
-        rechain_list = list(rechain)
         edit_list = list(edits)
         record_list = list(records)
         audit_list = list(audit)
         result: WriteResult | None = None
-        pending: tuple[str, dict[str, tuple[int, str]], tuple[int, str]] | None = None
+        pending: tuple[str, dict[str, tuple[int, str]], tuple[int, str] | None] | None = None
 
         previous: tuple[str, HybridClock] | None = None
 
@@ -298,11 +296,10 @@ class DeviceCore:
                 previous = (self.client_id, self.clock)
                 self.client_id, self.clock = identity
                 self._audit_head = None  # the new id's chain starts at its genesis
-            all_edits, moving = list(edit_list), list(rechain_list)
+            all_edits, moving = list(edit_list), list[AuditRow]()
             if prepare is not None:
-                more_edits, more_rows = await prepare(tx)
+                more_edits, moving = await prepare(tx)
                 all_edits += more_edits
-                moving += more_rows
             heads: dict[str, tuple[int, str]] = {}
             rows: dict[str, Session] = {}
             contents: list[Record] = [self._own(r) for r in record_list]
@@ -326,28 +323,18 @@ class DeviceCore:
                     prev = placed.row_hash
                     events.append(placed)
                 heads[session_id] = (seq, prev)
-            chained: list[AuditRow] = []
-            moved: list[AuditRow] = []
+            # Moved rows first, then the new ones; each labelled with the id whose chain it
+            # joins (a draft made before this device took a new id goes on the new id's).
             seq, prev = await self._audit_chain_head(tx)
-            for stored_row in moving:
+            placed_rows: list[AuditRow] = []
+            for audit_row in [*moving, *audit_list]:
                 seq += 1
-                audit_row = chain_audit(
-                    msgspec.structs.replace(stored_row, client_id=self.client_id), prev, seq
-                )
-                prev = audit_row.row_hash
-                moved.append(audit_row)
-            for audit_draft in audit_list:
-                seq += 1
-                # Labelled with the id whose chain it joins (a draft made before this device
-                # took a new id is committed on the new id's chain).
-                audit_row = chain_audit(
-                    msgspec.structs.replace(audit_draft, client_id=self.client_id), prev, seq
-                )
-                prev = audit_row.row_hash
-                chained.append(audit_row)
+                placed_rows.append(chain_audit(self._own(audit_row), prev, seq))
+                prev = placed_rows[-1].row_hash
+            moved, chained = placed_rows[: len(moving)], placed_rows[len(moving) :]
             generation = _next_generation()
             meta = {**extra_meta, "hlc": self.clock.last, GENERATION: generation}
-            if chained or moved:
+            if placed_rows:
                 meta[f"audit_head:{self.client_id}"] = f"{seq}:{prev}"
             result = WriteResult(
                 sessions=rows,
@@ -356,7 +343,7 @@ class DeviceCore:
                 receipt=CommitReceipt(client_seqs=[], records=0),
                 purged=purge,
             )
-            pending = (generation, heads, (seq, prev))
+            pending = (generation, heads, (seq, prev) if placed_rows else None)
             _check_sizes([*contents, *events, *chained])
             keep = await purge_keep(tx, purge, rows.values()) if purge else []
             # Order matters for sync: referenced records precede the session row.
@@ -381,7 +368,7 @@ class DeviceCore:
         generation, heads, audit_head = pending
         self._generation = generation
         self._event_heads.update(heads)
-        if result.audit or rechain_list or prepare is not None:
+        if audit_head is not None:
             self._audit_head = audit_head
         self._took(result.sessions.values(), purged=result.purged)
         if receipt.client_seqs:

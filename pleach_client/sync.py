@@ -149,6 +149,7 @@ class SyncFacet:
         self._marked_synced = False
         self._reconnect_now = False
         self._failures = 0  # connection attempts that ended in an error
+        self._issued = 0  # the highest client_seq known given out (re-read when exceeded)
 
     # -- public API ---------------------------------------------------------------------------
     async def connect(self, url: str, token: str, *, auto: bool = True) -> None:
@@ -593,6 +594,7 @@ class SyncFacet:
         # ``duplicate`` and settled first: it comes earlier in the sequence).
         pending = await rt.store.outbox_count()
         new = await rt.core.rekey()
+        self._issued = 0  # the queue was renumbered
         self._cursor = int(await rt.store.get_meta("cursor") or 0)
         message = (
             f"this device's file was restored or copied ({why}): it now syncs as a new device "
@@ -711,7 +713,11 @@ class SyncFacet:
     ) -> tuple[int, list[ConflictReceipt]]:
         """Apply one PushAck to the outbox (the decision is ``syncplan.settle``)."""
         store = self._rt.store
-        issued = await store.last_client_seq()
+        # The highest client_seq this file gave out only grows with local writes: read it
+        # again only when the server claims more (not an await per push).
+        issued = self._issued
+        if ack.last_seq > issued:
+            issued = self._issued = await store.last_client_seq()
         plan = settle([Sent(e.client_seq, e.attempts) for e in entries], ack, issued)
         for client_seq, code, message in plan.dead:
             await store.outbox_dead_letter(client_seq, code, message)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -70,23 +72,27 @@ def test_demo_converges() -> None:
     assert "conflict" in out and "identical: yes" in out
 
 
-def test_sync_and_status_against_a_server_process(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def server_process(tmp_path: Path) -> Iterator[tuple[str, Callable[[str, str], str]]]:
+    """A ``pleach-server`` process on a free port: its URL, and a function making a token
+    for ``(user, org)``. Terminated on exit."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PLEACH_SECRET": "cli-test-secret"}
+    db = str(tmp_path / "server.db")
     server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pleach_server.cli",
-            "--port",
-            "0",
-            "--db",
-            str(tmp_path / "server.db"),
-        ],
+        [sys.executable, "-m", "pleach_server.cli", "--port", "0", "--db", db],
         stdout=subprocess.PIPE,
         text=True,
         env=env,
         cwd=ROOT,
     )
+
+    def token(user: str, org: str) -> str:
+        return subprocess.run(
+            [sys.executable, "-m", "pleach_server.cli", "token", "create", "--user", user,
+             "--org", org, "--db", db],
+            capture_output=True, text=True, env=env, cwd=ROOT, check=True, timeout=60,
+        ).stdout.strip()  # fmt: skip
+
     try:
         assert server.stdout is not None
         url = ""
@@ -96,27 +102,17 @@ def test_sync_and_status_against_a_server_process(tmp_path: Path) -> None:
                 url = found.group(1)
                 break
         assert url, "the server did not say where it listens"
-        token = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pleach_server.cli",
-                "token",
-                "create",
-                "--user",
-                "anonymous",
-                "--org",
-                "default",
-                "--db",
-                str(tmp_path / "server.db"),
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=ROOT,
-            check=True,
-            timeout=60,
-        ).stdout.strip()
+        yield url, token
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        if server.stdout is not None:
+            server.stdout.close()
+
+
+def test_sync_and_status_against_a_server_process(tmp_path: Path) -> None:
+    with server_process(tmp_path) as (url, make_token):
+        token = make_token("anonymous", "default")
         db = str(tmp_path / "d.db")
         assert pleach("--db", db, "chat", "--offline", "-m", "sync me")[0] == 0
         code, out, err = pleach("--db", db, "sync", "--server", url, "--token", token, "--json")
@@ -130,11 +126,6 @@ def test_sync_and_status_against_a_server_process(tmp_path: Path) -> None:
         assert "sent 0 change(s)" in out and "s ago)" in out
         code, _, err = pleach("--db", db, "sync", "--server", url, "--token", "forged")
         assert code == 2 and "401" in err and "Traceback" not in err
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        if server.stdout is not None:
-            server.stdout.close()
 
 
 def test_cli_reasons_for_the_usual_mistakes(tmp_path: Path) -> None:
@@ -287,27 +278,8 @@ async def test_a_message_that_is_not_valid_text_is_refused_before_anything_is_wr
 
 
 def test_doctor_checks_the_store_server_token_and_clock(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PLEACH_SECRET": "doctor-secret"}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "pleach_server.cli", "--port", "0", "--db", str(tmp_path / "s.db")],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
-    try:
-        assert server.stdout is not None
-        url = ""
-        for line in server.stdout:
-            found = re.search(r"(ws://\S+/sync)", line)
-            if found:
-                url = found.group(1)
-                break
-        token = subprocess.run(
-            [sys.executable, "-m", "pleach_server.cli", "token", "create", "--user", "ann",
-             "--org", "acme", "--db", str(tmp_path / "s.db")],
-            capture_output=True, text=True, env=env, cwd=ROOT, check=True, timeout=60,
-        ).stdout.strip()  # fmt: skip
+    with server_process(tmp_path) as (url, make_token):
+        token = make_token("ann", "acme")
         db = str(tmp_path / "d.db")
         assert (
             pleach("--db", db, "--user", "ann", "--org", "acme", "chat", "--offline", "-m", "x")[0]
@@ -333,11 +305,6 @@ def test_doctor_checks_the_store_server_token_and_clock(tmp_path: Path) -> None:
         assert code == 1 and re.search(r"^fail +token .*acme/ann", out, re.M)  # wrong user
         code, out, _ = pleach("doctor", "--db", db, "--server", url, "--token", "forged")
         assert code == 1 and re.search(r"^fail +token +refused: HTTP 401", out, re.M)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        if server.stdout is not None:
-            server.stdout.close()
     code, out, _ = pleach("doctor", "--db", db, "--server", url)
     assert code == 1 and re.search(r"^fail +server +cannot reach", out, re.M)
 
