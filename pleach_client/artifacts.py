@@ -20,20 +20,13 @@ from shared.ids import uuid7
 from shared.records import ArtifactUpdate, Session
 
 from .core import SessionChange, existing
+from .receipts import ArtifactReceipt
 
 if TYPE_CHECKING:
     from .runtime import SessionRuntime
 
 log = logging.getLogger("pleach.artifacts")
 BODY = "body"
-
-
-class ArtifactReceipt(msgspec.Struct, kw_only=True):
-    artifact_id: str
-    session_id: str
-    update_id: str | None
-    update_bytes: int
-    length: int
 
 
 class ArtifactsFacet:

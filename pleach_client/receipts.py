@@ -1,10 +1,16 @@
-"""Receipts: what every mutating call returns, so callers can branch on it, log it, test it."""
+"""Receipts: what every mutating call returns, so callers can branch on it, log it, test it.
+
+Every receipt the client returns is defined (or, for the wire's ``ConflictReceipt``,
+re-exported) here: ``from pleach_client.receipts import OutboxFlushReceipt``.
+"""
 
 from __future__ import annotations
 
 from typing import Literal
 
 import msgspec
+
+from shared.messages import ConflictReceipt
 
 
 class SessionDeleteReceipt(msgspec.Struct, kw_only=True):
@@ -61,3 +67,48 @@ class AuditRollup(msgspec.Struct, kw_only=True):
 
 
 FlushOutcome = Literal["all-flushed", "partial", "all-stuck", "none-pending"]
+Side = Literal["local", "remote"]
+
+
+class FailedEntry(msgspec.Struct, kw_only=True):
+    client_seq: int
+    code: int | None
+    message: str
+    attempts: int
+
+
+class OutboxFlushReceipt(msgspec.Struct, kw_only=True):
+    """What a flush did. ``failed_entries`` were dead-lettered or are stuck (with a reason)."""
+
+    outcome: FlushOutcome
+    flushed: int
+    failed_entries: list[FailedEntry]
+    flushed_at: float
+    pending_before: int
+    pending_after: int
+    conflicts: list[ConflictReceipt] = []
+
+
+class SyncConflictResolveReceipt(msgspec.Struct, kw_only=True):
+    resolved: bool
+    session_id: str
+    conflict_id: str
+    resolution: Side
+    resolved_at: str
+    swapped: bool = False
+    fork_session_id: str | None = None
+
+
+class ArtifactReceipt(msgspec.Struct, kw_only=True):
+    artifact_id: str
+    session_id: str
+    update_id: str | None
+    update_bytes: int
+    length: int
+
+
+class CommitReceipt(msgspec.Struct, kw_only=True):
+    """``client_seqs`` are the outbox sequence numbers given to the batch's records, in order."""
+
+    client_seqs: list[int]
+    records: int

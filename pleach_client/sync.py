@@ -15,6 +15,7 @@ import logging
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
@@ -43,9 +44,15 @@ from .apply import missing_content, plan_page
 from .core import RemoteView, SessionChange
 from .facets import Copy, copy_into
 from .link import Link
-from .receipts import FlushOutcome
+from .receipts import (
+    FailedEntry,
+    FlushOutcome,
+    OutboxFlushReceipt,
+    Side,
+    SyncConflictResolveReceipt,
+)
 from .store.base import OutboxEntry, TxReader, WriteBatch
-from .syncplan import FailedEntry, Sent, settle
+from .syncplan import Sent, settle
 
 if TYPE_CHECKING:
     from .runtime import SessionRuntime
@@ -53,19 +60,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("pleach.sync")
 
 SyncState = Literal["connected", "connecting", "offline", "needs-auth"]
-Side = Literal["local", "remote"]
-
-
-class OutboxFlushReceipt(msgspec.Struct, kw_only=True):
-    """What a flush did. ``failed_entries`` were dead-lettered or are stuck (with a reason)."""
-
-    outcome: FlushOutcome
-    flushed: int
-    failed_entries: list[FailedEntry]
-    flushed_at: float
-    pending_before: int
-    pending_after: int
-    conflicts: list[ConflictReceipt] = []
 
 
 class SyncStatus(msgspec.Struct, kw_only=True):
@@ -82,14 +76,16 @@ class SyncStatus(msgspec.Struct, kw_only=True):
     server_url: str | None = None
 
 
-class SyncConflictResolveReceipt(msgspec.Struct, kw_only=True):
-    resolved: bool
-    session_id: str
-    conflict_id: str
-    resolution: Side
-    resolved_at: str
-    swapped: bool = False
-    fork_session_id: str | None = None
+class SyncProgress(msgspec.Struct, kw_only=True):
+    """How far a sync has come: ``phase`` "upload" counts changes sent of those queued at
+    its start; "download" counts feed positions applied of those the server announced."""
+
+    phase: Literal["upload", "download"]
+    done: int
+    total: int
+
+
+ProgressCallback = Callable[[SyncProgress], None]
 
 
 class SyncCoordinator:
@@ -138,6 +134,7 @@ class SyncFacet:
         self._changed = asyncio.Condition()
         self._live: deque[Changes] = deque()
         self._flush_lock = asyncio.Lock()
+        self._progress: ProgressCallback | None = None
         self._apply_lock = asyncio.Lock()
         self._head_cursor = 0
         self._auto = True
@@ -240,9 +237,21 @@ class SyncFacet:
     async def discard_dead_letter(self, client_seq: int) -> bool:
         return await self._rt.store.discard_dead_letter(client_seq)
 
-    async def sync_once(self, url: str, token: str, timeout: float = 30.0) -> OutboxFlushReceipt:
-        """Connect, flush, pull to the head, disconnect: one round for scripts and the CLI."""
+    async def sync_once(
+        self,
+        url: str,
+        token: str,
+        timeout: float = 30.0,
+        *,
+        on_progress: ProgressCallback | None = None,
+    ) -> OutboxFlushReceipt:
+        """Connect, flush, pull to the head, disconnect: one round for scripts and the CLI.
+
+        ``on_progress`` is called with a ``SyncProgress`` after each pushed batch and each
+        applied page (the CLI draws its progress bar from it).
+        """
         failures = self._failures
+        self._progress = on_progress
         await self.connect(url, token, auto=False)
         try:
             try:
@@ -274,6 +283,7 @@ class SyncFacet:
             await self._rt.store.set_meta("last_synced_at", repr(self._last_synced_at))
             return receipt
         finally:
+            self._progress = None
             await self.disconnect()
 
     async def resolve_conflict(
@@ -686,6 +696,8 @@ class SyncFacet:
                 progress, batch_conflicts = await self._settle(entries, answer, failed)
                 flushed += progress
                 conflicts.extend(batch_conflicts)
+                if self._progress is not None:
+                    self._progress(SyncProgress(phase="upload", done=flushed, total=pending_before))
                 if progress == 0 or self._link is not link:
                     break  # nothing moved (a sequence gap: do not spin), or the id changed
         finally:
@@ -746,9 +758,11 @@ class SyncFacet:
         applied = 0
         self._downloading = True
         self._poke()
+        start = int(await self._rt.store.get_meta("cursor") or 0)
         try:
             while True:
                 cursor = int(await self._rt.store.get_meta("cursor") or 0)
+                self._report_download(start, cursor)
                 answer = await link.request(
                     lambda cursor=cursor: link.protocol.send_pull(cursor, self.pull_limit),  # type: ignore[misc]
                     self.request_timeout,
@@ -767,6 +781,7 @@ class SyncFacet:
                 self._head_cursor = max(self._head_cursor, answer.to_cursor)
                 if answer.changes or answer.to_cursor > cursor:
                     applied += await self._apply(answer.changes, answer.to_cursor)
+                    self._report_download(start, answer.to_cursor)
                 if not answer.more and await self._wants_resync():
                     # A session this device took refers to messages it does not hold (it
                     # deleted their session before it learned of a fork that shares them):
@@ -779,6 +794,11 @@ class SyncFacet:
         finally:
             self._downloading = False
             self._poke()
+
+    def _report_download(self, start: int, cursor: int) -> None:
+        if self._progress is not None and cursor >= start:
+            total = max(self._head_cursor, cursor) - start
+            self._progress(SyncProgress(phase="download", done=cursor - start, total=total))
 
     async def _apply(self, changes: list[FeedChange], to_cursor: int) -> int:
         """Apply one page of remote changes in ONE local transaction with the cursor.
@@ -908,8 +928,10 @@ def _as_error(frame: Frame) -> SyncError:
 __all__ = [
     "FailedEntry",
     "OutboxFlushReceipt",
+    "ProgressCallback",
     "SyncConflictResolveReceipt",
     "SyncCoordinator",
     "SyncFacet",
+    "SyncProgress",
     "SyncStatus",
 ]

@@ -14,20 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-import msgspec
-
 from shared.clock import Order, vv_compare
 from shared.errors import ChainError, ErrorCode
 from shared.hashchain import chain_event, verify_chain
 from shared.messages import ConflictReceipt, PushAck
 from shared.records import Event, Session
 
-
-class FailedEntry(msgspec.Struct, kw_only=True):
-    client_seq: int
-    code: int | None
-    message: str
-    attempts: int
+from .receipts import FailedEntry
 
 
 @dataclass(frozen=True)

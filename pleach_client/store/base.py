@@ -25,6 +25,8 @@ from shared.records import (
     Session,
 )
 
+from ..receipts import CommitReceipt as CommitReceipt
+
 
 class WriteBatch(msgspec.Struct, kw_only=True):
     """Everything one logical mutation writes.
@@ -110,13 +112,6 @@ class DeadLetter(msgspec.Struct, kw_only=True):
     message: str
     attempts: int
     failed_at: float
-
-
-class CommitReceipt(msgspec.Struct, kw_only=True):
-    """``client_seqs`` are the outbox sequence numbers given to the batch's records, in order."""
-
-    client_seqs: list[int]
-    records: int
 
 
 @runtime_checkable
