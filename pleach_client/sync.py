@@ -26,10 +26,14 @@ from shared.errors import ErrorCode, Forbidden, InvalidState, NotFound, PleachEr
 from shared.merge import Resolution, resolve_conflicts
 from shared.messages import (
     DEFAULT_MAX_FRAME_BYTES,
+    MAX_HEALTH_CONFLICTS,
+    MAX_HEALTH_TEXT,
     Changes,
     ConflictReceipt,
     Error,
     Frame,
+    Health,
+    HealthConflict,
     PushAck,
     Welcome,
 )
@@ -58,6 +62,11 @@ if TYPE_CHECKING:
     from .runtime import SessionRuntime
 
 log = logging.getLogger("pleach.sync")
+
+HEALTH_MIN_INTERVAL_S = 1.0
+"""A device tells the server its health at most this often..."""
+HEALTH_HEARTBEAT_S = 30.0
+"""...and at least this often while connected."""
 
 SyncState = Literal["connected", "connecting", "offline", "needs-auth"]
 
@@ -147,6 +156,13 @@ class SyncFacet:
         self._reconnect_now = False
         self._failures = 0  # connection attempts that ended in an error
         self._issued = 0  # the highest client_seq known given out (re-read when exceeded)
+        # What this device last told the server of its health (the server's /status page).
+        self._health_key: tuple[Any, ...] | None = None
+        self._health_at = float("-inf")  # monotonic time of the last Health sent
+        self._health_stale = False  # changed since, but sent less than a second ago
+        self._dead_count: int | None = None  # cached; None: read it again
+        self._last_flush: OutboxFlushReceipt | None = None
+        self._conflicts: deque[ConflictReceipt] = deque(maxlen=MAX_HEALTH_CONFLICTS)
 
     # -- public API ---------------------------------------------------------------------------
     async def connect(self, url: str, token: str, *, auto: bool = True) -> None:
@@ -231,10 +247,12 @@ class SyncFacet:
     async def retry_dead_letter(self, client_seq: int) -> int | None:
         """Queue a dead letter again (new client_seq, returned); None if unknown."""
         seq = await self._rt.store.retry_dead_letter(client_seq)
+        self._dead_count = None
         self.notify_local_write()
         return seq
 
     async def discard_dead_letter(self, client_seq: int) -> bool:
+        self._dead_count = None
         return await self._rt.store.discard_dead_letter(client_seq)
 
     async def sync_once(
@@ -278,6 +296,8 @@ class SyncFacet:
                         await self._changed.wait_for(lambda: self._link is not None)
                 receipt = await self.flush_outbox()
             await self.pull()
+            if self._link is not None:
+                await self._report_health(self._link, receipt, force=True)
             self._last_synced_at = time.time()
             await self._rt.store.set_meta("has_synced", "1")
             await self._rt.store.set_meta("last_synced_at", repr(self._last_synced_at))
@@ -460,6 +480,7 @@ class SyncFacet:
         cursor = int(await rt.store.get_meta("cursor") or 0)
         self._cursor = cursor
         self._pull_due = True
+        self._health_key, self._health_at, self._health_stale = None, float("-inf"), False
         async with websockets.connect(
             self._url,
             additional_headers={"Authorization": f"Bearer {self._token}"},
@@ -510,7 +531,11 @@ class SyncFacet:
                     # Behind the head with nothing queued: the page is on its way live (our own
                     # push comes back that way); if it has not come within the grace, pull.
                     behind = self._cursor < self._head_cursor and not self._live
-                    timeouts = [self._retry_delay, self.live_grace if behind else None]
+                    timeouts = [
+                        self._retry_delay,
+                        self.live_grace if behind else None,
+                        self._health_wait(),
+                    ]
                     timeout = min((t for t in timeouts if t is not None), default=None)
                     try:
                         # Rows a push could not place (rate limited, store down) are retried
@@ -556,11 +581,76 @@ class SyncFacet:
             await self._apply(frame.changes, frame.to_cursor)
         if pull:
             await self._pull(link)
+        await self._report_health(link, receipt)
         self._last_synced_at = time.time()
         if not self._marked_synced:
             await self._rt.store.set_meta("has_synced", "1")
             self._marked_synced = True
         self._poke()
+
+    # -- health ----------------------------------------------------------------------------
+    def _health_wait(self) -> float:
+        """Seconds until a Health frame is due: a held-back change after a second, else a
+        heartbeat every ``HEALTH_HEARTBEAT_S``."""
+        since = time.monotonic() - self._health_at
+        due = HEALTH_MIN_INTERVAL_S if self._health_stale else HEALTH_HEARTBEAT_S
+        return max(0.0, due - since)
+
+    async def _report_health(
+        self, link: Link, receipt: OutboxFlushReceipt, *, force: bool = False
+    ) -> None:
+        """Tell the server how this device's sync stands, when it changed (at most once a
+        second) or every ``HEALTH_HEARTBEAT_S``. Costs no store read unless a flush
+        dead-lettered something (the dead-letter count is cached)."""
+        if receipt.outcome != "none-pending":
+            self._last_flush = receipt
+            self._conflicts.extend(receipt.conflicts)
+            if receipt.failed_entries:
+                self._dead_count = None
+        if self._dead_count is None:
+            self._dead_count = await self._rt.store.dead_letter_count()
+        flush = self._last_flush
+        error = self._last_error
+        key = (
+            receipt.pending_after,
+            self._dead_count,
+            self._cursor,
+            None if flush is None else flush.flushed_at,
+            error,
+            len(self._conflicts),
+        )
+        since = time.monotonic() - self._health_at
+        if not force and key == self._health_key and since < HEALTH_HEARTBEAT_S:
+            return
+        if not force and since < HEALTH_MIN_INTERVAL_S:
+            self._health_stale = True  # the loop wakes to send it when the second is up
+            return
+        health = Health(
+            pending=receipt.pending_after,
+            dead_letters=self._dead_count,
+            cursor=self._cursor,
+            last_flush_at=None if flush is None else flush.flushed_at,
+            last_flush_outcome="" if flush is None else flush.outcome,
+            last_flushed=0 if flush is None else flush.flushed,
+            last_error=None if error is None else error[:MAX_HEALTH_TEXT],
+            last_error_code=self._last_error_code if error is not None else None,
+            conflicts=[
+                HealthConflict(
+                    conflict_id=c.conflict_id[:64],
+                    session_id=c.session_id[:64],
+                    winner=c.winner,
+                    fork_session_id=c.fork_session_id[:64],
+                    detected_at=c.detected_at[:64],
+                )
+                for c in self._conflicts
+            ],
+            sent_at=time.time(),
+        )
+        if link.protocol.send_health(health):
+            await link.flush_out()
+        self._health_key = key
+        self._health_at = time.monotonic()
+        self._health_stale = False
 
     async def _reader(self, link: Link) -> None:
         try:

@@ -10,7 +10,7 @@
 
 Every flag falls back to a ``PLEACH_*`` environment variable (``PLEACH_HOST``, ``PLEACH_PORT``,
 ``PLEACH_DB``, ``PLEACH_SECRET``, ``PLEACH_MAX_FRAME_BYTES``, ``PLEACH_LOG_LEVEL``,
-``PLEACH_METRICS_TOKEN``), then to a
+``PLEACH_METRICS_TOKEN``, ``PLEACH_ADMIN_TOKEN``), then to a
 default: with no flags at all the server listens on 127.0.0.1:8765 with ``./pleach-server.db``
 and a signing secret kept beside it.
 
@@ -42,7 +42,7 @@ from shared.messages import DEFAULT_MAX_FRAME_BYTES
 
 from .auth import SECRET_ENV, issue_token, load_or_create_secret
 from .notify import Notifier
-from .server import SyncServer
+from .server import SYNC_PATH, SyncServer
 from .store.base import ServerStore, Tenant
 
 __all__ = ["DEFAULT_DB", "main", "open_store"]
@@ -204,6 +204,12 @@ def _parser() -> argparse.ArgumentParser:
             help="require this bearer token for /metrics (PLEACH_METRICS_TOKEN; unset: public)",
         )
         p.add_argument(
+            "--admin-token",
+            default=d(None),
+            help="turn on the sync-health page /status (and /status.json) behind this token "
+            "(PLEACH_ADMIN_TOKEN; 16+ characters; unset: no page)",
+        )
+        p.add_argument(
             "--schema", default=d(None), help="PostgreSQL schema (PLEACH_PG_SCHEMA, pleach)"
         )
         p.add_argument(
@@ -302,6 +308,9 @@ async def _serve(server: SyncServer, store: ServerStore, data: str) -> None:
             async with server:
                 print(f"pleach-server listening on {server.url}", flush=True)
                 print(f"data: {data}", flush=True)
+                if server.status_enabled:
+                    http_url = server.url.replace("ws", "http", 1).removesuffix(SYNC_PATH)
+                    print(f"sync health: {http_url}/status (admin token)", flush=True)
                 await stop.wait()
                 logger.info("signal received: shutting down")
         finally:
@@ -365,6 +374,7 @@ def _run_server(args: argparse.Namespace) -> int:
             notifier=notifier,
             server_id=server_id,
             metrics_token=args.metrics_token or env.get("PLEACH_METRICS_TOKEN") or None,
+            admin_token=args.admin_token or env.get("PLEACH_ADMIN_TOKEN") or None,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from exc

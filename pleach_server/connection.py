@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 from websockets.frames import CloseCode
@@ -45,7 +46,7 @@ from shared.errors import (
     SyncError,
     Unauthorized,
 )
-from shared.messages import ChangeResult, Hello, Pull, Push, Welcome
+from shared.messages import ChangeResult, Health, Hello, Pull, Push, Welcome
 from shared.protocol import ServerProtocol, State
 
 from .hub import Hub, Subscription
@@ -60,6 +61,8 @@ __all__ = ["Connection", "ConnectionContext", "InFlight", "TokenBucket"]
 logger = logging.getLogger("pleach_server.connection")
 
 FLOOD_CLOSE_AFTER = 100
+HEALTH_MIN_INTERVAL_S = 0.5
+"""Health frames closer together than this (per connection) are dropped, not written."""
 """Frames refused in a row (3008) after which a connection is closed (1008)."""
 
 # A WebSocket close reason must fit in a control frame (123 bytes of UTF-8).
@@ -228,6 +231,8 @@ class Connection:
             else None
         )
         self._refused_in_a_row = 0
+        self._health_at = float("-inf")
+        self._health_codec = msgspec.msgpack.Encoder()
         # Encoded frames waiting to be written, with their type for metrics. Reader and
         # writer both append; whoever holds the send lock writes them all, in order.
         self._outbox: deque[tuple[str, bytes]] = deque()
@@ -346,7 +351,7 @@ class Connection:
         logger.info("%r closing (%d): %s", self, code, message)
         await self._abort(code, message)
 
-    async def _handle(self, event: Hello | Push | Pull) -> None:
+    async def _handle(self, event: Hello | Push | Pull | Health) -> None:
         """Answer one frame. Queues the answer (or an ``Error``); the caller flushes."""
         request_id = event.request_id
         try:
@@ -357,6 +362,8 @@ class Connection:
                     await self._on_push(event)
                 case Pull():
                     await self._on_pull(event)
+                case Health():
+                    await self._on_health(event)
                 case _:
                     # ServerProtocol only yields the three above; guard against drift.
                     raise InvalidState(f"unexpected event {type(event).__name__}")
@@ -440,8 +447,23 @@ class Connection:
                         ctx.fan_out(self.tenant, before, max(result.cursors), local=True)
                     )
 
+    async def _on_health(self, health: Health) -> None:
+        """Keep the device's latest health (at most one a second is written; more are
+        dropped: a device sends one a second at most)."""
+        assert self.client_id is not None  # ServerProtocol yields Health only after Hello
+        now = time.monotonic()
+        if now - self._health_at < HEALTH_MIN_INTERVAL_S:
+            self.ctx.metrics.frames_received.labels("health_dropped").inc()
+            return
+        self._health_at = now
+        body = self._health_codec.encode(health)
+        await self.ctx.store.put_health(self.tenant, self.client_id, body, time.time())
+
     def _count_results(self, results: list[ChangeResult]) -> None:
         metrics = self.ctx.metrics
+        applied = sum(1 for item in results if item.status in ("applied", "resolved"))
+        if applied:
+            metrics.push_rate.add(applied)
         for item in results:
             metrics.changes.labels(item.status).inc()
             if item.conflict is not None:
@@ -469,6 +491,7 @@ class Connection:
                     frame.from_cursor, frame.to_cursor, frame.changes, more=frame.more, live=True
                 )
                 self._take("changes_live")
+                self.ctx.metrics.fanout_rate.add()
                 await self._flush()
         except (InvalidState, ConnectionClosed):
             return  # unsubscribed, or the socket is gone: the reader loop cleans up

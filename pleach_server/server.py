@@ -1,4 +1,5 @@
-"""The sync server: WebSocket ``/sync`` for devices, ``/healthz`` and ``/metrics`` over HTTP.
+"""The sync server: WebSocket ``/sync`` for devices; ``/healthz``, ``/metrics`` and the
+sync-health page ``/status`` (``/status.json``) over HTTP.
 
 ::
 
@@ -25,11 +26,13 @@ import asyncio
 import hmac
 import http
 import logging
+import re
+import time
 import weakref
 from collections.abc import Iterable
 from types import TracebackType
 from typing import Literal, Self
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import msgspec
 from prometheus_client import (
@@ -57,6 +60,14 @@ from .auth import parse_bearer, verify_token_expiry
 from .connection import Connection, ConnectionContext
 from .hub import DEFAULT_QUEUE_SIZE, Hub
 from .notify import LocalNotifier, Notifier
+from .status import (
+    LOGIN_PAGE,
+    RateWindow,
+    ServerRates,
+    StatusReport,
+    build_report,
+    render_html,
+)
 from .store.base import DEFAULT_PULL_BYTES, ServerStore, Tenant
 
 __all__ = ["SYNC_PATH", "SyncMetrics", "SyncServer"]
@@ -64,6 +75,8 @@ __all__ = ["SYNC_PATH", "SyncMetrics", "SyncServer"]
 logger = logging.getLogger("pleach_server.server")
 
 SYNC_PATH = "/sync"
+_ADMIN_COOKIE = "pleach_admin"
+_ADMIN_TOKEN_RE = re.compile(r"[A-Za-z0-9._~+/=-]{16,512}")
 _PUSH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -121,6 +134,9 @@ class SyncMetrics:
             "pleach_auth_failures", "Upgrade requests refused with 401", registry=r
         )
         r.register(_HubCollector(hub))
+        # Rates over the last minute, for the /status page.
+        self.push_rate = RateWindow()
+        self.fanout_rate = RateWindow()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -160,6 +176,11 @@ class SyncServer:
     - ``metrics_token`` (None): when set, ``/metrics`` answers only a request carrying
       ``Authorization: Bearer <metrics_token>`` (401 otherwise); unset, it is public.
     - ``shutdown_timeout`` (10 s): how long ``shutdown`` waits for in-flight pushes.
+    - ``admin_token`` (None): the token of the sync-health page, ``/status`` (HTML) and
+      ``/status.json``. Unset, the page is off (404). A request carries it as
+      ``Authorization: Bearer <admin_token>``, or opens ``/status?token=<admin_token>`` once:
+      the answer sets it as a cookie (HttpOnly, SameSite=Strict) and redirects to ``/status``,
+      so a phone's browser keeps it and the token leaves the address bar.
     """
 
     def __init__(
@@ -183,6 +204,7 @@ class SyncServer:
         compression: bool = True,
         metrics_token: str | None = None,
         rate_limit_bytes_per_s: float | None = 16 * 1024 * 1024,
+        admin_token: str | None = None,
     ) -> None:
         if not secret:
             raise ValueError("secret must not be empty")
@@ -216,6 +238,12 @@ class SyncServer:
         if metrics_token is not None and not metrics_token:
             raise ValueError("metrics_token must not be empty (None: /metrics is public)")
         self._metrics_token = metrics_token
+        if admin_token is not None and not _ADMIN_TOKEN_RE.fullmatch(admin_token):
+            raise ValueError(
+                "admin_token must be at least 16 characters of letters, digits and ._~+/=- "
+                "(None: no /status page)"
+            )
+        self._admin_token = admin_token
         self.hub = Hub(fanout_queue)
         self.notifier: Notifier = notifier if notifier is not None else LocalNotifier()
         self.metrics = SyncMetrics(self.hub)
@@ -303,6 +331,11 @@ class SyncServer:
     def port(self) -> int:
         """The bound port (once started, the real one when constructed with ``port=0``)."""
         return self._port
+
+    @property
+    def status_enabled(self) -> bool:
+        """Whether ``/status`` is served (an admin token was given)."""
+        return self._admin_token is not None
 
     @property
     def url(self) -> str:
@@ -397,6 +430,8 @@ class SyncServer:
             return self._authorize(connection, request)
         if path == "/healthz":
             return await self._healthz()
+        if path in ("/status", "/status.json"):
+            return await self._status(request, json=path.endswith(".json"))
         if path == "/metrics":
             if self._metrics_token is not None:
                 values = request.headers.get_all("Authorization")
@@ -433,6 +468,81 @@ class SyncServer:
             )
         self._tenants[connection] = (tenant, expires)
         return None  # carry on with the upgrade
+
+    def _admin(self, request: Request) -> tuple[bool, str | None]:
+        """Whether ``request`` carries the admin token; and a token given in the query."""
+        assert self._admin_token is not None
+        token = self._admin_token.encode()
+        query = parse_qs(urlsplit(request.path).query).get("token")
+        if query and len(query) == 1 and hmac.compare_digest(query[0].encode(), token):
+            return True, query[0]
+        values = request.headers.get_all("Authorization")
+        given = parse_bearer(values[0]) if len(values) == 1 else None
+        if given is not None and hmac.compare_digest(given.encode(), token):
+            return True, None
+        for header in request.headers.get_all("Cookie"):
+            for part in header.split(";"):
+                name, _, value = part.strip().partition("=")
+                if name == _ADMIN_COOKIE and hmac.compare_digest(value.encode(), token):
+                    return True, None
+        return False, None
+
+    async def _status(self, request: Request, *, json: bool) -> Response:
+        if self._admin_token is None:
+            return _response(
+                http.HTTPStatus.NOT_FOUND,
+                b"the status page is off: start the server with --admin-token "
+                b"(or PLEACH_ADMIN_TOKEN)\n",
+                "text/plain; charset=utf-8",
+            )
+        allowed, from_query = self._admin(request)
+        if not allowed:
+            if json:
+                body = msgspec.json.encode({"error": "the status page needs the admin token"})
+                return _response(http.HTTPStatus.UNAUTHORIZED, body, "application/json")
+            return _response(
+                http.HTTPStatus.UNAUTHORIZED, LOGIN_PAGE.encode(), "text/html; charset=utf-8"
+            )
+        if from_query is not None:
+            # Keep the token in a cookie and take it out of the address bar (and history).
+            response = _response(http.HTTPStatus.SEE_OTHER, b"", "text/plain; charset=utf-8")
+            response.headers["Location"] = "/status.json" if json else "/status"
+            response.headers["Set-Cookie"] = (
+                f"{_ADMIN_COOKIE}={from_query}; HttpOnly; SameSite=Strict; Path=/status"
+            )
+            return response
+        try:
+            report = await self.status_report()
+        except (StorageError, SyncError, OSError) as exc:
+            logger.warning("status page: store failed: %s", exc)
+            return _response(
+                http.HTTPStatus.SERVICE_UNAVAILABLE,
+                f"the store cannot be read now: {exc}\n".encode(),
+                "text/plain; charset=utf-8",
+            )
+        if json:
+            return _response(http.HTTPStatus.OK, msgspec.json.encode(report), "application/json")
+        return _response(
+            http.HTTPStatus.OK, render_html(report).encode(), "text/html; charset=utf-8"
+        )
+
+    async def status_report(self) -> StatusReport:
+        """What ``/status.json`` shows: every device's latest health, per user."""
+        rows = await self.store.list_health()
+        tenants = {Tenant(org_id=r.org_id, user_id=r.user_id) for r in rows}
+        heads = {t: await self.store.head_cursor(t) for t in tenants}
+        connected = [(c.tenant, c.client_id) for c in self.connections if c.client_id]
+        metrics = self.metrics
+        rates = ServerRates(
+            server_id=self.server_id,
+            connections=len(self.connections),
+            pushed_changes_per_s=metrics.push_rate.rate(),
+            fanout_frames_per_s=metrics.fanout_rate.rate(),
+            pushed_changes_total=metrics.push_rate.total,
+            fanout_frames_total=metrics.fanout_rate.total,
+            window_s=metrics.push_rate.window,
+        )
+        return build_report(rows, heads, connected, rates, time.time())
 
     async def _healthz(self) -> Response:
         try:

@@ -154,8 +154,49 @@ class Error(msgspec.Struct, kw_only=True, tag="error"):
     request_id: int = 0
 
 
-Frame = Hello | Welcome | Push | PushAck | Pull | Changes | Error
-ClientFrame = Hello | Push | Pull
+MAX_HEALTH_TEXT = 500
+"""The longest text (an error message) a ``Health`` frame carries; a device cuts longer ones."""
+MAX_HEALTH_CONFLICTS = 10
+"""How many recent conflicts a ``Health`` frame names."""
+_Id = Annotated[str, msgspec.Meta(max_length=64)]
+_Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+
+
+class HealthConflict(msgspec.Struct, kw_only=True):
+    """One conflict a device's push settled (``winner`` from the device's point of view)."""
+
+    conflict_id: _Id
+    session_id: _Id
+    winner: Side
+    fork_session_id: _Id
+    detected_at: _Id = ""
+
+
+class Health(msgspec.Struct, kw_only=True, tag="health"):
+    """How a device's sync stands, told to the server (protocol 2; no answer).
+
+    Sent after each connect, then when something in it changes (at most once a second) and
+    at least every 30 s while connected. The server keeps the latest per device for its
+    ``/status`` page. Every field is bounded: the server refuses (3004) a frame that is not.
+    ``last_flush_at`` and ``sent_at`` are the device's clock (seconds since the epoch).
+    """
+
+    pending: _Count
+    dead_letters: _Count
+    cursor: _Count
+    last_flush_at: float | None = None
+    last_flush_outcome: Annotated[str, msgspec.Meta(max_length=32)] = ""
+    last_flushed: _Count = 0
+    last_error: Annotated[str, msgspec.Meta(max_length=MAX_HEALTH_TEXT)] | None = None
+    last_error_code: int | None = None
+    conflicts: Annotated[list[HealthConflict], msgspec.Meta(max_length=MAX_HEALTH_CONFLICTS)] = []
+    sent_at: float = 0.0
+    optional: bool = True
+    request_id: int = 0
+
+
+Frame = Hello | Welcome | Push | PushAck | Pull | Changes | Error | Health
+ClientFrame = Hello | Push | Pull | Health
 ServerFrame = Welcome | PushAck | Changes | Error
 
 FRAME_TAGS: frozenset[str] = frozenset(

@@ -44,6 +44,7 @@ from .messages import (
     Error,
     Frame,
     FrameCodec,
+    Health,
     Hello,
     Pull,
     Push,
@@ -68,6 +69,7 @@ logger = logging.getLogger("shared.protocol")
 
 # First protocol version whose answers carry the request's id.
 _REQUEST_IDS_SINCE = 2
+_HEALTH_SINCE = 2
 _MAX_LOGGED_TAG = 64
 
 
@@ -212,11 +214,11 @@ class ServerProtocol(_Protocol):
                 self.version = version
                 self.client_id = frame.client_id
                 self._events.append(frame)
-            case Push() | Pull() if self.state is State.OPEN:
+            case Push() | Pull() | Health() if self.state is State.OPEN:
                 self._events.append(frame)
             case Hello():
                 self.fail(MalformedFrame("Hello was already received"), request_id=frame.request_id)
-            case Push() | Pull():
+            case Push() | Pull() | Health():
                 self.fail(MalformedFrame("send Hello first"), request_id=frame.request_id)
             case _:
                 self.fail(MalformedFrame(f"a client may not send {type(frame).__name__}"))
@@ -411,6 +413,15 @@ class ClientProtocol(_Protocol):
         """Queue a ``Pull``; returns its request id (its ``Changes`` or ``Error`` echoes it)."""
         self._require_open()
         return self._request(lambda rid: Pull(cursor=cursor, limit=limit, request_id=rid))
+
+    def send_health(self, health: Health) -> bool:
+        """Queue a ``Health`` frame (no answer comes); False, and nothing queued, when the
+        agreed version predates it (1)."""
+        self._require_open()
+        if self.version is None or self.version < _HEALTH_SINCE:
+            return False
+        self._send(msgspec.structs.replace(health, request_id=0, optional=True))
+        return True
 
     def _request(self, build: Callable[[int], Hello | Push | Pull]) -> int:
         frame = build(self._next_id)

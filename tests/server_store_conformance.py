@@ -24,7 +24,13 @@ import msgspec
 import pytest
 
 from pleach_server.store.apply import StoreTx
-from pleach_server.store.base import PullResult, PushResult, ServerStore, Tenant
+from pleach_server.store.base import (
+    MAX_DEVICES_PER_TENANT,
+    PullResult,
+    PushResult,
+    ServerStore,
+    Tenant,
+)
 from shared.clock import HybridClock, Order, vv_compare, wall_clock_ms
 from shared.errors import CursorTooOld, ErrorCode, StorageUnavailable
 from shared.hashchain import verify_chain
@@ -185,6 +191,36 @@ class ServerStoreConformance:
     @pytest.fixture
     def server_clock(self) -> HybridClock:
         return HybridClock(f"server-{uuid7()}")
+
+    # -- device health (the /status page) ---------------------------------------------------
+
+    async def test_health_keeps_the_latest_per_device(self, server_store: ServerStore) -> None:
+        ann, bob = new_tenant(), new_tenant()
+        await server_store.put_health(ann, "dev-1", b"first", 100.0)
+        await server_store.put_health(ann, "dev-2", b"other", 101.0)
+        await server_store.put_health(ann, "dev-1", b"second", 102.0)
+        await server_store.put_health(bob, "dev-1", b"bobs", 103.0)
+        rows = [r for r in await server_store.list_health() if r.org_id in (ann.org_id, bob.org_id)]
+        assert [(r.user_id, r.client_id, r.health, r.seen_at) for r in rows] == [
+            (bob.user_id, "dev-1", b"bobs", 103.0),
+            (ann.user_id, "dev-1", b"second", 102.0),
+            (ann.user_id, "dev-2", b"other", 101.0),
+        ]
+
+    async def test_health_keeps_a_bounded_number_of_devices(
+        self, server_store: ServerStore
+    ) -> None:
+        """A user (or a hostile client) inventing device ids cannot grow the table: the
+        least recently seen devices go."""
+        tenant = new_tenant()
+        extra = 5
+        for i in range(MAX_DEVICES_PER_TENANT + extra):
+            await server_store.put_health(tenant, f"dev-{i}", b"h", 1000.0 + i)
+        rows = [r for r in await server_store.list_health(10_000) if r.org_id == tenant.org_id]
+        assert len(rows) == MAX_DEVICES_PER_TENANT
+        assert {r.client_id for r in rows} == {
+            f"dev-{i}" for i in range(extra, MAX_DEVICES_PER_TENANT + extra)
+        }
 
     # -- basics --------------------------------------------------------------------------------
 

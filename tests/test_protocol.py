@@ -17,6 +17,8 @@ from shared.messages import (
     Error,
     Frame,
     FrameCodec,
+    Health,
+    HealthConflict,
     Hello,
     Pull,
     Push,
@@ -128,6 +130,22 @@ def every_frame() -> list[Frame]:
             live=True,
         ),
         Error(code=3008, message="slow down", retryable=True),
+        Health(
+            pending=3,
+            dead_letters=1,
+            cursor=9,
+            last_flush_at=1.5,
+            last_flush_outcome="partial",
+            last_flushed=2,
+            last_error="boom",
+            last_error_code=3009,
+            conflicts=[
+                HealthConflict(
+                    conflict_id="c1", session_id="s1", winner="local", fork_session_id="s2"
+                )
+            ],
+            sent_at=2.5,
+        ),
     ]
 
 

@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from shared.errors import ErrorCode, MalformedFrame, ProtocolVersion
 from shared.messages import (
     FRAME_TAGS,
+    MAX_HEALTH_CONFLICTS,
+    MAX_HEALTH_TEXT,
     MAX_PROTOCOL,
     MIN_PROTOCOL,
     ChangeResult,
@@ -23,6 +25,7 @@ from shared.messages import (
     Error,
     Frame,
     FrameCodec,
+    Health,
     Hello,
     Pull,
     Push,
@@ -279,7 +282,16 @@ class Ping(msgspec.Struct, kw_only=True, tag="ping"):
 
 
 def test_frame_tags_are_the_union() -> None:
-    assert {"hello", "welcome", "push", "push_ack", "pull", "changes", "error"} == FRAME_TAGS
+    assert {
+        "hello",
+        "welcome",
+        "push",
+        "push_ack",
+        "pull",
+        "changes",
+        "error",
+        "health",
+    } == FRAME_TAGS
 
 
 @pytest.mark.parametrize(
@@ -553,3 +565,74 @@ def test_feed_changes_survive_the_sorting() -> None:
     (event,) = client.take_events()
     assert isinstance(event, Answer) and isinstance(event.frame, Changes)
     assert event.frame.changes == feed
+
+
+# -- health frames (version 2) ---------------------------------------------------------------
+
+
+def health(**fields: typing.Any) -> Health:
+    return Health(**{"pending": 2, "dead_letters": 0, "cursor": 7, **fields})
+
+
+def test_health_reaches_the_server_after_hello_unanswered() -> None:
+    client, server = connected()
+    assert client.send_health(health(request_id=9, optional=False))
+    for data in client.data_to_send():
+        server.receive_data(data)
+    (event,) = server.events_received()
+    # Whatever the caller put there, a Health frame is optional and answers nothing.
+    assert isinstance(event, Health) and event.optional and event.request_id == 0
+    assert event.pending == 2 and event.cursor == 7
+    assert server.data_to_send() == [] and client.outstanding == ()
+
+
+def test_health_is_not_sent_to_a_version_1_server() -> None:
+    client = ClientProtocol("dev-a", 0, max_protocol=1)
+    client.data_to_send()
+    client.receive_data(enc(welcome(protocol=1)))
+    client.take_events()
+    assert client.send_health(health()) is False
+    assert client.data_to_send() == []
+
+
+def test_a_server_that_predates_health_skips_it() -> None:
+    """An older version 2 server does not know the tag: the frame is optional, so skipped."""
+    data = msgspec.msgpack.encode(
+        {"type": "health-from-the-future", "optional": True, "pending": 1}
+    )
+    _, server = connected()
+    server.receive_data(data)
+    assert server.events_received() == [] and server.ignored_frames == 1
+    assert state(server) is State.OPEN
+
+
+def test_health_before_hello_is_refused() -> None:
+    server = ServerProtocol()
+    server.receive_data(enc(health()))
+    assert only_error(server).code == ErrorCode.MALFORMED_FRAME
+    assert server.events_received() == []
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"pending": -1},
+        {"last_error": "x" * (MAX_HEALTH_TEXT + 1)},
+        {
+            "conflicts": [
+                {"conflict_id": "c", "session_id": "s", "winner": "local", "fork_session_id": "f"}
+            ]
+            * (MAX_HEALTH_CONFLICTS + 1)
+        },
+        {"last_flush_outcome": "y" * 33},
+    ],
+    ids=["negative", "long-error", "many-conflicts", "long-outcome"],
+)
+def test_an_unbounded_health_frame_is_refused_and_the_connection_goes_on(
+    fields: dict[str, typing.Any],
+) -> None:
+    _, server = connected()
+    frame = {"type": "health", "pending": 0, "dead_letters": 0, "cursor": 0, **fields}
+    server.receive_data(msgspec.msgpack.encode(frame))
+    assert only_error(server).code == ErrorCode.MALFORMED_FRAME
+    assert server.events_received() == [] and state(server) is State.OPEN

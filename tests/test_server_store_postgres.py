@@ -285,6 +285,7 @@ async def test_migrate_creates_a_fresh_schema() -> None:
             "feed",
             "clients",
             "meta",
+            "devices",
         }
 
 

@@ -42,6 +42,20 @@ class PullResult(msgspec.Struct, kw_only=True):
     more: bool
 
 
+class DeviceHealth(msgspec.Struct, kw_only=True):
+    """The latest ``Health`` a device sent, as the server keeps it (``health`` is the frame's
+    msgpack encoding; ``seen_at`` the server's clock when it arrived)."""
+
+    org_id: str
+    user_id: str
+    client_id: str
+    seen_at: float
+    health: bytes
+
+
+MAX_DEVICES_PER_TENANT = 64
+"""How many devices' health a store keeps per tenant; the least recently seen go first."""
+
 DEFAULT_PULL_BYTES = 1024 * 1024
 """The byte budget of a pull or live page (a quarter of the default frame limit)."""
 
@@ -99,6 +113,17 @@ class ServerStore(Protocol):
         ...
 
     async def head_cursor(self, tenant: Tenant) -> int: ...
+
+    async def put_health(
+        self, tenant: Tenant, client_id: str, health: bytes, seen_at: float
+    ) -> None:
+        """Keep ``health`` as the device's latest (replacing the one before). At most
+        ``MAX_DEVICES_PER_TENANT`` devices are kept per tenant: the least recently seen go."""
+        ...
+
+    async def list_health(self, limit: int = 1000) -> list[DeviceHealth]:
+        """The latest health of every device, most recently seen first, at most ``limit``."""
+        ...
 
     async def compact_feed(self, tenant: Tenant, keep_after_cursor: int) -> int:
         """Compact the tenant's feed up to ``keep_after_cursor``; return entries dropped.

@@ -81,7 +81,15 @@ from .apply import (
     claimed_concurrently,
     content_to_delete,
 )
-from .base import PullResult, PushResult, Tenant, decode_session, decode_stored
+from .base import (
+    MAX_DEVICES_PER_TENANT,
+    DeviceHealth,
+    PullResult,
+    PushResult,
+    Tenant,
+    decode_session,
+    decode_stored,
+)
 
 __all__ = [
     "DEFAULT_POOL_MAX",
@@ -168,6 +176,18 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ),
     # 2: compaction finds the later versions of a record.
     ("CREATE INDEX feed_record ON {s}.feed (org_id, user_id, kind, record_id, cursor)",),
+    # 3: the latest health each device reported (the /status page).
+    (
+        """CREATE TABLE {s}.devices (
+            org_id text NOT NULL,
+            user_id text NOT NULL,
+            client_id text NOT NULL,
+            seen_at double precision NOT NULL,
+            health bytea NOT NULL,
+            PRIMARY KEY (org_id, user_id, client_id)
+        )""",
+        "CREATE INDEX devices_seen ON {s}.devices (seen_at)",
+    ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -350,6 +370,20 @@ class _Sql:
     """The statements of one schema, formatted once."""
 
     def __init__(self, s: str) -> None:
+        self.put_health = (
+            f"INSERT INTO {s}.devices (org_id, user_id, client_id, seen_at, health) "
+            "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (org_id, user_id, client_id) "
+            "DO UPDATE SET seen_at = excluded.seen_at, health = excluded.health"
+        )
+        self.trim_devices = (
+            f"DELETE FROM {s}.devices WHERE org_id = $1 AND user_id = $2 AND client_id IN ("
+            f"SELECT client_id FROM {s}.devices WHERE org_id = $1 AND user_id = $2 "
+            "ORDER BY seen_at DESC OFFSET $3)"
+        )
+        self.list_health = (
+            f"SELECT org_id, user_id, client_id, seen_at, health FROM {s}.devices "
+            "ORDER BY seen_at DESC LIMIT $1"
+        )
         self.get_last_seq = (
             f"SELECT last_seq FROM {s}.clients "
             "WHERE org_id = $1 AND user_id = $2 AND client_id = $3"
@@ -904,6 +938,28 @@ class PostgresServerStore(AsyncResource):
             lambda conn: _head(conn, self._sql, tenant),
             transaction=False,
         )
+
+    async def put_health(
+        self, tenant: Tenant, client_id: str, health: bytes, seen_at: float
+    ) -> None:
+        t = (tenant.org_id, tenant.user_id)
+
+        async def body(conn: Any) -> None:
+            await conn.execute(self._sql.put_health, *t, client_id, seen_at, health)
+            await conn.execute(self._sql.trim_devices, *t, MAX_DEVICES_PER_TENANT)
+
+        await self._run("cannot keep the device's health", body, transaction=True)
+
+    async def list_health(self, limit: int = 1000) -> list[DeviceHealth]:
+        rows = await self._run(
+            "cannot read device health",
+            lambda conn: conn.fetch(self._sql.list_health, limit),
+            transaction=False,
+        )
+        return [
+            DeviceHealth(org_id=o, user_id=u, client_id=c, seen_at=float(s), health=bytes(h))
+            for o, u, c, s, h in rows
+        ]
 
     async def compact_feed(self, tenant: Tenant, keep_after_cursor: int) -> int:
         async def body(conn: Any) -> int:

@@ -54,7 +54,15 @@ from .apply import (
     claimed_concurrently,
     content_to_delete,
 )
-from .base import PullResult, PushResult, Tenant, decode_session, decode_stored
+from .base import (
+    MAX_DEVICES_PER_TENANT,
+    DeviceHealth,
+    PullResult,
+    PushResult,
+    Tenant,
+    decode_session,
+    decode_stored,
+)
 
 __all__ = ["DEFAULT_MAX_PULL_LIMIT", "SQLiteServerStore"]
 
@@ -125,6 +133,31 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ),
     # 2: compaction finds the later versions of a record.
     ("CREATE INDEX feed_record ON feed (org_id, user_id, kind, record_id, cursor)",),
+    # 3: the latest health each device reported (the /status page).
+    (
+        """CREATE TABLE devices (
+            org_id TEXT NOT NULL,
+            user_id TEXT NOT NULL,
+            client_id TEXT NOT NULL,
+            seen_at REAL NOT NULL,
+            health BLOB NOT NULL,
+            PRIMARY KEY (org_id, user_id, client_id)
+        ) WITHOUT ROWID""",
+        "CREATE INDEX devices_seen ON devices (seen_at)",
+    ),
+)
+_PUT_HEALTH_SQL = (
+    "INSERT INTO devices (org_id, user_id, client_id, seen_at, health) VALUES (?, ?, ?, ?, ?) "
+    "ON CONFLICT (org_id, user_id, client_id) DO UPDATE SET "
+    "seen_at = excluded.seen_at, health = excluded.health"
+)
+_TRIM_DEVICES_SQL = (
+    "DELETE FROM devices WHERE org_id = ? AND user_id = ? AND client_id IN ("
+    "SELECT client_id FROM devices WHERE org_id = ? AND user_id = ? "
+    "ORDER BY seen_at DESC LIMIT -1 OFFSET ?)"
+)
+_LIST_HEALTH_SQL = (
+    "SELECT org_id, user_id, client_id, seen_at, health FROM devices ORDER BY seen_at DESC LIMIT ?"
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -631,6 +664,24 @@ class SQLiteServerStore(AsyncResource):
 
     async def head_cursor(self, tenant: Tenant) -> int:
         return await self._read(lambda conn: _head(conn, tenant))
+
+    async def put_health(
+        self, tenant: Tenant, client_id: str, health: bytes, seen_at: float
+    ) -> None:
+        t = (tenant.org_id, tenant.user_id)
+
+        async def body(conn: aiosqlite.Connection) -> None:
+            await conn.execute(_PUT_HEALTH_SQL, (*t, client_id, seen_at, health))
+            await conn.execute(_TRIM_DEVICES_SQL, (*t, *t, MAX_DEVICES_PER_TENANT))
+
+        await self._write(body)
+
+    async def list_health(self, limit: int = 1000) -> list[DeviceHealth]:
+        rows = await self._read(lambda conn: _fetchall(conn, _LIST_HEALTH_SQL, (limit,)))
+        return [
+            DeviceHealth(org_id=o, user_id=u, client_id=c, seen_at=float(s), health=bytes(h))
+            for o, u, c, s, h in rows
+        ]
 
     async def compact_feed(self, tenant: Tenant, keep_after_cursor: int) -> int:
         return await self._write(lambda conn: _compact(conn, tenant, keep_after_cursor))
