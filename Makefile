@@ -2,7 +2,7 @@ PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install serve test lint typecheck bench clean soak bench-peers
+.PHONY: install serve test lint typecheck bench clean soak bench-peers wheel
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -33,5 +33,12 @@ soak: install
 	$(BIN)/python -m tests.sim --soak $(or $(SOAK_SCHEDULES),10000) --backend $(or $(SOAK_BACKEND),sqlite)
 	$(BIN)/python -m tests.fuzz --frames $(or $(FUZZ_FRAMES),100000) --seed $(or $(FUZZ_SEED),0)
 
+# The wheel (and nothing else) into dist/: pleach-VERSION-py3-none-any.whl. A fresh ./build
+# each time, so a module removed from the tree cannot linger in the wheel.
+wheel: $(BIN)/python
+	$(BIN)/python -m pip install -q 'build>=1'
+	rm -rf build
+	$(BIN)/python -m build --wheel --outdir dist .
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
