@@ -300,11 +300,11 @@ def explain_queries(store: PostgresServerStore) -> dict[str, tuple[str, tuple[An
         "head_cursor": (sql.head, ("org-7", "user-7")),
         "client_state": (sql.client_state, ("org-7", "user-7", "dev-7")),
         "get_last_seq": (sql.get_last_seq, ("org-7", "user-7", "dev-7")),
-        "owner_of(Session)": (sql.session_owner, ("session-7",)),
-        "owner_of(Event)": (sql.event_owner, ("event-7",)),
-        "owner_of(Message)": (sql.record_owner, ("Message", "message-7")),
-        "get_session": (sql.get_session, ("session-7",)),
-        "last_event": (sql.last_event, ("session-7",)),
+        "owner_of(Session)": (sql.session_owner, ("org-7", "user-7", "session-7")),
+        "owner_of(Event)": (sql.event_owner, ("org-7", "user-7", "event-7")),
+        "owner_of(Message)": (sql.record_owner, ("org-7", "user-7", "Message", "message-7")),
+        "get_session": (sql.get_session, ("org-7", "user-7", "session-7")),
+        "last_event": (sql.last_event, ("org-7", "user-7", "session-7")),
         "retain": (sql.retain_cursor, ("org-7", "user-7", 10)),
     }
 

@@ -200,8 +200,10 @@ class BatchTx(Protocol):
         """The device's ``last_seq``; 0 for a device never seen."""
         ...
 
-    async def load(self, keys: BatchKeys) -> Snapshot:
-        """Read what ``keys`` lists, at most one query per kind of key (see ``Snapshot``)."""
+    async def load(self, tenant: Tenant, keys: BatchKeys) -> Snapshot:
+        """Read what ``keys`` lists among ``tenant``'s rows, at most one query per kind of key
+        (see ``Snapshot``). Ids are scoped to their tenant: another tenant's rows under the same
+        ids are never read (nobody can take another user's ids)."""
         ...
 
     async def write(self, tenant: Tenant, client_id: str, writes: BatchWrites) -> list[int]:
@@ -505,10 +507,10 @@ class _BufferedTx:
         self._last_seq: int | None = None
         self._deleted: list[str] = []
 
-    async def load(self, keys: BatchKeys) -> None:
+    async def load(self, tenant: Tenant, keys: BatchKeys) -> None:
         self._keys = keys
         if keys:
-            self._loaded = await self._tx.load(keys)
+            self._loaded = await self._tx.load(tenant, keys)
 
     async def flush(self, tenant: Tenant, client_id: str, feed: list[Record]) -> list[int]:
         """Write everything the batch wrote through this view; the cursors of ``feed``."""
@@ -883,7 +885,7 @@ async def apply_push(
     view: StoreTx = buffered if wrap is None else wrap(buffered)
     await view.lock_tenant(tenant)
     start_seq = last_seq = await view.get_last_seq(tenant, client_id)
-    await buffered.load(batch_keys(changes, start_seq, tenant, client_id, aliases))
+    await buffered.load(tenant, batch_keys(changes, start_seq, tenant, client_id, aliases))
     batch = _Batch(view, tenant, clock, server_id)
     results: list[ChangeResult] = []
     gap = False

@@ -188,6 +188,19 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
         )""",
         "CREATE INDEX devices_seen ON {s}.devices (seen_at)",
     ),
+    # 4: ids are scoped to their tenant: a record, event or session id one user holds does not
+    # stop another user from holding the same id (nobody can squat another user's ids).
+    (
+        "ALTER TABLE {s}.sessions DROP CONSTRAINT sessions_pkey, "
+        "ADD PRIMARY KEY (org_id, user_id, id)",
+        "ALTER TABLE {s}.records DROP CONSTRAINT records_pkey, "
+        "ADD PRIMARY KEY (org_id, user_id, kind, id)",
+        "DROP INDEX {s}.records_session",
+        "ALTER TABLE {s}.events DROP CONSTRAINT events_pkey, ADD PRIMARY KEY (org_id, user_id, id)",
+        "ALTER TABLE {s}.events DROP CONSTRAINT events_session_id_sequence_number_key, "
+        "ADD CONSTRAINT events_place UNIQUE (org_id, user_id, session_id, sequence_number)",
+        "DROP INDEX {s}.events_tenant",
+    ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -337,31 +350,37 @@ async def migrate(
         await asyncio.shield(conn.close(timeout=connect_timeout))
 
 
+# Every lookup by id is among the tenant's own rows ($1 org, $2 user): ids are scoped to
+# their tenant, so another tenant's rows under the same id are never read.
+_T = "org_id = $1 AND user_id = $2"
+
+
 def _session_owner(s: str, key: str) -> str:
-    """A session id is owned by its row, else by any event, else by any record filed under it."""
+    """A session id is held by its row, else by any event, else by any record filed under it."""
     return (
-        f"SELECT org_id, user_id FROM {s}.sessions WHERE id = {key} "
-        f"UNION ALL (SELECT org_id, user_id FROM {s}.events WHERE session_id = {key} LIMIT 1) "
-        f"UNION ALL (SELECT org_id, user_id FROM {s}.records WHERE session_id = {key} LIMIT 1) "
-        "LIMIT 1"
+        f"SELECT org_id, user_id FROM {s}.sessions WHERE {_T} AND id = {key} "
+        f"UNION ALL (SELECT org_id, user_id FROM {s}.events WHERE {_T} AND session_id = {key} "
+        "LIMIT 1) "
+        f"UNION ALL (SELECT org_id, user_id FROM {s}.records WHERE {_T} AND session_id = {key} "
+        "LIMIT 1) LIMIT 1"
     )
 
 
 def _event_owner(s: str, key: str) -> str:
-    return f"SELECT org_id, user_id FROM {s}.events WHERE id = {key}"
+    return f"SELECT org_id, user_id FROM {s}.events WHERE {_T} AND id = {key}"
 
 
 def _record_owner(s: str, kind: str, key: str) -> str:
-    return f"SELECT org_id, user_id FROM {s}.records WHERE kind = {kind} AND id = {key}"
+    return f"SELECT org_id, user_id FROM {s}.records WHERE {_T} AND kind = {kind} AND id = {key}"
 
 
 def _get_session(s: str, key: str) -> str:
-    return f"SELECT body FROM {s}.sessions WHERE id = {key}"
+    return f"SELECT body FROM {s}.sessions WHERE {_T} AND id = {key}"
 
 
 def _last_event(s: str, key: str) -> str:
     return (
-        f"SELECT sequence_number, row_hash FROM {s}.events WHERE session_id = {key} "
+        f"SELECT sequence_number, row_hash FROM {s}.events WHERE {_T} AND session_id = {key} "
         "ORDER BY sequence_number DESC LIMIT 1"
     )
 
@@ -399,37 +418,37 @@ class _Sql:
         # plans can be checked (test_per_tenant_queries_are_index_scans, docs/POSTGRES.md).
         # Every LATERAL body has a LIMIT (a no-op on a primary key): the planner cannot flatten
         # it into a join, so each key stays one index scan, however large the tables grow.
-        self.session_owner = _session_owner(s, "$1")
-        self.event_owner = _event_owner(s, "$1")
-        self.record_owner = _record_owner(s, "$1", "$2")
-        self.get_session = _get_session(s, "$1")
-        self.last_event = _last_event(s, "$1")
+        self.session_owner = _session_owner(s, "$3")
+        self.event_owner = _event_owner(s, "$3")
+        self.record_owner = _record_owner(s, "$3", "$4")
+        self.get_session = _get_session(s, "$3")
+        self.last_event = _last_event(s, "$3")
         self.session_owners = (
-            "SELECT k.id, o.org_id, o.user_id FROM unnest($1::text[]) AS k (id) "
+            "SELECT k.id, o.org_id, o.user_id FROM unnest($3::text[]) AS k (id) "
             f"CROSS JOIN LATERAL ({_session_owner(s, 'k.id')}) AS o"
         )
         self.event_owners = (
-            "SELECT k.id, o.org_id, o.user_id FROM unnest($1::text[]) AS k (id) "
+            "SELECT k.id, o.org_id, o.user_id FROM unnest($3::text[]) AS k (id) "
             f"CROSS JOIN LATERAL ({_event_owner(s, 'k.id')} LIMIT 1) AS o"
         )
         self.record_owners = (
             "SELECT k.kind, k.id, o.org_id, o.user_id "
-            "FROM unnest($1::text[], $2::text[]) AS k (kind, id) "
+            "FROM unnest($3::text[], $4::text[]) AS k (kind, id) "
             f"CROSS JOIN LATERAL ({_record_owner(s, 'k.kind', 'k.id')} LIMIT 1) AS o"
         )
         self.get_sessions = (
-            "SELECT k.id, o.body FROM unnest($1::text[]) AS k (id) "
+            "SELECT k.id, o.body FROM unnest($3::text[]) AS k (id) "
             f"CROSS JOIN LATERAL ({_get_session(s, 'k.id')} LIMIT 1) AS o"
         )
         self.last_events = (
-            "SELECT k.id, o.sequence_number, o.row_hash FROM unnest($1::text[]) AS k (id) "
+            "SELECT k.id, o.sequence_number, o.row_hash FROM unnest($3::text[]) AS k (id) "
             f"CROSS JOIN LATERAL ({_last_event(s, 'k.id')}) AS o"
         )
         # The writes of a push: one statement per table, the rows passed as arrays (columns).
         self.insert_records = (
             f"INSERT INTO {s}.records (kind, id, org_id, user_id, session_id, body) "
             "SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], "
-            "$6::bytea[]) ON CONFLICT (kind, id) DO NOTHING"
+            "$6::bytea[]) ON CONFLICT (org_id, user_id, kind, id) DO NOTHING"
         )
         self.insert_events = (
             f"INSERT INTO {s}.events "
@@ -440,8 +459,7 @@ class _Sql:
         self.put_sessions = (
             f"INSERT INTO {s}.sessions (id, org_id, user_id, updated_at, body) "
             "SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[]) "
-            "ON CONFLICT (id) DO UPDATE SET "
-            "org_id = excluded.org_id, user_id = excluded.user_id, "
+            "ON CONFLICT (org_id, user_id, id) DO UPDATE SET "
             "updated_at = excluded.updated_at, body = excluded.body"
         )
         # n cursors from the identity sequence (the caller holds the tenant lock), paired in
@@ -514,8 +532,8 @@ class _Sql:
             "AND session_id = ANY($3::text[]) AND kind = ANY($4::text[])"
         )
         self.delete_records = (
-            f"DELETE FROM {s}.records AS r USING unnest($1::text[], $2::text[]) AS k (kind, id) "
-            "WHERE r.kind = k.kind AND r.id = k.id"
+            f"DELETE FROM {s}.records AS r USING unnest($3::text[], $4::text[]) AS k (kind, id) "
+            "WHERE r.org_id = $1 AND r.user_id = $2 AND r.kind = k.kind AND r.id = k.id"
         )
         self.delete_feed = (
             f"DELETE FROM {s}.feed AS f USING unnest($3::text[], $4::text[]) AS k (kind, id) "
@@ -547,28 +565,31 @@ class _PostgresTx:
         )
         return int(value) if value is not None else 0
 
-    async def load(self, keys: BatchKeys) -> Snapshot:
+    async def load(self, tenant: Tenant, keys: BatchKeys) -> Snapshot:
         conn, sql, found = self._conn, self._sql, Snapshot()
+        t = (tenant.org_id, tenant.user_id)
         if keys.records:
             kinds, ids = zip(*keys.records, strict=True)
             for kind, record_id, org_id, user_id in await conn.fetch(
-                sql.record_owners, list(kinds), list(ids)
+                sql.record_owners, *t, list(kinds), list(ids)
             ):
                 found.record_owners[(kind, record_id)] = Tenant(org_id=org_id, user_id=user_id)
         if keys.events:
-            for event_id, org_id, user_id in await conn.fetch(sql.event_owners, list(keys.events)):
+            for event_id, org_id, user_id in await conn.fetch(
+                sql.event_owners, *t, list(keys.events)
+            ):
                 found.event_owners[event_id] = Tenant(org_id=org_id, user_id=user_id)
         if keys.session_owners:
             for session_id, org_id, user_id in await conn.fetch(
-                sql.session_owners, list(keys.session_owners)
+                sql.session_owners, *t, list(keys.session_owners)
             ):
                 found.session_owners[session_id] = Tenant(org_id=org_id, user_id=user_id)
         if keys.sessions:
-            for session_id, body in await conn.fetch(sql.get_sessions, list(keys.sessions)):
+            for session_id, body in await conn.fetch(sql.get_sessions, *t, list(keys.sessions)):
                 found.sessions[session_id] = decode_session(session_id, body)
         if keys.chains:
             for session_id, number, row_hash in await conn.fetch(
-                sql.last_events, list(keys.chains)
+                sql.last_events, *t, list(keys.chains)
             ):
                 found.chain_tails[session_id] = (int(number), str(row_hash))
         return found
@@ -645,7 +666,7 @@ class _PostgresTx:
         doomed = content_to_delete(sessions, candidates)
         if doomed:
             kinds, ids = [k for k, _ in doomed], [i for _, i in doomed]
-            await conn.execute(sql.delete_records, kinds, ids)
+            await conn.execute(sql.delete_records, *t, kinds, ids)
             await conn.execute(sql.delete_feed, *t, kinds, ids)
 
 

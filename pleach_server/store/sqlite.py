@@ -145,6 +145,51 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
         ) WITHOUT ROWID""",
         "CREATE INDEX devices_seen ON devices (seen_at)",
     ),
+    # 4: ids are scoped to their tenant: a record, event or session id one user holds does not
+    # stop another user from holding the same id (nobody can squat another user's ids).
+    (
+        """CREATE TABLE sessions_4 (
+            id TEXT NOT NULL,
+            org_id TEXT NOT NULL,
+            user_id TEXT NOT NULL,
+            updated_at TEXT NOT NULL,
+            body BLOB NOT NULL,
+            PRIMARY KEY (org_id, user_id, id)
+        ) WITHOUT ROWID""",
+        "INSERT INTO sessions_4 SELECT id, org_id, user_id, updated_at, body FROM sessions",
+        "DROP TABLE sessions",
+        "ALTER TABLE sessions_4 RENAME TO sessions",
+        "CREATE INDEX sessions_tenant ON sessions (org_id, user_id, updated_at)",
+        """CREATE TABLE records_4 (
+            kind TEXT NOT NULL,
+            id TEXT NOT NULL,
+            org_id TEXT NOT NULL,
+            user_id TEXT NOT NULL,
+            session_id TEXT,
+            body BLOB NOT NULL,
+            PRIMARY KEY (org_id, user_id, kind, id)
+        ) WITHOUT ROWID""",
+        "INSERT INTO records_4 SELECT kind, id, org_id, user_id, session_id, body FROM records",
+        "DROP TABLE records",
+        "ALTER TABLE records_4 RENAME TO records",
+        "CREATE INDEX records_tenant ON records (org_id, user_id, session_id)",
+        """CREATE TABLE events_4 (
+            id TEXT NOT NULL,
+            session_id TEXT NOT NULL,
+            sequence_number INTEGER NOT NULL,
+            org_id TEXT NOT NULL,
+            user_id TEXT NOT NULL,
+            row_hash TEXT NOT NULL,
+            body BLOB NOT NULL,
+            UNIQUE (org_id, user_id, id),
+            UNIQUE (org_id, user_id, session_id, sequence_number)
+        )""",
+        "INSERT INTO events_4 (id, session_id, sequence_number, org_id, user_id, row_hash, body) "
+        "SELECT id, session_id, sequence_number, org_id, user_id, row_hash, body FROM events "
+        "ORDER BY rowid",
+        "DROP TABLE events",
+        "ALTER TABLE events_4 RENAME TO events",
+    ),
 )
 _PUT_HEALTH_SQL = (
     "INSERT INTO devices (org_id, user_id, client_id, seen_at, health) VALUES (?, ?, ?, ?, ?) "
@@ -170,34 +215,39 @@ _FLOOR_SQL = "SELECT feed_floor FROM meta WHERE org_id = ? AND user_id = ?"
 
 _LAST_SEQ_SQL = "SELECT last_seq FROM clients WHERE org_id = ? AND user_id = ? AND client_id = ?"
 
-# The batch lookups of a push: each takes its keys as ONE JSON array parameter (no limit on
-# how many, one statement per kind of key) and reads each key through an index.
+# The batch lookups of a push: each takes the tenant, then its keys as ONE JSON array
+# parameter (no limit on how many, one statement per kind of key) and reads each key through
+# an index. Every id is the tenant's own: another tenant's rows are never read.
 _RECORD_OWNERS_SQL = """
-    SELECT r.kind, r.id, r.org_id, r.user_id FROM json_each(?) AS k
-    JOIN records AS r ON r.kind = json_extract(k.value, '$[0]')
-        AND r.id = json_extract(k.value, '$[1]')"""
+    SELECT r.kind, r.id, r.org_id, r.user_id FROM json_each(?3) AS k
+    JOIN records AS r ON r.org_id = ?1 AND r.user_id = ?2
+        AND r.kind = json_extract(k.value, '$[0]') AND r.id = json_extract(k.value, '$[1]')"""
 _EVENT_OWNERS_SQL = """
-    SELECT id, org_id, user_id FROM events WHERE id IN (SELECT value FROM json_each(?))"""
-# A session id is owned by its row, else by any event, else by any record filed under it.
+    SELECT id, org_id, user_id FROM events
+    WHERE org_id = ?1 AND user_id = ?2 AND id IN (SELECT value FROM json_each(?3))"""
+# A session id is held by its row, else by any event, else by any record filed under it.
 _SESSION_OWNERS_SQL = """
     SELECT k.value, s.org_id, s.user_id, e.org_id, e.user_id, r.org_id, r.user_id
-    FROM json_each(?) AS k
-    LEFT JOIN sessions AS s ON s.id = k.value
-    LEFT JOIN events AS e
-        ON e.rowid = (SELECT rowid FROM events WHERE session_id = k.value LIMIT 1)
-    LEFT JOIN records AS r
-        ON (r.kind, r.id) = (SELECT kind, id FROM records WHERE session_id = k.value LIMIT 1)"""
+    FROM json_each(?3) AS k
+    LEFT JOIN sessions AS s ON s.org_id = ?1 AND s.user_id = ?2 AND s.id = k.value
+    LEFT JOIN events AS e ON e.rowid = (
+        SELECT rowid FROM events
+        WHERE org_id = ?1 AND user_id = ?2 AND session_id = k.value LIMIT 1)
+    LEFT JOIN records AS r ON r.org_id = ?1 AND r.user_id = ?2 AND (r.kind, r.id) = (
+        SELECT kind, id FROM records
+        WHERE org_id = ?1 AND user_id = ?2 AND session_id = k.value LIMIT 1)"""
 _SESSIONS_SQL = """
-    SELECT id, body FROM sessions WHERE id IN (SELECT value FROM json_each(?))"""
+    SELECT id, body FROM sessions
+    WHERE org_id = ?1 AND user_id = ?2 AND id IN (SELECT value FROM json_each(?3))"""
 _CHAIN_TAILS_SQL = """
-    SELECT k.value, e.sequence_number, e.row_hash FROM json_each(?) AS k
+    SELECT k.value, e.sequence_number, e.row_hash FROM json_each(?3) AS k
     JOIN events AS e ON e.rowid = (
-        SELECT rowid FROM events WHERE session_id = k.value
+        SELECT rowid FROM events WHERE org_id = ?1 AND user_id = ?2 AND session_id = k.value
         ORDER BY sequence_number DESC LIMIT 1)"""
 
 _INSERT_RECORD_SQL = (
     "INSERT INTO records (kind, id, org_id, user_id, session_id, body) "
-    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (kind, id) DO NOTHING"
+    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (org_id, user_id, kind, id) DO NOTHING"
 )
 _INSERT_EVENT_SQL = (
     "INSERT INTO events (id, session_id, sequence_number, org_id, user_id, row_hash, body) "
@@ -205,8 +255,8 @@ _INSERT_EVENT_SQL = (
 )
 _PUT_SESSION_SQL = (
     "INSERT INTO sessions (id, org_id, user_id, updated_at, body) VALUES (?, ?, ?, ?, ?) "
-    "ON CONFLICT (id) DO UPDATE SET org_id = excluded.org_id, "
-    "user_id = excluded.user_id, updated_at = excluded.updated_at, body = excluded.body"
+    "ON CONFLICT (org_id, user_id, id) DO UPDATE SET "
+    "updated_at = excluded.updated_at, body = excluded.body"
 )
 _APPEND_FEED_SQL = (
     "INSERT INTO feed (org_id, user_id, kind, record_id, body) VALUES (?, ?, ?, ?, ?)"
@@ -219,7 +269,7 @@ _CASCADE_CANDIDATES_SQL = """
     JOIN records AS r ON r.org_id = ? AND r.user_id = ? AND r.session_id = k.value
     WHERE r.kind IN (SELECT value FROM json_each(?))"""
 _DELETE_RECORDS_SQL = """
-    DELETE FROM records WHERE (kind, id) IN (
+    DELETE FROM records WHERE org_id = ? AND user_id = ? AND (kind, id) IN (
         SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') FROM json_each(?))"""
 _DELETE_FEED_SQL = """
     DELETE FROM feed WHERE org_id = ? AND user_id = ? AND (kind, record_id) IN (
@@ -290,32 +340,34 @@ class _SQLiteTx:
         row = await _fetchone(self._conn, _LAST_SEQ_SQL, (tenant.org_id, tenant.user_id, client_id))
         return int(row[0]) if row is not None else 0
 
-    async def load(self, keys: BatchKeys) -> Snapshot:
-        conn, found = self._conn, Snapshot()
+    async def load(self, tenant: Tenant, keys: BatchKeys) -> Snapshot:
+        conn, found, t = self._conn, Snapshot(), (tenant.org_id, tenant.user_id)
         if keys.records:
             for kind, record_id, org_id, user_id in await _fetchall(
-                conn, _RECORD_OWNERS_SQL, (_json(keys.records),)
+                conn, _RECORD_OWNERS_SQL, (*t, _json(keys.records))
             ):
                 found.record_owners[(kind, record_id)] = Tenant(org_id=org_id, user_id=user_id)
         if keys.events:
             for event_id, org_id, user_id in await _fetchall(
-                conn, _EVENT_OWNERS_SQL, (_json(keys.events),)
+                conn, _EVENT_OWNERS_SQL, (*t, _json(keys.events))
             ):
                 found.event_owners[event_id] = Tenant(org_id=org_id, user_id=user_id)
         if keys.session_owners:
             for session_id, *columns in await _fetchall(
-                conn, _SESSION_OWNERS_SQL, (_json(keys.session_owners),)
+                conn, _SESSION_OWNERS_SQL, (*t, _json(keys.session_owners))
             ):
                 owners = (_owner(*columns[i : i + 2]) for i in (0, 2, 4))
                 owner = next((o for o in owners if o is not None), None)
                 if owner is not None:
                     found.session_owners[session_id] = owner
         if keys.sessions:
-            for session_id, body in await _fetchall(conn, _SESSIONS_SQL, (_json(keys.sessions),)):
+            for session_id, body in await _fetchall(
+                conn, _SESSIONS_SQL, (*t, _json(keys.sessions))
+            ):
                 found.sessions[session_id] = decode_session(session_id, body)
         if keys.chains:
             for session_id, number, row_hash in await _fetchall(
-                conn, _CHAIN_TAILS_SQL, (_json(keys.chains),)
+                conn, _CHAIN_TAILS_SQL, (*t, _json(keys.chains))
             ):
                 found.chain_tails[session_id] = (int(number), str(row_hash))
         return found
@@ -397,7 +449,7 @@ class _SQLiteTx:
         candidates = [decode_stored(kind, record_id, body) for kind, record_id, body in rows]
         doomed = _json(list(k) for k in content_to_delete(sessions, candidates))
         if doomed != "[]":
-            await conn.execute(_DELETE_RECORDS_SQL, (doomed,))
+            await conn.execute(_DELETE_RECORDS_SQL, (*t, doomed))
             await conn.execute(_DELETE_FEED_SQL, (*t, doomed))
 
 
