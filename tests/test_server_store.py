@@ -192,3 +192,56 @@ async def test_a_transaction_left_open_never_wedges_the_store(tmp_path: Path) ->
         assert [r.status for r in result.results] == ["applied"]
         page = await store.pull(dev.tenant, 0, 10)
         assert [c.record.id for c in page.changes] == [session.id]
+
+
+async def test_schema_3_files_migrate_to_tenant_scoped_ids(db_path: Path) -> None:
+    """A server file written before ids were scoped to their tenant (schema 3) keeps every
+    row through the migration, and its rows are found by their new keys."""
+    from pleach_server.store import sqlite as module
+    from shared.records import encode_record
+
+    alice, bob = Device(new_tenant()), Device(new_tenant())
+    session = alice.session(title="before the upgrade")
+    message = alice.message(session.id)
+    with sqlite3.connect(db_path) as conn:
+        for statements in module._MIGRATIONS[:3]:
+            for statement in statements:
+                conn.execute(statement)
+        t = (alice.tenant.org_id, alice.tenant.user_id)
+        conn.execute(
+            "INSERT INTO sessions (id, org_id, user_id, updated_at, body) VALUES (?, ?, ?, ?, ?)",
+            (session.id, *t, session.updated_at, encode_record(session)),
+        )
+        conn.execute(
+            "INSERT INTO records (kind, id, org_id, user_id, session_id, body) "
+            "VALUES ('Message', ?, ?, ?, ?, ?)",
+            (message.id, *t, session.id, encode_record(message)),
+        )
+        for kind, record in (("Session", session), ("Message", message)):
+            conn.execute(
+                "INSERT INTO feed (org_id, user_id, kind, record_id, body) VALUES (?, ?, ?, ?, ?)",
+                (*t, kind, record.id, encode_record(record)),
+            )
+        conn.execute(
+            "INSERT INTO clients (org_id, user_id, client_id, last_seq) VALUES (?, ?, ?, 2)",
+            (*t, alice.client_id),
+        )
+        conn.execute("PRAGMA user_version = 3")
+    clock = HybridClock("server-x")
+    async with SQLiteServerStore(db_path) as store:
+        feed = (await store.pull(alice.tenant, 0, 10)).changes
+        assert [c.record for c in feed] == [session, message]
+        # The device resends: the migrated rows are found (duplicates, nothing doubled).
+        again = await store.push(
+            alice.tenant, alice.client_id, alice.changes(session, message), clock
+        )
+        assert [r.status for r in again.results] == ["duplicate", "duplicate"]
+        # Another user under the same ids writes in their own namespace.
+        theirs = await store.push(
+            bob.tenant, bob.client_id, bob.changes(bob.session(id=session.id)), clock
+        )
+        assert [r.status for r in theirs.results] == ["applied"]
+        assert (await store.pull(alice.tenant, 0, 10)).changes == feed
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"

@@ -900,3 +900,60 @@ def test_bad_parameters_and_lock_keys() -> None:
     )
     assert -(2**63) <= tenant_lock_key("pleach", t) < 2**63
     assert redact_dsn("postgresql://alice:s3cret@db.example:6543/prod") == "db.example:6543/prod"
+
+
+async def test_schema_3_migrates_to_tenant_scoped_ids() -> None:
+    """A schema at version 3 (ids unique across tenants) keeps its rows through migration 4,
+    and they are found by their new keys."""
+    from pleach_server.store import postgres as module
+    from shared.records import encode_record
+
+    alice, bob = Device(new_tenant()), Device(new_tenant())
+    session = alice.session(title="before the upgrade")
+    message = alice.message(session.id)
+    t = (alice.tenant.org_id, alice.tenant.user_id)
+    async with scratch_schema() as s:
+        async with admin() as conn:
+            await conn.execute(f"CREATE SCHEMA {s}")
+            await conn.execute(
+                f"CREATE TABLE {s}.schema_migrations (version integer PRIMARY KEY, "
+                "applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            for number, statements in enumerate(module._MIGRATIONS[:3], start=1):
+                for statement in statements:
+                    await conn.execute(statement.format(s=s))
+                await conn.execute(f"INSERT INTO {s}.schema_migrations VALUES ($1)", number)
+            await conn.execute(
+                f"INSERT INTO {s}.sessions (id, org_id, user_id, updated_at, body) "
+                "VALUES ($1, $2, $3, $4, $5)",
+                session.id, *t, session.updated_at, encode_record(session),
+            )  # fmt: skip
+            await conn.execute(
+                f"INSERT INTO {s}.records (kind, id, org_id, user_id, session_id, body) "
+                "VALUES ('Message', $1, $2, $3, $4, $5)",
+                message.id, *t, session.id, encode_record(message),
+            )  # fmt: skip
+            for kind, record in (("Session", session), ("Message", message)):
+                await conn.execute(
+                    f"INSERT INTO {s}.feed (org_id, user_id, kind, record_id, body) "
+                    "VALUES ($1, $2, $3, $4, $5)",
+                    *t, kind, record.id, encode_record(record),
+                )  # fmt: skip
+            await conn.execute(
+                f"INSERT INTO {s}.clients VALUES ($1, $2, $3, 2)", *t, alice.client_id
+            )
+        result = await migrate(PG_DSN, s)
+        assert (result.from_version, result.to_version) == (3, SCHEMA_VERSION)
+        clock = HybridClock("server-x")
+        async with pg_store(s) as store:
+            feed = (await store.pull(alice.tenant, 0, 10)).changes
+            assert [c.record for c in feed] == [session, message]
+            again = await store.push(
+                alice.tenant, alice.client_id, alice.changes(session, message), clock
+            )
+            assert [r.status for r in again.results] == ["duplicate", "duplicate"]
+            theirs = await store.push(
+                bob.tenant, bob.client_id, bob.changes(bob.session(id=session.id)), clock
+            )
+            assert [r.status for r in theirs.results] == ["applied"]
+            assert (await store.pull(alice.tenant, 0, 10)).changes == feed
