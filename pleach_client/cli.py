@@ -1,6 +1,9 @@
-"""The ``pleach`` command: chat, sessions, events, sync, status, demo.
+"""The ``pleach`` command: chat, sessions, events, sync, status, doctor, demo.
 
-Errors print one clear line (``pleach: ...``) and exit non-zero; never a traceback.
+Errors print one clear line (``pleach: ...``) and exit non-zero; never a traceback. On a
+terminal the output is drawn with ``rich`` (tables, colours, a progress bar for a long sync);
+into a pipe or a file it is plain lines, and ``--json`` is machine JSON. ``rich`` is imported
+only by the functions that draw, so ``pleach --help`` and piped commands do not load it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import msgspec
 
@@ -34,15 +37,49 @@ from .stream import (
     TurnComplete,
 )
 
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress, TaskID
+    from rich.table import Table
+    from rich.text import Text
+
+    from .store.base import DeadLetter
+    from .sync import SyncProgress, SyncStatus
+
 DEFAULT_DB = "pleach.db"
 DEFAULT_USER = "anonymous"
 DEFAULT_ORG = "default"
 
 
-def _globals(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
-    """``--db``, ``--user`` and ``--org``, accepted before or after the subcommand."""
+ENVIRONMENT = """environment variables:
+  PLEACH_CLIENT_DB        the device database file (--db; default ./pleach.db)
+  PLEACH_USER, PLEACH_ORG who this device writes as (--user, --org)
+  PLEACH_SERVER           the sync server, ws://host:port/sync (--server of sync and doctor)
+  PLEACH_TOKEN            the device's token for that server (--token)
+  ANTHROPIC_API_KEY       the key `pleach chat` calls Claude with (not needed with --offline)
+  ANTHROPIC_BASE_URL      another address for the Anthropic API
+  PLEACH_CONNECT_TIMEOUT  seconds to connect to the model before giving up (default 10)
+  PLEACH_READ_TIMEOUT     seconds the model may stay silent before giving up (default 60)
+  PLEACH_OFFLINE_DELAY    seconds per streamed word of the offline model (default 0)
+  NO_COLOR                any value: no colours (as --no-color)"""
 
-    def d(value: str) -> str:
+
+class _UsageError(Exception):
+    """A command line argparse refused: reported in one line by ``main``."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        if self.prog == "pleach sync" and "://" in message:  # `pleach sync ws://...`
+            message += ": give the server as --server URL"
+        raise _UsageError(f"{self.prog}: {message} (see `{self.prog} --help`)")
+
+
+def _globals(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """``--db``, ``--user``, ``--org``, ``--json`` and ``--no-color``, accepted before or
+    after the subcommand."""
+
+    def d(value: Any) -> Any:
         return value if defaults else argparse.SUPPRESS
 
     parser.add_argument(
@@ -63,17 +100,38 @@ def _globals(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
     parser.add_argument(
         "--json",
         action="store_true",
-        default=False if defaults else argparse.SUPPRESS,
+        default=d(False),
         help="print results as JSON (for scripts) instead of text",
     )
+    parser.add_argument(
+        "--no-color",
+        action="store_true",
+        default=d(False),
+        help="no colours on a terminal (env NO_COLOR too); piped output never has any",
+    )
+
+
+def _dead_letters_parser(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
+    dead = sub.add_parser(
+        "dead-letters", parents=[common], help="changes the server refused: list, retry, discard"
+    )
+    dsub = dead.add_subparsers(dest="action", required=True)
+    dsub.add_parser("list", parents=[common], help="each refused change and the reason")
+    retry = dsub.add_parser("retry", parents=[common], help="queue it again (a new client_seq)")
+    retry.add_argument("client_seq", type=int)
+    discard = dsub.add_parser("discard", parents=[common], help="forget it for good")
+    discard.add_argument("client_seq", type=int)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pleach", description="pleach: offline-first agent sessions"
+    parser = _Parser(
+        prog="pleach",
+        description="pleach: offline-first agent sessions",
+        epilog=ENVIRONMENT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _globals(parser, defaults=True)
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     _globals(common, defaults=False)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -105,33 +163,41 @@ def _parser() -> argparse.ArgumentParser:
     verify = esub.add_parser("verify", parents=[common], help="verify a session's hash chain")
     verify.add_argument("session_id")
 
-    sync = sub.add_parser("sync", parents=[common], help="flush the outbox and pull, once")
+    sync = sub.add_parser(
+        "sync",
+        parents=[common],
+        help="flush the outbox and pull, once (or: sync dead-letters list|retry|discard)",
+        description="Send what is queued and pull what is new, once, with a progress bar on "
+        "a terminal when it takes a while. `pleach sync dead-letters ...` lists, retries or "
+        "discards the changes the server refused.",
+    )
+    # Not required here: `pleach sync dead-letters list` needs neither (checked in _sync).
     sync.add_argument(
         "--server",
-        required="PLEACH_SERVER" not in os.environ,
         default=os.environ.get("PLEACH_SERVER"),
-        help="ws://host:port/sync",
+        help="ws://host:port/sync (env PLEACH_SERVER)",
     )
     sync.add_argument(
-        "--token", required="PLEACH_TOKEN" not in os.environ, default=os.environ.get("PLEACH_TOKEN")
+        "--token",
+        default=os.environ.get("PLEACH_TOKEN"),
+        help="this device's token (env PLEACH_TOKEN)",
     )
-    sync.add_argument("--timeout", type=float, default=30.0)
+    sync.add_argument("--timeout", type=float, default=30.0, help="seconds (default 30)")
+    _dead_letters_parser(sync.add_subparsers(dest="sync_command", metavar="dead-letters"), common)
 
     sub.add_parser("status", parents=[common], help="what is pending, stuck or synced")
     doctor = sub.add_parser(
         "doctor", parents=[common], help="check the store, the server, the token and the clock"
     )
-    doctor.add_argument("--server", default=os.environ.get("PLEACH_SERVER"), help="ws://.../sync")
-    doctor.add_argument("--token", default=os.environ.get("PLEACH_TOKEN"))
-    dead = sub.add_parser(
-        "dead-letters", parents=[common], help="changes the server refused: list, retry, discard"
+    doctor.add_argument(
+        "--server",
+        default=os.environ.get("PLEACH_SERVER"),
+        help="ws://.../sync (env PLEACH_SERVER)",
     )
-    dsub = dead.add_subparsers(dest="action", required=True)
-    dsub.add_parser("list", parents=[common])
-    retry = dsub.add_parser("retry", parents=[common], help="queue it again (a new client_seq)")
-    retry.add_argument("client_seq", type=int)
-    discard = dsub.add_parser("discard", parents=[common], help="forget it for good")
-    discard.add_argument("client_seq", type=int)
+    doctor.add_argument(
+        "--token", default=os.environ.get("PLEACH_TOKEN"), help="(env PLEACH_TOKEN)"
+    )
+    _dead_letters_parser(sub, common)
     demo = sub.add_parser(
         "demo", parents=[common], help="two devices and a server, offline and back, no API key"
     )
@@ -225,6 +291,57 @@ async def _waiting_notice() -> None:
 def _out(text: str = "", end: str = "\n") -> None:
     sys.stdout.write(text + end)
     sys.stdout.flush()
+
+
+def _no_color(args: argparse.Namespace | None) -> bool:
+    """``--no-color``, or ``NO_COLOR`` set to anything (https://no-color.org)."""
+    return bool(getattr(args, "no_color", False)) or bool(os.environ.get("NO_COLOR"))
+
+
+def _console(args: argparse.Namespace | None, *, err: bool = False) -> Console | None:
+    """A rich console on stdout (or stderr) when that stream is a terminal; None when it is
+    not: the command then prints plain lines, stable for grep and scripts (and rich is not
+    even imported)."""
+    stream = sys.stderr if err else sys.stdout
+    try:
+        if not stream.isatty():
+            return None
+    except ValueError:  # closed
+        return None
+    from rich.console import Console
+
+    # markup and highlighting off: titles, messages and reasons are shown as they are.
+    return Console(
+        file=stream, no_color=_no_color(args), markup=False, highlight=False, emoji=False
+    )
+
+
+def _table(*headers: str) -> Table:
+    from rich import box
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False, show_edge=False)
+    for header in headers:
+        table.add_column(header)
+    return table
+
+
+def _text(value: str, style: str = "") -> Text:
+    from rich.text import Text
+
+    return Text(value, style=style)
+
+
+LEVEL_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
+
+
+def _error_line(line: str, args: argparse.Namespace | None, no_color: bool = False) -> None:
+    """A failure's reason on stderr: one line, red on a terminal."""
+    console = None if no_color else _console(args, err=True)
+    if console is None:
+        sys.stderr.write(line + "\n")
+    else:
+        console.print(_text(line, "red"), soft_wrap=True)
 
 
 async def _chat(args: argparse.Namespace) -> int:
@@ -342,77 +459,216 @@ async def _slash(text: str, rt: SessionRuntime, session_id: str, args: argparse.
             mark = "*" if s.id == session_id else " "
             _out(f"{mark} {s.id}  {len(s.state.message_ids)} messages  {s.title or '(untitled)'}")
     elif command == "/status":
-        _print_status(await rt.sync.status())
+        _print_status(await rt.sync.status(), args)
     else:
         _out(f"unknown command {command}: /help lists them (nothing was sent to the model)")
     return False
+
+
+def _json(value: Any) -> None:
+    _out(msgspec.json.encode(value).decode())
 
 
 async def _sessions(args: argparse.Namespace) -> int:
     async with _runtime(args) as rt:
         if args.action == "list":
             rows = await rt.sessions.list()
+            if args.json:
+                _json(rows)
+                return 0
+            console = _console(args)
+            if console is None:
+                if not rows:
+                    _out("no sessions")
+                for s in rows:
+                    fork = f" fork of {s.forked_from}" if s.forked_from else ""
+                    _out(
+                        f"{s.id}  {s.provider}/{s.model}  {len(s.state.message_ids)} messages  "
+                        f"{s.title or '(untitled)'}{fork}"
+                    )
+                return 0
             if not rows:
-                _out("no sessions")
+                console.print(_text("no sessions", "dim"))
+                return 0
+            forks = any(s.forked_from for s in rows)
+            table = _table("session", "model", "messages", "title", *(["fork of"] if forks else []))
+            table.columns[2].justify = "right"
             for s in rows:
-                fork = f" fork of {s.forked_from}" if s.forked_from else ""
-                _out(
-                    f"{s.id}  {s.provider}/{s.model}  {len(s.state.message_ids)} messages  "
-                    f"{s.title or '(untitled)'}{fork}"
-                )
+                cells = [
+                    _text(s.id, "cyan"),
+                    _text(f"{s.provider}/{s.model}"),
+                    _text(str(len(s.state.message_ids))),
+                    _text(s.title, "bold") if s.title else _text("(untitled)", "dim"),
+                ]
+                if forks:
+                    cells.append(_text(s.forked_from or "", "yellow"))
+                table.add_row(*cells)
+            console.print(table)
         elif args.action == "show":
             messages = await rt.sessions.messages(args.session_id)
+            if args.json:
+                _json(messages)
+                return 0
+            console = _console(args)
             for m in messages:
                 for block in m.content:
                     kind = block.get("type")
                     if kind == "text":
-                        body = block.get("text", "")
+                        body, style = block.get("text", ""), ""
                     elif kind == "tool_use":
                         body = f"[tool_use {block.get('name')} {block.get('input')}]"
+                        style = "dim"
                     elif kind == "tool_result":
-                        body = f"[tool_result {block.get('content')}]"
+                        body, style = f"[tool_result {block.get('content')}]", "dim"
                     else:
                         continue
                     flag = " (aborted)" if m.aborted else ""
-                    _out(f"{m.role}{flag}: {body}")
+                    if console is None:
+                        _out(f"{m.role}{flag}: {body}")
+                        continue
+                    line = _text(m.role, "bold cyan" if m.role == "user" else "bold green")
+                    line.append(flag, style="yellow")
+                    line.append(": ")
+                    line.append(body, style=style)
+                    console.print(line)
         else:
             receipt = await rt.delete_session(args.session_id)
             if args.json:
-                _out(msgspec.json.encode(receipt).decode())
+                _json(receipt)
             elif receipt.deleted:
-                _out(
+                _say(
+                    args,
                     f"deleted session {receipt.session_id} (its messages, "
                     f"{receipt.checkpoints_removed} checkpoint(s) and artifacts; the event log "
-                    "and audit rows stay); other devices delete it when they sync"
+                    "and audit rows stay); other devices delete it when they sync",
+                    "green",
                 )
             else:
-                _out(f"session {receipt.session_id} was not deleted")
+                _say(args, f"session {receipt.session_id} was not deleted", "yellow")
             return 0 if receipt.deleted else 1
     return 0
+
+
+def _say(args: argparse.Namespace, text: str, style: str = "") -> None:
+    """One line on stdout, in ``style`` on a terminal."""
+    console = _console(args)
+    if console is None:
+        _out(text)
+    else:
+        console.print(_text(text, style))
 
 
 async def _events(args: argparse.Namespace) -> int:
     async with _runtime(args) as rt:
         report = await rt.events.verify_chain(args.session_id)
-        if report.ok:
-            _out(f"ok: {report.checked} events verify (head {report.head_hash[:16]})")
-            return 0
-        _out(f"broken at index {report.first_bad_index}: {report.reason}")
-        return 1
+        if args.json:
+            _json(report)
+        elif report.ok:
+            _say(
+                args, f"ok: {report.checked} events verify (head {report.head_hash[:16]})", "green"
+            )
+        else:
+            _say(args, f"broken at index {report.first_bad_index}: {report.reason}", "bold red")
+        return 0 if report.ok else 1
+
+
+class _SyncBar:
+    """The progress bar of ``pleach sync``, on stderr: drawn only when stderr is a terminal and
+    the sync is still running ``after`` seconds in (a quick sync prints nothing), and gone
+    when it ends (transient). ``update`` is the ``on_progress`` of ``sync_once``."""
+
+    AFTER = 0.5
+    LABELS = {"upload": "sending", "download": "receiving"}
+
+    def __init__(self, console: Console | None, after: float = AFTER) -> None:
+        self._console = console
+        self._after = after
+        self._latest: dict[str, SyncProgress] = {}
+        self._progress: Progress | None = None
+        self._tasks: dict[str, TaskID] = {}
+        self._connecting: TaskID | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __enter__(self) -> _SyncBar:
+        if self._console is not None and self._console.is_interactive:
+            self._timer = asyncio.get_running_loop().call_later(self._after, self._show)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._progress is not None:
+            self._progress.stop()
+
+    @property
+    def shown(self) -> bool:
+        return self._progress is not None
+
+    def update(self, progress: SyncProgress) -> None:
+        self._latest[progress.phase] = progress
+        if self._progress is not None:
+            self._draw(progress)
+
+    def _show(self) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._progress = Progress(
+            TextColumn("{task.description:<9}", style="bold"),
+            BarColumn(complete_style="cyan", finished_style="green"),
+            TextColumn("{task.fields[count]}"),
+            TimeRemainingColumn(elapsed_when_finished=True),
+            console=self._console,
+            transient=True,
+            redirect_stdout=False,  # stdout may be a pipe: leave it alone
+        )
+        self._progress.start()
+        if not self._latest:
+            self._connecting = self._progress.add_task("connecting", total=None, count="")
+        for progress in list(self._latest.values()):
+            self._draw(progress)
+
+    def _draw(self, progress: SyncProgress) -> None:
+        assert self._progress is not None
+        if self._connecting is not None:
+            self._progress.remove_task(self._connecting)
+            self._connecting = None
+        total = max(progress.total, progress.done)
+        count = f"{progress.done:,}/{total:,} changes"
+        task = self._tasks.get(progress.phase)
+        if task is None:
+            task = self._progress.add_task(self.LABELS[progress.phase], total=total, count="")
+            self._tasks[progress.phase] = task
+        self._progress.update(task, total=total, completed=progress.done, count=count)
 
 
 async def _sync(args: argparse.Namespace) -> int:
+    if args.sync_command == "dead-letters":
+        return await _dead_letters(args)
+    if not args.server or not args.token:
+        missing = " and ".join(
+            f"--{name} (or {env})"
+            for name, env in (("server", "PLEACH_SERVER"), ("token", "PLEACH_TOKEN"))
+            if not getattr(args, name)
+        )
+        raise PleachError(f"sync needs {missing}")
     async with _runtime(args) as rt:
-        receipt = await rt.sync.sync_once(args.server, args.token, timeout=args.timeout)
-        status = await rt.sync.status()
-        if args.json:
-            _out(msgspec.json.encode(receipt).decode())
-            _out(msgspec.json.encode(status).decode())
-        else:
-            _out(
-                f"sent {receipt.flushed} change(s); {len(receipt.failed_entries)} refused or "
-                f"stuck; {receipt.pending_after} still queued"
+        with _SyncBar(_console(args, err=True)) as bar:
+            receipt = await rt.sync.sync_once(
+                args.server, args.token, timeout=args.timeout, on_progress=bar.update
             )
+        status = await rt.sync.status()
+        ok = receipt.outcome in ("all-flushed", "none-pending")
+        if args.json:
+            _json(receipt)
+            _json(status)
+            return 0 if ok else 1
+        summary = (
+            f"sent {receipt.flushed} change(s); {len(receipt.failed_entries)} refused or "
+            f"stuck; {receipt.pending_after} still queued"
+        )
+        console = _console(args)
+        if console is None:
+            _out(summary)
             for failed in receipt.failed_entries:
                 _out(f"  change {failed.client_seq}: {failed.code or '-'} {failed.message}")
             for conflict in receipt.conflicts:
@@ -420,8 +676,29 @@ async def _sync(args: argparse.Namespace) -> int:
                     f"  conflict in session {conflict.session_id}: the {conflict.winner} "
                     f"version kept the session, the other lives on as {conflict.fork_session_id}"
                 )
-            _print_status(status)
-        return 0 if receipt.outcome in ("all-flushed", "none-pending") else 1
+        else:
+            console.print(_text(summary, "green" if ok else "yellow"))
+            if receipt.failed_entries:
+                table = _table("change", "code", "reason", "attempts")
+                for failed in receipt.failed_entries:
+                    table.add_row(
+                        str(failed.client_seq),
+                        _text(str(failed.code or "-"), "red"),
+                        failed.message,
+                        str(failed.attempts),
+                    )
+                console.print(table)
+            for conflict in receipt.conflicts:
+                console.print(
+                    _text(
+                        f"conflict in session {conflict.session_id}: the {conflict.winner} "
+                        f"version kept the session, the other lives on as "
+                        f"{conflict.fork_session_id}",
+                        "yellow",
+                    )
+                )
+        _print_status(status, args)
+        return 0 if ok else 1
 
 
 def _ago(stamp: float | None) -> str:
@@ -436,34 +713,77 @@ def _ago(stamp: float | None) -> str:
     return f"{when} ({seconds // 3600} h ago)"
 
 
-def _print_status(status: Any) -> None:
-    state = status.state
+STATE_STYLE = {"connected": "green", "connecting": "yellow", "offline": "yellow"}
+
+
+def _print_status(status: SyncStatus, args: argparse.Namespace) -> None:
+    state: str = status.state
+    state_style = STATE_STYLE.get(state, "bold red")
     if state == "offline" and status.has_synced:
-        state = "not connected now (this command does not stay connected)"
+        state, state_style = "not connected now (this command does not stay connected)", ""
     rows = [
-        ("state", state),
-        ("queued", f"{status.pending} change(s) not yet on the server"),
-        ("dead letters", f"{status.dead_letters} (pleach dead-letters list)"),
-        ("last synced", _ago(status.last_synced_at)),
-        ("feed cursor", str(status.cursor)),
+        ("state", state, state_style),
+        (
+            "queued",
+            f"{status.pending} change(s) not yet on the server",
+            "yellow" if status.pending else "green",
+        ),
+        (
+            "dead letters",
+            f"{status.dead_letters} (pleach sync dead-letters list)",
+            "yellow" if status.dead_letters else "green",
+        ),
+        ("last synced", _ago(status.last_synced_at), "" if status.has_synced else "yellow"),
+        ("feed cursor", str(status.cursor), ""),
     ]
     if status.last_error:
         code = f" [{status.last_error_code}]" if status.last_error_code else ""
-        rows.append(("last error", f"{status.last_error}{code}"))
-    width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        _out(f"{name:<{width}}  {value}")
+        rows.append(("last error", f"{status.last_error}{code}", "red"))
+    console = _console(args)
+    if console is None:
+        width = max(len(name) for name, _, _ in rows)
+        for name, value, _ in rows:
+            _out(f"{name:<{width}}  {value}")
+        return
+    from rich.table import Table
+
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    for name, value, style in rows:
+        grid.add_row(name, _text(value, style))
+    console.print(grid)
+
+
+def _dead_letter_table(letters: list[DeadLetter]) -> Table:
+    table = _table("seq", "record", "code", "reason", "attempts")
+    table.columns[0].justify = table.columns[4].justify = "right"
+    for dead in letters:
+        table.add_row(
+            str(dead.client_seq),
+            f"{type(dead.record).__name__} {dead.record.id}",
+            _text(str(dead.code), "red"),
+            dead.message,
+            str(dead.attempts),
+        )
+    return table
 
 
 async def _status(args: argparse.Namespace) -> int:
     async with _runtime(args) as rt:
         status = await rt.sync.status()
         if args.json:
-            _out(msgspec.json.encode(status).decode())
+            _json(status)
             return 0
-        _print_status(status)
-        for dead in await rt.sync.dead_letters():
-            _out(f"  dead letter {dead.client_seq}: {dead.code} {dead.message}")
+        _print_status(status, args)
+        letters = await rt.sync.dead_letters()
+        console = _console(args)
+        if console is None:
+            for dead in letters:
+                _out(f"  dead letter {dead.client_seq}: {dead.code} {dead.message}")
+        elif letters:
+            console.print()
+            console.print(_dead_letter_table(letters))
     return 0
 
 
@@ -471,6 +791,16 @@ async def _dead_letters(args: argparse.Namespace) -> int:
     async with _runtime(args) as rt:
         if args.action == "list":
             letters = await rt.sync.dead_letters()
+            if args.json:
+                _json(letters)
+                return 0
+            console = _console(args)
+            if console is not None:
+                if letters:
+                    console.print(_dead_letter_table(letters))
+                else:
+                    console.print(_text("no dead letters", "green"))
+                return 0
             if not letters:
                 _out("no dead letters")
             for dead in letters:
@@ -484,16 +814,22 @@ async def _dead_letters(args: argparse.Namespace) -> int:
             seq = await rt.sync.retry_dead_letter(args.client_seq)
             if seq is None:
                 raise PleachError(f"no dead letter {args.client_seq}")
-            _out(f"queued again as {seq}; it goes with the next sync")
+            if args.json:
+                _json({"client_seq": args.client_seq, "queued_as": seq})
+            else:
+                _say(args, f"queued again as {seq}; it goes with the next sync", "green")
             return 0
         if not await rt.sync.discard_dead_letter(args.client_seq):
             raise PleachError(f"no dead letter {args.client_seq}")
-        _out(f"dead letter {args.client_seq} discarded")
+        if args.json:
+            _json({"client_seq": args.client_seq, "discarded": True})
+        else:
+            _say(args, f"dead letter {args.client_seq} discarded", "green")
         return 0
 
 
 async def _doctor(args: argparse.Namespace) -> int:
-    from .doctor import check_server, check_store
+    from .doctor import Check, check_server, check_store
 
     checks = await check_store(args.db, args.user, args.org)
     if args.server:
@@ -503,20 +839,30 @@ async def _doctor(args: argparse.Namespace) -> int:
                 client_id = await store.get_meta("client_id") or client_id
         checks += await check_server(args.server, args.token, client_id, args.user, args.org)
     else:
-        from .doctor import Check
-
         checks.append(Check("warn", "server", "not checked: give --server (or PLEACH_SERVER)"))
+    failed = any(c.level == "fail" for c in checks)
+    console = _console(args)
     if args.json:
-        _out(msgspec.json.encode(checks).decode())
-    else:
+        _json(checks)
+    elif console is None:
         width = max(len(c.name) for c in checks)
         for check in checks:
             _out(f"{check.level:<4}  {check.name:<{width}}  {check.detail}")
-    return 1 if any(c.level == "fail" for c in checks) else 0
+    else:
+        table = _table("", "check", "detail")
+        for check in checks:
+            table.add_row(_text(check.level, LEVEL_STYLE[check.level]), check.name, check.detail)
+        console.print(table)
+    return 1 if failed else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parser().parse_args(argv)
+    except _UsageError as exc:
+        _error_line(str(exc), None, no_color="--no-color" in argv)
+        return 2
     handlers: dict[str, Any] = {
         "chat": _chat,
         "sessions": _sessions,
@@ -533,7 +879,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(run_demo(keep=args.keep))
         return int(asyncio.run(handlers[args.command](args)))
     except PleachError as exc:
-        sys.stderr.write(f"pleach: {exc}\n")
+        _error_line(f"pleach: {exc}", args)
         return 2
     except KeyboardInterrupt:
         return 130
@@ -545,7 +891,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.dup2(devnull, sys.stdout.fileno())
         return 141
     except OSError as exc:
-        sys.stderr.write(f"pleach: {exc}\n")
+        _error_line(f"pleach: {exc}", args)
         return 2
 
 

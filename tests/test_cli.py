@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -124,6 +125,7 @@ def test_sync_and_status_against_a_server_process(tmp_path: Path) -> None:
         code, out, err = pleach("--db", db, "sync", "--server", url, "--token", token)
         assert code == 0, err
         assert "sent 0 change(s)" in out and "s ago)" in out
+        assert err == "" and "\x1b" not in out  # piped: no progress bar, no colour
         code, _, err = pleach("--db", db, "sync", "--server", url, "--token", "forged")
         assert code == 2 and "401" in err and "Traceback" not in err
 
@@ -228,8 +230,10 @@ def test_chat_takes_input_that_is_not_utf8_and_keeps_the_turn(tmp_path: Path) ->
     assert "2 messages" in shown.stdout
 
 
-def test_dead_letters_list_retry_and_discard(tmp_path: Path) -> None:
-    """A change the server refused can be listed, queued again or dropped from the CLI."""
+@pytest.mark.parametrize("command", [["sync", "dead-letters"], ["dead-letters"]])
+def test_dead_letters_list_retry_and_discard(tmp_path: Path, command: list[str]) -> None:
+    """A change the server refused can be listed, queued again or dropped from the CLI, as
+    `pleach sync dead-letters ...` or `pleach dead-letters ...`."""
     from pleach_client.store.base import WriteBatch
     from tests.factories import make_message
 
@@ -246,7 +250,7 @@ def test_dead_letters_list_retry_and_discard(tmp_path: Path) -> None:
 
     def pleach(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "pleach_client.cli", "dead-letters", *args, "--db", str(db)],
+            [sys.executable, "-m", "pleach_client.cli", *command, *args, "--db", str(db)],
             capture_output=True,
             text=True,
             timeout=120,
@@ -257,9 +261,12 @@ def test_dead_letters_list_retry_and_discard(tmp_path: Path) -> None:
     assert (
         listed.returncode == 0 and f"{first}  Message" in listed.stdout and "3007" in listed.stdout
     )
-    assert pleach("retry", str(first)).returncode == 0
+    assert json.loads(pleach("list", "--json").stdout)[1]["client_seq"] == second
+    retried = pleach("retry", str(first), "--json")
+    assert retried.returncode == 0 and json.loads(retried.stdout)["client_seq"] == first
     assert pleach("discard", str(second)).returncode == 0
-    assert pleach("discard", str(second)).returncode == 2  # gone
+    gone = pleach("discard", str(second))
+    assert gone.returncode == 2 and gone.stderr == f"pleach: no dead letter {second}\n"
     assert "no dead letters" in pleach("list").stdout
 
 
@@ -357,3 +364,168 @@ def test_chat_into_a_closed_pipe_keeps_the_turn_and_leaves_quietly(tmp_path: Pat
             return [m.content[0]["text"] for m in await rt.sessions.messages(session.id)]
 
     assert asyncio.run(texts())[0] == "a message long enough to stream for a while"
+
+
+def pleach_tty(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """`pleach` with stdout and stderr on a pseudo-terminal, as in a person's shell: its exit
+    code and everything it drew."""
+    import pty
+    import select
+
+    leader, follower = pty.openpty()
+    drop = ("NO_COLOR", "FORCE_COLOR", "ANTHROPIC_API_KEY")
+    base = {k: v for k, v in os.environ.items() if k not in drop}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pleach_client.cli", *args],
+        stdin=subprocess.DEVNULL, stdout=follower, stderr=follower, cwd=ROOT,
+        env={**base, "PYTHONPATH": str(ROOT), "TERM": "xterm-256color", "COLUMNS": "120",
+             **(env or {})},
+    )  # fmt: skip
+    os.close(follower)
+    seen = b""
+    try:
+        while True:
+            ready, _, _ = select.select([leader], [], [], 120)
+            assert ready, "pleach went silent on its terminal"
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the command ended and closed the terminal
+                break
+            if not chunk:
+                break
+            seen += chunk
+    finally:
+        os.close(leader)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=120)
+    return proc.returncode, seen.decode().replace("\r\n", "\n")
+
+
+# A foreground colour (30-38, 90-97) in an SGR escape; 39 (the default colour) is not one.
+COLOUR = re.compile(r"\x1b\[(?:\d+;)*(?:3[0-8]|9[0-7])(?:;\d+)*m")
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def test_tables_and_colours_on_a_terminal_plain_text_in_a_pipe(tmp_path: Path) -> None:
+    db = str(tmp_path / "d.db")
+    assert pleach("--db", db, "chat", "--offline", "-m", "hello")[0] == 0
+
+    code, screen = pleach_tty("--db", db, "doctor")
+    assert code == 0, screen
+    assert re.search(r"\x1b\[32mok\b", screen) and re.search(r"\x1b\[33mwarn\b", screen)
+    assert re.search(r"^ *check +detail *$", ANSI.sub("", screen), re.M)  # a table's header
+    code, screen = pleach_tty("--db", db, "sessions", "list")
+    assert code == 0 and re.search(
+        r"^ *session +model +messages +title", ANSI.sub("", screen), re.M
+    )
+    assert COLOUR.search(screen)
+    code, screen = pleach_tty("--db", db, "status")
+    assert code == 0 and re.search(r"queued[^\n]*\x1b\[33m\d+ change", screen)  # pending: yellow
+
+    # --no-color (anywhere) and NO_COLOR: the same tables, no colour
+    for args, env in ((["status", "--no-color", "--db", db], {}), (["--db", db, "doctor"], {"NO_COLOR": "1"})):  # fmt: skip
+        code, screen = pleach_tty(*args, env=env)
+        assert code == 0 and not COLOUR.search(screen), screen
+        assert re.search(r"^(state|ok) ", ANSI.sub("", screen), re.M)
+
+    code, screen = pleach_tty("--db", str(tmp_path / "typo.db"), "status")
+    assert code == 2 and "\x1b[31mpleach: no device database" in screen  # red, on stderr
+    assert len(ANSI.sub("", screen).strip().splitlines()) == 1
+
+    for args in (["status"], ["doctor"], ["sessions", "list"]):  # a pipe: plain lines
+        code, out, err = pleach("--db", db, *args)
+        assert code == 0 and out and "\x1b" not in out + err and "─" not in out, out
+
+
+def test_usage_mistakes_are_one_line_and_exit_2(tmp_path: Path) -> None:
+    db = str(tmp_path / "d.db")
+    assert pleach("--db", db, "chat", "--offline", "-m", "hello")[0] == 0
+    env = {k: v for k, v in os.environ.items() if k not in ("PLEACH_SERVER", "PLEACH_TOKEN")}
+
+    def run(*args: str) -> tuple[int, str]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pleach_client.cli", "--db", db, *args],
+            capture_output=True, text=True, timeout=120, cwd=ROOT,
+            env={**env, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+        assert proc.stdout == ""
+        return proc.returncode, proc.stderr
+
+    for args, reason in (
+        (["sync"], "sync needs --server (or PLEACH_SERVER) and --token (or PLEACH_TOKEN)"),
+        (["sync", "--token", "t"], "sync needs --server"),
+        (["sync", "ws://127.0.0.1:9/sync"], "give the server as --server URL"),
+        (["sessions"], "the following arguments are required"),
+        (["nope"], "invalid choice: 'nope'"),
+        (["sync", "dead-letters", "retry", "x"], "invalid int value: 'x'"),
+    ):
+        code, err = run(*args)
+        assert code == 2 and reason in err, (args, err)
+        assert len(err.splitlines()) == 1 and err.startswith("pleach"), (args, err)
+
+
+def test_help_and_piped_commands_do_not_import_rich(tmp_path: Path) -> None:
+    """rich loads only to draw on a terminal: `pleach --help` and a piped `pleach status`
+    stay fast."""
+    db = str(tmp_path / "d.db")
+    assert pleach("--db", db, "chat", "--offline", "-m", "hello")[0] == 0
+    for args in (["--help"], ["--db", db, "status"]):
+        proc = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "pleach_client.cli", *args],
+            capture_output=True, text=True, timeout=120, cwd=ROOT, check=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+        assert re.search(r"\| +argparse$", proc.stderr, re.M)  # importtime did report
+        assert not re.search(r"\| +rich(\.|$)", proc.stderr, re.M), args
+        if args == ["--help"]:  # the environment variables are listed
+            for name in ("PLEACH_CLIENT_DB", "PLEACH_TOKEN", "PLEACH_READ_TIMEOUT", "NO_COLOR"):
+                assert name in proc.stdout, name
+
+
+async def test_sync_progress_bar_follows_a_real_sync(tmp_path: Path) -> None:
+    """The bar of `pleach sync`, driven by a real sync of a few thousand changes with a real
+    server: it counts what was sent and what a new device received; a sync that ends before
+    the bar's delay draws nothing."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from pleach_client.cli import _SyncBar
+    from pleach_client.providers.scripted import ScriptedProvider
+
+    def terminal(screen: StringIO) -> Console:
+        return Console(
+            file=screen, force_terminal=True, force_interactive=True, width=120, no_color=True
+        )
+
+    with server_process(tmp_path) as (url, make_token):
+        token = make_token("anonymous", "default")
+        async with SessionRuntime(SQLiteAdapter(tmp_path / "a.db"), ScriptedProvider()) as rt:
+            session_id = (await rt.create_session()).id
+            for i in range(300):
+                async for _ in rt.execute_message(session_id, f"turn {i}"):
+                    pass
+            pending = await rt.store.outbox_count()
+            sent = StringIO()
+            with _SyncBar(terminal(sent), after=0) as bar:
+                receipt = await rt.sync.sync_once(url, token, on_progress=bar.update)
+            assert bar.shown
+        assert pending > 2000 and receipt.flushed == pending
+        assert re.search(
+            rf"sending +━+ {pending:,}/{pending:,} changes", ANSI.sub("", sent.getvalue())
+        )
+
+        async with SessionRuntime(SQLiteAdapter(tmp_path / "b.db")) as rt:
+            received = StringIO()
+            with _SyncBar(terminal(received), after=0) as bar:
+                await rt.sync.sync_once(url, token, on_progress=bar.update)
+            cursor = (await rt.sync.status()).cursor
+            quick = StringIO()
+            with _SyncBar(terminal(quick), after=60) as bar:  # over long before 60 s
+                await rt.sync.sync_once(url, token, on_progress=bar.update)
+            assert not bar.shown and quick.getvalue() == ""
+        assert cursor > 2000  # the feed holds the last version of a session row only
+        assert re.search(
+            rf"receiving +━+ {cursor:,}/{cursor:,} changes", ANSI.sub("", received.getvalue())
+        )
