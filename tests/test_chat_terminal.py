@@ -1,0 +1,133 @@
+"""``pleach chat`` in a real terminal, as a person uses it: tmux send-keys and capture-pane.
+
+The offline model streams slowly (``PLEACH_OFFLINE_DELAY``), so a Ctrl-C lands mid-reply.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.test_cli import pleach
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Terminal:
+    """One tmux session running one command, 120x40."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def keys(self, *keys: str) -> None:
+        subprocess.run(["tmux", "send-keys", "-t", self.name, *keys], check=True)
+
+    def screen(self) -> str:
+        return subprocess.run(
+            ["tmux", "capture-pane", "-p", "-S", "-200", "-t", self.name],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+
+    def alive(self) -> bool:
+        return (
+            subprocess.run(["tmux", "has-session", "-t", self.name], capture_output=True).returncode
+            == 0
+        )
+
+    def until(self, predicate: Callable[[str], bool], timeout: float = 30.0) -> str:
+        """The screen once ``predicate`` holds. tmux offers no event for "the pane shows X",
+        so this polls the pane, bounded by ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            screen = self.screen() if self.alive() else ""
+            if predicate(screen):
+                return screen
+            if time.monotonic() > deadline:
+                raise AssertionError(f"terminal never showed it; last screen:\n{screen}")
+            time.sleep(0.05)  # polling tmux's pane (no event to wait on), see the docstring
+
+
+@pytest.fixture
+def terminal(tmp_path: Path) -> Iterator[Callable[[str], Terminal]]:
+    if shutil.which("tmux") is None:
+        if os.environ.get("CI"):
+            pytest.fail("tmux is not installed")
+        pytest.skip("tmux is not installed here")
+    names: list[str] = []
+
+    def start(command: str) -> Terminal:
+        name = f"pleach-{uuid.uuid4().hex[:8]}"
+        env = f"PYTHONPATH={shlex.quote(str(ROOT))} PLEACH_OFFLINE_DELAY=0.15 TERM=xterm-256color"
+        # `; sleep` keeps the pane (and its last screen) after the command ends, so the test
+        # can read what it printed on the way out; the session is killed at teardown.
+        shell = f"cd {shlex.quote(str(tmp_path))} && env {env} {command}; echo EXIT=$?; sleep 600"
+        subprocess.run(
+            ["tmux", "new-session", "-d", "-x", "120", "-y", "40", "-s", name, shell], check=True
+        )
+        names.append(name)
+        return Terminal(name)
+
+    yield start
+    for name in names:
+        subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True)
+
+
+def test_chat_in_a_terminal(terminal: Callable[[str], Terminal], tmp_path: Path) -> None:
+    db = tmp_path / "d.db"
+    cmd = f"{shlex.quote(sys.executable)} -m pleach_client.cli --db {db} chat --offline"
+    term = terminal(cmd)
+    term.until(lambda s: "new session" in s and s.rstrip().endswith(">"))
+
+    # Slash commands are answered locally, never sent to the model.
+    term.keys("/help", "Enter")
+    term.until(lambda s: "/sessions" in s and "/quit" in s)
+    term.keys("/bogus", "Enter")
+    term.until(lambda s: "unknown command /bogus" in s)
+
+    # A long message streams word by word; Ctrl-C mid-reply aborts the turn, not the chat.
+    term.keys("tell me a long story about the sea and the ships upon it", "Enter")
+    term.until(lambda s: "You said: tell" in s)
+    term.keys("C-c")
+    screen = term.until(lambda s: "(turn aborted; what was said so far is kept)" in s)
+    assert "EXIT=" not in screen
+    term.until(lambda s: s.rstrip().endswith(">"))
+
+    # The chat goes on: a short turn completes after the aborted one.
+    term.keys("second", "Enter")
+    term.until(lambda s: "You said: second" in s)
+    term.keys("/sessions", "Enter")
+    screen = term.until(lambda s: "messages" in s.split("/sessions")[-1])
+    assert "* " in screen.split("/sessions")[-1]
+
+    # Ctrl-D at an idle prompt ends the chat; the session is saved.
+    term.until(lambda s: s.rstrip().endswith(">"))
+    term.keys("C-d")
+    screen = term.until(lambda s: "EXIT=" in s)
+    assert "EXIT=0" in screen and "saved in" in screen and "Traceback" not in screen
+
+    # Both turns are in the file: the aborted one with the user's message and the partial reply.
+    code, out, _ = pleach("--db", str(db), "sessions", "list")
+    assert code == 0 and "4 messages" in out, out
+
+
+def test_ctrl_c_at_an_idle_prompt_ends_the_chat(
+    terminal: Callable[[str], Terminal], tmp_path: Path
+) -> None:
+    db = tmp_path / "d.db"
+    cmd = f"{shlex.quote(sys.executable)} -m pleach_client.cli --db {db} chat --offline"
+    term = terminal(cmd)
+    term.until(lambda s: "new session" in s and s.rstrip().endswith(">"))
+    term.keys("C-c")
+    screen = term.until(lambda s: "EXIT=" in s)
+    assert "Traceback" not in screen and "EXIT=0" in screen and "saved in" in screen
