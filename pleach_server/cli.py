@@ -10,7 +10,7 @@
 
 Every flag falls back to a ``PLEACH_*`` environment variable (``PLEACH_HOST``, ``PLEACH_PORT``,
 ``PLEACH_DB``, ``PLEACH_SECRET``, ``PLEACH_MAX_FRAME_BYTES``, ``PLEACH_LOG_LEVEL``,
-``PLEACH_METRICS_TOKEN``, ``PLEACH_ADMIN_TOKEN``), then to a
+``PLEACH_METRICS_TOKEN``, ``PLEACH_ADMIN_TOKEN``, ``PLEACH_SOURCE_RATE_LIMIT``), then to a
 default: with no flags at all the server listens on 127.0.0.1:8765 with ``./pleach-server.db``
 and a signing secret kept beside it.
 
@@ -35,6 +35,7 @@ import sqlite3
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 from shared.errors import PleachError
 from shared.ids import uuid7
@@ -122,6 +123,15 @@ def _env_int(name: str, default: int) -> int:
         raise CliError(f"{name} must be an integer, got {raw!r}") from None
 
 
+def _source_limit(flag: int | None) -> float | Literal["auto"] | None:
+    value = flag if flag is not None else _env_opt_int("PLEACH_SOURCE_RATE_LIMIT")
+    if value is None:
+        return "auto"
+    if value < 0:
+        raise CliError(f"--source-rate-limit must be 0 (no limit) or positive, got {value}")
+    return None if value == 0 else float(value)
+
+
 def _env_opt_int(name: str) -> int | None:
     raw = os.environ.get(name)
     return None if raw is None or raw == "" else _env_int(name, 0)
@@ -202,6 +212,13 @@ def _parser() -> argparse.ArgumentParser:
             "--metrics-token",
             default=d(None),
             help="require this bearer token for /metrics (PLEACH_METRICS_TOKEN; unset: public)",
+        )
+        p.add_argument(
+            "--source-rate-limit",
+            type=int,
+            default=d(None),
+            help="frames per second for all connections from one address together "
+            "(PLEACH_SOURCE_RATE_LIMIT; default 5000; 0: no limit, e.g. behind a proxy)",
         )
         p.add_argument(
             "--admin-token",
@@ -375,6 +392,7 @@ def _run_server(args: argparse.Namespace) -> int:
             server_id=server_id,
             metrics_token=args.metrics_token or env.get("PLEACH_METRICS_TOKEN") or None,
             admin_token=args.admin_token or env.get("PLEACH_ADMIN_TOKEN") or None,
+            source_rate_limit_per_s=_source_limit(args.source_rate_limit),
         )
     except ValueError as exc:
         raise CliError(str(exc)) from exc

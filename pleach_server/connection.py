@@ -28,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from websockets.asyncio.server import ServerConnection
@@ -144,21 +144,30 @@ class ConnectionContext:
     tenant_rate_limit_per_s: float | None = None
     tenant_rate_limit_burst: float = 1.0
     rate_limit_bytes_per_s: float | None = None
+    source_rate_limit_per_s: float | None = None
+    source_rate_limit_burst: float = 1.0
     _tenant_buckets: dict[Tenant, TokenBucket] = field(default_factory=dict)
+    _source_buckets: dict[str, TokenBucket] = field(default_factory=dict)
 
     def tenant_bucket(self, tenant: Tenant) -> TokenBucket | None:
         """The tenant's shared token bucket here (None: no per-tenant limit). At most 10,000
         tenants' buckets are kept; the oldest is dropped first (a fresh bucket is full)."""
-        rate = self.tenant_rate_limit_per_s
-        if rate is None:
-            return None
-        bucket = self._tenant_buckets.pop(tenant, None)
-        if bucket is None:
-            bucket = TokenBucket(rate, max(1.0, self.tenant_rate_limit_burst))
-            while len(self._tenant_buckets) >= 10_000:
-                self._tenant_buckets.pop(next(iter(self._tenant_buckets)))
-        self._tenant_buckets[tenant] = bucket  # most recently used last
-        return bucket
+        return _shared_bucket(
+            self._tenant_buckets,
+            tenant,
+            self.tenant_rate_limit_per_s,
+            self.tenant_rate_limit_burst,
+        )
+
+    def source_bucket(self, source: str) -> TokenBucket | None:
+        """The bucket shared by every connection from one network address, whatever tenants
+        they authenticate as (None: no per-source limit); kept like ``tenant_bucket``'s."""
+        return _shared_bucket(
+            self._source_buckets,
+            source,
+            self.source_rate_limit_per_s,
+            self.source_rate_limit_burst,
+        )
 
     async def fan_out(
         self, tenant: Tenant, from_cursor: int, to_cursor: int, *, local: bool
@@ -194,6 +203,21 @@ class ConnectionContext:
                 logger.warning("notifier publish for %s failed: %s", tenant, exc)
 
 
+def _shared_bucket(
+    table: dict[Any, TokenBucket], key: Any, rate: float | None, burst: float
+) -> TokenBucket | None:
+    """The bucket of ``key`` in ``table`` (an LRU of at most 10,000), made when missing."""
+    if rate is None:
+        return None
+    bucket = table.pop(key, None)
+    if bucket is None:
+        bucket = TokenBucket(rate, max(1.0, burst))
+        while len(table) >= 10_000:
+            table.pop(next(iter(table)))
+    table[key] = bucket  # most recently used last
+    return bucket
+
+
 class Connection:
     """One authenticated device connection. ``await run()`` serves it until it closes.
 
@@ -225,6 +249,12 @@ class Connection:
         # One bucket for all of a tenant's connections here: opening more connections does
         # not buy a tenant more of the server than its share.
         self._tenant_limiter = ctx.tenant_bucket(tenant)
+        # And one for all connections from one address, whatever tokens they hold: many
+        # accounts from one machine get no more than one source's share.
+        remote = ws.remote_address
+        self._source_limiter = ctx.source_bucket(
+            str(remote[0]) if isinstance(remote, tuple) and remote else "unknown"
+        )
         self._byte_limiter = (
             TokenBucket(ctx.rate_limit_bytes_per_s, 2.0 * ctx.max_frame_bytes)
             if ctx.rate_limit_bytes_per_s is not None
@@ -502,11 +532,13 @@ class Connection:
     # -- output ------------------------------------------------------------------------
 
     def _allowed(self, size: int) -> bool:
-        """Whether a frame of ``size`` bytes is within this connection's and its tenant's
-        frame rates and this connection's byte rate."""
+        """Whether a frame of ``size`` bytes is within this connection's, its tenant's and its
+        source address's frame rates and this connection's byte rate."""
         if self._limiter is not None and not self._limiter.allow():
             return False
         if self._tenant_limiter is not None and not self._tenant_limiter.allow():
+            return False
+        if self._source_limiter is not None and not self._source_limiter.allow():
             return False
         return self._byte_limiter is None or self._byte_limiter.allow(size)
 

@@ -169,6 +169,10 @@ class SyncServer:
     - ``tenant_rate_limit_per_s`` (5x the per-connection rate): frames per second for all of
       one tenant's connections to this process together, so a tenant that opens many
       connections gets no more than its share (3008 as above). ``None`` disables it.
+    - ``source_rate_limit_per_s`` (25x the per-connection rate): frames per second for all
+      connections from one network address together, whatever tenants they act for (3008
+      as above). Behind a proxy or load balancer every device shares its address: raise it or
+      pass ``None`` there (``--source-rate-limit 0``).
     - ``max_clock_skew_ms`` (60 s): pushed stamps further in the future are refused (3011).
     - ``rate_limit_bytes_per_s`` (16 MiB/s): bytes per second per connection (after
       decompression), refused like frames over the rate (3008). A connection that goes on
@@ -205,6 +209,7 @@ class SyncServer:
         metrics_token: str | None = None,
         rate_limit_bytes_per_s: float | None = 16 * 1024 * 1024,
         admin_token: str | None = None,
+        source_rate_limit_per_s: float | Literal["auto"] | None = "auto",
     ) -> None:
         if not secret:
             raise ValueError("secret must not be empty")
@@ -218,6 +223,13 @@ class SyncServer:
             raise ValueError(f"max_pull_bytes must be at least 1, got {max_pull_bytes}")
         if max_pull_limit < 1:
             raise ValueError(f"max_pull_limit must be at least 1, got {max_pull_limit}")
+        source_auto = source_rate_limit_per_s == "auto"
+        if source_rate_limit_per_s == "auto":
+            source_rate_limit_per_s = None if rate_limit_per_s is None else 25 * rate_limit_per_s
+        if source_rate_limit_per_s is not None and source_rate_limit_per_s <= 0:
+            raise ValueError(
+                f"source_rate_limit_per_s must be positive, got {source_rate_limit_per_s}"
+            )
         tenant_auto = tenant_rate_limit_per_s == "auto"
         if tenant_rate_limit_per_s == "auto":
             tenant_rate_limit_per_s = None if rate_limit_per_s is None else 5 * rate_limit_per_s
@@ -268,6 +280,11 @@ class SyncServer:
             tenant_rate_limit_per_s=tenant_rate_limit_per_s,
             rate_limit_bytes_per_s=rate_limit_bytes_per_s,
             # By default a tenant's connections together may burst as much as five connections.
+            source_rate_limit_per_s=source_rate_limit_per_s,
+            # By default one address may burst as much as 25 connections.
+            source_rate_limit_burst=(
+                25 * burst if source_auto else max(1.0, 2 * (source_rate_limit_per_s or 0.0))
+            ),
             tenant_rate_limit_burst=(
                 5 * burst if tenant_auto else max(1.0, 2 * (tenant_rate_limit_per_s or 0.0))
             ),

@@ -492,6 +492,34 @@ async def test_a_tenants_connections_share_one_rate_limit(make_server: ServerFac
             assert welcome.protocol >= 1
 
 
+async def test_connections_from_one_address_share_one_rate_limit(
+    make_server: ServerFactory,
+) -> None:
+    """Many accounts from one machine get no more frames than one source's share: every
+    tenant here is fresh (its own bucket full), yet the second is refused."""
+    srv = await make_server(rate_limit_per_s=None, source_rate_limit_per_s=1e-6)
+    # The source bucket holds 1 frame (its burst: at least one, twice the rate).
+    devices = [Device(new_tenant()) for _ in range(2)]
+    async with (
+        open_client(srv, devices[0].tenant) as a,
+        open_client(srv, devices[1].tenant) as c,
+    ):
+        await a.hello(devices[0].client_id)
+        await c.send(Hello(protocol=2, client_id=devices[1].client_id, request_id=3))
+        err = await c.error()
+        assert (err.code, err.request_id) == (ErrorCode.RATE_LIMITED, 3) and err.retryable
+
+
+async def test_no_source_limit_when_disabled(make_server: ServerFactory) -> None:
+    srv = await make_server(rate_limit_per_s=None, source_rate_limit_per_s=None)
+    devices = [Device(new_tenant()) for _ in range(5)]
+    for dev in devices:
+        async with open_client(srv, dev.tenant) as client:
+            assert (await client.hello(dev.client_id)).head_cursor == 0
+    with pytest.raises(ValueError, match="source_rate_limit_per_s"):
+        SyncServer(srv.store, port=0, secret=SECRET, source_rate_limit_per_s=0)
+
+
 async def test_a_nul_in_an_id_and_a_cursor_past_int64_are_bad_input_not_storage_errors(
     srv: SyncServer,
 ) -> None:
