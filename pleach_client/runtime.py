@@ -20,6 +20,7 @@ from shared.clock import wall_clock_ms
 from shared.errors import InvalidState, NotFound, PleachError, ProviderError, SessionLocked
 from shared.ids import uuid7
 from shared.records import Checkpoint, Event, Message, Session, SessionState
+from shared.tracing import Spans
 
 from .artifacts import ArtifactsFacet
 from .core import DeviceCore, SessionChange, SessionHandle, existing
@@ -411,6 +412,9 @@ class SessionRuntime:
     chain heads, caches, the write path) belongs to ``rt.core`` (a ``DeviceCore``).
     ``wall_clock`` (milliseconds since the epoch) replaces the system clock under the HLC, for
     simulations and tests of skew.
+    ``span_exporter`` (an OpenTelemetry ``SpanExporter``) or ``tracer_provider``: export spans
+    of every turn, model call, tool call, sync flush and pull (``rt.spans``; needs
+    ``pleach[otel]``). Neither: spans are counted, not exported.
     """
 
     def __init__(
@@ -427,6 +431,8 @@ class SessionRuntime:
         max_tokens: int = 4096,
         subject_key: str | None = None,
         wall_clock: Callable[[], int] | None = None,
+        span_exporter: Any | None = None,
+        tracer_provider: Any | None = None,
     ) -> None:
         global _memory_warned
         if storage is None:
@@ -459,6 +465,11 @@ class SessionRuntime:
         self.subject_key = subject_key or user_id
         self.stream = StreamManager()
         self.bus = EventBus()
+        # runtime.spans: OpenTelemetry spans of turns, model and tool calls and sync (no-op
+        # without an exporter or a provider; see shared.tracing).
+        self.spans = Spans(
+            exporter=span_exporter, tracer_provider=tracer_provider, service_name="pleach-client"
+        )
         self.sessions = SessionsFacet(self)
         self.events = EventsFacet(self)
         self.checkpoints = CheckpointsFacet(self)

@@ -726,6 +726,16 @@ class SyncFacet:
             )
         self._uploading = True
         self._poke()
+        span = self._rt.spans.start(
+            "pleach.sync.flush",
+            kind="sync.flush",
+            attributes={
+                "pleach.org_id": self._rt.org_id,
+                "pleach.user_id": self._rt.user_id,
+                "pleach.client_id": self._rt.client_id,
+                "pleach.pending": pending_before,
+            },
+        )
         try:
             while True:
                 entries = await store.outbox_pending(self.batch_size)
@@ -750,7 +760,9 @@ class SyncFacet:
                 entries = entries[: len(changes)]
                 try:
                     answer = await link.request(
-                        lambda link=link, changes=changes: link.protocol.send_push(changes),  # type: ignore[misc]
+                        lambda link=link, changes=changes: link.protocol.send_push(  # type: ignore[misc]
+                            changes, trace=span.traceparent
+                        ),
                         self.request_timeout,
                     )
                 except (ConnectionError, ConnectionClosed, TimeoutError) as exc:
@@ -793,6 +805,8 @@ class SyncFacet:
         finally:
             self._uploading = False
             self._poke()
+            span.set(**{"pleach.flushed": flushed, "pleach.failed": len(failed)})
+            span.end()
         pending_after = await store.outbox_count()
         if pending_after == 0 and not failed:
             outcome: FlushOutcome = "all-flushed"
@@ -849,6 +863,16 @@ class SyncFacet:
         self._downloading = True
         self._poke()
         start = int(await self._rt.store.get_meta("cursor") or 0)
+        span = self._rt.spans.start(
+            "pleach.sync.pull",
+            kind="sync.pull",
+            attributes={
+                "pleach.org_id": self._rt.org_id,
+                "pleach.user_id": self._rt.user_id,
+                "pleach.client_id": self._rt.client_id,
+                "pleach.cursor": start,
+            },
+        )
         try:
             while True:
                 cursor = int(await self._rt.store.get_meta("cursor") or 0)
@@ -881,9 +905,14 @@ class SyncFacet:
                     continue
                 if not answer.more:
                     return applied
+        except BaseException as exc:
+            span.error(exc)
+            raise
         finally:
             self._downloading = False
             self._poke()
+            span.set(**{"pleach.applied": applied, "pleach.to_cursor": self._cursor})
+            span.end()
 
     def _report_download(self, start: int, cursor: int) -> None:
         if self._progress is not None and cursor >= start:

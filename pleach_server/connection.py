@@ -48,6 +48,7 @@ from shared.errors import (
 )
 from shared.messages import ChangeResult, Health, Hello, Pull, Push, Welcome
 from shared.protocol import ServerProtocol, State
+from shared.tracing import Spans
 
 from .hub import Hub, Subscription
 from .notify import Notifier
@@ -134,6 +135,7 @@ class ConnectionContext:
     clock: HybridClock
     server_id: str
     metrics: SyncMetrics
+    spans: Spans
     max_frame_bytes: int
     max_pull_limit: int
     max_pull_bytes: int
@@ -458,9 +460,27 @@ class Connection:
             if before is None:
                 before = await ctx.store.head_cursor(self.tenant)
             started = time.perf_counter()
-            result = await ctx.store.push(
-                self.tenant, self.client_id, push.changes, ctx.clock, aliases=self.aliases
-            )
+            with ctx.spans.span(
+                "pleach.server.push",
+                kind="server.push",
+                traceparent=push.trace,
+                attributes={
+                    "pleach.org_id": self.tenant.org_id,
+                    "pleach.user_id": self.tenant.user_id,
+                    "pleach.client_id": self.client_id,
+                    "pleach.changes": len(push.changes),
+                },
+            ) as span:
+                result = await ctx.store.push(
+                    self.tenant, self.client_id, push.changes, ctx.clock, aliases=self.aliases
+                )
+                span.set(
+                    **{
+                        "pleach.applied": sum(r.status == "applied" for r in result.results),
+                        "pleach.rejected": sum(r.status == "rejected" for r in result.results),
+                        "pleach.last_seq": result.last_seq,
+                    }
+                )
             ctx.metrics.push_seconds.observe(time.perf_counter() - started)
             self._count_results(result.results)
             try:
@@ -503,7 +523,20 @@ class Connection:
         if not 0 <= pull.cursor < 2**63:
             raise MalformedFrame(f"cursor must be between 0 and 2^63 - 1, got {pull.cursor}")
         limit = max(1, min(pull.limit, self.ctx.max_pull_limit))
-        page = await self.ctx.store.pull(self.tenant, pull.cursor, limit, self.ctx.max_pull_bytes)
+        with self.ctx.spans.span(
+            "pleach.server.pull",
+            kind="server.pull",
+            attributes={
+                "pleach.org_id": self.tenant.org_id,
+                "pleach.user_id": self.tenant.user_id,
+                "pleach.client_id": self.client_id or "",
+                "pleach.cursor": pull.cursor,
+            },
+        ) as span:
+            page = await self.ctx.store.pull(
+                self.tenant, pull.cursor, limit, self.ctx.max_pull_bytes
+            )
+            span.set(**{"pleach.changes": len(page.changes), "pleach.to_cursor": page.to_cursor})
         self.protocol.send_changes(
             pull.cursor, page.to_cursor, page.changes, more=page.more, request_id=pull.request_id
         )

@@ -31,7 +31,7 @@ import time
 import weakref
 from collections.abc import Iterable
 from types import TracebackType
-from typing import Literal, Self
+from typing import Any, Literal, Self
 from urllib.parse import parse_qs, urlsplit
 
 import msgspec
@@ -55,6 +55,7 @@ from shared.clock import HybridClock
 from shared.errors import InvalidState, StorageError, SyncError, Unauthorized
 from shared.ids import uuid7
 from shared.messages import DEFAULT_MAX_FRAME_BYTES
+from shared.tracing import Spans
 
 from .auth import parse_bearer, verify_token_expiry
 from .connection import Connection, ConnectionContext
@@ -180,6 +181,8 @@ class SyncServer:
     - ``metrics_token`` (None): when set, ``/metrics`` answers only a request carrying
       ``Authorization: Bearer <metrics_token>`` (401 otherwise); unset, it is public.
     - ``shutdown_timeout`` (10 s): how long ``shutdown`` waits for in-flight pushes.
+    - ``span_exporter`` / ``tracer_provider`` (None): export an OpenTelemetry span for each
+      push and pull (``pleach[otel]``), child of the device's flush span when it names one.
     - ``admin_token`` (None): the token of the sync-health page, ``/status`` (HTML) and
       ``/status.json``. Unset, the page is off (404). A request carries it as
       ``Authorization: Bearer <admin_token>``, or opens ``/status?token=<admin_token>`` once:
@@ -210,6 +213,8 @@ class SyncServer:
         rate_limit_bytes_per_s: float | None = 16 * 1024 * 1024,
         admin_token: str | None = None,
         source_rate_limit_per_s: float | Literal["auto"] | None = "auto",
+        span_exporter: Any | None = None,
+        tracer_provider: Any | None = None,
     ) -> None:
         if not secret:
             raise ValueError("secret must not be empty")
@@ -259,6 +264,11 @@ class SyncServer:
         self.hub = Hub(fanout_queue)
         self.notifier: Notifier = notifier if notifier is not None else LocalNotifier()
         self.metrics = SyncMetrics(self.hub)
+        # OpenTelemetry spans of pushes and pulls (no-op without an exporter or provider);
+        # a device's flush span, named in Push.trace, is a push span's parent.
+        self.spans = Spans(
+            exporter=span_exporter, tracer_provider=tracer_provider, service_name="pleach-server"
+        )
         self.clock = HybridClock(self.server_id, max_skew_ms=max_clock_skew_ms)
         burst = (
             rate_limit_burst
@@ -272,6 +282,7 @@ class SyncServer:
             clock=self.clock,
             server_id=self.server_id,
             metrics=self.metrics,
+            spans=self.spans,
             max_frame_bytes=max_frame_bytes,
             max_pull_limit=max_pull_limit,
             max_pull_bytes=max_pull_bytes,
@@ -390,6 +401,7 @@ class SyncServer:
         finally:
             self.hub.close()
             await self.notifier.close()
+            await self.spans.shutdown()
             self._done.set()
             logger.info("stopped")
 

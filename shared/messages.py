@@ -106,8 +106,12 @@ class Welcome(msgspec.Struct, kw_only=True, tag="welcome"):
 
 
 class Push(msgspec.Struct, kw_only=True, tag="push"):
+    """``trace``: the W3C ``traceparent`` of the device's flush span (empty: none), the
+    parent of the server's push span."""
+
     changes: list[Change]
     request_id: int = 0
+    trace: Annotated[str, msgspec.Meta(max_length=128)] = ""
 
 
 class ChangeResult(msgspec.Struct, kw_only=True):

@@ -404,10 +404,11 @@ class ClientProtocol(_Protocol):
                     MalformedFrame(f"unexpected {type(frame).__name__} while {self.state.value}")
                 )
 
-    def send_push(self, changes: list[Change]) -> int:
-        """Queue a ``Push``; returns its request id (its ``PushAck`` or ``Error`` echoes it)."""
+    def send_push(self, changes: list[Change], *, trace: str = "") -> int:
+        """Queue a ``Push``; returns its request id (its ``PushAck`` or ``Error`` echoes it).
+        ``trace``: the ``traceparent`` of the span the push belongs to."""
         self._require_open()
-        return self._request(lambda rid: Push(changes=changes, request_id=rid))
+        return self._request(lambda rid: Push(changes=changes, request_id=rid, trace=trace))
 
     def send_pull(self, cursor: int, limit: int = 500) -> int:
         """Queue a ``Pull``; returns its request id (its ``Changes`` or ``Error`` echoes it)."""
