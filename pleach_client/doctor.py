@@ -12,6 +12,7 @@ import os
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -41,37 +42,45 @@ class Check:
 async def check_store(db: str, user: str, org: str) -> list[Check]:
     if not await asyncio.to_thread(os.path.exists, db):
         return [Check("fail", "store", f"no device database at {db}")]
-    out: list[Check] = []
     try:
         async with SessionRuntime(SQLiteAdapter(db), user_id=user, org_id=org) as rt:
-            store = rt.store
-            assert isinstance(store, SQLiteAdapter)
-            problems = await store.integrity_check()
-            if problems:
-                out.append(Check("fail", "store", f"{db} is damaged: {problems[0]}"))
-            else:
-                out.append(Check("ok", "store", f"{db} is sound (client id {rt.client_id})"))
-            broken = []
-            sessions = await rt.sessions.list()
-            for session in sessions:
-                report = await rt.events.verify_chain(session.id)
-                if not report.ok:
-                    broken.append(session.id)
-            if broken:
-                out.append(
-                    Check("fail", "event logs", f"{len(broken)} chain(s) break: {broken[0]}...")
-                )
-            else:
-                out.append(Check("ok", "event logs", f"{len(sessions)} session log(s) verify"))
-            status = await rt.sync.status()
-            level: Level = "warn" if status.dead_letters else "ok"
-            out.append(
-                Check(
-                    level,
-                    "outbox",
-                    f"{status.pending} change(s) queued, {status.dead_letters} dead letter(s)",
-                )
+            return await check_runtime_store(rt, db)
+    except PleachError as exc:
+        return [Check("fail", "store", str(exc))]
+
+
+async def check_runtime_store(rt: SessionRuntime, name: str | None = None) -> list[Check]:
+    """The store of an open runtime: integrity (where the store can check it), every
+    session's event log, the outbox."""
+    out: list[Check] = []
+    store = rt.store
+    name = name or type(store).__name__
+    integrity = getattr(store, "integrity_check", None)
+    try:
+        problems = await integrity() if integrity is not None else []
+        if problems:
+            out.append(Check("fail", "store", f"{name} is damaged: {problems[0]}"))
+        else:
+            out.append(Check("ok", "store", f"{name} is sound (client id {rt.client_id})"))
+        broken = []
+        sessions = await rt.sessions.list()
+        for session in sessions:
+            report = await rt.events.verify_chain(session.id)
+            if not report.ok:
+                broken.append(session.id)
+        if broken:
+            out.append(Check("fail", "event logs", f"{len(broken)} chain(s) break: {broken[0]}..."))
+        else:
+            out.append(Check("ok", "event logs", f"{len(sessions)} session log(s) verify"))
+        status = await rt.sync.status()
+        level: Level = "warn" if status.dead_letters else "ok"
+        out.append(
+            Check(
+                level,
+                "outbox",
+                f"{status.pending} change(s) queued, {status.dead_letters} dead letter(s)",
             )
+        )
     except PleachError as exc:
         out.append(Check("fail", "store", str(exc)))
     return out
@@ -95,7 +104,13 @@ def _healthz(server: str, timeout: float) -> Check:
 
 
 async def check_server(
-    server: str, token: str | None, client_id: str, user: str, org: str, timeout: float = 5.0
+    server: str,
+    token: str | None,
+    client_id: str,
+    user: str,
+    org: str,
+    timeout: float = 5.0,
+    now_ms: Callable[[], int] | None = None,
 ) -> list[Check]:
     out = [await asyncio.to_thread(_healthz, server, timeout)]
     if out[0].level == "fail":
@@ -133,16 +148,16 @@ async def check_server(
         )
     else:
         out.append(Check("ok", "token", f"accepted for {org}/{user}, protocol {answer.protocol}"))
-    out.append(_clock(answer.server_hlc))
+    out.append(_clock(answer.server_hlc, now_ms() if now_ms else int(time.time() * 1000)))
     return out
 
 
-def _clock(server_hlc: str) -> Check:
+def _clock(server_hlc: str, now_ms: int) -> Check:
     try:
         server_ms = Timestamp.decode(server_hlc).wall_ms
     except InvalidRecord:
         return Check("warn", "clock", "the server did not send its time")
-    skew = int(time.time() * 1000) - server_ms
+    skew = now_ms - server_ms
     text = f"this device is {abs(skew)} ms {'ahead of' if skew > 0 else 'behind'} the server"
     if skew > CLOCK_FAIL_MS:
         return Check("fail", "clock", text + ": its changes would be refused (3011) until fixed")

@@ -24,6 +24,7 @@ from shared.tracing import Spans
 
 from .artifacts import ArtifactsFacet
 from .core import DeviceCore, SessionChange, SessionHandle, existing
+from .diagnostics import DiagnosticsFacet
 from .facets import AuditFacet, CheckpointsFacet, EventsFacet, rebuild_message_ids
 from .providers.base import Provider
 from .receipts import SessionDeleteReceipt
@@ -470,6 +471,7 @@ class SessionRuntime:
         self.spans = Spans(
             exporter=span_exporter, tracer_provider=tracer_provider, service_name="pleach-client"
         )
+        self.diagnostics = DiagnosticsFacet(self)
         self.sessions = SessionsFacet(self)
         self.events = EventsFacet(self)
         self.checkpoints = CheckpointsFacet(self)

@@ -188,6 +188,16 @@ class SyncFacet:
         self._set_state("offline")
 
     @property
+    def server_url(self) -> str | None:
+        """The server this runtime last connected to (None: never)."""
+        return self._url
+
+    @property
+    def server_token(self) -> str | None:
+        """The token it connected with (for ``rt.diagnostics``)."""
+        return self._token
+
+    @property
     def connected(self) -> bool:
         return self._state == "connected" and self._link is not None
 

@@ -75,6 +75,11 @@ class HybridClock:
             self._wall_ms, self._counter = 0, 0
 
     @property
+    def wall(self) -> Callable[[], int]:
+        """The wall clock under this HLC (milliseconds since the epoch)."""
+        return self._wall
+
+    @property
     def last(self) -> str:
         return Timestamp(self._wall_ms, self._counter, self.client_id).encode()
 
