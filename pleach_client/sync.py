@@ -321,12 +321,16 @@ class SyncFacet:
     ) -> SyncConflictResolveReceipt:
         """Choose which branch of a conflict keeps the session id.
 
-        ``"local"`` is the version the pushing device had, ``"remote"`` the server's. When the
-        chosen side lost, the session and its fork swap contents (both as new versions), so
-        every device converges on the choice. Works offline: the swap is queued.
+        ``"local"`` is this device's version, ``"remote"`` the other device's, as in the
+        reference. (On a third device, which wrote neither, ``"local"`` is the version that
+        was pushed last and ``"remote"`` the one the server held.) When the chosen side lost,
+        the session and its fork swap contents (both as new versions), so every device
+        converges on the choice. Works offline: the swap is queued.
         """
         core = self._rt.core
         await core.session(session_id)
+        chosen = resolution
+        resolution = await self._pusher_side(session_id, conflict_id, resolution)
         forks = [
             s
             for s in await self._rt.store.list_sessions()
@@ -341,7 +345,7 @@ class SyncFacet:
                 resolved=True,
                 session_id=session_id,
                 conflict_id=conflict_id,
-                resolution=resolution,
+                resolution=chosen,
                 resolved_at=now,
                 fork_session_id=fork_id,
             )
@@ -355,11 +359,26 @@ class SyncFacet:
             resolved=True,
             session_id=session_id,
             conflict_id=conflict_id,
-            resolution=resolution,
+            resolution=chosen,
             resolved_at=now,
             swapped=True,
             fork_session_id=fork_id,
         )
+
+    async def _pusher_side(self, session_id: str, conflict_id: str, side: Side) -> Side:
+        """``side`` as this device means it, in the pusher's terms (those of the fork's
+        ``conflict_loser_side``): flipped when this device wrote the version the server held."""
+        me = {self._rt.client_id, *await self._rt.core.previous_client_ids()}
+        for event in await self._rt.store.list_events(session_id):
+            if event.type != "sync.conflict" or not isinstance(event.payload, dict):
+                continue
+            if event.payload.get("conflict_id") != conflict_id:
+                continue
+            if event.payload.get("pushed_by") in me:
+                return side
+            if event.payload.get("stored_by") in me:
+                return "remote" if side == "local" else "local"
+        return side
 
     async def _swap(
         self, session_id: str, fork_id: str, conflict_id: str, resolution: Side, flipped: Side

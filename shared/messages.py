@@ -54,7 +54,8 @@ class ConflictReceipt(msgspec.Struct, kw_only=True):
     """What a push that raced another device's edit produced.
 
     ``winner`` is from the pusher's point of view: ``local`` is the pushed version, ``remote``
-    the server's. The losing version lives on as ``fork_session_id``.
+    the server's. The losing version lives on as ``fork_session_id``. ``pushed_by`` and
+    ``stored_by`` name the devices that wrote each, so any device can tell which was its own.
     """
 
     conflict_id: str
@@ -63,6 +64,10 @@ class ConflictReceipt(msgspec.Struct, kw_only=True):
     fork_session_id: str
     conflicted_paths: list[ConflictedPath] = []
     detected_at: str = ""
+    pushed_by: str = ""
+    """The client id that wrote the pushed version (empty from an older server)."""
+    stored_by: str = ""
+    """The client id that wrote the version the server held."""
 
 
 class Hello(msgspec.Struct, kw_only=True, tag="hello"):

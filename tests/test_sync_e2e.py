@@ -224,6 +224,48 @@ async def test_concurrent_edits_fork_and_resolve(cluster: Cluster) -> None:
     assert again.resolved and not again.swapped
 
 
+@pytest.mark.parametrize("who", ["pusher", "holder"])
+async def test_local_is_the_calling_devices_version(cluster: Cluster, who: str) -> None:
+    """As in the reference: ``resolve_conflict(..., "local")`` keeps the caller's own
+    version on the session id, whether the caller pushed last or wrote the version the
+    server held; "remote" keeps the other device's."""
+    laptop = await cluster.device("laptop")
+    phone = await cluster.device("phone")
+    session = await laptop.create_session(title="shared")
+    await chat(laptop, session.id, "hello")
+    await cluster.online(laptop, phone)
+    await laptop.sync.disconnect()
+    await phone.sync.disconnect()
+    await chat(laptop, session.id, "laptop edit")
+    await chat(phone, session.id, "phone edit")
+    await cluster.online(laptop)  # the laptop's version is stored first
+    await cluster.online(phone)  # the phone pushes last: it is the pusher
+    await cluster.settle(laptop, phone)
+    caller = phone if who == "pusher" else laptop
+    own = "phone edit" if caller is phone else "laptop edit"
+    conflict = next(
+        e for e in await caller.store.list_events(session.id) if e.type == "sync.conflict"
+    )
+    assert conflict.payload["pushed_by"] == "phone" and conflict.payload["stored_by"] == "laptop"
+
+    async def texts(sid: str) -> list[str]:
+        return [m.content[0].get("text") for m in await caller.sessions.messages(sid)]
+
+    receipt = await caller.sync.resolve_conflict(
+        session.id, conflict.payload["conflict_id"], "local"
+    )
+    assert receipt.resolved and receipt.resolution == "local"
+    assert own in await texts(session.id)
+    await cluster.settle(laptop, phone)
+    for rt in (laptop, phone):
+        shown = [m.content[0].get("text") for m in await rt.sessions.messages(session.id)]
+        assert own in shown
+    again = await caller.sync.resolve_conflict(
+        session.id, conflict.payload["conflict_id"], "remote"
+    )
+    assert again.swapped and own not in await texts(session.id)
+
+
 async def test_poisoned_change_is_dead_lettered_and_the_queue_goes_on(cluster: Cluster) -> None:
     laptop = await cluster.device("laptop")
     session = await laptop.create_session()

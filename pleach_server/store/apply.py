@@ -811,6 +811,8 @@ class _Batch:
             fork_session_id=fork.id,
             conflicted_paths=resolution.conflicted_paths,
             detected_at=now,
+            pushed_by=pushed.client_id,
+            stored_by=current.client_id,
         )
         # The server logs the conflict in the session's event log itself, so every device
         # learns of it from the feed, even when the pusher never sees its acknowledgement.
