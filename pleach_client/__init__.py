@@ -11,8 +11,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .interrupts import ApprovalDecision, Approve, Edit, Interrupt, InterruptConfig, Reject
     from .providers.anthropic import AnthropicProvider
     from .providers.scripted import ScriptedProvider, ScriptedReply
+    from .receipts import InterruptResolveReceipt
     from .runtime import SessionRuntime
     from .store.memory import MemoryAdapter
     from .store.sqlite import SQLiteAdapter
@@ -26,11 +28,25 @@ _WHERE = {
     "ScriptedReply": ".providers.scripted",
     "AnthropicProvider": ".providers.anthropic",
     "Tool": ".tools",
+    "InterruptConfig": ".interrupts",
+    "Interrupt": ".interrupts",
+    "ApprovalDecision": ".interrupts",
+    "Approve": ".interrupts",
+    "Reject": ".interrupts",
+    "Edit": ".interrupts",
+    "InterruptResolveReceipt": ".receipts",
 }
 
 __all__ = [
     "AnthropicProvider",
+    "ApprovalDecision",
+    "Approve",
+    "Edit",
+    "Interrupt",
+    "InterruptConfig",
+    "InterruptResolveReceipt",
     "MemoryAdapter",
+    "Reject",
     "SQLiteAdapter",
     "ScriptedProvider",
     "ScriptedReply",

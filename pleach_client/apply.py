@@ -22,7 +22,7 @@ from shared.records import ArtifactUpdate, AuditRow, Event, FeedChange, Message,
 
 from .core import RemoteView, purge_keep
 from .store.base import TxReader, WriteBatch
-from .stream import SyncApplied, SyncConflict
+from .stream import SyncApplied, SyncConflict, remote_interrupt_events
 from .syncplan import Decision, decide_session, rebase
 
 log = logging.getLogger("pleach.sync")
@@ -136,6 +136,9 @@ async def plan_page(
             if e.type == "sync.conflict"
             and e.client_id != view.client_id
             and (receipt := _receipt(e)) is not None
+        )
+        emitted.extend(
+            remote_interrupt_events([e for e in placed.fresh if e.client_id != view.client_id])
         )
     emitted[:0] = [SyncApplied(session_id=sid, records=len(changes)) for sid in sorted(touched)]
     return WriteBatch(

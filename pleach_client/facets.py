@@ -1,11 +1,12 @@
-"""The event-log, checkpoint and audit facets of ``SessionRuntime``."""
+"""The event-log, checkpoint, audit and interrupt facets of ``SessionRuntime``."""
 
 from __future__ import annotations
 
+import asyncio
 import builtins
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import msgspec
 
@@ -15,14 +16,28 @@ from shared.ids import uuid7
 from shared.records import AuditRow, Checkpoint, Event, Message, Record, Session
 
 from .core import SessionChange, existing
+from .interrupts import (
+    REQUESTED,
+    RESOLVED,
+    ApprovalDecision,
+    Interrupt,
+    ResolvePlan,
+    as_decision,
+    interrupt_states,
+    next_deadline,
+    plan_resolve,
+    plan_settle,
+)
 from .receipts import (
     AuditRollup,
     ForkReceipt,
     GdprSoftDeleteReceipt,
+    InterruptResolveReceipt,
     RollbackReceipt,
     TurnRollup,
 )
-from .stream import Callback, CheckpointCreated
+from .store.base import TxReader
+from .stream import Callback, CheckpointCreated, StreamEvent, StreamEventBase
 
 if TYPE_CHECKING:
     from .runtime import SessionRuntime
@@ -326,6 +341,321 @@ class AuditFacet:
         )
 
 
+WaitEnd = Literal["resolved", "abort", "closing"]
+Decision = ApprovalDecision | Mapping[str, Any] | str
+"""A decision as callers give it: ``Approve()``, ``Reject(reason=...)``, ``Edit(input=...)``,
+their wire shape (``{"kind": "reject", "reason": "..."}``), or ``"approve"``/``"reject"``."""
+
+
+class InterruptsFacet:
+    """Human in the loop: interrupts waiting for a decision, deciding them, and continuing a
+    turn that waited through a restart (the rules: ``pleach_client.interrupts``).
+
+    Any device of the user can decide: the request syncs to it. Only the device whose turn
+    waits runs the tool, so only its word is final. A waiting turn wakes when a decision is
+    made here or arrives by sync (the ``sync.applied`` stream event), never by polling.
+    """
+
+    def __init__(self, rt: SessionRuntime) -> None:
+        self._rt = rt
+        self._wakes: dict[str, set[asyncio.Event]] = {}
+        self._turns: dict[str, int] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._closing = asyncio.Event()
+        rt.bus.on("sync.applied", self._on_applied)
+
+    # -- reads ------------------------------------------------------------------------------
+    async def list(
+        self, session_id: str | None = None, *, include_resolved: bool = False
+    ) -> builtins.list[Interrupt]:
+        """The interrupts waiting for a decision (not final yet), of one session or of all
+        (found through the sessions' ``state.pending_tool_calls``, so this reads only the logs
+        of sessions where something waits), in log order; ``include_resolved`` adds the
+        settled ones (and reads whole logs)."""
+        rt = self._rt
+        if session_id is not None:
+            sessions = [await rt.core.session(session_id)]
+        else:
+            sessions = await rt.store.list_sessions()
+        out: builtins.list[Interrupt] = []
+        for session in sessions:
+            if include_resolved:
+                found = interrupt_states(await rt.store.list_events(session.id))
+                out.extend(found.values())
+                continue
+            ids = [
+                call["interrupt_id"]
+                for call in session.state.pending_tool_calls
+                if isinstance(call.get("interrupt_id"), str)
+            ]
+            if ids:
+                states = await self.states(session.id, ids)
+                out.extend(s for s in states.values() if not s.final)
+        return out
+
+    async def get(self, interrupt_id: str) -> Interrupt:
+        """One interrupt as this device's log has it; ``NotFound`` when this device has not
+        seen its request (a wrong id, or one not synced here yet)."""
+        requested = await self._requested(interrupt_id)
+        found = (await self.states(requested.session_id, [interrupt_id])).get(interrupt_id)
+        if found is None:
+            raise NotFound(f"interrupt {interrupt_id} has a malformed request; it was refused")
+        return found
+
+    async def states(self, session_id: str, interrupt_ids: Iterable[str]) -> dict[str, Interrupt]:
+        """The named interrupts of a session, folded from its log (from the oldest request)."""
+        ids = builtins.list(interrupt_ids)
+        low = await self._lowest(ids)
+        if low is None:
+            return {}
+        found = interrupt_states(await self._rt.store.list_events(session_id, from_sequence=low))
+        return {i: found[i] for i in ids if i in found}
+
+    async def asked_here(self, interrupt: Interrupt) -> bool:
+        """Whether this device asked (its turn is the one waiting on ``interrupt``)."""
+        core = self._rt.core
+        return interrupt.requested_by in {core.client_id, *await core.previous_client_ids()}
+
+    def waiting_here(self, session_id: str) -> bool:
+        """Whether a turn of this process is waiting on the session's interrupts now."""
+        return self._turns.get(session_id, 0) > 0
+
+    # -- decisions --------------------------------------------------------------------------
+    async def resolve(
+        self, interrupt_id: str, decision: Decision, *, wait: float | None = None
+    ) -> InterruptResolveReceipt:
+        """Decide an interrupt: ``Approve()``, ``Reject(reason=...)`` or ``Edit(input=...)``.
+
+        The first decision wins. On the device whose turn waits the decision is final at
+        once and the turn goes on; on another device it is a proposal that syncs to it
+        (``final=False``), and ``wait`` (seconds) waits for the final word. ``NotFound``
+        when this device has not seen the request (sync first); ``InvalidInput`` for a
+        decision the request does not allow.
+        """
+        chosen = as_decision(decision)
+        requested = await self._requested(interrupt_id)
+        session_id = requested.session_id
+        core = self._rt.core
+        mine = {core.client_id, *await core.previous_client_ids()}
+        plans: builtins.list[ResolvePlan] = []
+        drafts: builtins.list[Event] = []
+
+        async def prepare(tx: TxReader) -> tuple[builtins.list[Any], builtins.list[AuditRow]]:
+            events = await tx.list_events(session_id, from_sequence=requested.sequence_number)
+            state = interrupt_states(events).get(interrupt_id)
+            if state is None:
+                raise NotFound(f"interrupt {interrupt_id} has a malformed request; it was refused")
+            plan = plan_resolve(state, chosen, by=core.client_id, asker=state.requested_by in mine)
+            plans[:] = [plan]
+            if plan.write is None or plan.payload is None:
+                return [], []
+            draft = core.draft_event(session_id, plan.write, plan.payload)
+            drafts[:] = [draft]
+
+            def add(current: Session | None) -> SessionChange:
+                if current is None or current.deleted:
+                    raise NotFound(f"session {session_id} was deleted: nothing waits any more")
+                return SessionChange(events=[draft])
+
+            return [(session_id, add)], []
+
+        await core.write(prepare=prepare)
+        self.wake(session_id)
+        plan = plans[0]
+        receipt = InterruptResolveReceipt(
+            interrupt_id=interrupt_id,
+            session_id=session_id,
+            accepted=plan.accepted,
+            final=plan.final,
+            decision=plan.decision,
+            decided_by=plan.decided_by,
+            source=plan.source,
+            event_id=drafts[0].id if drafts else None,
+            resolved_at=drafts[0].hlc if drafts else core.now(),
+        )
+        if wait is not None and wait > 0 and not receipt.final:
+            return await self._final(receipt, wait)
+        return receipt
+
+    def resume(
+        self, session_id: str, *, abort: asyncio.Event | None = None
+    ) -> AsyncIterator[StreamEvent]:
+        """Continue a turn that waited for decisions when its runtime closed or its process
+        died (``rt.resume_turn``): it waits for what is still undecided, then goes on."""
+        return self._rt.resume_turn(session_id, abort=abort)
+
+    # -- the waiting turn's side -------------------------------------------------------------
+    async def wait(
+        self,
+        session_id: str,
+        interrupt_ids: builtins.list[str],
+        abort_wait: asyncio.Future[Any] | None,
+    ) -> tuple[WaitEnd, dict[str, Interrupt]]:
+        """Wait until every interrupt named is final (the turn's side).
+
+        Applies what is due on the way, under the store's write lock: a proposal that came
+        (adopted), a deadline that passed (the default decision). Returns early on abort, or
+        when the runtime closes (the turn is suspended; it resumes after a restart).
+        """
+        wake = asyncio.Event()
+        self._wakes.setdefault(session_id, set()).add(wake)
+        self._turns[session_id] = self._turns.get(session_id, 0) + 1
+        self._idle.clear()
+        try:
+            while True:
+                wake.clear()
+                if self._closing.is_set():  # (before any read: the store may be closing)
+                    return "closing", {}
+                row = await self._rt.store.get_session(session_id)
+                if row is None or row.deleted:
+                    return "abort", {}  # deleted meanwhile (the delete wins): nothing to wait for
+                states = await self.states(session_id, interrupt_ids)
+                if abort_wait is not None and abort_wait.done():
+                    return "abort", states
+                now, by = self._rt.wall_ms(), self._rt.core.client_id
+                if any(plan_settle(s, now_ms=now, abort=False, by=by) for s in states.values()):
+                    states = await self.settle(session_id, interrupt_ids, abort=False)
+                if len(states) == len(interrupt_ids) and all(s.final for s in states.values()):
+                    return "resolved", states
+                deadline = next_deadline(states.values())
+                timeout = None if deadline is None else max(0.0, (deadline - now) / 1000)
+                await _first([wake.wait(), self._closing.wait()], abort_wait, timeout=timeout)
+        finally:
+            self._unwake(session_id, wake)
+            self._turns[session_id] -= 1
+            if not self._turns[session_id]:
+                del self._turns[session_id]
+            if not self._turns:
+                self._idle.set()
+
+    async def settle(
+        self, session_id: str, interrupt_ids: builtins.list[str], *, abort: bool
+    ) -> dict[str, Interrupt]:
+        """Write what the waiting turn owes (``plan_settle``), decided under the write lock:
+        the adoption of a proposal, a deadline's default, or, with ``abort``, a rejection of
+        whatever is not final yet. Returns the interrupts as they are then."""
+        core = self._rt.core
+        low = await self._lowest(interrupt_ids)
+        if low is None:
+            return {}
+
+        async def prepare(tx: TxReader) -> tuple[builtins.list[Any], builtins.list[AuditRow]]:
+            states = interrupt_states(await tx.list_events(session_id, from_sequence=low))
+            now = self._rt.wall_ms()
+            drafts = [
+                core.draft_event(session_id, RESOLVED, payload)
+                for i in interrupt_ids
+                if (state := states.get(i)) is not None
+                and (payload := plan_settle(state, now_ms=now, abort=abort, by=core.client_id))
+                is not None
+            ]
+            if not drafts:
+                return [], []
+            return [(session_id, lambda current: SessionChange(events=drafts))], []
+
+        await core.write(prepare=prepare)
+        self.wake(session_id)
+        return await self.states(session_id, interrupt_ids)
+
+    def open(self) -> None:
+        self._closing.clear()
+
+    async def close(self) -> None:
+        """Suspend every waiting turn (what they committed stays; they resume after a
+        restart) and return once none is waiting any more."""
+        self._closing.set()
+        await self._idle.wait()
+
+    # -- internals --------------------------------------------------------------------------
+    async def _final(
+        self, receipt: InterruptResolveReceipt, wait: float
+    ) -> InterruptResolveReceipt:
+        """``receipt`` once the asking device's resolution is here (or as it was, if it does
+        not come within ``wait`` seconds)."""
+        session_id, interrupt_id = receipt.session_id, receipt.interrupt_id
+        wake = asyncio.Event()
+        self._wakes.setdefault(session_id, set()).add(wake)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + wait
+        try:
+            while True:
+                wake.clear()
+                state = (await self.states(session_id, [interrupt_id])).get(interrupt_id)
+                remaining = until - loop.time()
+                if state is None or state.final or remaining <= 0 or self._closing.is_set():
+                    break
+                await _first([wake.wait(), self._closing.wait()], None, timeout=remaining)
+        finally:
+            self._unwake(session_id, wake)
+        if state is None or not state.final or state.decision is None:
+            return receipt
+        return InterruptResolveReceipt(
+            interrupt_id=interrupt_id,
+            session_id=session_id,
+            accepted=receipt.event_id is not None and state.decision_event_id == receipt.event_id,
+            final=True,
+            decision=state.decision,
+            decided_by=state.decided_by or "",
+            source=state.source or "user",
+            event_id=receipt.event_id,
+            resolved_at=receipt.resolved_at,
+        )
+
+    async def _requested(self, interrupt_id: str) -> Event:
+        requested = await self._rt.store.get_event(interrupt_id)
+        if requested is None or requested.type != REQUESTED:
+            raise NotFound(
+                f"no interrupt {interrupt_id} on this device: its request was never made or "
+                "has not synced here yet (sync, then decide); nothing was written"
+            )
+        return requested
+
+    async def _lowest(self, interrupt_ids: Iterable[str]) -> int | None:
+        """The lowest place of the requests in their log. A place only ever grows (a rebase
+        moves the provisional tail after newly placed events), so reading from it later
+        still reads every request and every decision after it."""
+        places = [
+            e.sequence_number
+            for i in interrupt_ids
+            if (e := await self._rt.store.get_event(i)) is not None
+        ]
+        return min(places) if places else None
+
+    def _on_applied(self, event: StreamEventBase) -> None:
+        self.wake(event.session_id)
+
+    def wake(self, session_id: str) -> None:
+        """Have whatever waits on the session's interrupts here look again (a write that
+        may matter to them, such as a delete, calls this; a sync page does it by itself)."""
+        for wake in self._wakes.get(session_id, ()):
+            wake.set()
+
+    def _unwake(self, session_id: str, wake: asyncio.Event) -> None:
+        wakes = self._wakes.get(session_id)
+        if wakes is not None:
+            wakes.discard(wake)
+            if not wakes:
+                del self._wakes[session_id]
+
+
+async def _first(
+    own: builtins.list[Awaitable[Any]], shared: asyncio.Future[Any] | None, *, timeout: float | None
+) -> None:
+    """Wait until one of ``own`` or ``shared`` is done, or ``timeout`` seconds pass. ``own``
+    are started here and cancelled after; ``shared`` belongs to the caller and is left as is."""
+    tasks = [asyncio.ensure_future(a) for a in own]
+    try:
+        waits: set[asyncio.Future[Any]] = set(tasks)
+        if shared is not None:
+            waits.add(shared)
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def _sum_rows(rows: list[AuditRow], *, turn_id: str) -> TurnRollup:
     cost: float | None = 0.0
     outcomes: dict[str, int] = {}
@@ -349,6 +679,7 @@ __all__ = [
     "CheckpointsFacet",
     "EventsFacet",
     "FoldResult",
+    "InterruptsFacet",
     "Projection",
     "rebuild_message_ids",
 ]

@@ -12,6 +12,8 @@ import msgspec
 
 from shared.messages import ConflictReceipt
 
+from .interrupts import ApprovalDecision, DecisionSource
+
 
 class SessionDeleteReceipt(msgspec.Struct, kw_only=True):
     deleted: bool
@@ -97,6 +99,29 @@ class SyncConflictResolveReceipt(msgspec.Struct, kw_only=True):
     resolved_at: str
     swapped: bool = False
     fork_session_id: str | None = None
+
+
+class InterruptResolveReceipt(msgspec.Struct, kw_only=True):
+    """What ``rt.interrupts.resolve`` did.
+
+    ``accepted``: this call's decision is the one in force. ``final``: the device whose turn
+    waits has applied the decision in force, so it can no longer change. Accepted but not
+    final is a proposal from a device that does not run the turn: the first proposal the
+    asking device sees wins, so it may still lose (``resolve(..., wait=seconds)`` waits for
+    the final word). When not accepted, ``decision``, ``decided_by`` (a client id) and
+    ``source`` (``user``, ``timeout``, ``abort``) say what is in force instead.
+    ``event_id`` is the event this call wrote (None when it wrote nothing).
+    """
+
+    interrupt_id: str
+    session_id: str
+    accepted: bool
+    final: bool
+    decision: ApprovalDecision
+    decided_by: str
+    source: DecisionSource
+    event_id: str | None = None
+    resolved_at: str = ""
 
 
 class ArtifactReceipt(msgspec.Struct, kw_only=True):

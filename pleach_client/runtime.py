@@ -3,13 +3,14 @@
 The runtime is per process, the session per conversation. Every write goes through the
 runtime's store in one transaction together with its outbox rows, so the device works offline
 and sync drains the outbox later. Facets group the API as in the reference runtime:
-``sessions``, ``events``, ``checkpoints``, ``audit``, ``tools`` and ``sync``.
+``sessions``, ``events``, ``checkpoints``, ``audit``, ``tools``, ``interrupts`` and ``sync``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from typing import Any, TypeVar, cast
@@ -25,9 +26,17 @@ from shared.tracing import Spans
 from .artifacts import ArtifactsFacet
 from .core import DeviceCore, SessionChange, SessionHandle, existing
 from .diagnostics import DiagnosticsFacet
-from .facets import AuditFacet, CheckpointsFacet, EventsFacet, rebuild_message_ids
+from .facets import (
+    AuditFacet,
+    CheckpointsFacet,
+    Decision,
+    EventsFacet,
+    InterruptsFacet,
+    rebuild_message_ids,
+)
+from .interrupts import InterruptConfig, interrupt_states
 from .providers.base import Provider
-from .receipts import SessionDeleteReceipt
+from .receipts import InterruptResolveReceipt, SessionDeleteReceipt
 from .store.base import StorageAdapter
 from .store.memory import MemoryAdapter
 from .stream import (
@@ -40,7 +49,7 @@ from .stream import (
     StreamManager,
 )
 from .tools import Tool, ToolRegistry, default_registry
-from .turn import run_turn
+from .turn import Resume, load_resume, run_turn
 
 log = logging.getLogger("pleach.runtime")
 
@@ -301,6 +310,7 @@ class SessionsFacet:
             return SessionChange(row=tomb, events=[event], purge=True)
 
         result = await core.write([(session_id, delete)])
+        self._rt.interrupts.wake(session_id)  # a turn waiting there ends (the delete wins)
         if session_id not in result.sessions:
             return SessionDeleteReceipt(
                 deleted=False, session_id=session_id, removed_from_cache=False
@@ -339,7 +349,11 @@ def _lineage_overlay(
 
 
 def hydrate(events: list[Event]) -> dict[str, Any]:
-    """Fold the event log into transient card-lifecycle state (never stored on the row)."""
+    """Fold the event log into transient card-lifecycle state (never stored on the row).
+
+    ``interrupts`` lists the session's interrupts (``Interrupt`` as plain data): the
+    resolved ones with their decision, who made it and how, and any still waiting.
+    """
     state: dict[str, Any] = {
         "turns": 0,
         "aborted_turns": 0,
@@ -368,6 +382,7 @@ def hydrate(events: list[Event]) -> dict[str, Any]:
                 state["rollbacks"] += 1
             case "sync.conflict":
                 state["conflicts"].append(ev.payload.get("conflict_id"))
+    state["interrupts"] = [msgspec.to_builtins(i) for i in interrupt_states(events).values()]
     return state
 
 
@@ -412,7 +427,9 @@ class SessionRuntime:
     ``"anonymous"`` and a generated client id that the store keeps. The device's state (clock,
     chain heads, caches, the write path) belongs to ``rt.core`` (a ``DeviceCore``).
     ``wall_clock`` (milliseconds since the epoch) replaces the system clock under the HLC, for
-    simulations and tests of skew.
+    simulations and tests of skew (and of interrupt deadlines).
+    ``interrupt``: which tool calls wait for a person's decision (``InterruptConfig``); any
+    runtime can decide interrupts (``rt.interrupts``), with or without one.
     ``span_exporter`` (an OpenTelemetry ``SpanExporter``) or ``tracer_provider``: export spans
     of every turn, model call, tool call, sync flush and pull (``rt.spans``; needs
     ``pleach[otel]``). Neither: spans are counted, not exported.
@@ -432,6 +449,7 @@ class SessionRuntime:
         max_tokens: int = 4096,
         subject_key: str | None = None,
         wall_clock: Callable[[], int] | None = None,
+        interrupt: InterruptConfig | None = None,
         span_exporter: Any | None = None,
         tracer_provider: Any | None = None,
     ) -> None:
@@ -445,13 +463,15 @@ class SessionRuntime:
                     "Pass SQLiteAdapter(path) for a durable device store."
                 )
         self.store: StorageAdapter = storage
+        self._wall_clock = wall_clock or wall_clock_ms
         self.core = DeviceCore(
             storage,
             org_id=org_id,
             user_id=user_id,
             client_id=client_id,
-            wall_clock=wall_clock or wall_clock_ms,
+            wall_clock=self._wall_clock,
         )
+        self.interrupt = interrupt
         self._provider = provider
         self._unoffered_warned: set[tuple[str, str]] = set()
         if isinstance(tools, ToolRegistry):
@@ -477,6 +497,7 @@ class SessionRuntime:
         self.checkpoints = CheckpointsFacet(self)
         self.audit = AuditFacet(self)
         self.artifacts = ArtifactsFacet(self)
+        self.interrupts = InterruptsFacet(self)
         self._opened = False
         from .sync import SyncFacet  # sync builds on the runtime; imported late on purpose
 
@@ -500,14 +521,19 @@ class SessionRuntime:
         if self._opened:
             return self
         await self.core.open()
+        self.interrupts.open()
         self._opened = True
         return self
 
     async def close(self) -> None:
+        """Close the store (and the sync connection). A turn waiting for decisions is
+        suspended first: what it committed stays, and ``rt.interrupts.resume`` continues it
+        after the runtime is opened again."""
         if not self._opened:
             return
         self._opened = False
         try:
+            await asyncio.shield(self.interrupts.close())
             await asyncio.shield(self.sync.disconnect())
         finally:
             await asyncio.shield(self.store.close())
@@ -543,16 +569,65 @@ class SessionRuntime:
         the partial turn is still committed and accounted. Close the generator when you stop
         early: ``async with contextlib.aclosing(rt.execute_message(...)) as events``.
         """
-        async with self.core.turn_lock(session_id):
-            turn = cast(
-                AsyncGenerator[StreamEvent, None], run_turn(self, session_id, content, abort)
+        async with (
+            self.core.turn_lock(session_id),
+            contextlib.aclosing(self._stream(run_turn(self, session_id, content, abort))) as turn,
+        ):
+            async for event in turn:
+                yield event
+
+    async def resume_turn(
+        self, session_id: str, *, abort: asyncio.Event | None = None
+    ) -> AsyncIterator[StreamEvent]:
+        """Continue the turn that waits for decisions in ``session_id`` after a restart (its
+        runtime closed or its process died while it waited; ``rt.interrupts.resume``).
+
+        It waits for what is still undecided (deadlines that passed apply their default at
+        once), runs the tool calls as decided and goes on like any turn. ``InvalidState``
+        when no turn waits there, when it waits in this process already, or when it is
+        another device's turn (decide there, or here with ``rt.interrupts.resolve``).
+        """
+        if self.interrupts.waiting_here(session_id):
+            raise InvalidState(
+                f"the turn of session {session_id} is waiting in this process: decide with "
+                "rt.interrupts.resolve and it goes on"
             )
-            try:
+        async with self.core.turn_lock(session_id):
+            resume: Resume = await load_resume(self, session_id)
+            events = self._stream(run_turn(self, session_id, None, abort, resume))
+            async with contextlib.aclosing(events) as turn:
                 async for event in turn:
-                    self.emit(event)
                     yield event
-            finally:
-                await turn.aclose()
+
+    async def _stream(
+        self, events: AsyncIterator[StreamEvent]
+    ) -> AsyncGenerator[StreamEvent, None]:
+        """A turn's events, each delivered to subscribers as it passes; closing this closes
+        the turn (an abort, committed before the close returns)."""
+        turn = cast(AsyncGenerator[StreamEvent, None], events)
+        try:
+            async for event in turn:
+                self.emit(event)
+                yield event
+        finally:
+            await turn.aclose()
+
+    async def resolve_interrupt(
+        self, interrupt_id: str, decision: Decision, *, wait: float | None = None
+    ) -> InterruptResolveReceipt:
+        """Decide an interrupt (``rt.interrupts.resolve``)."""
+        return await self.interrupts.resolve(interrupt_id, decision, wait=wait)
+
+    def get_interrupt_manager(self) -> InterruptsFacet | None:
+        """``rt.interrupts`` when this runtime's turns ask for approval (an enabled
+        ``InterruptConfig``), else None (as in the reference; ``rt.interrupts`` itself is
+        always there, so any device can decide another's interrupts)."""
+        enabled = self.interrupt is not None and self.interrupt.enabled
+        return self.interrupts if enabled else None
+
+    def wall_ms(self) -> int:
+        """The wall clock (ms since the epoch) under this runtime's HLC and deadlines."""
+        return self._wall_clock()
 
     def warn_unoffered_tools(self, session: Session) -> None:
         """Log once per session and tool a registered tool the session does not offer (it
@@ -605,6 +680,7 @@ class SessionRuntime:
 
 
 __all__ = [
+    "InterruptConfig",
     "SessionConfigError",
     "SessionHandle",
     "SessionRuntime",

@@ -15,6 +15,18 @@ from typing import Any, Literal
 import msgspec
 
 from shared.merge import ConflictedPath
+from shared.records import Event
+
+from .interrupts import (
+    REQUESTED,
+    RESOLVED,
+    ApprovalDecision,
+    DecisionKind,
+    DecisionSource,
+    Interrupt,
+    interrupt_states,
+    parse_resolution,
+)
 
 log = logging.getLogger("pleach.stream")
 
@@ -107,6 +119,42 @@ class ErrorEvent(StreamEventBase, tag="error"):
     retryable: bool = False
 
 
+class InterruptRequested(StreamEventBase, tag="interrupt.requested"):
+    """A tool call waits for a decision: ``rt.interrupts.resolve(interrupt_id, decision)``
+    on any device of the user. ``requested_by`` is the client id whose turn waits;
+    ``deadline_ms`` (wall clock) is when its default decision applies, if it has a timeout."""
+
+    interrupt_id: str
+    turn_id: str
+    tool_call_id: str
+    name: str
+    input: dict[str, JSON]
+    decisions: list[DecisionKind]
+    requested_by: str
+    deadline_ms: int | None = None
+
+
+class InterruptResolved(StreamEventBase, tag="interrupt.resolved"):
+    """The waiting turn applied a decision (made by ``decided_by``; ``source`` is ``user``,
+    ``timeout`` or ``abort``): the tool call runs, runs with edited input, or is rejected."""
+
+    interrupt_id: str
+    turn_id: str
+    tool_call_id: str
+    name: str
+    decision: ApprovalDecision
+    decided_by: str
+    source: DecisionSource
+
+
+class TurnSuspended(StreamEventBase, tag="turn.suspended"):
+    """The runtime closed while the turn waited for decisions: everything up to the wait is
+    committed; ``rt.interrupts.resume(session_id)`` continues it after a restart."""
+
+    turn_id: str
+    interrupt_ids: list[str]
+
+
 class SyncConflict(StreamEventBase, tag="sync.conflict"):
     conflict_id: str
     fork_session_id: str
@@ -139,10 +187,72 @@ StreamEvent = (
     | CheckpointCreated
     | TurnComplete
     | ErrorEvent
+    | InterruptRequested
+    | InterruptResolved
+    | TurnSuspended
     | SyncConflict
     | SyncApplied
     | CustomEvent
 )
+
+
+def interrupt_requested(state: Interrupt) -> InterruptRequested:
+    return InterruptRequested(
+        session_id=state.session_id,
+        interrupt_id=state.id,
+        turn_id=state.turn_id,
+        tool_call_id=state.tool_call.id,
+        name=state.tool_call.name,
+        input=state.tool_call.input,
+        decisions=state.decisions,
+        requested_by=state.requested_by,
+        deadline_ms=state.deadline_ms,
+    )
+
+
+def interrupt_resolved(state: Interrupt) -> InterruptResolved:
+    assert state.decision is not None and state.source is not None
+    return InterruptResolved(
+        session_id=state.session_id,
+        interrupt_id=state.id,
+        turn_id=state.turn_id,
+        tool_call_id=state.tool_call.id,
+        name=state.tool_call.name,
+        decision=state.decision,
+        decided_by=state.decided_by or "",
+        source=state.source,
+    )
+
+
+def remote_interrupt_events(
+    events: list[Event],
+) -> list[InterruptRequested | InterruptResolved]:
+    """Stream events for interrupt events another device wrote, raised on first sight
+    (``events`` are newly placed remote events, as sync applies them); malformed ones are
+    skipped (and logged)."""
+    out: list[InterruptRequested | InterruptResolved] = []
+    for event in events:
+        if event.type == REQUESTED:
+            state = interrupt_states([event]).get(event.id)
+            if state is not None:
+                out.append(interrupt_requested(state))
+        elif event.type == RESOLVED:
+            found = parse_resolution(event)
+            if found is not None:
+                out.append(
+                    InterruptResolved(
+                        session_id=event.session_id,
+                        interrupt_id=found.interrupt_id,
+                        turn_id=found.turn_id,
+                        tool_call_id=found.tool_call_id,
+                        name=found.name,
+                        decision=found.decision,
+                        decided_by=found.decided_by,
+                        source=found.source,
+                    )
+                )
+    return out
+
 
 Mode = Literal["values", "updates", "messages", "custom", "debug", "all"]
 
@@ -155,6 +265,9 @@ _MODES: dict[str, frozenset[str] | None] = {
             "tool.started",
             "tool.completed",
             "tool.failed",
+            "interrupt.requested",
+            "interrupt.resolved",
+            "turn.suspended",
             "sync.conflict",
             "sync.applied",
         }

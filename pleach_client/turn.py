@@ -5,6 +5,14 @@ writes (messages, events, audit rows, the checkpoint and the new session row) an
 in ONE transaction at the end, whatever the outcome: ok, provider error, tool error or abort.
 Abort arrives either as the ``abort`` event being set or as cancellation of the consuming task
 (or ``aclose()`` of the generator); the partial turn is then committed, shielded.
+
+A tool call that needs approval (``SessionRuntime(interrupt=InterruptConfig(...))``) makes
+the turn commit what it has first (its messages, events, audit rows and the session row with
+the calls now waiting in ``state.pending_tool_calls``, but no checkpoint: every checkpoint is
+a transcript the API accepts), yield ``interrupt.requested`` and wait for the decisions of
+all the reply's calls that need one (``InterruptsFacet.wait``). The rest of the turn commits
+at its end as usual. If the process dies while waiting, ``load_resume`` rebuilds the turn
+from the store and ``run_turn(resume=...)`` goes on from the wait.
 """
 
 from __future__ import annotations
@@ -18,12 +26,28 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from shared.errors import InvalidInput, NotFound, ProviderError, RecordTooLarge, ToolError
+from shared.errors import (
+    InvalidInput,
+    InvalidState,
+    NotFound,
+    ProviderError,
+    RecordTooLarge,
+    ToolError,
+)
 from shared.ids import uuid7
 from shared.messages import MAX_RECORD_BYTES
 from shared.records import AuditRow, Checkpoint, Event, Message, Outcome, Session, Usage
 
 from .core import SessionChange
+from .interrupts import (
+    REQUESTED,
+    Edit,
+    Interrupt,
+    Reject,
+    ToolCall,
+    interrupt_states,
+    tool_result_text,
+)
 from .providers.base import (
     BlockStop,
     MessageDelta,
@@ -48,10 +72,13 @@ from .stream import (
     ToolFailed,
     ToolStarted,
     TurnComplete,
+    TurnSuspended,
+    interrupt_requested,
+    interrupt_resolved,
 )
 from .stream import MessageDelta as MessageDeltaEvent
 from .stream import ThinkingDelta as ThinkingDeltaEvent
-from .transcript import extend_api, to_api_messages
+from .transcript import Transcript, extend_api, to_api_messages
 
 if TYPE_CHECKING:
     from .runtime import SessionRuntime
@@ -66,6 +93,10 @@ SNAPSHOT_EVERY = 32
 
 class _Aborted(Exception):
     """The abort event was set while waiting on the provider or a tool."""
+
+
+class _Suspended(Exception):
+    """The runtime closed while the turn waited for decisions (resume it after a restart)."""
 
 
 @dataclass
@@ -88,9 +119,46 @@ class _Call:
 
 @dataclass
 class _TurnWrites:
+    """What the turn wrote; the first ``committed_*`` of each are committed already (at an
+    interrupt), the rest commit at the end."""
+
     messages: list[Message] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     audit: list[AuditRow] = field(default_factory=list)
+    committed_messages: int = 0
+    committed_events: int = 0
+    committed_audit: int = 0
+
+    def uncommitted(self) -> tuple[list[Message], list[Event], list[AuditRow]]:
+        return (
+            self.messages[self.committed_messages :],
+            self.events[self.committed_events :],
+            self.audit[self.committed_audit :],
+        )
+
+    def mark_committed(self) -> None:
+        self.committed_messages = len(self.messages)
+        self.committed_events = len(self.events)
+        self.committed_audit = len(self.audit)
+
+
+@dataclass
+class Resume:
+    """A turn that waited for decisions, as the store holds it (see ``load_resume``)."""
+
+    turn_id: str
+    before: Transcript
+    """The session's transcript before the turn."""
+    messages: list[Message]
+    """The turn's committed messages; the last is the reply whose tool calls wait."""
+    tool_uses: list[dict[str, Any]]
+    interrupts: dict[str, str]
+    """Interrupt ids by tool call id."""
+    next_seq: int
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost_usd: float | None = 0.0
+    calls: int = 0
 
 
 def _capped(output: Any) -> Any:
@@ -121,25 +189,36 @@ async def _next_event(
 async def run_turn(
     rt: SessionRuntime,
     session_id: str,
-    content: str,
+    content: str | None,
     abort: asyncio.Event | None,
+    resume: Resume | None = None,
 ) -> AsyncIterator[StreamEvent]:
+    """One turn: ``content`` from the user, or (``resume``) a turn that waited for decisions."""
     core = rt.core
-    try:
-        size = len(content.encode("utf-8"))
-    except UnicodeEncodeError as exc:
-        raise InvalidInput(
-            f"the message is not valid text ({exc.reason} at {exc.start}); nothing was sent"
-        ) from exc
-    if size > MAX_MESSAGE_BYTES:
-        raise RecordTooLarge(
-            f"the message is {size:,} bytes, over the {MAX_MESSAGE_BYTES:,}-byte limit for a "
-            "message that syncs; attach large content as an artifact or a file instead"
-        )
+    if resume is None:
+        content = content or ""
+        try:
+            size = len(content.encode("utf-8"))
+        except UnicodeEncodeError as exc:
+            raise InvalidInput(
+                f"the message is not valid text ({exc.reason} at {exc.start}); nothing was sent"
+            ) from exc
+        if size > MAX_MESSAGE_BYTES:
+            raise RecordTooLarge(
+                f"the message is {size:,} bytes, over the {MAX_MESSAGE_BYTES:,}-byte limit for "
+                "a message that syncs; attach large content as an artifact or a file instead"
+            )
     session = await core.session(session_id)
-    turn_id = uuid7()
+    if resume is None and session.state.pending_tool_calls:
+        raise InvalidState(_waiting_message(session))
+    turn_id = resume.turn_id if resume is not None else uuid7()
     writes = _TurnWrites()
-    transcript = await core.transcript(session)
+    if resume is not None:
+        writes.messages = list(resume.messages)
+        writes.mark_committed()
+        transcript = resume.before
+    else:
+        transcript = await core.transcript(session)
     provider = rt.provider_for(session)
     rt.warn_unoffered_tools(session)
     tool_specs = rt.tools.specs(session.tools)
@@ -147,7 +226,11 @@ async def run_turn(
     totals = {"input": 0, "output": 0}
     cost_total: float | None = 0.0
     calls = 0
-    aborted = False
+    if resume is not None:
+        totals = {"input": resume.input_tokens, "output": resume.output_tokens}
+        cost_total, calls = resume.cost_usd, resume.calls
+    aborted = suspended = False
+    waiting: list[str] = []
     call: _Call | None = None
     abort_wait: asyncio.Future[Any] | None = (
         asyncio.ensure_future(abort.wait()) if abort is not None else None
@@ -218,130 +301,193 @@ async def run_turn(
             )
         )
 
-    user = add_message("user", [{"type": "text", "text": content}])
-    event("message.added", {"message_id": user.id, "role": "user", "turn_id": turn_id})
-    yield MessageAdded(session_id=session.id, message_id=user.id, role="user", turn_id=turn_id)
+    if resume is None:
+        user = add_message("user", [{"type": "text", "text": content}])
+        event("message.added", {"message_id": user.id, "role": "user", "turn_id": turn_id})
+        yield MessageAdded(session_id=session.id, message_id=user.id, role="user", turn_id=turn_id)
 
+    resumed = resume
     try:
-        for seq in range(rt.max_tool_iterations + 1):
+        # A resumed turn first runs the tool calls it waited on (their reply came from call
+        # ``next_seq - 1``), then calls the provider again as usual.
+        first = resume.next_seq - 1 if resume is not None else 0
+        for seq in range(first, rt.max_tool_iterations + 1):
             if abort is not None and abort.is_set():
                 raise _Aborted
-            request = ProviderRequest(
-                model=session.model,
-                messages=extend_api(list(transcript.api), writes.messages),
-                system=rt.system,
-                tools=tool_specs,
-                max_tokens=rt.max_tokens,
-            )
-            call = _Call(seq=seq, started=time.monotonic())
-            calls += 1
-            reply_id = uuid7()
-            stream = provider.stream(request)
-            stop: MessageStop | None = None
-            try:
-                while True:
-                    if abort is not None and abort.is_set():
-                        raise _Aborted
-                    try:
-                        pev = await _next_event(stream, abort_wait)
-                    except StopAsyncIteration:
-                        break
-                    match pev:
-                        case MessageStart():
-                            call.request_id = pev.request_id
-                            call.input_tokens = pev.input_tokens
-                            call.cache_creation = pev.cache_creation_input_tokens
-                            call.cache_read = pev.cache_read_input_tokens
-                        case TextDelta(index=i, text=text):
-                            call.partial_text[i] = call.partial_text.get(i, "") + text
-                            call.chars_out += len(text)
-                            yield MessageDeltaEvent(
-                                session_id=session.id, message_id=reply_id, delta=text
-                            )
-                        case ThinkingDelta(index=i, thinking=text):
-                            call.partial_thinking[i] = call.partial_thinking.get(i, "") + text
-                            call.chars_out += len(text)
-                            yield ThinkingDeltaEvent(
-                                session_id=session.id, message_id=reply_id, delta=text
-                            )
-                        case ToolUseStart():
-                            pass
-                        case ToolInputDelta(partial_json=chunk):
-                            call.chars_out += len(chunk)
-                        case BlockStop(index=i, block=block):
-                            call.blocks[i] = block
-                            if block.get("type") == "thinking":
-                                yield ThinkingComplete(
-                                    session_id=session.id,
-                                    message_id=reply_id,
-                                    thinking=str(block.get("thinking", "")),
-                                )
-                        case MessageDelta(output_tokens=n):
-                            call.output_tokens = n
-                        case MessageStop():
-                            stop = pev
-                            call.finished = True
-                            call.output_tokens = pev.output_tokens
-                            call.input_tokens = pev.input_tokens
-                            call.request_id = pev.request_id or call.request_id
-            except ProviderError as exc:
-                outcome = "provider-error"
-                audit(call, "provider-error", exc.code, str(exc))
-                _keep_partial(call, add_message, aborted=True)
-                event("error", {"code": exc.code, "message": str(exc), "turn_id": turn_id})
-                yield ErrorEvent(
-                    session_id=session.id, code=exc.code, error=str(exc), retryable=exc.retryable
+            asked: dict[str, str] = {}
+            if resumed is not None:
+                tool_uses, asked, resumed = resumed.tool_uses, dict(resumed.interrupts), None
+            else:
+                request = ProviderRequest(
+                    model=session.model,
+                    messages=extend_api(list(transcript.api), writes.messages),
+                    system=rt.system,
+                    tools=tool_specs,
+                    max_tokens=rt.max_tokens,
                 )
-                call = None
-                break
-            finally:
-                await stream.aclose()
+                call = _Call(seq=seq, started=time.monotonic())
+                calls += 1
+                reply_id = uuid7()
+                stream = provider.stream(request)
+                stop: MessageStop | None = None
+                try:
+                    while True:
+                        if abort is not None and abort.is_set():
+                            raise _Aborted
+                        try:
+                            pev = await _next_event(stream, abort_wait)
+                        except StopAsyncIteration:
+                            break
+                        match pev:
+                            case MessageStart():
+                                call.request_id = pev.request_id
+                                call.input_tokens = pev.input_tokens
+                                call.cache_creation = pev.cache_creation_input_tokens
+                                call.cache_read = pev.cache_read_input_tokens
+                            case TextDelta(index=i, text=text):
+                                call.partial_text[i] = call.partial_text.get(i, "") + text
+                                call.chars_out += len(text)
+                                yield MessageDeltaEvent(
+                                    session_id=session.id, message_id=reply_id, delta=text
+                                )
+                            case ThinkingDelta(index=i, thinking=text):
+                                call.partial_thinking[i] = call.partial_thinking.get(i, "") + text
+                                call.chars_out += len(text)
+                                yield ThinkingDeltaEvent(
+                                    session_id=session.id, message_id=reply_id, delta=text
+                                )
+                            case ToolUseStart():
+                                pass
+                            case ToolInputDelta(partial_json=chunk):
+                                call.chars_out += len(chunk)
+                            case BlockStop(index=i, block=block):
+                                call.blocks[i] = block
+                                if block.get("type") == "thinking":
+                                    yield ThinkingComplete(
+                                        session_id=session.id,
+                                        message_id=reply_id,
+                                        thinking=str(block.get("thinking", "")),
+                                    )
+                            case MessageDelta(output_tokens=n):
+                                call.output_tokens = n
+                            case MessageStop():
+                                stop = pev
+                                call.finished = True
+                                call.output_tokens = pev.output_tokens
+                                call.input_tokens = pev.input_tokens
+                                call.request_id = pev.request_id or call.request_id
+                except ProviderError as exc:
+                    outcome = "provider-error"
+                    audit(call, "provider-error", exc.code, str(exc))
+                    _keep_partial(call, add_message, aborted=True)
+                    event("error", {"code": exc.code, "message": str(exc), "turn_id": turn_id})
+                    yield ErrorEvent(
+                        session_id=session.id,
+                        code=exc.code,
+                        error=str(exc),
+                        retryable=exc.retryable,
+                    )
+                    call = None
+                    break
+                finally:
+                    await stream.aclose()
 
-            if stop is None:
-                cut = ProviderError("provider stream ended without message_stop", code="truncated")
-                outcome = "provider-error"
-                audit(call, "provider-error", cut.code, str(cut))
-                _keep_partial(call, add_message, aborted=True)
-                event("error", {"code": cut.code, "message": str(cut), "turn_id": turn_id})
-                yield ErrorEvent(session_id=session.id, code=cut.code, error=str(cut))
-                call = None
-                break
+                if stop is None:
+                    cut = ProviderError(
+                        "provider stream ended without message_stop", code="truncated"
+                    )
+                    outcome = "provider-error"
+                    audit(call, "provider-error", cut.code, str(cut))
+                    _keep_partial(call, add_message, aborted=True)
+                    event("error", {"code": cut.code, "message": str(cut), "turn_id": turn_id})
+                    yield ErrorEvent(session_id=session.id, code=cut.code, error=str(cut))
+                    call = None
+                    break
 
-            reply = Message(
-                id=reply_id,
-                session_id=session.id,
-                org_id=session.org_id,
-                user_id=session.user_id,
-                client_id=core.client_id,
-                hlc=core.now(),
-                role="assistant",
-                content=stop.content,
-                turn_id=turn_id,
-            )
-            writes.messages.append(reply)
-            event(
-                "message.complete",
-                {"message_id": reply.id, "stop_reason": stop.stop_reason, "turn_id": turn_id},
-            )
-            yield MessageComplete(
-                session_id=session.id,
-                message_id=reply.id,
-                content=stop.content,
-                stop_reason=stop.stop_reason,
-            )
-            tool_uses = [b for b in stop.content if b.get("type") == "tool_use"]
-            if stop.stop_reason != "tool_use" or not tool_uses:
-                audit(call, "ok")
-                call = None
-                break
-            if seq >= rt.max_tool_iterations:
-                audit(call, "tool-error", "tool_iteration_limit", "tool loop cap reached")
-                call = None
-                outcome = "tool-error"
-                msg = f"tool loop stopped after {rt.max_tool_iterations} iterations"
-                event("error", {"code": "tool_iteration_limit", "message": msg})
-                yield ErrorEvent(session_id=session.id, code="tool_iteration_limit", error=msg)
-                break
+                reply = Message(
+                    id=reply_id,
+                    session_id=session.id,
+                    org_id=session.org_id,
+                    user_id=session.user_id,
+                    client_id=core.client_id,
+                    hlc=core.now(),
+                    role="assistant",
+                    content=stop.content,
+                    turn_id=turn_id,
+                )
+                writes.messages.append(reply)
+                event(
+                    "message.complete",
+                    {"message_id": reply.id, "stop_reason": stop.stop_reason, "turn_id": turn_id},
+                )
+                yield MessageComplete(
+                    session_id=session.id,
+                    message_id=reply.id,
+                    content=stop.content,
+                    stop_reason=stop.stop_reason,
+                )
+                tool_uses = [b for b in stop.content if b.get("type") == "tool_use"]
+                if stop.stop_reason != "tool_use" or not tool_uses:
+                    audit(call, "ok")
+                    call = None
+                    break
+                if seq >= rt.max_tool_iterations:
+                    audit(call, "tool-error", "tool_iteration_limit", "tool loop cap reached")
+                    call = None
+                    outcome = "tool-error"
+                    msg = f"tool loop stopped after {rt.max_tool_iterations} iterations"
+                    event("error", {"code": "tool_iteration_limit", "message": msg})
+                    yield ErrorEvent(session_id=session.id, code="tool_iteration_limit", error=msg)
+                    break
+
+            config = rt.interrupt
+            if not asked and config is not None and config.enabled:
+                # Every call of the reply that needs approval is asked at once, before any of
+                # them runs, so the commit below never holds half of a reply's results.
+                now_ms = rt.wall_ms()
+                requests: list[Event] = []
+                for block in tool_uses:
+                    name, tool_input = str(block["name"]), block.get("input") or {}
+                    if rt.tools.get(name) is None or name not in session.tools:
+                        continue  # it cannot run anyway: it fails as usual, nothing to ask
+                    if not config.needs_approval(name, tool_input):
+                        continue
+                    tool_call = ToolCall(id=str(block["id"]), name=name, input=dict(tool_input))
+                    payload = config.request_payload(turn_id, tool_call, now_ms)
+                    requests.append(core.draft_event(session.id, REQUESTED, payload))
+                    asked[tool_call.id] = requests[-1].id
+                writes.events.extend(requests)
+                if asked:
+                    if call is not None:
+                        audit(
+                            call, "ok", "interrupt", f"{len(asked)} tool call(s) wait for approval"
+                        )
+                        call = None
+                    waiting = list(asked.values())
+                    pending = [
+                        {"id": str(b["id"]), "name": str(b["name"]), "interrupt_id": asked[b["id"]]}
+                        for b in tool_uses
+                        if b["id"] in asked
+                    ]
+                    session = await _commit_so_far(rt, session, writes, pending)
+                    for ask in interrupt_states(requests).values():
+                        yield interrupt_requested(ask)
+            decisions: dict[str, Interrupt] = {}
+            if asked:
+                waiting = list(asked.values())
+                if abort is not None and abort.is_set():
+                    raise _Aborted
+                end, states = await rt.interrupts.wait(session.id, waiting, abort_wait)
+                if end == "abort":
+                    raise _Aborted
+                if end == "closing":
+                    raise _Suspended
+                if any(s.source == "abort" for s in states.values()):
+                    raise _Aborted  # an abort settled these before the process stopped
+                waiting = []
+                for tool_id, interrupt_id in asked.items():
+                    decisions[tool_id] = states[interrupt_id]
+                    yield interrupt_resolved(states[interrupt_id])
 
             results: list[dict[str, Any]] = []
             failures: list[str] = []
@@ -351,6 +497,19 @@ async def run_turn(
                     raise _Aborted
                 name, tool_id = str(block["name"]), str(block["id"])
                 tool_input = block.get("input") or {}
+                decided = decisions.get(tool_id)
+                if decided is not None and isinstance(decided.decision, Reject):
+                    results.append(
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": tool_id,
+                            "content": tool_result_text(decided),
+                            "is_error": True,
+                        }
+                    )
+                    continue
+                if decided is not None and isinstance(decided.decision, Edit):
+                    tool_input = decided.decision.input
                 yield ToolStarted(
                     session_id=session.id, tool_call_id=tool_id, name=name, input=tool_input
                 )
@@ -381,26 +540,46 @@ async def run_turn(
                     session_id=session.id, tool_call_id=tool_id, name=name, output=output
                 )
             if failures:
-                audit(call, "tool-error", "tool_failed", "; ".join(failures))
+                if call is not None:  # (a call whose tools waited was accounted at the wait)
+                    audit(call, "tool-error", "tool_failed", "; ".join(failures))
                 outcome = "tool-error"
-            else:
+            elif call is not None:
                 audit(call, "ok")
             call = None
         # The loop ran out of iterations only through the cap branch above.
+    except _Suspended:
+        suspended = True
     except _Aborted:
         aborted = True
     except (asyncio.CancelledError, GeneratorExit):
         aborted = True
         await asyncio.shield(
-            _finish(rt, session, turn_id, writes, call, add_message, audit, event, True, outcome)
+            _finish(
+                rt,
+                session,
+                turn_id,
+                writes,
+                call,
+                add_message,
+                audit,
+                event,
+                True,
+                outcome,
+                waiting,
+            )
         )
         raise
     finally:
         if abort_wait is not None and not abort_wait.done():
             abort_wait.cancel()
 
+    if suspended:
+        # Everything up to the wait is committed; nothing after it happened. A restart
+        # continues from here (``rt.interrupts.resume``).
+        yield TurnSuspended(session_id=session.id, turn_id=turn_id, interrupt_ids=waiting)
+        return
     finished = await _finish(
-        rt, session, turn_id, writes, call, add_message, audit, event, aborted, outcome
+        rt, session, turn_id, writes, call, add_message, audit, event, aborted, outcome, waiting
     )
     for ev in finished:
         yield ev
@@ -478,6 +657,113 @@ def _close_dangling(messages: list[Message], add_message: Any) -> None:
         add_message("user", blocks, synthetic=True)
 
 
+async def _commit_so_far(
+    rt: SessionRuntime, session: Session, writes: _TurnWrites, pending: list[dict[str, Any]]
+) -> Session:
+    """Commit the turn's rows so far, before it waits: its messages, events (the requests
+    among them) and audit rows, with the session row listing the calls that now wait
+    (``state.pending_tool_calls``). No checkpoint: the turn's checkpoint comes at its end,
+    so every checkpoint is a transcript the API accepts (this one ends in unanswered tool
+    calls). Raises ``_Aborted`` when the session was deleted meanwhile (the delete wins)."""
+    core = rt.core
+    messages, events, audit = writes.uncommitted()
+    appended = [m.id for m in messages]
+
+    def commit(current: Session | None) -> SessionChange:
+        if current is None:
+            raise NotFound(f"session {session.id} does not exist")
+        if current.deleted:
+            return SessionChange(events=events)
+        state = msgspec.structs.replace(
+            current.state,
+            message_ids=current.state.message_ids + appended,
+            pending_tool_calls=pending,
+        )
+        row = msgspec.structs.replace(current, state=state)
+        return SessionChange(row=row, records=list(messages), events=events)
+
+    result = await core.write([(session.id, commit)], audit=audit)
+    writes.mark_committed()
+    updated = result.sessions.get(session.id)
+    if updated is None:
+        raise _Aborted
+    core.remember_turn(session, updated, messages)
+    return updated
+
+
+def _waiting_message(session: Session) -> str:
+    calls = session.state.pending_tool_calls
+    names = ", ".join(str(c.get("name")) for c in calls)
+    ids = ", ".join(str(c.get("interrupt_id")) for c in calls)
+    return (
+        f"session {session.id} has a turn waiting for approval of {names} (interrupt {ids}): "
+        "decide with rt.interrupts.resolve(id, decision); the device whose turn waits goes "
+        f"on by itself, or after a restart with rt.interrupts.resume({session.id!r}) "
+        "(which an abort also ends)"
+    )
+
+
+async def load_resume(rt: SessionRuntime, session_id: str) -> Resume:
+    """The turn waiting in ``session_id`` as the store holds it, to continue with
+    ``run_turn(resume=...)``. ``InvalidState`` when no turn waits there, or when it waits on
+    another device (only the device whose turn it is runs its tools)."""
+    session = await rt.core.session(session_id)
+    asked = {
+        str(c["id"]): str(c["interrupt_id"])
+        for c in session.state.pending_tool_calls
+        if isinstance(c.get("id"), str) and isinstance(c.get("interrupt_id"), str)
+    }
+    if not asked:
+        raise InvalidState(f"session {session_id} has no turn waiting for a decision")
+    states = await rt.interrupts.states(session_id, asked.values())
+    if len(states) != len(asked):
+        raise InvalidState(
+            f"the requests of the turn waiting in session {session_id} are not on this device "
+            "yet: sync first"
+        )
+    first = next(iter(states.values()))
+    if not await rt.interrupts.asked_here(first):
+        raise InvalidState(
+            f"the turn waiting in session {session_id} runs on device {first.requested_by}: "
+            "only that device can continue it; a decision made here (rt.interrupts.resolve) "
+            "reaches it by sync"
+        )
+    messages = await rt.store.get_messages(session.state.message_ids)
+    start = next((i for i, m in enumerate(messages) if m.turn_id == first.turn_id), None)
+    reply = next((m for m in reversed(messages) if m.role == "assistant"), None)
+    tool_uses = [] if reply is None else [b for b in reply.content if b.get("type") == "tool_use"]
+    called = {str(b.get("id")) for b in tool_uses}
+    if (
+        start is None
+        or reply is None
+        or reply.turn_id != first.turn_id
+        or any(t not in called for t in asked)
+    ):
+        raise InvalidState(
+            f"the turn waiting in session {session_id} is no longer at the end of its "
+            "transcript (rolled back or replaced meanwhile)"
+        )
+    rows = [
+        r for r in await rt.store.list_audit(session_id=session_id) if r.turn_id == first.turn_id
+    ]
+    cost: float | None = 0.0
+    for row in rows:
+        cost = None if cost is None or row.cost_usd is None else cost + row.cost_usd
+    before = messages[:start]
+    return Resume(
+        turn_id=first.turn_id,
+        before=Transcript.of([m.id for m in before], before),
+        messages=messages[start:],
+        tool_uses=tool_uses,
+        interrupts=asked,
+        next_seq=max([r.seq_within_turn + 1 for r in rows] or [1]),
+        input_tokens=sum(r.usage.input_tokens for r in rows),
+        output_tokens=sum(r.usage.output_tokens for r in rows),
+        cost_usd=cost,
+        calls=len(rows),
+    )
+
+
 async def _finish(
     rt: SessionRuntime,
     session: Session,
@@ -489,9 +775,14 @@ async def _finish(
     event: Any,
     aborted: bool,
     outcome: str,
+    waiting: list[str],
 ) -> list[StreamEvent]:
     """Account for an unfinished call, close dangling tool calls, commit the turn."""
     out: list[StreamEvent] = []
+    if aborted and waiting:
+        # The calls that waited are rejected (source ``abort``), once, under the write lock:
+        # a decision that came meanwhile loses, and a restart sees the turn as aborted.
+        await rt.interrupts.settle(session.id, waiting, abort=True)
     if aborted and call is not None:
         audit(call, "user-aborted", "user_aborted", "aborted by the user")
         partial = None if call.finished else _keep_partial(call, add_message, aborted=True)
@@ -509,10 +800,12 @@ async def _finish(
             )
     _close_dangling(writes.messages, add_message)
     # Empty tool-result holders (an abort before any tool ran) carry no content: drop them.
-    writes.messages = [m for m in writes.messages if m.content]
+    done = writes.committed_messages
+    writes.messages[done:] = [m for m in writes.messages[done:] if m.content]
     final = "user-aborted" if aborted else outcome
     core = rt.core
-    appended = [m.id for m in writes.messages]
+    kept = [m.id for m in writes.messages[:done]]
+    fresh = [m.id for m in writes.messages[done:]]
     checkpoint_id = uuid7()
     kind = "aborted" if aborted else "turn"
     event(
@@ -520,6 +813,7 @@ async def _finish(
         {"checkpoint_id": checkpoint_id, "turn_id": turn_id, "reason": kind},
     )
     event("turn.complete", {"turn_id": turn_id, "outcome": final})
+    messages, events, audit_rows = writes.uncommitted()
     placed: list[Checkpoint] = []
 
     def commit_turn(current: Session | None) -> SessionChange:
@@ -529,28 +823,33 @@ async def _finish(
             raise NotFound(f"session {session.id} does not exist")
         if current.deleted:
             # Deleted while the turn ran: the delete wins; the log and the ledger keep the turn.
-            return SessionChange(events=writes.events)
+            return SessionChange(events=events)
+        # The turn's checkpoint holds all its messages, those committed when it waited too.
+        # A rollback while it waited took those from the row: the turn then lands whole
+        # after what the row holds (its tool results never come without their calls).
+        ids, turn = current.state.message_ids, set(kept)
+        if not turn <= set(ids):
+            ids = [i for i in ids if i not in turn] + kept
         checkpoint = core.draft_checkpoint(
             session.id,
             parent_id=current.head_checkpoint_id,
             turn_id=turn_id,
             kind=kind,
-            appended=appended,
+            appended=kept + fresh,
             checkpoint_id=checkpoint_id,
         )
         placed[:] = [checkpoint]
         state = msgspec.structs.replace(
-            current.state,
-            message_ids=current.state.message_ids + appended,
-            pending_tool_calls=[],
+            current.state, message_ids=ids + fresh, pending_tool_calls=[]
         )
         row = msgspec.structs.replace(current, state=state, head_checkpoint_id=checkpoint.id)
-        return SessionChange(row=row, records=[*writes.messages, checkpoint], events=writes.events)
+        return SessionChange(row=row, records=[*messages, checkpoint], events=events)
 
-    result = await core.write([(session.id, commit_turn)], audit=writes.audit)
+    result = await core.write([(session.id, commit_turn)], audit=audit_rows)
+    writes.mark_committed()
     updated = result.sessions.get(session.id)
     if updated is not None:
-        core.remember_turn(session, updated, writes.messages)
+        core.remember_turn(session, updated, messages)
     checkpoint = placed[0] if placed and updated is not None else None
     if checkpoint is None:
         return out
@@ -566,4 +865,4 @@ async def _finish(
     return out
 
 
-__all__ = ["run_turn", "to_api_messages"]
+__all__ = ["Resume", "load_resume", "run_turn", "to_api_messages"]

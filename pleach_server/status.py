@@ -44,11 +44,11 @@ STALE_AFTER_S = 300.0
 class RateWindow:
     """Events per second over the last ``window`` seconds, in one-second buckets."""
 
-    def __init__(self, window: int = 60) -> None:
+    def __init__(self, window: int = 60, *, started: float | None = None) -> None:
         self.window = window
         self._buckets = [0] * window
         self._seconds = [0] * window
-        self._started = time.monotonic()
+        self._started = time.monotonic() if started is None else started
         self.total = 0
 
     def add(self, count: int = 1, now: float | None = None) -> None:

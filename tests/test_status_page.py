@@ -134,8 +134,8 @@ def test_the_page_escapes_what_devices_send() -> None:
 
 
 def test_rate_window_counts_the_last_minute() -> None:
-    window = RateWindow(window=60)
-    start = window._started
+    start = 1000.0
+    window = RateWindow(window=60, started=start)
     for second in range(120):
         window.add(2, now=start + second)
     assert window.rate(now=start + 119.5) == pytest.approx(2.0)
