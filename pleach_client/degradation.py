@@ -43,10 +43,28 @@ class DegradedModelRecord(msgspec.Struct, kw_only=True):
     fallback: str | None
 
 
+_CODES: dict[str, FailureKind] = {
+    "overloaded": "overloaded",
+    "rate_limited": "rate_limited",
+    "timeout": "timeout",
+    "connection_error": "timeout",
+}
+
+
 def failure_kind(exc: BaseException) -> FailureKind | None:
     """What a provider error says about the model: None when it says nothing (the caller's
-    mistake, an abort). Reads the anthropic SDK's error classes by name and status, so this
-    module does not import the SDK."""
+    mistake, an abort). Reads a ``ProviderError``'s code, or the anthropic SDK's error
+    classes by name and status, so this module does not import the SDK."""
+    code = getattr(exc, "code", None)
+    if isinstance(code, str):
+        if code in _CODES:
+            return _CODES[code]
+        status = getattr(exc, "status", None)
+        if code == "api_error" and (status is None or status >= 500):
+            return "server_error"
+        if code in ("truncated", "invalid_response"):
+            return "server_error"
+        return None
     names = {cls.__name__ for cls in type(exc).__mro__}
     status = getattr(exc, "status_code", None)
     if "APITimeoutError" in names or isinstance(exc, TimeoutError):

@@ -25,6 +25,7 @@ from shared.tracing import Spans
 
 from .artifacts import ArtifactsFacet
 from .core import DeviceCore, SessionChange, SessionHandle, existing
+from .degradation import DegradationFacet
 from .diagnostics import DiagnosticsFacet
 from .facets import (
     AuditFacet,
@@ -452,6 +453,7 @@ class SessionRuntime:
         interrupt: InterruptConfig | None = None,
         span_exporter: Any | None = None,
         tracer_provider: Any | None = None,
+        fallbacks: dict[str, str] | None = None,
     ) -> None:
         global _memory_warned
         if storage is None:
@@ -492,6 +494,9 @@ class SessionRuntime:
             exporter=span_exporter, tracer_provider=tracer_provider, service_name="pleach-client"
         )
         self.diagnostics = DiagnosticsFacet(self)
+        # runtime.degradation: failing models routed around (``fallbacks`` maps a model to
+        # the one to call while it is degraded).
+        self.degradation = DegradationFacet(fallbacks=fallbacks)
         self.sessions = SessionsFacet(self)
         self.events = EventsFacet(self)
         self.checkpoints = CheckpointsFacet(self)

@@ -18,6 +18,7 @@ from the store and ``run_turn(resume=...)`` goes on from the wait.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -37,8 +38,10 @@ from shared.errors import (
 from shared.ids import uuid7
 from shared.messages import MAX_RECORD_BYTES
 from shared.records import AuditRow, Checkpoint, Event, Message, Outcome, Session, Usage
+from shared.tracing import SpanHandle
 
 from .core import SessionChange
+from .degradation import failure_kind
 from .interrupts import (
     REQUESTED,
     Edit,
@@ -83,6 +86,8 @@ from .transcript import Transcript, extend_api, to_api_messages
 if TYPE_CHECKING:
     from .runtime import SessionRuntime
 
+log = logging.getLogger("pleach.turn")
+
 ABORTED_TOOL_RESULT = "Tool call was not run: the user aborted the turn."
 MAX_MESSAGE_BYTES = MAX_RECORD_BYTES // 2
 """The largest user message a turn takes (UTF-8): its record stays well under the limit."""
@@ -105,6 +110,9 @@ class _Call:
 
     seq: int
     started: float
+    model: str = ""
+    """The model actually called (the session's, or its fallback while it is degraded)."""
+    span: SpanHandle | None = None
     request_id: str | None = None
     input_tokens: int | None = None
     cache_creation: int = 0
@@ -193,7 +201,74 @@ async def run_turn(
     abort: asyncio.Event | None,
     resume: Resume | None = None,
 ) -> AsyncIterator[StreamEvent]:
-    """One turn: ``content`` from the user, or (``resume``) a turn that waited for decisions."""
+    """One turn: ``content`` from the user, or (``resume``) a turn that waited for decisions.
+
+    The turn is one span (``pleach.turn``) with a child for each model and tool call."""
+    span = rt.spans.start(
+        "pleach.turn",
+        kind="turn",
+        attributes={
+            "pleach.session_id": session_id,
+            "pleach.org_id": rt.org_id,
+            "pleach.user_id": rt.user_id,
+            "pleach.resumed": resume is not None,
+        },
+    )
+    inner = _run_turn(rt, session_id, content, abort, resume, span)
+    try:
+        async for ev in inner:
+            if isinstance(ev, TurnComplete):
+                done: dict[str, str | int | float | bool | None] = {
+                    "pleach.turn_id": ev.turn_id,
+                    "pleach.outcome": ev.outcome,
+                    "gen_ai.usage.input_tokens": ev.input_tokens,
+                    "gen_ai.usage.output_tokens": ev.output_tokens,
+                    "pleach.cost_usd": ev.cost_usd,
+                    "pleach.provider_calls": ev.provider_calls,
+                }
+                span.set(**done)
+                if ev.outcome not in ("ok", "user-aborted"):
+                    span.error(ev.outcome)
+            yield ev
+    except (GeneratorExit, asyncio.CancelledError):
+        span.set(**{"pleach.outcome": "user-aborted"})
+        raise
+    except BaseException as exc:
+        span.error(exc)
+        raise
+    finally:
+        # Closing the inner turn runs its abort accounting when the consumer stopped early.
+        await inner.aclose()
+        span.end()
+
+
+def _end_call_span(
+    call: _Call, *, error: BaseException | None = None, stop_reason: str | None = None
+) -> None:
+    span, call.span = call.span, None
+    if span is None:
+        return
+    span.set(
+        **{
+            "gen_ai.usage.input_tokens": call.input_tokens,
+            "gen_ai.usage.output_tokens": call.output_tokens,
+            "gen_ai.response.finish_reasons": stop_reason,
+            "pleach.request_id": call.request_id,
+        }
+    )
+    if error is not None:
+        span.error(error)
+    span.end()
+
+
+async def _run_turn(
+    rt: SessionRuntime,
+    session_id: str,
+    content: str | None,
+    abort: asyncio.Event | None,
+    resume: Resume | None,
+    turn_span: SpanHandle,
+) -> AsyncGenerator[StreamEvent, None]:
     core = rt.core
     if resume is None:
         content = content or ""
@@ -269,7 +344,7 @@ async def run_turn(
             output_estimated=estimated,
         )
         cost = cost_usd(
-            session.model,
+            c.model or session.model,
             input_tokens=usage.input_tokens,
             output_tokens=usage.output_tokens,
             cache_creation_input_tokens=usage.cache_creation_input_tokens,
@@ -290,7 +365,7 @@ async def run_turn(
                 stage_id="tool-loop" if c.seq < rt.max_tool_iterations else "synthesis",
                 seq_within_turn=c.seq,
                 provider=provider.name,
-                model=session.model,
+                model=c.model or session.model,
                 outcome=Outcome(status=status, code=code, message=message),  # type: ignore[arg-type]
                 usage=usage,
                 request_id=c.request_id,
@@ -318,14 +393,33 @@ async def run_turn(
             if resumed is not None:
                 tool_uses, asked, resumed = resumed.tool_uses, dict(resumed.interrupts), None
             else:
+                model = rt.degradation.route(session.model)
+                if model != session.model:
+                    log.warning(
+                        "model %s is degraded; this call goes to its fallback %s",
+                        session.model,
+                        model,
+                    )
                 request = ProviderRequest(
-                    model=session.model,
+                    model=model,
                     messages=extend_api(list(transcript.api), writes.messages),
                     system=rt.system,
                     tools=tool_specs,
                     max_tokens=rt.max_tokens,
                 )
-                call = _Call(seq=seq, started=time.monotonic())
+                call = _Call(seq=seq, started=time.monotonic(), model=model)
+                call.span = rt.spans.start(
+                    "pleach.model_call",
+                    kind="model_call",
+                    parent=turn_span,
+                    attributes={
+                        "gen_ai.system": provider.name,
+                        "gen_ai.request.model": model,
+                        "pleach.session_id": session.id,
+                        "pleach.turn_id": turn_id,
+                        "pleach.seq": seq,
+                    },
+                )
                 calls += 1
                 reply_id = uuid7()
                 stream = provider.stream(request)
@@ -378,6 +472,10 @@ async def run_turn(
                                 call.request_id = pev.request_id or call.request_id
                 except ProviderError as exc:
                     outcome = "provider-error"
+                    kind = failure_kind(exc)
+                    if kind is not None:
+                        rt.degradation.record_failure(call.model, kind)
+                    _end_call_span(call, error=exc)
                     audit(call, "provider-error", exc.code, str(exc))
                     _keep_partial(call, add_message, aborted=True)
                     event("error", {"code": exc.code, "message": str(exc), "turn_id": turn_id})
@@ -396,6 +494,8 @@ async def run_turn(
                     cut = ProviderError(
                         "provider stream ended without message_stop", code="truncated"
                     )
+                    rt.degradation.record_failure(call.model, "server_error")
+                    _end_call_span(call, error=cut)
                     outcome = "provider-error"
                     audit(call, "provider-error", cut.code, str(cut))
                     _keep_partial(call, add_message, aborted=True)
@@ -404,6 +504,8 @@ async def run_turn(
                     call = None
                     break
 
+                rt.degradation.record_success(call.model)
+                _end_call_span(call, stop_reason=stop.stop_reason)
                 reply = Message(
                     id=reply_id,
                     session_id=session.id,
@@ -513,12 +615,25 @@ async def run_turn(
                 yield ToolStarted(
                     session_id=session.id, tool_call_id=tool_id, name=name, input=tool_input
                 )
+                tool_span = rt.spans.start(
+                    "pleach.tool_call",
+                    kind="tool_call",
+                    parent=turn_span,
+                    attributes={
+                        "pleach.tool": name,
+                        "pleach.tool_call_id": tool_id,
+                        "pleach.session_id": session.id,
+                        "pleach.turn_id": turn_id,
+                    },
+                )
                 try:
                     tool = rt.tools.get(name)
                     if tool is None or name not in session.tools:
                         raise ToolError(f"tool {name!r} is not enabled for this session")
                     output = await _run_tool(tool.call(tool_input), abort_wait)
                 except ToolError as exc:
+                    tool_span.error(exc)
+                    tool_span.end()
                     failures.append(f"{name}: {exc}")
                     results.append(
                         {
@@ -533,6 +648,11 @@ async def run_turn(
                         session_id=session.id, tool_call_id=tool_id, name=name, error=str(exc)
                     )
                     continue
+                except BaseException as exc:
+                    tool_span.error(exc)
+                    tool_span.end()
+                    raise
+                tool_span.end()
                 output = _capped(output)
                 results.append({"type": "tool_result", "tool_use_id": tool_id, "content": output})
                 event("tool.completed", {"tool_call_id": tool_id, "name": name})
@@ -572,6 +692,9 @@ async def run_turn(
     finally:
         if abort_wait is not None and not abort_wait.done():
             abort_wait.cancel()
+        if call is not None and call.span is not None:
+            call.span.set(**{"pleach.aborted": aborted, "pleach.suspended": suspended})
+            _end_call_span(call)
 
     if suspended:
         # Everything up to the wait is committed; nothing after it happened. A restart
