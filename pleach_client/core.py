@@ -40,6 +40,7 @@ from shared.records import (
     kind_of,
 )
 
+from .cache import RecordCache
 from .store.base import CommitReceipt, StorageAdapter, TxReader, WriteBatch
 from .transcript import Transcript
 
@@ -47,6 +48,8 @@ _R = TypeVar("_R", bound=Record)
 GENERATION = "generation"
 PREVIOUS_IDS = "previous_client_ids"
 HISTORY_CACHE_SESSIONS = 16  # transcripts kept decoded in memory, least recently used dropped
+
+_ENCODER = msgspec.msgpack.Encoder()
 
 
 @dataclass
@@ -136,9 +139,12 @@ class DeviceCore:
         user_id: str,
         client_id: str | None = None,
         wall_clock: Callable[[], int] = wall_clock_ms,
+        cache: RecordCache[Message] | None = None,
     ) -> None:
         self.store = store
         self._wall_clock = wall_clock
+        # Immutable messages read from the store, by id (``runtime.cache``; None: off).
+        self.cache = cache
         self.org_id = org_id
         self.user_id = user_id
         self._requested_client_id = client_id
@@ -209,10 +215,25 @@ class DeviceCore:
         cached = self._histories.get(session.id)
         if cached is not None and cached.ids == session.state.message_ids:
             return cached
-        history = await self.store.get_messages(session.state.message_ids)
+        history = await self.messages(session.state.message_ids)
         transcript = Transcript.of(session.state.message_ids, history)
         self._remember(session.id, transcript)
         return transcript
+
+    async def messages(self, message_ids: list[str]) -> list[Message]:
+        """The stored messages of ``message_ids``, in order (missing ones left out): from the
+        record cache where it holds them, the rest in one store read. Messages never change
+        once written, so a cached copy is never stale; a purge (delete) or another process's
+        write clears the cache."""
+        cache = self.cache
+        if cache is None:
+            return await self.store.get_messages(message_ids)
+        found, missing = cache.get_many(message_ids)
+        if missing:
+            for message in await self.store.get_messages(missing):
+                found[message.id] = message
+                cache.put(message.id, message, len(_ENCODER.encode(message)))
+        return [found[i] for i in message_ids if i in found]
 
     # -- drafts -----------------------------------------------------------------------------
     def draft_event(self, session_id: str, kind: str, payload: dict[str, Any]) -> Event:
@@ -503,6 +524,8 @@ class DeviceCore:
                     self.active.record = row
         for session_id in purged:
             self._histories.pop(session_id, None)
+            if self.cache is not None:
+                self.cache.clear()
 
     async def _row(self, tx: TxReader, session_id: str) -> Session | None:
         row = self._sessions.get(session_id)
@@ -542,6 +565,8 @@ class DeviceCore:
 
     def _forget(self) -> None:
         self._generation = None
+        if self.cache is not None:
+            self.cache.clear()
         self._sessions.clear()
         self._event_heads.clear()
         self._canonical_heads.clear()

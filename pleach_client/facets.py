@@ -130,7 +130,7 @@ class CheckpointsFacet:
     async def state_at(self, session_id: str, checkpoint_id: str) -> builtins.list[Message]:
         """Time travel: the transcript as it stood at ``checkpoint_id``."""
         ids = await self._checkpoint_ids(session_id, checkpoint_id)
-        return await self._rt.store.get_messages(ids)
+        return await self._rt.core.messages(ids)
 
     async def rollback(self, session_id: str, checkpoint_id: str) -> RollbackReceipt:
         """Restore the session to a checkpoint as a NEW checkpoint; lineage and audit stay."""
@@ -260,7 +260,7 @@ async def copy_into(
             client_id=core.client_id,
             hlc=core.now(),
         )
-        for m in await rt.store.get_messages(message_ids)
+        for m in await rt.core.messages(message_ids)
     ]
     artifacts = [
         update

@@ -24,6 +24,7 @@ from shared.records import Checkpoint, Event, Message, Session, SessionState
 from shared.tracing import Spans
 
 from .artifacts import ArtifactsFacet
+from .cache import RecordCache
 from .core import DeviceCore, SessionChange, SessionHandle, existing
 from .degradation import DegradationFacet
 from .diagnostics import DiagnosticsFacet
@@ -231,7 +232,7 @@ class SessionsFacet:
     async def messages(self, session_id: str) -> builtins.list[Message]:
         """The session's current transcript, in order."""
         session = await self._core.session(session_id)
-        return await self._rt.store.get_messages(session.state.message_ids)
+        return await self._rt.core.messages(session.state.message_ids)
 
     async def save(self, session: Session) -> Session:
         """Persist an explicit change to a session row (title, tools, state...).
@@ -434,6 +435,9 @@ class SessionRuntime:
     ``span_exporter`` (an OpenTelemetry ``SpanExporter``) or ``tracer_provider``: export spans
     of every turn, model call, tool call, sync flush and pull (``rt.spans``; needs
     ``pleach[otel]``). Neither: spans are counted, not exported.
+    ``fallbacks``: the model to call while a model is degraded (``rt.degradation``).
+    ``cache``: the record cache of immutable messages (``rt.cache``; by default 1,000 entries
+    and 64 MB; a ``RecordCache`` of your own, or None to turn it off).
     """
 
     def __init__(
@@ -454,6 +458,7 @@ class SessionRuntime:
         span_exporter: Any | None = None,
         tracer_provider: Any | None = None,
         fallbacks: dict[str, str] | None = None,
+        cache: RecordCache[Message] | bool | None = True,
     ) -> None:
         global _memory_warned
         if storage is None:
@@ -472,6 +477,7 @@ class SessionRuntime:
             user_id=user_id,
             client_id=client_id,
             wall_clock=self._wall_clock,
+            cache=RecordCache() if cache is True else (cache or None),
         )
         self.interrupt = interrupt
         self._provider = provider
@@ -512,6 +518,11 @@ class SessionRuntime:
     @property
     def client_id(self) -> str:
         return self.core.client_id
+
+    @property
+    def cache(self) -> RecordCache[Message] | None:
+        """``runtime.cache``: the record cache (``metrics_snapshot()``), None when disabled."""
+        return self.core.cache
 
     @property
     def org_id(self) -> str:

@@ -851,7 +851,7 @@ async def load_resume(rt: SessionRuntime, session_id: str) -> Resume:
             "only that device can continue it; a decision made here (rt.interrupts.resolve) "
             "reaches it by sync"
         )
-    messages = await rt.store.get_messages(session.state.message_ids)
+    messages = await rt.core.messages(session.state.message_ids)
     start = next((i for i, m in enumerate(messages) if m.turn_id == first.turn_id), None)
     reply = next((m for m in reversed(messages) if m.role == "assistant"), None)
     tool_uses = [] if reply is None else [b for b in reply.content if b.get("type") == "tool_use"]

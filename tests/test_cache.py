@@ -61,3 +61,36 @@ def test_metrics_count_hits_misses_and_evictions() -> None:
     assert m.hit_ratio == 0.75
     cache.put("huge", 4, 5000)  # over the whole budget: not kept, nothing evicted
     assert cache.get("huge") is None and len(cache) == 2
+
+
+async def test_the_runtime_reads_messages_through_the_cache(tmp_path: object) -> None:
+    """Resume and message listing read the store only for what the cache lacks; a delete
+    clears it; None turns it off."""
+    from pathlib import Path
+
+    from pleach_client.providers.scripted import ScriptedProvider
+    from pleach_client.runtime import SessionRuntime
+    from pleach_client.store.sqlite import SQLiteAdapter
+
+    db = Path(str(tmp_path)) / "d.db"
+    async with SessionRuntime(SQLiteAdapter(db), ScriptedProvider()) as rt:
+        assert rt.cache is not None
+        session = await rt.create_session()
+        for text in ("one", "two", "three"):
+            async for _ in rt.execute_message(session.id, text):
+                pass
+        first = await rt.sessions.messages(session.id)
+        before = rt.cache.metrics_snapshot()
+        again = await rt.sessions.messages(session.id)
+        after = rt.cache.metrics_snapshot()
+        assert again == first and len(first) == 6
+        assert after.hits - before.hits == 6 and after.misses == before.misses
+        assert after.entries == 6 and after.bytes > 0
+        await rt.delete_session(session.id)
+        assert rt.cache.metrics_snapshot().entries == 0
+    async with SessionRuntime(SQLiteAdapter(db), ScriptedProvider(), cache=None) as rt:
+        assert rt.cache is None
+        other = await rt.create_session()
+        async for _ in rt.execute_message(other.id, "hi"):
+            pass
+        assert len(await rt.sessions.messages(other.id)) == 2
