@@ -12,6 +12,7 @@ import asyncio
 import builtins
 import contextlib
 import logging
+import os
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from typing import Any, TypeVar, cast
 
@@ -39,6 +40,7 @@ from .facets import (
 from .interrupts import InterruptConfig, interrupt_states
 from .providers.base import Provider
 from .receipts import InterruptResolveReceipt, SessionDeleteReceipt
+from .store import STORE_ENV, from_env, from_url
 from .store.base import StorageAdapter
 from .store.memory import MemoryAdapter
 from .stream import (
@@ -425,7 +427,8 @@ class EventBus:
 class SessionRuntime:
     """One user's sessions on this device. Use ``async with SessionRuntime(...) as rt``.
 
-    With no arguments: a non-durable ``MemoryAdapter`` (a warning is logged once), user
+    ``storage`` is a store or a store URL (``pleach_client.store.from_url``); with none, the one
+    ``$PLEACH_STORE`` names, else a non-durable ``MemoryAdapter`` (a warning is logged once), user
     ``"anonymous"`` and a generated client id that the store keeps. The device's state (clock,
     chain heads, caches, the write path) belongs to ``rt.core`` (a ``DeviceCore``).
     ``wall_clock`` (milliseconds since the epoch) replaces the system clock under the HLC, for
@@ -442,7 +445,7 @@ class SessionRuntime:
 
     def __init__(
         self,
-        storage: StorageAdapter | None = None,
+        storage: StorageAdapter | str | None = None,
         provider: Provider | None = None,
         *,
         user_id: str = "anonymous",
@@ -461,6 +464,10 @@ class SessionRuntime:
         cache: RecordCache[Message] | bool | None = True,
     ) -> None:
         global _memory_warned
+        if isinstance(storage, str):
+            storage = from_url(storage)
+        elif storage is None and os.environ.get(STORE_ENV):
+            storage = from_env()
         if storage is None:
             storage = MemoryAdapter()
             if not _memory_warned:
