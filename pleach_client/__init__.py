@@ -11,11 +11,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .files import FileReference
     from .interrupts import ApprovalDecision, Approve, Edit, Interrupt, InterruptConfig, Reject
+    from .plugins import ExponentialRetry, ToolInvocation, TurnContext
+    from .prompts import PromptFragment
     from .providers.anthropic import AnthropicProvider
     from .providers.scripted import ScriptedProvider, ScriptedReply
     from .receipts import InterruptResolveReceipt
     from .runtime import SessionRuntime
+    from .safety import Redact, Refuse, ToolAllowlist
     from .store.memory import MemoryAdapter
     from .store.sqlite import SQLiteAdapter
     from .tools import Tool
@@ -35,6 +39,14 @@ _WHERE = {
     "Reject": ".interrupts",
     "Edit": ".interrupts",
     "InterruptResolveReceipt": ".receipts",
+    "FileReference": ".files",
+    "PromptFragment": ".prompts",
+    "ExponentialRetry": ".plugins",
+    "ToolInvocation": ".plugins",
+    "TurnContext": ".plugins",
+    "Redact": ".safety",
+    "Refuse": ".safety",
+    "ToolAllowlist": ".safety",
 }
 
 __all__ = [
@@ -42,16 +54,24 @@ __all__ = [
     "ApprovalDecision",
     "Approve",
     "Edit",
+    "ExponentialRetry",
+    "FileReference",
     "Interrupt",
     "InterruptConfig",
     "InterruptResolveReceipt",
     "MemoryAdapter",
+    "PromptFragment",
+    "Redact",
+    "Refuse",
     "Reject",
     "SQLiteAdapter",
     "ScriptedProvider",
     "ScriptedReply",
     "SessionRuntime",
     "Tool",
+    "ToolAllowlist",
+    "ToolInvocation",
+    "TurnContext",
 ]
 
 

@@ -22,7 +22,7 @@ from shared.records import ArtifactUpdate, AuditRow, Event, FeedChange, Message,
 
 from .core import RemoteView, purge_keep
 from .store.base import TxReader, WriteBatch
-from .stream import SyncApplied, SyncConflict, remote_interrupt_events
+from .stream import SyncApplied, SyncConflict, job_events, remote_interrupt_events
 from .syncplan import Decision, decide_session, rebase
 
 log = logging.getLogger("pleach.sync")
@@ -140,6 +140,8 @@ async def plan_page(
         emitted.extend(
             remote_interrupt_events([e for e in placed.fresh if e.client_id != view.client_id])
         )
+        # Another device's job lifecycle (``pleach_client.jobs``), raised on first sight.
+        emitted.extend(job_events([e for e in placed.fresh if e.client_id != view.client_id]))
     emitted[:0] = [SyncApplied(session_id=sid, records=len(changes)) for sid in sorted(touched)]
     return WriteBatch(
         records=records,

@@ -21,6 +21,7 @@ from shared.records import ArtifactUpdate, Session
 
 from .core import SessionChange, existing
 from .receipts import ArtifactReceipt
+from .stream import ArtifactCreated
 
 if TYPE_CHECKING:
     from .runtime import SessionRuntime
@@ -56,6 +57,7 @@ class ArtifactsFacet:
             )
 
         await core.write([(session_id, existing(add))])
+        self._rt.emit(ArtifactCreated(session_id=session_id, artifact_id=artifact_id))
         return ArtifactReceipt(
             artifact_id=artifact_id,
             session_id=session_id,

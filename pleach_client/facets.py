@@ -28,6 +28,7 @@ from .interrupts import (
     plan_resolve,
     plan_settle,
 )
+from .lineage import root_turn_ids
 from .receipts import (
     AuditRollup,
     ForkReceipt,
@@ -308,11 +309,15 @@ class AuditFacet:
         return await self._rt.store.list_audit(session_id=session_id)
 
     async def rollup(self, session_id: str | None = None) -> AuditRollup:
-        """Tokens and cost by session (or all) and by turn."""
+        """Tokens and cost by session (or all) and by turn. A session's rollup includes its
+        subagents' rows, each under the top-level turn it was spent for."""
         rows = await self.rows(session_id)
+        if session_id is not None:
+            rows += await self._rt.tasks.subagent_audit_rows(session_id)
+        roots = root_turn_ids(rows)
         turns: dict[str, list[AuditRow]] = {}
         for row in rows:
-            turns.setdefault(row.turn_id, []).append(row)
+            turns.setdefault(roots.get(row.turn_id, row.turn_id), []).append(row)
         turn_rollups = [_sum_rows(rows_, turn_id=t) for t, rows_ in turns.items()]
         total = _sum_rows(rows, turn_id="")
         return AuditRollup(
@@ -325,6 +330,8 @@ class AuditFacet:
             cost_usd=total.cost_usd,
             turns=turn_rollups,
             outcomes=total.outcomes,
+            subagent_calls=total.subagent_calls,
+            subagent_cost_usd=total.subagent_cost_usd,
         )
 
     async def verify_chain(self, client_id: str | None = None) -> ChainVerification:
@@ -659,6 +666,10 @@ async def _first(
 def _sum_rows(rows: list[AuditRow], *, turn_id: str) -> TurnRollup:
     cost: float | None = 0.0
     outcomes: dict[str, int] = {}
+    sub = [r for r in rows if r.subagent_depth > 0]
+    sub_cost: float | None = 0.0
+    for row in sub:
+        sub_cost = None if sub_cost is None or row.cost_usd is None else sub_cost + row.cost_usd
     for row in rows:
         outcomes[row.outcome.status] = outcomes.get(row.outcome.status, 0) + 1
         cost = None if cost is None or row.cost_usd is None else cost + row.cost_usd
@@ -671,6 +682,8 @@ def _sum_rows(rows: list[AuditRow], *, turn_id: str) -> TurnRollup:
         cache_read_input_tokens=sum(r.usage.cache_read_input_tokens for r in rows),
         cost_usd=cost,
         outcomes=outcomes,
+        subagent_calls=len(sub),
+        subagent_cost_usd=sub_cost,
     )
 
 

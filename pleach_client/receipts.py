@@ -13,6 +13,7 @@ import msgspec
 from shared.messages import ConflictReceipt
 
 from .interrupts import ApprovalDecision, DecisionSource
+from .jobs import Job, JobStatus, Runner
 
 
 class SessionDeleteReceipt(msgspec.Struct, kw_only=True):
@@ -52,6 +53,9 @@ class TurnRollup(msgspec.Struct, kw_only=True):
     cache_read_input_tokens: int
     cost_usd: float | None
     outcomes: dict[str, int]
+    subagent_calls: int = 0
+    """Of ``calls``, those its subagents made (rows with a ``subagent_depth``)."""
+    subagent_cost_usd: float | None = 0.0
 
 
 class AuditRollup(msgspec.Struct, kw_only=True):
@@ -66,6 +70,10 @@ class AuditRollup(msgspec.Struct, kw_only=True):
     cost_usd: float | None
     turns: list[TurnRollup]
     outcomes: dict[str, int]
+    subagent_calls: int = 0
+    """Of ``calls``, those subagents made; a session's rollup includes its subagents' rows
+    (each under the top-level turn it was spent for)."""
+    subagent_cost_usd: float | None = 0.0
 
 
 FlushOutcome = Literal["all-flushed", "partial", "all-stuck", "none-pending"]
@@ -132,8 +140,75 @@ class ArtifactReceipt(msgspec.Struct, kw_only=True):
     length: int
 
 
+class ObserverUnregisterReceipt(msgspec.Struct, kw_only=True):
+    """What ``rt.observer_router.unregister`` did: ``removed`` the observer now, and whether
+    the registration ``was_registered`` at all (False for an id this router never gave)."""
+
+    registration_id: str
+    removed: bool
+    was_registered: bool
+
+
 class CommitReceipt(msgspec.Struct, kw_only=True):
     """``client_seqs`` are the outbox sequence numbers given to the batch's records, in order."""
 
     client_seqs: list[int]
     records: int
+
+
+class JobReceipt(msgspec.Struct, kw_only=True):
+    """What ``rt.tasks.start_job`` did: the job is queued (committed, syncing) and runs on
+    this device (``runner``: ``local`` handler or the host's ``endpoint``)."""
+
+    job_id: str
+    session_id: str
+    name: str
+    runner: Runner
+    status: JobStatus
+    deadline_ms: int | None
+    event_id: str
+
+
+class JobUpdateReceipt(msgspec.Struct, kw_only=True):
+    """What a lifecycle call (``complete_job``, ``fail_job``, ``report_progress``,
+    ``cancel_job``) did. ``accepted``: this call's word is in force (it wrote
+    ``event_ids``). ``final``: the job is over (``status``). On a device that does not run
+    the job, ``cancel_job`` writes a request (``accepted``, not yet final): the owner
+    applies it unless the job finished first. A call on a job that was already over is not
+    accepted and writes nothing."""
+
+    job_id: str
+    session_id: str
+    accepted: bool
+    final: bool
+    status: JobStatus
+    event_ids: list[str] = []
+    job: Job | None = None
+
+
+class JobsWaitReceipt(msgspec.Struct, kw_only=True):
+    """What ``rt.tasks.wait_for_jobs`` saw: the jobs waited on as they stand, and whether
+    they are all over (``done``) or the wait ended first (``timed_out``, ``aborted``)."""
+
+    session_id: str
+    jobs: list[Job]
+    done: bool
+    timed_out: bool = False
+    aborted: bool = False
+
+
+class SubagentResult(msgspec.Struct, kw_only=True):
+    """What a subagent did: its session (``subagent_id``), its turn and outcome, its final
+    ``text`` (what the parent turn's tool result says), and its tokens and cost."""
+
+    subagent_id: str
+    parent_session_id: str
+    parent_turn_id: str | None
+    depth: int
+    turn_id: str
+    outcome: str
+    text: str
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost_usd: float | None = 0.0
+    provider_calls: int = 0

@@ -13,7 +13,7 @@ import builtins
 import contextlib
 import logging
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, TypeVar, cast
 
 import msgspec
@@ -37,9 +37,15 @@ from .facets import (
     InterruptsFacet,
     rebuild_message_ids,
 )
+from .files import FileRef, FilesFacet
 from .interrupts import InterruptConfig, interrupt_states
+from .jobs import job_states
+from .legacy import LegacySurface, TenantFacet, deprecated
+from .plugins import ObserverRouter, Plugin, PluginManager, custom_event
+from .prompts import PromptsFacet
 from .providers.base import Provider
 from .receipts import InterruptResolveReceipt, SessionDeleteReceipt
+from .safety import SafetyFacet, SafetyPolicy
 from .store import STORE_ENV, from_env, from_url
 from .store.base import StorageAdapter
 from .store.memory import MemoryAdapter
@@ -52,6 +58,8 @@ from .stream import (
     StreamEventBase,
     StreamManager,
 )
+from .subagents import SubagentManager, subagent_runs
+from .tasks import JobHandler, TasksFacet
 from .tools import Tool, ToolRegistry, default_registry
 from .turn import Resume, load_resume, run_turn
 
@@ -134,6 +142,38 @@ def _config_tools(value: object) -> list[str] | None:
     )
 
 
+MIN_THINKING_BUDGET = 1024
+"""The smallest thinking budget the Messages API takes."""
+
+
+def thinking_config(budget: object = None, thinking: object = None) -> int | None:
+    """A session's thinking budget from ``thinking_budget=N`` or the nested
+    ``thinking={"budget_tokens": N}``; ``SessionConfigError`` unless N >= 1024 (or None)."""
+    if budget is not None and thinking is not None:
+        raise SessionConfigError("give thinking_budget or thinking, not both")
+    if isinstance(thinking, dict):
+        if (
+            set(thinking) - {"budget_tokens", "type"}
+            or thinking.get("type", "enabled") != "enabled"
+        ):
+            raise SessionConfigError(
+                f"session config 'thinking' must be {{'budget_tokens': N}}, not {thinking!r}"
+            )
+        budget = thinking.get("budget_tokens")
+    elif thinking is not None:
+        raise SessionConfigError(
+            f"session config 'thinking' must be {{'budget_tokens': N}}, not {thinking!r}"
+        )
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < MIN_THINKING_BUDGET:
+        raise SessionConfigError(
+            f"session config 'thinking_budget' must be a whole number of tokens >= "
+            f"{MIN_THINKING_BUDGET}, not {budget!r}"
+        )
+    return budget
+
+
 def _config_title(value: object) -> str:
     if isinstance(value, str):
         return value
@@ -152,8 +192,13 @@ class SessionsFacet:
 
         ``config``: ``provider``, ``model``, ``tools``, ``title`` as plain values or in the
         reference's nested shape; anything else raises ``SessionConfigError`` at once.
+        ``thinking_budget=N`` (or ``thinking={"budget_tokens": N}``, N >= 1024): every model
+        call of the session thinks with up to N tokens, streamed as ``thinking.*`` events.
         """
         rt, core = self._rt, self._core
+        thinking = thinking_config(
+            config.pop("thinking_budget", None), config.pop("thinking", None)
+        )
         provider, model, tools, title = session_config(**config)
         provider_name = provider or rt.default_provider_name
         model_id = model or DEFAULT_MODELS.get(provider_name, DEFAULT_MODELS["anthropic"])
@@ -172,6 +217,7 @@ class SessionsFacet:
             title=title,
             state=SessionState(),
             tools=list(tools) if tools is not None else rt.tools.names(),
+            thinking_budget=thinking,
         )
         created = core.draft_event(
             session.id, "session.created", {"provider": provider_name, "model": model_id}
@@ -356,7 +402,9 @@ def hydrate(events: list[Event]) -> dict[str, Any]:
     """Fold the event log into transient card-lifecycle state (never stored on the row).
 
     ``interrupts`` lists the session's interrupts (``Interrupt`` as plain data): the
-    resolved ones with their decision, who made it and how, and any still waiting.
+    resolved ones with their decision, who made it and how, and any still waiting. ``jobs``
+    lists its background jobs (``Job``) and ``subagents`` the subagents it started
+    (``SubagentRun``), whichever device ran them.
     """
     state: dict[str, Any] = {
         "turns": 0,
@@ -387,6 +435,8 @@ def hydrate(events: list[Event]) -> dict[str, Any]:
             case "sync.conflict":
                 state["conflicts"].append(ev.payload.get("conflict_id"))
     state["interrupts"] = [msgspec.to_builtins(i) for i in interrupt_states(events).values()]
+    state["jobs"] = [msgspec.to_builtins(j) for j in job_states(events).values()]
+    state["subagents"] = [msgspec.to_builtins(r) for r in subagent_runs(events).values()]
     return state
 
 
@@ -410,6 +460,10 @@ class EventBus:
                 return True
         return False
 
+    def clear(self) -> None:
+        """Detach every handler."""
+        self._handlers.clear()
+
     def emit(self, event: StreamEventBase) -> None:
         for key in (event.type, "*"):
             handlers = self._handlers.get(key)
@@ -424,7 +478,7 @@ class EventBus:
                     log.exception("event handler failed on %s", event.type)
 
 
-class SessionRuntime:
+class SessionRuntime(LegacySurface):
     """One user's sessions on this device. Use ``async with SessionRuntime(...) as rt``.
 
     ``storage`` is a store or a store URL (``pleach_client.store.from_url``); with none, the one
@@ -441,6 +495,17 @@ class SessionRuntime:
     ``fallbacks``: the model to call while a model is degraded (``rt.degradation``).
     ``cache``: the record cache of immutable messages (``rt.cache``; by default 1,000 entries
     and 64 MB; a ``RecordCache`` of your own, or None to turn it off).
+    ``plugins``: what they contribute (prompts, tools, middleware, policies, observers;
+    ``rt.plugins``, ``pleach_client.plugins``). ``meta_tool_names``: the flow-control tools
+    that end a turn (``set_step_complete``, ``wait_for_jobs``; a warning is logged once when
+    it is not given). ``safety_policies`` (the host's) and ``enabled_safety_policies`` (the
+    ids that run; ``rt.safety``). ``seed_core_defaults``: the core prompt fragments
+    (``rt.prompts``).
+    Subagents and jobs (``rt.tasks``, ``pleach_client.tasks``): ``enable_subagent_concurrency``
+    and ``max_concurrent_subagents`` (default 4; 1 at a time without concurrency) bound how
+    many subagents run at once, ``max_subagent_depth`` (default 1) how deep they nest;
+    ``job_handlers`` run job kinds here, ``job_dispatch_endpoint`` receives (as a POST, with
+    ``auth_token`` as its bearer token) the jobs no handler runs.
     """
 
     def __init__(
@@ -462,6 +527,17 @@ class SessionRuntime:
         tracer_provider: Any | None = None,
         fallbacks: dict[str, str] | None = None,
         cache: RecordCache[Message] | bool | None = True,
+        plugins: Iterable[Plugin] = (),
+        meta_tool_names: Iterable[str] | None = None,
+        safety_policies: Iterable[SafetyPolicy] = (),
+        enabled_safety_policies: Iterable[str] = (),
+        seed_core_defaults: bool = True,
+        enable_subagent_concurrency: bool = False,
+        max_concurrent_subagents: int = 4,
+        max_subagent_depth: int = 1,
+        job_dispatch_endpoint: str | None = None,
+        auth_token: str | None = None,
+        job_handlers: Iterable[JobHandler] = (),
     ) -> None:
         global _memory_warned
         if isinstance(storage, str):
@@ -516,6 +592,25 @@ class SessionRuntime:
         self.audit = AuditFacet(self)
         self.artifacts = ArtifactsFacet(self)
         self.interrupts = InterruptsFacet(self)
+        # runtime.tasks (the reference's runtime.async): subagents and background jobs.
+        self.tasks = TasksFacet(
+            self,
+            enable_subagent_concurrency=enable_subagent_concurrency,
+            max_concurrent_subagents=max_concurrent_subagents,
+            max_subagent_depth=max_subagent_depth,
+            job_dispatch_endpoint=job_dispatch_endpoint,
+            auth_token=auth_token,
+            job_handlers=job_handlers,
+        )
+        # rt.tenant, rt.files, rt.observer_router, rt.safety, rt.prompts and rt.plugins; the
+        # plugins' contributions are installed last, on the runtime as built so far.
+        self.tenant = TenantFacet(self.core)
+        self.files = FilesFacet(self)
+        self.observer_router = ObserverRouter(self.stream)
+        self.safety = SafetyFacet(enabled=enabled_safety_policies, policies=safety_policies)
+        self.prompts = PromptsFacet(self, seed_core_defaults=seed_core_defaults)
+        self.plugins = PluginManager(self, plugins, meta_tool_names=meta_tool_names)
+        self.plugins.install()
         self._opened = False
         from .sync import SyncFacet  # sync builds on the runtime; imported late on purpose
 
@@ -546,6 +641,7 @@ class SessionRuntime:
         await self.core.open()
         self.interrupts.open()
         self._opened = True
+        await self.tasks.open()
         return self
 
     async def close(self) -> None:
@@ -557,12 +653,18 @@ class SessionRuntime:
         self._opened = False
         try:
             await asyncio.shield(self.interrupts.close())
+            await asyncio.shield(self.tasks.close())
             await asyncio.shield(self.sync.disconnect())
         finally:
             await asyncio.shield(self.store.close())
 
     async def destroy(self) -> None:
+        """Close, and detach every listener: the live bus's handlers, stream subscribers and
+        observers. The runtime is done; build a new one to go on."""
         await self.close()
+        self.stream.clear()
+        self.observer_router.clear()
+        self.bus.clear()
 
     async def __aenter__(self) -> SessionRuntime:
         return await self.open()
@@ -584,17 +686,24 @@ class SessionRuntime:
         return self.core.active
 
     async def execute_message(
-        self, session_id: str, content: str, *, abort: asyncio.Event | None = None
+        self,
+        session_id: str,
+        content: str,
+        *,
+        abort: asyncio.Event | None = None,
+        file_references: Sequence[FileRef] = (),
     ) -> AsyncIterator[StreamEvent]:
         """Run one turn, yielding stream events as they happen.
 
         Set ``abort`` (or cancel the consuming task, or ``aclose()`` the generator) to abort:
         the partial turn is still committed and accounted. Close the generator when you stop
         early: ``async with contextlib.aclosing(rt.execute_message(...)) as events``.
+        ``file_references``: files the model sees with the message (``pleach_client.files``).
         """
+        turn_events = run_turn(self, session_id, content, abort, files=file_references)
         async with (
             self.core.turn_lock(session_id),
-            contextlib.aclosing(self._stream(run_turn(self, session_id, content, abort))) as turn,
+            contextlib.aclosing(self._stream(turn_events)) as turn,
         ):
             async for event in turn:
                 yield event
@@ -645,8 +754,18 @@ class SessionRuntime:
         """``rt.interrupts`` when this runtime's turns ask for approval (an enabled
         ``InterruptConfig``), else None (as in the reference; ``rt.interrupts`` itself is
         always there, so any device can decide another's interrupts)."""
+        deprecated("get_interrupt_manager", "rt.interrupts")
         enabled = self.interrupt is not None and self.interrupt.enabled
         return self.interrupts if enabled else None
+
+    def get_async_task_manager(self) -> TasksFacet:
+        """``rt.tasks``: subagents and background jobs (the reference's ``runtime.async``)."""
+        return self.tasks
+
+    def get_subagent_manager(self) -> SubagentManager | None:
+        """``rt.tasks.subagents`` when subagent concurrency is enabled, else None (as in the
+        reference; subagents still run one at a time through ``rt.tasks.spawn``)."""
+        return self.tasks.subagents if self.tasks.subagents.concurrency else None
 
     def wall_ms(self) -> int:
         """The wall clock (ms since the epoch) under this runtime's HLC and deadlines."""
@@ -685,6 +804,15 @@ class SessionRuntime:
         """Deliver a stream event to stream subscribers and the event bus."""
         self.stream.emit(event)
         self.bus.emit(event)
+
+    def emit_custom(
+        self, session_id: str, name: str, data: dict[str, Any] | None = None
+    ) -> StreamEventBase:
+        """Deliver a ``custom.<name>`` event to stream subscribers (the ``custom`` mode) and
+        the bus now; returns it. (A plugin's ``ctx.emit`` goes through its turn instead.)"""
+        event = custom_event(session_id, name, data)
+        self.emit(event)
+        return event
 
     def provider_for(self, session: Session) -> Provider:
         """The provider for a turn of ``session``; ``ProviderError`` if it is locked to

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +34,7 @@ from shared.errors import (
     ProviderError,
     RecordTooLarge,
     ToolError,
+    ToolRefused,
 )
 from shared.ids import uuid7
 from shared.messages import MAX_RECORD_BYTES
@@ -51,6 +52,15 @@ from .interrupts import (
     interrupt_states,
     tool_result_text,
 )
+from .lineage import (
+    Lineage,
+    ToolCallContext,
+    planned_calls,
+    tool_call_scope,
+    turn_limits,
+    turn_system,
+)
+from .plugins import ToolInvocation, pause
 from .providers.base import (
     BlockStop,
     MessageDelta,
@@ -62,6 +72,7 @@ from .providers.base import (
     ThinkingDelta,
     ToolInputDelta,
     ToolUseStart,
+    UnavailableProvider,
 )
 from .providers.pricing import cost_usd
 from .stream import (
@@ -84,6 +95,7 @@ from .stream import ThinkingDelta as ThinkingDeltaEvent
 from .transcript import Transcript, extend_api, to_api_messages
 
 if TYPE_CHECKING:
+    from .files import FileRef
     from .runtime import SessionRuntime
 
 log = logging.getLogger("pleach.turn")
@@ -200,21 +212,29 @@ async def run_turn(
     content: str | None,
     abort: asyncio.Event | None,
     resume: Resume | None = None,
+    *,
+    files: Sequence[FileRef] = (),
+    lineage: Lineage | None = None,
 ) -> AsyncIterator[StreamEvent]:
-    """One turn: ``content`` from the user, or (``resume``) a turn that waited for decisions.
+    """One turn: ``content`` from the user (with ``files``, ``pleach_client.files``), or
+    (``resume``) a turn that waited for decisions.
 
-    The turn is one span (``pleach.turn``) with a child for each model and tool call."""
+    The turn is one span (``pleach.turn``) with a child for each model and tool call.
+    ``lineage``: a subagent's turn (``pleach_client.subagents``): its span hangs under the
+    subagent's, its audit rows name the parent turn, and its budget is its own."""
     span = rt.spans.start(
         "pleach.turn",
         kind="turn",
+        parent=lineage.span if lineage is not None else None,
         attributes={
+            "pleach.subagent_depth": lineage.depth if lineage is not None else 0,
             "pleach.session_id": session_id,
             "pleach.org_id": rt.org_id,
             "pleach.user_id": rt.user_id,
             "pleach.resumed": resume is not None,
         },
     )
-    inner = _run_turn(rt, session_id, content, abort, resume, span)
+    inner = _run_turn(rt, session_id, content, abort, resume, span, files, lineage)
     try:
         async for ev in inner:
             if isinstance(ev, TurnComplete):
@@ -268,8 +288,13 @@ async def _run_turn(
     abort: asyncio.Event | None,
     resume: Resume | None,
     turn_span: SpanHandle,
+    files: Sequence[FileRef] = (),
+    lineage: Lineage | None = None,
 ) -> AsyncGenerator[StreamEvent, None]:
     core = rt.core
+    limit, max_tokens = turn_limits(
+        lineage, max_tool_iterations=rt.max_tool_iterations, max_tokens=rt.max_tokens
+    )
     if resume is None:
         content = content or ""
         try:
@@ -294,7 +319,14 @@ async def _run_turn(
         transcript = resume.before
     else:
         transcript = await core.transcript(session)
-    provider = rt.provider_for(session)
+    unavailable: ProviderError | None = None
+    try:
+        provider = rt.provider_for(session)
+    except ProviderError as exc:  # (a mismatch, a missing key): an error event, not a raise
+        provider, unavailable = UnavailableProvider(session.provider, exc), exc
+    ctx = rt.plugins.turn_context(session, turn_id)  # what plugins' hooks see of the turn
+    stopped_by: str | None = None
+    retries = 0
     rt.warn_unoffered_tools(session)
     tool_specs = rt.tools.specs(session.tools)
     outcome = "ok"
@@ -312,6 +344,7 @@ async def _run_turn(
     )
 
     def event(kind: str, payload: dict[str, Any]) -> None:
+        payload = rt.safety.scrub_payload(payload)  # (a redaction policy's patterns)
         writes.events.append(core.draft_event(session.id, kind, payload))
 
     def add_message(role: str, blocks: list[dict[str, Any]], **extra: Any) -> Message:
@@ -362,37 +395,54 @@ async def _run_turn(
                 hlc=core.now(),
                 session_id=session.id,
                 turn_id=turn_id,
-                stage_id="tool-loop" if c.seq < rt.max_tool_iterations else "synthesis",
+                stage_id="tool-loop" if c.seq < limit else "synthesis",
                 seq_within_turn=c.seq,
                 provider=provider.name,
                 model=c.model or session.model,
-                outcome=Outcome(status=status, code=code, message=message),  # type: ignore[arg-type]
+                outcome=Outcome(status=status, code=code, message=rt.safety.scrub(message)),  # type: ignore[arg-type]
                 usage=usage,
                 request_id=c.request_id,
                 latency_ms=round((time.monotonic() - c.started) * 1000.0, 3),
                 cost_usd=cost,
                 subject_key=rt.subject_key,
+                parent_turn_id=lineage.parent_turn_id if lineage is not None else None,
+                subagent_depth=lineage.depth if lineage is not None else 0,
                 detail={"user_id": core.user_id},
             )
         )
 
     if resume is None:
-        user = add_message("user", [{"type": "text", "text": content}])
+        attached = await rt.files.attach(session, files) if files else None
+        blocks = [*(attached.blocks if attached else []), {"type": "text", "text": content}]
+        user = add_message("user", blocks)
         event("message.added", {"message_id": user.id, "role": "user", "turn_id": turn_id})
         yield MessageAdded(session_id=session.id, message_id=user.id, role="user", turn_id=turn_id)
+        for created in attached.events if attached else ():
+            yield created
 
     resumed = resume
     try:
         # A resumed turn first runs the tool calls it waited on (their reply came from call
         # ``next_seq - 1``), then calls the provider again as usual.
         first = resume.next_seq - 1 if resume is not None else 0
-        for seq in range(first, rt.max_tool_iterations + 1):
+        for seq in range(first, limit + 1):
             if abort is not None and abort.is_set():
                 raise _Aborted
             asked: dict[str, str] = {}
             if resumed is not None:
                 tool_uses, asked, resumed = resumed.tool_uses, dict(resumed.interrupts), None
             else:
+                if unavailable is not None:
+                    outcome = "provider-error"
+                    code, text = unavailable.code, str(unavailable)
+                    event("error", {"code": code, "message": text, "turn_id": turn_id})
+                    yield ErrorEvent(
+                        session_id=session.id,
+                        code=code,
+                        error=text,
+                        retryable=unavailable.retryable,
+                    )
+                    break
                 model = rt.degradation.route(session.model)
                 if model != session.model:
                     log.warning(
@@ -400,13 +450,19 @@ async def _run_turn(
                         session.model,
                         model,
                     )
+                budget = session.thinking_budget
                 request = ProviderRequest(
                     model=model,
-                    messages=extend_api(list(transcript.api), writes.messages),
-                    system=rt.system,
+                    messages=await rt.files.expand(
+                        extend_api(list(transcript.api), writes.messages)
+                    ),
+                    system=turn_system(rt.prompts.compose(session), lineage),
                     tools=tool_specs,
-                    max_tokens=rt.max_tokens,
+                    # The API wants max_tokens above the thinking budget.
+                    max_tokens=max_tokens + budget if budget else max_tokens,
+                    thinking_budget=budget,
                 )
+                ctx.seq, ctx.model = seq, model
                 call = _Call(seq=seq, started=time.monotonic(), model=model)
                 call.span = rt.spans.start(
                     "pleach.model_call",
@@ -422,8 +478,9 @@ async def _run_turn(
                 )
                 calls += 1
                 reply_id = uuid7()
-                stream = provider.stream(request)
+                stream = rt.plugins.model_stream(provider, request, ctx)
                 stop: MessageStop | None = None
+                retry_in: float | None = None
                 try:
                     while True:
                         if abort is not None and abort.is_set():
@@ -470,25 +527,47 @@ async def _run_turn(
                                 call.output_tokens = pev.output_tokens
                                 call.input_tokens = pev.input_tokens
                                 call.request_id = pev.request_id or call.request_id
+                        for custom in ctx.drain(event):  # what plugins emitted on this chunk
+                            yield custom
                 except ProviderError as exc:
-                    outcome = "provider-error"
+                    # A retry policy may call the model again (the partial reply is dropped).
+                    retry_in = (
+                        rt.plugins.retry_delay(exc, retries + 1, ctx) if seq < limit else None
+                    )
                     kind = failure_kind(exc)
                     if kind is not None:
                         rt.degradation.record_failure(call.model, kind)
                     _end_call_span(call, error=exc)
                     audit(call, "provider-error", exc.code, str(exc))
-                    _keep_partial(call, add_message, aborted=True)
-                    event("error", {"code": exc.code, "message": str(exc), "turn_id": turn_id})
+                    if retry_in is None:
+                        outcome = "provider-error"
+                        _keep_partial(call, add_message, aborted=True)
+                    event(
+                        "error",
+                        {
+                            "code": exc.code,
+                            "message": str(exc),
+                            "turn_id": turn_id,
+                            "retry_in": retry_in,
+                        },
+                    )
                     yield ErrorEvent(
                         session_id=session.id,
                         code=exc.code,
                         error=str(exc),
                         retryable=exc.retryable,
                     )
-                    call = None
-                    break
+                    if retry_in is None:
+                        call = None
+                        break
                 finally:
                     await stream.aclose()
+                if retry_in is not None:  # (the failed call was accounted above)
+                    call = None
+                    retries += 1
+                    if await pause(retry_in, abort_wait):
+                        raise _Aborted
+                    continue
 
                 if stop is None:
                     cut = ProviderError(
@@ -533,11 +612,11 @@ async def _run_turn(
                     audit(call, "ok")
                     call = None
                     break
-                if seq >= rt.max_tool_iterations:
+                if seq >= limit:
                     audit(call, "tool-error", "tool_iteration_limit", "tool loop cap reached")
                     call = None
                     outcome = "tool-error"
-                    msg = f"tool loop stopped after {rt.max_tool_iterations} iterations"
+                    msg = f"tool loop stopped after {limit} iterations"
                     event("error", {"code": "tool_iteration_limit", "message": msg})
                     yield ErrorEvent(session_id=session.id, code="tool_iteration_limit", error=msg)
                     break
@@ -593,8 +672,12 @@ async def _run_turn(
 
             results: list[dict[str, Any]] = []
             failures: list[str] = []
+            refused = False
             add_message("user", results)
+            planned = planned_calls(tool_uses, decisions)  # (a subagent call starts its siblings)
             for block in tool_uses:
+                for custom in ctx.drain(event):  # what plugins emitted during the last call
+                    yield custom
                 if abort is not None and abort.is_set():
                     raise _Aborted
                 name, tool_id = str(block["name"]), str(block["id"])
@@ -630,11 +713,35 @@ async def _run_turn(
                     tool = rt.tools.get(name)
                     if tool is None or name not in session.tools:
                         raise ToolError(f"tool {name!r} is not enabled for this session")
-                    output = await _run_tool(tool.call(tool_input), abort_wait)
+                    invocation = ToolInvocation(id=tool_id, name=name, input=dict(tool_input))
+                    with tool_call_scope(
+                        ToolCallContext(
+                            rt=rt,
+                            session_id=session.id,
+                            turn_id=turn_id,
+                            tool_call_id=tool_id,
+                            name=name,
+                            lineage=lineage,
+                            span=turn_span,
+                            calls=planned,
+                        )
+                    ):  # (what the tool may ask: ``lineage.current_tool_call()``)
+                        output = await _run_tool(
+                            rt.plugins.call_tool(ctx, tool, invocation), abort_wait
+                        )
                 except ToolError as exc:
                     tool_span.error(exc)
                     tool_span.end()
                     failures.append(f"{name}: {exc}")
+                    if isinstance(exc, ToolRefused):  # a safety policy's: also an error event
+                        refused = True
+                        event(
+                            "error",
+                            {"code": "policy_refused", "message": str(exc), "turn_id": turn_id},
+                        )
+                        yield ErrorEvent(
+                            session_id=session.id, code="policy_refused", error=str(exc)
+                        )
                     results.append(
                         {
                             "type": "tool_result",
@@ -659,13 +766,23 @@ async def _run_turn(
                 yield ToolCompleted(
                     session_id=session.id, tool_call_id=tool_id, name=name, output=output
                 )
+            for custom in ctx.drain(event):
+                yield custom
             if failures:
                 if call is not None:  # (a call whose tools waited was accounted at the wait)
-                    audit(call, "tool-error", "tool_failed", "; ".join(failures))
+                    code = "policy_refused" if refused else "tool_failed"
+                    audit(call, "tool-error", code, "; ".join(failures))
                 outcome = "tool-error"
             elif call is not None:
                 audit(call, "ok")
             call = None
+            # A flow-control (meta) tool ends the turn here, unless a continuation policy
+            # says to go on (``rt.plugins.continuation``).
+            step = rt.plugins.step(ctx, seq, tool_uses, bool(failures))
+            stopped_by = await rt.plugins.continuation(step, ctx)
+            if stopped_by is not None:
+                event("turn.stopped", {"turn_id": turn_id, "stopped_by": stopped_by})
+                break
         # The loop ran out of iterations only through the cap branch above.
     except _Suspended:
         suspended = True
@@ -706,6 +823,8 @@ async def _run_turn(
     )
     for ev in finished:
         yield ev
+    for custom in ctx.drain():
+        yield custom
     yield TurnComplete(
         session_id=session.id,
         turn_id=turn_id,
@@ -714,6 +833,7 @@ async def _run_turn(
         output_tokens=totals["output"],
         cost_usd=cost_total,
         provider_calls=calls,
+        stopped_by=stopped_by,
     )
 
 
@@ -902,6 +1022,8 @@ async def _finish(
 ) -> list[StreamEvent]:
     """Account for an unfinished call, close dangling tool calls, commit the turn."""
     out: list[StreamEvent] = []
+    # Subagents the turn started that still run are aborted, and accounted, first.
+    await rt.tasks.end_turn(turn_id)
     if aborted and waiting:
         # The calls that waited are rejected (source ``abort``), once, under the write lock:
         # a decision that came meanwhile loses, and a restart sees the turn as aborted.

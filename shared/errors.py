@@ -8,7 +8,9 @@
     ├── SessionLocked           provider/model of a session cannot change
     ├── StorageError            a local or server store failed (sqlite3, asyncpg translated)
     ├── ProviderError           an LLM provider call failed (anthropic translated)
+    │   └── RequestRefused      a safety policy refused the model request (``policy_refused``)
     ├── ToolError               a tool failed or its input was invalid
+    │   └── ToolRefused         a safety policy refused the tool call
     ├── ChainError              a hash chain does not verify
     ├── RecordTooLarge          a record over ``MAX_RECORD_BYTES``, refused before it is written
     ├── InvalidInput            a caller's input that cannot be stored (text that is not Unicode)
@@ -92,8 +94,26 @@ class ProviderError(PleachError):
         self.request_id = request_id
 
 
+class RequestRefused(ProviderError):
+    """A safety policy (``policy``, its id) refused a model request before it was sent; the
+    turn reports it as an ``error`` event with code ``policy_refused``."""
+
+    def __init__(self, message: str, *, policy: str, code: str = "policy_refused") -> None:
+        super().__init__(message, code=code)
+        self.policy = policy
+
+
 class ToolError(PleachError):
     """A tool failed or was called with invalid input."""
+
+
+class ToolRefused(ToolError):
+    """A safety policy (``policy``, its id) refused a tool call: it did not run, and the model
+    gets an error tool result with the reason."""
+
+    def __init__(self, message: str, *, policy: str) -> None:
+        super().__init__(message)
+        self.policy = policy
 
 
 class ChainError(PleachError):

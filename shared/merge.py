@@ -28,6 +28,7 @@ _COMPARED_PATHS = (
     "state.pending_tool_calls",
     "state.artifacts",
     "state.jobs",
+    "thinking_budget",
 )
 
 

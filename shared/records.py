@@ -56,6 +56,8 @@ class Session(msgspec.Struct, kw_only=True, tag=True, tag_field="record_kind"):
     conflict_id: str | None = None
     conflict_loser_side: Literal["local", "remote"] | None = None
     deleted: bool = False
+    thinking_budget: int | None = None
+    """Tokens the model may think with at each call (extended thinking), None for none."""
 
 
 class Message(msgspec.Struct, kw_only=True, tag=True, tag_field="record_kind"):

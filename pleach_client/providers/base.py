@@ -113,3 +113,16 @@ class Provider(Protocol):
     def stream(self, request: ProviderRequest) -> AsyncGenerator[ProviderEvent, None]:
         """Start one call; iterate for events; ``aclose()`` the iterator to abort it."""
         ...
+
+
+class UnavailableProvider:
+    """Stands in for a provider that cannot be used (a session locked to another provider, a
+    missing API key): every call fails with ``error`` before anything is sent."""
+
+    def __init__(self, name: str, error: Exception) -> None:
+        self.name = name
+        self.error = error
+
+    async def stream(self, request: ProviderRequest) -> AsyncGenerator[ProviderEvent, None]:
+        raise self.error
+        yield  # pragma: no cover (makes this an async generator)
