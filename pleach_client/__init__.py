@@ -11,6 +11,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .cache import RecordCache
+    from .degradation import DegradedModelRecord
+    from .diagnostics import DiagnosticsReport
     from .files import FileReference
     from .interrupts import ApprovalDecision, Approve, Edit, Interrupt, InterruptConfig, Reject
     from .plugins import ExponentialRetry, ToolInvocation, TurnContext
@@ -21,13 +24,20 @@ if TYPE_CHECKING:
     from .runtime import SessionRuntime
     from .safety import Redact, Refuse, ToolAllowlist
     from .store.memory import MemoryAdapter
+    from .store.postgres import PostgresAdapter
     from .store.sqlite import SQLiteAdapter
+    from .tasks import JobHandler
     from .tools import Tool
 
 _WHERE = {
     "SessionRuntime": ".runtime",
     "SQLiteAdapter": ".store.sqlite",
     "MemoryAdapter": ".store.memory",
+    "PostgresAdapter": ".store.postgres",
+    "RecordCache": ".cache",
+    "DegradedModelRecord": ".degradation",
+    "DiagnosticsReport": ".diagnostics",
+    "JobHandler": ".tasks",
     "ScriptedProvider": ".providers.scripted",
     "ScriptedReply": ".providers.scripted",
     "AnthropicProvider": ".providers.anthropic",
@@ -53,14 +63,19 @@ __all__ = [
     "AnthropicProvider",
     "ApprovalDecision",
     "Approve",
+    "DegradedModelRecord",
+    "DiagnosticsReport",
     "Edit",
     "ExponentialRetry",
     "FileReference",
     "Interrupt",
     "InterruptConfig",
     "InterruptResolveReceipt",
+    "JobHandler",
     "MemoryAdapter",
+    "PostgresAdapter",
     "PromptFragment",
+    "RecordCache",
     "Redact",
     "Refuse",
     "Reject",

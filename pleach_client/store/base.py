@@ -3,8 +3,9 @@
 Writes go through ``commit(batch)``: every record of the batch, its outbox rows and any
 ``sync_state`` keys land in ONE transaction, so after a crash either all exist or none.
 Reads return records (msgspec Structs from ``shared.records``). Audit rows have no update or
-delete, only ``gdpr_soft_delete``. Implementations: ``MemoryAdapter`` (non-durable) and
-``SQLiteAdapter`` (aiosqlite), run against one conformance suite.
+delete, only ``gdpr_soft_delete``. Implementations: ``MemoryAdapter`` (non-durable),
+``SQLiteAdapter`` (aiosqlite) and ``PostgresAdapter`` (asyncpg, many devices in one database),
+run against one conformance suite.
 """
 
 from __future__ import annotations
