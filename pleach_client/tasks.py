@@ -169,6 +169,7 @@ class TasksFacet:
         self._runs: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._writes: set[asyncio.Task[Any]] = set()
+        self._outcomes: dict[str, JobUpdateReceipt] = {}  # the latest write of each run
         self._lock = asyncio.Lock()
         self._run_slots: asyncio.Semaphore | None = None
         self._wakes: dict[str, set[asyncio.Event]] = {}
@@ -607,9 +608,48 @@ class TasksFacet:
         if job.runner == "local":
             handler = self._handlers.get(job.name)
             if handler is not None:
-                self._runs[job.id] = self._spawn(self._run_local(job, handler, attempt))
+                run = self._run_local(job, handler, attempt)
+                self._runs[job.id] = self._spawn(self._in_span(job, "local", attempt, run))
         else:
-            self._runs[job.id] = self._spawn(self._dispatch(job))
+            run = self._dispatch(job)
+            self._runs[job.id] = self._spawn(self._in_span(job, "dispatch", attempt, run))
+
+    async def _in_span(self, job: Job, runner: str, attempt: int, run: Awaitable[None]) -> None:
+        """A ``pleach.job`` span around one run of a job (here, or posted to the host)."""
+        span = self._rt.spans.start(
+            "pleach.job",
+            kind="job",
+            attributes={
+                "pleach.job_id": job.id,
+                "pleach.job": job.name,
+                "pleach.session_id": job.session_id,
+                "pleach.runner": runner,
+                "pleach.attempt": attempt,
+            },
+        )
+        self._outcomes.pop(job.id, None)
+        try:
+            await run
+        except asyncio.CancelledError:
+            span.set(**{"pleach.cancelled": True})
+            # A write the run began before the cancel still lands (shielded): its outcome
+            # is the run's, so wait for it before the span ends.
+            pending = [t for t in self._writes if not t.done()]
+            if pending:
+                await asyncio.wait(pending)
+            raise
+        except BaseException as exc:
+            span.error(exc)
+            raise
+        finally:
+            # What the run last wrote is its outcome, even when a close cancelled it after.
+            last = self._outcomes.pop(job.id, None)
+            if last is not None:
+                span.set(**{"pleach.status": last.status})
+                if last.status == "failed":
+                    error = last.job.error if last.job is not None else None
+                    span.error(error or "failed")
+            span.end()
 
     async def _run_local(self, job: Job, handler: JobHandler, attempt: int) -> None:
         if self._run_slots is None:
@@ -654,7 +694,14 @@ class TasksFacet:
         task = asyncio.ensure_future(write)
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
+        task.add_done_callback(self._note_outcome)
         return await asyncio.shield(task)
+
+    def _note_outcome(self, task: asyncio.Future[JobUpdateReceipt]) -> None:
+        """Keep a run's latest write for its span (also one that ends after a cancel)."""
+        if not task.cancelled() and task.exception() is None:
+            receipt = task.result()
+            self._outcomes[receipt.job_id] = receipt
 
     async def _dispatch(self, job: Job) -> None:
         """POST the job to the host, retrying what may pass (``dispatch.plan_answer``)."""

@@ -141,3 +141,35 @@ async def test_a_forged_traceparent_is_only_ignored(
         pass
     (span,) = by_name(exporter.get_finished_spans(), "pleach.server.push")
     assert span.parent is None
+
+
+async def test_each_job_run_is_a_span(tmp_path: Path) -> None:
+    from pleach_client.tasks import JobContext
+
+    async def render(ctx: JobContext) -> Any:
+        return {"frames": ctx.input}
+
+    async def broken(ctx: JobContext) -> Any:
+        raise RuntimeError("disk full")
+
+    exporter = InMemorySpanExporter()
+    async with SessionRuntime(
+        SQLiteAdapter(tmp_path / "d.db"), ScriptedProvider(), span_exporter=exporter
+    ) as rt:
+        rt.tasks.register_job("render", render)
+        rt.tasks.register_job("broken", broken)
+        session = await rt.create_session()
+        ok = await rt.tasks.start_job(session.id, "render", {"n": 3})
+        bad = await rt.tasks.start_job(session.id, "broken", {})
+        done = await rt.tasks.wait_for_jobs(session.id, timeout=20)
+        assert done.done
+    # Closing waited for the runs: their spans are over.
+    jobs = {
+        dict(s.attributes or {})["pleach.job_id"]: s
+        for s in by_name(exporter.get_finished_spans(), "pleach.job")
+    }
+    assert dict(jobs[ok.job_id].attributes or {})["pleach.status"] == "completed"
+    assert jobs[ok.job_id].status.is_ok
+    failed = jobs[bad.job_id]
+    assert dict(failed.attributes or {})["pleach.status"] == "failed"
+    assert not failed.status.is_ok and "disk full" in (failed.status.description or "")
