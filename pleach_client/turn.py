@@ -327,7 +327,8 @@ async def _run_turn(
     ctx = rt.plugins.turn_context(session, turn_id)  # what plugins' hooks see of the turn
     stopped_by: str | None = None
     retries = 0
-    rt.warn_unoffered_tools(session)
+    if lineage is None:  # a subagent's tools are chosen for it, on purpose
+        rt.warn_unoffered_tools(session)
     tool_specs = rt.tools.specs(session.tools)
     outcome = "ok"
     totals = {"input": 0, "output": 0}
