@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
-import pycrdt
 
 from shared.errors import NotFound
 from shared.ids import uuid7
@@ -24,6 +23,8 @@ from .receipts import ArtifactReceipt
 from .stream import ArtifactCreated
 
 if TYPE_CHECKING:
+    import pycrdt
+
     from .runtime import SessionRuntime
 
 log = logging.getLogger("pleach.artifacts")
@@ -38,6 +39,8 @@ class ArtifactsFacet:
 
     async def create(self, session_id: str, text: str = "") -> ArtifactReceipt:
         """A new artifact in ``session_id``, optionally with initial text."""
+        import pycrdt
+
         core = self._rt.core
         artifact_id = uuid7()
         doc: pycrdt.Doc[pycrdt.Text] = pycrdt.Doc()
@@ -69,6 +72,8 @@ class ArtifactsFacet:
     async def copy_to(self, artifact_id: str, session_id: str) -> ArtifactUpdate | None:
         """A new artifact in ``session_id`` with the same document, as one update record (not
         written: the caller writes it with what it belongs to); None if there is none."""
+        import pycrdt
+
         updates = await self._rt.store.list_artifact_updates(artifact_id)
         if not updates:
             return None
@@ -80,6 +85,8 @@ class ArtifactsFacet:
 
     async def doc(self, artifact_id: str) -> pycrdt.Doc[pycrdt.Text]:
         """The document rebuilt from every stored update (order does not matter)."""
+        import pycrdt
+
         updates = await self._rt.store.list_artifact_updates(artifact_id)
         if not updates:
             raise NotFound(f"no artifact {artifact_id}")
@@ -106,6 +113,8 @@ class ArtifactsFacet:
         return doc
 
     async def text(self, artifact_id: str) -> str:
+        import pycrdt
+
         doc = await self.doc(artifact_id)
         return str(doc.get(BODY, type=pycrdt.Text))
 
@@ -116,6 +125,8 @@ class ArtifactsFacet:
 
         ``change`` receives the ``pycrdt.Text`` (``insert``, ``+=``, ``del text[a:b]``...).
         """
+        import pycrdt
+
         updates = await self._rt.store.list_artifact_updates(artifact_id)
         if not updates:
             raise NotFound(f"no artifact {artifact_id}")

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import msgspec
-import pycrdt
 
 from shared.errors import InvalidInput, NotFound, RecordTooLarge
 from shared.ids import uuid7
@@ -44,6 +43,8 @@ from .core import SessionChange, existing
 from .stream import ArtifactCreated
 
 if TYPE_CHECKING:
+    import pycrdt
+
     from .runtime import SessionRuntime
 
 __all__ = ["FILE_BLOCK", "AttachedFile", "FileReference", "FilesFacet"]
@@ -326,6 +327,8 @@ class FilesFacet:
         self, session_id: str, artifact_id: str, item: _New
     ) -> builtins.list[ArtifactUpdate]:
         """The file as a document, in updates of at most ``CHUNK_CHARS`` characters each."""
+        import pycrdt
+
         core = self._rt.core
         doc: pycrdt.Doc[Any] = pycrdt.Doc()
         meta = doc.get(META, type=pycrdt.Map)
@@ -358,6 +361,8 @@ class FilesFacet:
 
     async def _load(self, artifact_id: str) -> tuple[AttachedFile, str, str] | None:
         """The file's info, kind and body, read from its artifact."""
+        import pycrdt
+
         updates = await self._rt.store.list_artifact_updates(artifact_id)
         if not updates:
             return None
