@@ -1006,3 +1006,52 @@ async def test_two_devices_deciding_at_once_converge_on_one(cluster: Cluster) ->
 
 if __name__ == "__main__":
     asyncio.run(_waiting_child(sys.argv[1]))
+
+
+async def test_approval_on_the_phone_through_a_pleach_server_process(tmp_path: Path) -> None:
+    """As a user runs it: a ``pleach-server`` process, the laptop's agent asks, the phone
+    (another runtime, its own file) approves; the laptop's turn goes on and both agree."""
+    from tests.test_cli import server_process
+
+    deploy = Deploy()
+    provider, _ = anthropic_provider(
+        [tool_reply(("toolu_d", "deploy", '{"target": "prod"}')), text_reply("Deployed.")]
+    )
+    with server_process(tmp_path) as (url, make_token):
+        token = await asyncio.to_thread(make_token, ALICE.user_id, ALICE.org_id)
+        async with (
+            SessionRuntime(
+                SQLiteAdapter(tmp_path / "laptop.db"),
+                provider,
+                user_id=ALICE.user_id,
+                org_id=ALICE.org_id,
+                client_id="laptop",
+                tools=[deploy.tool()],
+                interrupt=needs_deploy(),
+            ) as laptop,
+            SessionRuntime(
+                SQLiteAdapter(tmp_path / "phone.db"),
+                user_id=ALICE.user_id,
+                org_id=ALICE.org_id,
+                client_id="phone",
+            ) as phone,
+        ):
+            await laptop.sync.connect(url, token)
+            await phone.sync.connect(url, token)
+            session = await laptop.create_session(model=MODEL)
+            asked_on_phone = watch(phone, "interrupt.requested")
+            turn = Turn(laptop, session.id, "ship it")
+            await asyncio.wait_for(asked_on_phone.wait(), 30)
+            assert deploy.calls == []  # nothing ran before the approval
+            [pending] = await phone.interrupts.list()
+            assert pending.tool_call.name == "deploy" and pending.requested_by == "laptop"
+            receipt = await phone.interrupts.resolve(pending.id, Approve(), wait=30)
+            assert receipt.accepted and receipt.final and receipt.decided_by == "phone"
+            events = await asyncio.wait_for(turn.task, 30)
+            assert events[-1].outcome == "ok" and deploy.calls == [{"target": "prod"}]  # type: ignore[attr-defined]
+            assert await laptop.sync.wait_until_synced(30)
+            assert await phone.sync.wait_until_synced(30)
+            assert await laptop.interrupts.list() == [] == await phone.interrupts.list()
+            texts = [m.content for m in await phone.sessions.messages(session.id)]
+            assert texts == [m.content for m in await laptop.sessions.messages(session.id)]
+    await provider.client.close()
