@@ -32,6 +32,7 @@ bench-peers: install
 soak: install
 	$(BIN)/python -m tests.sim --soak $(or $(SOAK_SCHEDULES),10000) --backend $(or $(SOAK_BACKEND),sqlite)
 	$(BIN)/python -m tests.fuzz --frames $(or $(FUZZ_FRAMES),100000) --seed $(or $(FUZZ_SEED),0)
+	$(BIN)/python -m tests.campaign all --rounds $(or $(CAMPAIGN_ROUNDS),200) --seed $(or $(CAMPAIGN_SEED),0)
 
 # The wheel (and nothing else) into dist/: pleach-VERSION-py3-none-any.whl. A fresh ./build
 # each time, so a module removed from the tree cannot linger in the wheel.
