@@ -156,6 +156,7 @@ class SyncFacet:
         self._reconnect_now = False
         self._failures = 0  # connection attempts that ended in an error
         self._issued = 0  # the highest client_seq known given out (re-read when exceeded)
+        self._welcomed = 0  # connections that got as far as Welcome (the backoff starts over)
         # What this device last told the server of its health (the server's /status page).
         self._health_key: tuple[Any, ...] | None = None
         self._health_at = float("-inf")  # monotonic time of the last Health sent
@@ -462,6 +463,7 @@ class SyncFacet:
         delay = self.backoff_initial
         while True:
             self._set_state("connecting")
+            welcomed = self._welcomed
             try:
                 await self._session()
                 delay = self.backoff_initial
@@ -499,6 +501,8 @@ class SyncFacet:
                 self._link = None
             self._failures += 1
             self._set_state("offline")
+            if self._welcomed > welcomed:
+                delay = self.backoff_initial  # that connection worked: start over
             # Exponential backoff with full jitter, so a fleet does not reconnect in lockstep.
             await asyncio.sleep(random.uniform(0, delay))
             delay = min(delay * 2, self.backoff_max)
@@ -546,6 +550,7 @@ class SyncFacet:
                         welcome.last_seq,
                     )
                 self._link = link
+                self._welcomed += 1
                 self._set_state("connected")
                 if not self._auto:
                     await reader

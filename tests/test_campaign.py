@@ -197,12 +197,6 @@ class _Bounds:
             await self.drawn.wait_for(lambda: len(self.bounds) >= count)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: SyncFacet._run resets its reconnect backoff only when _session() returns, "
-    "which it never does (it always ends by raising), so every disconnect doubles the delay "
-    "for the life of the runtime",
-)
 async def test_reconnect_backoff_starts_over_after_a_good_connection(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
