@@ -157,6 +157,7 @@ class SyncFacet:
         self._failures = 0  # connection attempts that ended in an error
         self._issued = 0  # the highest client_seq known given out (re-read when exceeded)
         self._welcomed = 0  # connections that got as far as Welcome (the backoff starts over)
+        self._server_seq = 0  # the server's last_seq of this device, as last told
         # What this device last told the server of its health (the server's /status page).
         self._health_key: tuple[Any, ...] | None = None
         self._health_at = float("-inf")  # monotonic time of the last Health sent
@@ -306,7 +307,13 @@ class SyncFacet:
                     async with self._changed:
                         await self._changed.wait_for(lambda: self._link is not None)
                 receipt = await self.flush_outbox()
-            await self.pull()
+            if receipt.pending_after and await self._unsettled():
+                log.warning(
+                    "sync: changes of this device may be on the server unacknowledged; the "
+                    "pull waits until they settle (sync again)"
+                )
+            else:
+                await self.pull()
             if self._link is not None:
                 await self._report_health(self._link, receipt, force=True)
             self._last_synced_at = time.time()
@@ -539,6 +546,7 @@ class SyncFacet:
                 if mismatch is not None:
                     raise TenantMismatch(mismatch)
                 self._head_cursor = welcome.head_cursor
+                self._server_seq = welcome.last_seq
                 # Queued rows at or below the server's last_seq are not dropped by number: a
                 # copy of this device's file (a restored backup, a copied file) may have used
                 # those numbers for other changes. The flush resends them and the server says,
@@ -605,6 +613,16 @@ class SyncFacet:
             self._retry_delay = min(last * 2, self.backoff_max) * random.uniform(0.5, 1.0)
         else:
             self._retry_delay = None
+        if receipt.pending_after and await self._unsettled():
+            # Some queued change may already be on the server, unacknowledged (its ack was
+            # lost and the resend failed): a page now may hold another device's version built
+            # on it, which this device cannot tell from a copy of its file writing under the
+            # same numbers. Apply nothing until the resend settles; then pull what was missed.
+            self._live.clear()
+            self._pull_due = True
+            await self._report_health(link, receipt)
+            self._poke()
+            return
         pull, self._pull_due = self._pull_due, False
         while self._live:
             frame = self._live.popleft()
@@ -621,6 +639,12 @@ class SyncFacet:
             await self._rt.store.set_meta("has_synced", "1")
             self._marked_synced = True
         self._poke()
+
+    async def _unsettled(self) -> bool:
+        """Whether a queued change has a ``client_seq`` the server already counts (it holds
+        it, unacknowledged, or a copy of this file wrote under that number)."""
+        first = await self._rt.store.outbox_pending(1)
+        return bool(first) and first[0].client_seq <= self._server_seq
 
     # -- health ----------------------------------------------------------------------------
     def _health_wait(self) -> float:
@@ -865,6 +889,7 @@ class SyncFacet:
         store = self._rt.store
         # The highest client_seq this file gave out only grows with local writes: read it
         # again only when the server claims more (not an await per push).
+        self._server_seq = ack.last_seq
         issued = self._issued
         if ack.last_seq > issued:
             issued = self._issued = await store.last_client_seq()

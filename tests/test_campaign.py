@@ -261,13 +261,6 @@ async def _until(rt: SessionRuntime, check: Callable[[], Awaitable[bool]]) -> No
             await applied.wait()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a device whose push committed but whose ack it never read, and whose resend "
-    "then failed (3009), pulls another device's version built on that push and takes it for "
-    "another copy of its file (apply._reuses_our_counter); it re-keys and moves audit rows the "
-    "server already holds onto a new chain, which then fails to verify on the other devices",
-)
 async def test_a_lost_ack_then_a_failed_resend_is_not_a_copied_device(tmp_path: Path) -> None:
     """Found by ``python -m tests.campaign kill --backend postgres`` (one run in two of 200
     rounds: 'audit-chain: <device> chain of <id> fails at 0: prev_hash mismatch')."""
