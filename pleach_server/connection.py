@@ -26,7 +26,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +52,7 @@ from shared.tracing import Spans
 
 from .hub import Hub, Subscription
 from .notify import Notifier
-from .store.base import ServerStore, Tenant
+from .store.base import PushResult, ServerStore, Tenant
 
 if TYPE_CHECKING:
     from .server import SyncMetrics
@@ -148,8 +148,38 @@ class ConnectionContext:
     rate_limit_bytes_per_s: float | None = None
     source_rate_limit_per_s: float | None = None
     source_rate_limit_burst: float = 1.0
+    tenant_store_slots: int | None = 2
     _tenant_buckets: dict[Tenant, TokenBucket] = field(default_factory=dict)
     _source_buckets: dict[str, TokenBucket] = field(default_factory=dict)
+    _tenant_slots: dict[Tenant, tuple[asyncio.Semaphore, list[int]]] = field(default_factory=dict)
+
+    @contextlib.asynccontextmanager
+    async def store_slot(self, tenant: Tenant) -> AsyncIterator[None]:
+        """Hold one of the tenant's store slots here while its push or pull runs.
+
+        The store is shared (SQLite's one writer; a PostgreSQL pool): without a bound, one
+        tenant with many connections queues many operations in front of everyone else's. A
+        tenant's pushes are serialized by its lock in the store anyway, so the bound costs it
+        little, and another tenant's push waits behind at most that many of its operations.
+        (Two, not one: a push whose connection died may still hold its slot while the device's
+        resend comes in on a new connection.)
+        """
+        if self.tenant_store_slots is None:
+            yield
+            return
+        entry = self._tenant_slots.get(tenant)
+        if entry is None:
+            entry = (asyncio.Semaphore(self.tenant_store_slots), [0])
+            self._tenant_slots[tenant] = entry
+        semaphore, users = entry
+        users[0] += 1
+        try:
+            async with semaphore:
+                yield
+        finally:
+            users[0] -= 1
+            if users[0] == 0:
+                del self._tenant_slots[tenant]  # nobody waits: no state kept per idle tenant
 
     def tenant_bucket(self, tenant: Tenant) -> TokenBucket | None:
         """The tenant's shared token bucket here (None: no per-tenant limit). At most 10,000
@@ -460,27 +490,8 @@ class Connection:
             if before is None:
                 before = await ctx.store.head_cursor(self.tenant)
             started = time.perf_counter()
-            with ctx.spans.span(
-                "pleach.server.push",
-                kind="server.push",
-                traceparent=push.trace,
-                attributes={
-                    "pleach.org_id": self.tenant.org_id,
-                    "pleach.user_id": self.tenant.user_id,
-                    "pleach.client_id": self.client_id,
-                    "pleach.changes": len(push.changes),
-                },
-            ) as span:
-                result = await ctx.store.push(
-                    self.tenant, self.client_id, push.changes, ctx.clock, aliases=self.aliases
-                )
-                span.set(
-                    **{
-                        "pleach.applied": sum(r.status == "applied" for r in result.results),
-                        "pleach.rejected": sum(r.status == "rejected" for r in result.results),
-                        "pleach.last_seq": result.last_seq,
-                    }
-                )
+            async with ctx.store_slot(self.tenant):
+                result = await self._push_in_slot(push)
             ctx.metrics.push_seconds.observe(time.perf_counter() - started)
             self._count_results(result.results)
             try:
@@ -496,6 +507,32 @@ class Connection:
                     await asyncio.shield(
                         ctx.fan_out(self.tenant, before, max(result.cursors), local=True)
                     )
+
+    async def _push_in_slot(self, push: Push) -> PushResult:
+        ctx = self.ctx
+        assert self.client_id is not None
+        with ctx.spans.span(
+            "pleach.server.push",
+            kind="server.push",
+            traceparent=push.trace,
+            attributes={
+                "pleach.org_id": self.tenant.org_id,
+                "pleach.user_id": self.tenant.user_id,
+                "pleach.client_id": self.client_id,
+                "pleach.changes": len(push.changes),
+            },
+        ) as span:
+            result = await ctx.store.push(
+                self.tenant, self.client_id, push.changes, ctx.clock, aliases=self.aliases
+            )
+            span.set(
+                **{
+                    "pleach.applied": sum(r.status == "applied" for r in result.results),
+                    "pleach.rejected": sum(r.status == "rejected" for r in result.results),
+                    "pleach.last_seq": result.last_seq,
+                }
+            )
+        return result
 
     async def _on_health(self, health: Health) -> None:
         """Keep the device's latest health (at most one a second is written; more are
@@ -533,9 +570,10 @@ class Connection:
                 "pleach.cursor": pull.cursor,
             },
         ) as span:
-            page = await self.ctx.store.pull(
-                self.tenant, pull.cursor, limit, self.ctx.max_pull_bytes
-            )
+            async with self.ctx.store_slot(self.tenant):
+                page = await self.ctx.store.pull(
+                    self.tenant, pull.cursor, limit, self.ctx.max_pull_bytes
+                )
             span.set(**{"pleach.changes": len(page.changes), "pleach.to_cursor": page.to_cursor})
         self.protocol.send_changes(
             pull.cursor, page.to_cursor, page.changes, more=page.more, request_id=pull.request_id

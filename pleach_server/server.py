@@ -181,6 +181,10 @@ class SyncServer:
     - ``metrics_token`` (None): when set, ``/metrics`` answers only a request carrying
       ``Authorization: Bearer <metrics_token>`` (401 otherwise); unset, it is public.
     - ``shutdown_timeout`` (10 s): how long ``shutdown`` waits for in-flight pushes.
+    - ``tenant_store_slots`` (2): how many pushes and pulls of one tenant run in the store at
+      once on this process; the rest wait their turn here, not in the store's queue, so a
+      tenant that floods (many connections pushing) delays another tenant's push by at most
+      two of its own. ``None``: no bound.
     - ``span_exporter`` / ``tracer_provider`` (None): export an OpenTelemetry span for each
       push and pull (``pleach[otel]``), child of the device's flush span when it names one.
     - ``admin_token`` (None): the token of the sync-health page, ``/status`` (HTML) and
@@ -215,6 +219,7 @@ class SyncServer:
         source_rate_limit_per_s: float | Literal["auto"] | None = "auto",
         span_exporter: Any | None = None,
         tracer_provider: Any | None = None,
+        tenant_store_slots: int | None = 2,
     ) -> None:
         if not secret:
             raise ValueError("secret must not be empty")
@@ -292,6 +297,7 @@ class SyncServer:
             rate_limit_bytes_per_s=rate_limit_bytes_per_s,
             # By default a tenant's connections together may burst as much as five connections.
             source_rate_limit_per_s=source_rate_limit_per_s,
+            tenant_store_slots=tenant_store_slots,
             # By default one address may burst as much as 25 connections.
             source_rate_limit_burst=(
                 25 * burst if source_auto else max(1.0, 2 * (source_rate_limit_per_s or 0.0))

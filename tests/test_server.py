@@ -520,6 +520,53 @@ async def test_no_source_limit_when_disabled(make_server: ServerFactory) -> None
         SyncServer(srv.store, port=0, secret=SECRET, source_rate_limit_per_s=0)
 
 
+async def test_a_flooding_tenant_holds_at_most_two_store_slots(
+    store: SQLiteServerStore, make_server: ServerFactory
+) -> None:
+    """Fairness: one tenant's many concurrent pushes wait their turn in the server, not in
+    the shared store's queue, so another tenant's push goes through while they are stuck."""
+    flood_tenant = new_tenant()
+    inside = 0
+    most = 0
+    changed = asyncio.Condition()
+    release = asyncio.Event()
+    push = store.push
+
+    async def held_push(tenant: Tenant, *args: Any, **kwargs: Any) -> Any:
+        nonlocal inside, most
+        if tenant != flood_tenant:
+            return await push(tenant, *args, **kwargs)
+        async with changed:
+            inside += 1
+            most = max(most, inside)
+            changed.notify_all()
+        try:
+            await release.wait()
+            return await push(tenant, *args, **kwargs)
+        finally:
+            inside -= 1
+
+    store.push = held_push  # type: ignore[method-assign]
+    srv = await make_server()
+    flooders = [Device(flood_tenant) for _ in range(6)]
+    honest = Device(new_tenant())
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(device(srv, d)) for d in flooders]
+        for dev, client in zip(flooders, clients, strict=True):
+            await client.send(Push(changes=dev.changes(dev.session()), request_id=1))
+        async with asyncio.timeout(TIMEOUT), changed:
+            await changed.wait_for(lambda: inside == 2)
+        async with device(srv, honest) as other:
+            ack = await other.push(honest.changes(honest.session()))
+            assert ack.results[0].status == "applied"
+        assert inside == 2  # the other four still wait in the server, outside the store
+        release.set()
+        for client in clients:
+            answer = await client.answer()
+            assert isinstance(answer, PushAck) and answer.results[0].status == "applied"
+    assert most == 2
+
+
 async def test_a_nul_in_an_id_and_a_cursor_past_int64_are_bad_input_not_storage_errors(
     srv: SyncServer,
 ) -> None:
