@@ -281,7 +281,7 @@ class DeviceCore:
         *,
         records: Iterable[Record] = (),
         audit: Iterable[AuditRow] = (),
-        meta: dict[str, str] | None = None,
+        meta: dict[str, str] | Callable[[TxReader], Awaitable[dict[str, str]]] | None = None,
         renumber_outbox: bool = False,
         identity: tuple[str, HybridClock] | None = None,
         prepare: Callable[[TxReader], Awaitable[tuple[list[tuple[str, Edit]], list[AuditRow]]]]
@@ -292,7 +292,9 @@ class DeviceCore:
         ``edits`` are ``(session_id, edit)``: each edit gets the session's current row (None
         if absent) and returns a ``SessionChange`` (or None: nothing for that session).
         ``records`` are immutable records to write as they are; ``audit`` rows are unchained
-        drafts that join this device's audit chain. ``meta`` sets ``sync_state`` keys and
+        drafts that join this device's audit chain. ``meta`` sets ``sync_state`` keys (or,
+        as ``meta(tx)``, computes them inside the transaction: a read-modify-write of a key
+        that another process may write too) and
         ``renumber_outbox`` restarts the outbox sequence (``WriteBatch``); ``identity``
         (client id and clock) is taken inside the transaction, and given back if it does not
         commit; ``prepare(tx)``, inside the transaction, adds edits and stored audit rows to
@@ -301,7 +303,8 @@ class DeviceCore:
         device took a new id joins the new one). Raises what an edit raises, with nothing
         written.
         """
-        extra_meta = dict(meta or {})
+        extra_meta: dict[str, str] = {} if meta is None or callable(meta) else dict(meta)
+        compute_meta = meta if callable(meta) else None
         edit_list = list(edits)
         record_list = list(records)
         audit_list = list(audit)
@@ -318,6 +321,8 @@ class DeviceCore:
                 self.client_id, self.clock = identity
                 self._audit_head = None  # the new id's chain starts at its genesis
             all_edits, moving = list(edit_list), list[AuditRow]()
+            if compute_meta is not None:
+                extra_meta.update(await compute_meta(tx))
             if prepare is not None:
                 more_edits, moving = await prepare(tx)
                 all_edits += more_edits

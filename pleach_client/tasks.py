@@ -280,10 +280,9 @@ class TasksFacet:
                 raise InvalidState(
                     f"this device already has {len(self._open)} open jobs (max_open_jobs)"
                 )
-            index = await self._index(add={draft.id: session_id})
             result = await core.write(
                 [(session_id, existing(lambda _: SessionChange(events=[draft])))],
-                meta={INDEX_KEY: index},
+                meta=self._index_meta(add={draft.id: session_id}),
             )
             self._open[draft.id] = session_id
         self._deadlines[draft.id] = deadline
@@ -471,7 +470,7 @@ class TasksFacet:
             entries = await self._entries()
             adopted = {j: e.session_id for j, e in entries.items() if not _alive(e.runner)}
             if adopted:
-                await self._rt.core.write(meta={INDEX_KEY: await self._index(add=adopted)})
+                await self._rt.core.write(meta=self._index_meta(add=adopted))
             self._open = adopted
         for job_id in list(self._open):
             try:
@@ -551,7 +550,7 @@ class TasksFacet:
 
         closes = change in ("complete", "fail", "cancel") and job_id in self._open
         async with self._lock:
-            meta = {INDEX_KEY: await self._index(remove=[job_id])} if closes else None
+            meta = self._index_meta(remove=[job_id]) if closes else None
             written = await core.write(prepare=prepare, meta=meta)
             if closes:
                 self._open.pop(job_id, None)
@@ -573,23 +572,40 @@ class TasksFacet:
 
     async def _forget(self, job_id: str) -> None:
         async with self._lock:
-            await self._rt.core.write(meta={INDEX_KEY: await self._index(remove=[job_id])})
+            await self._rt.core.write(meta=self._index_meta(remove=[job_id]))
             self._open.pop(job_id, None)
         self._deadlines.pop(job_id, None)
 
-    async def _entries(self) -> dict[str, _Entry]:
-        raw = await self._rt.store.get_meta(INDEX_KEY)
+    async def _entries(self, tx: TxReader | None = None) -> dict[str, _Entry]:
+        raw = await (tx or self._rt.store).get_meta(INDEX_KEY)
         try:
             return _INDEX.decode(raw) if raw else {}
         except (msgspec.DecodeError, msgspec.ValidationError):
             log.warning("the stored list of open jobs is unreadable; it is started again")
             return {}
 
-    async def _index(self, *, add: dict[str, str] | None = None, remove: Iterable[str] = ()) -> str:
-        """The ``jobs_open`` list as stored now, with ``add`` (job -> session, run here) and
-        without ``remove``: read again right before each write (under ``_lock``), so the
-        entries another process on the file wrote stay."""
-        entries = await self._entries()
+    def _index_meta(
+        self, *, add: dict[str, str] | None = None, remove: Iterable[str] = ()
+    ) -> Callable[[TxReader], Awaitable[dict[str, str]]]:
+        """The ``jobs_open`` update of a write, computed inside its transaction (under the
+        store's write lock), so entries another process on the file wrote meanwhile stay."""
+        drop = list(remove)
+
+        async def compute(tx: TxReader) -> dict[str, str]:
+            return {INDEX_KEY: await self._index(tx, add=add, remove=drop)}
+
+        return compute
+
+    async def _index(
+        self,
+        tx: TxReader | None = None,
+        *,
+        add: dict[str, str] | None = None,
+        remove: Iterable[str] = (),
+    ) -> str:
+        """The ``jobs_open`` list as ``tx`` (or the store) holds it, with ``add`` (job ->
+        session, run here) and without ``remove``."""
+        entries = await self._entries(tx)
         for job_id, session_id in (add or {}).items():
             entries[job_id] = _Entry(session_id=session_id, runner=self._runner)
         for job_id in remove:

@@ -683,6 +683,27 @@ async def test_a_second_runtime_on_the_file_leaves_a_live_ones_jobs_alone(tmp_pa
         assert await third.store.get_meta("jobs_open") == "{}"
 
 
+async def test_two_runtimes_starting_jobs_at_once_on_one_file_keep_every_open_entry(
+    tmp_path: Path,
+) -> None:
+    """The open-jobs list is updated inside each job's write transaction: two runtimes on one
+    file starting jobs concurrently lose none of each other's entries."""
+    db = tmp_path / "device.db"
+
+    async def hold(ctx: JobContext) -> Any:
+        await asyncio.Event().wait()  # runs until the runtime closes
+
+    a = SessionRuntime(SQLiteAdapter(db), job_handlers=[JobHandler("hold", hold)])
+    b = SessionRuntime(SQLiteAdapter(db), job_handlers=[JobHandler("hold", hold)])
+    async with a, b:
+        session = await a.create_session(provider="scripted")
+        receipts = await asyncio.gather(
+            *(rt.tasks.start_job(session.id, "hold") for rt in (a, b) for _ in range(10))
+        )
+        listed = json.loads(await a.store.get_meta("jobs_open") or "{}")
+        assert set(listed) == {r.job_id for r in receipts} and len(listed) == 20
+
+
 # -- two devices, a real server ------------------------------------------------------------------
 
 
