@@ -18,7 +18,7 @@ from typing import Any
 
 from shared.records import Message
 
-__all__ = ["Transcript", "extend_api", "to_api_messages"]
+__all__ = ["FILE_BLOCK", "Transcript", "extend_api", "has_file_blocks", "to_api_messages"]
 
 
 def _blocks(message: Message) -> list[dict[str, Any]]:
@@ -58,17 +58,32 @@ def to_api_messages(messages: Iterable[Message]) -> list[dict[str, Any]]:
     return extend_api([], messages)
 
 
+FILE_BLOCK = "file_reference"
+"""The block a message keeps for an attached file (``pleach_client.files`` expands it)."""
+
+
+def has_file_blocks(messages: Iterable[Message]) -> bool:
+    """Whether any of ``messages`` refers to an attached file."""
+    return any(b.get("type") == FILE_BLOCK for m in messages for b in m.content)
+
+
 @dataclass(frozen=True)
 class Transcript:
-    """A session's messages (ids, records) and their API form. Treat as immutable."""
+    """A session's messages (ids, records) and their API form. Treat as immutable.
+
+    ``has_files``: some message refers to an attached file, so a request built from it needs
+    ``rt.files.expand`` (kept incrementally: a session without files never pays a scan)."""
 
     ids: list[str]
     messages: list[Message]
     api: list[dict[str, Any]]
+    has_files: bool = False
 
     @classmethod
     def of(cls, ids: list[str], messages: list[Message]) -> Transcript:
-        return cls(list(ids), list(messages), to_api_messages(messages))
+        return cls(
+            list(ids), list(messages), to_api_messages(messages), has_file_blocks(messages)
+        )
 
     def extended(self, messages: list[Message]) -> Transcript:
         """This transcript with ``messages`` appended (only they are converted)."""
@@ -76,4 +91,5 @@ class Transcript:
             self.ids + [m.id for m in messages],
             self.messages + messages,
             extend_api(list(self.api), messages),
+            self.has_files or has_file_blocks(messages),
         )

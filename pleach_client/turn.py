@@ -92,7 +92,7 @@ from .stream import (
 )
 from .stream import MessageDelta as MessageDeltaEvent
 from .stream import ThinkingDelta as ThinkingDeltaEvent
-from .transcript import Transcript, extend_api, to_api_messages
+from .transcript import Transcript, extend_api, has_file_blocks, to_api_messages
 
 if TYPE_CHECKING:
     from .files import FileRef
@@ -260,6 +260,17 @@ async def run_turn(
         # Closing the inner turn runs its abort accounting when the consumer stopped early.
         await inner.aclose()
         span.end()
+
+
+async def _expanded(
+    rt: SessionRuntime, transcript: Transcript, fresh: list[Message]
+) -> list[dict[str, Any]]:
+    """The request's messages; attached files expanded only where some message has one (a
+    scan of the whole transcript per call made a turn's cost grow with the session)."""
+    messages = extend_api(list(transcript.api), fresh)
+    if transcript.has_files or has_file_blocks(fresh):
+        return await rt.files.expand(messages)
+    return messages
 
 
 def _end_call_span(
@@ -454,9 +465,7 @@ async def _run_turn(
                 budget = session.thinking_budget
                 request = ProviderRequest(
                     model=model,
-                    messages=await rt.files.expand(
-                        extend_api(list(transcript.api), writes.messages)
-                    ),
+                    messages=await _expanded(rt, transcript, writes.messages),
                     system=turn_system(rt.prompts.compose(session), lineage),
                     tools=tool_specs,
                     # The API wants max_tokens above the thinking budget.

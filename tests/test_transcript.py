@@ -69,3 +69,24 @@ def test_consecutive_same_role_merge_puts_tool_results_first() -> None:
     b = _message(1, "user", [{"type": "tool_result", "tool_use_id": "t", "content": "x"}])
     (merged,) = to_api_messages([a, b])
     assert [block["type"] for block in merged["content"]] == ["tool_result", "text"]
+
+
+FILE = {"type": "file_reference", "artifact_id": "a1", "name": "x.png"}
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from(["user", "assistant"]), st.booleans()), max_size=12),
+    st.integers(0, 12),
+)
+def test_has_files_is_kept_incrementally(parts: list[tuple[str, bool]], split: int) -> None:
+    """Whether a request needs its files expanded is known without scanning the transcript:
+    built at once or extended turn by turn, the flag says whether any message has a file."""
+    messages = [
+        _message(i, role, [{"type": "text", "text": "hi"}, *([FILE] if has else [])])
+        for i, (role, has) in enumerate(parts)
+    ]
+    whole = Transcript.of([m.id for m in messages], messages)
+    head = Transcript.of([m.id for m in messages[:split]], messages[:split])
+    grown = head.extended(messages[split:])
+    expected = any(has for _, has in parts)
+    assert whole.has_files == grown.has_files == expected
