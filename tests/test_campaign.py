@@ -34,6 +34,7 @@ from tests.campaign.faultproxy import FaultProxy
 from tests.campaign.fleet import count_duplicates, count_lost
 from tests.campaign.kill import run_kill
 from tests.campaign.outage import run_outage, through
+from tests.loop import next_tick
 from tests.sim.invariants import Ledger, View
 from tests.sim.network import Proxy
 from tests.test_server_store_postgres import pg_available  # noqa: F401 - a fixture, by name
@@ -134,7 +135,7 @@ async def test_fault_proxy_cuts_refuses_and_stalls() -> None:
             proxy.stalled = True  # bytes are held, in order, until the stall is lifted
             writer.write(b"two")
             read = asyncio.create_task(reader.readexactly(6))
-            await asyncio.sleep(0)  # let the pumps run: nothing may come through
+            await next_tick()  # the pumps run: nothing may come through
             writer.write(b"three"[:3])
             await writer.drain()
             assert not read.done()

@@ -6,6 +6,7 @@ The offline model streams slowly (``PLEACH_OFFLINE_DELAY``), so a Ctrl-C lands m
 from __future__ import annotations
 
 import os
+import select
 import shlex
 import shutil
 import subprocess
@@ -23,10 +24,20 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class Terminal:
-    """One tmux session running one command, 120x40."""
+    """One tmux session running one command, 120x40. What the pane receives is also piped
+    (``tmux pipe-pane``) into a FIFO this test reads: ``until`` wakes when output arrives."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, fifo: Path) -> None:
         self.name = name
+        # Opened before tmux writes to it (non-blocking: no writer yet), kept for the test.
+        self._out = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        subprocess.run(
+            ["tmux", "pipe-pane", "-O", "-t", name, f"cat >> {shlex.quote(str(fifo))}"],
+            check=True,
+        )
+
+    def close(self) -> None:
+        os.close(self._out)
 
     def keys(self, *keys: str) -> None:
         subprocess.run(["tmux", "send-keys", "-t", self.name, *keys], check=True)
@@ -39,23 +50,23 @@ class Terminal:
             text=True,
         ).stdout
 
-    def alive(self) -> bool:
-        return (
-            subprocess.run(["tmux", "has-session", "-t", self.name], capture_output=True).returncode
-            == 0
-        )
-
     def until(self, predicate: Callable[[str], bool], timeout: float = 30.0) -> str:
-        """The screen once ``predicate`` holds. tmux offers no event for "the pane shows X",
-        so this polls the pane, bounded by ``timeout``."""
+        """The screen once ``predicate`` holds: checked now, then each time the pane gets
+        output (a read of the FIFO wakes on it), for at most ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         while True:
-            screen = self.screen() if self.alive() else ""
+            screen = self.screen()
             if predicate(screen):
                 return screen
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise AssertionError(f"terminal never showed it; last screen:\n{screen}")
-            time.sleep(0.05)  # polling tmux's pane (no event to wait on), see the docstring
+            ready, _, _ = select.select([self._out], [], [], left)
+            if ready:
+                try:
+                    os.read(self._out, 65536)
+                except BlockingIOError:
+                    pass
 
 
 @pytest.fixture
@@ -64,23 +75,29 @@ def terminal(tmp_path: Path) -> Iterator[Callable[[str], Terminal]]:
         if os.environ.get("CI"):
             pytest.fail("tmux is not installed")
         pytest.skip("tmux is not installed here")
-    names: list[str] = []
+    terminals: list[Terminal] = []
 
     def start(command: str) -> Terminal:
         name = f"pleach-{uuid.uuid4().hex[:8]}"
         env = f"PYTHONPATH={shlex.quote(str(ROOT))} PLEACH_OFFLINE_DELAY=0.15 TERM=xterm-256color"
-        # `; sleep` keeps the pane (and its last screen) after the command ends, so the test
-        # can read what it printed on the way out; the session is killed at teardown.
-        shell = f"cd {shlex.quote(str(tmp_path))} && env {env} {command}; echo EXIT=$?; sleep 600"
+        # After the command, `cat` keeps the pane (and its last screen) open until teardown, so
+        # the test can read what it printed on the way out.
+        shell = (
+            f"cd {shlex.quote(str(tmp_path))} && env {env} {command}; echo EXIT=$?; "
+            "exec cat > /dev/null"
+        )
         subprocess.run(
             ["tmux", "new-session", "-d", "-x", "120", "-y", "40", "-s", name, shell], check=True
         )
-        names.append(name)
-        return Terminal(name)
+        fifo = tmp_path / f"{name}.out"
+        os.mkfifo(fifo)
+        terminals.append(Terminal(name, fifo))
+        return terminals[-1]
 
     yield start
-    for name in names:
-        subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True)
+    for terminal in terminals:
+        subprocess.run(["tmux", "kill-session", "-t", terminal.name], capture_output=True)
+        terminal.close()
 
 
 def test_chat_in_a_terminal(terminal: Callable[[str], Terminal], tmp_path: Path) -> None:

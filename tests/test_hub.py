@@ -11,6 +11,7 @@ from pleach_server.store.base import Tenant
 from shared.errors import InvalidState
 from shared.messages import Changes
 from shared.records import FeedChange, Message
+from tests.loop import next_tick
 
 A = Tenant(org_id="o", user_id="a")
 B = Tenant(org_id="o", user_id="b")
@@ -86,11 +87,13 @@ async def test_get_waits_and_close_wakes() -> None:
     hub = Hub(queue_size=2)
     sub = hub.subscribe(A)
     waiter = asyncio.create_task(sub.get())
-    await asyncio.sleep(0)  # let it block on the empty queue
+    await next_tick()  # it runs and blocks on the empty queue
+    assert not waiter.done()
     hub.publish(A, 0, 1, _feed(1))
     assert (await waiter).to_cursor == 1
     waiter = asyncio.create_task(sub.get())
-    await asyncio.sleep(0)
+    await next_tick()
+    assert not waiter.done()
     hub.close()
     with pytest.raises(InvalidState):
         await waiter

@@ -40,6 +40,7 @@ from shared.messages import (
 )
 from shared.protocol import Answer, ClientEvent, ClientProtocol, Live
 from shared.records import Change
+from tests.loop import until_true
 from tests.server_factories import Device, new_tenant
 from tests.wsclient import Client
 
@@ -950,13 +951,8 @@ async def test_shutdown_lets_an_in_flight_push_finish(store: SQLiteServerStore) 
             async with asyncio.timeout(TIMEOUT):
                 await flaky.push_entered.wait()
             stopping = asyncio.create_task(srv.shutdown())
-            # Yield until shutdown has begun (it then waits for the push): a condition, not
-            # a timed wait; it takes one or two turns of the loop.
-            for _ in range(100):
-                if srv.draining:
-                    break
-                await asyncio.sleep(0)
-            assert srv.draining
+            # Until shutdown has begun (it then waits for the push): one or two loop ticks.
+            assert await until_true(lambda: srv.draining)
             flaky.push_gate.set()
             ack = await client.answer()
             assert isinstance(ack, PushAck) and ack.results[0].status == "applied"

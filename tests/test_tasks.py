@@ -36,6 +36,7 @@ from pleach_client.tasks import SUBAGENT_TOOL
 from pleach_client.turn import ABORTED_TOOL_RESULT
 from shared.errors import InvalidInput, InvalidState, ToolError
 from tests import sse
+from tests.loop import next_tick
 from tests.test_interrupts import tool_reply
 from tests.test_runtime_anthropic import text_reply
 
@@ -401,8 +402,8 @@ class CountingProvider(ScriptedProvider):
             self.active += 1
             self.peak = max(self.peak, self.active)
         try:
-            for _ in range(20):  # let every other task that can start do so now
-                await asyncio.sleep(0)
+            for _ in range(20):  # every other task that can start does so now
+                await next_tick()
             async for event in super().stream(request):
                 yield event
         finally:

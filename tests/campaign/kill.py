@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.loop import hold
 from tests.sim.network import Proxy
 
 from .device import STAGES
@@ -146,7 +147,7 @@ async def _kill_device(rng: random.Random, dev: DeviceProc, report: KillReport) 
         if not await dev.marker(point, POINT_TIMEOUT):
             report.problems.append(f"stuck: {dev.name} did not pass {point} in {POINT_TIMEOUT}s")
         # The moment of the kill: a seeded delay after the marker (choosing, not waiting).
-        await asyncio.sleep(rng.uniform(0.0, 0.02))
+        await hold(rng.uniform(0.0, 0.02))
         code = await dev.kill()
     if code != -9:
         last = dev.traceback_texts[-1] if dev.traceback_texts else "".join(dev.stderr[-10:])
@@ -163,7 +164,7 @@ async def _kill_server(
     point = rng.choice(SERVER_POINTS)
     if not await watch.marker(point, POINT_TIMEOUT):
         report.problems.append(f"stuck: {watch.name} did not pass {point} in {POINT_TIMEOUT}s")
-    await asyncio.sleep(rng.uniform(0.0, 0.02))  # the moment of the kill, as above
+    await hold(rng.uniform(0.0, 0.02))  # the moment of the kill, as above
     code = await server.kill()
     if code != -9:
         report.problems.append(f"server-exit: the server ended with {code}, not by SIGKILL")

@@ -32,6 +32,7 @@ from bench.bench_live import percentile, postgres_cpu_seconds, proc_cpu_seconds,
 from bench.bench_server_mem import pleach_counts, raise_nofile
 from pleach_server.store import Tenant
 from shared.ids import uuid7
+from tests.loop import hold
 
 from .kill import server_for
 from .loadgen import Light
@@ -214,9 +215,9 @@ async def run_load(
             for g in gens:
                 await g.go(seconds, warm)
             # Timing the measurement window: CPU is read at its start and its end.
-            await asyncio.sleep(warm + 0.05)
+            await hold(warm + 0.05)
             cpu = Cpu(server, backend == "postgres", [g.pid for g in gens])
-            await asyncio.sleep(seconds)
+            await hold(seconds)
             used = cpu.since()
             results = await asyncio.gather(*(g.result() for g in gens))
             rss_loaded = rss_kib(server.pid)
@@ -349,7 +350,7 @@ async def _connections_settle(url: str, count: int) -> None:
     for _ in range(int(SETTLE_TIMEOUT / SETTLE_POLL_S)):
         if await pleach_counts(url) == (float(count), float(count)):
             return
-        await asyncio.sleep(SETTLE_POLL_S)
+        await hold(SETTLE_POLL_S)  # between two reads of another process's /metrics
     raise TimeoutError(
         f"the server did not settle at {count} connections: {await pleach_counts(url)}"
     )

@@ -38,6 +38,7 @@ from pleach_server.auth import issue_token
 from pleach_server.store import Tenant
 from shared.messages import PROTOCOL_VERSION, Error, FrameCodec, Hello, Push, PushAck, Welcome
 from shared.records import Change
+from tests.loop import hold
 from tests.server_factories import Device
 
 CONCURRENT_OPENS = 50  # handshakes in flight at once
@@ -150,7 +151,7 @@ async def paced(
     while next_at < stop_at:
         delay = next_at - time.perf_counter()
         if delay > 0:
-            await asyncio.sleep(delay)  # pacing the offered load, not waiting for an event
+            await hold(delay)  # pacing the offered load, not waiting for an event
         await act()
         next_at += interval * rng.uniform(0.5, 1.5)
         next_at = max(next_at, time.perf_counter())

@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from tests.loop import hold
+
 from .faultproxy import FaultProxy
 from .fleet import DeviceProc, Verdict, make_users, verify
 from .procs import PG_DSN, ServerProc, pg_schema
@@ -172,7 +174,7 @@ async def run_outage(
                     refused = proxy.refused
                     if duration:
                         # The outage lasts this long: the fault itself, not a wait for an event.
-                        await asyncio.sleep(duration)
+                        await hold(duration)
                     proxy.heal()
                     lifted = time.monotonic()
                     report.connections_refused += proxy.refused - refused
