@@ -21,6 +21,7 @@ from shared.messages import ConflictReceipt
 from shared.records import ArtifactUpdate, AuditRow, Event, FeedChange, Message, Record, Session
 
 from .core import RemoteView, purge_keep
+from .payloads import read_payload
 from .store.base import TxReader, WriteBatch
 from .stream import SyncApplied, SyncConflict, job_events, remote_interrupt_events
 from .syncplan import Decision, decide_session, rebase
@@ -183,11 +184,7 @@ async def missing_content(tx: TxReader, view: RemoteView, batch: WriteBatch) -> 
 
 def _receipt(event: Event) -> ConflictReceipt | None:
     """The receipt in a ``sync.conflict`` event; None (and a warning) if a peer sent junk."""
-    try:
-        return msgspec.convert(event.payload, ConflictReceipt)
-    except msgspec.ValidationError as exc:
-        log.warning("sync.conflict event %s has a malformed payload: %s", event.id, exc)
-        return None
+    return read_payload(event, ConflictReceipt)
 
 
 def _seq(event: Event) -> int:

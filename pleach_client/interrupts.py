@@ -36,15 +36,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from shared.errors import InvalidInput
 from shared.records import Event
 
+from .payloads import read_payload
+
 log = logging.getLogger("pleach.interrupts")
-_P = TypeVar("_P")
 
 JSON = Any
 DecisionKind = Literal["approve", "reject", "edit"]
@@ -158,7 +159,7 @@ class Resolution(msgspec.Struct, kw_only=True):
 
 def parse_resolution(event: Event) -> Resolution | None:
     """The resolution an ``interrupt.resolved`` event carries; None (logged) if malformed."""
-    return _parse(event, Resolution) if event.type == RESOLVED else None
+    return read_payload(event, Resolution) if event.type == RESOLVED else None
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,7 @@ def interrupt_states(events: Iterable[Event]) -> dict[str, Interrupt]:
         if event.type == REQUESTED:
             if event.id in out:
                 continue
-            request = _parse(event, _Requested)
+            request = read_payload(event, _Requested)
             if request is None:
                 continue
             out[event.id] = Interrupt(
@@ -269,7 +270,7 @@ def interrupt_states(events: Iterable[Event]) -> dict[str, Interrupt]:
                 default=request.default,
             )
         elif event.type == DECIDED:
-            decided = _parse(event, _Decided)
+            decided = read_payload(event, _Decided)
             if decided is None:
                 continue
             found = out.get(decided.interrupt_id)
@@ -293,7 +294,7 @@ def interrupt_states(events: Iterable[Event]) -> dict[str, Interrupt]:
             found.source = "user"
             found.decision_event_id = event.id
         elif event.type == RESOLVED:
-            resolved = _parse(event, Resolution)
+            resolved = read_payload(event, Resolution)
             if resolved is None:
                 continue
             found = out.get(resolved.interrupt_id)
@@ -312,14 +313,6 @@ def interrupt_states(events: Iterable[Event]) -> dict[str, Interrupt]:
             found.decision_event_id = made_in
             found.resolution_event_id = event.id
     return out
-
-
-def _parse(event: Event, kind: type[_P]) -> _P | None:
-    try:
-        return msgspec.convert(event.payload, kind)
-    except msgspec.ValidationError as exc:
-        log.warning("%s event %s refused: malformed payload: %s", event.type, event.id, exc)
-        return None
 
 
 @dataclass(frozen=True)

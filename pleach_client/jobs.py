@@ -28,15 +28,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from shared.errors import InvalidState
 from shared.records import Event
 
+from .payloads import read_payload
+
 log = logging.getLogger("pleach.jobs")
-_P = TypeVar("_P")
 
 JSON = Any
 JobStatus = Literal["queued", "started", "completed", "failed", "cancelled"]
@@ -200,7 +201,7 @@ def job_states(events: Iterable[Event]) -> dict[str, Job]:
         if kind == QUEUED:
             if event.id in out:
                 continue
-            queued = _parse(event, _Queued)
+            queued = read_payload(event, _Queued)
             if queued is None:
                 continue
             if _too_big(event, queued.input, "input"):
@@ -225,7 +226,7 @@ def job_states(events: Iterable[Event]) -> dict[str, Job]:
             continue
         match kind:
             case "job.started":
-                started = _parse(event, _Started)
+                started = read_payload(event, _Started)
                 if started is None:
                     continue
                 if job.done:
@@ -234,7 +235,7 @@ def job_states(events: Iterable[Event]) -> dict[str, Job]:
                 job.status = "started"
                 job.attempt = max(job.attempt, started.attempt)
             case "job.progress":
-                progress = _parse(event, _Progress)
+                progress = read_payload(event, _Progress)
                 if progress is None:
                     continue
                 if job.done:
@@ -244,7 +245,7 @@ def job_states(events: Iterable[Event]) -> dict[str, Job]:
                     job.progress = progress.progress
                 job.message = progress.message
             case "job.completed":
-                completed = _parse(event, _Completed)
+                completed = read_payload(event, _Completed)
                 if completed is None or _too_big(event, completed.result, "result"):
                     continue
                 if _finish(job, event):
@@ -252,19 +253,19 @@ def job_states(events: Iterable[Event]) -> dict[str, Job]:
                     job.result = completed.result
                     job.progress = 1.0
             case "job.failed":
-                failed = _parse(event, _Failed)
+                failed = read_payload(event, _Failed)
                 if failed is not None and _finish(job, event):
                     job.status = "failed"
                     job.error = failed.error
                     job.fail_reason = failed.reason
             case "job.cancelled":
-                cancelled = _parse(event, _Cancelled)
+                cancelled = read_payload(event, _Cancelled)
                 if cancelled is not None and _finish(job, event):
                     job.status = "cancelled"
                     job.cancel_reason = cancelled.reason or job.cancel_reason
                     job.cancel_requested_by = cancelled.requested_by or job.cancel_requested_by
             case "job.cancel_requested":
-                request = _parse(event, _CancelRequested)
+                request = read_payload(event, _CancelRequested)
                 if request is None:
                     continue
                 if job.done or job.cancel_requested_by is not None:
@@ -282,17 +283,17 @@ def job_event_fields(event: Event) -> dict[str, JSON] | None:
     job lifecycle event (a cancel request is not one: only its owner's answer is)."""
     match event.type:
         case "job.queued":
-            queued = _parse(event, _Queued)
+            queued = read_payload(event, _Queued)
             if queued is None:
                 return None
             return {"job_id": event.id, "name": queued.name, "status": "queued"}
         case "job.started":
-            started = _parse(event, _Started)
+            started = read_payload(event, _Started)
             if started is None:
                 return None
             return {"job_id": started.job_id, "status": "started", "attempt": started.attempt}
         case "job.progress":
-            progress = _parse(event, _Progress)
+            progress = read_payload(event, _Progress)
             if progress is None:
                 return None
             return {
@@ -302,12 +303,12 @@ def job_event_fields(event: Event) -> dict[str, JSON] | None:
                 "message": progress.message,
             }
         case "job.completed":
-            completed = _parse(event, _Completed)
+            completed = read_payload(event, _Completed)
             if completed is None or _too_big(event, completed.result, "result"):
                 return None
             return {"job_id": completed.job_id, "status": "completed", "result": completed.result}
         case "job.failed":
-            failed = _parse(event, _Failed)
+            failed = read_payload(event, _Failed)
             if failed is None:
                 return None
             return {
@@ -317,7 +318,7 @@ def job_event_fields(event: Event) -> dict[str, JSON] | None:
                 "reason": failed.reason,
             }
         case "job.cancelled":
-            cancelled = _parse(event, _Cancelled)
+            cancelled = read_payload(event, _Cancelled)
             if cancelled is None:
                 return None
             return {"job_id": cancelled.job_id, "status": "cancelled", "reason": cancelled.reason}
@@ -342,14 +343,6 @@ def _too_big(event: Event, value: JSON, what: str) -> bool:
         return False
     log.warning("%s event %s refused: its %s is over %d bytes", event.type, event.id, what, size)
     return True
-
-
-def _parse(event: Event, kind: type[_P]) -> _P | None:
-    try:
-        return msgspec.convert(event.payload, kind)
-    except msgspec.ValidationError as exc:
-        log.warning("%s event %s refused: malformed payload: %s", event.type, event.id, exc)
-        return None
 
 
 # -- what a call writes --------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from shared.tracing import SpanHandle
 
 from .core import SessionChange
 from .lineage import Lineage, ToolCallContext, current_tool_call
+from .payloads import read_payload
 from .receipts import SubagentResult
 from .stream import (
     MessageComplete,
@@ -183,10 +184,8 @@ def subagent_runs(events: Iterable[Event]) -> dict[str, SubagentRun]:
     out: dict[str, SubagentRun] = {}
     for event in events:
         if event.type == STARTED:
-            try:
-                started = msgspec.convert(event.payload, _Started)
-            except msgspec.ValidationError as exc:
-                log.warning("subagent event %s refused: %s", event.id, exc)
+            started = read_payload(event, _Started)
+            if started is None:
                 continue
             out.setdefault(
                 started.subagent_id,
@@ -199,10 +198,8 @@ def subagent_runs(events: Iterable[Event]) -> dict[str, SubagentRun]:
                 ),
             )
         elif event.type == COMPLETED:
-            try:
-                done = msgspec.convert(event.payload, _Completed)
-            except msgspec.ValidationError as exc:
-                log.warning("subagent event %s refused: %s", event.id, exc)
+            done = read_payload(event, _Completed)
+            if done is None:
                 continue
             run = out.get(done.subagent_id)
             if run is None or run.status == "ended":

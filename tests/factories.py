@@ -30,6 +30,7 @@ __all__ = [
     "ORG",
     "USER",
     "clock_for",
+    "log_event",
     "make_artifact_update",
     "make_audit",
     "make_checkpoint",
@@ -92,6 +93,21 @@ def make_checkpoint(**overrides: Any) -> Checkpoint:
     fields.update(session_id=uuid7(), parent_id=None, turn_id=uuid7())
     fields.update(overrides)
     return Checkpoint(**fields)
+
+
+def log_event(client: str, kind: str, payload: dict[str, Any], n: int = 0) -> Event:
+    """An event of session ``s`` written by ``client`` (the pure folds over a session's log:
+    interrupts, jobs), its HLC ordered by ``n``."""
+    return Event(
+        id=uuid7(),
+        session_id="s",
+        org_id="o",
+        user_id="u",
+        client_id=client,
+        hlc=f"{n:08d}",
+        type=kind,
+        payload=payload,
+    )
 
 
 def make_event(**overrides: Any) -> Event:

@@ -50,6 +50,7 @@ from shared.errors import InvalidInput, InvalidState, NotFound
 from shared.ids import uuid7
 from shared.records import Event
 from tests import sse
+from tests.factories import log_event
 from tests.test_runtime_anthropic import anthropic_provider, text_reply
 from tests.test_sync_e2e import ALICE, Cluster
 
@@ -60,28 +61,15 @@ MODEL = sse.MODEL
 # -- the pure rules ------------------------------------------------------------------------------
 
 
-def _event(client: str, kind: str, payload: dict[str, Any], n: int = 0) -> Event:
-    return Event(
-        id=uuid7(),
-        session_id="s",
-        org_id="o",
-        user_id="u",
-        client_id=client,
-        hlc=f"{n:08d}",
-        type=kind,
-        payload=payload,
-    )
-
-
 def _request(config: InterruptConfig | None = None, *, by: str = "asker") -> Event:
     config = config or InterruptConfig(tools=["deploy"])
     call = ToolCall(id="toolu_1", name="deploy", input={"target": "prod"})
-    return _event(by, REQUESTED, config.request_payload("turn-1", call, now_ms=1_000))
+    return log_event(by, REQUESTED, config.request_payload("turn-1", call, now_ms=1_000))
 
 
 def _decided(client: str, interrupt_id: str, decision: ApprovalDecision) -> Event:
     payload = {"interrupt_id": interrupt_id, "decision": msgspec.to_builtins(decision)}
-    return _event(client, DECIDED, payload)
+    return log_event(client, DECIDED, payload)
 
 
 def test_first_decision_wins_and_the_resolution_is_final() -> None:
@@ -94,10 +82,10 @@ def test_first_decision_wins_and_the_resolution_is_final() -> None:
     # The asking device adopts the proposal in force; that is final.
     adopt = plan_settle(state, now_ms=0, abort=False, by="asker")
     assert adopt is not None and adopt["decided_by"] == "phone"
-    resolved = _event("asker", RESOLVED, adopt)
+    resolved = log_event("asker", RESOLVED, adopt)
     late = _decided("laptop2", request.id, Edit(input={"target": "staging"}))
     # A second resolution (two processes on one file, a buggy peer) does not count either.
-    twice = _event("asker", RESOLVED, plan_settle(state, now_ms=0, abort=True, by="asker") or {})
+    twice = log_event("asker", RESOLVED, plan_settle(state, now_ms=0, abort=True, by="asker") or {})
     final = interrupt_states([request, b, c, resolved, late, twice])[request.id]
     assert final.final and final.decision_event_id == b.id
     assert final.resolution_event_id == resolved.id and final.source == "user"
@@ -106,16 +94,16 @@ def test_first_decision_wins_and_the_resolution_is_final() -> None:
 
 def test_malformed_or_disallowed_decisions_are_refused_alone() -> None:
     request = _request(InterruptConfig(tools=["deploy"], decisions=("approve", "reject")))
-    junk = _event("phone", DECIDED, {"interrupt_id": request.id, "decision": {"kind": "maybe"}})
+    junk = log_event("phone", DECIDED, {"interrupt_id": request.id, "decision": {"kind": "maybe"}})
     edit = _decided("phone", request.id, Edit(input={"target": "x"}))  # not allowed here
-    long = _event(
+    long = log_event(
         "phone",
         DECIDED,
         {"interrupt_id": request.id, "decision": {"kind": "reject", "reason": "x" * 5_000}},
     )
     unknown = _decided("phone", "no-such-interrupt", Approve())
     reject = _decided("tablet", request.id, Reject(reason="no"))
-    bad_request = _event("asker", REQUESTED, {"turn_id": 3})
+    bad_request = log_event("asker", REQUESTED, {"turn_id": 3})
     states = interrupt_states([bad_request, request, junk, edit, long, unknown, reject])
     assert list(states) == [request.id]
     state = states[request.id]
@@ -153,7 +141,7 @@ def test_deadline_default_and_abort() -> None:
     )
     aborted = plan_settle(state, now_ms=0, abort=True, by="asker")
     assert aborted is not None and aborted["source"] == "abort"
-    done = interrupt_states([request, _event("asker", RESOLVED, fired)])[request.id]
+    done = interrupt_states([request, log_event("asker", RESOLVED, fired)])[request.id]
     assert plan_settle(done, now_ms=10**9, abort=True, by="asker") is None
 
 
@@ -220,7 +208,7 @@ class Model:
             assert plan.payload is not None
             if plan.write == RESOLVED:
                 self.first_wins(state, plan.payload)
-            event = _event(device, plan.write, plan.payload)
+            event = log_event(device, plan.write, plan.payload)
             self.own[device].append(event)
             written = event.id
         self.receipts.append((device, plan, written))
@@ -248,7 +236,7 @@ class Model:
         payload = plan_settle(state, now_ms=self.now, abort=abort, by=ASKER)
         if payload is not None:
             self.first_wins(state, payload)
-            self.own[ASKER].append(_event(ASKER, RESOLVED, payload))
+            self.own[ASKER].append(log_event(ASKER, RESOLVED, payload))
         state = self.state(ASKER)
         assert state is not None
         if state.final:

@@ -44,9 +44,9 @@ from pleach_client.store.sqlite import SQLiteAdapter
 from pleach_client.stream import StreamEventBase
 from pleach_client.tasks import WAIT_FOR_JOBS_TOOL, JobContext, JobHandler, job_tool
 from shared.errors import InvalidInput, InvalidState, NotFound
-from shared.ids import uuid7
 from shared.records import Event
 from tests import sse
+from tests.factories import log_event
 from tests.test_interrupts import tool_reply
 from tests.test_runtime_anthropic import anthropic_provider, text_reply
 from tests.test_sync_e2e import ALICE, Cluster
@@ -56,32 +56,19 @@ MODEL = sse.MODEL
 # -- the pure rules ------------------------------------------------------------------------------
 
 
-def _event(client: str, kind: str, payload: dict[str, Any], n: int = 0) -> Event:
-    return Event(
-        id=uuid7(),
-        session_id="s",
-        org_id="o",
-        user_id="u",
-        client_id=client,
-        hlc=f"{n:08d}",
-        type=kind,
-        payload=payload,
-    )
-
-
 def _queued(by: str = "laptop", **kw: Any) -> Event:
     payload = queued_payload("render", {"frames": 3}, runner="local", deadline_ms=10_000, **kw)
-    return _event(by, QUEUED, payload)
+    return log_event(by, QUEUED, payload)
 
 
 def test_the_first_final_event_wins_and_later_ones_are_overruled() -> None:
     q = _queued()
-    started = _event("laptop", STARTED, {"job_id": q.id, "attempt": 1})
-    half = _event("laptop", PROGRESS, {"job_id": q.id, "progress": 0.5, "message": "half"})
-    done = _event("laptop", COMPLETED, {"job_id": q.id, "result": {"frames": 3}})
-    late_fail = _event("laptop", FAILED, {"job_id": q.id, "error": "boom"})
-    late_progress = _event("laptop", PROGRESS, {"job_id": q.id, "progress": 0.1})
-    late_cancel = _event("phone", CANCEL_REQUESTED, {"job_id": q.id})
+    started = log_event("laptop", STARTED, {"job_id": q.id, "attempt": 1})
+    half = log_event("laptop", PROGRESS, {"job_id": q.id, "progress": 0.5, "message": "half"})
+    done = log_event("laptop", COMPLETED, {"job_id": q.id, "result": {"frames": 3}})
+    late_fail = log_event("laptop", FAILED, {"job_id": q.id, "error": "boom"})
+    late_progress = log_event("laptop", PROGRESS, {"job_id": q.id, "progress": 0.1})
+    late_cancel = log_event("phone", CANCEL_REQUESTED, {"job_id": q.id})
     job = job_states([q, started, half, done, late_fail, late_progress, late_cancel])[q.id]
     assert job.status == "completed" and job.result == {"frames": 3} and job.progress == 1.0
     assert job.owner == "laptop" and job.finished_by == "laptop" and job.final_event_id == done.id
@@ -94,14 +81,14 @@ def test_the_first_final_event_wins_and_later_ones_are_overruled() -> None:
 
 def test_malformed_and_oversized_job_events_are_refused_alone() -> None:
     q = _queued()
-    bad_queue = _event("laptop", QUEUED, {"name": "", "input": {}})
-    huge_input = _event("laptop", QUEUED, {"name": "x", "input": {"a": "x" * MAX_JOB_BYTES}})
-    out_of_range = _event("laptop", PROGRESS, {"job_id": q.id, "progress": 7})
-    no_id = _event("laptop", STARTED, {"attempt": 1})
-    unknown = _event("laptop", COMPLETED, {"job_id": "no-such-job", "result": 1})
-    huge_result = _event("laptop", COMPLETED, {"job_id": q.id, "result": "x" * MAX_JOB_BYTES})
-    long_error = _event("laptop", FAILED, {"job_id": q.id, "error": "e" * 10_000})
-    cancelled = _event("laptop", CANCELLED, {"job_id": q.id, "reason": "asked"})
+    bad_queue = log_event("laptop", QUEUED, {"name": "", "input": {}})
+    huge_input = log_event("laptop", QUEUED, {"name": "x", "input": {"a": "x" * MAX_JOB_BYTES}})
+    out_of_range = log_event("laptop", PROGRESS, {"job_id": q.id, "progress": 7})
+    no_id = log_event("laptop", STARTED, {"attempt": 1})
+    unknown = log_event("laptop", COMPLETED, {"job_id": "no-such-job", "result": 1})
+    huge_result = log_event("laptop", COMPLETED, {"job_id": q.id, "result": "x" * MAX_JOB_BYTES})
+    long_error = log_event("laptop", FAILED, {"job_id": q.id, "error": "e" * 10_000})
+    cancelled = log_event("laptop", CANCELLED, {"job_id": q.id, "reason": "asked"})
     events = [
         bad_queue,
         huge_input,
@@ -131,7 +118,7 @@ def test_plan_update_by_role() -> None:
         plan_update(queued, "complete", owner=False, by="phone", result=1)
     ask = plan_update(queued, "cancel", owner=False, by="phone", reason="stop")
     assert [w[0] for w in ask.writes] == [CANCEL_REQUESTED] and ask.accepted and not ask.final
-    asked = job_states([q, _event("phone", CANCEL_REQUESTED, ask.writes[0][1])])[q.id]
+    asked = job_states([q, log_event("phone", CANCEL_REQUESTED, ask.writes[0][1])])[q.id]
     assert asked.cancel_requested_by == "phone" and asked.cancel_reason == "stop"
     again = plan_update(asked, "cancel", owner=False, by="tablet")
     assert again.writes == () and not again.accepted
@@ -141,7 +128,7 @@ def test_plan_update_by_role() -> None:
     # A host that answers before its dispatch was acknowledged: started comes first.
     done = plan_update(queued, "complete", owner=True, by="laptop", result={"ok": True})
     assert [w[0] for w in done.writes] == [STARTED, COMPLETED] and done.final
-    final = job_states([q, *(_event("laptop", k, p) for k, p in done.writes)])[q.id]
+    final = job_states([q, *(log_event("laptop", k, p) for k, p in done.writes)])[q.id]
     late = plan_update(final, "fail", owner=True, by="laptop", error="x")
     assert late.writes == () and not late.accepted and late.status == "completed"
     progress = plan_update(queued, "progress", owner=True, by="laptop", progress=3, message="m")
@@ -150,7 +137,7 @@ def test_plan_update_by_role() -> None:
 
 def test_plan_recover_never_leaves_a_job_open() -> None:
     q = _queued()
-    started = _event("laptop", STARTED, {"job_id": q.id, "attempt": 1})
+    started = log_event("laptop", STARTED, {"job_id": q.id, "attempt": 1})
     running = job_states([q, started])[q.id]
     queued = job_states([q])[q.id]
     assert plan_recover(running, now_ms=0, handler=True, resumable=True).action == "resume"
@@ -161,17 +148,17 @@ def test_plan_recover_never_leaves_a_job_open() -> None:
     assert none.action == "fail" and "no handler for 'render'" in none.error
     late = plan_recover(running, now_ms=10_000, handler=True, resumable=True)
     assert (late.action, late.reason) == ("fail", "timeout")
-    remote = job_states([_event("laptop", QUEUED, {**q.payload, "runner": "endpoint"})])
+    remote = job_states([log_event("laptop", QUEUED, {**q.payload, "runner": "endpoint"})])
     [endpoint] = remote.values()
     assert plan_recover(endpoint, now_ms=0, handler=False, resumable=False).action == "redispatch"
     taken = job_states(
         [
-            (e := _event("laptop", QUEUED, {**q.payload, "runner": "endpoint"})),
-            _event("laptop", STARTED, {"job_id": e.id}),
+            (e := log_event("laptop", QUEUED, {**q.payload, "runner": "endpoint"})),
+            log_event("laptop", STARTED, {"job_id": e.id}),
         ]
     )[e.id]
     assert plan_recover(taken, now_ms=0, handler=False, resumable=False).action == "await"
-    asked = job_states([q, started, _event("phone", CANCEL_REQUESTED, {"job_id": q.id})])[q.id]
+    asked = job_states([q, started, log_event("phone", CANCEL_REQUESTED, {"job_id": q.id})])[q.id]
     assert plan_recover(asked, now_ms=0, handler=True, resumable=True).action == "cancel"
 
 
@@ -204,7 +191,7 @@ def test_any_interleaving_settles_once_and_never_moves_back(steps: list[tuple[st
             payload["result"] = value
         elif kind == FAILED:
             payload["error"] = value
-        events.append(_event(by, kind, payload, n=i))
+        events.append(log_event(by, kind, payload, n=i))
     order = {"queued": 0, "started": 1, "completed": 2, "failed": 2, "cancelled": 2}
     finals = [e for e in events if e.type in (COMPLETED, FAILED, CANCELLED)]
     previous: Job | None = None

@@ -64,6 +64,18 @@ class WriteBatch(msgspec.Struct, kw_only=True):
     renumber_outbox: bool = False
     rechained_audit: list[AuditRow] = []
 
+    def is_empty(self) -> bool:
+        """Whether committing it would change nothing."""
+        return not (
+            self.records
+            or self.queued
+            or self.purge_checkpoints_for
+            or self.purge_sessions
+            or self.meta
+            or self.renumber_outbox
+            or self.rechained_audit
+        )
+
 
 class TxReader(Protocol):
     """Reads inside a write transaction (``StorageAdapter.transact``): they see the file as
@@ -95,6 +107,15 @@ class TxReader(Protocol):
 
 
 Plan = Callable[[TxReader], Awaitable[WriteBatch | None]]
+
+
+def fixed_plan(batch: WriteBatch) -> Plan:
+    """The plan that writes ``batch`` as it is (how a store's ``commit`` uses ``transact``)."""
+
+    async def plan(_: TxReader) -> WriteBatch:
+        return batch
+
+    return plan
 
 
 class OutboxEntry(msgspec.Struct, kw_only=True):

@@ -61,7 +61,14 @@ from shared.records import (
 )
 from shared.resource import AsyncResource
 
-from .base import CommitReceipt, DeadLetter, OutboxEntry, Plan, TxReader, WriteBatch
+from .base import (
+    CommitReceipt,
+    DeadLetter,
+    OutboxEntry,
+    Plan,
+    WriteBatch,
+    fixed_plan,
+)
 
 __all__ = ["DEFAULT_SCHEMA", "SCHEMA_VERSION", "PostgresAdapter"]
 
@@ -974,21 +981,9 @@ class PostgresAdapter(AsyncResource):
         table), the outbox rows and the meta keys. Raises ``StorageError`` with nothing
         written on any failure."""
         self._require_open()
-        if not (
-            batch.records
-            or batch.queued
-            or batch.purge_checkpoints_for
-            or batch.purge_sessions
-            or batch.meta
-            or batch.renumber_outbox
-            or batch.rechained_audit
-        ):
+        if batch.is_empty():
             return CommitReceipt(client_seqs=[], records=0)
-
-        async def fixed(_: TxReader) -> WriteBatch:
-            return batch
-
-        return await self.transact(fixed)
+        return await self.transact(fixed_plan(batch))
 
     async def transact(self, plan: Plan) -> CommitReceipt:
         """Call ``plan`` under the device's write lock with a reader on the same transaction
