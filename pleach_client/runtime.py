@@ -378,24 +378,33 @@ def _lineage_overlay(
 ) -> tuple[str, builtins.list[str]] | None:
     """The newest checkpoint that descends from the row's head and extends its transcript,
     as ``(checkpoint_id, message_ids)``; None when the row is already at its lineage's tip."""
-    if row.head_checkpoint_id is None or not checkpoints:
+    head = row.head_checkpoint_id
+    if head is None or not checkpoints:
         return None
     by_id = {c.id: c for c in checkpoints}
-    best: tuple[str, builtins.list[str]] | None = None
-    best_hlc = ""
+    children: dict[str, builtins.list[Checkpoint]] = {}
     for cp in checkpoints:
-        if cp.id == row.head_checkpoint_id or cp.hlc <= best_hlc:
-            continue
-        ancestor, steps = cp.parent_id, 0
-        while ancestor is not None and ancestor != row.head_checkpoint_id and steps < len(by_id):
-            parent = by_id.get(ancestor)
-            ancestor, steps = (parent.parent_id if parent else None), steps + 1
-        if ancestor != row.head_checkpoint_id:
-            continue
+        if cp.parent_id is not None:
+            children.setdefault(cp.parent_id, []).append(cp)
+    # the head's descendants, in one walk down (a walk up from every checkpoint was quadratic)
+    descendants: builtins.list[Checkpoint] = []
+    seen = {head}
+    frontier = [head]
+    while frontier:
+        for child in children.get(frontier.pop(), ()):
+            if child.id not in seen:
+                seen.add(child.id)
+                descendants.append(child)
+                frontier.append(child.id)
+    # newest first; among equal clocks the first in the store's order, as before
+    order = {cp.id: i for i, cp in enumerate(checkpoints)}
+    descendants.sort(key=lambda cp: order[cp.id])
+    descendants.sort(key=lambda cp: cp.hlc, reverse=True)
+    for cp in descendants:
         ids = rebuild_message_ids(cp.id, by_id)
         if ids[: len(row.state.message_ids)] == row.state.message_ids:
-            best, best_hlc = (cp.id, ids), cp.hlc
-    return best
+            return cp.id, ids
+    return None
 
 
 def hydrate(events: list[Event]) -> dict[str, Any]:
