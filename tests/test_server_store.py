@@ -245,3 +245,40 @@ async def test_schema_3_files_migrate_to_tenant_scoped_ids(db_path: Path) -> Non
     with sqlite3.connect(db_path) as conn:
         assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+_BATCH_LOOKUPS = (
+    "_RECORD_OWNERS_SQL",
+    "_EVENT_OWNERS_SQL",
+    "_SESSION_OWNERS_SQL",
+    "_SESSIONS_SQL",
+    "_CHAIN_TAILS_SQL",
+    "_CASCADE_CANDIDATES_SQL",
+    "_DELETE_RECORDS_SQL",
+    "_DELETE_FEED_SQL",
+)
+
+
+@pytest.mark.parametrize("name", _BATCH_LOOKUPS)
+async def test_a_batch_lookup_reads_each_key_through_an_index(db_path: Path, name: str) -> None:
+    """Each key of a push's lookups is found by an index on the key itself, never by walking
+    the tenant's rows: a plan that searched on (org_id, user_id) alone made each push cost
+    time in proportion to the tenant's whole history."""
+    import pleach_server.store.sqlite as server_sqlite
+
+    async with SQLiteServerStore(db_path):
+        pass
+    sql = getattr(server_sqlite, name)
+    conn = sqlite3.connect(db_path)
+    try:
+        params = ("org", "user", "[]") if "?3" in sql else ("[]",) * sql.count("?")
+        plan = [row[3] for row in conn.execute(f"EXPLAIN QUERY PLAN {sql}", params)]
+    finally:
+        conn.close()
+    searches = [line for line in plan if line.startswith("SEARCH")]
+    assert searches, plan
+    assert not any(line.startswith("SCAN") and "VIRTUAL TABLE" not in line for line in plan), plan
+    for line in searches:
+        constrained = line[line.index("(") + 1 : line.rindex(")")]
+        columns = {c.split("=")[0].strip() for c in constrained.split(" AND ")}
+        assert columns - {"org_id", "user_id"}, f"{name}: {line}"

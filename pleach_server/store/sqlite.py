@@ -217,10 +217,12 @@ _LAST_SEQ_SQL = "SELECT last_seq FROM clients WHERE org_id = ? AND user_id = ? A
 
 # The batch lookups of a push: each takes the tenant, then its keys as ONE JSON array
 # parameter (no limit on how many, one statement per kind of key) and reads each key through
-# an index. Every id is the tenant's own: another tenant's rows are never read.
+# an index. Every id is the tenant's own: another tenant's rows are never read. CROSS JOIN
+# keeps the keys as the outer loop: with a plain JOIN the planner may walk all of the tenant's
+# rows once per key (a push read 0.3 ms per change that way, and more as the history grew).
 _RECORD_OWNERS_SQL = """
     SELECT r.kind, r.id, r.org_id, r.user_id FROM json_each(?3) AS k
-    JOIN records AS r ON r.org_id = ?1 AND r.user_id = ?2
+    CROSS JOIN records AS r ON r.org_id = ?1 AND r.user_id = ?2
         AND r.kind = json_extract(k.value, '$[0]') AND r.id = json_extract(k.value, '$[1]')"""
 _EVENT_OWNERS_SQL = """
     SELECT id, org_id, user_id FROM events
@@ -241,7 +243,7 @@ _SESSIONS_SQL = """
     WHERE org_id = ?1 AND user_id = ?2 AND id IN (SELECT value FROM json_each(?3))"""
 _CHAIN_TAILS_SQL = """
     SELECT k.value, e.sequence_number, e.row_hash FROM json_each(?3) AS k
-    JOIN events AS e ON e.rowid = (
+    CROSS JOIN events AS e ON e.rowid = (
         SELECT rowid FROM events WHERE org_id = ?1 AND user_id = ?2 AND session_id = k.value
         ORDER BY sequence_number DESC LIMIT 1)"""
 
@@ -266,7 +268,8 @@ _APPEND_FEED_SQL = (
 _TENANT_SESSIONS_SQL = "SELECT id, body FROM sessions WHERE org_id = ? AND user_id = ?"
 _CASCADE_CANDIDATES_SQL = """
     SELECT r.kind, r.id, r.body FROM json_each(?) AS k
-    JOIN records AS r ON r.org_id = ? AND r.user_id = ? AND r.session_id = k.value
+    CROSS JOIN records AS r INDEXED BY records_tenant
+        ON r.org_id = ? AND r.user_id = ? AND r.session_id = k.value
     WHERE r.kind IN (SELECT value FROM json_each(?))"""
 _DELETE_RECORDS_SQL = """
     DELETE FROM records WHERE org_id = ? AND user_id = ? AND (kind, id) IN (
