@@ -29,6 +29,25 @@ from .syncplan import Decision, decide_session, rebase
 log = logging.getLogger("pleach.sync")
 
 
+def _observe_page(view: RemoteView, changes: list[FeedChange]) -> None:
+    """Move the clock past every stamp of the page. Observing the greatest is enough (stamps
+    sort as text like their tuples); only when it is refused (skew or a malformed stamp) is
+    each one observed, so every good stamp still counts and each bad one is logged."""
+    if not changes:
+        return
+    top = max(change.record.hlc for change in changes)
+    try:
+        view.clock.observe(top)
+        return
+    except PleachError:
+        pass
+    for change in changes:
+        try:
+            view.clock.observe(change.record.hlc)
+        except PleachError as exc:  # skew or a malformed stamp: apply, but say so
+            log.warning("remote stamp not observed: %s", exc)
+
+
 async def plan_page(
     tx: TxReader, view: RemoteView, changes: list[FeedChange], emitted: list[Any]
 ) -> WriteBatch:
@@ -39,12 +58,9 @@ async def plan_page(
     remote_sessions: dict[str, Session] = {}
     events_by_session: dict[str, list[Event]] = {}
     contents: list[Record] = []
+    _observe_page(view, changes)
     for change in changes:
         record = change.record
-        try:
-            view.clock.observe(record.hlc)
-        except PleachError as exc:  # skew or a malformed stamp: apply, but say so
-            log.warning("remote stamp not observed: %s", exc)
         match record:
             case Session():
                 problem = vector_problem(record.vv)
