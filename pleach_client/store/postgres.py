@@ -1096,10 +1096,15 @@ class PostgresAdapter(AsyncResource):
     async def outbox_pending(self, limit: int = 500) -> list[OutboxEntry]:
         """Oldest first, by client_seq; at most ``limit`` entries."""
         rows = await self._fetch("read outbox", self._sql.outbox_pending, max(limit, 0))
+        # A session queued once per turn refers to one stored row: decode each body once.
+        decoded: dict[bytes, Record] = {}
+        for seq, body, *_ in rows:
+            if body not in decoded:
+                decoded[body] = _decode(None, "outbox", seq, body)
         return [
             OutboxEntry(
                 client_seq=seq,
-                record=_decode(None, "outbox", seq, body),
+                record=decoded[body],
                 attempts=attempts,
                 created_at=created_at,
                 last_error_code=code,

@@ -831,10 +831,15 @@ class SQLiteAdapter(AsyncResource):
         """Oldest first, by client_seq."""
         async with self._reading("read outbox") as conn:
             rows = await _fetch(conn, QUERIES["outbox_pending"], (max(limit, 0),))
+        # A session queued once per turn refers to one stored row: decode each body once.
+        decoded: dict[bytes, Record] = {}
+        for seq, body, *_ in rows:
+            if body not in decoded:
+                decoded[body] = _decode(_RECORD, "outbox", seq, body)
         return [
             OutboxEntry(
                 client_seq=seq,
-                record=_decode(_RECORD, "outbox", seq, body),
+                record=decoded[body],
                 attempts=attempts,
                 created_at=created_at,
                 last_error_code=code,
