@@ -12,7 +12,14 @@ Baseline, in the same run: a plain ``websockets`` relay subprocess with the same
 connections (one per device, paired the same way), each client sending at the same pace a
 frame of the same bytes as one real turn's encoded ``Push`` (distinct turns, plus an 8-byte
 sequence number), which the relay forwards to the peer connection. Both use websockets'
-default permessage-deflate, as pleach does.
+default permessage-deflate, as pleach does. The issue's targets (p50 at most 3x, p99 at most
+6x) are ratios to this plain relay.
+
+Second baseline, same run, same connections, pace and payloads: a durable relay, which first
+commits each frame as one row to a SQLite file (WAL, ``synchronous=FULL``: one fsync per
+frame, on its own thread) and forwards it only then, the least a durable server hop costs.
+pleach's p50 and p99 are also given as a ratio to it, and its own p50 and p99 beside the
+plain relay's. One note line gives each hop's fsync policy.
 
 It runs on both server stores: SQLite (a temporary file) and PostgreSQL
 (``PLEACH_TEST_PG_DSN``; skipped, with the reason printed, when it does not answer). CPU used
@@ -30,6 +37,7 @@ import contextlib
 import math
 import os
 import random
+import sqlite3
 import statistics
 import sys
 import tempfile
@@ -441,6 +449,7 @@ class RelayResult:
     samples: list[float]
     client_cpu: float
     server_cpu: float
+    frames: int  # frames sent (and relayed) in all, warm-up included
 
 
 async def relay_run(
@@ -505,7 +514,33 @@ async def relay_run(
             task.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
     samples = [got[k] - t0 for k, t0 in sent.items() if warm_end <= t0 < stop_at]
-    return RelayResult(samples, client_cpu, server_cpu)
+    return RelayResult(samples, client_cpu, server_cpu, expected)
+
+
+def logged_frames(path: Path) -> int:
+    """Rows the durable relay committed to ``path`` (one per relayed frame)."""
+    conn = sqlite3.connect(path)
+    try:
+        count: int = conn.execute("SELECT count(*) FROM frames").fetchone()[0]
+        return count
+    finally:
+        conn.close()
+
+
+def filesystem(path: Path) -> str:
+    """The type of the filesystem ``path`` is on (``ext4``, ``tmpfs``...), from /proc/mounts."""
+    best, kind = "", "unknown"
+    target = str(path.resolve())
+    with contextlib.suppress(OSError), open("/proc/mounts", encoding="utf-8") as handle:
+        for line in handle:
+            fields = line.split()
+            if len(fields) < 3:
+                continue
+            mount = fields[1].replace("\\040", " ")
+            inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+            if inside and len(mount) >= len(best):
+                best, kind = mount, fields[2]
+    return kind
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -534,7 +569,7 @@ class Config:
     dsn: str
 
 
-def live_rows(label: str, r: LiveResult, relay: RelayResult) -> list[Row]:
+def live_rows(label: str, r: LiveResult, relay: RelayResult, durable: RelayResult) -> list[Row]:
     window = r.window
     return [
         Row(
@@ -551,6 +586,20 @@ def live_rows(label: str, r: LiveResult, relay: RelayResult) -> list[Row]:
             "ws relay, p99",
             percentile(relay.samples, 0.99) * 1e3,
         ),
+        Row(
+            f"{label}:   p50, against the durable relay",
+            percentile(r.samples, 0.5) * 1e3,
+            "ms",
+            "durable relay, p50",
+            percentile(durable.samples, 0.5) * 1e3,
+        ),
+        Row(
+            f"{label}:   p99, against the durable relay",
+            percentile(r.samples, 0.99) * 1e3,
+            "ms",
+            "durable relay, p99",
+            percentile(durable.samples, 0.99) * 1e3,
+        ),
         Row(f"{label}:   mean", statistics.fmean(r.samples) * 1e3, "ms"),
         Row(
             f"{label}:   server store.push per batch, mean ({r.pushes:.0f} batches)",
@@ -564,6 +613,26 @@ def live_rows(label: str, r: LiveResult, relay: RelayResult) -> list[Row]:
             [Row(f"{label}:   CPU, postgres processes", r.pg_cpu / window * 100, "% core")]
             if r.pg_cpu
             else []
+        ),
+    ]
+
+
+def relay_rows(relay: RelayResult, durable: RelayResult) -> list[Row]:
+    """The durable relay's own figures, beside the plain relay's."""
+    return [
+        Row(
+            f"durable relay: frame A -> B, p50 ({len(durable.samples)} samples)",
+            percentile(durable.samples, 0.5) * 1e3,
+            "ms",
+            "ws relay, p50",
+            percentile(relay.samples, 0.5) * 1e3,
+        ),
+        Row(
+            "durable relay: frame A -> B, p99",
+            percentile(durable.samples, 0.99) * 1e3,
+            "ms",
+            "ws relay, p99",
+            percentile(relay.samples, 0.99) * 1e3,
         ),
     ]
 
@@ -585,10 +654,15 @@ async def _run(quick: bool, cfg: Config) -> tuple[list[Row], list[str]]:
         )
         device_sync = SQLiteAdapter(root / "unused.db").synchronous
         server_sync = SQLiteServerStore(root / "unused-server.db").synchronous
+        setting, why = await pg_setting(cfg.dsn)
+        fs = await asyncio.to_thread(filesystem, root)
         notes.append(
-            f"fsync policy per hop: device SQLite WAL synchronous={device_sync} (survives a "
-            "process crash, not power loss); server SQLite (pleach-server's SQLiteServerStore "
-            f"default) WAL synchronous={server_sync} (survives power loss)"
+            f"fsync policy per hop: device A, B SQLite WAL synchronous={device_sync} (no fsync "
+            "per commit: survives an app crash, not power loss); server SQLite (pleach-server's "
+            f"SQLiteServerStore default) WAL synchronous={server_sync} (one fsync per push "
+            "transaction: survives power loss); server PostgreSQL "
+            f"{setting or 'not measured'}; durable relay SQLite WAL synchronous=FULL (one "
+            f"fsync per frame); ws relay none; SQLite files on {fs} ({tmp})"
         )
 
         async with servers(str(root / "server.db"), None, 1) as (srv,):
@@ -600,18 +674,26 @@ async def _run(quick: bool, cfg: Config) -> tuple[list[Row], list[str]]:
             relay = await relay_run(
                 relay_srv, cfg.users, payloads, cfg.interval, cfg.warm, cfg.seconds
             )
-        notes.append(
-            f"ws relay: {devices} connections, {len(relay.samples)} samples; CPU client "
-            f"{relay.client_cpu / cfg.seconds * 100:.0f}% core, relay process "
-            f"{relay.server_cpu / cfg.seconds * 100:.0f}% core"
-        )
-        rows += live_rows("SQLite", sqlite, relay)
+        log = root / "durable-relay.db"
+        async with helper("durable-relay", "--db", str(log)) as durable_srv:
+            durable = await relay_run(
+                durable_srv, cfg.users, payloads, cfg.interval, cfg.warm, cfg.seconds
+            )
+        logged = await asyncio.to_thread(logged_frames, log)
+        if logged != durable.frames:
+            raise RuntimeError(f"durable relay committed {logged} of {durable.frames} frames")
+        for name, r in (("ws relay", relay), ("durable relay", durable)):
+            notes.append(
+                f"{name}: {devices} connections, {len(r.samples)} samples; CPU client "
+                f"{r.client_cpu / cfg.seconds * 100:.0f}% core, relay process "
+                f"{r.server_cpu / cfg.seconds * 100:.0f}% core"
+                + (f"; {logged} frames committed, one transaction each" if r is durable else "")
+            )
+        rows += live_rows("SQLite", sqlite, relay, durable)
 
-        setting, why = await pg_setting(cfg.dsn)
         if setting is None:
             notes.append(f"PostgreSQL half skipped: {cfg.dsn} does not answer ({why})")
         else:
-            notes.append(f"server PostgreSQL: {setting}")
             schema = f"pleach_bench_live_{uuid7().replace('-', '')}"
             try:
                 async with servers(cfg.dsn, schema, 1) as (srv,):
@@ -621,7 +703,8 @@ async def _run(quick: bool, cfg: Config) -> tuple[list[Row], list[str]]:
                     )  # fmt: skip
             finally:
                 await drop_schema(cfg.dsn, schema)
-            rows += live_rows("PostgreSQL", pg, relay)
+            rows += live_rows("PostgreSQL", pg, relay, durable)
+        rows += relay_rows(relay, durable)
     return rows, notes
 
 

@@ -4,6 +4,10 @@
 - ``relay``: a plain ``websockets`` relay. A client names its pair and role (``b"7:a"``);
   once both ends of the pair are there each gets ``b"ok"``, and every later frame of one end
   is forwarded to the other.
+- ``durable-relay``: the same relay, but each frame is first written as one row into a SQLite
+  file (``--db``; WAL, ``synchronous=FULL``, one ``INSERT`` + ``COMMIT`` per frame, so one
+  fsync) on a dedicated connection in its own thread, and forwarded only once that commit
+  returned: the least a server's durable store hop costs, one durable commit per push.
 - ``echo`` / ``echo-plain``: a plain ``websockets`` echo server, with websockets' default
   permessage-deflate (as ``pleach-server``) or without compression.
 - ``pleach-plain``: ``SyncServer(compression=False)`` on a ``SQLiteServerStore`` file (the
@@ -18,8 +22,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import sqlite3
 import sys
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from websockets.asyncio.server import ServerConnection, serve
 
@@ -47,7 +53,52 @@ async def serve_until_signalled(
         await stop.wait()
 
 
-async def relay_server() -> None:
+class FrameLog:
+    """Frames appended to a SQLite file, one durable transaction each.
+
+    One connection, opened and used only by one worker thread (as ``aiosqlite`` does), so the
+    event loop keeps serving other connections while a commit waits for its fsync; commits
+    are serialized, as on a server store's single writer connection.
+    """
+
+    def __init__(self, path: str) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="frame-log")
+        self._conn = self._pool.submit(self._open, path).result()
+
+    @staticmethod
+    def _open(path: str) -> sqlite3.Connection:
+        conn = sqlite3.connect(path, isolation_level=None)  # explicit transactions below
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        conn.execute("PRAGMA synchronous = FULL")
+        sync = conn.execute("PRAGMA synchronous").fetchone()[0]
+        if mode != "wal" or sync != 2:  # 2 is FULL
+            raise RuntimeError(f"{path}: journal_mode={mode}, synchronous={sync}")
+        conn.execute("CREATE TABLE IF NOT EXISTS frames (id INTEGER PRIMARY KEY, body BLOB)")
+        return conn
+
+    def _write(self, frame: bytes | str) -> None:
+        conn = self._conn
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("INSERT INTO frames (body) VALUES (?)", (frame,))
+            conn.execute("COMMIT")  # WAL + synchronous=FULL: the WAL is fsynced here
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    async def append(self, frame: bytes | str) -> None:
+        """Return once ``frame`` is committed (durable)."""
+        await asyncio.get_running_loop().run_in_executor(self._pool, self._write, frame)
+
+    def close(self) -> None:
+        self._pool.submit(self._conn.close).result()
+        self._pool.shutdown()
+
+
+async def relay_server(db: str | None = None) -> None:
+    """The relay; with ``db``, every frame is committed to a ``FrameLog`` before it is sent."""
+    log = FrameLog(db) if db else None
     peers: dict[bytes, ServerConnection] = {}
     paired: dict[bytes, asyncio.Event] = {}
 
@@ -64,9 +115,15 @@ async def relay_server() -> None:
         await ws.send(b"ok")
         peer = peers[other]
         async for message in ws:
+            if log is not None:
+                await log.append(message)
             await peer.send(message)
 
-    await serve_until_signalled(relay, "deflate")
+    try:
+        await serve_until_signalled(relay, "deflate")
+    finally:
+        if log is not None:
+            log.close()
 
 
 async def _echo(ws: ServerConnection) -> None:
@@ -89,11 +146,17 @@ async def pleach_plain(db: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("kind", choices=["relay", "echo", "echo-plain", "pleach-plain"])
-    parser.add_argument("--db", default=None, help="SQLite file (pleach-plain)")
+    parser.add_argument(
+        "kind", choices=["relay", "durable-relay", "echo", "echo-plain", "pleach-plain"]
+    )
+    parser.add_argument("--db", default=None, help="SQLite file (durable-relay, pleach-plain)")
     args = parser.parse_args(argv)
     if args.kind == "relay":
         asyncio.run(relay_server())
+    elif args.kind == "durable-relay":
+        if not args.db:
+            parser.error("durable-relay needs --db")
+        asyncio.run(relay_server(args.db))
     elif args.kind == "echo":
         asyncio.run(serve_until_signalled(_echo, "deflate"))
     elif args.kind == "echo-plain":
