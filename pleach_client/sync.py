@@ -742,10 +742,11 @@ class SyncFacet:
         return self._link
 
     # -- identity -----------------------------------------------------------------------------
-    async def _rekey(self, why: str) -> None:
+    async def _rekey(self, why: str, *, code: ErrorCode = ErrorCode.IDENTITY_REUSED) -> None:
         """Another copy of this device's file wrote under its client id (a restored backup, a
-        copied file): take a new id, renumber what is queued, and reconnect as the new id.
-        Nothing queued is dropped; the server takes it all from the new id."""
+        copied file), or the server no longer knows the numbers before this device's queue:
+        take a new id, renumber what is queued, and reconnect as the new id. Nothing queued is
+        dropped; the server takes it all from the new id."""
         rt = self._rt
         old = rt.client_id
         # What is still queued is what the server does not hold (what it held was answered
@@ -755,12 +756,12 @@ class SyncFacet:
         self._issued = 0  # the queue was renumbered
         self._cursor = int(await rt.store.get_meta("cursor") or 0)
         message = (
-            f"this device's file was restored or copied ({why}): it now syncs as a new device "
+            f"{why}: this device now syncs as a new device "
             f"(client id {new}, was {old}); its {pending} queued change(s) will be sent "
             "again under the new id"
         )
         log.warning("sync: %s", message)
-        self._error(message, int(ErrorCode.IDENTITY_REUSED))
+        self._error(message, int(code))
         link, self._link = self._link, None
         if link is not None:  # it speaks for the old id: the loop reconnects as the new one
             self._reconnect_now = True
@@ -905,12 +906,23 @@ class SyncFacet:
             )
         if plan.remove:
             await store.outbox_remove(plan.remove)
-        if plan.rekey:
+        if plan.lost_numbers:
             await self._rekey(
-                f"the server holds client_seq {ack.last_seq} of this device, which only ever "
-                f"gave out {issued}"
-                if ack.last_seq > issued
-                else "the server holds other changes under this device's client_seq numbers"
+                f"the server counts this device's changes only to client_seq {ack.last_seq}, "
+                f"and the oldest still queued is {entries[0].client_seq}: it lost or never had "
+                "the ones between (a server restored from a backup, another server, or this "
+                "file opened as another user)",
+                code=ErrorCode.SEQUENCE_GAP,
+            )
+        elif plan.rekey:
+            await self._rekey(
+                "this device's file was restored or copied: "
+                + (
+                    f"the server holds client_seq {ack.last_seq} of this device, which only "
+                    f"ever gave out {issued}"
+                    if ack.last_seq > issued
+                    else "the server holds other changes under this device's client_seq numbers"
+                )
             )
         # A conflict's sync.conflict event is written by the server into the session's log:
         # this device, like every other, raises the stream event when the event arrives.

@@ -52,6 +52,11 @@ class Settlement:
     rekey: bool = False
     skew: str | None = None
     """The server's word on this device's clock (3011), when it refused stamps ahead of it."""
+    lost_numbers: bool = False
+    """The server expects numbers this device no longer queues (3006 before the oldest queued
+    change): it lost what it held of this device (a server restored from a backup), or never
+    had it (another server, a file opened as another user). ``rekey`` is set with it: under a
+    new id the numbering starts over and the queue goes through."""
 
     @property
     def progress(self) -> int:
@@ -104,6 +109,14 @@ def settle(sent: Sequence[Sent], ack: PushAck, issued: int | None = None) -> Set
         out.remove.append(result.client_seq)
         if result.status == "resolved" and result.conflict is not None:
             out.conflicts.append(result.conflict)
+    gapped = any(
+        r.status == "rejected" and r.code == ErrorCode.SEQUENCE_GAP and r.client_seq in by_seq
+        for r in ack.results
+    )
+    if gapped and not reused and by_seq and min(by_seq) > ack.last_seq + 1:
+        # The oldest queued change always goes first, so the numbers the server waits for are
+        # no longer queued here: resending can never close the gap.
+        out.lost_numbers = out.rekey = True
     for seq in by_seq:
         if seq in decided:
             continue

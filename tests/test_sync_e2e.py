@@ -22,7 +22,7 @@ from pleach_server.auth import issue_token
 from pleach_server.server import SyncServer
 from pleach_server.store import ServerStore, SQLiteServerStore, Tenant
 from shared.clock import HybridClock
-from shared.errors import CursorTooOld
+from shared.errors import CursorTooOld, ErrorCode
 from shared.ids import uuid7
 from shared.records import Message
 
@@ -398,6 +398,37 @@ async def test_server_restart_between_batches(cluster: Cluster) -> None:
     assert len(ids) == len(set(ids)), "an immutable record was applied twice"
     versions = [(c.record.id, c.record.vv) for c in feed if type(c.record).__name__ == "Session"]
     assert len(versions) == len({(i, tuple(sorted(v.items()))) for i, v in versions})
+
+
+async def test_a_server_restored_from_an_older_backup_does_not_stall_the_device(
+    cluster: Cluster,
+) -> None:
+    """The server lost what it held of the laptop (restored from a backup taken before the
+    laptop's first sync): it waits for client_seq 1, which the laptop settled long ago.
+    Resending can never close that gap; the laptop takes a new id, says why (3006), and what
+    it writes from then on reaches the other devices."""
+    laptop = await cluster.device("laptop")
+    first = await laptop.create_session()
+    await chat(laptop, first.id, "synced before the restore")
+    await cluster.online(laptop)
+    await cluster.stop_server()
+    store = SQLiteServerStore(cluster.tmp / "restored.db")  # the backup: nothing of it
+    await store.open()
+    await cluster.start_server(store)
+    second = await laptop.create_session()
+    await chat(laptop, second.id, "written after the restore")
+    old_id = laptop.client_id
+    assert await laptop.sync.wait_until_synced(20), await laptop.sync.status()
+    status = await laptop.sync.status()
+    assert status.pending == 0
+    assert laptop.client_id != old_id
+    assert status.last_error_code == ErrorCode.SEQUENCE_GAP
+    assert "restored" in (status.last_error or "")
+    phone = await cluster.device("phone")
+    await cluster.online(phone)
+    assert await snapshot(phone, second.id) == await snapshot(laptop, second.id)
+    assert (await laptop.audit.verify_chain()).ok
+    assert (await laptop.audit.verify_chain(old_id)).ok
 
 
 async def test_bad_tokens_need_auth_and_tenants_are_isolated(cluster: Cluster) -> None:

@@ -72,6 +72,27 @@ def test_settle_rekeys_on_3012_and_takes_nothing_for_held_by_number() -> None:
     assert told.keep == [3] and told.dead == [] and told.rekey
 
 
+def test_settle_rekeys_when_the_numbers_the_server_waits_for_are_no_longer_queued() -> None:
+    """The server counts this device only to 4 but the oldest queued change is 12: it lost
+    (or never had) 5-11, which this device already settled. Resending can never close that
+    gap, so the device takes a new id; a gap it can still close (its oldest queued change is
+    the one the server waits for) is only kept."""
+    gap = [
+        ChangeResult(client_seq=s, status="rejected", code=ErrorCode.SEQUENCE_GAP) for s in (12, 13)
+    ]
+    lost = settle([Sent(12), Sent(13)], ack(gap, last_seq=4), issued=13)
+    assert lost.keep == [12, 13] and lost.dead == [] and lost.remove == []
+    assert lost.rekey and lost.lost_numbers
+    closable = settle(
+        [Sent(5), Sent(12)],
+        ack([ChangeResult(client_seq=5, status="applied"), *gap[:1]], last_seq=5),
+        issued=13,
+    )
+    assert closable.remove == [5] and closable.keep == [12] and not closable.rekey
+    fresh = settle([Sent(1)], ack([], last_seq=0), issued=1)
+    assert fresh.keep == [1] and not fresh.rekey
+
+
 def test_settle_ignores_results_for_entries_it_did_not_send() -> None:
     plan = settle([Sent(5)], ack([ChangeResult(client_seq=9, status="applied")], last_seq=4))
     assert plan.remove == [] and plan.keep == [5] and plan.progress == 0
