@@ -48,6 +48,7 @@ from shared.errors import (
 )
 from shared.messages import ChangeResult, Health, Hello, Pull, Push, Welcome
 from shared.protocol import ServerProtocol, State
+from shared.records import encode_record
 from shared.tracing import Spans
 
 from .hub import Hub, Subscription
@@ -202,17 +203,30 @@ class ConnectionContext:
         )
 
     async def fan_out(
-        self, tenant: Tenant, from_cursor: int, to_cursor: int, *, local: bool
+        self,
+        tenant: Tenant,
+        from_cursor: int,
+        to_cursor: int,
+        *,
+        local: bool,
+        pushed: PushResult | None = None,
     ) -> None:
         """Publish the tenant's feed page ``(from_cursor, to_cursor]`` to its devices here.
 
         ``from_cursor`` must be a head of the tenant read BEFORE the commit (cursors are not
         contiguous per tenant), so the page read here is complete. Reads it once, whatever
-        the number of devices. ``local`` commits are also announced to the other instances.
-        Never raises for a store failure: it publishes an empty marker at ``to_cursor``
-        instead, so devices pull to catch up.
+        the number of devices, unless ``pushed`` (the push that committed the page) holds
+        the whole page: its rows directly follow ``from_cursor`` and fit one page. ``local``
+        commits are also announced to the other instances. Never raises for a store failure:
+        it publishes an empty marker at ``to_cursor`` instead, so devices pull to catch up.
         """
-        if self.hub.subscribers(tenant):
+        whole = _whole_page(
+            pushed, from_cursor, to_cursor, self.max_pull_limit, self.max_pull_bytes
+        )
+        if whole and self.hub.subscribers(tenant):
+            assert pushed is not None
+            self.hub.publish(tenant, from_cursor, to_cursor, pushed.feed)
+        elif self.hub.subscribers(tenant):
             limit = max(1, min(to_cursor - from_cursor, self.max_pull_limit))
             try:
                 page = await self.store.pull(tenant, from_cursor, limit, self.max_pull_bytes)
@@ -233,6 +247,21 @@ class ConnectionContext:
             except (SyncError, StorageError, OSError) as exc:
                 # Best effort: other instances' devices catch up on their next pull.
                 logger.warning("notifier publish for %s failed: %s", tenant, exc)
+
+
+def _whole_page(
+    pushed: PushResult | None, from_cursor: int, to_cursor: int, limit: int, max_bytes: int
+) -> bool:
+    """Whether ``pushed`` holds the tenant's whole feed page ``(from_cursor, to_cursor]``, as
+    a pull of ``limit`` rows and ``max_bytes`` would return it: its rows directly follow
+    ``from_cursor`` (no other commit of the tenant came between) and fit one page."""
+    if pushed is None or not pushed.feed or pushed.previous_head != from_cursor:
+        return False
+    if pushed.feed[-1].cursor != to_cursor or len(pushed.feed) > limit:
+        return False
+    if len(pushed.feed) == 1:
+        return True  # a page always holds its first row, whatever its size
+    return sum(len(encode_record(change.record)) for change in pushed.feed) <= max_bytes
 
 
 def _shared_bucket(
@@ -505,7 +534,9 @@ class Connection:
                 # socket died before its acknowledgement went out.
                 if result.cursors:
                     await asyncio.shield(
-                        ctx.fan_out(self.tenant, before, max(result.cursors), local=True)
+                        ctx.fan_out(
+                            self.tenant, before, max(result.cursors), local=True, pushed=result
+                        )
                     )
 
     async def _push_in_slot(self, push: Push) -> PushResult:

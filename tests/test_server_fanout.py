@@ -10,7 +10,9 @@ server's head was 2).
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -65,3 +67,68 @@ async def test_a_commit_reaches_the_others_when_the_pusher_died_before_its_ack(
             store.release.set()
             await watcher.live_until({session.id})
     assert session.id in watcher.live_ids()
+
+
+class CountingStore(SQLiteServerStore):
+    """Counts the pulls the server makes (a live page read back from the store)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pulls = 0
+
+    async def pull(self, *args: Any, **kwargs: Any) -> Any:
+        self.pulls += 1
+        return await super().pull(*args, **kwargs)
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_every_live_page_is_the_feed_page_a_pull_returns(tmp_path: Path, seed: int) -> None:
+    """Live pages are published from the push that committed them when its rows directly
+    follow the page's start, and read back from the store otherwise (another push of the
+    tenant came between). Generated schedules of concurrent pushes by three devices of one
+    user (and another user's, whose cursors interleave): every live page a watcher gets is,
+    change for change, what a pull of the same range returns, and together they cover the
+    whole feed."""
+    rng = random.Random(seed)
+    tenant, other = new_tenant(), new_tenant()
+    writers = [Device(tenant) for _ in range(3)]
+    stranger = Device(other)
+    async with (
+        CountingStore(tmp_path / "server.db", synchronous="NORMAL") as store,
+        SyncServer(store, port=0, secret=SECRET, rate_limit_per_s=None) as srv,
+    ):
+        async with AsyncExitStack() as stack:
+            watcher = await stack.enter_async_context(device(srv, Device(tenant)))
+            clients = [await stack.enter_async_context(device(srv, w)) for w in writers]
+            outsider = await stack.enter_async_context(device(srv, stranger))
+            sessions: dict[int, Any] = {}
+            pushes = 0
+
+            async def push(i: int, dev: Device, client: Any) -> None:
+                nonlocal pushes
+                records: list[Any] = []
+                for _ in range(rng.randint(1, 60)):
+                    if i in sessions and rng.random() < 0.7:
+                        records.append(dev.message(sessions[i].id, "x" * rng.randint(1, 300)))
+                    else:
+                        sessions[i] = dev.session(title=f"s{i}")
+                        records.append(sessions[i])
+                ack = await client.push(dev.changes(*records))
+                assert all(r.status == "applied" for r in ack.results), ack
+                pushes += 1
+
+            for _ in range(6):
+                batch = [push(i, writers[i], clients[i]) for i in range(3) if rng.random() < 0.8]
+                batch.append(push(9, stranger, outsider))
+                await asyncio.gather(*batch)
+            read_back = store.pulls  # by the fan-out alone: nobody else pulled yet
+            feed = await watcher.pull_all()
+            await watcher.live_until({c.record.id for c in feed})
+        for frame in watcher.live:
+            page = await store.pull(tenant, frame.from_cursor, 10_000)
+            page_changes = [c for c in page.changes if c.cursor <= frame.to_cursor]
+            assert frame.changes == page_changes[: len(frame.changes)]
+            assert frame.changes == page_changes or frame.more
+        live = {c.cursor for frame in watcher.live for c in frame.changes}
+        assert {c.cursor for c in feed} <= live
+        assert 0 < read_back < pushes  # both ways were taken; most pages were not read back

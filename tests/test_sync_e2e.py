@@ -591,13 +591,19 @@ async def test_a_tampered_page_after_the_first_is_refused_too(cluster: Cluster) 
 
         async def pull(self, *args: Any) -> Any:
             result = await inner.pull(*args)
-            if tamper.is_set():
-                for change in result.changes:
-                    if type(change.record).__name__ == "Event":
-                        change.record = msgspec.structs.replace(
-                            change.record, payload={"forged": True}
-                        )
+            forge(result.changes)
             return result
+
+        async def push(self, *args: Any, **kwargs: Any) -> Any:
+            result = await inner.push(*args, **kwargs)
+            forge(result.feed)  # the rows a live page is made of, when not read back
+            return result
+
+    def forge(changes: list[Any]) -> None:
+        if tamper.is_set():
+            for change in changes:
+                if type(change.record).__name__ == "Event":
+                    change.record = msgspec.structs.replace(change.record, payload={"forged": True})
 
     await cluster.server.shutdown()
     await cluster.start_server(Tamper())  # type: ignore[arg-type]

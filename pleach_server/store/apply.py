@@ -86,6 +86,7 @@ from shared.records import (
     Change,
     Checkpoint,
     Event,
+    FeedChange,
     Message,
     Record,
     RecordKind,
@@ -529,6 +530,11 @@ class _BufferedTx:
             raise RuntimeError(f"write returned {len(cursors)} cursors for {len(feed)} entries")
         return cursors
 
+    @property
+    def deletes_sessions(self) -> bool:
+        """Whether this batch tombstones a session (its content goes at the end of ``flush``)."""
+        return bool(self._deleted)
+
     def _need(self, loaded: Collection[Hashable], key: Hashable, what: str) -> None:
         if key not in loaded:
             raise LookupError(f"{what} {key!r} is not among the ids this batch loaded")
@@ -952,6 +958,13 @@ async def apply_push(
         results.append(await batch.apply(seq, record, present))
     if last_seq != start_seq:
         await view.set_last_seq(tenant, client_id, last_seq)
+    # The tenant's head before this batch's feed rows, read under the tenant's lock: when it
+    # is the head the live frame starts from, the frame is exactly these rows, and the server
+    # publishes them without reading them back. Not when the batch deletes a session: the
+    # delete cascade may remove some of its own feed rows again. (Read on the batch's own
+    # view, not the hooked one: fault injection places its hooks at the reads after the writes.)
+    deletes = buffered.deletes_sessions
+    previous_head = await buffered.head_cursor(tenant) if batch.feed and not deletes else None
     cursors = await buffered.flush(tenant, client_id, batch.feed)
     batch.set_cursors(cursors)
     return PushResult(
@@ -959,4 +972,10 @@ async def apply_push(
         last_seq=last_seq,
         head_cursor=await view.head_cursor(tenant),
         cursors=cursors,
+        feed=(
+            [FeedChange(cursor=c, record=r) for c, r in zip(cursors, batch.feed, strict=True)]
+            if previous_head is not None
+            else []
+        ),
+        previous_head=previous_head,
     )

@@ -28,12 +28,20 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class PushResult(msgspec.Struct, kw_only=True):
-    """``cursors`` are the feed cursors this push wrote (empty when nothing was applied)."""
+    """``cursors`` are the feed cursors this push wrote (empty when nothing was applied).
+
+    ``previous_head`` is the tenant's feed head just before this push's rows, read under its
+    lock, and ``feed`` those rows as a pull would return them; both are left out (None, [])
+    when the push wrote no feed row or deleted a session (whose cascade may remove some of
+    them again before the commit).
+    """
 
     results: list[ChangeResult]
     last_seq: int
     head_cursor: int
     cursors: list[int] = []
+    feed: list[FeedChange] = []
+    previous_head: int | None = None
 
 
 class PullResult(msgspec.Struct, kw_only=True):

@@ -903,6 +903,7 @@ class PostgresServerStore(AsyncResource):
             if result.cursors:
                 if self.feed_retention is not None:
                     await self._retain(conn, tenant, self.feed_retention)
+                    result.feed, result.previous_head = [], None  # read the page back instead
                 # Delivered at COMMIT, in commit order; never if this transaction rolls back.
                 payload = json.dumps(
                     {
