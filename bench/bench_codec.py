@@ -48,7 +48,7 @@ def _bodies(path: Path) -> dict[str, list[bytes]]:
 def _per_item(fn: Callable[[Any], object], items: Sequence[Any], passes: int) -> float:
     """Best-of-``passes`` µs per item of ``fn`` over ``items``, caches emptied each pass."""
     best = float("inf")
-    forget = getattr(compact, "_forget", lambda: None)  # absent before the caches existed
+    forget = getattr(compact, "_clear_caches", lambda: None)  # absent before the caches existed
     for _ in range(passes):
         forget()
         started = time.perf_counter()

@@ -1,8 +1,15 @@
-"""The compact storage form gives back an equal record, whatever the strings in it."""
+"""The compact storage form gives back an equal record, whatever the strings in it; and the
+codec (with its caches) writes and reads exactly the bytes the first, plain version did."""
 
 from __future__ import annotations
 
+import datetime
+import enum
+import os
+import re
 import uuid
+from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -11,7 +18,7 @@ from hypothesis import strategies as st
 
 from shared import compact
 from shared.clock import Timestamp
-from shared.records import Record, SessionState, encode_record
+from shared.records import RECORD_KINDS, Outcome, Record, SessionState, Usage, encode_record
 from tests.factories import (
     make_artifact_update,
     make_audit,
@@ -21,6 +28,7 @@ from tests.factories import (
     make_session,
 )
 
+Ext = msgspec.msgpack.Ext
 UUIDS = st.uuids().map(str)
 HEX = st.binary(min_size=32, max_size=32).map(bytes.hex)
 STAMPS = st.builds(
@@ -110,6 +118,16 @@ def test_a_list_of_message_ids_costs_16_bytes_each() -> None:
     assert len(compact.encode(session)) < 16 * 1000 + 300
 
 
+def test_strings_that_join_into_uuids_come_back_as_they_were() -> None:
+    """Items of 28 and 44 characters whose concatenation reads as two UUIDs are not a list of
+    UUIDs: packed as one, they came back as two other strings."""
+    joined = str(uuid.uuid4()) + str(uuid.uuid4())
+    for cut in (28, 8, 40):
+        parts = [joined[:cut], joined[cut:]]
+        event = make_event(payload={"parts": parts})
+        assert compact.decode(compact.encode(event)) == event
+
+
 @pytest.mark.parametrize(
     "data",
     [
@@ -119,6 +137,14 @@ def test_a_list_of_message_ids_costs_16_bytes_each() -> None:
         b"\xde\x00\x01",
         b"\x92\x00\xd5\x03xx",
         b"\x93\x01",
+        msgspec.msgpack.encode([3, Ext(3, bytes(9) + b"\x00\xff")]),  # node: bad UTF-8
+        msgspec.msgpack.encode([3, Ext(3, bytes(9) + b"\x07abc")]),  # node kind 7
+        msgspec.msgpack.encode([3, Ext(1, bytes(15))]),
+        msgspec.msgpack.encode([3, Ext(2, bytes(31))]),
+        msgspec.msgpack.encode([3, Ext(4, bytes(17))]),
+        msgspec.msgpack.encode([3, Ext(9, bytes(16))]),
+        msgspec.msgpack.encode([True, "x"]),
+        msgspec.msgpack.encode([3, *["x"] * 13]),
     ],
 )
 def test_corrupt_bytes_raise_a_decode_or_validation_error(data: bytes) -> None:
@@ -129,3 +155,296 @@ def test_corrupt_bytes_raise_a_decode_or_validation_error(data: bytes) -> None:
 def test_not_a_record_is_a_type_error() -> None:
     with pytest.raises(TypeError, match="not a record"):
         compact.encode({"id": "x"})  # type: ignore[arg-type]
+
+
+# -- the plain codec, as first written: the oracle for the cached one ---------------------
+# Copied from shared/compact.py before its caches and fast paths (only renamed); the bytes
+# it writes are the stored format, so the codec must write exactly these and read them alike.
+
+_O_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
+_O_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+_O_HLC = re.compile(r"([0-9]{13})-([0-9]{6})-", re.ASCII)
+_O_NODEFAULT = object()
+
+
+def _o_kind(index: int) -> tuple[type[Any], list[str], list[Any]]:
+    cls = RECORD_KINDS[compact.KINDS[index]].cls
+    info = msgspec.structs.fields(cls)
+    defaults: list[Any] = []
+    for f in info:
+        if f.default is not msgspec.NODEFAULT:
+            defaults.append(msgspec.to_builtins(f.default))
+        elif f.default_factory is not msgspec.NODEFAULT:
+            defaults.append(msgspec.to_builtins(f.default_factory()))
+        else:
+            defaults.append(_O_NODEFAULT)
+    return cls, [f.encode_name for f in info], defaults
+
+
+_O_KINDS = [_o_kind(i) for i in range(len(compact.KINDS))]
+
+
+def _o_hlc(value: str) -> Ext | None:
+    match = _O_HLC.match(value)
+    if match is None:
+        return None
+    wall, counter = int(match[1]), int(match[2])
+    node = value[match.end() :]
+    head = wall.to_bytes(6, "big") + counter.to_bytes(3, "big")
+    if len(node) == 36 and _O_UUID.match(node):
+        return Ext(3, head + bytes((1,)) + bytes.fromhex(node.replace("-", "")))
+    try:
+        return Ext(3, head + bytes((0,)) + node.encode())
+    except UnicodeEncodeError:
+        return None
+
+
+def _o_uuid_list(value: list[Any]) -> Ext | None:
+    try:
+        joined = "".join(value)
+    except TypeError:
+        return None
+    count = len(value)
+    if len(joined) != 36 * count or joined.count("-") != 4 * count:
+        return None
+    dashes = "-" * count
+    if not all(joined[at::36] == dashes for at in (8, 13, 18, 23)):
+        return None
+    digits = joined.replace("-", "")
+    if digits != digits.lower():
+        return None
+    try:
+        data = bytes.fromhex(digits)
+    except ValueError:
+        return None
+    return Ext(4, data) if len(data) == 16 * count else None
+
+
+def _o_pack(value: Any) -> Any:
+    kind = type(value)
+    if kind is str:
+        size = len(value)
+        if size == 36 and _O_UUID.match(value):
+            return Ext(1, bytes.fromhex(value.replace("-", "")))
+        if size == 64 and _O_HEX64.match(value):
+            return Ext(2, bytes.fromhex(value))
+        if size > 21 and value[13] == "-":
+            return _o_hlc(value) or value
+        return value
+    if kind is list:
+        if len(value) > 1:
+            ids = _o_uuid_list(value)
+            if ids is not None:
+                return ids
+        return [_o_pack(item) for item in value]
+    if kind is dict:
+        return {key: _o_pack(item) for key, item in value.items()}
+    return value
+
+
+def old_encode(record: Record) -> bytes:
+    index = compact.KINDS.index(type(record).__name__)
+    _, names, defaults = _O_KINDS[index]
+    fields = msgspec.to_builtins(record, builtin_types=(bytes,))
+    values = [fields.get(name, default) for name, default in zip(names, defaults, strict=True)]
+    end = len(values)
+    while end and values[end - 1] == defaults[end - 1]:
+        end -= 1
+    return msgspec.msgpack.encode([index, *(_o_pack(v) for v in values[:end])])
+
+
+def _o_uuid_text(h: str) -> str:
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def _o_unext(code: int, data: memoryview) -> Any:
+    if code == 1 and len(data) == 16:
+        return _o_uuid_text(data.hex())
+    if code == 4 and len(data) % 16 == 0:
+        h = data.hex()
+        return [_o_uuid_text(h[i : i + 32]) for i in range(0, len(h), 32)]
+    if code == 2 and len(data) == 32:
+        return bytes(data).hex()
+    if code == 3 and len(data) >= 10:
+        wall = int.from_bytes(data[:6], "big")
+        counter = int.from_bytes(data[6:9], "big")
+        node_bytes = bytes(data[10:])
+        if data[9] == 1 and len(node_bytes) == 16:
+            node = _o_uuid_text(node_bytes.hex())
+        elif data[9] == 0:
+            node = node_bytes.decode()
+        else:
+            raise msgspec.DecodeError(f"malformed HLC stamp (node kind {data[9]})")
+        return f"{wall:013d}-{counter:06d}-{node}"
+    raise msgspec.DecodeError(f"unknown ext type {code} ({len(data)} bytes)")
+
+
+_O_DECODER = msgspec.msgpack.Decoder(ext_hook=_o_unext)
+
+
+def old_decode(data: bytes) -> Record:
+    raw = _O_DECODER.decode(data)
+    if not raw or type(raw[0]) is not int or not 0 <= raw[0] < len(_O_KINDS):
+        raise msgspec.ValidationError(f"unknown record kind {raw[0] if raw else None!r}")
+    cls, names, _ = _O_KINDS[raw[0]]
+    values = raw[1:]
+    if len(values) > len(names):
+        raise msgspec.ValidationError(f"{len(values)} values for {len(names)} fields")
+    record: Record = msgspec.convert(dict(zip(names, values, strict=False)), cls)
+    return record
+
+
+def _outcome(fn: Any, *args: Any) -> tuple[str, Any]:
+    """What ``fn(*args)`` gives, or the kind of error it raises: ValueError covers msgspec's
+    DecodeError and ValidationError, and the UnicodeDecodeError the old decoder let out."""
+    try:
+        return "ok", fn(*args)
+    except (ValueError, TypeError, OverflowError, msgspec.EncodeError) as exc:
+        return ("value" if isinstance(exc, ValueError) else "type"), None
+
+
+# -- the same bytes as the oracle ---------------------------------------------------------
+
+
+@settings(max_examples=600)
+@given(records())
+def test_encode_writes_the_old_bytes_and_decode_reads_them_alike(record: Record) -> None:
+    data = old_encode(record)
+    assert compact.encode(record) == data
+    assert compact.encode(record) == data  # again, now from warm caches
+    assert compact.decode(data) == old_decode(data)
+
+
+class Color(enum.Enum):
+    RED = "red"
+
+
+class Size(enum.IntEnum):
+    BIG = 3
+
+
+class Label(enum.StrEnum):
+    ID = "01a22ec1-7295-7349-b68b-c3206dd10e7c"
+
+
+OBJECTS = st.one_of(  # what to_builtins converts: the codec must convert it as it did
+    st.tuples(UUIDS, UUIDS),
+    st.lists(UUIDS, max_size=3).map(tuple),
+    st.lists(st.one_of(st.uuids(), UUIDS, st.just(Label.ID)), min_size=2, max_size=3),
+    st.frozensets(st.integers(0, 5), max_size=3),
+    st.sampled_from([Color.RED, Size.BIG, Label.ID]),
+    st.uuids(),
+    st.datetimes(timezones=st.just(datetime.UTC)),
+    st.builds(Usage, input_tokens=st.integers(0, 9)),
+    st.builds(Outcome, status=st.just("ok"), message=st.none() | TEXT),
+    st.dictionaries(st.integers(0, 9) | st.sampled_from([Label.ID]), TEXT, max_size=2),
+    st.binary(max_size=8),
+    st.floats(allow_nan=False),
+)
+ODD = st.recursive(
+    st.one_of(JSON, OBJECTS),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(TEXT, inner, max_size=3)),
+    max_leaves=8,
+)
+
+
+@st.composite
+def odd_records(draw: st.DrawFn) -> Record:
+    """Records holding what their declared types do not say: tuples for lists, enums, UUID
+    and datetime objects, Structs in a payload, UNSET fields, non-str keys."""
+    base = {"id": draw(TEXT | st.sampled_from([Label.ID])), "hlc": draw(STAMPS)}
+    kind = draw(st.sampled_from(["checkpoint", "event", "audit", "session"]))
+    if kind == "checkpoint":
+        appended = draw(
+            st.lists(UUIDS, max_size=4).map(tuple)
+            | st.lists(st.uuids() | UUIDS, min_size=2, max_size=3)
+            | st.lists(ODD, max_size=3)
+        )
+        return make_checkpoint(**base, appended=appended, state_set=draw(st.just({}) | ODD))
+    if kind == "event":
+        payload: Any = draw(st.dictionaries(TEXT, ODD, max_size=4) | st.sampled_from([{}, ()]))
+        canonical = draw(st.sampled_from([False, True, 0, 1, msgspec.UNSET]))
+        return make_event(**base, payload=payload, row_hash=draw(TEXT), canonical=canonical)
+    if kind == "audit":
+        usage = draw(st.sampled_from([Usage(), Usage(input_tokens=2), msgspec.UNSET, {}]))
+        return make_audit(**base, usage=usage, detail=draw(st.dictionaries(TEXT, ODD, max_size=3)))
+    state = SessionState(message_ids=draw(st.lists(UUIDS, max_size=3)), jobs=[{"x": Color.RED}])
+    return make_session(**base, state=draw(st.sampled_from([state, SessionState()])))
+
+
+@settings(max_examples=400)
+@given(odd_records())
+def test_encode_converts_odd_values_as_the_old_encoder_did(record: Record) -> None:
+    assert _outcome(compact.encode, record) == _outcome(old_encode, record)
+
+
+NODES = st.one_of(  # an HLC ext's node kind byte and node: mostly well formed
+    st.tuples(st.just(1), st.binary(min_size=16, max_size=16)),
+    st.tuples(st.just(0), st.text(max_size=50).map(str.encode)),
+    st.tuples(st.integers(0, 2), st.binary(max_size=20)),
+)
+HLC_EXTS = st.builds(
+    lambda wall, counter, node: Ext(
+        3, wall.to_bytes(6, "big") + counter.to_bytes(3, "big") + bytes((node[0],)) + node[1]
+    ),
+    st.integers(0, 2**48 - 1) | st.integers(10**12 - 1, 10**13 + 1),
+    st.integers(0, 2**24 - 1) | st.integers(0, 1001),
+    NODES,
+)
+TEXT_EXTS = st.one_of(  # exts that read back as a string
+    HLC_EXTS,
+    st.builds(Ext, st.just(1), st.binary(min_size=16, max_size=16)),
+    st.builds(Ext, st.just(2), st.binary(min_size=32, max_size=32)),
+)
+ANY_EXTS = st.one_of(
+    TEXT_EXTS,
+    st.builds(Ext, st.just(4), st.integers(0, 40).map(lambda n: os.urandom(16 * n))),
+    st.builds(Ext, st.integers(0, 6), st.binary(max_size=40)),
+)
+
+
+@settings(max_examples=600)
+@given(
+    st.just(3) | st.integers(-1, 7),
+    st.lists(st.one_of(TEXT, TEXT_EXTS, TEXT_EXTS, ANY_EXTS), min_size=6, max_size=6),
+    st.dictionaries(st.text(max_size=3), ANY_EXTS, max_size=3),
+)
+def test_decode_reads_any_exts_as_the_old_decoder_did(
+    index: int, fields: list[Any], payload: dict[str, Any]
+) -> None:
+    # Event-shaped: six str fields (exts that read as text validate), the type, a payload.
+    data = msgspec.msgpack.encode([index, *fields, "t", payload])
+    new, old = _outcome(compact.decode, data), _outcome(old_decode, data)
+    assert new == old
+    if new[0] != "ok":
+        with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
+            compact.decode(data)
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 31, 32, 33, 1000])
+def test_uuid_lists_of_any_length_decode_alike(count: int) -> None:
+    ids = [uuid.uuid4() for _ in range(count)]
+    ext = Ext(4, b"".join(u.bytes for u in ids))  # what the encoder writes for two or more
+    checkpoint = msgspec.msgpack.encode([2, "c", "s", "o", "u", "d", "h", None, None, "turn", ext])
+    session = msgspec.msgpack.encode([0, *["x"] * 9, {}, "", {"message_ids": ext}])
+    for body in (checkpoint, session):
+        assert compact.decode(body) == old_decode(body)
+    assert compact.decode(checkpoint).appended == [str(u) for u in ids]  # type: ignore[union-attr]
+
+
+def _fresh_ids(count: int) -> Iterator[str]:
+    return (str(uuid.uuid4()) for _ in range(count))
+
+
+def test_the_caches_stay_bounded() -> None:
+    limit = compact._CACHE_LIMIT
+    node = "n" * (compact._NODE_CACHE_MAX + 1)  # too long to cache
+    for i, id_ in enumerate(_fresh_ids(limit + 10)):
+        record = make_event(id=id_, client_id=id_, hlc=Timestamp(10**12, i, id_).encode())
+        assert compact.decode(compact.encode(record)) == record
+        long_node = make_event(hlc=Timestamp(10**12, i, node + str(i)).encode())
+        assert compact.decode(compact.encode(long_node)) == long_node
+    caches = (compact._uuid_exts, compact._node_tails, compact._uuid_texts, compact._node_texts)
+    assert all(0 < len(cache) <= limit for cache in caches)
+    assert not any(key.startswith(b"\0" + node.encode()) for key in compact._node_texts)
+    assert not any(key.startswith(node) for key in compact._node_tails)

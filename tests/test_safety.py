@@ -260,4 +260,3 @@ def test_the_registry_refuses_what_is_not_a_policy() -> None:
     rt.safety.register(NoSecrets())
     with pytest.raises(ValueError, match="already registered"):
         rt.safety.register(NoSecrets())
-
