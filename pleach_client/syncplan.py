@@ -77,6 +77,7 @@ def settle(sent: Sequence[Sent], ack: PushAck, issued: int | None = None) -> Set
     out = Settlement()
     reused = issued is not None and ack.last_seq > issued
     decided: set[int] = set()
+    gapped = False
     for result in ack.results:
         entry = by_seq.get(result.client_seq)
         if entry is None or result.client_seq in decided:
@@ -84,6 +85,7 @@ def settle(sent: Sequence[Sent], ack: PushAck, issued: int | None = None) -> Set
         decided.add(result.client_seq)
         if result.status == "rejected" and result.code == ErrorCode.SEQUENCE_GAP:
             out.keep.append(result.client_seq)
+            gapped = True
             continue
         if result.status == "rejected" and result.code == ErrorCode.CLOCK_SKEW:
             out.keep.append(result.client_seq)  # the clock, not the change: send it later
@@ -109,10 +111,6 @@ def settle(sent: Sequence[Sent], ack: PushAck, issued: int | None = None) -> Set
         out.remove.append(result.client_seq)
         if result.status == "resolved" and result.conflict is not None:
             out.conflicts.append(result.conflict)
-    gapped = any(
-        r.status == "rejected" and r.code == ErrorCode.SEQUENCE_GAP and r.client_seq in by_seq
-        for r in ack.results
-    )
     if gapped and not reused and by_seq and min(by_seq) > ack.last_seq + 1:
         # The oldest queued change always goes first, so the numbers the server waits for are
         # no longer queued here: resending can never close the gap.

@@ -81,9 +81,7 @@ class Transcript:
 
     @classmethod
     def of(cls, ids: list[str], messages: list[Message]) -> Transcript:
-        return cls(
-            list(ids), list(messages), to_api_messages(messages), has_file_blocks(messages)
-        )
+        return cls(list(ids), list(messages), to_api_messages(messages), has_file_blocks(messages))
 
     def extended(self, messages: list[Message]) -> Transcript:
         """This transcript with ``messages`` appended (only they are converted)."""
