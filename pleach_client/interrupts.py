@@ -55,6 +55,8 @@ InterruptStatus = Literal["pending", "decided", "resolved"]
 REQUESTED = "interrupt.requested"
 DECIDED = "interrupt.decided"
 RESOLVED = "interrupt.resolved"
+INTERRUPT_EVENTS = frozenset({REQUESTED, DECIDED, RESOLVED})
+"""The event types ``interrupt_states`` reads (it skips every other)."""
 ALL_DECISIONS: tuple[DecisionKind, ...] = ("approve", "reject", "edit")
 MAX_REASON_CHARS = 2_000
 """The longest rejection reason a decision may carry (the model reads it)."""

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, Final, TypeVar, cast
 
 import msgspec
 
@@ -38,8 +38,8 @@ from .facets import (
     rebuild_message_ids,
 )
 from .files import FileRef, FilesFacet
-from .interrupts import InterruptConfig, interrupt_states
-from .jobs import job_states
+from .interrupts import INTERRUPT_EVENTS, InterruptConfig, interrupt_states
+from .jobs import JOB_EVENTS, job_states
 from .legacy import LegacySurface, TenantFacet, deprecated
 from .plugins import ObserverRouter, Plugin, PluginManager, custom_event
 from .prompts import PromptsFacet
@@ -58,7 +58,7 @@ from .stream import (
     StreamEventBase,
     StreamManager,
 )
-from .subagents import SubagentManager, subagent_runs
+from .subagents import SUBAGENT_EVENTS, SubagentManager, subagent_runs
 from .tasks import JobHandler, TasksFacet
 from .tools import Tool, ToolRegistry, default_registry
 from .turn import Resume, load_resume, run_turn
@@ -262,7 +262,9 @@ class SessionsFacet:
             result = await core.write([(session_id, existing(forward))])
             row = result.sessions.get(session_id, row)
             layers.append("checkpoint")
-        events = await rt.store.list_events(session_id)
+        # Only the types the fold reads are decoded: a long session's log is mostly
+        # message and checkpoint events, which the fold skips.
+        events = await rt.store.list_events(session_id, types=HYDRATED_EVENTS)
         hydrated = hydrate(events)
         layers.append("events")
         handle = SessionHandle(id=session_id, record=row, hydrated=hydrated, layers=layers)
@@ -405,6 +407,22 @@ def _lineage_overlay(
         if ids[: len(row.state.message_ids)] == row.state.message_ids:
             return cp.id, ids
     return None
+
+
+HYDRATED_EVENTS: Final = frozenset(
+    {
+        "turn.complete",
+        "error",
+        "tool.completed",
+        "tool.failed",
+        "checkpoint.rollback",
+        "sync.conflict",
+    }
+    | INTERRUPT_EVENTS
+    | JOB_EVENTS
+    | SUBAGENT_EVENTS
+)
+"""The event types ``hydrate`` reads; it skips every other."""
 
 
 def hydrate(events: list[Event]) -> dict[str, Any]:

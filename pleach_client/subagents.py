@@ -61,6 +61,8 @@ log = logging.getLogger("pleach.subagents")
 SUBAGENT_TOOL_NAME = "subagent"
 STARTED = "subagent.started"
 COMPLETED = "subagent.completed"
+SUBAGENT_EVENTS = frozenset({STARTED, COMPLETED})
+"""The event types ``subagent_runs`` reads (it skips every other)."""
 DEFAULT_MAX_CONCURRENT = 4
 DEFAULT_MAX_DEPTH = 1
 MAX_DEPTH_LIMIT = 8

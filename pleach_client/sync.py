@@ -772,8 +772,9 @@ class SyncFacet:
         store = self._rt.store
         # The first batch is read before anything is counted: a queue shorter than a batch
         # (a turn or two, the live case) is counted by it, one store call fewer per flush.
-        first: list[OutboxEntry] | None = await store.outbox_pending(self.batch_size)
-        pending_before = len(first) if len(first) < self.batch_size else await store.outbox_count()
+        head = await store.outbox_pending(self.batch_size)
+        pending_before = len(head) if len(head) < self.batch_size else await store.outbox_count()
+        first: list[OutboxEntry] | None = head
         flushed = 0
         failed: list[FailedEntry] = []
         conflicts: list[ConflictReceipt] = []

@@ -341,6 +341,19 @@ class StoreConformance:
         assert await store.list_events("s-1", from_sequence=5) == []
         assert await store.get_event(events[2].id) == events[2]
 
+    async def test_events_of_some_types(self, store: StorageAdapter) -> None:
+        kinds = ["message.added", "turn.complete", "checkpoint.created", "error", "turn.complete"]
+        events = [
+            make_event(session_id="s-1", sequence_number=n, type=kind, payload={"n": n})
+            for n, kind in enumerate(kinds, start=1)
+        ]
+        await commit(store, *events, make_event(session_id="s-2", type="turn.complete"))
+        wanted = {"turn.complete", "error"}
+        assert await store.list_events("s-1", types=wanted) == [events[1], events[3], events[4]]
+        assert await store.list_events("s-1", types=wanted, from_sequence=3) == events[3:]
+        assert await store.list_events("s-1", types=set()) == []
+        assert await store.list_events("s-1", types=None) == events
+
     async def test_event_upsert_rebases_a_provisional_event(self, store: StorageAdapter) -> None:
         canonical = make_event(session_id="s-1", sequence_number=1, canonical=True)
         provisional = make_event(session_id="s-1", sequence_number=2, prev_hash="p", row_hash="a")

@@ -10,12 +10,13 @@ run against one conformance suite.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from types import TracebackType
-from typing import Protocol, Self, runtime_checkable
+from typing import Any, Protocol, Self, runtime_checkable
 
 import msgspec
 
+from shared import compact
 from shared.records import (
     ArtifactUpdate,
     AuditRow,
@@ -183,8 +184,11 @@ class StorageAdapter(Protocol):
         """Checkpoints of a session, oldest first (by hlc)."""
         ...
 
-    async def list_events(self, session_id: str, *, from_sequence: int = 0) -> list[Event]:
-        """Events of a session with ``sequence_number >= from_sequence``, in chain order."""
+    async def list_events(
+        self, session_id: str, *, from_sequence: int = 0, types: Collection[str] | None = None
+    ) -> list[Event]:
+        """Events of a session with ``sequence_number >= from_sequence``, in chain order;
+        only those of ``types`` when given (the others are not decoded: ``event_rows``)."""
         ...
 
     async def get_event(self, event_id: str) -> Event | None: ...
@@ -228,3 +232,21 @@ class StorageAdapter(Protocol):
         ...
 
     async def discard_dead_letter(self, client_seq: int) -> bool: ...
+
+
+def event_rows(rows: Iterable[Any], types: Collection[str] | None) -> list[Any]:
+    """The stored event rows ``(key, body)`` worth decoding for ``types`` (all when None): a
+    compact body's type is read without decoding the rest; any other body is kept, and
+    ``of_types`` filters it once decoded."""
+    if types is None:
+        return list(rows)
+    out = []
+    for key, body in rows:
+        kind = compact.event_type(body)
+        if kind is None or kind in types:
+            out.append((key, body))
+    return out
+
+
+def of_types(events: list[Event], types: Collection[str] | None) -> list[Event]:
+    return events if types is None else [e for e in events if e.type in types]

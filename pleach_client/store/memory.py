@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from enum import Enum
 from typing import TypeVar
@@ -34,7 +34,15 @@ from shared.records import (
 )
 from shared.resource import AsyncResource
 
-from .base import CommitReceipt, DeadLetter, OutboxEntry, Plan, WriteBatch
+from .base import (
+    CommitReceipt,
+    DeadLetter,
+    OutboxEntry,
+    Plan,
+    WriteBatch,
+    event_rows,
+    of_types,
+)
 
 __all__ = ["MemoryAdapter"]
 
@@ -399,14 +407,18 @@ class MemoryAdapter(AsyncResource):
         self._check_open()
         return [_decode(_CHECKPOINT, row.body) for _, row in self._checkpoints.group(session_id)]
 
-    async def list_events(self, session_id: str, *, from_sequence: int = 0) -> list[Event]:
-        """Events with ``sequence_number >= from_sequence``, by sequence number, then id."""
+    async def list_events(
+        self, session_id: str, *, from_sequence: int = 0, types: Collection[str] | None = None
+    ) -> list[Event]:
+        """Events with ``sequence_number >= from_sequence``, by sequence number, then id;
+        only those of ``types`` when given."""
         self._check_open()
-        return [
-            _decode(_EVENT, row.body)
-            for _, row in self._events.group(session_id)
+        rows = [
+            (key, row.body)
+            for key, row in self._events.group(session_id)
             if int(row.order) >= from_sequence
         ]
+        return of_types([_decode(_EVENT, body) for _, body in event_rows(rows, types)], types)
 
     async def get_event(self, event_id: str) -> Event | None:
         self._check_open()

@@ -40,7 +40,7 @@ import hashlib
 import re
 import time
 import warnings
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from enum import Enum
 from typing import Any, Final, TypeVar
 from urllib.parse import urlsplit
@@ -67,7 +67,9 @@ from .base import (
     OutboxEntry,
     Plan,
     WriteBatch,
+    event_rows,
     fixed_plan,
+    of_types,
 )
 
 __all__ = ["DEFAULT_SCHEMA", "SCHEMA_VERSION", "PostgresAdapter"]
@@ -1065,9 +1067,20 @@ class PostgresAdapter(AsyncResource):
         """Checkpoints of a session, oldest first (by hlc, then id)."""
         return await self._many(Checkpoint, "checkpoints", self._sql.list_checkpoints, session_id)
 
-    async def list_events(self, session_id: str, *, from_sequence: int = 0) -> list[Event]:
-        """Events with ``sequence_number >= from_sequence``, by sequence number, then id."""
-        return await self._many(Event, "events", self._sql.list_events, session_id, from_sequence)
+    async def list_events(
+        self, session_id: str, *, from_sequence: int = 0, types: Collection[str] | None = None
+    ) -> list[Event]:
+        """Events with ``sequence_number >= from_sequence``, by sequence number, then id;
+        only those of ``types`` when given."""
+        if types is None:
+            return await self._many(
+                Event, "events", self._sql.list_events, session_id, from_sequence
+            )
+        rows = await self._fetch("read events", self._sql.list_events, session_id, from_sequence)
+        return of_types(
+            [_decode(Event, "events", key, body) for key, body in event_rows(rows, types)],
+            types,
+        )
 
     async def get_event(self, event_id: str) -> Event | None:
         return await self._one(Event, "events", self._sql.get_event, event_id)

@@ -19,7 +19,7 @@ import os
 import sqlite3
 import time
 import warnings
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from enum import Enum
 from typing import Any, Final, Generic, Literal, TypeVar
 
@@ -45,7 +45,9 @@ from .base import (
     OutboxEntry,
     Plan,
     WriteBatch,
+    event_rows,
     fixed_plan,
+    of_types,
 )
 
 __all__ = ["SCHEMA_VERSION", "SQLiteAdapter", "Synchronous"]
@@ -800,9 +802,17 @@ class SQLiteAdapter(AsyncResource):
         """Checkpoints of a session, oldest first (by hlc, then id)."""
         return await self._many(_CHECKPOINT, "checkpoints", "list_checkpoints", (session_id,))
 
-    async def list_events(self, session_id: str, *, from_sequence: int = 0) -> list[Event]:
-        """Events with ``sequence_number >= from_sequence``, by sequence number, then id."""
-        return await self._many(_EVENT, "events", "list_events", (session_id, from_sequence))
+    async def list_events(
+        self, session_id: str, *, from_sequence: int = 0, types: Collection[str] | None = None
+    ) -> list[Event]:
+        """Events with ``sequence_number >= from_sequence``, by sequence number, then id;
+        only those of ``types`` when given."""
+        async with self._reading("read events") as conn:
+            rows = await _fetch(conn, QUERIES["list_events"], (session_id, from_sequence))
+        return of_types(
+            [_decode(_EVENT, "events", key, body) for key, body in event_rows(rows, types)],
+            types,
+        )
 
     async def get_event(self, event_id: str) -> Event | None:
         return await self._one(_EVENT, "events", "get_event", event_id)
