@@ -4,7 +4,8 @@ Runs ``bench_local`` (device turns, storage, codec), ``bench_conversation`` (one
 conversation against plain sqlite3), ``bench_sync`` (sync throughput, live fan-out),
 ``bench_live`` (live latency with 100 devices writing, SQLite and PostgreSQL servers),
 ``bench_server_mem`` (server memory per idle connection), ``bench_catchup`` (a new device
-catching up, resume of a long session) and ``bench_push`` (server push throughput, SQLite vs
+catching up, resume of a long session), ``bench_codec`` (the storage codec per record) and
+``bench_push`` (server push throughput, SQLite vs
 PostgreSQL) when it is importable and its PostgreSQL is reachable; otherwise it says why it
 skipped. ``--quick`` runs fewer
 iterations. ``--json [PATH]`` also writes every figure to PATH (default ``bench/results.json``);
@@ -32,6 +33,7 @@ from typing import Any, TextIO
 
 from bench import (
     bench_catchup,
+    bench_codec,
     bench_conversation,
     bench_live,
     bench_local,
@@ -49,6 +51,7 @@ SECTIONS: list[tuple[str, Any]] = [
     ("bench_live", bench_live),
     ("bench_server_mem", bench_server_mem),
     ("bench_catchup", bench_catchup),
+    ("bench_codec", bench_codec),
     ("bench_startup", bench_startup),
 ]
 PUSH_QUICK_ARGS = ["--batches", "20", "--devices", "4"]
