@@ -58,6 +58,7 @@ async def plan_page(
     remote_sessions: dict[str, Session] = {}
     events_by_session: dict[str, list[Event]] = {}
     contents: list[Record] = []
+    audit: list[AuditRow] = []
     _observe_page(view, changes)
     for change in changes:
         record = change.record
@@ -73,7 +74,7 @@ async def plan_page(
             case Event():
                 events_by_session.setdefault(record.session_id, []).append(record)
             case AuditRow():
-                records.append(record)
+                audit.append(record)
             case _:
                 contents.append(record)
     touched: set[str] = set()
@@ -160,13 +161,55 @@ async def plan_page(
         # Another device's job lifecycle (``pleach_client.jobs``), raised on first sight.
         emitted.extend(job_events([e for e in placed.fresh if e.client_id != view.client_id]))
     emitted[:0] = [SyncApplied(session_id=sid, records=len(changes)) for sid in sorted(touched)]
+    kept_audit, moved = await _place_audit(tx, audit)
+    records.extend(kept_audit)
     return WriteBatch(
         records=records,
         outbox=False,
         purge_sessions=purge,
         purge_keep=sorted(kept),
         queued=queued,
+        rechained_audit=moved,
     )
+
+
+# What a re-key may change of an audit row: its place in a device's chain and the digests
+# derived from it (``chain_audit``). Everything the row says about the call stays.
+_PLACE = (
+    "client_id",
+    "sequence_number",
+    "prev_hash",
+    "row_hash",
+    "payload_digest",
+    "identity_digest",
+)
+
+
+async def _place_audit(tx: TxReader, rows: list[AuditRow]) -> tuple[list[AuditRow], list[AuditRow]]:
+    """Remote audit rows to insert, and those to move: a row this device holds under another
+    place is one an earlier copy of this device moved onto a new id's chain when it re-keyed
+    (a restored file still holds it where it was; the row's old place may meanwhile belong to
+    a copy of the file that writes under the old id). The server's place is taken, so each
+    chain here is the one the server holds. A row whose content differs is refused: the
+    ledger is append-only."""
+    if not rows:
+        return [], []
+    held = {row.id: row for row in await tx.audit_rows([row.id for row in rows])}
+    fresh: list[AuditRow] = []
+    moved: list[AuditRow] = []
+    for row in rows:
+        local = held.get(row.id)
+        if local is None:
+            fresh.append(row)
+        elif local != row:
+            unplaced = {f: None for f in _PLACE}
+            if msgspec.structs.replace(local, **unplaced) == msgspec.structs.replace(
+                row, **unplaced
+            ):
+                moved.append(row)
+            else:
+                log.warning("audit row %s refused from a page: its content differs", row.id)
+    return fresh, moved
 
 
 async def _reuses_our_counter(

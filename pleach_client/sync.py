@@ -1028,7 +1028,10 @@ class SyncFacet:
         if written:
             self._cursor = written[0]
         if reused and reused[0]:
-            await self._rekey("a page holds another version under this device's id and counter")
+            await self._rekey(
+                "this device's file was restored or copied: a page holds another version "
+                "under this device's id and counter"
+            )
         self._missing.update(missing)
         if self._missing - self._resynced:
             self._pull_due = True  # for a live page: the loop pulls, and resyncs, next

@@ -12,9 +12,11 @@ from typing import Any
 import msgspec
 import pytest
 
+from pleach_client.apply import _place_audit
 from pleach_client.store import StorageAdapter, WriteBatch
 from pleach_client.store.base import CommitReceipt, TxReader
 from shared.errors import InvalidState, StorageError
+from shared.hashchain import chain_audit
 from shared.records import Record
 from tests.factories import (
     clock_for,
@@ -562,6 +564,32 @@ class StoreConformance:
         stored = await store.get_session(session.id)
         assert stored is not None and stored.title == "two"
         assert await store.get_meta("generation") == "g2"
+
+    async def test_a_remote_page_moves_a_held_audit_row_to_the_servers_place(
+        self, store: StorageAdapter
+    ) -> None:
+        """An earlier copy of this device moved the row onto a new id's chain when it
+        re-keyed; a restored file still holds it at its old place. The page's place is taken;
+        a row whose content differs is refused (the ledger is append-only)."""
+        held = make_audit(client_id="old", sequence_number=1)
+        other = make_audit(client_id="old", sequence_number=2)
+        await commit(store, held, other)
+        moved = chain_audit(msgspec.structs.replace(held, client_id="new"), "", 1)
+        forged = msgspec.structs.replace(other, latency_ms=9999.0)
+        fresh = make_audit(client_id="peer", sequence_number=1)
+
+        async def plan(tx: Any) -> WriteBatch:
+            assert sorted(r.id for r in await tx.audit_rows([held.id, "nope", fresh.id])) == [
+                held.id
+            ]
+            kept, moving = await _place_audit(tx, [moved, forged, fresh, held])
+            assert kept == [fresh] and moving == [moved]
+            return WriteBatch(records=kept, rechained_audit=moving, outbox=False)
+
+        await store.transact(plan)
+        assert await store.list_audit(client_id="new") == [moved]
+        assert await store.list_audit(client_id="old") == [other]
+        assert await store.list_audit(client_id="peer") == [fresh]
 
     async def test_transact_plan_none_or_failing_writes_nothing(
         self, store: StorageAdapter

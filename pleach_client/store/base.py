@@ -106,6 +106,10 @@ class TxReader(Protocol):
         """The records the outbox still refers to, in ``client_seq`` order."""
         ...
 
+    async def audit_rows(self, row_ids: list[str]) -> list[AuditRow]:
+        """Those of ``row_ids`` this store holds, as stored (any order)."""
+        ...
+
 
 Plan = Callable[[TxReader], Awaitable[WriteBatch | None]]
 

@@ -206,6 +206,10 @@ class MemoryAdapter(AsyncResource):
         self._check_open()
         return [_decode(_RECORD, self._body_of(self._outbox[seq])) for seq in sorted(self._outbox)]
 
+    async def audit_rows(self, row_ids: list[str]) -> list[AuditRow]:
+        self._check_open()
+        return [_decode(_AUDIT, self._audit[i].body) for i in row_ids if i in self._audit]
+
     async def event_head(self, session_id: str) -> tuple[int, str]:
         self._check_open()
         rows = self._events.group(session_id)

@@ -466,6 +466,7 @@ class _Sql:
             "AS r WHERE o.device = $1 AND o.client_seq = r.client_seq",
             f"UPDATE {s}.outbox SET client_seq = -client_seq WHERE device = $1 AND client_seq < 0",
         )
+        self.audit_rows = f"SELECT id, body FROM {s}.audit WHERE device = $1 AND id = ANY($2)"
         self.audit_subject = (
             f"SELECT id, body FROM {s}.audit WHERE device = $1 AND subject_key = $2"
         )
@@ -679,6 +680,12 @@ class _Reader:
     async def queued_records(self) -> list[Record]:
         rows = await self._rows(self._sql.outbox_pending, None)
         return [_decode(None, "outbox", row[0], row[1]) for row in rows]
+
+    async def audit_rows(self, row_ids: list[str]) -> list[AuditRow]:
+        if not row_ids:
+            return []
+        rows = await self._rows(self._sql.audit_rows, row_ids)
+        return [_decode(AuditRow, "audit", key, body) for key, body in rows]
 
 
 async def _write_batch(

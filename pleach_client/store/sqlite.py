@@ -202,6 +202,7 @@ QUERIES: Final[dict[str, str]] = {
     "list_sessions_all": "SELECT id, body FROM sessions ORDER BY updated_at DESC, id DESC",
     # json_each: any number of ids in one bound parameter and one round trip.
     "get_messages": "SELECT id, body FROM messages WHERE id IN (SELECT value FROM json_each(?))",
+    "audit_rows": "SELECT id, body FROM audit WHERE id IN (SELECT value FROM json_each(?))",
     "get_checkpoint": "SELECT id, body FROM checkpoints WHERE id = ?",
     "missing_messages": (
         "SELECT value FROM json_each(?) "
@@ -535,6 +536,14 @@ class _Reader:
     async def queued_records(self) -> list[Record]:
         rows = await _fetch(self._conn, QUERIES["outbox_pending"], (-1,))
         return [_decode(_RECORD, "outbox", row[0], row[1]) for row in rows]
+
+    async def audit_rows(self, row_ids: list[str]) -> list[AuditRow]:
+        if not row_ids:
+            return []
+        rows = await _fetch(
+            self._conn, QUERIES["audit_rows"], (msgspec.json.encode(row_ids).decode(),)
+        )
+        return [_decode(_AUDIT, "audit", row_id, body) for row_id, body in rows]
 
 
 class SQLiteAdapter(AsyncResource):
