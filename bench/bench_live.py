@@ -586,19 +586,15 @@ def live_rows(label: str, r: LiveResult, relay: RelayResult, durable: RelayResul
             "ws relay, p99",
             percentile(relay.samples, 0.99) * 1e3,
         ),
-        Row(
-            f"{label}:   p50, against the durable relay",
-            percentile(r.samples, 0.5) * 1e3,
-            "ms",
-            "durable relay, p50",
-            percentile(durable.samples, 0.5) * 1e3,
-        ),
-        Row(
-            f"{label}:   p99, against the durable relay",
-            percentile(r.samples, 0.99) * 1e3,
-            "ms",
-            "durable relay, p99",
-            percentile(durable.samples, 0.99) * 1e3,
+        *(
+            Row(
+                f"{label}:   p{q}, against the durable relay",
+                percentile(r.samples, q / 100) * 1e3,
+                "ms",
+                f"durable relay, p{q}",
+                percentile(durable.samples, q / 100) * 1e3,
+            )
+            for q in (50, 99)
         ),
         Row(f"{label}:   mean", statistics.fmean(r.samples) * 1e3, "ms"),
         Row(

@@ -59,6 +59,23 @@ def checkpoint(i: int, parent: str | None, hlc: int, kind: int) -> Checkpoint:
     )
 
 
+def session_at(head: str | None, message_ids: builtins.list[str]) -> Session:
+    return Session(
+        id="s",
+        org_id="o",
+        user_id="u",
+        client_id="d",
+        hlc="0",
+        provider="p",
+        model="m",
+        created_at="0",
+        updated_at="0",
+        vv={},
+        head_checkpoint_id=head,
+        state=SessionState(message_ids=message_ids),
+    )
+
+
 @st.composite
 def forests(draw: st.DrawFn) -> tuple[Session, builtins.list[Checkpoint]]:
     n = draw(st.integers(min_value=0, max_value=30))
@@ -85,21 +102,7 @@ def forests(draw: st.DrawFn) -> tuple[Session, builtins.list[Checkpoint]]:
         message_ids = rebuild_message_ids(head, by_id)
     else:
         message_ids = draw(st.lists(st.sampled_from(["m0a", "m1a", "s2"]), max_size=2))
-    row = Session(
-        id="s",
-        org_id="o",
-        user_id="u",
-        client_id="d",
-        hlc="0",
-        provider="p",
-        model="m",
-        created_at="0",
-        updated_at="0",
-        vv={},
-        head_checkpoint_id=head,
-        state=SessionState(message_ids=message_ids),
-    )
-    return row, list(order)
+    return session_at(head, message_ids), list(order)
 
 
 @settings(max_examples=400, deadline=None)
@@ -111,20 +114,7 @@ def test_the_walk_down_agrees_with_the_walk_up_from_each(case) -> None:
 
 def test_a_long_lineage_at_its_tip_needs_no_overlay() -> None:
     cps = [checkpoint(i, f"c{i - 1}" if i else None, i, 0) for i in range(5000)]
-    tip = cps[-1]
-    row = Session(
-        id="s",
-        org_id="o",
-        user_id="u",
-        client_id="d",
-        hlc="0",
-        provider="p",
-        model="m",
-        created_at="0",
-        updated_at="0",
-        vv={},
-        head_checkpoint_id=tip.id,
-    )
+    row = session_at(cps[-1].id, [])
     assert _lineage_overlay(row, cps) is None
     # one behind the tip: the tip is the overlay
     row = msgspec.structs.replace(row, head_checkpoint_id="c4998")
