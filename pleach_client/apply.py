@@ -175,13 +175,8 @@ async def plan_page(
 
 # What a re-key may change of an audit row: its place in a device's chain and the digests
 # derived from it (``chain_audit``). Everything the row says about the call stays.
-_PLACE = (
-    "client_id",
-    "sequence_number",
-    "prev_hash",
-    "row_hash",
-    "payload_digest",
-    "identity_digest",
+_UNPLACED: dict[str, Any] = dict.fromkeys(
+    ("client_id", "sequence_number", "prev_hash", "row_hash", "payload_digest", "identity_digest")
 )
 
 
@@ -202,10 +197,10 @@ async def _place_audit(tx: TxReader, rows: list[AuditRow]) -> tuple[list[AuditRo
         if local is None:
             fresh.append(row)
         elif local != row:
-            unplaced = {f: None for f in _PLACE}
-            if msgspec.structs.replace(local, **unplaced) == msgspec.structs.replace(
-                row, **unplaced
-            ):
+            same = msgspec.structs.replace(local, **_UNPLACED) == msgspec.structs.replace(
+                row, **_UNPLACED
+            )
+            if same:
                 moved.append(row)
             else:
                 log.warning("audit row %s refused from a page: its content differs", row.id)

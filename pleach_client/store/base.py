@@ -192,7 +192,7 @@ class StorageAdapter(Protocol):
         self, session_id: str, *, from_sequence: int = 0, types: Collection[str] | None = None
     ) -> list[Event]:
         """Events of a session with ``sequence_number >= from_sequence``, in chain order;
-        only those of ``types`` when given (the others are not decoded: ``event_rows``)."""
+        only those of ``types`` when given (the others are not decoded: ``decode_events``)."""
         ...
 
     async def get_event(self, event_id: str) -> Event | None: ...
@@ -238,19 +238,43 @@ class StorageAdapter(Protocol):
     async def discard_dead_letter(self, client_seq: int) -> bool: ...
 
 
-def event_rows(rows: Iterable[Any], types: Collection[str] | None) -> list[Any]:
-    """The stored event rows ``(key, body)`` worth decoding for ``types`` (all when None): a
-    compact body's type is read without decoding the rest; any other body is kept, and
-    ``of_types`` filters it once decoded."""
+def decode_events(
+    rows: Iterable[Any], types: Collection[str] | None, decode: Callable[[Any, bytes], Event]
+) -> list[Event]:
+    """The stored event rows ``(key, body)`` decoded, only those of ``types`` when given: a
+    compact body's type is read without decoding the rest (``compact.event_type``); any other
+    body is decoded whole and then kept or not."""
     if types is None:
-        return list(rows)
+        return [decode(key, body) for key, body in rows]
     out = []
     for key, body in rows:
         kind = compact.event_type(body)
         if kind is None or kind in types:
-            out.append((key, body))
+            event = decode(key, body)
+            if event.type in types:
+                out.append(event)
     return out
 
 
-def of_types(events: list[Event], types: Collection[str] | None) -> list[Event]:
-    return events if types is None else [e for e in events if e.type in types]
+def outbox_entries(
+    rows: Iterable[Any], decode: Callable[[int, bytes], Record]
+) -> list[OutboxEntry]:
+    """Outbox rows ``(client_seq, body, attempts, created_at, code, message)`` as entries. A
+    session queued once per turn refers to one stored row: each body is decoded once."""
+    decoded: dict[bytes, Record] = {}
+    out = []
+    for seq, body, attempts, created_at, code, message in rows:
+        record = decoded.get(body)
+        if record is None:
+            record = decoded[body] = decode(seq, body)
+        out.append(
+            OutboxEntry(
+                client_seq=seq,
+                record=record,
+                attempts=attempts,
+                created_at=created_at,
+                last_error_code=code,
+                last_error_message=message,
+            )
+        )
+    return out

@@ -40,8 +40,7 @@ from .base import (
     OutboxEntry,
     Plan,
     WriteBatch,
-    event_rows,
-    of_types,
+    decode_events,
 )
 
 __all__ = ["MemoryAdapter"]
@@ -422,7 +421,7 @@ class MemoryAdapter(AsyncResource):
             for key, row in self._events.group(session_id)
             if int(row.order) >= from_sequence
         ]
-        return of_types([_decode(_EVENT, body) for _, body in event_rows(rows, types)], types)
+        return decode_events(rows, types, lambda _, body: _decode(_EVENT, body))
 
     async def get_event(self, event_id: str) -> Event | None:
         self._check_open()

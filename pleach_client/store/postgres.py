@@ -67,9 +67,9 @@ from .base import (
     OutboxEntry,
     Plan,
     WriteBatch,
-    event_rows,
+    decode_events,
     fixed_plan,
-    of_types,
+    outbox_entries,
 )
 
 __all__ = ["DEFAULT_SCHEMA", "SCHEMA_VERSION", "PostgresAdapter"]
@@ -1079,15 +1079,8 @@ class PostgresAdapter(AsyncResource):
     ) -> list[Event]:
         """Events with ``sequence_number >= from_sequence``, by sequence number, then id;
         only those of ``types`` when given."""
-        if types is None:
-            return await self._many(
-                Event, "events", self._sql.list_events, session_id, from_sequence
-            )
         rows = await self._fetch("read events", self._sql.list_events, session_id, from_sequence)
-        return of_types(
-            [_decode(Event, "events", key, body) for key, body in event_rows(rows, types)],
-            types,
-        )
+        return decode_events(rows, types, lambda key, body: _decode(Event, "events", key, body))
 
     async def get_event(self, event_id: str) -> Event | None:
         return await self._one(Event, "events", self._sql.get_event, event_id)
@@ -1116,22 +1109,7 @@ class PostgresAdapter(AsyncResource):
     async def outbox_pending(self, limit: int = 500) -> list[OutboxEntry]:
         """Oldest first, by client_seq; at most ``limit`` entries."""
         rows = await self._fetch("read outbox", self._sql.outbox_pending, max(limit, 0))
-        # A session queued once per turn refers to one stored row: decode each body once.
-        decoded: dict[bytes, Record] = {}
-        for seq, body, *_ in rows:
-            if body not in decoded:
-                decoded[body] = _decode(None, "outbox", seq, body)
-        return [
-            OutboxEntry(
-                client_seq=seq,
-                record=decoded[body],
-                attempts=attempts,
-                created_at=created_at,
-                last_error_code=code,
-                last_error_message=message,
-            )
-            for seq, body, attempts, created_at, code, message in rows
-        ]
+        return outbox_entries(rows, lambda seq, body: _decode(None, "outbox", seq, body))
 
     async def outbox_count(self) -> int:
         return await self._count("outbox", self._sql.outbox_count)

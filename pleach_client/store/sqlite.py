@@ -45,9 +45,9 @@ from .base import (
     OutboxEntry,
     Plan,
     WriteBatch,
-    event_rows,
+    decode_events,
     fixed_plan,
-    of_types,
+    outbox_entries,
 )
 
 __all__ = ["SCHEMA_VERSION", "SQLiteAdapter", "Synchronous"]
@@ -818,10 +818,7 @@ class SQLiteAdapter(AsyncResource):
         only those of ``types`` when given."""
         async with self._reading("read events") as conn:
             rows = await _fetch(conn, QUERIES["list_events"], (session_id, from_sequence))
-        return of_types(
-            [_decode(_EVENT, "events", key, body) for key, body in event_rows(rows, types)],
-            types,
-        )
+        return decode_events(rows, types, lambda key, body: _decode(_EVENT, "events", key, body))
 
     async def get_event(self, event_id: str) -> Event | None:
         return await self._one(_EVENT, "events", "get_event", event_id)
@@ -850,22 +847,7 @@ class SQLiteAdapter(AsyncResource):
         """Oldest first, by client_seq."""
         async with self._reading("read outbox") as conn:
             rows = await _fetch(conn, QUERIES["outbox_pending"], (max(limit, 0),))
-        # A session queued once per turn refers to one stored row: decode each body once.
-        decoded: dict[bytes, Record] = {}
-        for seq, body, *_ in rows:
-            if body not in decoded:
-                decoded[body] = _decode(_RECORD, "outbox", seq, body)
-        return [
-            OutboxEntry(
-                client_seq=seq,
-                record=decoded[body],
-                attempts=attempts,
-                created_at=created_at,
-                last_error_code=code,
-                last_error_message=message,
-            )
-            for seq, body, attempts, created_at, code, message in rows
-        ]
+        return outbox_entries(rows, lambda seq, body: _decode(_RECORD, "outbox", seq, body))
 
     async def outbox_count(self) -> int:
         return await self._count("outbox_count")
