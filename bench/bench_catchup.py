@@ -8,7 +8,9 @@
   of the same user runs ``sync.sync_once`` against a real ``SyncServer`` on loopback: it pulls
   and applies the whole feed. Baseline: the very rows that device committed (captured), bulk
   inserted with plain ``sqlite3`` into a fresh file of the same schema, ``executemany`` per
-  table in ONE transaction (WAL, ``synchronous=NORMAL``).
+  table in ONE transaction (WAL, ``synchronous=NORMAL``). The same catch-up is then run again
+  by another new device against a ``pleach-server`` process on the same server file, as a
+  user meets it: the server's work no longer shares this process's core and GIL.
 - ``resume``: a fresh ``SessionRuntime`` opened on the caught-up device's file resumes the
   long session (``sessions.resume``: row, checkpoints, every event, hydration) and reads its
   transcript (``sessions.messages``). Baseline: plain ``sqlite3`` opening the file and
@@ -29,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import bench_push
 from bench.bench_local import RecordingAdapter, Row, raw_rows, render
 from pleach_client.providers.scripted import ScriptedProvider, ScriptedReply
 from pleach_client.runtime import SessionRuntime
@@ -92,6 +95,22 @@ async def fill(
             elif pushed + await rt.store.outbox_count() >= history:
                 pushed += await push_pending()
     return long_id, pushed
+
+
+async def catch_up_from_a_server_process(root: Path, tenant: Tenant) -> float:
+    """Seconds for a new device's ``sync_once`` against ``pleach-server`` on the filled file."""
+    async with bench_push.servers(str(root / "server.db"), None, 1) as (server,):
+        token = issue_token(bench_push.SECRET.encode(), tenant, 3600)
+        async with SessionRuntime(
+            SQLiteAdapter(root / "new-device-2.db"),
+            ScriptedProvider(),
+            user_id=tenant.user_id,
+            org_id=tenant.org_id,
+            client_id="new-device-2",
+        ) as rt:
+            started = time.perf_counter()
+            await rt.sync.sync_once(server.url, token, timeout=TIMEOUT)
+            return time.perf_counter() - started
 
 
 def raw_bulk(path: Path, batches: list[WriteBatch]) -> float:
@@ -177,6 +196,7 @@ async def _run(history: int, long_turns: int, reps: int) -> tuple[list[Row], lis
                     await rt.sync.sync_once(server.url, token, timeout=TIMEOUT)
                     catchup = time.perf_counter() - started
                     cursor = int(await rt.store.get_meta("cursor") or 0)
+        apart = await catch_up_from_a_server_process(root, tenant)
         applied = sum(len(b.records) for b in batches)
         raw = await asyncio.to_thread(raw_bulk, root / "raw.db", batches)
         resumes = [await resume_once(device, long_id) for _ in range(reps)]
@@ -191,6 +211,7 @@ async def _run(history: int, long_turns: int, reps: int) -> tuple[list[Row], lis
             pushed / raw,
         ),
         Row("  catch-up, total", catchup, "s", "raw sqlite3 bulk insert", raw),
+        Row("  catch-up, server in its own process", apart, "s", "raw sqlite3 bulk insert", raw),
         Row(
             f"resume: fresh runtime, {events:,}-event session, {messages:,} messages "
             f"(median of {reps})",

@@ -266,8 +266,12 @@ async def test_local_is_the_calling_devices_version(cluster: Cluster, who: str) 
     assert again.swapped and own not in await texts(session.id)
 
 
-async def test_poisoned_change_is_dead_lettered_and_the_queue_goes_on(cluster: Cluster) -> None:
+@pytest.mark.parametrize("batch", [200, 1, 2])
+async def test_poisoned_change_is_dead_lettered_and_the_queue_goes_on(
+    cluster: Cluster, batch: int
+) -> None:
     laptop = await cluster.device("laptop")
+    laptop.sync.batch_size = batch  # small: the poisoned change is in a push with more in flight
     session = await laptop.create_session()
     await chat(laptop, session.id, "before")
     clock = HybridClock("laptop")
@@ -304,8 +308,10 @@ async def test_poisoned_change_is_dead_lettered_and_the_queue_goes_on(cluster: C
     assert (await laptop.sync.status()).dead_letters == 0
 
 
-async def test_flush_receipt_outcomes(cluster: Cluster) -> None:
+@pytest.mark.parametrize("batch", [200, 1, 3])
+async def test_flush_receipt_outcomes(cluster: Cluster, batch: int) -> None:
     laptop = await cluster.device("laptop")
+    laptop.sync.batch_size = batch
     session = await laptop.create_session()
     receipt = await laptop.sync.sync_once(cluster.url, cluster.token())
     assert receipt.outcome == "all-flushed" and receipt.flushed == receipt.pending_before > 0

@@ -1,0 +1,230 @@
+"""Sync keeps the connection busy both ways: a pull asks for the next page before it applies
+the one in hand, and a flush keeps two pushes in flight.
+
+Generated: histories of random shape, pages and batches of random size, poisoned changes
+here and there. A new device pulls them all and must hold exactly what the writer holds, and
+every page that said "more" must have had its successor asked for before its own apply
+finished. A flush must put every change on the server exactly once (the poisoned ones in the
+dead letters), keep the device's id, and send each batch before the one ahead of it settles.
+An apply that fails mid-pull drops the page asked ahead, loses nothing, and the next pull
+takes up from the stored cursor.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pleach_client.providers.scripted import ScriptedProvider
+from pleach_client.runtime import SessionRuntime
+from pleach_client.store.base import WriteBatch
+from pleach_client.store.sqlite import SQLiteAdapter
+from pleach_server.auth import issue_token
+from pleach_server.server import SyncServer
+from pleach_server.store import SQLiteServerStore, Tenant
+from shared.clock import HybridClock
+from shared.errors import SyncError
+from shared.ids import uuid7
+from shared.records import Message
+
+SECRET = b"test-secret-for-pipelined-sync"
+ALICE = Tenant(org_id="acme", user_id="alice")
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[SyncServer]:
+    async with SQLiteServerStore(tmp_path / "server.db") as store:
+        async with SyncServer(store, port=0, secret=SECRET) as srv:
+            yield srv
+
+
+def device(path: Path, name: str) -> SessionRuntime:
+    return SessionRuntime(
+        SQLiteAdapter(path),
+        ScriptedProvider(),
+        user_id=ALICE.user_id,
+        org_id=ALICE.org_id,
+        client_id=name,
+    )
+
+
+async def holdings(rt: SessionRuntime) -> dict[str, Any]:
+    """Everything of the user's the device holds, by session."""
+    out: dict[str, Any] = {}
+    for session in await rt.store.list_sessions():
+        out[session.id] = (
+            session.state.message_ids,
+            session.head_checkpoint_id,
+            [(e.id, e.sequence_number, e.row_hash) for e in await rt.store.list_events(session.id)],
+            sorted(c.id for c in await rt.store.list_checkpoints(session.id)),
+            len(await rt.store.get_messages(session.state.message_ids)),
+        )
+    return out
+
+
+class Recorder:
+    """Logs the device's pull requests and the start and end of each page's apply."""
+
+    def __init__(self, rt: SessionRuntime, fail_at: int | None = None) -> None:
+        self.log: list[tuple[str, int]] = []
+        self.pages: list[tuple[int, bool]] = []  # (to_cursor, more) of each page applied
+        self.fail_at = fail_at
+        sync = rt.sync
+        apply, pull = sync._apply, sync._ask_page
+
+        async def ask(link: Any, cursor: int) -> Any:
+            self.log.append(("ask", cursor))
+            answer = await pull(link, cursor)
+            if hasattr(answer, "more"):
+                self.pages.append((answer.to_cursor, answer.more))
+            return answer
+
+        async def applied(changes: Any, to_cursor: int) -> int:
+            self.log.append(("apply", to_cursor))
+            if self.fail_at is not None and len(self.applies()) == self.fail_at:
+                self.fail_at = None
+                raise OSError("disk full (injected)")
+            n = await apply(changes, to_cursor)
+            self.log.append(("applied", to_cursor))
+            return n
+
+        sync._ask_page = ask  # type: ignore[method-assign]
+        sync._apply = applied  # type: ignore[method-assign]
+
+    def applies(self) -> list[int]:
+        return [c for what, c in self.log if what == "apply"]
+
+
+async def write_history(rt: SessionRuntime, rng: random.Random) -> None:
+    sessions = [(await rt.create_session(title=f"s{i}")).id for i in range(rng.randint(1, 3))]
+    for _ in range(rng.randint(1, 6)):
+        async for _ in rt.execute_message(rng.choice(sessions), "hello"):
+            pass
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_a_new_device_pulls_every_page_one_ahead(
+    server: SyncServer, tmp_path: Path, seed: int
+) -> None:
+    rng = random.Random(seed)
+    token = issue_token(SECRET, ALICE, 3600)
+    async with AsyncExitStack() as stack:
+        laptop = await stack.enter_async_context(device(tmp_path / "laptop.db", "laptop"))
+        await write_history(laptop, rng)
+        assert (await laptop.sync.sync_once(server.url, token)).outcome == "all-flushed"
+        phone = await stack.enter_async_context(device(tmp_path / "phone.db", "phone"))
+        phone.sync.pull_limit = rng.randint(1, 3)
+        recorder = Recorder(phone)
+        await phone.sync.sync_once(server.url, token)
+        assert await holdings(phone) == await holdings(laptop)
+        head = await server.store.head_cursor(ALICE)
+        assert (await phone.sync.status()).cursor == head
+        paged = [to for to, more in recorder.pages if more]
+        assert len(paged) >= 2, recorder.pages  # the case is one of several pages
+        for to_cursor in paged:
+            asked = recorder.log.index(("ask", to_cursor))
+            done = recorder.log.index(("applied", to_cursor))
+            assert asked < done, (to_cursor, recorder.log)  # asked while still applying
+
+
+async def test_an_apply_that_fails_mid_pull_drops_the_page_ahead_and_loses_nothing(
+    server: SyncServer, tmp_path: Path
+) -> None:
+    token = issue_token(SECRET, ALICE, 3600)
+    async with AsyncExitStack() as stack:
+        laptop = await stack.enter_async_context(device(tmp_path / "laptop.db", "laptop"))
+        await write_history(laptop, random.Random(99))
+        assert (await laptop.sync.sync_once(server.url, token)).outcome == "all-flushed"
+        phone = await stack.enter_async_context(device(tmp_path / "phone.db", "phone"))
+        phone.sync.pull_limit = 2
+        recorder = Recorder(phone, fail_at=2)
+        with pytest.raises((OSError, SyncError)):
+            await phone.sync.sync_once(server.url, token)
+        kept = (await phone.sync.status()).cursor
+        first = recorder.applies()[0]
+        assert kept == first  # the first page stayed applied; the failed one left no trace
+        await phone.sync.sync_once(server.url, token)
+        assert await holdings(phone) == await holdings(laptop)
+        assert (await phone.sync.status()).cursor == await server.store.head_cursor(ALICE)
+
+
+class PushRecorder:
+    """Logs each push sent (its first ``client_seq``) and each one settled."""
+
+    def __init__(self, rt: SessionRuntime) -> None:
+        self.log: list[tuple[str, int]] = []
+        sync = rt.sync
+        send, settle = sync._send_push, sync._settle
+
+        def sent(link: Any, changes: Any, trace: str) -> Any:
+            self.log.append(("send", changes[0].client_seq))
+            return send(link, changes, trace)
+
+        async def settled(entries: Any, ack: Any, failed: Any) -> Any:
+            out = await settle(entries, ack, failed)
+            self.log.append(("settled", entries[0].client_seq))
+            return out
+
+        sync._send_push = sent  # type: ignore[method-assign]
+        sync._settle = settled  # type: ignore[method-assign]
+
+
+def poison(session_id: str) -> Message:
+    """A change the server refuses for good: another tenant's message (3002)."""
+    return Message(
+        id=uuid7(),
+        session_id=session_id,
+        org_id="other-org",
+        user_id="mallory",
+        client_id="laptop",
+        hlc=HybridClock("laptop").now(),
+        role="user",
+        content=[{"type": "text", "text": "not mine"}],
+    )
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_a_flush_keeps_two_pushes_in_flight_and_puts_each_change_once(
+    server: SyncServer, tmp_path: Path, seed: int
+) -> None:
+    rng = random.Random(seed)
+    token = issue_token(SECRET, ALICE, 3600)
+    async with AsyncExitStack() as stack:
+        laptop = await stack.enter_async_context(device(tmp_path / "laptop.db", "laptop"))
+        sessions = [(await laptop.create_session(title=f"s{i}")).id for i in range(2)]
+        poisoned: list[str] = []
+        for _ in range(rng.randint(2, 6)):
+            if seed % 2 and rng.random() < 0.5:  # odd seeds: poisoned changes among the rest
+                bad = poison(rng.choice(sessions))
+                await laptop.store.commit(WriteBatch(records=[bad]))
+                poisoned.append(bad.id)
+            async for _ in laptop.execute_message(rng.choice(sessions), "hello"):
+                pass
+        queued = [e.record.id for e in await laptop.store.outbox_pending(100_000)]
+        laptop.sync.batch_size = rng.randint(1, 4)
+        recorder = PushRecorder(laptop)
+        receipt = await laptop.sync.sync_once(server.url, token)
+        assert laptop.client_id == "laptop"  # no re-key: every answer was read in its place
+        assert receipt.pending_after == 0, receipt
+        assert sorted(d.record.id for d in await laptop.sync.dead_letters()) == sorted(poisoned)
+        feed = (await server.store.pull(ALICE, 0, 100_000)).changes
+        held = [c.record.id for c in feed if type(c.record).__name__ != "Session"]
+        assert len(held) == len(set(held))  # none twice
+        assert set(queued) - set(poisoned) <= {c.record.id for c in feed}
+        sends = [seq for what, seq in recorder.log if what == "send"]
+        if not poisoned:
+            assert len(sends) == len(set(sends))  # nothing sent twice
+            for first, second in itertools.pairwise(sends):
+                # the next push went before this one's answer was settled
+                assert recorder.log.index(("send", second)) < recorder.log.index(
+                    ("settled", first)
+                ), recorder.log
+        phone = await stack.enter_async_context(device(tmp_path / "phone.db", "phone"))
+        await phone.sync.sync_once(server.url, token)
+        assert await holdings(phone) == await holdings(laptop)
