@@ -6,7 +6,10 @@ Every figure is printed beside a baseline measured in the same run on the same m
   flushes the outbox (``Push`` batches of 200, each acknowledged) and pulls the feed back.
   Baseline: raw ``websockets`` round trips of the very same encoded ``Push`` payloads to an echo
   server (connect included): the same bytes up and down, i.e. what the network layer alone
-  costs. The flush and pull phases are shown on their own (no baseline).
+  costs. The flush and pull phases are shown on their own (no baseline). Then the same with
+  the server and the echo each in a process of their own (``pleach-server`` on a SQLite file,
+  ``bench.ws_baselines echo``), as a user meets them: the server's work no longer shares the
+  device's core and GIL, so what the two sides do at once shows.
 - ``fan-out``: devices A and B connected live; A commits a turn (t0: commit returned), its sync
   loop pushes it, the server fans it out, B applies it (t1: B's ``sync.applied`` for the
   session, checked against B's store). Baseline: a raw ``websockets`` relay that forwards
@@ -33,6 +36,8 @@ from typing import Any
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import ServerConnection, serve
 
+from bench import bench_push
+from bench.bench_live import helper
 from bench.bench_local import Row, p95, render, turns
 from pleach_client.providers.scripted import ScriptedProvider
 from pleach_client.runtime import SessionRuntime
@@ -204,6 +209,48 @@ async def throughput(server: SyncServer, tmp: Path, k: int, reps: int) -> list[R
     ]
 
 
+async def apart_round(url: str, tmp: Path, label: str, k: int) -> tuple[int, float, list[bytes]]:
+    """One ``sync_once`` of K offline turns against a server process: changes, seconds, and
+    the Push frames it sent (for the echo)."""
+    tenant = new_tenant(label)
+    async with device(tmp / f"{label}.db", tenant, f"dev-{label}") as rt:
+        session_id = (await rt.create_session(title=label)).id
+        await turns(rt, session_id, 0, k)
+        changes = await rt.store.outbox_count()
+        payloads = await outbox_payloads(rt)
+        token = issue_token(bench_push.SECRET.encode(), tenant, 3600)
+        started = time.perf_counter()
+        receipt = await rt.sync.sync_once(url, token, timeout=TIMEOUT)
+        total = time.perf_counter() - started
+        assert receipt.outcome == "all-flushed" and receipt.flushed == changes, receipt
+    return changes, total, payloads
+
+
+async def throughput_apart(tmp: Path, k: int, reps: int) -> list[Row]:
+    async with (
+        bench_push.servers(str(tmp / "apart-server.db"), None, 1) as (server,),
+        helper("echo") as echo,
+    ):
+        _, _, warm = await apart_round(server.url, tmp, "apart-warm", 3)
+        await echo_round(echo.url, warm)
+        totals: list[float] = []
+        echoes: list[float] = []
+        changes = 0
+        for rep in range(reps):  # interleaved, so noise hits both alike
+            changes, total, payloads = await apart_round(server.url, tmp, f"apart-{rep}", k)
+            totals.append(total)
+            echoes.append(await echo_round(echo.url, payloads))
+    return [
+        Row(
+            f"sync_once, server in its own process (median of {reps})",
+            changes / statistics.median(totals),
+            "changes/s",
+            "ws echo process, same payloads",
+            changes / statistics.median(echoes),
+        )
+    ]
+
+
 # -- (b) live fan-out latency ------------------------------------------------------------------
 
 
@@ -321,6 +368,7 @@ async def _run(quick: bool) -> list[Row]:
             SyncServer(store, port=0, secret=SECRET) as server,
         ):
             rows = await throughput(server, root, k, reps)
+            rows += await throughput_apart(root, k, reps)
             latencies, in_store, payload = await fanout(server, root, rounds)
         baseline = await relay_latency(payload, rounds)
     kib = len(payload) / 1024

@@ -120,11 +120,14 @@ async def plan_page(
     # for now: it may belong to a fork this device has not seen yet, and the tombstone's
     # return through the feed sweeps what no fork uses.
     kept = set(await purge_keep(tx, purge, view.rows.values())) if purge else set()
+    held = await _held_messages(tx, contents)
     for record in contents:
         if getattr(record, "session_id", None) in purge:
             ref = record.artifact_id if isinstance(record, ArtifactUpdate) else record.id
             if ref not in kept:
                 continue
+        if isinstance(record, Message) and record.id in held:
+            continue
         records.append(record)
     for session_id, incoming in events_by_session.items():
         known = view.canonical_head(session_id)
@@ -205,6 +208,16 @@ async def _place_audit(tx: TxReader, rows: list[AuditRow]) -> tuple[list[AuditRo
             else:
                 log.warning("audit row %s refused from a page: its content differs", row.id)
     return fresh, moved
+
+
+async def _held_messages(tx: TxReader, contents: list[Record]) -> set[str]:
+    """The page's messages this device already holds. A message is immutable and stored once
+    (a second insert of its id does nothing), so a held one is not written again: a device's
+    own messages come back in every pull, and each would be encoded for nothing."""
+    ids = [r.id for r in contents if isinstance(r, Message)]
+    if not ids:
+        return set()
+    return set(ids).difference(await tx.missing_messages(ids))
 
 
 async def _reuses_our_counter(

@@ -228,3 +228,45 @@ async def test_a_flush_keeps_two_pushes_in_flight_and_puts_each_change_once(
         phone = await stack.enter_async_context(device(tmp_path / "phone.db", "phone"))
         await phone.sync.sync_once(server.url, token)
         assert await holdings(phone) == await holdings(laptop)
+
+
+class Batches(SQLiteAdapter):
+    """A SQLite store that keeps every batch its writes decided."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.batches: list[WriteBatch] = []
+
+    async def transact(self, plan: Any) -> Any:
+        async def keep(tx: Any) -> Any:
+            batch = await plan(tx)
+            if batch is not None:
+                self.batches.append(batch)
+            return batch
+
+        return await super().transact(keep)
+
+
+async def test_a_pull_does_not_write_again_the_messages_a_device_holds(
+    server: SyncServer, tmp_path: Path
+) -> None:
+    token = issue_token(SECRET, ALICE, 3600)
+    store = Batches(tmp_path / "laptop.db")
+    async with SessionRuntime(
+        store, ScriptedProvider(), user_id=ALICE.user_id, org_id=ALICE.org_id, client_id="laptop"
+    ) as laptop:
+        await write_history(laptop, random.Random(7))
+        ours = {
+            m.id
+            for s in await laptop.store.list_sessions()
+            for m in await laptop.sessions.messages(s.id)
+        }
+        store.batches.clear()
+        await laptop.sync.sync_once(server.url, token)  # pushes, then pulls its own changes back
+        pulled = [b for b in store.batches if "cursor" in b.meta]
+        assert pulled  # the pages were applied
+        written = {r.id for b in pulled for r in b.records if isinstance(r, Message)}
+        assert ours and not written & ours
+        async with device(tmp_path / "phone.db", "phone") as phone:
+            await phone.sync.sync_once(server.url, token)
+            assert await holdings(phone) == await holdings(laptop)
