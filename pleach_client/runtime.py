@@ -247,7 +247,12 @@ class SessionsFacet:
         rt, core = self._rt, self._core
         row = await core.session(session_id)
         layers = ["row"]
-        overlay = _lineage_overlay(row, await rt.store.list_checkpoints(session_id))
+        # A head without children has no descendant to overlay: the common case (the row at
+        # its tip) reads which checkpoints hang off the head, not every checkpoint whole.
+        head = row.head_checkpoint_id
+        overlay = None
+        if head is not None and await rt.store.child_checkpoints(session_id, head):
+            overlay = _lineage_overlay(row, await rt.store.list_checkpoints(session_id))
         if overlay is not None:
             head_id, ids = overlay
 

@@ -32,7 +32,7 @@ import msgspec
 
 from .records import RECORD_KINDS, Record, decode_record
 
-__all__ = ["KINDS", "decode", "encode", "event_type"]
+__all__ = ["KINDS", "checkpoint_parent", "decode", "encode", "event_type", "packed"]
 
 KINDS: Final[tuple[str, ...]] = (
     "Session",
@@ -408,3 +408,38 @@ def event_type(data: bytes) -> str | None:
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
     return head.type if head.kind == _EVENT_INDEX else None
+
+
+def _checkpoint_head() -> msgspec.msgpack.Decoder[Any]:
+    """A decoder of a compact Checkpoint body's fields up to ``parent_id``, each left as its
+    packed bytes (``Raw``): whose child a checkpoint is, without decoding it."""
+    names = _BY_INDEX[KINDS.index("Checkpoint")].names
+    upto = names.index("parent_id")
+    fields: list[tuple[str, Any]] = [("kind", int)]
+    fields += [(f"_{name}", msgspec.Raw) for name in names[:upto]]
+    fields.append(("parent", msgspec.Raw))
+    return msgspec.msgpack.Decoder(msgspec.defstruct("CheckpointHead", fields, array_like=True))
+
+
+_CHECKPOINT_HEAD: Final = _checkpoint_head()
+_CHECKPOINT_INDEX: Final = KINDS.index("Checkpoint")
+
+
+def packed(value: str | None) -> bytes:
+    """``value`` as a compact body holds it (an id as its ext, None as nil). The packing is a
+    function of the value and tells values apart, so equal bytes mean equal values."""
+    return _ENCODER.encode(_pack(value))
+
+
+def checkpoint_parent(data: bytes) -> bytes | None:
+    """The ``parent_id`` of the Checkpoint in compact ``data``, as its packed bytes (compare
+    them with ``packed(id)``), read without decoding the rest; None when ``data`` is not a
+    compact Checkpoint body that reads so (the map form, another kind, corrupt bytes): the
+    caller then decodes it whole, which tells."""
+    if not data or (data[0] & 0xF0 != 0x90 and data[0] not in (0xDC, 0xDD)):
+        return None
+    try:
+        head = _CHECKPOINT_HEAD.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return bytes(head.parent) if head.kind == _CHECKPOINT_INDEX else None

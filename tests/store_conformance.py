@@ -281,6 +281,17 @@ class StoreConformance:
         assert await store.list_checkpoints(session_id) == [c1, c2, c3]
         assert await store.get_checkpoint(c2.id) == c2
 
+    async def test_child_checkpoints(self, store: StorageAdapter) -> None:
+        root = make_checkpoint(session_id="s-1")
+        a, b = (make_checkpoint(session_id="s-1", parent_id=root.id) for _ in range(2))
+        grandchild = make_checkpoint(session_id="s-1", parent_id=a.id)
+        elsewhere = make_checkpoint(session_id="s-2", parent_id=root.id)
+        await commit(store, grandchild, b, root, elsewhere, a)
+        assert await store.child_checkpoints("s-1", root.id) == [a, b]
+        assert await store.child_checkpoints("s-1", a.id) == [grandchild]
+        assert await store.child_checkpoints("s-1", grandchild.id) == []
+        assert await store.child_checkpoints("s-1", "not-a-checkpoint") == []
+
     async def test_purge_checkpoints(self, store: StorageAdapter) -> None:
         doomed = [make_checkpoint(session_id="s-1") for _ in range(3)]
         kept = make_checkpoint(session_id="s-2")

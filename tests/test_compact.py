@@ -448,3 +448,27 @@ def test_the_caches_stay_bounded() -> None:
     assert all(0 < len(cache) <= limit for cache in caches)
     assert not any(key.startswith(b"\0" + node.encode()) for key in compact._node_texts)
     assert not any(key.startswith(node) for key in compact._node_tails)
+
+
+# -- reading a checkpoint's parent without decoding it ---------------------------------------
+
+
+@settings(max_examples=300)
+@given(records(), st.none() | TEXT)
+def test_a_checkpoints_parent_reads_as_its_packed_id(record: Record, other: str | None) -> None:
+    """``checkpoint_parent`` of any compact body matches ``packed`` of exactly the checkpoint's
+    parent (ids, near misses, None), and of nothing else; other kinds read as None."""
+    data = compact.encode(record)
+    parent = compact.checkpoint_parent(data)
+    if type(record).__name__ != "Checkpoint":
+        assert parent is None
+        return
+    assert parent == compact.packed(record.parent_id)  # type: ignore[attr-defined]
+    assert (parent == compact.packed(other)) == (other == record.parent_id)  # type: ignore[attr-defined]
+
+
+def test_a_body_that_is_no_compact_checkpoint_reads_as_no_parent() -> None:
+    checkpoint = make_checkpoint(parent_id="p")
+    assert compact.checkpoint_parent(encode_record(checkpoint)) is None  # the map form
+    assert compact.checkpoint_parent(b"") is None
+    assert compact.checkpoint_parent(msgspec.msgpack.encode([2, "x"])) is None  # cut short

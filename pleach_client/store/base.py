@@ -188,6 +188,11 @@ class StorageAdapter(Protocol):
         """Checkpoints of a session, oldest first (by hlc)."""
         ...
 
+    async def child_checkpoints(self, session_id: str, parent_id: str) -> list[Checkpoint]:
+        """The session's checkpoints whose parent is ``parent_id``, oldest first (by hlc).
+        Only those are decoded: resume asks whether the row's head has any."""
+        ...
+
     async def list_events(
         self, session_id: str, *, from_sequence: int = 0, types: Collection[str] | None = None
     ) -> list[Event]:
@@ -254,6 +259,23 @@ def decode_events(
             event = decode(key, body)
             if event.type in types:
                 out.append(event)
+    return out
+
+
+def decode_children(
+    rows: Iterable[Any], parent_id: str, decode: Callable[[Any, bytes], Checkpoint]
+) -> list[Checkpoint]:
+    """The stored checkpoint rows ``(key, body)`` whose parent is ``parent_id``, decoded: a
+    compact body's parent is read without decoding the rest (``compact.checkpoint_parent``);
+    any other body is decoded whole and then kept or not."""
+    want = compact.packed(parent_id)
+    out = []
+    for key, body in rows:
+        parent = compact.checkpoint_parent(body)
+        if parent is None or parent == want:
+            checkpoint = decode(key, body)
+            if checkpoint.parent_id == parent_id:
+                out.append(checkpoint)
     return out
 
 

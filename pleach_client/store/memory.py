@@ -40,6 +40,7 @@ from .base import (
     OutboxEntry,
     Plan,
     WriteBatch,
+    decode_children,
     decode_events,
 )
 
@@ -409,6 +410,12 @@ class MemoryAdapter(AsyncResource):
         """Checkpoints of a session, oldest first (by hlc, then id)."""
         self._check_open()
         return [_decode(_CHECKPOINT, row.body) for _, row in self._checkpoints.group(session_id)]
+
+    async def child_checkpoints(self, session_id: str, parent_id: str) -> list[Checkpoint]:
+        """The session's checkpoints whose parent is ``parent_id``, oldest first."""
+        self._check_open()
+        rows = [(key, row.body) for key, row in self._checkpoints.group(session_id)]
+        return decode_children(rows, parent_id, lambda _, body: _decode(_CHECKPOINT, body))
 
     async def list_events(
         self, session_id: str, *, from_sequence: int = 0, types: Collection[str] | None = None

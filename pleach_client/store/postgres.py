@@ -67,6 +67,7 @@ from .base import (
     OutboxEntry,
     Plan,
     WriteBatch,
+    decode_children,
     decode_events,
     fixed_plan,
     outbox_entries,
@@ -1073,6 +1074,13 @@ class PostgresAdapter(AsyncResource):
     async def list_checkpoints(self, session_id: str) -> list[Checkpoint]:
         """Checkpoints of a session, oldest first (by hlc, then id)."""
         return await self._many(Checkpoint, "checkpoints", self._sql.list_checkpoints, session_id)
+
+    async def child_checkpoints(self, session_id: str, parent_id: str) -> list[Checkpoint]:
+        """The session's checkpoints whose parent is ``parent_id``, oldest first."""
+        rows = await self._fetch("read checkpoints", self._sql.list_checkpoints, session_id)
+        return decode_children(
+            rows, parent_id, lambda key, body: _decode(Checkpoint, "checkpoints", key, body)
+        )
 
     async def list_events(
         self, session_id: str, *, from_sequence: int = 0, types: Collection[str] | None = None

@@ -45,6 +45,7 @@ from .base import (
     OutboxEntry,
     Plan,
     WriteBatch,
+    decode_children,
     decode_events,
     fixed_plan,
     outbox_entries,
@@ -810,6 +811,14 @@ class SQLiteAdapter(AsyncResource):
     async def list_checkpoints(self, session_id: str) -> list[Checkpoint]:
         """Checkpoints of a session, oldest first (by hlc, then id)."""
         return await self._many(_CHECKPOINT, "checkpoints", "list_checkpoints", (session_id,))
+
+    async def child_checkpoints(self, session_id: str, parent_id: str) -> list[Checkpoint]:
+        """The session's checkpoints whose parent is ``parent_id``, oldest first."""
+        async with self._reading("read checkpoints") as conn:
+            rows = await _fetch(conn, QUERIES["list_checkpoints"], (session_id,))
+        return decode_children(
+            rows, parent_id, lambda key, body: _decode(_CHECKPOINT, "checkpoints", key, body)
+        )
 
     async def list_events(
         self, session_id: str, *, from_sequence: int = 0, types: Collection[str] | None = None
