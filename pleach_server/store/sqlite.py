@@ -325,6 +325,60 @@ def _owner(org_id: str | None, user_id: str | None) -> Tenant | None:
     )
 
 
+_R = TypeVar("_R")
+
+
+async def _on_thread(conn: aiosqlite.Connection, fn: Callable[..., _R], *args: Any) -> _R:
+    """``fn(raw, *args)`` on the connection's own thread, where aiosqlite runs its statements
+    in order: a push's lookups, or its writes, are one hop instead of one per statement (each
+    hop is a thread handoff that costs more than the SQLite work). aiosqlite has no public
+    name for this; ``_execute`` and ``_conn`` are pinned with it (aiosqlite < 0.23), as the
+    device's store does."""
+    raw: sqlite3.Connection = conn._conn
+    result: _R = await conn._execute(fn, raw, *args)  # type: ignore[no-untyped-call]
+    return result
+
+
+def _fetch_each(
+    raw: sqlite3.Connection, lookups: list[tuple[str, tuple[Any, ...]]]
+) -> list[list[Any]]:
+    return [raw.execute(sql, params).fetchall() for sql, params in lookups]
+
+
+class _Rows(msgspec.Struct):
+    """A push's encoded rows, per statement (``_SQLiteTx.write``)."""
+
+    records: list[tuple[Any, ...]]
+    events: list[tuple[Any, ...]]
+    sessions: list[tuple[Any, ...]]
+    feed: list[tuple[Any, ...]]
+    last_seq: tuple[Any, ...] | None
+
+
+def _write_rows(raw: sqlite3.Connection, rows: _Rows) -> list[int]:
+    """``_SQLiteTx.write``'s statements, run on the connection's own thread; the feed rows'
+    cursors."""
+    if rows.records:
+        if raw.executemany(_INSERT_RECORD_SQL, rows.records).rowcount != len(rows.records):
+            raise claimed_concurrently("a record id")
+    if rows.events:
+        if raw.executemany(_INSERT_EVENT_SQL, rows.events).rowcount != len(rows.events):
+            raise claimed_concurrently("an event id")
+    if rows.sessions:
+        raw.executemany(_PUT_SESSION_SQL, rows.sessions)
+    cursors: list[int] = []
+    if rows.feed:
+        raw.executemany(_APPEND_FEED_SQL, rows.feed)
+        # AUTOINCREMENT gives each row one more than the largest cursor the table ever had,
+        # and nothing else writes inside this BEGIN IMMEDIATE: the rows just inserted hold
+        # the consecutive cursors that end at the last one.
+        last = int(raw.execute("SELECT last_insert_rowid()").fetchone()[0])
+        cursors = list(range(last - len(rows.feed) + 1, last + 1))
+    if rows.last_seq is not None:
+        raw.execute(_SET_LAST_SEQ_SQL, rows.last_seq)
+    return cursors
+
+
 class _SQLiteTx:
     """``BatchTx`` over the writer connection, inside the push's ``BEGIN IMMEDIATE``.
 
@@ -344,98 +398,66 @@ class _SQLiteTx:
         return int(row[0]) if row is not None else 0
 
     async def load(self, tenant: Tenant, keys: BatchKeys) -> Snapshot:
-        conn, found, t = self._conn, Snapshot(), (tenant.org_id, tenant.user_id)
+        t = (tenant.org_id, tenant.user_id)
+        lookups = [
+            (sql, (*t, _json(wanted)))
+            for sql, wanted in (
+                (_RECORD_OWNERS_SQL, keys.records),
+                (_EVENT_OWNERS_SQL, keys.events),
+                (_SESSION_OWNERS_SQL, keys.session_owners),
+                (_SESSIONS_SQL, keys.sessions),
+                (_CHAIN_TAILS_SQL, keys.chains),
+            )
+            if wanted
+        ]
+        # Every lookup of the batch in one hop to the connection's thread (see _on_thread).
+        answers = iter(await _on_thread(self._conn, _fetch_each, lookups))
+        found = Snapshot()
         if keys.records:
-            for kind, record_id, org_id, user_id in await _fetchall(
-                conn, _RECORD_OWNERS_SQL, (*t, _json(keys.records))
-            ):
+            for kind, record_id, org_id, user_id in next(answers):
                 found.record_owners[(kind, record_id)] = Tenant(org_id=org_id, user_id=user_id)
         if keys.events:
-            for event_id, org_id, user_id in await _fetchall(
-                conn, _EVENT_OWNERS_SQL, (*t, _json(keys.events))
-            ):
+            for event_id, org_id, user_id in next(answers):
                 found.event_owners[event_id] = Tenant(org_id=org_id, user_id=user_id)
         if keys.session_owners:
-            for session_id, *columns in await _fetchall(
-                conn, _SESSION_OWNERS_SQL, (*t, _json(keys.session_owners))
-            ):
+            for session_id, *columns in next(answers):
                 owners = (_owner(*columns[i : i + 2]) for i in (0, 2, 4))
                 owner = next((o for o in owners if o is not None), None)
                 if owner is not None:
                     found.session_owners[session_id] = owner
         if keys.sessions:
-            for session_id, body in await _fetchall(
-                conn, _SESSIONS_SQL, (*t, _json(keys.sessions))
-            ):
+            for session_id, body in next(answers):
                 found.sessions[session_id] = decode_session(session_id, body)
         if keys.chains:
-            for session_id, number, row_hash in await _fetchall(
-                conn, _CHAIN_TAILS_SQL, (*t, _json(keys.chains))
-            ):
+            for session_id, number, row_hash in next(answers):
                 found.chain_tails[session_id] = (int(number), str(row_hash))
         return found
 
     async def write(self, tenant: Tenant, client_id: str, writes: BatchWrites) -> list[int]:
-        conn = self._conn
-        if writes.records:
-            rows: list[tuple[Any, ...]] = []
-            for r in writes.records:
-                info = kind_of(r)
-                if info.merge == "versioned" or info.server_placed:
-                    raise TypeError(f"{info.name} records are not written as records")
-                rows.append(
-                    (info.name, r.id, r.org_id, r.user_id, info.session_of(r), encode_record(r))
-                )
-            cur = await conn.executemany(_INSERT_RECORD_SQL, rows)
-            if cur.rowcount != len(rows):
-                raise claimed_concurrently("a record id")
-        if writes.events:
-            cur = await conn.executemany(
-                _INSERT_EVENT_SQL,
-                [
-                    (
-                        e.id,
-                        e.session_id,
-                        e.sequence_number,
-                        e.org_id,
-                        e.user_id,
-                        e.row_hash,
-                        encode_record(e),
-                    )
-                    for e in writes.events
-                ],
-            )
-            if cur.rowcount != len(writes.events):
-                raise claimed_concurrently("an event id")
-        if writes.sessions:
-            await conn.executemany(
-                _PUT_SESSION_SQL,
-                [
-                    (s.id, s.org_id, s.user_id, s.updated_at, encode_record(s))
-                    for s in writes.sessions
-                ],
-            )
-        cursors: list[int] = []
-        if writes.feed:
-            t = (tenant.org_id, tenant.user_id)
-            await conn.executemany(
-                _APPEND_FEED_SQL,
-                [(*t, record_kind(r), r.id, encode_record(r)) for r in writes.feed],
-            )
-            # AUTOINCREMENT gives each row one more than the largest cursor the table ever had,
-            # and nothing else writes inside this BEGIN IMMEDIATE: the rows just inserted hold
-            # the consecutive cursors that end at the last one.
-            row = await _fetchone(conn, "SELECT last_insert_rowid()")
-            if row is None:  # pragma: no cover - the function always yields a row
-                raise StorageError("feed insert returned no cursor")
-            last = int(row[0])
-            cursors = list(range(last - len(writes.feed) + 1, last + 1))
+        t = (tenant.org_id, tenant.user_id)
+        records: list[tuple[Any, ...]] = []
+        for r in writes.records:
+            info = kind_of(r)
+            if info.merge == "versioned" or info.server_placed:
+                raise TypeError(f"{info.name} records are not written as records")
+            body = encode_record(r)
+            records.append((info.name, r.id, r.org_id, r.user_id, info.session_of(r), body))
+        rows = _Rows(
+            records=records,
+            events=[
+                (e.id, e.session_id, e.sequence_number, e.org_id, e.user_id, e.row_hash, body)
+                for e, body in zip(writes.events, map(encode_record, writes.events), strict=True)
+            ],
+            sessions=[
+                (s.id, s.org_id, s.user_id, s.updated_at, encode_record(s)) for s in writes.sessions
+            ],
+            feed=[(*t, record_kind(r), r.id, encode_record(r)) for r in writes.feed],
+            last_seq=None if writes.last_seq is None else (*t, client_id, writes.last_seq),
+        )
+        # Every statement of the batch in one hop to the connection's thread (see _on_thread).
+        cursors: list[int] = await _on_thread(self._conn, _write_rows, rows)
         if writes.deleted_sessions:
             await self._delete_content(tenant)
-        if writes.last_seq is not None:
-            await conn.execute(
-                _SET_LAST_SEQ_SQL, (tenant.org_id, tenant.user_id, client_id, writes.last_seq)
-            )
         return cursors
 
     async def head_cursor(self, tenant: Tenant) -> int:
