@@ -120,7 +120,7 @@ async def plan_page(
     # for now: it may belong to a fork this device has not seen yet, and the tombstone's
     # return through the feed sweeps what no fork uses.
     kept = set(await purge_keep(tx, purge, view.rows.values())) if purge else set()
-    held = await _held_messages(tx, contents)
+    held = await _held_messages(tx, view.client_id, contents)
     for record in contents:
         if getattr(record, "session_id", None) in purge:
             ref = record.artifact_id if isinstance(record, ArtifactUpdate) else record.id
@@ -210,11 +210,13 @@ async def _place_audit(tx: TxReader, rows: list[AuditRow]) -> tuple[list[AuditRo
     return fresh, moved
 
 
-async def _held_messages(tx: TxReader, contents: list[Record]) -> set[str]:
-    """The page's messages this device already holds. A message is immutable and stored once
-    (a second insert of its id does nothing), so a held one is not written again: a device's
-    own messages come back in every pull, and each would be encoded for nothing."""
-    ids = [r.id for r in contents if isinstance(r, Message)]
+async def _held_messages(tx: TxReader, client_id: str, contents: list[Record]) -> set[str]:
+    """The page's messages of this device that it still holds. A message is immutable and
+    stored once (a second insert of its id does nothing), so a held one is not written again:
+    a device's own messages come back in every pull, and each would be encoded for nothing.
+    Other devices' messages are not looked up (a live page's are new here: the lookup would
+    cost the page a store call and save nothing)."""
+    ids = [r.id for r in contents if isinstance(r, Message) and r.client_id == client_id]
     if not ids:
         return set()
     return set(ids).difference(await tx.missing_messages(ids))
