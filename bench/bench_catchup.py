@@ -97,17 +97,22 @@ async def fill(
     return long_id, pushed
 
 
+def new_device(store: SQLiteAdapter, tenant: Tenant, name: str) -> SessionRuntime:
+    """A runtime of ``tenant`` on ``store`` that has never synced."""
+    return SessionRuntime(
+        store,
+        ScriptedProvider(),
+        user_id=tenant.user_id,
+        org_id=tenant.org_id,
+        client_id=f"new-device-{name}",
+    )
+
+
 async def catch_up_from_a_server_process(root: Path, tenant: Tenant) -> float:
     """Seconds for a new device's ``sync_once`` against ``pleach-server`` on the filled file."""
     async with bench_push.servers(str(root / "server.db"), None, 1) as (server,):
         token = issue_token(bench_push.SECRET.encode(), tenant, 3600)
-        async with SessionRuntime(
-            SQLiteAdapter(root / "new-device-2.db"),
-            ScriptedProvider(),
-            user_id=tenant.user_id,
-            org_id=tenant.org_id,
-            client_id="new-device-2",
-        ) as rt:
+        async with new_device(SQLiteAdapter(root / "new-device-2.db"), tenant, "2") as rt:
             started = time.perf_counter()
             await rt.sync.sync_once(server.url, token, timeout=TIMEOUT)
             return time.perf_counter() - started
@@ -185,12 +190,8 @@ async def _run(history: int, long_turns: int, reps: int) -> tuple[list[Row], lis
                 seconds: list[float] = []
                 device = root / "new-device.db"
                 token = issue_token(SECRET, tenant, 3600)
-                async with SessionRuntime(
-                    RecordingAdapter(device, batches, seconds),
-                    ScriptedProvider(),
-                    user_id=tenant.user_id,
-                    org_id=tenant.org_id,
-                    client_id="new-device",
+                async with new_device(
+                    RecordingAdapter(device, batches, seconds), tenant, "1"
                 ) as rt:
                     started = time.perf_counter()
                     await rt.sync.sync_once(server.url, token, timeout=TIMEOUT)

@@ -121,13 +121,17 @@ def _time_method(obj: Any, name: str, into: dict[str, float]) -> None:
     setattr(obj, name, timed)
 
 
+async def offline_turns(rt: SessionRuntime, label: str, k: int) -> tuple[int, list[bytes]]:
+    """K turns in a new session, offline: the changes queued and the Push frames they make."""
+    session_id = (await rt.create_session(title=label)).id
+    await turns(rt, session_id, 0, k)
+    return await rt.store.outbox_count(), await outbox_payloads(rt)
+
+
 async def sync_round(server: SyncServer, tmp: Path, label: str, k: int) -> SyncRound:
     tenant = new_tenant(label)
     async with device(tmp / f"{label}.db", tenant, f"dev-{label}") as rt:
-        session_id = (await rt.create_session(title=label)).id
-        await turns(rt, session_id, 0, k)
-        changes = await rt.store.outbox_count()
-        payloads = await outbox_payloads(rt)
+        changes, payloads = await offline_turns(rt, label, k)
         token = issue_token(SECRET, tenant, 3600)
         phases: dict[str, float] = {}
         pulled: list[int] = []
@@ -214,10 +218,7 @@ async def apart_round(url: str, tmp: Path, label: str, k: int) -> tuple[int, flo
     the Push frames it sent (for the echo)."""
     tenant = new_tenant(label)
     async with device(tmp / f"{label}.db", tenant, f"dev-{label}") as rt:
-        session_id = (await rt.create_session(title=label)).id
-        await turns(rt, session_id, 0, k)
-        changes = await rt.store.outbox_count()
-        payloads = await outbox_payloads(rt)
+        changes, payloads = await offline_turns(rt, label, k)
         token = issue_token(bench_push.SECRET.encode(), tenant, 3600)
         started = time.perf_counter()
         receipt = await rt.sync.sync_once(url, token, timeout=TIMEOUT)
