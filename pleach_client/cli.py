@@ -651,54 +651,80 @@ async def _sync(args: argparse.Namespace) -> int:
             if not getattr(args, name)
         )
         raise PleachError(f"sync needs {missing}")
-    async with _runtime(args) as rt:
-        with _SyncBar(_console(args, err=True)) as bar:
-            receipt = await rt.sync.sync_once(
-                args.server, args.token, timeout=args.timeout, on_progress=bar.update
-            )
-        status = await rt.sync.status()
-        ok = receipt.outcome in ("all-flushed", "none-pending")
-        if args.json:
-            _json(receipt)
-            _json(status)
-            return 0 if ok else 1
-        summary = (
-            f"sent {receipt.flushed} change(s); {len(receipt.failed_entries)} refused or "
-            f"stuck; {receipt.pending_after} still queued"
-        )
-        console = _console(args)
-        if console is None:
-            _out(summary)
-            for failed in receipt.failed_entries:
-                _out(f"  change {failed.client_seq}: {failed.code or '-'} {failed.message}")
-            for conflict in receipt.conflicts:
-                _out(
-                    f"  conflict in session {conflict.session_id}: the {conflict.winner} "
-                    f"version kept the session, the other lives on as {conflict.fork_session_id}"
+    fresh = _new_device_file(args.db)
+    try:
+        async with SessionRuntime(SQLiteAdapter(args.db), user_id=args.user, org_id=args.org) as rt:
+            with _SyncBar(_console(args, err=True)) as bar:
+                receipt = await rt.sync.sync_once(
+                    args.server, args.token, timeout=args.timeout, on_progress=bar.update
                 )
-        else:
-            console.print(_text(summary, "green" if ok else "yellow"))
-            if receipt.failed_entries:
-                table = _table("change", "code", "reason", "attempts")
-                for failed in receipt.failed_entries:
-                    table.add_row(
-                        str(failed.client_seq),
-                        _text(str(failed.code or "-"), "red"),
-                        failed.message,
-                        str(failed.attempts),
-                    )
-                console.print(table)
-            for conflict in receipt.conflicts:
-                console.print(
-                    _text(
-                        f"conflict in session {conflict.session_id}: the {conflict.winner} "
-                        f"version kept the session, the other lives on as "
-                        f"{conflict.fork_session_id}",
-                        "yellow",
-                    )
-                )
-        _print_status(status, args)
+            status = await rt.sync.status()
+    except BaseException:
+        if fresh:
+            _remove_device_file(args.db)
+        raise
+    ok = receipt.outcome in ("all-flushed", "none-pending")
+    if args.json:
+        _json(receipt)
+        _json(status)
         return 0 if ok else 1
+    summary = (
+        f"sent {receipt.flushed} change(s); {len(receipt.failed_entries)} refused or "
+        f"stuck; {receipt.pending_after} still queued"
+    )
+    console = _console(args)
+    if console is None:
+        _out(summary)
+        for failed in receipt.failed_entries:
+            _out(f"  change {failed.client_seq}: {failed.code or '-'} {failed.message}")
+        for conflict in receipt.conflicts:
+            _out(
+                f"  conflict in session {conflict.session_id}: the {conflict.winner} "
+                f"version kept the session, the other lives on as {conflict.fork_session_id}"
+            )
+    else:
+        console.print(_text(summary, "green" if ok else "yellow"))
+        if receipt.failed_entries:
+            table = _table("change", "code", "reason", "attempts")
+            for failed in receipt.failed_entries:
+                table.add_row(
+                    str(failed.client_seq),
+                    _text(str(failed.code or "-"), "red"),
+                    failed.message,
+                    str(failed.attempts),
+                )
+            console.print(table)
+        for conflict in receipt.conflicts:
+            console.print(
+                _text(
+                    f"conflict in session {conflict.session_id}: the {conflict.winner} "
+                    f"version kept the session, the other lives on as "
+                    f"{conflict.fork_session_id}",
+                    "yellow",
+                )
+            )
+    _print_status(status, args)
+    return 0 if ok else 1
+
+
+def _new_device_file(path: str) -> bool:
+    """Whether ``pleach sync`` starts a new device at ``path`` (no file there yet): it says
+    so, makes the file and fills it with what the server holds."""
+    if os.path.exists(path):
+        return False
+    print(
+        f"pleach: {path} is new: this device starts empty and takes what the server holds",
+        file=sys.stderr,
+    )
+    return True
+
+
+def _remove_device_file(path: str) -> None:
+    """A new device's file whose first sync failed goes again: a typo in --db leaves nothing
+    behind."""
+    for suffix in ("", "-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path + suffix)
 
 
 def _ago(stamp: float | None) -> str:

@@ -67,8 +67,6 @@ HEALTH_MIN_INTERVAL_S = 1.0
 """A device tells the server its health at most this often..."""
 HEALTH_HEARTBEAT_S = 30.0
 """...and at least this often while connected."""
-PUSH_WINDOW = 2
-"""Pushes a flush keeps in flight: two, so the server commits one while the next is sent."""
 
 SyncState = Literal["connected", "connecting", "offline", "needs-auth"]
 
@@ -801,20 +799,16 @@ class SyncFacet:
                 "pleach.pending": pending_before,
             },
         )
-        # Up to PUSH_WINDOW pushes in flight, oldest first: the server commits one while this
-        # device reads, encodes and sends the next, and settles the one before. The server
-        # takes a connection's frames in order, so each answer is judged against a queue the
-        # pushes before it fully left; when one does not (a change kept, refused or gapped),
-        # the answers after it are dropped and the queue is read again from its oldest.
-        in_flight: deque[tuple[list[OutboxEntry], asyncio.Task[Frame]]] = deque()
-        after = 0
         try:
             while True:
+                entries = (
+                    first if first is not None else await store.outbox_pending(self.batch_size)
+                )
+                first = None
+                if not entries:
+                    break
                 link = self._link
                 if link is None:
-                    entries = (
-                        first if first is not None else await store.outbox_pending(self.batch_size)
-                    )
                     failed.extend(
                         FailedEntry(
                             client_seq=e.client_seq,
@@ -825,27 +819,18 @@ class SyncFacet:
                         for e in entries
                     )
                     break
-                while len(in_flight) < PUSH_WINDOW:
-                    entries = (
-                        first
-                        if first is not None
-                        else await store.outbox_pending(self.batch_size, after)
-                    )
-                    first = None
-                    if not entries:
-                        break
-                    changes = _within(
-                        [Change(client_seq=e.client_seq, record=e.record) for e in entries],
-                        self.max_frame_bytes // 2,
-                    )
-                    entries = entries[: len(changes)]
-                    after = entries[-1].client_seq
-                    in_flight.append((entries, self._send_push(link, changes, span.traceparent)))
-                if not in_flight:
-                    break
-                entries, sent = in_flight.popleft()
+                changes = _within(
+                    [Change(client_seq=e.client_seq, record=e.record) for e in entries],
+                    self.max_frame_bytes // 2,
+                )
+                entries = entries[: len(changes)]
                 try:
-                    answer = await sent
+                    answer = await link.request(
+                        lambda link=link, changes=changes: link.protocol.send_push(  # type: ignore[misc]
+                            changes, trace=span.traceparent
+                        ),
+                        self.request_timeout,
+                    )
                 except (ConnectionError, ConnectionClosed, TimeoutError) as exc:
                     await store.outbox_mark_attempt([e.client_seq for e in entries], None, str(exc))
                     failed.extend(
@@ -876,18 +861,14 @@ class SyncFacet:
                 if not isinstance(answer, PushAck):
                     raise _as_error(answer)
                 self._head_cursor = max(self._head_cursor, answer.head_cursor)
-                progress, batch_conflicts, whole = await self._settle(entries, answer, failed)
+                progress, batch_conflicts = await self._settle(entries, answer, failed)
                 flushed += progress
                 conflicts.extend(batch_conflicts)
                 if self._progress is not None:
                     self._progress(SyncProgress(phase="upload", done=flushed, total=pending_before))
                 if progress == 0 or self._link is not link:
                     break  # nothing moved (a sequence gap: do not spin), or the id changed
-                if not whole:
-                    _drop(in_flight)
-                    after = 0
         finally:
-            _drop(in_flight)
             self._uploading = False
             self._poke()
             span.set(**{"pleach.flushed": flushed, "pleach.failed": len(failed)})
@@ -911,9 +892,8 @@ class SyncFacet:
 
     async def _settle(
         self, entries: list[OutboxEntry], ack: PushAck, failed: list[FailedEntry]
-    ) -> tuple[int, list[ConflictReceipt], bool]:
-        """Apply one PushAck to the outbox (the decision is ``syncplan.settle``); returns the
-        entries settled, the conflicts, and whether the whole push is on the server."""
+    ) -> tuple[int, list[ConflictReceipt]]:
+        """Apply one PushAck to the outbox (the decision is ``syncplan.settle``)."""
         store = self._rt.store
         # The highest client_seq this file gave out only grows with local writes: read it
         # again only when the server claims more (not an await per push).
@@ -953,7 +933,7 @@ class SyncFacet:
             )
         # A conflict's sync.conflict event is written by the server into the session's log:
         # this device, like every other, raises the stream event when the event arrives.
-        return plan.progress, plan.conflicts, len(plan.remove) == len(entries)
+        return plan.progress, plan.conflicts
 
     # -- pull and apply ------------------------------------------------------------------------
     async def _pull(self, link: Link) -> int:
@@ -1023,14 +1003,6 @@ class SyncFacet:
             self._poke()
             span.set(**{"pleach.applied": applied, "pleach.to_cursor": self._cursor})
             span.end()
-
-    def _send_push(self, link: Link, changes: list[Change], trace: str) -> asyncio.Task[Frame]:
-        """Send one push now; the task ends with its answer."""
-        return asyncio.ensure_future(
-            link.request(
-                lambda: link.protocol.send_push(changes, trace=trace), self.request_timeout
-            )
-        )
 
     async def _ask_page(self, link: Link, cursor: int) -> Frame:
         return await link.request(
@@ -1160,15 +1132,6 @@ def _tenant_mismatch(welcome: Welcome, org_id: str, user_id: str) -> str | None:
         "pending changes stay queued. Use a token for this device's user, or open the "
         "runtime with the token's user_id/org_id."
     )
-
-
-def _drop(in_flight: deque[tuple[list[OutboxEntry], asyncio.Task[Frame]]]) -> None:
-    """Forget the pushes in flight: their rows stay queued and go again (a push is
-    idempotent), their answers are not read."""
-    while in_flight:
-        _, task = in_flight.popleft()
-        task.cancel()
-        task.add_done_callback(_retrieved)
 
 
 def _retrieved(task: asyncio.Task[Any]) -> None:

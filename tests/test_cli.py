@@ -130,6 +130,30 @@ def test_sync_and_status_against_a_server_process(tmp_path: Path) -> None:
         assert code == 2 and "401" in err and "Traceback" not in err
 
 
+def test_sync_starts_a_new_device_from_the_server(tmp_path: Path) -> None:
+    """``pleach sync`` on a file that does not exist yet is a new device: it says so and takes
+    what the server holds; when that first sync fails, no file is left behind."""
+    with server_process(tmp_path) as (url, make_token):
+        token = make_token("anonymous", "default")
+        laptop, phone = str(tmp_path / "laptop.db"), str(tmp_path / "phone.db")
+        assert pleach("--db", laptop, "chat", "--offline", "-m", "from the laptop")[0] == 0
+        assert pleach("--db", laptop, "sync", "--server", url, "--token", token)[0] == 0
+        code, out, err = pleach("--db", phone, "sync", "--server", url, "--token", token)
+        assert code == 0, err
+        assert "is new: this device starts empty" in err
+        code, out, _ = pleach("--db", phone, "sessions", "list", "--json")
+        _, mine, _ = pleach("--db", laptop, "sessions", "list", "--json")
+        assert code == 0 and out == mine and "from the laptop" not in err
+        again = pleach("--db", phone, "sync", "--server", url, "--token", token)
+        assert again[0] == 0 and "is new" not in again[2]  # the second time it is not
+    unreachable = str(tmp_path / "typo.db")
+    code, _, err = pleach(
+        "--db", unreachable, "sync", "--server", "ws://127.0.0.1:9/sync", "--token", "t"
+    )
+    assert code == 2 and "cannot sync with" in err
+    assert not any(Path(unreachable + suffix).exists() for suffix in ("", "-wal", "-shm"))
+
+
 def test_cli_reasons_for_the_usual_mistakes(tmp_path: Path) -> None:
     """A typo in --db, a server's database, an unreachable server: one line each, a non-zero
     exit, fast; --db also works after the subcommand."""

@@ -210,9 +210,8 @@ class StorageAdapter(Protocol):
     async def list_artifact_updates(self, artifact_id: str) -> list[ArtifactUpdate]: ...
 
     # -- outbox ---------------------------------------------------------------------------
-    async def outbox_pending(self, limit: int = 500, after: int = 0) -> list[OutboxEntry]:
-        """Oldest first, by client_seq; only those above ``after`` (a flush with a push in
-        flight reads the next batch so)."""
+    async def outbox_pending(self, limit: int = 500) -> list[OutboxEntry]:
+        """Oldest first, by client_seq."""
         ...
 
     async def outbox_count(self) -> int: ...

@@ -456,10 +456,10 @@ class MemoryAdapter(AsyncResource):
 
     # -- outbox ---------------------------------------------------------------------------
 
-    async def outbox_pending(self, limit: int = 500, after: int = 0) -> list[OutboxEntry]:
-        """Oldest first, by client_seq; only those above ``after``."""
+    async def outbox_pending(self, limit: int = 500) -> list[OutboxEntry]:
+        """Oldest first, by client_seq."""
         self._check_open()
-        seqs = sorted(seq for seq in self._outbox if seq > after)[: max(limit, 0)]
+        seqs = sorted(self._outbox)[: max(limit, 0)]
         return [self._entry(seq, self._outbox[seq]) for seq in seqs]
 
     def _entry(self, seq: int, row: _OutboxRow) -> OutboxEntry:

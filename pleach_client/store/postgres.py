@@ -554,11 +554,11 @@ class _Sql:
             "AND artifact_id = $2 ORDER BY hlc, id"
         )
         self.get_meta = f"SELECT value FROM {s}.sync_state WHERE device = $1 AND key = $2"
-        # $2: the page size, NULL for all; $3: only client_seq above it.
+        # $2: the page size, NULL for all.
         self.outbox_pending = (
             f"SELECT o.client_seq, {body}, o.attempts, o.created_at, o.last_error_code, "
             f"o.last_error_message FROM (SELECT * FROM {s}.outbox WHERE device = $1 "
-            "AND client_seq > $3 ORDER BY client_seq LIMIT $2) AS o ORDER BY o.client_seq"
+            "ORDER BY client_seq LIMIT $2) AS o ORDER BY o.client_seq"
         )
         self.outbox_count = f"SELECT count(*) FROM {s}.outbox WHERE device = $1"
         self.queued = f"SELECT 1 FROM {s}.outbox WHERE device = $1 AND record_id = $2 LIMIT 1"
@@ -679,7 +679,7 @@ class _Reader:
         return bool(await self._rows(self._sql.queued, record_id))
 
     async def queued_records(self) -> list[Record]:
-        rows = await self._rows(self._sql.outbox_pending, None, 0)
+        rows = await self._rows(self._sql.outbox_pending, None)
         return [_decode(None, "outbox", row[0], row[1]) for row in rows]
 
     async def audit_rows(self, row_ids: list[str]) -> list[AuditRow]:
@@ -1114,9 +1114,9 @@ class PostgresAdapter(AsyncResource):
 
     # -- outbox ---------------------------------------------------------------------------
 
-    async def outbox_pending(self, limit: int = 500, after: int = 0) -> list[OutboxEntry]:
-        """Oldest first, by client_seq; at most ``limit`` entries, those above ``after``."""
-        rows = await self._fetch("read outbox", self._sql.outbox_pending, max(limit, 0), after)
+    async def outbox_pending(self, limit: int = 500) -> list[OutboxEntry]:
+        """Oldest first, by client_seq; at most ``limit`` entries."""
+        rows = await self._fetch("read outbox", self._sql.outbox_pending, max(limit, 0))
         return outbox_entries(rows, lambda seq, body: _decode(None, "outbox", seq, body))
 
     async def outbox_count(self) -> int:
