@@ -937,10 +937,6 @@ class SyncFacet:
 
     # -- pull and apply ------------------------------------------------------------------------
     async def _pull(self, link: Link) -> int:
-        """Pull and apply pages until the feed's end. One page ahead: the next page is asked
-        for as soon as a page says there is more, so the server reads it (and the network
-        carries it) while this device applies the one in hand. At most two pages are held;
-        a page applied out of turn is a no-op (apply is idempotent, keyed by the cursor)."""
         applied = 0
         self._downloading = True
         self._poke()
@@ -955,16 +951,14 @@ class SyncFacet:
                 "pleach.cursor": start,
             },
         )
-        ahead: asyncio.Task[Frame] | None = None
-        ahead_from = 0
         try:
             while True:
-                if ahead is None:
-                    cursor = int(await self._rt.store.get_meta("cursor") or 0)
-                    self._report_download(start, cursor)
-                    answer = await self._ask_page(link, cursor)
-                else:
-                    cursor, answer, ahead = ahead_from, await ahead, None
+                cursor = int(await self._rt.store.get_meta("cursor") or 0)
+                self._report_download(start, cursor)
+                answer = await link.request(
+                    lambda cursor=cursor: link.protocol.send_pull(cursor, self.pull_limit),  # type: ignore[misc]
+                    self.request_timeout,
+                )
                 if isinstance(answer, Error):
                     self._error(answer.message, answer.code)
                     if answer.code == ErrorCode.CURSOR_TOO_OLD and cursor > 0:
@@ -977,9 +971,6 @@ class SyncFacet:
                 if not isinstance(answer, Changes):
                     raise _as_error(answer)
                 self._head_cursor = max(self._head_cursor, answer.to_cursor)
-                if answer.more:
-                    ahead_from = answer.to_cursor
-                    ahead = asyncio.ensure_future(self._ask_page(link, ahead_from))
                 if answer.changes or answer.to_cursor > cursor:
                     applied += await self._apply(answer.changes, answer.to_cursor)
                     self._report_download(start, answer.to_cursor)
@@ -996,18 +987,10 @@ class SyncFacet:
             span.error(exc)
             raise
         finally:
-            if ahead is not None:  # an apply failed or the pull was cancelled: drop the page
-                ahead.cancel()
-                ahead.add_done_callback(_retrieved)
             self._downloading = False
             self._poke()
             span.set(**{"pleach.applied": applied, "pleach.to_cursor": self._cursor})
             span.end()
-
-    async def _ask_page(self, link: Link, cursor: int) -> Frame:
-        return await link.request(
-            lambda: link.protocol.send_pull(cursor, self.pull_limit), self.request_timeout
-        )
 
     def _report_download(self, start: int, cursor: int) -> None:
         if self._progress is not None and cursor >= start:
@@ -1132,12 +1115,6 @@ def _tenant_mismatch(welcome: Welcome, org_id: str, user_id: str) -> str | None:
         "pending changes stay queued. Use a token for this device's user, or open the "
         "runtime with the token's user_id/org_id."
     )
-
-
-def _retrieved(task: asyncio.Task[Any]) -> None:
-    """Marks a dropped task's outcome as seen (a lost connection's error is the caller's)."""
-    if not task.cancelled():
-        task.exception()
 
 
 def _as_error(frame: Frame) -> SyncError:
