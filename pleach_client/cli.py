@@ -423,9 +423,11 @@ async def _chat(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _runtime(args: argparse.Namespace) -> SessionRuntime:
-    """The runtime of a command that reads the device file (which must exist)."""
-    _existing_db(args)
+def _runtime(args: argparse.Namespace, *, may_start: bool = False) -> SessionRuntime:
+    """The runtime of a command that reads the device file, which must exist unless the
+    command ``may_start`` a new device (``pleach sync``)."""
+    if not may_start:
+        _existing_db(args)
     return SessionRuntime(SQLiteAdapter(args.db), user_id=args.user, org_id=args.org)
 
 
@@ -653,7 +655,7 @@ async def _sync(args: argparse.Namespace) -> int:
         raise PleachError(f"sync needs {missing}")
     fresh = _new_device_file(args.db)
     try:
-        async with SessionRuntime(SQLiteAdapter(args.db), user_id=args.user, org_id=args.org) as rt:
+        async with _runtime(args, may_start=True) as rt:
             with _SyncBar(_console(args, err=True)) as bar:
                 receipt = await rt.sync.sync_once(
                     args.server, args.token, timeout=args.timeout, on_progress=bar.update

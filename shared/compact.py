@@ -362,10 +362,15 @@ def _unext(code: int, data: memoryview) -> Any:
 _DECODER: Final = msgspec.msgpack.Decoder(ext_hook=_unext)
 
 
+def _is_compact(data: bytes) -> bool:
+    """Whether ``data`` starts as a msgpack array (the compact form) rather than a map."""
+    return bool(data) and (data[0] & 0xF0 == 0x90 or data[0] in (0xDC, 0xDD))
+
+
 def decode(data: bytes) -> Record:
     """The record in ``data`` (compact or map form). Raises ``msgspec.DecodeError`` when the
     bytes are corrupt and ``msgspec.ValidationError`` when they decode to no valid record."""
-    if not data or (data[0] & 0xF0 != 0x90 and data[0] not in (0xDC, 0xDD)):
+    if not _is_compact(data):
         return decode_record(data)  # the map form (or garbage, which it refuses)
     raw = _DECODER.decode(data)
     index = raw[0] if raw else None
@@ -382,47 +387,39 @@ def decode(data: bytes) -> Record:
     return record
 
 
-def _event_head() -> msgspec.msgpack.Decoder[Any]:
-    """A decoder of a compact Event body's fields up to ``type``, the others left unread
-    (``Raw``), so a reader that needs only some types decodes only those events whole."""
-    names = _BY_INDEX[KINDS.index("Event")].names
-    upto = names.index("type")
+def _head_decoder(kind: str, last: str, last_type: Any) -> msgspec.msgpack.Decoder[Any]:
+    """A decoder of a compact ``kind`` body's fields up to ``last``: the kind index, the fields
+    before ``last`` left unread (``Raw``), ``last`` as ``last_type`` (``Raw`` keeps its packed
+    bytes). A reader that needs one field decodes only that much of each body."""
+    names = _BY_INDEX[KINDS.index(kind)].names
     fields: list[tuple[str, Any]] = [("kind", int)]
-    fields += [(f"_{name}", msgspec.Raw) for name in names[:upto]]
-    fields.append(("type", str))
-    return msgspec.msgpack.Decoder(msgspec.defstruct("EventHead", fields, array_like=True))
+    fields += [(f"_{name}", msgspec.Raw) for name in names[: names.index(last)]]
+    fields.append(("last", last_type))
+    return msgspec.msgpack.Decoder(msgspec.defstruct(f"{kind}Head", fields, array_like=True))
 
 
-_EVENT_HEAD: Final = _event_head()
-_EVENT_INDEX: Final = KINDS.index("Event")
+def _read_head(decoder: msgspec.msgpack.Decoder[Any], kind: str, data: bytes) -> Any:
+    """The last field ``decoder`` reads of the compact ``kind`` body ``data``; None when
+    ``data`` is not such a body (the map form, another kind, corrupt bytes): the caller then
+    decodes it whole, which tells."""
+    if not _is_compact(data):
+        return None
+    try:
+        head = decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return head.last if head.kind == KINDS.index(kind) else None
+
+
+_EVENT_HEAD: Final = _head_decoder("Event", "type", str)
+_CHECKPOINT_HEAD: Final = _head_decoder("Checkpoint", "parent_id", msgspec.Raw)
 
 
 def event_type(data: bytes) -> str | None:
     """The ``type`` of the Event in compact ``data``, read without decoding the rest (about a
-    tenth of ``decode``); None when ``data`` is not a compact Event body that reads so (the
-    map form, another kind, corrupt bytes): the caller then decodes it whole, which tells."""
-    if not data or (data[0] & 0xF0 != 0x90 and data[0] not in (0xDC, 0xDD)):
-        return None
-    try:
-        head = _EVENT_HEAD.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    return head.type if head.kind == _EVENT_INDEX else None
-
-
-def _checkpoint_head() -> msgspec.msgpack.Decoder[Any]:
-    """A decoder of a compact Checkpoint body's fields up to ``parent_id``, each left as its
-    packed bytes (``Raw``): whose child a checkpoint is, without decoding it."""
-    names = _BY_INDEX[KINDS.index("Checkpoint")].names
-    upto = names.index("parent_id")
-    fields: list[tuple[str, Any]] = [("kind", int)]
-    fields += [(f"_{name}", msgspec.Raw) for name in names[:upto]]
-    fields.append(("parent", msgspec.Raw))
-    return msgspec.msgpack.Decoder(msgspec.defstruct("CheckpointHead", fields, array_like=True))
-
-
-_CHECKPOINT_HEAD: Final = _checkpoint_head()
-_CHECKPOINT_INDEX: Final = KINDS.index("Checkpoint")
+    tenth of ``decode``); None when ``data`` is not a compact Event body."""
+    kind: str | None = _read_head(_EVENT_HEAD, "Event", data)
+    return kind
 
 
 def packed(value: str | None) -> bytes:
@@ -434,12 +431,6 @@ def packed(value: str | None) -> bytes:
 def checkpoint_parent(data: bytes) -> bytes | None:
     """The ``parent_id`` of the Checkpoint in compact ``data``, as its packed bytes (compare
     them with ``packed(id)``), read without decoding the rest; None when ``data`` is not a
-    compact Checkpoint body that reads so (the map form, another kind, corrupt bytes): the
-    caller then decodes it whole, which tells."""
-    if not data or (data[0] & 0xF0 != 0x90 and data[0] not in (0xDC, 0xDD)):
-        return None
-    try:
-        head = _CHECKPOINT_HEAD.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    return bytes(head.parent) if head.kind == _CHECKPOINT_INDEX else None
+    compact Checkpoint body."""
+    parent = _read_head(_CHECKPOINT_HEAD, "Checkpoint", data)
+    return None if parent is None else bytes(parent)

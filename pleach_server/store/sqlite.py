@@ -435,23 +435,28 @@ class _SQLiteTx:
 
     async def write(self, tenant: Tenant, client_id: str, writes: BatchWrites) -> list[int]:
         t = (tenant.org_id, tenant.user_id)
+        bodies: dict[int, bytes] = {}  # a record in a table and in the feed is encoded once
+
+        def body(r: Any) -> bytes:
+            encoded = bodies.get(id(r))
+            if encoded is None:
+                encoded = bodies[id(r)] = encode_record(r)
+            return encoded
+
         records: list[tuple[Any, ...]] = []
         for r in writes.records:
             info = kind_of(r)
             if info.merge == "versioned" or info.server_placed:
                 raise TypeError(f"{info.name} records are not written as records")
-            body = encode_record(r)
-            records.append((info.name, r.id, r.org_id, r.user_id, info.session_of(r), body))
+            records.append((info.name, r.id, r.org_id, r.user_id, info.session_of(r), body(r)))
         rows = _Rows(
             records=records,
             events=[
-                (e.id, e.session_id, e.sequence_number, e.org_id, e.user_id, e.row_hash, body)
-                for e, body in zip(writes.events, map(encode_record, writes.events), strict=True)
+                (e.id, e.session_id, e.sequence_number, e.org_id, e.user_id, e.row_hash, body(e))
+                for e in writes.events
             ],
-            sessions=[
-                (s.id, s.org_id, s.user_id, s.updated_at, encode_record(s)) for s in writes.sessions
-            ],
-            feed=[(*t, record_kind(r), r.id, encode_record(r)) for r in writes.feed],
+            sessions=[(s.id, s.org_id, s.user_id, s.updated_at, body(s)) for s in writes.sessions],
+            feed=[(*t, record_kind(r), r.id, body(r)) for r in writes.feed],
             last_seq=None if writes.last_seq is None else (*t, client_id, writes.last_seq),
         )
         # Every statement of the batch in one hop to the connection's thread (see _on_thread).
