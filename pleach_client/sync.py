@@ -56,7 +56,7 @@ from .receipts import (
     SyncConflictResolveReceipt,
 )
 from .store.base import OutboxEntry, TxReader, WriteBatch
-from .syncplan import Sent, settle
+from .syncplan import Sent, settle, unsettled
 
 if TYPE_CHECKING:
     from .runtime import SessionRuntime
@@ -158,6 +158,9 @@ class SyncFacet:
         self._issued = 0  # the highest client_seq known given out (re-read when exceeded)
         self._welcomed = 0  # connections that got as far as Welcome (the backoff starts over)
         self._server_seq = 0  # the server's last_seq of this device, as last told
+        # The highest client_seq sent in a push whose outcome this device does not know (the
+        # server's store failed under it, the answer never came): the server may hold it.
+        self._unsure_through = 0
         # What this device last told the server of its health (the server's /status page).
         self._health_key: tuple[Any, ...] | None = None
         self._health_at = float("-inf")  # monotonic time of the last Health sent
@@ -547,6 +550,7 @@ class SyncFacet:
                     raise TenantMismatch(mismatch)
                 self._head_cursor = welcome.head_cursor
                 self._server_seq = welcome.last_seq
+                self._unsure_through = 0  # the welcome says what the server holds
                 # Queued rows at or below the server's last_seq are not dropped by number: a
                 # copy of this device's file (a restored backup, a copied file) may have used
                 # those numbers for other changes. The flush resends them and the server says,
@@ -641,10 +645,16 @@ class SyncFacet:
         self._poke()
 
     async def _unsettled(self) -> bool:
-        """Whether a queued change has a ``client_seq`` the server already counts (it holds
-        it, unacknowledged, or a copy of this file wrote under that number)."""
+        """Whether a queued change may be on the server unacknowledged (see ``unsettled``)."""
         first = await self._rt.store.outbox_pending(1)
-        return bool(first) and first[0].client_seq <= self._server_seq
+        return unsettled(
+            first[0].client_seq if first else None, self._server_seq, self._unsure_through
+        )
+
+    def _unsure(self, sent: list[OutboxEntry]) -> None:
+        """``sent`` went out in a push whose outcome this device will not learn from it."""
+        if sent:
+            self._unsure_through = max(self._unsure_through, sent[-1].client_seq)
 
     # -- health ----------------------------------------------------------------------------
     def _health_wait(self) -> float:
@@ -754,6 +764,7 @@ class SyncFacet:
         pending = await rt.store.outbox_count()
         new = await rt.core.rekey()
         self._issued = 0  # the queue was renumbered
+        self._unsure_through = 0
         self._cursor = int(await rt.store.get_meta("cursor") or 0)
         message = (
             f"{why}: this device now syncs as a new device "
@@ -832,6 +843,7 @@ class SyncFacet:
                         self.request_timeout,
                     )
                 except (ConnectionError, ConnectionClosed, TimeoutError) as exc:
+                    self._unsure(entries)
                     await store.outbox_mark_attempt([e.client_seq for e in entries], None, str(exc))
                     failed.extend(
                         FailedEntry(
@@ -844,6 +856,8 @@ class SyncFacet:
                     )
                     break
                 if isinstance(answer, Error):
+                    if answer.code == ErrorCode.STORAGE_UNAVAILABLE:
+                        self._unsure(entries)  # it may have failed after its commit
                     await store.outbox_mark_attempt(
                         [e.client_seq for e in entries], answer.code, answer.message
                     )
@@ -898,6 +912,7 @@ class SyncFacet:
         # The highest client_seq this file gave out only grows with local writes: read it
         # again only when the server claims more (not an await per push).
         self._server_seq = ack.last_seq
+        self._unsure_through = 0  # the ack is exact, and its push began at the oldest queued
         issued = self._issued
         if ack.last_seq > issued:
             issued = self._issued = await store.last_client_seq()

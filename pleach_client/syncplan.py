@@ -63,6 +63,23 @@ class Settlement:
         return len(self.remove) + len(self.dead)
 
 
+def unsettled(oldest_queued: int | None, server_seq: int, unsure_through: int) -> bool:
+    """Whether the oldest queued change may already be on the server, unacknowledged, so a
+    page must not be applied before a resend settles it.
+
+    ``server_seq`` is the server's last word on this device's numbers (Welcome, PushAck): a
+    queued change at or below it is held there (its ack was lost) or another copy of this
+    file wrote under its number. ``unsure_through`` is the highest number sent in a push whose
+    answer said nothing of it (the server's store failed under the commit, the connection
+    dropped): the server may hold it, and its Welcome or next PushAck will say. Until then a
+    page may carry another device's version built on such a change, which this device cannot
+    tell from a copy of its file writing under the same counter.
+    """
+    if oldest_queued is None:
+        return False
+    return oldest_queued <= max(server_seq, unsure_through)
+
+
 def settle(sent: Sequence[Sent], ack: PushAck, issued: int | None = None) -> Settlement:
     """Settle the entries of one push against its acknowledgement.
 
@@ -235,4 +252,5 @@ __all__ = [
     "decide_session",
     "rebase",
     "settle",
+    "unsettled",
 ]

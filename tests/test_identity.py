@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,7 +23,7 @@ from pleach_server.auth import issue_token
 from pleach_server.server import SyncServer
 from pleach_server.store import SQLiteServerStore, Tenant
 from shared.clock import HybridClock
-from shared.errors import ErrorCode
+from shared.errors import ErrorCode, StorageError
 from shared.records import Change, Message
 
 SECRET = b"identity-test-secret"
@@ -166,6 +167,79 @@ async def test_a_lost_ack_is_still_a_duplicate(
     changes = [Change(client_seq=i + 1, record=r) for i, r in enumerate(mine)]
     result = await store.push(ALICE, client_id, changes, HybridClock("test-server"))
     assert {r.status for r in result.results} <= {"duplicate"}, result.results
+
+
+class CommitThenFail(SQLiteServerStore):
+    """A server store that commits a push of the devices in ``fail_for`` and then fails, as a
+    store does when its database connection drops during ``COMMIT``: the server answers 3009
+    and cannot know the outcome. ``between`` runs after the commit and before the failure
+    (another device's push landing in that window)."""
+
+    fail_for: set[str] = set()
+    between: Callable[[], Awaitable[None]] | None = None
+
+    async def push(self, tenant: Tenant, client_id: str, *args: Any, **kwargs: Any) -> Any:
+        result = await super().push(tenant, client_id, *args, **kwargs)
+        if client_id in self.fail_for:
+            between, self.between = self.between, None
+            if between is not None:
+                await between()
+            raise StorageError("connection lost during COMMIT", retryable=True)
+        return result
+
+
+async def test_a_push_the_store_failed_after_committing_is_not_taken_for_a_copy(
+    tmp_path: Path,
+) -> None:
+    """The server's store commits a push and fails before it can answer (3009), and another
+    device builds on the committed version at once. The device keeps the change queued and
+    must not read that other device's version, which counts its own unacknowledged one, as
+    another copy of its file writing under its counter: it pulls only once a resend settled
+    the change (``duplicate``), keeps its id, and every audit chain verifies everywhere."""
+    token = issue_token(SECRET, ALICE, 3600)
+
+    def runtime(p: Path) -> SessionRuntime:
+        return SessionRuntime(
+            SQLiteAdapter(p), ScriptedProvider(), org_id=ALICE.org_id, user_id=ALICE.user_id
+        )
+
+    async with (
+        CommitThenFail(tmp_path / "server.db", synchronous="NORMAL") as store,
+        SyncServer(store, port=0, secret=SECRET, rate_limit_per_s=None) as srv,
+        runtime(tmp_path / "phone.db") as phone,
+        runtime(tmp_path / "laptop.db") as laptop,
+    ):
+        session_id = (await phone.create_session(title="first")).id
+        await say(phone, session_id, "hello")
+        await phone.sync.sync_once(srv.url, token)
+        phone_id = phone.client_id
+
+        async def laptop_edits() -> None:
+            await laptop.sync.sync_once(srv.url, token)  # takes the phone's committed turn
+            await laptop.sessions.rename(session_id, "from the laptop")
+            await say(laptop, session_id, "laptop turn")
+            await laptop.sync.sync_once(srv.url, token)
+
+        await phone.sessions.rename(session_id, "from the phone")
+        await say(phone, session_id, "phone turn")
+        store.fail_for, store.between = {phone_id}, laptop_edits
+        receipt = await phone.sync.sync_once(srv.url, token)
+        assert receipt.pending_after > 0 and store.between is None  # the fault fired
+        assert phone.client_id == phone_id, "a failed commit answer was taken for a copy"
+
+        store.fail_for = set()
+        receipt = await phone.sync.sync_once(srv.url, token)  # the resend: duplicate
+        assert receipt.pending_after == 0, receipt
+        await laptop.sync.sync_once(srv.url, token)
+        assert phone.client_id == phone_id
+        assert await phone.core.previous_client_ids() == []
+        assert {"hello", "phone turn", "laptop turn"} <= await server_user_texts(store)
+        for rt in (phone, laptop):
+            row = await rt.sessions.find(session_id)
+            assert row is not None and row.title == "from the laptop"
+            for client_id in (phone_id, laptop.client_id):
+                report = await rt.audit.verify_chain(client_id)
+                assert report.ok, (client_id, report)
 
 
 async def test_sync_once_from_a_copied_file_sends_everything(

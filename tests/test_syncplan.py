@@ -12,7 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pleach_client.syncplan import Decision, Sent, decide_session, rebase, settle
+from pleach_client.syncplan import (
+    Decision,
+    Sent,
+    decide_session,
+    rebase,
+    settle,
+    unsettled,
+)
 from shared.clock import Order, vv_bump, vv_compare, vv_merge
 from shared.errors import ChainError, ErrorCode
 from shared.hashchain import chain_event, verify_chain
@@ -307,3 +314,25 @@ def test_rebase_always_yields_one_verifying_chain_with_nothing_lost(
     assert verify_chain(log).ok
     assert {e.id for e in log} == {e.id for e in server} | {e.id for e in mine}
     assert plan.head == ((log[-1].sequence_number, log[-1].row_hash) if log else (0, ""))
+
+
+@given(
+    queued=st.none() | st.integers(1, 50),
+    server_seq=st.integers(0, 50),
+    unsure_through=st.integers(0, 50),
+)
+def test_unsettled_holds_pages_back_while_a_queued_change_may_be_on_the_server(
+    queued: int | None, server_seq: int, unsure_through: int
+) -> None:
+    """A page waits while the oldest queued change is one the server counts (its last word)
+    or may hold (a push of it got no answer that says): exactly then, and never with an
+    empty queue."""
+    held = unsettled(queued, server_seq, unsure_through)
+    if queued is None:
+        assert not held
+    else:
+        assert held == (queued <= server_seq or queued <= unsure_through)
+    # Learning that the server may hold more never releases a page.
+    if held:
+        assert unsettled(queued, server_seq, unsure_through + 1)
+        assert unsettled(queued, server_seq + 1, unsure_through)

@@ -288,6 +288,7 @@ class Device:
         self.world = world
         self.index = index
         self.name = f"dev{index}"
+        self.first_client_id = f"{world.tenant.user_id}-{self.name}"
         self.path = world.workdir / f"{self.name}.db"
         self.backup_path = world.workdir / f"{self.name}.backup.db"
         self.has_backup = False
@@ -319,7 +320,7 @@ class Device:
             ScriptedProvider(default_reply=self._reply),
             user_id=world.tenant.user_id,
             org_id=world.tenant.org_id,
-            client_id=f"{world.tenant.user_id}-{self.name}",
+            client_id=self.first_client_id,
             wall_clock=self.wall,  # the device's skewed clock (``skew`` ops move it)
         )
         await rt.open()
@@ -469,6 +470,8 @@ class World:
             dev.proxy.heal()
         elif kind == "net_drop_ack":
             dev.proxy.drop_next_ack = True
+        elif kind == "net_ack_error":
+            dev.proxy.error_next_ack = True
         elif kind == "net_partition":
             dev.proxy.partitioned = True
             dev.proxy.cut()

@@ -114,6 +114,14 @@ async def device_view(world: World, index: int, problems: list[str]) -> View:
     rt = dev.rt
     assert rt is not None
     view = View(dev.name)
+    if rt.client_id != dev.first_client_id and not (
+        world.stats.get("restored") or world.stats.get("cloned")
+    ):
+        # A new id is taken only when another copy of the file wrote under this one: with no
+        # file restored or copied, a re-key is a false alarm (and moves audit rows).
+        problems.append(
+            f"false-rekey: {dev.name} now syncs as {rt.client_id} with no file restored or copied"
+        )
     status = await rt.sync.status()
     if status.pending:
         problems.append(f"pending: {dev.name} still has {status.pending} outbox rows")

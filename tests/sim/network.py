@@ -9,6 +9,10 @@ server and copies bytes both ways, except where the scheduler says otherwise:
 - ``delay``: every frame from the server is held until ``release()``.
 - ``drop_next_ack``: the next ``PushAck`` is swallowed and the connection is cut: the push
   committed, the device never learns it, reconnects and resends (duplicate delivery).
+- ``error_next_ack``: the next ``PushAck`` is replaced by the ``Error`` (3009, retryable) a
+  server sends when its store fails under a commit whose outcome it cannot know (a database
+  connection lost during ``COMMIT``): the push committed, the connection stays up, and the
+  device believes nothing was taken.
 - ``cut()``: every open connection is aborted; the device reconnects and resends.
 - ``partitioned``: new connections are accepted and closed at once until healed.
 
@@ -26,15 +30,20 @@ from collections.abc import Callable
 
 import msgspec
 
+from shared.errors import ErrorCode
+from shared.messages import Error, FrameCodec
+
 
 class _Head(msgspec.Struct):
     """The two fields of a server frame the proxy looks at (the rest is ignored)."""
 
     type: str = ""
     live: bool = False
+    request_id: int = 0
 
 
 _head_decoder = msgspec.msgpack.Decoder(_Head)
+_codec = FrameCodec()
 _HEADER_END = b"\r\n\r\n"
 _MAX_HEADER = 64 * 1024
 
@@ -71,6 +80,30 @@ async def _read_header(reader: asyncio.StreamReader) -> bytes:
     if len(data) > _MAX_HEADER:
         raise ConnectionError("header too large")
     return data
+
+
+def _store_failure(request_id: int) -> bytes:
+    """What the server answers a push when its store failed under it (``_handle``)."""
+    return _codec.encode(
+        Error(
+            code=int(ErrorCode.STORAGE_UNAVAILABLE),
+            message="store failed: connection lost during commit (simulated)",
+            retryable=True,
+            request_id=request_id,
+        )
+    )
+
+
+def _server_frame(payload: bytes) -> bytes:
+    """``payload`` as one unmasked, final binary WebSocket frame (server to device)."""
+    size = len(payload)
+    if size < 126:
+        head = bytes([0x82, size])
+    elif size < 1 << 16:
+        head = bytes([0x82, 126]) + struct.pack(">H", size)
+    else:
+        head = bytes([0x82, 127]) + struct.pack(">Q", size)
+    return head + payload
 
 
 def _strip_extensions(request: bytes) -> bytes:
@@ -167,6 +200,10 @@ class _Pipe:
                 self.proxy.drop_next_ack = False
                 self.proxy.acks_dropped += 1
                 raise ConnectionError("push ack dropped by the simulation")
+            if head.type == "push_ack" and self.proxy.error_next_ack:
+                self.proxy.error_next_ack = False
+                self.proxy.acks_failed += 1
+                whole = _server_frame(_store_failure(head.request_id))
             if self.proxy.delay or (self.proxy.hold_live and is_live):
                 self.held.append((whole, is_live))
             else:
@@ -186,8 +223,10 @@ class Proxy:
         self.hold_live = False
         self.delay = False
         self.drop_next_ack = False
+        self.error_next_ack = False
         self.partitioned = False
         self.acks_dropped = 0
+        self.acks_failed = 0
         self.cuts = 0
         self._pipes: set[_Pipe] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -201,7 +240,13 @@ class Proxy:
 
     @property
     def faulty(self) -> bool:
-        return self.hold_live or self.delay or self.drop_next_ack or self.partitioned
+        return (
+            self.hold_live
+            or self.delay
+            or self.drop_next_ack
+            or self.error_next_ack
+            or self.partitioned
+        )
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -241,6 +286,7 @@ class Proxy:
         """Back to a plain network; frames held so far are delivered."""
         self.partitioned = False
         self.drop_next_ack = False
+        self.error_next_ack = False
         self.release()
 
     async def close(self) -> None:

@@ -37,6 +37,7 @@ OP_WEIGHTS: tuple[tuple[str, int], ...] = (
     ("net_delay", 3),
     ("net_release", 4),
     ("net_drop_ack", 3),
+    ("net_ack_error", 3),
     ("net_partition", 2),
     ("crash", 3),
     ("restart", 2),
