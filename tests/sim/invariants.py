@@ -109,6 +109,15 @@ def _message_key(m: Message) -> tuple[str, str, str]:
     return (m.id, m.role, msgspec.json.encode(m.content).decode())
 
 
+def _chain_forensics(rows: list[Any], most: int = 8) -> str:
+    """One chain's first rows as ``#seq id prev>hash`` (short prefixes): what a failing
+    chain holds, for the report."""
+    rows = sorted(rows, key=lambda r: r.sequence_number)[:most]
+    return ", ".join(
+        f"#{r.sequence_number} {r.id[-6:]} {r.prev_hash[:6] or '-'}>{r.row_hash[:6]}" for r in rows
+    )
+
+
 async def device_view(world: World, index: int, problems: list[str]) -> View:
     dev = world.devices[index]
     rt = dev.rt
@@ -165,7 +174,8 @@ async def device_view(world: World, index: int, problems: list[str]) -> View:
         if not report.ok:
             problems.append(
                 f"audit-chain: {dev.name} chain of {client_id} fails at "
-                f"{report.first_bad_index}: {report.reason}"
+                f"{report.first_bad_index}: {report.reason}; rows here: "
+                + _chain_forensics([r for r in rows if r.client_id == client_id])
             )
     deleted = world.ledger.deleted()
     for artifact_id, tokens in world.ledger.artifact_tokens.items():
