@@ -123,8 +123,12 @@ async def device_view(world: World, index: int, problems: list[str]) -> View:
     rt = dev.rt
     assert rt is not None
     view = View(dev.name)
-    if rt.client_id != dev.first_client_id and not (
-        world.stats.get("restored") or world.stats.get("cloned")
+    first_id = getattr(dev, "first_client_id", None)  # campaigns' devices do not say
+    stats = getattr(world, "stats", {})
+    if (
+        first_id is not None
+        and rt.client_id != first_id
+        and not (stats.get("restored") or stats.get("cloned"))
     ):
         # A new id is taken only when another copy of the file wrote under this one: with no
         # file restored or copied, a re-key is a false alarm (and moves audit rows).
