@@ -9,6 +9,7 @@ rebased, and a local fork when counters collided. It never writes itself.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -24,7 +25,7 @@ from .core import RemoteView, purge_keep
 from .payloads import read_payload
 from .store.base import TxReader, WriteBatch
 from .stream import SyncApplied, SyncConflict, job_events, remote_interrupt_events
-from .syncplan import Decision, decide_session, rebase
+from .syncplan import Decision, decide_session, lands_in_place, rebase
 
 log = logging.getLogger("pleach.sync")
 
@@ -137,16 +138,15 @@ async def plan_page(
             head = (verified[-1].sequence_number, verified[-1].row_hash) if verified else (0, "")
             tail = [e for e in existing if not e.canonical]
             genesis = ""
+            log_head = None
         else:
             head, verified, genesis = known, [], known[1]
-            tail = [
-                e
-                for e in await tx.list_events(session_id, from_sequence=known[0] + 1)
-                if not e.canonical
-            ]
+            tail, log_head = await _provisional_tail(tx, view, session_id, incoming, known)
         placed = rebase(
             session_id, incoming, known_head=head, verified=verified, tail=tail, genesis=genesis
         )
+        if log_head is not None:
+            placed = dataclasses.replace(placed, head=log_head)
         view.canonical_heads[session_id] = placed.canonical_head
         view.heads[session_id] = placed.head
         records.extend(placed.out)
@@ -208,6 +208,31 @@ async def _place_audit(tx: TxReader, rows: list[AuditRow]) -> tuple[list[AuditRo
             else:
                 log.warning("audit row %s refused from a page: its content differs", row.id)
     return fresh, moved
+
+
+async def _provisional_tail(
+    tx: TxReader,
+    view: RemoteView,
+    session_id: str,
+    incoming: list[Event],
+    known: tuple[int, str],
+) -> tuple[list[Event], tuple[int, str] | None]:
+    """This device's provisional events after the canonical head ``known``, for ``rebase``;
+    and the log's head when only the start of them was read (the page leaves the rest as it
+    is). A page of another device's events where this device has no tail reads nothing (the
+    core knows its log's head); a page of this device's own events coming back in order
+    (``lands_in_place``) reads only as many as it places, so a long pull-back does not read
+    and decode the rest of the tail again for every page."""
+    log_head = await view.event_head(tx, session_id)
+    if log_head == known:
+        return [], None
+    count = sum(1 for e in incoming if e.sequence_number > known[0])
+    if count:
+        start = await tx.list_events(session_id, from_sequence=known[0] + 1, limit=count)
+        if lands_in_place(incoming, known[0], start):
+            return start, log_head
+    events = await tx.list_events(session_id, from_sequence=known[0] + 1)
+    return [e for e in events if not e.canonical], None
 
 
 async def _held_messages(tx: TxReader, client_id: str, contents: list[Record]) -> set[str]:

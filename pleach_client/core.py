@@ -625,6 +625,11 @@ class RemoteView:
     def canonical_head(self, session_id: str) -> tuple[int, str] | None:
         return self.canonical_heads.get(session_id) or self._core._canonical_heads.get(session_id)
 
+    async def event_head(self, tx: TxReader, session_id: str) -> tuple[int, str]:
+        """The last event of the session's log, canonical or not (as the core knows it)."""
+        head = self.heads.get(session_id)
+        return head if head is not None else await self._core._event_head(tx, session_id)
+
     def stamp(self, row: Session, *, base: Session | None) -> Session:
         return self._core._stamp(row, base=base)
 

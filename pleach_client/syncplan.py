@@ -239,6 +239,25 @@ def rebase(
     return Rebase(out=out, head=(seq, prev), canonical_head=canonical_head, fresh=fresh)
 
 
+def lands_in_place(incoming: Sequence[Event], known_head: int, tail_start: Sequence[Event]) -> bool:
+    """Whether the page's canonical events after ``known_head`` are exactly the first events
+    of this device's provisional tail (``tail_start``), at the places and with the hashes it
+    gave them: its own events coming back in order, with no other device's in between (a
+    pull-back, or a live page of its own turn). Then placing them changes nothing after
+    them, so the rest of the tail need not be read: ``rebase`` over ``tail_start`` alone,
+    with the log's head as it was, is the whole answer.
+    """
+    new = sorted((e for e in incoming if e.sequence_number > known_head), key=_seq)
+    if not new or len(new) != len(tail_start):
+        return False
+    return all(
+        not mine.canonical
+        and (mine.id, mine.sequence_number, mine.row_hash)
+        == (placed.id, placed.sequence_number, placed.row_hash)
+        for placed, mine in zip(new, tail_start, strict=True)
+    )
+
+
 def _seq(event: Event) -> int:
     return event.sequence_number
 
@@ -250,6 +269,7 @@ __all__ = [
     "Sent",
     "Settlement",
     "decide_session",
+    "lands_in_place",
     "rebase",
     "settle",
     "unsettled",

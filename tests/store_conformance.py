@@ -576,6 +576,21 @@ class StoreConformance:
         assert stored is not None and stored.title == "two"
         assert await store.get_meta("generation") == "g2"
 
+    async def test_transact_lists_the_first_events_of_a_tail(self, store: StorageAdapter) -> None:
+        session = make_session()
+        events = [make_event(session_id=session.id, sequence_number=n) for n in range(1, 6)]
+        await commit(store, session, *events)
+        seen: dict[int | None, list[str]] = {}
+
+        async def plan(tx: Any) -> None:
+            for limit in (None, 0, 1, 2, 9):
+                listed = await tx.list_events(session.id, from_sequence=2, limit=limit)
+                seen[limit] = [e.id for e in listed]
+
+        await store.transact(plan)
+        after = [e.id for e in events[1:]]
+        assert seen == {None: after, 0: [], 1: after[:1], 2: after[:2], 9: after}
+
     async def test_a_remote_page_moves_a_held_audit_row_to_the_servers_place(
         self, store: StorageAdapter
     ) -> None:

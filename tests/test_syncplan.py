@@ -16,6 +16,7 @@ from pleach_client.syncplan import (
     Decision,
     Sent,
     decide_session,
+    lands_in_place,
     rebase,
     settle,
     unsettled,
@@ -314,6 +315,42 @@ def test_rebase_always_yields_one_verifying_chain_with_nothing_lost(
     assert verify_chain(log).ok
     assert {e.id for e in log} == {e.id for e in server} | {e.id for e in mine}
     assert plan.head == ((log[-1].sequence_number, log[-1].row_hash) if log else (0, ""))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    known=st.integers(0, 4),
+    others=st.integers(0, 3),
+    tail=st.integers(0, 6),
+    placed=st.integers(0, 6),
+    others_first=st.booleans(),
+)
+def test_reading_only_the_start_of_the_tail_gives_the_whole_rebase(
+    known: int, others: int, tail: int, placed: int, others_first: bool
+) -> None:
+    """When ``lands_in_place`` says a page's canonical events are this device's own tail
+    events at their places, a rebase over the tail's start, with the log's head as it was,
+    writes and concludes exactly what the rebase over the whole tail does; whenever another
+    device's event comes between, it says no."""
+    mine = [make_event(session_id="s", client_id="me") for _ in range(tail)]
+    placed_mine = mine[: min(placed, tail)]
+    theirs = [make_event(session_id="s", client_id="b") for _ in range(others)]
+    page_events = [*theirs, *placed_mine] if others_first else [*placed_mine, *theirs]
+    held = canonical(chain([make_event(session_id="s") for _ in range(known)]))
+    head = (known, held[-1].row_hash) if held else (0, "")
+    server = canonical(chain(page_events, head[1], start=known + 1))
+    local_tail = chain(mine, head[1], start=known + 1)
+    log_head = (local_tail[-1].sequence_number, local_tail[-1].row_hash) if local_tail else head
+    whole = rebase("s", server, known_head=head, verified=[], tail=local_tail, genesis=head[1])
+    start = local_tail[: len(server)]
+    fits = lands_in_place(server, known, start)
+    assert fits == (bool(placed_mine) and not theirs)
+    if fits:
+        part = rebase("s", server, known_head=head, verified=[], tail=start, genesis=head[1])
+        assert part.out == whole.out
+        assert part.canonical_head == whole.canonical_head
+        assert part.fresh == whole.fresh == []
+        assert whole.head == log_head
 
 
 @given(

@@ -88,7 +88,13 @@ class TxReader(Protocol):
         """``(sequence_number, row_hash)`` of the session's last event; ``(0, "")`` if none."""
         ...
 
-    async def list_events(self, session_id: str, *, from_sequence: int = 0) -> list[Event]: ...
+    async def list_events(
+        self, session_id: str, *, from_sequence: int = 0, limit: int | None = None
+    ) -> list[Event]:
+        """The session's events from ``from_sequence`` on, in chain order; the first
+        ``limit`` of them when given."""
+        ...
+
     async def list_sessions(self) -> list[Session]:
         """The sessions that are not deleted."""
         ...

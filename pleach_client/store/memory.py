@@ -418,16 +418,21 @@ class MemoryAdapter(AsyncResource):
         return decode_children(rows, parent_id, lambda _, body: _decode(_CHECKPOINT, body))
 
     async def list_events(
-        self, session_id: str, *, from_sequence: int = 0, types: Collection[str] | None = None
+        self,
+        session_id: str,
+        *,
+        from_sequence: int = 0,
+        types: Collection[str] | None = None,
+        limit: int | None = None,
     ) -> list[Event]:
         """Events with ``sequence_number >= from_sequence``, by sequence number, then id;
-        only those of ``types`` when given."""
+        only those of ``types`` when given; the first ``limit`` when given."""
         self._check_open()
         rows = [
             (key, row.body)
             for key, row in self._events.group(session_id)
             if int(row.order) >= from_sequence
-        ]
+        ][:limit]
         return decode_events(rows, types, lambda _, body: _decode(_EVENT, body))
 
     async def get_event(self, event_id: str) -> Event | None:

@@ -533,6 +533,7 @@ class _Sql:
             f"SELECT id, body FROM {s}.events WHERE device = $1 AND session_id = $2 "
             "AND sequence_number >= $3 ORDER BY sequence_number, id"
         )
+        self.list_events_limit = f"{self.list_events} LIMIT $4"
         self.list_audit = (
             f"SELECT id, body FROM {s}.audit WHERE device = $1 "
             "ORDER BY client_id, sequence_number, id"
@@ -657,8 +658,10 @@ class _Reader:
         event = _decode(Event, "events", rows[0][0], rows[0][1])
         return (event.sequence_number, event.row_hash)
 
-    async def list_events(self, session_id: str, *, from_sequence: int = 0) -> list[Event]:
-        rows = await self._rows(self._sql.list_events, session_id, from_sequence)
+    async def list_events(
+        self, session_id: str, *, from_sequence: int = 0, limit: int | None = None
+    ) -> list[Event]:
+        rows = await self._rows(self._sql.list_events_limit, session_id, from_sequence, limit)
         return [_decode(Event, "events", key, body) for key, body in rows]
 
     async def list_sessions(self) -> list[Session]:

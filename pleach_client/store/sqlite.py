@@ -219,6 +219,10 @@ QUERIES: Final[dict[str, str]] = {
         "SELECT id, body FROM events WHERE session_id = ? AND sequence_number >= ? "
         "ORDER BY sequence_number, id"
     ),
+    "list_events_limit": (
+        "SELECT id, body FROM events WHERE session_id = ? AND sequence_number >= ? "
+        "ORDER BY sequence_number, id LIMIT ?"
+    ),
     "list_audit": "SELECT id, body FROM audit ORDER BY client_id, sequence_number, id",
     "list_audit_session": (
         "SELECT id, body FROM audit WHERE session_id = ? ORDER BY client_id, sequence_number, id"
@@ -512,8 +516,14 @@ class _Reader:
         event = _decode(_EVENT, "events", rows[0][0], rows[0][1])
         return (event.sequence_number, event.row_hash)
 
-    async def list_events(self, session_id: str, *, from_sequence: int = 0) -> list[Event]:
-        rows = await _fetch(self._conn, QUERIES["list_events"], (session_id, from_sequence))
+    async def list_events(
+        self, session_id: str, *, from_sequence: int = 0, limit: int | None = None
+    ) -> list[Event]:
+        rows = await _fetch(
+            self._conn,
+            QUERIES["list_events_limit"],
+            (session_id, from_sequence, -1 if limit is None else limit),
+        )
         return [_decode(_EVENT, "events", row_id, body) for row_id, body in rows]
 
     async def list_sessions(self) -> list[Session]:
