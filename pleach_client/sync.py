@@ -952,6 +952,12 @@ class SyncFacet:
 
     # -- pull and apply ------------------------------------------------------------------------
     async def _pull(self, link: Link) -> int:
+        """Pull and apply pages until the feed's end. One page ahead: the next page is asked
+        for as soon as a page says there is more, so the server reads it (and the network
+        carries it) while this device applies the one in hand. At most two pages are held; a
+        page applied out of turn is a no-op (apply is idempotent, keyed by the cursor). A page
+        asked on a link that an apply closed (the device took a new id) is dropped: the pull
+        starts again on the new link, from the stored cursor."""
         applied = 0
         self._downloading = True
         self._poke()
@@ -966,14 +972,16 @@ class SyncFacet:
                 "pleach.cursor": start,
             },
         )
+        ahead: asyncio.Task[Frame] | None = None
+        ahead_from = 0
         try:
             while True:
-                cursor = int(await self._rt.store.get_meta("cursor") or 0)
-                self._report_download(start, cursor)
-                answer = await link.request(
-                    lambda cursor=cursor: link.protocol.send_pull(cursor, self.pull_limit),  # type: ignore[misc]
-                    self.request_timeout,
-                )
+                if ahead is None:
+                    cursor = int(await self._rt.store.get_meta("cursor") or 0)
+                    self._report_download(start, cursor)
+                    answer = await self._ask_page(link, cursor)
+                else:
+                    cursor, answer, ahead = ahead_from, await ahead, None
                 if isinstance(answer, Error):
                     self._error(answer.message, answer.code)
                     if answer.code == ErrorCode.CURSOR_TOO_OLD and cursor > 0:
@@ -986,9 +994,14 @@ class SyncFacet:
                 if not isinstance(answer, Changes):
                     raise _as_error(answer)
                 self._head_cursor = max(self._head_cursor, answer.to_cursor)
+                if answer.more:
+                    ahead_from = answer.to_cursor
+                    ahead = asyncio.ensure_future(self._ask_page(link, ahead_from))
                 if answer.changes or answer.to_cursor > cursor:
                     applied += await self._apply(answer.changes, answer.to_cursor)
                     self._report_download(start, answer.to_cursor)
+                if self._link is not link:
+                    return applied  # the device took a new id: the new link pulls on
                 if not answer.more and await self._wants_resync():
                     # A session this device took refers to messages it does not hold (it
                     # deleted their session before it learned of a fork that shares them):
@@ -1002,10 +1015,18 @@ class SyncFacet:
             span.error(exc)
             raise
         finally:
+            if ahead is not None:  # an apply failed, a re-key, a cancel: drop the page ahead
+                ahead.cancel()
+                ahead.add_done_callback(_retrieved)
             self._downloading = False
             self._poke()
             span.set(**{"pleach.applied": applied, "pleach.to_cursor": self._cursor})
             span.end()
+
+    async def _ask_page(self, link: Link, cursor: int) -> Frame:
+        return await link.request(
+            lambda: link.protocol.send_pull(cursor, self.pull_limit), self.request_timeout
+        )
 
     def _report_download(self, start: int, cursor: int) -> None:
         if self._progress is not None and cursor >= start:
@@ -1130,6 +1151,12 @@ def _tenant_mismatch(welcome: Welcome, org_id: str, user_id: str) -> str | None:
         "pending changes stay queued. Use a token for this device's user, or open the "
         "runtime with the token's user_id/org_id."
     )
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    """Marks a dropped task's outcome as seen (a lost connection's error is the caller's)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _as_error(frame: Frame) -> SyncError:

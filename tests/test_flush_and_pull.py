@@ -1,10 +1,14 @@
-"""A flush in small batches puts each change on the server once; a pull does not write again
-the messages a device holds.
+"""A pull asks for the next page before it applies the one in hand (one page ahead); a pull
+does not write again the messages a device holds; a flush in small batches puts each change
+on the server once.
 
-Generated: histories of random shape, batches of random size, poisoned changes here and
-there. A flush must put every change on the server exactly once (the poisoned ones in the
-dead letters) and keep the device's id, and a new device must then hold exactly what the
-writer holds.
+Generated: histories of random shape, pages and batches of random size, poisoned changes
+here and there. A new device pulls them all and must hold exactly what the writer holds, and
+every page that said "more" must have had its successor asked for before its own apply
+finished. A flush must put every change on the server exactly once (the poisoned ones in the
+dead letters) and keep the device's id. An apply that fails mid-pull, or one after which the
+device takes a new id, drops the page asked ahead and loses nothing; the next pull takes up
+from the stored cursor.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pleach_server.auth import issue_token
 from pleach_server.server import SyncServer
 from pleach_server.store import SQLiteServerStore, Tenant
 from shared.clock import HybridClock
+from shared.errors import SyncError
 from shared.ids import uuid7
 from shared.records import Message
 
@@ -68,6 +73,118 @@ async def write_history(rt: SessionRuntime, rng: random.Random) -> None:
     for _ in range(rng.randint(1, 6)):
         async for _ in rt.execute_message(rng.choice(sessions), "hello"):
             pass
+
+
+class Recorder:
+    """Logs the device's pull requests and the start and end of each page's apply; can make
+    one apply fail (``fail_at``) or be followed by a re-key (``rekey_at``), by its number."""
+
+    def __init__(
+        self, rt: SessionRuntime, fail_at: int | None = None, rekey_at: int | None = None
+    ) -> None:
+        self.log: list[tuple[str, int]] = []
+        self.pages: list[tuple[int, bool]] = []  # (to_cursor, more) of each page answered
+        self.fail_at = fail_at
+        self.rekey_at = rekey_at
+        sync = rt.sync
+        apply, ask_page = sync._apply, sync._ask_page
+
+        async def ask(link: Any, cursor: int) -> Any:
+            self.log.append(("ask", cursor))
+            answer = await ask_page(link, cursor)
+            if hasattr(answer, "more"):
+                self.pages.append((answer.to_cursor, answer.more))
+            return answer
+
+        async def applied(changes: Any, to_cursor: int) -> int:
+            self.log.append(("apply", to_cursor))
+            if self.fail_at is not None and len(self.applies()) == self.fail_at:
+                self.fail_at = None
+                raise OSError("disk full (injected)")
+            n = await apply(changes, to_cursor)
+            self.log.append(("applied", to_cursor))
+            if self.rekey_at is not None and len(self.applies()) == self.rekey_at:
+                self.rekey_at = None
+                await sync._rekey("a copy of this file was found (injected)")
+                self.log.append(("rekey", to_cursor))
+            return n
+
+        sync._ask_page = ask  # type: ignore[method-assign]
+        sync._apply = applied  # type: ignore[method-assign]
+
+    def applies(self) -> list[int]:
+        return [c for what, c in self.log if what == "apply"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_a_new_device_pulls_every_page_one_ahead(
+    server: SyncServer, tmp_path: Path, seed: int
+) -> None:
+    rng = random.Random(seed)
+    token = issue_token(SECRET, ALICE, 3600)
+    async with AsyncExitStack() as stack:
+        laptop = await stack.enter_async_context(device(tmp_path / "laptop.db", "laptop"))
+        await write_history(laptop, rng)
+        assert (await laptop.sync.sync_once(server.url, token)).outcome == "all-flushed"
+        phone = await stack.enter_async_context(device(tmp_path / "phone.db", "phone"))
+        phone.sync.pull_limit = rng.randint(1, 3)
+        recorder = Recorder(phone)
+        await phone.sync.sync_once(server.url, token)
+        assert await holdings(phone) == await holdings(laptop)
+        head = await server.store.head_cursor(ALICE)
+        assert (await phone.sync.status()).cursor == head
+        paged = [to for to, more in recorder.pages if more]
+        assert len(paged) >= 2, recorder.pages  # the case is one of several pages
+        for to_cursor in paged:
+            asked = recorder.log.index(("ask", to_cursor))
+            done = recorder.log.index(("applied", to_cursor))
+            assert asked < done, (to_cursor, recorder.log)  # asked while still applying
+
+
+async def test_an_apply_that_fails_mid_pull_drops_the_page_ahead_and_loses_nothing(
+    server: SyncServer, tmp_path: Path
+) -> None:
+    token = issue_token(SECRET, ALICE, 3600)
+    async with AsyncExitStack() as stack:
+        laptop = await stack.enter_async_context(device(tmp_path / "laptop.db", "laptop"))
+        await write_history(laptop, random.Random(99))
+        assert (await laptop.sync.sync_once(server.url, token)).outcome == "all-flushed"
+        phone = await stack.enter_async_context(device(tmp_path / "phone.db", "phone"))
+        phone.sync.pull_limit = 2
+        recorder = Recorder(phone, fail_at=2)
+        with pytest.raises((OSError, SyncError)):
+            await phone.sync.sync_once(server.url, token)
+        kept = (await phone.sync.status()).cursor
+        first = recorder.applies()[0]
+        assert kept == first  # the first page stayed applied; the failed one left no trace
+        await phone.sync.sync_once(server.url, token)
+        assert await holdings(phone) == await holdings(laptop)
+        assert (await phone.sync.status()).cursor == await server.store.head_cursor(ALICE)
+
+
+async def test_no_page_asked_on_a_link_is_applied_after_a_re_key_closed_it(
+    server: SyncServer, tmp_path: Path
+) -> None:
+    """A page's apply can make the device take a new id (it shows another copy of the file
+    writing under this one), which closes the link. The page already asked ahead on that link
+    is dropped, not applied under the new id; the next pull, as the new id, takes up from the
+    stored cursor and nothing is lost."""
+    token = issue_token(SECRET, ALICE, 3600)
+    async with AsyncExitStack() as stack:
+        laptop = await stack.enter_async_context(device(tmp_path / "laptop.db", "laptop"))
+        await write_history(laptop, random.Random(5))
+        assert (await laptop.sync.sync_once(server.url, token)).outcome == "all-flushed"
+        phone = await stack.enter_async_context(device(tmp_path / "phone.db", "phone"))
+        phone.sync.pull_limit = 2
+        recorder = Recorder(phone, rekey_at=2)
+        await phone.sync.sync_once(server.url, token)
+        assert phone.client_id != "phone"  # the injected re-key happened
+        at = recorder.log.index(("rekey", recorder.applies()[1]))
+        assert ("ask", recorder.applies()[1]) in recorder.log[:at]  # a page was asked ahead
+        assert not [e for e in recorder.log[at + 1 :] if e[0] == "apply"], recorder.log
+        await phone.sync.sync_once(server.url, token)
+        assert await holdings(phone) == await holdings(laptop)
+        assert (await phone.sync.status()).cursor == await server.store.head_cursor(ALICE)
 
 
 def poison(session_id: str) -> Message:
