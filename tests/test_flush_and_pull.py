@@ -75,6 +75,18 @@ async def write_history(rt: SessionRuntime, rng: random.Random) -> None:
             pass
 
 
+async def writer_and_reader(
+    stack: AsyncExitStack, server: SyncServer, tmp_path: Path, rng: random.Random
+) -> tuple[SessionRuntime, SessionRuntime]:
+    """A laptop that wrote a random history and put it all on the server, and a new phone."""
+    laptop = await stack.enter_async_context(device(tmp_path / "laptop.db", "laptop"))
+    await write_history(laptop, rng)
+    token = issue_token(SECRET, ALICE, 3600)
+    assert (await laptop.sync.sync_once(server.url, token)).outcome == "all-flushed"
+    phone = await stack.enter_async_context(device(tmp_path / "phone.db", "phone"))
+    return laptop, phone
+
+
 class Recorder:
     """Logs the device's pull requests and the start and end of each page's apply; can make
     one apply fail (``fail_at``) or be followed by a re-key (``rekey_at``), by its number."""
@@ -123,10 +135,7 @@ async def test_a_new_device_pulls_every_page_one_ahead(
     rng = random.Random(seed)
     token = issue_token(SECRET, ALICE, 3600)
     async with AsyncExitStack() as stack:
-        laptop = await stack.enter_async_context(device(tmp_path / "laptop.db", "laptop"))
-        await write_history(laptop, rng)
-        assert (await laptop.sync.sync_once(server.url, token)).outcome == "all-flushed"
-        phone = await stack.enter_async_context(device(tmp_path / "phone.db", "phone"))
+        laptop, phone = await writer_and_reader(stack, server, tmp_path, rng)
         phone.sync.pull_limit = rng.randint(1, 3)
         recorder = Recorder(phone)
         await phone.sync.sync_once(server.url, token)
@@ -146,10 +155,7 @@ async def test_an_apply_that_fails_mid_pull_drops_the_page_ahead_and_loses_nothi
 ) -> None:
     token = issue_token(SECRET, ALICE, 3600)
     async with AsyncExitStack() as stack:
-        laptop = await stack.enter_async_context(device(tmp_path / "laptop.db", "laptop"))
-        await write_history(laptop, random.Random(99))
-        assert (await laptop.sync.sync_once(server.url, token)).outcome == "all-flushed"
-        phone = await stack.enter_async_context(device(tmp_path / "phone.db", "phone"))
+        laptop, phone = await writer_and_reader(stack, server, tmp_path, random.Random(99))
         phone.sync.pull_limit = 2
         recorder = Recorder(phone, fail_at=2)
         with pytest.raises((OSError, SyncError)):
@@ -171,10 +177,7 @@ async def test_no_page_asked_on_a_link_is_applied_after_a_re_key_closed_it(
     stored cursor and nothing is lost."""
     token = issue_token(SECRET, ALICE, 3600)
     async with AsyncExitStack() as stack:
-        laptop = await stack.enter_async_context(device(tmp_path / "laptop.db", "laptop"))
-        await write_history(laptop, random.Random(5))
-        assert (await laptop.sync.sync_once(server.url, token)).outcome == "all-flushed"
-        phone = await stack.enter_async_context(device(tmp_path / "phone.db", "phone"))
+        laptop, phone = await writer_and_reader(stack, server, tmp_path, random.Random(5))
         phone.sync.pull_limit = 2
         recorder = Recorder(phone, rekey_at=2)
         await phone.sync.sync_once(server.url, token)
