@@ -305,6 +305,20 @@ def explain_queries(store: PostgresServerStore) -> dict[str, tuple[str, tuple[An
         "owner_of(Message)": (sql.record_owner, ("org-7", "user-7", "Message", "message-7")),
         "get_session": (sql.get_session, ("org-7", "user-7", "session-7")),
         "last_event": (sql.last_event, ("org-7", "user-7", "session-7")),
+        # the tenant with the rows (org-1): each branch a probe of one index per key
+        "load (a push's lookups, one statement)": (
+            sql.load,
+            (
+                "org-1",
+                "user-1",
+                ["Message"],
+                ["message-7"],
+                ["event-7"],
+                ["session-7"],
+                ["session-7"],
+                ["session-7"],
+            ),
+        ),
         "retain": (sql.retain_cursor, ("org-7", "user-7", 10)),
     }
 

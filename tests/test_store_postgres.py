@@ -578,6 +578,7 @@ PLAN_ARGS: dict[str, tuple[Any, ...]] = {
     "get_event": ("id-3",),
     "event_head": ("s-3",),
     "list_events": ("s-3", 0),
+    "list_events_limit": ("s-3", 0, 5),
     "list_audit": (),
     "list_audit_session": ("s-3",),
     "list_audit_client": ("c-1",),

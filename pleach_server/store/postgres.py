@@ -407,15 +407,10 @@ class _Sql:
             f"SELECT last_seq FROM {s}.clients "
             "WHERE org_id = $1 AND user_id = $2 AND client_id = $3"
         )
-        self.set_last_seq = (
-            f"INSERT INTO {s}.clients (org_id, user_id, client_id, last_seq) "
-            "VALUES ($1, $2, $3, $4) ON CONFLICT (org_id, user_id, client_id) "
-            "DO UPDATE SET last_seq = excluded.last_seq"
-        )
-        # The lookups of a push, per key. A push runs each for all the keys of its batch in
-        # ONE statement (``*_owners``, ``get_sessions``, ``last_events`` below: a LATERAL join
-        # over the keys, passed as arrays); the per-key forms are kept whole so that their
-        # plans can be checked (test_per_tenant_queries_are_index_scans, docs/POSTGRES.md).
+        # The lookups of a push, per key. A push runs them all for all the keys of its batch
+        # in ONE statement (``load`` below: a LATERAL join over the keys of each, passed as
+        # arrays); the per-key forms are kept whole so that their plans can be checked
+        # (test_per_tenant_queries_are_index_scans, docs/POSTGRES.md).
         # Every LATERAL body has a LIMIT (a no-op on a primary key): the planner cannot flatten
         # it into a join, so each key stays one index scan, however large the tables grow.
         self.session_owner = _session_owner(s, "$3")
@@ -423,44 +418,51 @@ class _Sql:
         self.record_owner = _record_owner(s, "$3", "$4")
         self.get_session = _get_session(s, "$3")
         self.last_event = _last_event(s, "$3")
-        self.session_owners = (
-            "SELECT k.id, o.org_id, o.user_id FROM unnest($3::text[]) AS k (id) "
-            f"CROSS JOIN LATERAL ({_session_owner(s, 'k.id')}) AS o"
-        )
-        self.event_owners = (
-            "SELECT k.id, o.org_id, o.user_id FROM unnest($3::text[]) AS k (id) "
-            f"CROSS JOIN LATERAL ({_event_owner(s, 'k.id')} LIMIT 1) AS o"
-        )
-        self.record_owners = (
-            "SELECT k.kind, k.id, o.org_id, o.user_id "
+        # Each branch is tagged by its first column (0 record owners, 1 event owners, 2
+        # session owners, 3 sessions, 4 chain tails); an empty key array returns nothing.
+        self.load = (
+            "SELECT 0, k.kind, k.id, o.org_id, o.user_id, NULL::bytea, NULL::bigint, NULL::text "
             "FROM unnest($3::text[], $4::text[]) AS k (kind, id) "
-            f"CROSS JOIN LATERAL ({_record_owner(s, 'k.kind', 'k.id')} LIMIT 1) AS o"
-        )
-        self.get_sessions = (
-            "SELECT k.id, o.body FROM unnest($3::text[]) AS k (id) "
-            f"CROSS JOIN LATERAL ({_get_session(s, 'k.id')} LIMIT 1) AS o"
-        )
-        self.last_events = (
-            "SELECT k.id, o.sequence_number, o.row_hash FROM unnest($3::text[]) AS k (id) "
+            f"CROSS JOIN LATERAL ({_record_owner(s, 'k.kind', 'k.id')} LIMIT 1) AS o "
+            "UNION ALL SELECT 1, NULL, k.id, o.org_id, o.user_id, NULL, NULL, NULL "
+            "FROM unnest($5::text[]) AS k (id) "
+            f"CROSS JOIN LATERAL ({_event_owner(s, 'k.id')} LIMIT 1) AS o "
+            "UNION ALL SELECT 2, NULL, k.id, o.org_id, o.user_id, NULL, NULL, NULL "
+            "FROM unnest($6::text[]) AS k (id) "
+            f"CROSS JOIN LATERAL ({_session_owner(s, 'k.id')}) AS o "
+            "UNION ALL SELECT 3, NULL, k.id, NULL, NULL, o.body, NULL, NULL "
+            "FROM unnest($7::text[]) AS k (id) "
+            f"CROSS JOIN LATERAL ({_get_session(s, 'k.id')} LIMIT 1) AS o "
+            "UNION ALL SELECT 4, NULL, k.id, NULL, NULL, NULL, o.sequence_number, o.row_hash "
+            "FROM unnest($8::text[]) AS k (id) "
             f"CROSS JOIN LATERAL ({_last_event(s, 'k.id')}) AS o"
         )
-        # The writes of a push: one statement per table, the rows passed as arrays (columns).
-        self.insert_records = (
+        # The writes of a push, the rows passed as arrays (columns): records, events, sessions
+        # and the device's last_seq in ONE round trip (``write``), data-modifying CTEs on four
+        # tables, each run whatever the query reads; empty arrays (and a NULL last_seq) write
+        # nothing. It answers the rows records and events took.
+        self.write = (
+            "WITH r AS ("
             f"INSERT INTO {s}.records (kind, id, org_id, user_id, session_id, body) "
-            "SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], "
-            "$6::bytea[]) ON CONFLICT (org_id, user_id, kind, id) DO NOTHING"
-        )
-        self.insert_events = (
+            "SELECT * FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[], "
+            "$8::bytea[]) ON CONFLICT (org_id, user_id, kind, id) DO NOTHING RETURNING 1), "
+            "e AS ("
             f"INSERT INTO {s}.events "
             "(id, session_id, sequence_number, org_id, user_id, row_hash, body) "
-            "SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::text[], "
-            "$6::text[], $7::bytea[]) ON CONFLICT DO NOTHING"
-        )
-        self.put_sessions = (
+            "SELECT * FROM unnest($9::text[], $10::text[], $11::bigint[], $12::text[], "
+            "$13::text[], $14::text[], $15::bytea[]) ON CONFLICT DO NOTHING RETURNING 1), "
+            "x AS ("
             f"INSERT INTO {s}.sessions (id, org_id, user_id, updated_at, body) "
-            "SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[]) "
-            "ON CONFLICT (org_id, user_id, id) DO UPDATE SET "
-            "updated_at = excluded.updated_at, body = excluded.body"
+            "SELECT * FROM unnest($16::text[], $17::text[], $18::text[], $19::text[], "
+            "$20::bytea[]) ON CONFLICT (org_id, user_id, id) DO UPDATE SET "
+            "updated_at = excluded.updated_at, body = excluded.body RETURNING 1), "
+            "c AS ("
+            f"INSERT INTO {s}.clients (org_id, user_id, client_id, last_seq) "
+            "SELECT $1, $2, $21, $22::bigint WHERE $22::bigint IS NOT NULL "
+            "ON CONFLICT (org_id, user_id, client_id) DO UPDATE SET last_seq = excluded.last_seq "
+            "RETURNING 1) "
+            "SELECT (SELECT count(*) FROM r), (SELECT count(*) FROM e), "
+            "(SELECT count(*) FROM x), (SELECT count(*) FROM c)"
         )
         # n cursors from the identity sequence (the caller holds the tenant lock), paired in
         # increasing order with the rows in their given order (WITH ORDINALITY).
@@ -566,52 +568,53 @@ class _PostgresTx:
         return int(value) if value is not None else 0
 
     async def load(self, tenant: Tenant, keys: BatchKeys) -> Snapshot:
-        conn, sql, found = self._conn, self._sql, Snapshot()
-        t = (tenant.org_id, tenant.user_id)
-        if keys.records:
-            kinds, ids = zip(*keys.records, strict=True)
-            for kind, record_id, org_id, user_id in await conn.fetch(
-                sql.record_owners, *t, list(kinds), list(ids)
-            ):
-                found.record_owners[(kind, record_id)] = Tenant(org_id=org_id, user_id=user_id)
-        if keys.events:
-            for event_id, org_id, user_id in await conn.fetch(
-                sql.event_owners, *t, list(keys.events)
-            ):
-                found.event_owners[event_id] = Tenant(org_id=org_id, user_id=user_id)
-        if keys.session_owners:
-            for session_id, org_id, user_id in await conn.fetch(
-                sql.session_owners, *t, list(keys.session_owners)
-            ):
-                found.session_owners[session_id] = Tenant(org_id=org_id, user_id=user_id)
-        if keys.sessions:
-            for session_id, body in await conn.fetch(sql.get_sessions, *t, list(keys.sessions)):
-                found.sessions[session_id] = decode_session(session_id, body)
-        if keys.chains:
-            for session_id, number, row_hash in await conn.fetch(
-                sql.last_events, *t, list(keys.chains)
-            ):
-                found.chain_tails[session_id] = (int(number), str(row_hash))
+        """Every lookup of the batch in one round trip (``_Sql.load``)."""
+        found = Snapshot()
+        kinds, ids = zip(*keys.records, strict=True) if keys.records else ((), ())
+        lookups = (
+            list(kinds),
+            list(ids),
+            list(keys.events),
+            list(keys.session_owners),
+            list(keys.sessions),
+            list(keys.chains),
+        )
+        if not any(lookups):
+            return found
+        rows = await self._conn.fetch(self._sql.load, tenant.org_id, tenant.user_id, *lookups)
+        for what, kind, key, org_id, user_id, body, number, row_hash in rows:
+            if what == 0:
+                found.record_owners[(kind, key)] = Tenant(org_id=org_id, user_id=user_id)
+            elif what == 1:
+                found.event_owners[key] = Tenant(org_id=org_id, user_id=user_id)
+            elif what == 2:
+                found.session_owners[key] = Tenant(org_id=org_id, user_id=user_id)
+            elif what == 3:
+                found.sessions[key] = decode_session(key, body)
+            else:
+                found.chain_tails[key] = (int(number), str(row_hash))
         return found
 
     async def write(self, tenant: Tenant, client_id: str, writes: BatchWrites) -> list[int]:
+        """The batch's rows, in two or three round trips: records, events, sessions and the
+        device's ``last_seq`` in one (``_Sql.write``), then the feed, then (after a delete)
+        the content the delete drains."""
         conn, sql = self._conn, self._sql
-        if writes.records:
-            columns: list[list[Any]] = [[], [], [], [], [], []]
-            for r in writes.records:
-                info = kind_of(r)
-                if info.merge == "versioned" or info.server_placed:
-                    raise TypeError(f"{info.name} records are not written as records")
-                row = (info.name, r.id, r.org_id, r.user_id, info.session_of(r), encode_record(r))
-                for column, value in zip(columns, row, strict=True):
-                    column.append(value)
-            status: str = await conn.execute(sql.insert_records, *columns)
-            if _row_count(status) != len(writes.records):
-                raise claimed_concurrently("a record id")
-        if writes.events:
-            events = writes.events
-            status = await conn.execute(
-                sql.insert_events,
+        records: list[list[Any]] = [[], [], [], [], [], []]
+        for r in writes.records:
+            info = kind_of(r)
+            if info.merge == "versioned" or info.server_placed:
+                raise TypeError(f"{info.name} records are not written as records")
+            row = (info.name, r.id, r.org_id, r.user_id, info.session_of(r), encode_record(r))
+            for column, value in zip(records, row, strict=True):
+                column.append(value)
+        events, sessions = writes.events, writes.sessions
+        if records[0] or events or sessions or writes.last_seq is not None:
+            taken = await conn.fetchrow(
+                sql.write,
+                tenant.org_id,
+                tenant.user_id,
+                *records,
                 [e.id for e in events],
                 [e.session_id for e in events],
                 [e.sequence_number for e in events],
@@ -619,19 +622,19 @@ class _PostgresTx:
                 [e.user_id for e in events],
                 [e.row_hash for e in events],
                 [encode_record(e) for e in events],
-            )
-            if _row_count(status) != len(events):
-                raise claimed_concurrently("an event id")
-        if writes.sessions:
-            sessions = writes.sessions
-            await conn.execute(
-                sql.put_sessions,
                 [x.id for x in sessions],
                 [x.org_id for x in sessions],
                 [x.user_id for x in sessions],
                 [x.updated_at for x in sessions],
                 [encode_record(x) for x in sessions],
+                client_id,
+                writes.last_seq,
             )
+            assert taken is not None
+            if taken[0] != len(writes.records):
+                raise claimed_concurrently("a record id")
+            if taken[1] != len(events):
+                raise claimed_concurrently("an event id")
         cursors: list[int] = []
         if writes.feed:
             feed = writes.feed
@@ -647,10 +650,6 @@ class _PostgresTx:
             cursors = sorted(int(row[0]) for row in rows)
         if writes.deleted_sessions:
             await self._delete_content(tenant)
-        if writes.last_seq is not None:
-            await conn.execute(
-                sql.set_last_seq, tenant.org_id, tenant.user_id, client_id, writes.last_seq
-            )
         return cursors
 
     async def head_cursor(self, tenant: Tenant) -> int:
