@@ -22,7 +22,15 @@ import msgspec
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
-from shared.errors import ErrorCode, Forbidden, InvalidState, NotFound, PleachError, SyncError
+from shared.errors import (
+    ErrorCode,
+    Forbidden,
+    InvalidState,
+    NotFound,
+    PleachError,
+    StorageUnavailable,
+    SyncError,
+)
 from shared.merge import Resolution, resolve_conflicts
 from shared.messages import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -252,8 +260,24 @@ class SyncFacet:
             return await self._flush()
 
     async def pull(self) -> int:
-        """Pull from the stored cursor to the server's head; returns records applied."""
+        """Pull from the stored cursor to the server's head; returns records applied.
+
+        When a queued change may be on the server unacknowledged (a push was answered 3009,
+        or its answer never came), the queue is flushed first: a page applied before the
+        server says whether it holds the change could carry another device's version built on
+        it, which this device would take for another copy of its file writing under its id.
+        If the server still cannot say, ``StorageUnavailable`` (3009, retryable) is raised
+        and nothing is applied."""
         link = self._require_link()
+        if await self._unsettled():
+            async with self._flush_lock:
+                await self._flush()
+            if await self._unsettled():
+                raise StorageUnavailable(
+                    "changes of this device may be on the server unacknowledged and the "
+                    "server cannot yet say: pull again once it answers pushes"
+                )
+            link = self._require_link()
         return await self._pull(link)
 
     async def dead_letters(self) -> list[Any]:

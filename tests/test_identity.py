@@ -23,7 +23,7 @@ from pleach_server.auth import issue_token
 from pleach_server.server import SyncServer
 from pleach_server.store import SQLiteServerStore, Tenant
 from shared.clock import HybridClock
-from shared.errors import ErrorCode, StorageError
+from shared.errors import ErrorCode, StorageError, StorageUnavailable
 from shared.records import Change, Message
 
 SECRET = b"identity-test-secret"
@@ -240,6 +240,55 @@ async def test_a_push_the_store_failed_after_committing_is_not_taken_for_a_copy(
             for client_id in (phone_id, laptop.client_id):
                 report = await rt.audit.verify_chain(client_id)
                 assert report.ok, (client_id, report)
+
+
+async def test_a_pull_by_hand_after_a_failed_push_settles_the_push_first(
+    tmp_path: Path,
+) -> None:
+    """The same window, driven by hand (``connect(auto=False)``, ``flush_outbox()``,
+    ``pull()``): the pull sends the unsettled push again before it applies a page, so the
+    other device's version built on it is taken, not read as another copy's; while the server
+    cannot say, the pull refuses with 3009 and applies nothing."""
+    token = issue_token(SECRET, ALICE, 3600)
+
+    def runtime(p: Path) -> SessionRuntime:
+        return SessionRuntime(
+            SQLiteAdapter(p), ScriptedProvider(), org_id=ALICE.org_id, user_id=ALICE.user_id
+        )
+
+    async with (
+        CommitThenFail(tmp_path / "server.db", synchronous="NORMAL") as store,
+        SyncServer(store, port=0, secret=SECRET, rate_limit_per_s=None) as srv,
+        runtime(tmp_path / "phone.db") as phone,
+        runtime(tmp_path / "laptop.db") as laptop,
+    ):
+        session_id = (await phone.create_session(title="first")).id
+        await phone.sync.sync_once(srv.url, token)
+        phone_id = phone.client_id
+
+        async def laptop_edits() -> None:
+            await laptop.sync.sync_once(srv.url, token)
+            await laptop.sessions.rename(session_id, "from the laptop")
+            await laptop.sync.sync_once(srv.url, token)
+
+        await phone.sessions.rename(session_id, "from the phone")
+        await phone.sync.connect(srv.url, token, auto=False)
+        async with asyncio.timeout(TIMEOUT), phone.sync._changed:
+            await phone.sync._changed.wait_for(lambda: phone.sync.connected)
+        store.fail_for, store.between = {phone_id}, laptop_edits
+        receipt = await phone.sync.flush_outbox()
+        assert receipt.pending_after > 0 and store.between is None  # committed, then 3009
+        cursor = (await phone.sync.status()).cursor
+        with pytest.raises(StorageUnavailable):
+            await phone.sync.pull()  # the resend fails too: nothing is applied
+        assert (await phone.sync.status()).cursor == cursor
+        store.fail_for = set()
+        await phone.sync.pull()  # the resend is answered duplicate, then the page applies
+        assert phone.client_id == phone_id, "a failed commit answer was taken for a copy"
+        assert (await phone.sync.status()).pending == 0
+        row = await phone.sessions.find(session_id)
+        assert row is not None and row.title == "from the laptop"
+        await phone.sync.disconnect()
 
 
 async def test_sync_once_from_a_copied_file_sends_everything(
