@@ -96,6 +96,11 @@ _ENCODER: Final = msgspec.msgpack.Encoder()
 _CACHE_LIMIT: Final = 8192
 _NODE_CACHE_MAX: Final = 40
 """HLC nodes longer than this (characters, or bytes with the kind byte) are never cached."""
+_LISTS_LIMIT: Final = 64
+"""Id lists kept whole (``_uuid_lists``): a session's message ids grow by a turn's few at a
+time, so the list encoded last is this turn's minus its new tail. Each entry holds its items
+(references) and 16 bytes per id."""
+_uuid_lists: dict[str, tuple[list[str], bytes]] = {}  # encode: first id -> (ids, data)
 _uuid_exts: dict[str, Ext] = {}  # encode: UUID text -> ext 1
 _node_tails: dict[str, bytes] = {}  # encode: HLC node text -> node kind byte + node
 _uuid_texts: dict[bytes, str] = {}  # decode: ext 1 bytes -> UUID text
@@ -111,7 +116,7 @@ def _remember(cache: dict[_K, _V], key: _K, value: _V) -> _V:
 
 def _clear_caches() -> None:
     """Empties every cache (a benchmark starts each pass cold with it)."""
-    for cache in (_uuid_exts, _node_tails, _uuid_texts, _node_texts):
+    for cache in (_uuid_exts, _node_tails, _uuid_texts, _node_texts, _uuid_lists):
         cache.clear()
 
 
@@ -155,8 +160,36 @@ def _hex_digest(value: str) -> Ext | None:
 
 
 def _uuid_list(value: list[Any]) -> Ext | None:
-    """A list of canonical UUID strings (message ids...) as one ext, 16 bytes each; checked
-    and converted by whole-string operations (C loops), so a long list costs little."""
+    """A list of canonical UUID strings (message ids...) as one ext, 16 bytes each.
+
+    A list that extends one encoded before (a session's message ids, a turn's few more each
+    time: ``_uuid_lists``, keyed by its first id) converts only its new tail; the rest is
+    checked by one list comparison (C, and mostly by identity)."""
+    first = value[0] if value else None
+    known = _uuid_lists.get(first) if type(first) is str else None
+    if known is not None:
+        items, data = known
+        size = len(items)
+        if len(value) >= size and value[size - 1] == items[-1] and value[:size] == items:
+            tail = _uuid_list_bytes(value[size:]) if len(value) > size else b""
+            if tail is not None:
+                return _remember_list(value, data + tail)
+    whole = _uuid_list_bytes(value)
+    return None if whole is None else _remember_list(value, whole)
+
+
+def _remember_list(value: list[Any], data: bytes) -> Ext:
+    if len(_uuid_lists) >= _LISTS_LIMIT:
+        _uuid_lists.clear()
+    _uuid_lists[value[0]] = (value.copy(), data)  # a copy: nobody else can change it
+    return Ext(_EXT_UUIDS, data)
+
+
+def _uuid_list_bytes(value: list[Any]) -> bytes | None:
+    """The 16-byte forms of a list of canonical UUID strings, joined; None when any item is
+    not one. Checked and converted by whole-string operations (C loops)."""
+    if not value:
+        return b""
     try:
         joined = "".join(value)
     except TypeError:
@@ -178,7 +211,7 @@ def _uuid_list(value: list[Any]) -> Ext | None:
         data = bytes.fromhex(digits)
     except ValueError:
         return None
-    return Ext(_EXT_UUIDS, data) if len(data) == 16 * count else None
+    return data if len(data) == 16 * count else None
 
 
 _PLAIN: Final = frozenset({str, int, float, bool, type(None), bytes})

@@ -450,6 +450,51 @@ def test_the_caches_stay_bounded() -> None:
     assert not any(key.startswith(node) for key in compact._node_tails)
 
 
+# A session's message ids as turns change them: grown by a few, a turn rolled back (cut), an
+# id replaced (a conflict swap), a non-UUID item, or a list of another session.
+ID_LIST_STEPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("grow"), st.integers(1, 3)),
+        st.tuples(st.just("cut"), st.integers(1, 4)),
+        st.tuples(st.just("replace"), st.integers(0, 40)),
+        st.tuples(st.just("odd"), st.sampled_from(["x", "X" * 36, str(uuid.uuid4()).upper()])),
+        st.tuples(st.just("other"), st.integers(2, 5)),
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=300)
+@given(st.integers(2, 40), ID_LIST_STEPS)
+def test_a_growing_id_list_encodes_as_it_would_from_cold(start: int, steps: list[Any]) -> None:
+    """The list cache (a session's ids encoded again with a few more) never changes a byte:
+    at every step, the session encodes exactly as the reference encoder writes it, however
+    the list changed since it was last encoded."""
+    ids = [str(uuid.uuid4()) for _ in range(start)]
+    for what, arg in [("grow", 0), *steps]:
+        if what == "grow":
+            ids = ids + [str(uuid.uuid4()) for _ in range(arg)]
+        elif what == "cut":
+            ids = ids[: max(1, len(ids) - arg)]
+        elif what == "replace":
+            ids = ids.copy()
+            ids[arg % len(ids)] = str(uuid.uuid4())
+        elif what == "odd":
+            ids = [*ids, arg]
+        else:
+            ids = [ids[0], *(str(uuid.uuid4()) for _ in range(arg))]  # same first id
+        session = make_session(state=SessionState(message_ids=ids))
+        assert compact.encode(session) == old_encode(session), (what, arg)
+        assert compact.decode(compact.encode(session)) == session
+
+
+def test_the_id_list_cache_stays_bounded() -> None:
+    for _ in range(compact._LISTS_LIMIT * 3):
+        session = make_session(state=SessionState(message_ids=list(_fresh_ids(3))))
+        assert compact.decode(compact.encode(session)) == session
+    assert 0 < len(compact._uuid_lists) <= compact._LISTS_LIMIT
+
+
 # -- reading a checkpoint's parent without decoding it ---------------------------------------
 
 
