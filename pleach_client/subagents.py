@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
+from shared.aio import reap
 from shared.errors import InvalidInput, InvalidState, NotFound
 from shared.ids import uuid7
 from shared.records import AuditRow, Event, Session, SessionState
@@ -91,9 +92,7 @@ class _Slot:
             finally:
                 stop.cancel()
                 if not take.done():
-                    take.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await take
+                    await reap(take)
             if take.cancelled() or not take.done():
                 return False
             self._took()

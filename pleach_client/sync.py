@@ -22,6 +22,7 @@ import msgspec
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
+from shared.aio import reap
 from shared.errors import (
     ErrorCode,
     Forbidden,
@@ -195,9 +196,7 @@ class SyncFacet:
         """Stop the background loop and close the connection; pending rows stay queued."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await reap(task)
         self._set_state("offline")
 
     @property
@@ -626,10 +625,12 @@ class SyncFacet:
                     await self._catch_up(link)
             finally:
                 self._link = None
-                reader.cancel()
-                with contextlib.suppress(asyncio.CancelledError, ConnectionClosed):
-                    await reader
-                link.fail_all(ConnectionError("connection closed"))
+                try:
+                    # Not a suppress(CancelledError): a disconnect() landing here must stop
+                    # the loop, not be taken for the reader's own cancellation (shared.aio).
+                    await reap(reader, ConnectionClosed)
+                finally:
+                    link.fail_all(ConnectionError("connection closed"))
 
     async def _catch_up(self, link: Link) -> None:
         self._dirty.clear()

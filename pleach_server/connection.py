@@ -35,6 +35,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 from websockets.frames import CloseCode
 
+from shared.aio import reap
 from shared.clock import HybridClock
 from shared.errors import (
     FrameTooLarge,
@@ -353,9 +354,7 @@ class Connection:
             await self._abort(CloseCode.INTERNAL_ERROR, "internal server error")
         finally:
             if expiry is not None:
-                expiry.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await expiry
+                await reap(expiry)
             await self._stop_writer()
             metrics.connections.dec()
 
@@ -375,9 +374,7 @@ class Connection:
         writer, self._writer = self._writer, None
         if writer is not None:
             # It may be blocked writing to a device that stopped reading: cancel it.
-            writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await writer
+            await reap(writer)
 
     async def _abort(self, code: int, reason: str) -> None:
         """Close the WebSocket, swallowing only "already closed"."""
