@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import msgspec
 
 from shared.errors import PleachError
+from shared.messages import ConflictReceipt
 
 from .providers.base import Provider
 from .runtime import SessionRuntime
@@ -680,10 +681,7 @@ async def _sync(args: argparse.Namespace) -> int:
         for failed in receipt.failed_entries:
             _out(f"  change {failed.client_seq}: {failed.code or '-'} {failed.message}")
         for conflict in receipt.conflicts:
-            _out(
-                f"  conflict in session {conflict.session_id}: the {conflict.winner} "
-                f"version kept the session, the other lives on as {conflict.fork_session_id}"
-            )
+            _out(f"  {_conflict_line(conflict)}")
     else:
         console.print(_text(summary, "green" if ok else "yellow"))
         if receipt.failed_entries:
@@ -697,16 +695,16 @@ async def _sync(args: argparse.Namespace) -> int:
                 )
             console.print(table)
         for conflict in receipt.conflicts:
-            console.print(
-                _text(
-                    f"conflict in session {conflict.session_id}: the {conflict.winner} "
-                    f"version kept the session, the other lives on as "
-                    f"{conflict.fork_session_id}",
-                    "yellow",
-                )
-            )
+            console.print(_text(_conflict_line(conflict), "yellow"))
     _print_status(status, args)
     return 0 if ok else 1
+
+
+def _conflict_line(conflict: ConflictReceipt) -> str:
+    return (
+        f"conflict in session {conflict.session_id}: the {conflict.winner} version kept the "
+        f"session, the other lives on as {conflict.fork_session_id}"
+    )
 
 
 def _new_device_file(path: str) -> bool:

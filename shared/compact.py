@@ -431,28 +431,30 @@ def _head_decoder(kind: str, last: str, last_type: Any) -> msgspec.msgpack.Decod
     return msgspec.msgpack.Decoder(msgspec.defstruct(f"{kind}Head", fields, array_like=True))
 
 
-def _read_head(decoder: msgspec.msgpack.Decoder[Any], kind: str, data: bytes) -> Any:
-    """The last field ``decoder`` reads of the compact ``kind`` body ``data``; None when
-    ``data`` is not such a body (the map form, another kind, corrupt bytes): the caller then
-    decodes it whole, which tells."""
+def _read_head(decoder: msgspec.msgpack.Decoder[Any], index: int, data: bytes) -> Any:
+    """The last field ``decoder`` reads of the compact body ``data`` of the kind at ``index``
+    in ``KINDS``; None when ``data`` is not such a body (the map form, another kind, corrupt
+    bytes): the caller then decodes it whole, which tells."""
     if not _is_compact(data):
         return None
     try:
         head = decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-    return head.last if head.kind == KINDS.index(kind) else None
+    return head.last if head.kind == index else None
 
 
 _EVENT_HEAD: Final = _head_decoder("Event", "type", str)
+_EVENT_INDEX: Final = KINDS.index("Event")
 _CHECKPOINT_HEAD: Final = _head_decoder("Checkpoint", "parent_id", msgspec.Raw)
+_CHECKPOINT_INDEX: Final = KINDS.index("Checkpoint")
 
 
 def event_type(data: bytes) -> str | None:
     """The ``type`` of the Event in compact ``data``, read without decoding the rest (about a
     tenth of ``decode``); None when ``data`` is not a compact Event body."""
-    kind: str | None = _read_head(_EVENT_HEAD, "Event", data)
-    return kind
+    found: str | None = _read_head(_EVENT_HEAD, _EVENT_INDEX, data)
+    return found
 
 
 def packed(value: str | None) -> bytes:
@@ -465,5 +467,5 @@ def checkpoint_parent(data: bytes) -> bytes | None:
     """The ``parent_id`` of the Checkpoint in compact ``data``, as its packed bytes (compare
     them with ``packed(id)``), read without decoding the rest; None when ``data`` is not a
     compact Checkpoint body."""
-    parent = _read_head(_CHECKPOINT_HEAD, "Checkpoint", data)
+    parent = _read_head(_CHECKPOINT_HEAD, _CHECKPOINT_INDEX, data)
     return None if parent is None else bytes(parent)

@@ -175,7 +175,7 @@ class CommitThenFail(SQLiteServerStore):
     and cannot know the outcome. ``between`` runs after the commit and before the failure
     (another device's push landing in that window)."""
 
-    fail_for: set[str] = set()
+    fail_for: frozenset[str] = frozenset()
     between: Callable[[], Awaitable[None]] | None = None
 
     async def push(self, tenant: Tenant, client_id: str, *args: Any, **kwargs: Any) -> Any:
@@ -188,6 +188,27 @@ class CommitThenFail(SQLiteServerStore):
         return result
 
 
+def runtime(path: Path) -> SessionRuntime:
+    """A device of ALICE's on ``path``, not connected (the test syncs it)."""
+    return SessionRuntime(
+        SQLiteAdapter(path), ScriptedProvider(), org_id=ALICE.org_id, user_id=ALICE.user_id
+    )
+
+
+@asynccontextmanager
+async def failing_pair(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[CommitThenFail, SyncServer, SessionRuntime, SessionRuntime]]:
+    """A server on a ``CommitThenFail`` store, and two devices: a phone and a laptop."""
+    async with (
+        CommitThenFail(tmp_path / "server.db", synchronous="NORMAL") as store,
+        SyncServer(store, port=0, secret=SECRET, rate_limit_per_s=None) as srv,
+        runtime(tmp_path / "phone.db") as phone,
+        runtime(tmp_path / "laptop.db") as laptop,
+    ):
+        yield store, srv, phone, laptop
+
+
 async def test_a_push_the_store_failed_after_committing_is_not_taken_for_a_copy(
     tmp_path: Path,
 ) -> None:
@@ -198,17 +219,7 @@ async def test_a_push_the_store_failed_after_committing_is_not_taken_for_a_copy(
     the change (``duplicate``), keeps its id, and every audit chain verifies everywhere."""
     token = issue_token(SECRET, ALICE, 3600)
 
-    def runtime(p: Path) -> SessionRuntime:
-        return SessionRuntime(
-            SQLiteAdapter(p), ScriptedProvider(), org_id=ALICE.org_id, user_id=ALICE.user_id
-        )
-
-    async with (
-        CommitThenFail(tmp_path / "server.db", synchronous="NORMAL") as store,
-        SyncServer(store, port=0, secret=SECRET, rate_limit_per_s=None) as srv,
-        runtime(tmp_path / "phone.db") as phone,
-        runtime(tmp_path / "laptop.db") as laptop,
-    ):
+    async with failing_pair(tmp_path) as (store, srv, phone, laptop):
         session_id = (await phone.create_session(title="first")).id
         await say(phone, session_id, "hello")
         await phone.sync.sync_once(srv.url, token)
@@ -222,12 +233,12 @@ async def test_a_push_the_store_failed_after_committing_is_not_taken_for_a_copy(
 
         await phone.sessions.rename(session_id, "from the phone")
         await say(phone, session_id, "phone turn")
-        store.fail_for, store.between = {phone_id}, laptop_edits
+        store.fail_for, store.between = frozenset({phone_id}), laptop_edits
         receipt = await phone.sync.sync_once(srv.url, token)
         assert receipt.pending_after > 0 and store.between is None  # the fault fired
         assert phone.client_id == phone_id, "a failed commit answer was taken for a copy"
 
-        store.fail_for = set()
+        store.fail_for = frozenset()
         receipt = await phone.sync.sync_once(srv.url, token)  # the resend: duplicate
         assert receipt.pending_after == 0, receipt
         await laptop.sync.sync_once(srv.url, token)
@@ -251,17 +262,7 @@ async def test_a_pull_by_hand_after_a_failed_push_settles_the_push_first(
     cannot say, the pull refuses with 3009 and applies nothing."""
     token = issue_token(SECRET, ALICE, 3600)
 
-    def runtime(p: Path) -> SessionRuntime:
-        return SessionRuntime(
-            SQLiteAdapter(p), ScriptedProvider(), org_id=ALICE.org_id, user_id=ALICE.user_id
-        )
-
-    async with (
-        CommitThenFail(tmp_path / "server.db", synchronous="NORMAL") as store,
-        SyncServer(store, port=0, secret=SECRET, rate_limit_per_s=None) as srv,
-        runtime(tmp_path / "phone.db") as phone,
-        runtime(tmp_path / "laptop.db") as laptop,
-    ):
+    async with failing_pair(tmp_path) as (store, srv, phone, laptop):
         session_id = (await phone.create_session(title="first")).id
         await phone.sync.sync_once(srv.url, token)
         phone_id = phone.client_id
@@ -275,14 +276,14 @@ async def test_a_pull_by_hand_after_a_failed_push_settles_the_push_first(
         await phone.sync.connect(srv.url, token, auto=False)
         async with asyncio.timeout(TIMEOUT), phone.sync._changed:
             await phone.sync._changed.wait_for(lambda: phone.sync.connected)
-        store.fail_for, store.between = {phone_id}, laptop_edits
+        store.fail_for, store.between = frozenset({phone_id}), laptop_edits
         receipt = await phone.sync.flush_outbox()
         assert receipt.pending_after > 0 and store.between is None  # committed, then 3009
         cursor = (await phone.sync.status()).cursor
         with pytest.raises(StorageUnavailable):
             await phone.sync.pull()  # the resend fails too: nothing is applied
         assert (await phone.sync.status()).cursor == cursor
-        store.fail_for = set()
+        store.fail_for = frozenset()
         await phone.sync.pull()  # the resend is answered duplicate, then the page applies
         assert phone.client_id == phone_id, "a failed commit answer was taken for a copy"
         assert (await phone.sync.status()).pending == 0
@@ -298,11 +299,6 @@ async def test_sync_once_from_a_copied_file_sends_everything(
     srv, store = server
     token = issue_token(SECRET, ALICE, 3600)
     path, copy = tmp_path / "a.db", tmp_path / "b.db"
-
-    def runtime(p: Path) -> SessionRuntime:
-        return SessionRuntime(
-            SQLiteAdapter(p), ScriptedProvider(), org_id=ALICE.org_id, user_id=ALICE.user_id
-        )
 
     async with runtime(path) as rt:
         session_id = (await rt.create_session(title="x")).id

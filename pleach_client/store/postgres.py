@@ -531,9 +531,8 @@ class _Sql:
         )
         self.list_events = (
             f"SELECT id, body FROM {s}.events WHERE device = $1 AND session_id = $2 "
-            "AND sequence_number >= $3 ORDER BY sequence_number, id"
+            "AND sequence_number >= $3 ORDER BY sequence_number, id LIMIT $4"  # NULL: all
         )
-        self.list_events_limit = f"{self.list_events} LIMIT $4"
         self.list_audit = (
             f"SELECT id, body FROM {s}.audit WHERE device = $1 "
             "ORDER BY client_id, sequence_number, id"
@@ -661,7 +660,7 @@ class _Reader:
     async def list_events(
         self, session_id: str, *, from_sequence: int = 0, limit: int | None = None
     ) -> list[Event]:
-        rows = await self._rows(self._sql.list_events_limit, session_id, from_sequence, limit)
+        rows = await self._rows(self._sql.list_events, session_id, from_sequence, limit)
         return [_decode(Event, "events", key, body) for key, body in rows]
 
     async def list_sessions(self) -> list[Session]:
@@ -1090,7 +1089,9 @@ class PostgresAdapter(AsyncResource):
     ) -> list[Event]:
         """Events with ``sequence_number >= from_sequence``, by sequence number, then id;
         only those of ``types`` when given."""
-        rows = await self._fetch("read events", self._sql.list_events, session_id, from_sequence)
+        rows = await self._fetch(
+            "read events", self._sql.list_events, session_id, from_sequence, None
+        )
         return decode_events(rows, types, lambda key, body: _decode(Event, "events", key, body))
 
     async def get_event(self, event_id: str) -> Event | None:

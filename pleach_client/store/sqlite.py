@@ -215,11 +215,7 @@ QUERIES: Final[dict[str, str]] = {
         "SELECT id, body FROM events WHERE session_id = ? "
         "ORDER BY sequence_number DESC, id DESC LIMIT 1"
     ),
-    "list_events": (
-        "SELECT id, body FROM events WHERE session_id = ? AND sequence_number >= ? "
-        "ORDER BY sequence_number, id"
-    ),
-    "list_events_limit": (
+    "list_events": (  # LIMIT -1: all of them
         "SELECT id, body FROM events WHERE session_id = ? AND sequence_number >= ? "
         "ORDER BY sequence_number, id LIMIT ?"
     ),
@@ -521,7 +517,7 @@ class _Reader:
     ) -> list[Event]:
         rows = await _fetch(
             self._conn,
-            QUERIES["list_events_limit"],
+            QUERIES["list_events"],
             (session_id, from_sequence, -1 if limit is None else limit),
         )
         return [_decode(_EVENT, "events", row_id, body) for row_id, body in rows]
@@ -836,7 +832,7 @@ class SQLiteAdapter(AsyncResource):
         """Events with ``sequence_number >= from_sequence``, by sequence number, then id;
         only those of ``types`` when given."""
         async with self._reading("read events") as conn:
-            rows = await _fetch(conn, QUERIES["list_events"], (session_id, from_sequence))
+            rows = await _fetch(conn, QUERIES["list_events"], (session_id, from_sequence, -1))
         return decode_events(rows, types, lambda key, body: _decode(_EVENT, "events", key, body))
 
     async def get_event(self, event_id: str) -> Event | None:
