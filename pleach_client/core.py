@@ -82,6 +82,8 @@ class WriteResult:
     audit: list[AuditRow]
     receipt: CommitReceipt
     purged: list[str] = field(default_factory=list)
+    moved: int = 0
+    """Stored audit rows moved onto this device's chain (``prepare``)."""
 
 
 @dataclass
@@ -286,6 +288,7 @@ class DeviceCore:
         identity: tuple[str, HybridClock] | None = None,
         prepare: Callable[[TxReader], Awaitable[tuple[list[tuple[str, Edit]], list[AuditRow]]]]
         | None = None,
+        audit_from: tuple[int, str] | None = None,
     ) -> WriteResult:
         """Commit local changes with their outbox rows, in ONE transaction.
 
@@ -298,10 +301,11 @@ class DeviceCore:
         ``renumber_outbox`` restarts the outbox sequence (``WriteBatch``); ``identity``
         (client id and clock) is taken inside the transaction, and given back if it does not
         commit; ``prepare(tx)``, inside the transaction, adds edits and stored audit rows to
-        move onto this device's chain, before ``audit`` (from what the store holds then).
-        Every record is labelled with the client id it commits under (a draft made before the
-        device took a new id joins the new one). Raises what an edit raises, with nothing
-        written.
+        move onto this device's chain, before ``audit`` (from what the store holds then);
+        ``audit_from`` (sequence number, row hash) is where they go on from, instead of the
+        chain's stored head (the server's place, after it refused a row: 3013). Every record
+        is labelled with the client id it commits under (a draft made before the device took
+        a new id joins the new one). Raises what an edit raises, with nothing written.
         """
         extra_meta: dict[str, str] = {} if meta is None or callable(meta) else dict(meta)
         compute_meta = meta if callable(meta) else None
@@ -351,7 +355,7 @@ class DeviceCore:
                 heads[session_id] = (seq, prev)
             # Moved rows first, then the new ones; each labelled with the id whose chain it
             # joins (a draft made before this device took a new id goes on the new id's).
-            seq, prev = await self._audit_chain_head(tx)
+            seq, prev = audit_from or await self._audit_chain_head(tx)
             placed_rows: list[AuditRow] = []
             for audit_row in [*moving, *audit_list]:
                 seq += 1
@@ -368,6 +372,7 @@ class DeviceCore:
                 audit=chained,
                 receipt=CommitReceipt(client_seqs=[], records=0),
                 purged=purge,
+                moved=len(moved),
             )
             pending = (generation, heads, (seq, prev) if placed_rows else None)
             _check_sizes([*contents, *events, *chained])
@@ -447,6 +452,30 @@ class DeviceCore:
         )
         self._forget()
         return new_id
+
+    async def rechain_audit(self, chain: str, after: tuple[int, str]) -> int:
+        """Chain the queued audit rows of ``chain`` (a client id) on from ``after``, the
+        server's last place in that chain (sequence number, row hash), because it refused one
+        of them for not continuing it (3013). Returns how many rows moved.
+
+        So it goes when another copy of this device's file placed rows of the same chain
+        first, or when rows this device placed were kept by the server at another place (two
+        copies of one file that both moved the same queued rows onto their new ids). Queued
+        rows of an earlier id of this device move onto its current chain, after its head.
+        """
+
+        async def queued(tx: TxReader) -> tuple[list[tuple[str, Edit]], list[AuditRow]]:
+            rows = [
+                r
+                for r in await tx.queued_records()
+                if isinstance(r, AuditRow) and r.client_id == chain
+            ]
+            return [], sorted(rows, key=lambda row: row.sequence_number)
+
+        result = await self.write(
+            prepare=queued, audit_from=after if chain == self.client_id else None
+        )
+        return result.moved
 
     async def previous_client_ids(self) -> list[str]:
         """The ids this device wrote under before its current one, newest first."""

@@ -48,6 +48,7 @@ from shared.messages import (
 )
 from shared.protocol import Answer, ClientProtocol, Live, Notice
 from shared.records import (
+    AuditRow,
     Change,
     FeedChange,
     Session,
@@ -72,6 +73,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pleach.sync")
 
+MAX_RECHAINS_PER_FLUSH = 3
+"""How often one flush chains refused audit rows on from the server's place (3013) and goes
+on; past that it stops and the next flush tries again (a server that keeps refusing cannot
+make a device spin)."""
 HEALTH_MIN_INTERVAL_S = 1.0
 """A device tells the server its health at most this often..."""
 HEALTH_HEARTBEAT_S = 30.0
@@ -835,6 +840,7 @@ class SyncFacet:
                 "pleach.pending": pending_before,
             },
         )
+        rechains = 0
         try:
             while True:
                 entries = (
@@ -900,11 +906,14 @@ class SyncFacet:
                 if not isinstance(answer, PushAck):
                     raise _as_error(answer)
                 self._head_cursor = max(self._head_cursor, answer.head_cursor)
-                progress, batch_conflicts = await self._settle(entries, answer, failed)
+                progress, batch_conflicts, rechained = await self._settle(entries, answer, failed)
                 flushed += progress
                 conflicts.extend(batch_conflicts)
                 if self._progress is not None:
                     self._progress(SyncProgress(phase="upload", done=flushed, total=pending_before))
+                if rechained and rechains < MAX_RECHAINS_PER_FLUSH and self._link is link:
+                    rechains += 1
+                    continue  # the refused audit rows go again, chained on from the server's
                 if progress == 0 or self._link is not link:
                     break  # nothing moved (a sequence gap: do not spin), or the id changed
         finally:
@@ -931,8 +940,9 @@ class SyncFacet:
 
     async def _settle(
         self, entries: list[OutboxEntry], ack: PushAck, failed: list[FailedEntry]
-    ) -> tuple[int, list[ConflictReceipt]]:
-        """Apply one PushAck to the outbox (the decision is ``syncplan.settle``)."""
+    ) -> tuple[int, list[ConflictReceipt], bool]:
+        """Apply one PushAck to the outbox (the decision is ``syncplan.settle``); also whether
+        refused audit rows were chained on from the server's place (3013)."""
         store = self._rt.store
         # The highest client_seq this file gave out only grows with local writes: read it
         # again only when the server claims more (not an await per push).
@@ -971,9 +981,29 @@ class SyncFacet:
                     else "the server holds other changes under this device's client_seq numbers"
                 )
             )
+        elif plan.rechain is not None:
+            return plan.progress, plan.conflicts, await self._rechain(entries, plan.rechain)
         # A conflict's sync.conflict event is written by the server into the session's log:
         # this device, like every other, raises the stream event when the event arrives.
-        return plan.progress, plan.conflicts
+        return plan.progress, plan.conflicts, False
+
+    async def _rechain(self, entries: list[OutboxEntry], rechain: tuple[int, int, str]) -> bool:
+        """The server refused a queued audit row for not continuing its chain where the server
+        holds it (3013): chain the queued rows of that chain on from the server's place. Whether
+        any moved."""
+        client_seq, sequence_number, row_hash = rechain
+        row = next((e.record for e in entries if e.client_seq == client_seq), None)
+        if not isinstance(row, AuditRow):
+            return False  # the server named a change that is no audit row: nothing to do
+        moved = await self._rt.core.rechain_audit(row.client_id, (sequence_number, row_hash))
+        log.info(
+            "sync: the server holds the audit chain of %s up to place %d; %d queued row(s) "
+            "chained on from there",
+            row.client_id,
+            sequence_number,
+            moved,
+        )
+        return moved > 0
 
     # -- pull and apply ------------------------------------------------------------------------
     async def _pull(self, link: Link) -> int:

@@ -42,6 +42,10 @@ class Settlement:
     ``rekey``: another copy of this device (a restored or copied file) has used its client
     id and numbers: the server says so for each change it does not hold (3012), which is
     kept, and the device takes a new id.
+    ``rechain``: an audit row the server did not take because it does not continue its chain
+    where the server holds it (3013): ``(client_seq, sequence_number, row_hash)`` of the row
+    and of the server's last place in that chain. It and the changes after it are kept; the
+    device chains its queued rows of that chain on from the server's place, and resends.
     """
 
     remove: list[int] = field(default_factory=list)
@@ -50,6 +54,7 @@ class Settlement:
     conflicts: list[ConflictReceipt] = field(default_factory=list)
     failed: list[FailedEntry] = field(default_factory=list)
     rekey: bool = False
+    rechain: tuple[int, int, str] | None = None
     skew: str | None = None
     """The server's word on this device's clock (3011), when it refused stamps ahead of it."""
     lost_numbers: bool = False
@@ -111,6 +116,12 @@ def settle(sent: Sequence[Sent], ack: PushAck, issued: int | None = None) -> Set
         if result.status == "rejected" and result.code == ErrorCode.IDENTITY_REUSED:
             out.keep.append(result.client_seq)
             out.rekey = True
+            continue
+        if result.status == "rejected" and result.code == ErrorCode.CHAIN_BROKEN:
+            out.keep.append(result.client_seq)  # held back: sent again once chained on
+            place = (result.chain_sequence, result.chain_hash)
+            if out.rechain is None and place[0] is not None and place[1] is not None:
+                out.rechain = (result.client_seq, max(0, place[0]), place[1])
             continue
         if result.status == "rejected":
             code = result.code or ErrorCode.INVALID_RECORD

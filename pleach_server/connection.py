@@ -47,7 +47,16 @@ from shared.errors import (
     SyncError,
     Unauthorized,
 )
-from shared.messages import ChangeResult, Health, Hello, Pull, Push, Welcome
+from shared.messages import (
+    CHAINS_CHECKED_SINCE,
+    MIN_PROTOCOL,
+    ChangeResult,
+    Health,
+    Hello,
+    Pull,
+    Push,
+    Welcome,
+)
 from shared.protocol import ServerProtocol, State
 from shared.records import encode_record
 from shared.tracing import Spans
@@ -550,8 +559,14 @@ class Connection:
                 "pleach.changes": len(push.changes),
             },
         ) as span:
+            version = self.protocol.version or MIN_PROTOCOL
             result = await ctx.store.push(
-                self.tenant, self.client_id, push.changes, ctx.clock, aliases=self.aliases
+                self.tenant,
+                self.client_id,
+                push.changes,
+                ctx.clock,
+                aliases=self.aliases,
+                chains=version >= CHAINS_CHECKED_SINCE,
             )
             span.set(
                 **{

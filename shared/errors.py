@@ -49,6 +49,7 @@ class ErrorCode(IntEnum):
     CURSOR_TOO_OLD = 3010
     CLOCK_SKEW = 3011
     IDENTITY_REUSED = 3012
+    CHAIN_BROKEN = 3013
 
 
 class PleachError(Exception):
@@ -207,6 +208,17 @@ class IdentityReused(SyncError):
     retryable = True
 
 
+class ChainBroken(SyncError):
+    """An audit row that does not continue its device's chain where the server holds it (its
+    ``sequence_number`` and ``prev_hash`` are not the next place after the server's last row
+    of that chain): the server did not take it. The answer names the server's last place; the
+    device chains its queued rows of that chain on from there and sends them again. Nothing is
+    lost (retryable)."""
+
+    code = ErrorCode.CHAIN_BROKEN
+    retryable = True
+
+
 _BY_CODE: dict[int, type[SyncError]] = {
     cls.code: cls
     for cls in (
@@ -222,6 +234,7 @@ _BY_CODE: dict[int, type[SyncError]] = {
         CursorTooOld,
         ClockSkew,
         IdentityReused,
+        ChainBroken,
     )
 }
 

@@ -19,6 +19,13 @@ highest both sides speak):
   it, it is a malformed frame (3004). Send an optional frame only to a peer at version 2 or
   later: version 1 peers refuse unknown tags.
 
+- **3**: the server checks that each pushed audit row continues its device's chain where the
+  server holds it (the next ``sequence_number`` after the chain's last row, whose ``row_hash``
+  is the row's ``prev_hash``). A row that does not is refused with 3013 (``ChainBroken``), and
+  so is everything after it in the batch (``last_seq`` stays before it, as for 3011); its
+  ``ChangeResult`` names the chain's last place (``chain_sequence``, ``chain_hash``: 0 and ""
+  for a chain the server holds nothing of). A device at version 2 or earlier is not checked.
+
 A version 1 peer reads version 2 frames unchanged (it ignores the new fields), which is why the
 server fills them whatever version it agreed.
 """
@@ -35,10 +42,12 @@ from .records import Change, FeedChange
 
 MIN_PROTOCOL = 1
 """The oldest protocol version this code speaks."""
-MAX_PROTOCOL = 2
+MAX_PROTOCOL = 3
 """The newest protocol version this code speaks."""
 PROTOCOL_VERSION = MAX_PROTOCOL
 """The newest version (a ``Hello`` naming only it negotiates exactly it)."""
+CHAINS_CHECKED_SINCE = 3
+"""The version from which the server checks that pushed audit rows continue their chains."""
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 MAX_RECORD_BYTES = DEFAULT_MAX_FRAME_BYTES // 2
 """The largest record a device writes (encoded): a push of it alone stays well under the frame
@@ -126,6 +135,10 @@ class ChangeResult(msgspec.Struct, kw_only=True):
     message: str | None = None
     conflict: ConflictReceipt | None = None
     cursor: int | None = None
+    chain_sequence: int | None = None
+    """With a 3013: the ``sequence_number`` of the last row the server holds of the refused
+    audit row's chain (0: none); ``chain_hash`` is that row's ``row_hash`` ("": none)."""
+    chain_hash: str | None = None
 
 
 class PushAck(msgspec.Struct, kw_only=True, tag="push_ack"):

@@ -13,6 +13,7 @@ import msgspec
 
 from pleach_server.store.base import Tenant
 from shared.clock import HybridClock, vv_bump, wall_clock_ms
+from shared.hashchain import GENESIS, chain_audit
 from shared.ids import uuid7
 from shared.records import (
     ArtifactUpdate,
@@ -49,6 +50,8 @@ class Device:
         self.client_id = client_id or f"dev-{uuid7()}"
         self.clock = HybridClock(self.client_id, wall=wall)
         self.next_seq = 1
+        self.audit_head: tuple[int, str] = (0, GENESIS)
+        """The place of the last audit row made here: the next one is chained on from it."""
 
     # -- changes -------------------------------------------------------------------------------
 
@@ -142,7 +145,8 @@ class Device:
         )
 
     def audit(self, session_id: str) -> AuditRow:
-        return AuditRow(
+        """An audit row on this device's chain, after the last one made here."""
+        draft = AuditRow(
             id=uuid7(),
             session_id=session_id,
             turn_id=uuid7(),
@@ -153,6 +157,10 @@ class Device:
             outcome=Outcome(status="ok"),
             **self._base(),
         )
+        seq, prev = self.audit_head
+        row = chain_audit(draft, prev, seq + 1)
+        self.audit_head = (row.sequence_number, row.row_hash)
+        return row
 
     def artifact(self, session_id: str, update: bytes = b"\x00\x01") -> ArtifactUpdate:
         return ArtifactUpdate(

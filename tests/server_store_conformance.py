@@ -33,7 +33,7 @@ from pleach_server.store.base import (
 )
 from shared.clock import HybridClock, Order, vv_compare, wall_clock_ms
 from shared.errors import CursorTooOld, ErrorCode, StorageUnavailable
-from shared.hashchain import verify_chain
+from shared.hashchain import chain_audit, verify_chain
 from shared.ids import uuid7
 from shared.records import (
     CASCADE_KINDS,
@@ -119,6 +119,9 @@ class FaultyTx:
     async def insert_event(self, event: Event) -> None:
         await self._write()
         await self.inner.insert_event(event)
+
+    async def audit_tail(self, client_id: str) -> tuple[int, str]:
+        return await self.inner.audit_tail(client_id)
 
     async def delete_content(self, session_id: str) -> None:
         await self.inner.delete_content(session_id)
@@ -756,6 +759,91 @@ class ServerStoreConformance:
         assert sorted(ev.sequence_number for ev in events) == list(range(1, 10))
         assert [ev.sequence_number for ev in events] == list(range(1, 10))  # feed order
         assert verify_chain(events).ok
+
+    # -- audit chains ----------------------------------------------------------------------------
+
+    async def test_audit_rows_must_continue_their_chain(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        """A row at a place after a hole, or at a place already taken, is refused with 3013
+        naming the chain's last place; so is the rest of the batch, and ``last_seq`` stays
+        before it, so the device resends them once chained on. Rows that continue the chain
+        apply, in one batch or across batches."""
+        dev = Device(new_tenant())
+        session = dev.session()
+        first, second = dev.audit(session.id), dev.audit(session.id)
+        ok = await server_store.push(
+            dev.tenant, dev.client_id, dev.changes(session, first, second), server_clock
+        )
+        assert statuses(ok) == ["applied"] * 3
+        taken = chain_audit(dev.audit(session.id), first.row_hash, 2)  # where `second` sits
+        dev.audit_head = (2, second.row_hash)
+        hole = chain_audit(dev.audit(session.id), "f" * 64, 4)  # place 3 is empty
+        for bad in (taken, hole):
+            start = dev.next_seq
+            batch = dev.changes(bad, dev.message(session.id))
+            refused = await server_store.push(dev.tenant, dev.client_id, batch, server_clock)
+            assert statuses(refused) == ["rejected", "rejected"]
+            assert codes(refused) == [ErrorCode.CHAIN_BROKEN] * 2
+            assert (refused.results[0].chain_sequence, refused.results[0].chain_hash) == (
+                2,
+                second.row_hash,
+            )
+            assert refused.last_seq == start - 1
+            dev.next_seq = start  # the device sends them again under the same numbers
+        third = chain_audit(dev.audit(session.id), second.row_hash, 3)
+        fourth = chain_audit(dev.audit(session.id), third.row_hash, 4)
+        batch = dev.changes(third, fourth)
+        applied = await server_store.push(dev.tenant, dev.client_id, batch, server_clock)
+        assert statuses(applied) == ["applied", "applied"]
+        rows = [c.record for c in await pull_all(server_store, dev.tenant)]
+        chain = [r for r in rows if isinstance(r, AuditRow)]
+        assert [r.id for r in chain] == [first.id, second.id, third.id, fourth.id]
+        assert verify_chain(chain).ok
+
+    async def test_a_row_held_at_another_place_leaves_no_hole_in_the_next_chain(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        """Two copies of one file moved the same queued row onto their new ids' chains. The
+        server keeps the first placement (the second is a duplicate: it holds that id), and
+        refuses the second chain's next row until it is chained on from that chain's start."""
+        tenant = new_tenant()
+        one, two = Device(tenant), Device(tenant)
+        session = one.session()
+        await server_store.push(tenant, one.client_id, one.changes(session), server_clock)
+        moved = one.audit(session.id)
+        at_one = await server_store.push(tenant, one.client_id, one.changes(moved), server_clock)
+        assert statuses(at_one) == ["applied"]
+        moved_too = chain_audit(msgspec.structs.replace(moved, client_id=two.client_id), "", 1)
+        two.audit_head = (1, moved_too.row_hash)
+        after = two.audit(session.id)
+        result = await server_store.push(
+            tenant, two.client_id, two.changes(moved_too, after), server_clock
+        )
+        assert statuses(result) == ["duplicate", "rejected"]
+        assert result.results[1].code == ErrorCode.CHAIN_BROKEN
+        assert (result.results[1].chain_sequence, result.results[1].chain_hash) == (0, "")
+        two.next_seq -= 1
+        again = await server_store.push(
+            tenant, two.client_id, two.changes(chain_audit(after, "", 1)), server_clock
+        )
+        assert statuses(again) == ["applied"]
+        rows = [c.record for c in await pull_all(server_store, tenant)]
+        for device in (one, two):
+            chain = [r for r in rows if isinstance(r, AuditRow) and r.client_id == device.client_id]
+            assert len(chain) == 1 and verify_chain(chain).ok
+
+    async def test_audit_chains_are_not_checked_for_older_devices(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        """A device at protocol 2 or earlier (``chains=False``) is answered as before."""
+        dev = Device(new_tenant())
+        session = dev.session()
+        hole = chain_audit(dev.audit(session.id), "f" * 64, 7)
+        result = await server_store.push(
+            dev.tenant, dev.client_id, dev.changes(session, hole), server_clock, chains=False
+        )
+        assert statuses(result) == ["applied", "applied"]
 
     # -- pull ------------------------------------------------------------------------------------
 

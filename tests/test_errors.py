@@ -11,6 +11,7 @@ import pytest
 
 from shared import errors
 from shared.errors import (
+    ChainBroken,
     ChainError,
     ClockSkew,
     CursorTooOld,
@@ -49,6 +50,7 @@ BY_CODE: dict[int, tuple[type[SyncError], bool]] = {
     3010: (CursorTooOld, False),
     3011: (ClockSkew, True),
     3012: (IdentityReused, True),
+    3013: (ChainBroken, True),
 }
 
 
@@ -79,7 +81,7 @@ def test_sync_error_retryable_override(code: int, override: bool) -> None:
     assert BY_CODE[code][0]("y").retryable is BY_CODE[code][1]
 
 
-@pytest.mark.parametrize("code", [0, 1000, 2999, 3000, 3013, 3999, 4000, -1])
+@pytest.mark.parametrize("code", [0, 1000, 2999, 3000, 3014, 3999, 4000, -1])
 def test_unknown_code_gives_plain_sync_error(code: int) -> None:
     err = sync_error(code, "from the future")
     assert type(err) is SyncError

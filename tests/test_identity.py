@@ -24,7 +24,8 @@ from pleach_server.server import SyncServer
 from pleach_server.store import SQLiteServerStore, Tenant
 from shared.clock import HybridClock
 from shared.errors import ErrorCode, StorageError, StorageUnavailable
-from shared.records import Change, Message
+from shared.hashchain import verify_chain
+from shared.records import AuditRow, Change, Message
 
 SECRET = b"identity-test-secret"
 ALICE = Tenant(org_id="acme", user_id="alice")
@@ -251,6 +252,62 @@ async def test_a_push_the_store_failed_after_committing_is_not_taken_for_a_copy(
             for client_id in (phone_id, laptop.client_id):
                 report = await rt.audit.verify_chain(client_id)
                 assert report.ok, (client_id, report)
+
+
+async def test_two_copies_that_both_move_the_same_queued_audit_rows_leave_no_hole(
+    tmp_path: Path, server: tuple[SyncServer, SQLiteServerStore]
+) -> None:
+    """Two copies of one file hold the same unsent audit row, and both take a new id: each
+    moves the row onto its new id's chain. The server keeps the first placement; the second
+    copy's next row would sit after a hole, so the server refuses it (3013) until that copy
+    chains it on from the server's place. Every chain verifies on the server and on both
+    copies, and no audit row is lost."""
+    srv, store = server
+    token = issue_token(SECRET, ALICE, 3600)
+    one_path, two_path = tmp_path / "one.db", tmp_path / "two.db"
+    async with runtime(one_path) as one:
+        first = (await one.create_session(title="first")).id
+    copy_file(one_path, two_path)
+    async with runtime(one_path) as one:  # the server comes to hold numbers neither copy queues
+        await one.create_session(title="second")
+        await one.sync.sync_once(srv.url, token)
+        shared_id = one.client_id
+    async with runtime(two_path) as two:
+        await say(two, first, "written before the second copy")  # an audit row, queued
+    copy_file(two_path, one_path)  # both files now hold that queued row
+    async with runtime(two_path) as two:
+        await say(two, first, "written on the second copy only")  # the next row of the chain
+    audit_ids: set[str] = set()
+    for path in (one_path, two_path):  # each copy learns of the other (3012) before either resends
+        async with runtime(path) as rt:
+            audit_ids |= {row.id for row in await rt.store.list_audit()}
+            await rt.sync.connect(srv.url, token, auto=False)
+            async with asyncio.timeout(TIMEOUT), rt.sync._changed:
+                await rt.sync._changed.wait_for(lambda rt=rt: rt.sync.connected)
+            await rt.sync.flush_outbox()
+            await rt.sync.disconnect()
+            assert rt.client_id != shared_id, path.name  # it took a new id
+    for path in (one_path, two_path):
+        async with runtime(path) as rt:
+            receipt = await rt.sync.sync_once(srv.url, token)  # its queue, under its new id
+            assert receipt.pending_after == 0, receipt
+    page = await store.pull(ALICE, 0, 100_000)
+    on_server = [c.record for c in page.changes if isinstance(c.record, AuditRow)]
+    assert audit_ids <= {row.id for row in on_server}
+    chains = {row.client_id for row in on_server}
+    assert len(chains) == 2 and shared_id not in chains  # each copy's new id
+    for client_id in chains:
+        chain = sorted(
+            (row for row in on_server if row.client_id == client_id),
+            key=lambda row: row.sequence_number,
+        )
+        assert verify_chain(chain).ok, (client_id, [r.sequence_number for r in chain])
+    for path in (one_path, two_path):
+        async with runtime(path) as rt:
+            await rt.sync.sync_once(srv.url, token)
+            for client_id in chains:
+                report = await rt.audit.verify_chain(client_id)
+                assert report.ok, (path.name, client_id, report)
 
 
 async def test_a_pull_by_hand_after_a_failed_push_settles_the_push_first(

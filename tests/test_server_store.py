@@ -243,7 +243,7 @@ async def test_schema_3_files_migrate_to_tenant_scoped_ids(db_path: Path) -> Non
         assert [r.status for r in theirs.results] == ["applied"]
         assert (await store.pull(alice.tenant, 0, 10)).changes == feed
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
@@ -282,3 +282,47 @@ async def test_a_batch_lookup_reads_each_key_through_an_index(db_path: Path, nam
         constrained = line[line.index("(") + 1 : line.rindex(")")]
         columns = {c.split("=")[0].strip() for c in constrained.split(" AND ")}
         assert columns - {"org_id", "user_id"}, f"{name}: {line}"
+
+
+async def test_schema_4_files_migrate_with_every_audit_row_placed(db_path: Path) -> None:
+    """Audit rows stored before the server kept their places (schema 4) are placed by
+    migration 5: a row that continues a chain applies, one that leaves a hole is refused."""
+    from pleach_server.store import sqlite as module
+    from shared.errors import ErrorCode
+    from shared.hashchain import chain_audit
+    from shared.records import encode_record
+
+    dev = Device(new_tenant())
+    session = dev.session()
+    rows = [dev.audit(session.id) for _ in range(3)]
+    with sqlite3.connect(db_path) as conn:
+        for statements in module._MIGRATIONS[:4]:
+            for statement in statements:
+                assert isinstance(statement, str)
+                conn.execute(statement)
+        t = (dev.tenant.org_id, dev.tenant.user_id)
+        for row in rows:
+            conn.execute(
+                "INSERT INTO records (kind, id, org_id, user_id, session_id, body) "
+                "VALUES ('AuditRow', ?, ?, ?, ?, ?)",
+                (row.id, *t, session.id, encode_record(row)),
+            )
+        conn.execute("PRAGMA user_version = 4")
+    clock = HybridClock("server-x")
+    async with SQLiteServerStore(db_path) as store:
+        hole = chain_audit(dev.audit(session.id), "f" * 64, 5)
+        refused = await store.push(dev.tenant, dev.client_id, dev.changes(hole), clock)
+        assert [r.code for r in refused.results] == [ErrorCode.CHAIN_BROKEN]
+        assert (refused.results[0].chain_sequence, refused.results[0].chain_hash) == (
+            3,
+            rows[-1].row_hash,
+        )
+        dev.next_seq -= 1
+        dev.audit_head = (3, rows[-1].row_hash)
+        after = await store.push(
+            dev.tenant, dev.client_id, dev.changes(dev.audit(session.id)), clock
+        )
+        assert [r.status for r in after.results] == ["applied"]
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+        assert conn.execute("SELECT count(*) FROM audit_places").fetchone()[0] == 4

@@ -33,7 +33,7 @@ from pleach_server.store.postgres import (
 )
 from shared.clock import HybridClock
 from shared.errors import CursorTooOld, ErrorCode, InvalidState, StorageError, StorageUnavailable
-from shared.hashchain import verify_chain
+from shared.hashchain import chain_audit, verify_chain
 from shared.ids import uuid7
 from shared.records import CASCADE_KINDS, Event, record_kind
 from tests.server_factories import Device, new_tenant
@@ -286,6 +286,7 @@ async def test_migrate_creates_a_fresh_schema() -> None:
             "clients",
             "meta",
             "devices",
+            "audit_places",
         }
 
 
@@ -305,6 +306,7 @@ def explain_queries(store: PostgresServerStore) -> dict[str, tuple[str, tuple[An
         "owner_of(Message)": (sql.record_owner, ("org-7", "user-7", "Message", "message-7")),
         "get_session": (sql.get_session, ("org-7", "user-7", "session-7")),
         "last_event": (sql.last_event, ("org-7", "user-7", "session-7")),
+        "audit_tail": (sql.audit_tail, ("org-1", "user-1", "dev-7")),
         # the tenant with the rows (org-1): each branch a probe of one index per key
         "load (a push's lookups, one statement)": (
             sql.load,
@@ -317,6 +319,7 @@ def explain_queries(store: PostgresServerStore) -> dict[str, tuple[str, tuple[An
                 ["session-7"],
                 ["session-7"],
                 ["session-7"],
+                ["dev-7"],
             ),
         ),
         "retain": (sql.retain_cursor, ("org-7", "user-7", 10)),
@@ -366,7 +369,14 @@ async def test_per_tenant_queries_are_index_scans() -> None:
                 SELECT 'org-' || i, 'user-' || i, 0 FROM generate_series(1, 500) AS i"""
             )
             await conn.execute(
-                f"ANALYZE {s}.feed, {s}.clients, {s}.sessions, {s}.events, {s}.records, {s}.meta"
+                f"""INSERT INTO {s}.audit_places
+                    (org_id, user_id, client_id, sequence_number, row_hash, id)
+                SELECT 'org-1', 'user-1', 'dev-' || (i % 50), i, 'h', 'audit-' || i
+                FROM generate_series(1, 20000) AS i"""
+            )
+            await conn.execute(
+                f"ANALYZE {s}.feed, {s}.clients, {s}.sessions, {s}.events, {s}.records, "
+                f"{s}.meta, {s}.audit_places"
             )
             report = []
             for name, (query, args) in explain_queries(store).items():
@@ -971,3 +981,48 @@ async def test_schema_3_migrates_to_tenant_scoped_ids() -> None:
             )
             assert [r.status for r in theirs.results] == ["applied"]
             assert (await store.pull(alice.tenant, 0, 10)).changes == feed
+
+
+async def test_schema_4_migrates_with_every_audit_row_placed() -> None:
+    """Audit rows stored before the server kept their places (schema 4) are placed by
+    migration 5: a row that continues a chain applies, one that leaves a hole is refused."""
+    from pleach_server.store import postgres as module
+    from shared.records import encode_record
+
+    dev = Device(new_tenant())
+    session = dev.session()
+    rows = [dev.audit(session.id) for _ in range(3)]
+    t = (dev.tenant.org_id, dev.tenant.user_id)
+    async with scratch_schema() as s:
+        async with admin() as conn:
+            await conn.execute(f"CREATE SCHEMA {s}")
+            await conn.execute(
+                f"CREATE TABLE {s}.schema_migrations (version integer PRIMARY KEY, "
+                "applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            for number, statements in enumerate(module._MIGRATIONS[:4], start=1):
+                for statement in statements:
+                    assert isinstance(statement, str)
+                    await conn.execute(statement.format(s=s))
+                await conn.execute(f"INSERT INTO {s}.schema_migrations VALUES ($1)", number)
+            for row in rows:
+                await conn.execute(
+                    f"INSERT INTO {s}.records (kind, id, org_id, user_id, session_id, body) "
+                    "VALUES ('AuditRow', $1, $2, $3, $4, $5)",
+                    row.id, *t, session.id, encode_record(row),
+                )  # fmt: skip
+        result = await migrate(PG_DSN, s)
+        assert (result.from_version, result.to_version) == (4, SCHEMA_VERSION)
+        clock = HybridClock("server-x")
+        async with pg_store(s) as store:
+            hole = chain_audit(dev.audit(session.id), "f" * 64, 5)
+            refused = await store.push(dev.tenant, dev.client_id, dev.changes(hole), clock)
+            assert [r.code for r in refused.results] == [ErrorCode.CHAIN_BROKEN]
+            assert refused.results[0].chain_sequence == 3
+            assert refused.results[0].chain_hash == rows[-1].row_hash
+            dev.next_seq -= 1
+            dev.audit_head = (3, rows[-1].row_hash)
+            after = await store.push(
+                dev.tenant, dev.client_id, dev.changes(dev.audit(session.id)), clock
+            )
+            assert [r.status for r in after.results] == ["applied"]

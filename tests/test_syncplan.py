@@ -101,6 +101,26 @@ def test_settle_rekeys_when_the_numbers_the_server_waits_for_are_no_longer_queue
     assert fresh.keep == [1] and not fresh.rekey
 
 
+def test_settle_keeps_what_3013_held_back_and_names_where_the_chain_goes_on() -> None:
+    """An audit row that does not continue its chain on the server (3013) and everything the
+    server held back after it stay queued; the first 3013 that names the server's place says
+    where the device chains its rows on from. One without a place changes nothing."""
+    broken = ErrorCode.CHAIN_BROKEN
+    results = [
+        ChangeResult(client_seq=5, status="applied"),
+        ChangeResult(client_seq=6, status="rejected", code=broken, chain_sequence=3,
+                     chain_hash="ab" * 32),
+        ChangeResult(client_seq=7, status="rejected", code=broken),
+    ]  # fmt: skip
+    plan = settle([Sent(5), Sent(6), Sent(7)], ack(results, last_seq=5), issued=7)
+    assert plan.remove == [5] and plan.keep == [6, 7] and plan.dead == []
+    assert plan.rechain == (6, 3, "ab" * 32) and not plan.rekey
+    unplaced = settle(
+        [Sent(7)], ack([ChangeResult(client_seq=7, status="rejected", code=broken)], 6), issued=7
+    )
+    assert unplaced.keep == [7] and unplaced.rechain is None and unplaced.dead == []
+
+
 def test_settle_ignores_results_for_entries_it_did_not_send() -> None:
     plan = settle([Sent(5)], ack([ChangeResult(client_seq=9, status="applied")], last_seq=4))
     assert plan.remove == [] and plan.keep == [5] and plan.progress == 0
@@ -122,7 +142,13 @@ def test_settle_partitions_every_sent_entry_exactly_once(
             status=data.draw(st.sampled_from(STATUSES)),  # type: ignore[arg-type]
             code=data.draw(
                 st.sampled_from(
-                    [None, ErrorCode.SEQUENCE_GAP, ErrorCode.FORBIDDEN, ErrorCode.IDENTITY_REUSED]
+                    [
+                        None,
+                        ErrorCode.SEQUENCE_GAP,
+                        ErrorCode.FORBIDDEN,
+                        ErrorCode.IDENTITY_REUSED,
+                        ErrorCode.CHAIN_BROKEN,
+                    ]
                 )
             ),
         )
@@ -147,6 +173,8 @@ def test_settle_partitions_every_sent_entry_exactly_once(
             assert s in plan.keep
         elif r.status == "rejected" and r.code == ErrorCode.IDENTITY_REUSED:
             assert s in plan.keep and plan.rekey
+        elif r.status == "rejected" and r.code == ErrorCode.CHAIN_BROKEN:
+            assert s in plan.keep  # held back, never dead-lettered
         elif r.status == "rejected":
             assert s in dead
         else:

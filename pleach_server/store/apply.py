@@ -21,6 +21,14 @@ the SQLite and PostgreSQL stores cannot drift apart:
 - **Immutable kinds** (message, checkpoint, audit row, artifact update) are a union by id.
 - **Events** get their canonical place from the server: the next ``sequence_number`` of their
   session, hash-chained onto the last canonical row.
+- **Audit chains are continued, never forked or holed** (``chains=True``, protocol 3): a new
+  audit row must take the next place of its device's chain as the server holds it (the
+  ``sequence_number`` after the chain's last row, whose ``row_hash`` is its ``prev_hash``).
+  One that does not is refused with 3013 (``ChainBroken``, naming the chain's last place), and
+  so is every later change of the batch, with ``last_seq`` left before it (as for 3011): the
+  device chains its queued rows on from that place and sends them again. (Two copies of one
+  file that both moved the same queued rows onto their new ids' chains: the server keeps the
+  first placement, and the second chain would otherwise begin with a hole.)
 - **Delete wins.** A session tombstone (``deleted=True``) is final: once one reaches the
   server, every later version of the session is a tombstone. Writing one deletes the session's
   content (the kinds ``deleted_with_session``: messages, checkpoints, artifact updates), rows
@@ -69,6 +77,7 @@ from shared.clock import (
     vv_merge,
 )
 from shared.errors import (
+    ChainBroken,
     ClockSkew,
     Forbidden,
     IdentityReused,
@@ -83,6 +92,7 @@ from shared.merge import resolve_conflicts
 from shared.messages import ChangeResult, ConflictReceipt, Status
 from shared.records import (
     ArtifactUpdate,
+    AuditRow,
     Change,
     Checkpoint,
     Event,
@@ -128,10 +138,17 @@ class BatchKeys:
     deleted with it: is it deleted?)."""
     chains: frozenset[str] = frozenset()
     """Session ids whose last canonical event is read."""
+    audit_chains: frozenset[str] = frozenset()
+    """Client ids whose audit chain's last row is read."""
 
     def __bool__(self) -> bool:
         return bool(
-            self.records or self.events or self.session_owners or self.sessions or self.chains
+            self.records
+            or self.events
+            or self.session_owners
+            or self.sessions
+            or self.chains
+            or self.audit_chains
         )
 
 
@@ -146,6 +163,9 @@ class Snapshot:
     sessions: dict[str, Session] = field(default_factory=dict)
     chain_tails: dict[str, tuple[int, str]] = field(default_factory=dict)
     """``(sequence_number, row_hash)`` of the session's last canonical event."""
+    audit_tails: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """``(sequence_number, row_hash)`` of the last audit row of the client id's chain (the
+    highest ``sequence_number``); a chain the tenant holds no row of is left out."""
 
 
 @dataclass(slots=True)
@@ -203,8 +223,10 @@ class BatchTx(Protocol):
 
     async def load(self, tenant: Tenant, keys: BatchKeys) -> Snapshot:
         """Read what ``keys`` lists among ``tenant``'s rows, at most one query per kind of key
-        (see ``Snapshot``). Ids are scoped to their tenant: another tenant's rows under the same
-        ids are never read (nobody can take another user's ids)."""
+        (see ``Snapshot``). Ids are scoped to their tenant: another tenant's rows under the
+        same ids are never read (nobody can take another user's ids). An audit row's place in
+        its chain (client id, sequence number, row hash) is written with it (``write``), so
+        that ``audit_tails`` can be read."""
         ...
 
     async def write(self, tenant: Tenant, client_id: str, writes: BatchWrites) -> list[int]:
@@ -282,6 +304,11 @@ class StoreTx(Protocol):
 
     async def insert_event(self, event: Event) -> None:
         """Insert a canonical event; ``(session_id, sequence_number)`` is unique."""
+        ...
+
+    async def audit_tail(self, client_id: str) -> tuple[int, str]:
+        """``(sequence_number, row_hash)`` of the last audit row of ``client_id``'s chain, with
+        the rows inserted earlier in the batch; ``(0, GENESIS)`` when there is none."""
         ...
 
     async def delete_content(self, session_id: str) -> None:
@@ -441,17 +468,20 @@ def batch_keys(
     tenant: Tenant,
     client_id: str,
     aliases: Collection[str] = (),
+    *,
+    audit: bool = False,
 ) -> BatchKeys:
     """Every id the rules will ask ``StoreTx`` about for ``changes`` after ``last_seq``.
 
     Only the changes that will be processed count: those after ``last_seq`` and before any gap,
-    that pass ``validate_record``.
+    that pass ``validate_record``. ``audit``: the chains of the audit rows too.
     """
     records: set[tuple[RecordKind, str]] = set()
     events: set[str] = set()
     owners: set[str] = set()
     sessions: set[str] = set()
     chains: set[str] = set()
+    audit_chains: set[str] = set()
     expected = last_seq + 1
     for change in changes:
         if change.client_seq < expected:
@@ -480,6 +510,8 @@ def batch_keys(
                 chains.add(session_id)
         else:
             records.add((info.name, record.id))
+            if audit and isinstance(record, AuditRow):
+                audit_chains.add(record.client_id)
         if info.deleted_with_session and session_id is not None:
             sessions.add(session_id)  # is it deleted?
     return BatchKeys(
@@ -488,6 +520,7 @@ def batch_keys(
         session_owners=frozenset(owners),
         sessions=frozenset(sessions),
         chains=frozenset(chains),
+        audit_chains=frozenset(audit_chains),
     )
 
 
@@ -504,6 +537,7 @@ class _BufferedTx:
         self._event_owners: dict[str, Tenant] = {}
         self._sessions: dict[str, Session] = {}
         self._tails: dict[str, tuple[int, str]] = {}
+        self._audit_tails: dict[str, tuple[int, str]] = {}
         self._claims: dict[str, Tenant] = {}  # session ids filed under by new events and records
         self._last_seq: int | None = None
         self._deleted: list[str] = []
@@ -599,6 +633,10 @@ class _BufferedTx:
         self._records[key] = record
         for session_id in _filed_under(record):
             self._claim(session_id, record)
+        if isinstance(record, AuditRow) and record.client_id in self._keys.audit_chains:
+            tail = self._audit_tails.get(record.client_id)
+            if tail is None or record.sequence_number > tail[0]:
+                self._audit_tails[record.client_id] = (record.sequence_number, record.row_hash)
         return True
 
     async def last_event(self, session_id: str) -> tuple[int, str] | None:
@@ -615,6 +653,13 @@ class _BufferedTx:
         tail = self._tails.get(event.session_id, self._loaded.chain_tails.get(event.session_id))
         if tail is None or event.sequence_number > tail[0]:
             self._tails[event.session_id] = (event.sequence_number, event.row_hash)
+
+    async def audit_tail(self, client_id: str) -> tuple[int, str]:
+        tail = self._audit_tails.get(client_id)
+        if tail is not None:
+            return tail
+        self._need(self._keys.audit_chains, client_id, "audit chain")
+        return self._loaded.audit_tails.get(client_id, (0, GENESIS))
 
     async def delete_content(self, session_id: str) -> None:
         if session_id not in self._deleted:
@@ -880,31 +925,35 @@ async def apply_push(
     *,
     wrap: Callable[[StoreTx], StoreTx] | None = None,
     aliases: Collection[str] = (),
+    chains: bool = True,
 ) -> PushResult:
     """Apply one push batch inside ``tx``, in order; see the module docstring for the rules.
 
     ``clock`` is the server's HLC (it observes every accepted stamp and stamps forks);
     ``server_id`` is the vector entry the server bumps when it settles a conflict. ``aliases``
-    are the device's earlier client ids (see ``validate_record``). ``wrap``
-    (a store's ``_wrap_tx`` hook) wraps the ``StoreTx`` the rules run against. The caller
-    commits ``tx`` when this returns and rolls it back when it raises.
+    are the device's earlier client ids (see ``validate_record``). ``wrap`` (a store's
+    ``_wrap_tx`` hook) wraps the ``StoreTx`` the rules run against. ``chains``: check that
+    audit rows continue their chains (protocol 3; a device at 2 or earlier is not checked).
+    The caller commits ``tx`` when this returns and rolls it back when it raises.
     """
     buffered = _BufferedTx(tx)
     view: StoreTx = buffered if wrap is None else wrap(buffered)
     await view.lock_tenant(tenant)
     start_seq = last_seq = await view.get_last_seq(tenant, client_id)
-    await buffered.load(tenant, batch_keys(changes, start_seq, tenant, client_id, aliases))
+    keys = batch_keys(changes, start_seq, tenant, client_id, aliases, audit=chains)
+    await buffered.load(tenant, keys)
     batch = _Batch(view, tenant, clock, server_id)
     results: list[ChangeResult] = []
     gap = False
     reused = False
-    skewed: ClockSkew | None = None
+    held_back: ClockSkew | ChainBroken | None = None
     for change in changes:
         seq = change.client_seq
-        if skewed is not None:
+        if held_back is not None:
             # Like a gap: the device keeps this and everything after it, and resends it all
-            # once its stamps are no longer ahead of this server's clock.
-            results.append(_rejected(seq, skewed))
+            # once its stamps are no longer ahead of this server's clock, or once it chained
+            # its audit rows on from the server's place.
+            results.append(_rejected(seq, held_back))
             continue
         if reused and seq > last_seq:
             # Nothing new may apply under an id another copy also writes under: the device
@@ -951,7 +1000,20 @@ async def apply_push(
             error = _observe(clock, record)
             if isinstance(error, ClockSkew):
                 last_seq = seq - 1  # not taken: nothing is lost to a wrong clock
-                skewed = error
+                held_back = error
+        if error is None and chains and not present and isinstance(record, AuditRow):
+            tail = await view.audit_tail(record.client_id)
+            if (record.sequence_number, record.prev_hash) != (tail[0] + 1, tail[1]):
+                last_seq = seq - 1  # not taken: the device chains it on and sends it again
+                held_back = ChainBroken(
+                    f"audit row {record.id} is at place {record.sequence_number} of the chain "
+                    f"of {record.client_id}, which the server holds up to place {tail[0]}: "
+                    "chain it on from there"
+                )
+                result = _rejected(seq, held_back)
+                result.chain_sequence, result.chain_hash = tail
+                results.append(result)
+                continue
         if error is not None:
             results.append(_rejected(seq, error))
             continue

@@ -97,6 +97,7 @@ class ServerStore(Protocol):
         clock: HybridClock,
         *,
         aliases: Collection[str] = (),
+        chains: bool = True,
     ) -> PushResult:
         """Apply a batch idempotently in one transaction; see ``store/apply.py`` for rules.
 
@@ -104,6 +105,7 @@ class ServerStore(Protocol):
         entry is bumped when a conflict is settled. Raises ``StorageUnavailable`` (3009,
         retryable) when the database is unreachable; nothing of the batch is then committed.
         ``aliases`` are the device's earlier client ids (``Hello.previous_client_ids``).
+        ``chains``: check that audit rows continue their chains (protocol 3 and later).
         """
         ...
 

@@ -62,6 +62,7 @@ from shared.errors import CursorTooOld, InvalidState, StorageError, StorageUnava
 from shared.ids import uuid7
 from shared.records import (
     CASCADE_KINDS,
+    AuditRow,
     Change,
     FeedChange,
     Record,
@@ -117,9 +118,42 @@ NOTIFY_CHANNEL = "pleach_feed"
 
 _SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 
+
+async def _backfill_audit_places(conn: Any, s: str) -> None:
+    """Migration 5: the place of every audit row already stored (read from its body)."""
+    rows = await conn.fetch(
+        f"SELECT org_id, user_id, body FROM {s}.records WHERE kind = 'AuditRow'"
+    )
+    places: list[list[Any]] = [[], [], [], [], [], []]
+    for org_id, user_id, body in rows:
+        row = decode_record(body)
+        if isinstance(row, AuditRow):
+            for column, value in zip(places, (org_id, user_id, *_place(row)), strict=True):
+                column.append(value)
+    if places[0]:
+        await conn.execute(_insert_places(s), *places)
+
+
+def _insert_places(s: str) -> str:
+    return (
+        f"INSERT INTO {s}.audit_places "
+        "(org_id, user_id, client_id, sequence_number, row_hash, id) "
+        "SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[], "
+        "$6::text[]) ON CONFLICT DO NOTHING"
+    )
+
+
+def _place(row: AuditRow) -> tuple[str, int, str, str]:
+    """An audit row's ``audit_places`` columns after the tenant's."""
+    return (row.client_id, row.sequence_number, row.row_hash, row.id)
+
+
+Step = str | Callable[[Any, str], Awaitable[None]]
+"""A migration step: a statement, or a function run on the connection and schema (a backfill)."""
+
 # One tuple of statements per schema version; never edit a shipped version, append a new one.
 # ``{s}`` is the schema name (validated by _SCHEMA_RE, so it needs no quoting).
-_MIGRATIONS: tuple[tuple[str, ...], ...] = (
+_MIGRATIONS: tuple[tuple[Step, ...], ...] = (
     (
         """CREATE TABLE {s}.sessions (
             id text PRIMARY KEY,
@@ -200,6 +234,19 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE {s}.events DROP CONSTRAINT events_session_id_sequence_number_key, "
         "ADD CONSTRAINT events_place UNIQUE (org_id, user_id, session_id, sequence_number)",
         "DROP INDEX {s}.events_tenant",
+    ),
+    # 5: each audit row's place in its device's chain: a push checks that a row continues it.
+    (
+        """CREATE TABLE {s}.audit_places (
+            org_id text NOT NULL,
+            user_id text NOT NULL,
+            client_id text NOT NULL,
+            sequence_number bigint NOT NULL,
+            row_hash text NOT NULL,
+            id text NOT NULL,
+            PRIMARY KEY (org_id, user_id, client_id, sequence_number, id)
+        )""",
+        _backfill_audit_places,
     ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
@@ -317,7 +364,10 @@ async def _migrate_conn(conn: Any, schema: str) -> MigrateResult:
         for number, statements in enumerate(_MIGRATIONS[version:], start=version + 1):
             async with conn.transaction():
                 for statement in statements:
-                    await conn.execute(statement.format(s=s))
+                    if isinstance(statement, str):
+                        await conn.execute(statement.format(s=s))
+                    else:
+                        await statement(conn, s)
                 await conn.execute(
                     f"INSERT INTO {s}.schema_migrations (version) VALUES ($1)", number
                 )
@@ -385,6 +435,13 @@ def _last_event(s: str, key: str) -> str:
     )
 
 
+def _audit_tail(s: str, key: str) -> str:
+    return (
+        f"SELECT sequence_number, row_hash FROM {s}.audit_places WHERE {_T} "
+        f"AND client_id = {key} ORDER BY sequence_number DESC, id DESC LIMIT 1"
+    )
+
+
 class _Sql:
     """The statements of one schema, formatted once."""
 
@@ -418,8 +475,10 @@ class _Sql:
         self.record_owner = _record_owner(s, "$3", "$4")
         self.get_session = _get_session(s, "$3")
         self.last_event = _last_event(s, "$3")
+        self.audit_tail = _audit_tail(s, "$3")
         # Each branch is tagged by its first column (0 record owners, 1 event owners, 2
-        # session owners, 3 sessions, 4 chain tails); an empty key array returns nothing.
+        # session owners, 3 sessions, 4 chain tails, 5 audit chain tails); an empty key array
+        # returns nothing.
         self.load = (
             "SELECT 0, k.kind, k.id, o.org_id, o.user_id, NULL::bytea, NULL::bigint, NULL::text "
             "FROM unnest($3::text[], $4::text[]) AS k (kind, id) "
@@ -435,7 +494,10 @@ class _Sql:
             f"CROSS JOIN LATERAL ({_get_session(s, 'k.id')} LIMIT 1) AS o "
             "UNION ALL SELECT 4, NULL, k.id, NULL, NULL, NULL, o.sequence_number, o.row_hash "
             "FROM unnest($8::text[]) AS k (id) "
-            f"CROSS JOIN LATERAL ({_last_event(s, 'k.id')}) AS o"
+            f"CROSS JOIN LATERAL ({_last_event(s, 'k.id')}) AS o "
+            "UNION ALL SELECT 5, NULL, k.id, NULL, NULL, NULL, o.sequence_number, o.row_hash "
+            "FROM unnest($9::text[]) AS k (id) "
+            f"CROSS JOIN LATERAL ({_audit_tail(s, 'k.id')}) AS o"
         )
         # The writes of a push, the rows passed as arrays (columns): records, events, sessions
         # and the device's last_seq in ONE round trip (``write``), data-modifying CTEs on four
@@ -460,9 +522,14 @@ class _Sql:
             f"INSERT INTO {s}.clients (org_id, user_id, client_id, last_seq) "
             "SELECT $1, $2, $21, $22::bigint WHERE $22::bigint IS NOT NULL "
             "ON CONFLICT (org_id, user_id, client_id) DO UPDATE SET last_seq = excluded.last_seq "
-            "RETURNING 1) "
+            "RETURNING 1), "
+            "p AS ("
+            f"INSERT INTO {s}.audit_places "
+            "(org_id, user_id, client_id, sequence_number, row_hash, id) "
+            "SELECT $1, $2, * FROM unnest($23::text[], $24::bigint[], $25::text[], $26::text[]) "
+            "ON CONFLICT DO NOTHING RETURNING 1) "
             "SELECT (SELECT count(*) FROM r), (SELECT count(*) FROM e), "
-            "(SELECT count(*) FROM x), (SELECT count(*) FROM c)"
+            "(SELECT count(*) FROM x), (SELECT count(*) FROM c), (SELECT count(*) FROM p)"
         )
         # n cursors from the identity sequence (the caller holds the tenant lock), paired in
         # increasing order with the rows in their given order (WITH ORDINALITY).
@@ -578,6 +645,7 @@ class _PostgresTx:
             list(keys.session_owners),
             list(keys.sessions),
             list(keys.chains),
+            list(keys.audit_chains),
         )
         if not any(lookups):
             return found
@@ -591,8 +659,10 @@ class _PostgresTx:
                 found.session_owners[key] = Tenant(org_id=org_id, user_id=user_id)
             elif what == 3:
                 found.sessions[key] = decode_session(key, body)
-            else:
+            elif what == 4:
                 found.chain_tails[key] = (int(number), str(row_hash))
+            else:
+                found.audit_tails[key] = (int(number), str(row_hash))
         return found
 
     async def write(self, tenant: Tenant, client_id: str, writes: BatchWrites) -> list[int]:
@@ -609,6 +679,11 @@ class _PostgresTx:
             for column, value in zip(records, row, strict=True):
                 column.append(value)
         events, sessions = writes.events, writes.sessions
+        places: list[list[Any]] = [[], [], [], []]
+        for r in writes.records:
+            if isinstance(r, AuditRow):
+                for place_column, place_value in zip(places, _place(r), strict=True):
+                    place_column.append(place_value)
         if records[0] or events or sessions or writes.last_seq is not None:
             taken = await conn.fetchrow(
                 sql.write,
@@ -629,6 +704,7 @@ class _PostgresTx:
                 [encode_record(x) for x in sessions],
                 client_id,
                 writes.last_seq,
+                *places,
             )
             assert taken is not None
             if taken[0] != len(writes.records):
@@ -887,6 +963,7 @@ class PostgresServerStore(AsyncResource):
         clock: HybridClock,
         *,
         aliases: Collection[str] = (),
+        chains: bool = True,
     ) -> PushResult:
         async def body(conn: Any) -> PushResult:
             result = await apply_push(
@@ -898,6 +975,7 @@ class PostgresServerStore(AsyncResource):
                 clock.client_id,
                 wrap=self._wrap_tx,
                 aliases=aliases,
+                chains=chains,
             )
             if result.cursors:
                 if self.feed_retention is not None:

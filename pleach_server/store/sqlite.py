@@ -17,6 +17,8 @@ Schema (versioned by ``PRAGMA user_version``, migrated at ``open()``):
 - ``feed``: every applied change per tenant under a global monotonic ``cursor``.
 - ``clients``: ``last_seq`` per ``(tenant, client_id)``.
 - ``meta``: the feed floor per tenant (entries at or below it were compacted away).
+- ``audit_places``: where each audit row sits in its device's chain (client id, sequence
+  number, row hash), so that a push reads a chain's last place with one index probe.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from shared.clock import HybridClock
 from shared.errors import CursorTooOld, InvalidState, StorageError, StorageUnavailable
 from shared.records import (
     CASCADE_KINDS,
+    AuditRow,
     Change,
     FeedChange,
     Record,
@@ -76,7 +79,24 @@ DEFAULT_MAX_PULL_LIMIT = 1000
 DEFAULT_BUSY_TIMEOUT_MS = 5000
 
 # One tuple of statements per schema version; never edit a shipped version, append a new one.
-_MIGRATIONS: tuple[tuple[str, ...], ...] = (
+Step = str | Callable[[aiosqlite.Connection], Awaitable[None]]
+"""A migration step: a statement, or a function run on the connection (a backfill)."""
+
+
+async def _backfill_audit_places(conn: aiosqlite.Connection) -> None:
+    """Migration 5: the place of every audit row already stored (read from its body)."""
+    rows = await _fetchall(
+        conn, "SELECT org_id, user_id, body FROM records WHERE kind = ?", ("AuditRow",)
+    )
+    places = []
+    for org_id, user_id, body in rows:
+        row = decode_record(body)
+        if isinstance(row, AuditRow):
+            places.append((org_id, user_id, *_place(row)))
+    await conn.executemany(_INSERT_PLACE_SQL, places)
+
+
+_MIGRATIONS: tuple[tuple[Step, ...], ...] = (
     (
         """CREATE TABLE sessions (
             id TEXT PRIMARY KEY,
@@ -190,6 +210,19 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "DROP TABLE events",
         "ALTER TABLE events_4 RENAME TO events",
     ),
+    # 5: each audit row's place in its device's chain: a push checks that a row continues it.
+    (
+        """CREATE TABLE audit_places (
+            org_id TEXT NOT NULL,
+            user_id TEXT NOT NULL,
+            client_id TEXT NOT NULL,
+            sequence_number INTEGER NOT NULL,
+            row_hash TEXT NOT NULL,
+            id TEXT NOT NULL,
+            PRIMARY KEY (org_id, user_id, client_id, sequence_number, id)
+        ) WITHOUT ROWID""",
+        _backfill_audit_places,
+    ),
 )
 _PUT_HEALTH_SQL = (
     "INSERT INTO devices (org_id, user_id, client_id, seen_at, health) VALUES (?, ?, ?, ?, ?) "
@@ -247,6 +280,18 @@ _CHAIN_TAILS_SQL = """
         SELECT rowid FROM events WHERE org_id = ?1 AND user_id = ?2 AND session_id = k.value
         ORDER BY sequence_number DESC LIMIT 1)"""
 
+# The last place of each client id's audit chain (the highest sequence number), one probe of
+# the primary key per client id.
+_AUDIT_TAILS_SQL = """
+    SELECT k.value, p.sequence_number, p.row_hash FROM json_each(?3) AS k
+    CROSS JOIN audit_places AS p ON p.org_id = ?1 AND p.user_id = ?2 AND p.client_id = k.value
+        AND p.sequence_number = (
+            SELECT MAX(sequence_number) FROM audit_places
+            WHERE org_id = ?1 AND user_id = ?2 AND client_id = k.value)"""
+_INSERT_PLACE_SQL = (
+    "INSERT INTO audit_places (org_id, user_id, client_id, sequence_number, row_hash, id) "
+    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+)
 _INSERT_RECORD_SQL = (
     "INSERT INTO records (kind, id, org_id, user_id, session_id, body) "
     "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (org_id, user_id, kind, id) DO NOTHING"
@@ -317,6 +362,11 @@ def _json(keys: Iterable[Any]) -> str:
     return msgspec.json.encode(sorted(keys)).decode()
 
 
+def _place(row: AuditRow) -> tuple[str, int, str, str]:
+    """An audit row's ``audit_places`` columns after the tenant's."""
+    return (row.client_id, row.sequence_number, row.row_hash, row.id)
+
+
 def _owner(org_id: str | None, user_id: str | None) -> Tenant | None:
     return (
         Tenant(org_id=org_id, user_id=user_id)
@@ -353,6 +403,7 @@ class _Rows(msgspec.Struct):
     sessions: list[tuple[Any, ...]]
     feed: list[tuple[Any, ...]]
     last_seq: tuple[Any, ...] | None
+    places: list[tuple[Any, ...]]
 
 
 def _write_rows(raw: sqlite3.Connection, rows: _Rows) -> list[int]:
@@ -376,6 +427,8 @@ def _write_rows(raw: sqlite3.Connection, rows: _Rows) -> list[int]:
         cursors = list(range(last - len(rows.feed) + 1, last + 1))
     if rows.last_seq is not None:
         raw.execute(_SET_LAST_SEQ_SQL, rows.last_seq)
+    if rows.places:
+        raw.executemany(_INSERT_PLACE_SQL, rows.places)
     return cursors
 
 
@@ -407,6 +460,7 @@ class _SQLiteTx:
                 (_SESSION_OWNERS_SQL, keys.session_owners),
                 (_SESSIONS_SQL, keys.sessions),
                 (_CHAIN_TAILS_SQL, keys.chains),
+                (_AUDIT_TAILS_SQL, keys.audit_chains),
             )
             if wanted
         ]
@@ -431,6 +485,9 @@ class _SQLiteTx:
         if keys.chains:
             for session_id, number, row_hash in next(answers):
                 found.chain_tails[session_id] = (int(number), str(row_hash))
+        if keys.audit_chains:
+            for chain, number, row_hash in next(answers):
+                found.audit_tails[chain] = (int(number), str(row_hash))
         return found
 
     async def write(self, tenant: Tenant, client_id: str, writes: BatchWrites) -> list[int]:
@@ -458,6 +515,7 @@ class _SQLiteTx:
             sessions=[(s.id, s.org_id, s.user_id, s.updated_at, body(s)) for s in writes.sessions],
             feed=[(*t, record_kind(r), r.id, body(r)) for r in writes.feed],
             last_seq=None if writes.last_seq is None else (*t, client_id, writes.last_seq),
+            places=[(*t, *_place(r)) for r in writes.records if isinstance(r, AuditRow)],
         )
         # Every statement of the batch in one hop to the connection's thread (see _on_thread).
         cursors: list[int] = await _on_thread(self._conn, _write_rows, rows)
@@ -608,7 +666,10 @@ class SQLiteServerStore(AsyncResource):
                 )
             for number, statements in enumerate(_MIGRATIONS[version:], start=version + 1):
                 for statement in statements:
-                    await conn.execute(statement)
+                    if isinstance(statement, str):
+                        await conn.execute(statement)
+                    else:
+                        await statement(conn)
                 await conn.execute(f"PRAGMA user_version = {number}")
             await conn.execute("COMMIT")
         except BaseException:
@@ -680,6 +741,7 @@ class SQLiteServerStore(AsyncResource):
         clock: HybridClock,
         *,
         aliases: Collection[str] = (),
+        chains: bool = True,
     ) -> PushResult:
         async def body(conn: aiosqlite.Connection) -> PushResult:
             result = await apply_push(
@@ -691,6 +753,7 @@ class SQLiteServerStore(AsyncResource):
                 clock.client_id,
                 wrap=self._wrap_tx,
                 aliases=aliases,
+                chains=chains,
             )
             if self.feed_retention is not None and result.cursors:
                 await self._retain(conn, tenant, self.feed_retention)
