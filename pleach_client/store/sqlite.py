@@ -19,7 +19,7 @@ import os
 import sqlite3
 import time
 import warnings
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from enum import Enum
 from typing import Any, Final, Generic, Literal, TypeVar
 
@@ -372,12 +372,34 @@ async def _rollback(conn: aiosqlite.Connection, cause: BaseException) -> None:
             cause.add_note(f"rollback also failed: {exc}")
 
 
+_META_PREFETCH: Final = 256
+"""At most this many ``sync_state`` rows are read with a plan's ``BEGIN`` (there are about ten);
+past it, a plan reads each key it asks for."""
+
+
+def _begin_reading_meta(raw: sqlite3.Connection) -> dict[str, str] | None:
+    """``BEGIN IMMEDIATE`` and the whole of ``sync_state``, in one hop: a plan's reads of the
+    device's meta keys (its generation, clock, chain heads) then cost no hop each."""
+    raw.execute("BEGIN IMMEDIATE")
+    rows = raw.execute("SELECT key, value FROM sync_state LIMIT ?", (_META_PREFETCH,)).fetchall()
+    return None if len(rows) >= _META_PREFETCH else {str(k): str(v) for k, v in rows}
+
+
 @contextlib.asynccontextmanager
-async def _immediate(conn: aiosqlite.Connection, action: str) -> AsyncIterator[None]:
-    """One ``BEGIN IMMEDIATE`` transaction: committed on exit, rolled back on any error
-    (cancellation included; the rollback itself is shielded), sqlite errors translated."""
+async def _immediate(
+    conn: aiosqlite.Connection, action: str, *, read_meta: bool = False
+) -> AsyncIterator[dict[str, str] | None]:
+    """One ``BEGIN IMMEDIATE`` transaction: committed on exit (unless the body committed it
+    already, as ``_write_batch`` does in its hop), rolled back on any error (cancellation
+    included; the rollback itself is shielded), sqlite errors translated. ``read_meta``: yield
+    ``sync_state`` as it stands inside the transaction (``_begin_reading_meta``), else None."""
+    meta: dict[str, str] | None = None
     try:
-        await conn.execute("BEGIN IMMEDIATE")
+        if read_meta:
+            raw: sqlite3.Connection = conn._conn
+            meta = await conn._execute(_begin_reading_meta, raw)  # type: ignore[no-untyped-call]
+        else:
+            await conn.execute("BEGIN IMMEDIATE")
     except _DB_ERRORS as exc:
         raise _storage_error(action, exc) from exc
     except BaseException as exc:
@@ -385,13 +407,46 @@ async def _immediate(conn: aiosqlite.Connection, action: str) -> AsyncIterator[N
         await asyncio.shield(_rollback(conn, exc))
         raise
     try:
-        yield
-        await conn.execute("COMMIT")
+        yield meta
+        if conn.in_transaction:
+            await conn.execute("COMMIT")
     except BaseException as exc:
         await asyncio.shield(_rollback(conn, exc))
         if isinstance(exc, _DB_ERRORS):
             raise _storage_error(action, exc) from exc
         raise
+
+
+def _atomically(raw: sqlite3.Connection, fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(raw, *args)`` in one ``BEGIN IMMEDIATE`` transaction, on the connection's own
+    thread: committed, or rolled back when it raises. Once started it runs to its end, so a
+    cancelled caller leaves no transaction open."""
+    raw.execute("BEGIN IMMEDIATE")
+    try:
+        result = fn(raw, *args)
+        raw.execute("COMMIT")
+    except BaseException:
+        if raw.in_transaction:
+            raw.execute("ROLLBACK")
+        raise
+    return result
+
+
+async def _in_one_hop(
+    conn: aiosqlite.Connection, action: str, fn: Callable[..., _T], *args: Any
+) -> _T:
+    """A small write transaction (``_atomically``) in ONE hop to the connection's thread,
+    instead of three (``BEGIN``, the statement, ``COMMIT``); sqlite errors translated."""
+    raw: sqlite3.Connection = conn._conn
+    try:
+        result: _T = await conn._execute(_atomically, raw, fn, *args)  # type: ignore[no-untyped-call]
+    except _DB_ERRORS as exc:
+        raise _storage_error(action, exc) from exc
+    return result
+
+
+def _delete_queued(raw: sqlite3.Connection, client_seqs: list[int]) -> None:
+    raw.executemany("DELETE FROM outbox WHERE client_seq = ?", [(seq,) for seq in client_seqs])
 
 
 # ?1: the session id; ?2: a JSON array of ids to keep (what a live fork refers to).
@@ -412,17 +467,20 @@ _PURGE_SESSION = (
 )
 
 
-async def _write_batch(conn: aiosqlite.Connection, batch: WriteBatch) -> CommitReceipt:
+async def _write_batch(
+    conn: aiosqlite.Connection, batch: WriteBatch, *, commit: bool = False
+) -> CommitReceipt:
     """Write ``batch`` inside the open transaction, in ONE hop to the connection's thread:
     every statement of a batch runs there back to back (a turn's commit was about ten awaited
-    hops, each a thread handoff, for well under a millisecond of SQLite work)."""
+    hops, each a thread handoff, for well under a millisecond of SQLite work). ``commit``:
+    end the transaction in the same hop (``_immediate`` then has nothing left to commit)."""
     groups, outbox = _encode_batch(batch.records)
     queued_groups, queued_outbox = _encode_batch(batch.queued)
     # aiosqlite runs queued functions on its connection thread, in order; it has no public
     # name for that, so this uses its ``_execute`` and ``_conn`` (pinned: aiosqlite < 0.23).
     raw: sqlite3.Connection = conn._conn
     receipt: CommitReceipt = await conn._execute(  # type: ignore[no-untyped-call]
-        _write_batch_now, raw, batch, groups, outbox, queued_groups, queued_outbox
+        _write_batch_now, raw, batch, groups, outbox, queued_groups, queued_outbox, commit
     )
     return receipt
 
@@ -434,6 +492,7 @@ def _write_batch_now(
     outbox: list[tuple[str, str, bytes | None]],
     queued_groups: dict[str, list[tuple[Any, ...]]],
     queued_outbox: list[tuple[str, str, bytes | None]],
+    commit: bool,
 ) -> CommitReceipt:
     """``_write_batch``'s statements, run on the connection's own thread."""
     keep = msgspec.json.encode(batch.purge_keep).decode()
@@ -474,6 +533,8 @@ def _write_batch_now(
         )
     if batch.meta:
         raw.executemany(_PUT_META, list(batch.meta.items()))
+    if commit:
+        raw.execute("COMMIT")
     return CommitReceipt(client_seqs=seqs, records=len(batch.records) + len(batch.queued))
 
 
@@ -492,12 +553,17 @@ def _renumber_outbox(raw: sqlite3.Connection) -> None:
 
 
 class _Reader:
-    """``TxReader`` on the connection that holds the write transaction."""
+    """``TxReader`` on the connection that holds the write transaction. ``meta``: the
+    ``sync_state`` rows read with its ``BEGIN`` (the plan writes them only in its batch, after
+    its last read), or None to read each key."""
 
-    def __init__(self, conn: aiosqlite.Connection) -> None:
+    def __init__(self, conn: aiosqlite.Connection, meta: dict[str, str] | None = None) -> None:
         self._conn = conn
+        self._meta = meta
 
     async def get_meta(self, key: str) -> str | None:
+        if self._meta is not None:
+            return self._meta.get(key)
         rows = await _fetch(self._conn, QUERIES["get_meta"], (key,))
         return str(rows[0][0]) if rows else None
 
@@ -738,11 +804,13 @@ class SQLiteAdapter(AsyncResource):
     async def transact(self, plan: Plan) -> CommitReceipt:
         """Call ``plan`` under the write lock (``BEGIN IMMEDIATE``: other processes wait, up
         to ``busy_timeout_ms``) with a reader on the same transaction, then write its batch."""
-        async with self._transaction("commit") as conn:
-            batch = await plan(_Reader(conn))
-            if batch is None:
-                return CommitReceipt(client_seqs=[], records=0)
-            return await _write_batch(conn, batch)
+        async with self._lock:
+            conn = self._require_open()
+            async with _immediate(conn, "commit", read_meta=True) as meta:
+                batch = await plan(_Reader(conn, meta))
+                if batch is None:
+                    return CommitReceipt(client_seqs=[], records=0)
+                return await _write_batch(conn, batch, commit=True)
 
     async def gdpr_soft_delete(self, subject_key: str) -> int:
         """Clear ``subject_key``, ``request_id`` and ``detail`` of the subject's audit rows and
@@ -880,10 +948,8 @@ class SQLiteAdapter(AsyncResource):
         """Drop acknowledged entries; unknown sequence numbers are ignored."""
         if not client_seqs:
             return
-        async with self._transaction("outbox remove") as conn:
-            await conn.executemany(
-                "DELETE FROM outbox WHERE client_seq = ?", [(seq,) for seq in client_seqs]
-            )
+        async with self._lock:
+            await _in_one_hop(self._require_open(), "outbox remove", _delete_queued, client_seqs)
 
     async def outbox_mark_attempt(
         self, client_seqs: list[int], code: int | None, message: str | None

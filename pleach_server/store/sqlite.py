@@ -404,11 +404,13 @@ class _Rows(msgspec.Struct):
     feed: list[tuple[Any, ...]]
     last_seq: tuple[Any, ...] | None
     places: list[tuple[Any, ...]]
+    head: tuple[Any, ...] | None
+    """``_HEAD_SQL``'s parameters: the tenant's head is read once the rows are in (None: not)."""
 
 
-def _write_rows(raw: sqlite3.Connection, rows: _Rows) -> list[int]:
+def _write_rows(raw: sqlite3.Connection, rows: _Rows) -> tuple[list[int], int | None]:
     """``_SQLiteTx.write``'s statements, run on the connection's own thread; the feed rows'
-    cursors."""
+    cursors, and the tenant's head after them (when ``rows.head`` asks)."""
     if rows.records:
         if raw.executemany(_INSERT_RECORD_SQL, rows.records).rowcount != len(rows.records):
             raise claimed_concurrently("a record id")
@@ -429,18 +431,28 @@ def _write_rows(raw: sqlite3.Connection, rows: _Rows) -> list[int]:
         raw.execute(_SET_LAST_SEQ_SQL, rows.last_seq)
     if rows.places:
         raw.executemany(_INSERT_PLACE_SQL, rows.places)
-    return cursors
+    head = None if rows.head is None else int(raw.execute(_HEAD_SQL, rows.head).fetchone()[0])
+    return cursors, head
+
+
+def _fetch_each_and_head(
+    raw: sqlite3.Connection, lookups: list[tuple[str, tuple[Any, ...]]], head: tuple[Any, ...]
+) -> tuple[list[list[Any]], int]:
+    return _fetch_each(raw, lookups), int(raw.execute(_HEAD_SQL, head).fetchone()[0])
 
 
 class _SQLiteTx:
     """``BatchTx`` over the writer connection, inside the push's ``BEGIN IMMEDIATE``.
 
-    Every statement is one hop to aiosqlite's thread, whatever the size of the batch: a lookup
-    is one ``execute_fetchall``, a table's writes are one ``executemany``.
+    A push is a few hops to aiosqlite's thread, whatever the size of the batch: every lookup
+    in one, every write in one. The tenant's head is read in those same hops (before the
+    writes with the lookups, after them with the writes): nothing else writes inside this
+    ``BEGIN IMMEDIATE``, so ``head_cursor`` answers from it.
     """
 
     def __init__(self, conn: aiosqlite.Connection) -> None:
         self._conn = conn
+        self._head: int | None = None
 
     async def lock_tenant(self, tenant: Tenant) -> None:
         # BEGIN IMMEDIATE already holds the only write lock of the database file.
@@ -464,8 +476,9 @@ class _SQLiteTx:
             )
             if wanted
         ]
-        # Every lookup of the batch in one hop to the connection's thread (see _on_thread).
-        answers = iter(await _on_thread(self._conn, _fetch_each, lookups))
+        # Every lookup of the batch, and the head, in one hop to the connection's thread.
+        each, self._head = await _on_thread(self._conn, _fetch_each_and_head, lookups, t + t)
+        answers = iter(each)
         found = Snapshot()
         if keys.records:
             for kind, record_id, org_id, user_id in next(answers):
@@ -516,15 +529,18 @@ class _SQLiteTx:
             feed=[(*t, record_kind(r), r.id, body(r)) for r in writes.feed],
             last_seq=None if writes.last_seq is None else (*t, client_id, writes.last_seq),
             places=[(*t, *_place(r)) for r in writes.records if isinstance(r, AuditRow)],
+            head=None if writes.deleted_sessions else t + t,
         )
         # Every statement of the batch in one hop to the connection's thread (see _on_thread).
-        cursors: list[int] = await _on_thread(self._conn, _write_rows, rows)
+        cursors, self._head = await _on_thread(self._conn, _write_rows, rows)
         if writes.deleted_sessions:
             await self._delete_content(tenant)
         return cursors
 
     async def head_cursor(self, tenant: Tenant) -> int:
-        return await _head(self._conn, tenant)
+        if self._head is None:
+            self._head = await _head(self._conn, tenant)
+        return self._head
 
     async def _delete_content(self, tenant: Tenant) -> None:
         """Delete the content of the tenant's deleted sessions (``BatchTx.write``)."""
