@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiosqlite
 import pytest
@@ -253,6 +254,7 @@ _BATCH_LOOKUPS = (
     "_SESSION_OWNERS_SQL",
     "_SESSIONS_SQL",
     "_CHAIN_TAILS_SQL",
+    "_AUDIT_TAILS_SQL",
     "_CASCADE_CANDIDATES_SQL",
     "_DELETE_RECORDS_SQL",
     "_DELETE_FEED_SQL",
@@ -282,6 +284,37 @@ async def test_a_batch_lookup_reads_each_key_through_an_index(db_path: Path, nam
         constrained = line[line.index("(") + 1 : line.rindex(")")]
         columns = {c.split("=")[0].strip() for c in constrained.split(" AND ")}
         assert columns - {"org_id", "user_id"}, f"{name}: {line}"
+
+
+async def test_a_push_is_four_hops_whatever_its_size(db_path: Path) -> None:
+    """A push speaks to the writer connection's thread four times, however many changes it
+    carries: BEGIN with the device's last_seq, every lookup with the tenant's head, every
+    write with the head after it, COMMIT. (Each hop is a thread handoff that costs more than
+    the SQLite work of a small push.)"""
+    clock = HybridClock("server-x")
+    async with SQLiteServerStore(db_path, synchronous="NORMAL") as store:
+        writer = store._writer
+        assert writer is not None
+        hops = 0
+        execute = writer._execute
+
+        async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+            nonlocal hops
+            hops += 1
+            return await execute(fn, *args, **kwargs)
+
+        writer._execute = counted  # type: ignore[method-assign]
+        counts = []
+        for size in (1, 200):
+            dev = Device(new_tenant())
+            session = dev.session()
+            records = [session, *(dev.message(session.id) for _ in range(size))]
+            records += [dev.event(session.id), dev.audit(session.id)]
+            hops = 0
+            result = await store.push(dev.tenant, dev.client_id, dev.changes(*records), clock)
+            assert {r.status for r in result.results} == {"applied"}
+            counts.append(hops)
+        assert counts == [4, 4]
 
 
 async def test_schema_4_files_migrate_with_every_audit_row_placed(db_path: Path) -> None:

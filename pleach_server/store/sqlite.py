@@ -450,15 +450,20 @@ class _SQLiteTx:
     ``BEGIN IMMEDIATE``, so ``head_cursor`` answers from it.
     """
 
-    def __init__(self, conn: aiosqlite.Connection) -> None:
+    def __init__(self, conn: aiosqlite.Connection, last_seq: int | None = None) -> None:
         self._conn = conn
         self._head: int | None = None
+        self._last_seq = last_seq
+        """The pushing device's ``last_seq``, read with the ``BEGIN`` (None: not read)."""
 
     async def lock_tenant(self, tenant: Tenant) -> None:
         # BEGIN IMMEDIATE already holds the only write lock of the database file.
         return None
 
     async def get_last_seq(self, tenant: Tenant, client_id: str) -> int:
+        if self._last_seq is not None:
+            last_seq, self._last_seq = self._last_seq, None  # read once, by the batch's start
+            return last_seq
         row = await _fetchone(self._conn, _LAST_SEQ_SQL, (tenant.org_id, tenant.user_id, client_id))
         return int(row[0]) if row is not None else 0
 
@@ -698,11 +703,17 @@ class SQLiteServerStore(AsyncResource):
         """Hook: wraps the ``StoreTx`` view a push's rules run against (tests inject faults)."""
         return tx
 
-    async def _write(self, body: Callable[[aiosqlite.Connection], Awaitable[T]]) -> T:
-        """Run ``body`` in one ``BEGIN IMMEDIATE`` transaction; roll back if it raises."""
+    async def _write(
+        self,
+        body: Callable[[aiosqlite.Connection], Awaitable[T]],
+        *,
+        first: Callable[[sqlite3.Connection], None] | None = None,
+    ) -> T:
+        """Run ``body`` in one ``BEGIN IMMEDIATE`` transaction; roll back if it raises.
+        ``first(raw)`` runs right after the ``BEGIN``, in its hop (a push's first read)."""
         async with self._write_lock:
             conn = self._require(self._writer)
-            await _begin(conn, "BEGIN IMMEDIATE")
+            await _begin(conn, "BEGIN IMMEDIATE", first)
             try:
                 result = await body(conn)
                 await conn.execute("COMMIT")
@@ -759,9 +770,15 @@ class SQLiteServerStore(AsyncResource):
         aliases: Collection[str] = (),
         chains: bool = True,
     ) -> PushResult:
+        read: list[int] = []
+
+        def last_seq(raw: sqlite3.Connection) -> None:
+            row = raw.execute(_LAST_SEQ_SQL, (tenant.org_id, tenant.user_id, client_id)).fetchone()
+            read.append(int(row[0]) if row is not None else 0)
+
         async def body(conn: aiosqlite.Connection) -> PushResult:
             result = await apply_push(
-                _SQLiteTx(conn),
+                _SQLiteTx(conn, read[-1] if read else None),
                 tenant,
                 client_id,
                 changes,
@@ -776,7 +793,7 @@ class SQLiteServerStore(AsyncResource):
                 result.feed, result.previous_head = [], None  # read the page back instead
             return result
 
-        return await self._write(body)
+        return await self._write(body, first=last_seq)
 
     async def _retain(self, conn: aiosqlite.Connection, tenant: Tenant, keep: int) -> None:
         row = await _fetchone(
@@ -859,8 +876,27 @@ def _decode(cursor: int, body: bytes) -> Record:
         raise StorageError(f"corrupt feed entry at cursor {cursor}") from exc
 
 
-async def _begin(conn: aiosqlite.Connection, statement: str) -> None:
-    """Open a transaction, never leaving one open behind a failure.
+def _begin_now(
+    raw: sqlite3.Connection, statement: str, first: Callable[[sqlite3.Connection], None] | None
+) -> None:
+    raw.execute(statement)
+    if first is None:
+        return
+    try:
+        first(raw)
+    except BaseException:
+        raw.execute("ROLLBACK")
+        raise
+
+
+async def _begin(
+    conn: aiosqlite.Connection,
+    statement: str,
+    first: Callable[[sqlite3.Connection], None] | None = None,
+) -> None:
+    """Open a transaction, never leaving one open behind a failure; ``first(raw)`` runs in
+    the same hop to the connection's thread, right after it (the transaction is rolled back
+    if it raises).
 
     A BEGIN whose caller was cancelled still runs on aiosqlite's thread: the transaction is
     then rolled back (shielded) before the cancellation goes on. A transaction left open
@@ -869,14 +905,14 @@ async def _begin(conn: aiosqlite.Connection, statement: str) -> None:
     transaction within a transaction".
     """
     try:
-        await conn.execute(statement)
+        await _on_thread(conn, _begin_now, statement, first)
     except sqlite3.OperationalError as exc:
         if "within a transaction" not in str(exc):
             raise StorageUnavailable(f"cannot start a transaction: {exc}") from exc
         log.warning("a transaction was left open on %r; rolling it back", conn)
         await asyncio.shield(_rollback(conn))
         try:
-            await conn.execute(statement)
+            await _on_thread(conn, _begin_now, statement, first)
         except sqlite3.Error as again:
             raise StorageUnavailable(f"cannot start a transaction: {again}") from again
     except sqlite3.Error as exc:
