@@ -841,6 +841,7 @@ class SyncFacet:
             },
         )
         rechains = 0
+        drained = False
         try:
             while True:
                 entries = (
@@ -848,6 +849,7 @@ class SyncFacet:
                 )
                 first = None
                 if not entries:
+                    drained = True  # this read saw none left: nothing to count after the loop
                     break
                 link = self._link
                 if link is None:
@@ -921,7 +923,7 @@ class SyncFacet:
             self._poke()
             span.set(**{"pleach.flushed": flushed, "pleach.failed": len(failed)})
             span.end()
-        pending_after = await store.outbox_count()
+        pending_after = 0 if drained else await store.outbox_count()
         if pending_after == 0 and not failed:
             outcome: FlushOutcome = "all-flushed"
         elif flushed == 0:
@@ -948,7 +950,9 @@ class SyncFacet:
         # again only when the server claims more (not an await per push).
         self._server_seq = ack.last_seq
         self._unsure_through = 0  # the ack is exact, and its push began at the oldest queued
-        issued = self._issued
+        # What was just sent was given out: the store is asked only when the server claims
+        # more than that (another copy of this file, or writes since: one read, not one a push).
+        issued = self._issued = max(self._issued, max(e.client_seq for e in entries))
         if ack.last_seq > issued:
             issued = self._issued = await store.last_client_seq()
         plan = settle([Sent(e.client_seq, e.attempts) for e in entries], ack, issued)
