@@ -946,12 +946,11 @@ class SyncFacet:
         """Apply one PushAck to the outbox (the decision is ``syncplan.settle``); also whether
         refused audit rows were chained on from the server's place (3013)."""
         store = self._rt.store
-        # The highest client_seq this file gave out only grows with local writes: read it
-        # again only when the server claims more (not an await per push).
         self._server_seq = ack.last_seq
         self._unsure_through = 0  # the ack is exact, and its push began at the oldest queued
-        # What was just sent was given out: the store is asked only when the server claims
-        # more than that (another copy of this file, or writes since: one read, not one a push).
+        # The highest client_seq this file gave out only grows with local writes, and what was
+        # just sent was given out: the store is asked only when the server claims more than
+        # that (another copy of this file, or writes since), not once a push.
         issued = self._issued = max(self._issued, max(e.client_seq for e in entries))
         if ack.last_seq > issued:
             issued = self._issued = await store.last_client_seq()

@@ -926,10 +926,25 @@ def test_bad_parameters_and_lock_keys() -> None:
     assert redact_dsn("postgresql://alice:s3cret@db.example:6543/prod") == "db.example:6543/prod"
 
 
+async def schema_at(conn: Any, s: str, version: int) -> None:
+    """Create schema ``s`` as a build at ``version`` left it (its migrations, in order)."""
+    from pleach_server.store import postgres as module
+
+    await conn.execute(f"CREATE SCHEMA {s}")
+    await conn.execute(
+        f"CREATE TABLE {s}.schema_migrations (version integer PRIMARY KEY, "
+        "applied_at timestamptz NOT NULL DEFAULT now())"
+    )
+    for number, statements in enumerate(module._MIGRATIONS[:version], start=1):
+        for statement in statements:
+            assert isinstance(statement, str)  # the early versions are statements only
+            await conn.execute(statement.format(s=s))
+        await conn.execute(f"INSERT INTO {s}.schema_migrations VALUES ($1)", number)
+
+
 async def test_schema_3_migrates_to_tenant_scoped_ids() -> None:
     """A schema at version 3 (ids unique across tenants) keeps its rows through migration 4,
     and they are found by their new keys."""
-    from pleach_server.store import postgres as module
     from shared.records import encode_record
 
     alice, bob = Device(new_tenant()), Device(new_tenant())
@@ -938,15 +953,7 @@ async def test_schema_3_migrates_to_tenant_scoped_ids() -> None:
     t = (alice.tenant.org_id, alice.tenant.user_id)
     async with scratch_schema() as s:
         async with admin() as conn:
-            await conn.execute(f"CREATE SCHEMA {s}")
-            await conn.execute(
-                f"CREATE TABLE {s}.schema_migrations (version integer PRIMARY KEY, "
-                "applied_at timestamptz NOT NULL DEFAULT now())"
-            )
-            for number, statements in enumerate(module._MIGRATIONS[:3], start=1):
-                for statement in statements:
-                    await conn.execute(statement.format(s=s))
-                await conn.execute(f"INSERT INTO {s}.schema_migrations VALUES ($1)", number)
+            await schema_at(conn, s, 3)
             await conn.execute(
                 f"INSERT INTO {s}.sessions (id, org_id, user_id, updated_at, body) "
                 "VALUES ($1, $2, $3, $4, $5)",
@@ -986,7 +993,6 @@ async def test_schema_3_migrates_to_tenant_scoped_ids() -> None:
 async def test_schema_4_migrates_with_every_audit_row_placed() -> None:
     """Audit rows stored before the server kept their places (schema 4) are placed by
     migration 5: a row that continues a chain applies, one that leaves a hole is refused."""
-    from pleach_server.store import postgres as module
     from shared.records import encode_record
 
     dev = Device(new_tenant())
@@ -995,16 +1001,7 @@ async def test_schema_4_migrates_with_every_audit_row_placed() -> None:
     t = (dev.tenant.org_id, dev.tenant.user_id)
     async with scratch_schema() as s:
         async with admin() as conn:
-            await conn.execute(f"CREATE SCHEMA {s}")
-            await conn.execute(
-                f"CREATE TABLE {s}.schema_migrations (version integer PRIMARY KEY, "
-                "applied_at timestamptz NOT NULL DEFAULT now())"
-            )
-            for number, statements in enumerate(module._MIGRATIONS[:4], start=1):
-                for statement in statements:
-                    assert isinstance(statement, str)
-                    await conn.execute(statement.format(s=s))
-                await conn.execute(f"INSERT INTO {s}.schema_migrations VALUES ($1)", number)
+            await schema_at(conn, s, 4)
             for row in rows:
                 await conn.execute(
                     f"INSERT INTO {s}.records (kind, id, org_id, user_id, session_id, body) "

@@ -333,6 +333,37 @@ class _CountingConnection:
         return counted
 
 
+@pytest.mark.parametrize("extra_keys", [0, sqlite_module._META_PREFETCH])
+async def test_a_plan_reads_the_meta_keys_as_they_stand_in_its_transaction(
+    sqlite_store: SQLiteAdapter, db_path: Path, extra_keys: int
+) -> None:
+    """The meta rows a plan reads come with its BEGIN: another process's write just before
+    is seen, the plan's own batch is not (it comes after the last read), and a table with
+    more rows than are read at once is read key by key, with the same answers."""
+    from pleach_client.store.base import TxReader, WriteBatch
+
+    other = raw(db_path)  # another process on the same file
+    try:
+        other.executemany(
+            "INSERT INTO sync_state (key, value) VALUES (?, ?)",
+            [(f"filler-{i}", "x") for i in range(extra_keys)],
+        )
+        other.execute("INSERT INTO sync_state (key, value) VALUES ('generation', 'theirs')")
+    finally:
+        other.close()
+    seen: list[str | None] = []
+
+    async def plan(tx: TxReader) -> WriteBatch:
+        seen.extend([await tx.get_meta("generation"), await tx.get_meta("absent")])
+        batch = WriteBatch(records=[], meta={"generation": "ours"})
+        seen.append(await tx.get_meta("generation"))  # the batch is not written yet
+        return batch
+
+    await sqlite_store.transact(plan)
+    assert seen == ["theirs", None, "theirs"]
+    assert await sqlite_store.get_meta("generation") == "ours"
+
+
 async def test_round_trips_do_not_grow_with_the_batch(sqlite_store: SQLiteAdapter) -> None:
     async def calls_for(size: int) -> Counter[str]:
         proxy = _CountingConnection(sqlite_store._conn)

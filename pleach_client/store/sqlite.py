@@ -381,7 +381,12 @@ def _begin_reading_meta(raw: sqlite3.Connection) -> dict[str, str] | None:
     """``BEGIN IMMEDIATE`` and the whole of ``sync_state``, in one hop: a plan's reads of the
     device's meta keys (its generation, clock, chain heads) then cost no hop each."""
     raw.execute("BEGIN IMMEDIATE")
-    rows = raw.execute("SELECT key, value FROM sync_state LIMIT ?", (_META_PREFETCH,)).fetchall()
+    try:
+        query = "SELECT key, value FROM sync_state LIMIT ?"
+        rows = raw.execute(query, (_META_PREFETCH,)).fetchall()
+    except BaseException:
+        raw.execute("ROLLBACK")  # the caller sees a failed BEGIN: no transaction is left open
+        raise
     return None if len(rows) >= _META_PREFETCH else {str(k): str(v) for k, v in rows}
 
 
