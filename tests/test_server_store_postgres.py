@@ -1023,3 +1023,29 @@ async def test_schema_4_migrates_with_every_audit_row_placed() -> None:
                 dev.tenant, dev.client_id, dev.changes(dev.audit(session.id)), clock
             )
             assert [r.status for r in after.results] == ["applied"]
+
+
+async def test_a_push_is_six_statements_whatever_its_size(pg_schema: str) -> None:
+    """Between BEGIN and COMMIT a push is six statements, however many changes it carries:
+    the tenant lock, the device's last_seq, every lookup with the tenant's head (``load``),
+    every table write (``write``), the feed rows, and the notice to the other processes. Each
+    is a round trip to the database; the head after the feed rows is their last cursor, not
+    another query."""
+    clock = HybridClock("server-x")
+    async with pg_store(pg_schema, pool_min=1, pool_max=1) as store:
+        statements: list[str] = []
+        async with store._pool.acquire() as conn:
+            conn.add_query_logger(lambda record: statements.append(record.query))
+        counts = []
+        for size in (1, 1, 200):  # the first push also has asyncpg look up the types
+            dev = Device(new_tenant())
+            session = dev.session()
+            records = [session, *(dev.message(session.id) for _ in range(size))]
+            records += [dev.event(session.id), dev.audit(session.id)]
+            statements.clear()
+            result = await store.push(dev.tenant, dev.client_id, dev.changes(*records), clock)
+            assert {r.status for r in result.results} == {"applied"}
+            assert result.head_cursor == max(r.cursor or 0 for r in result.results)
+            verbs = [q.split()[0].upper().rstrip(";") for q in statements]
+            counts.append(verbs.index("COMMIT") - verbs.index("BEGIN") - 1)
+        assert counts[1:] == [6, 6]

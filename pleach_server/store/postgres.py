@@ -435,6 +435,14 @@ def _last_event(s: str, key: str) -> str:
     )
 
 
+def _max_cursor(s: str) -> str:
+    return f"COALESCE((SELECT MAX(cursor) FROM {s}.feed WHERE {_T}), 0)"
+
+
+def _floor(s: str) -> str:
+    return f"COALESCE((SELECT feed_floor FROM {s}.meta WHERE {_T}), 0)"
+
+
 def _audit_tail(s: str, key: str) -> str:
     return (
         f"SELECT sequence_number, row_hash FROM {s}.audit_places WHERE {_T} "
@@ -477,8 +485,8 @@ class _Sql:
         self.last_event = _last_event(s, "$3")
         self.audit_tail = _audit_tail(s, "$3")
         # Each branch is tagged by its first column (0 record owners, 1 event owners, 2
-        # session owners, 3 sessions, 4 chain tails, 5 audit chain tails); an empty key array
-        # returns nothing.
+        # session owners, 3 sessions, 4 chain tails, 5 audit chain tails, 6 the tenant's head
+        # cursor, always one row); an empty key array returns nothing.
         self.load = (
             "SELECT 0, k.kind, k.id, o.org_id, o.user_id, NULL::bytea, NULL::bigint, NULL::text "
             "FROM unnest($3::text[], $4::text[]) AS k (kind, id) "
@@ -497,7 +505,9 @@ class _Sql:
             f"CROSS JOIN LATERAL ({_last_event(s, 'k.id')}) AS o "
             "UNION ALL SELECT 5, NULL, k.id, NULL, NULL, NULL, o.sequence_number, o.row_hash "
             "FROM unnest($9::text[]) AS k (id) "
-            f"CROSS JOIN LATERAL ({_audit_tail(s, 'k.id')}) AS o"
+            f"CROSS JOIN LATERAL ({_audit_tail(s, 'k.id')}) AS o "
+            "UNION ALL SELECT 6, NULL, NULL, NULL, NULL, NULL, ("
+            f"SELECT GREATEST({_max_cursor(s)}, {_floor(s)})), NULL"
         )
         # The writes of a push, the rows passed as arrays (columns): records, events, sessions
         # and the device's last_seq in ONE round trip (``write``), data-modifying CTEs on four
@@ -544,11 +554,7 @@ class _Sql:
             "FROM generate_series(1, cardinality($3::text[]))) AS a) AS c USING (n) "
             "RETURNING cursor"
         )
-        self.head = (
-            "SELECT GREATEST("
-            f"COALESCE((SELECT MAX(cursor) FROM {s}.feed WHERE org_id = $1 AND user_id = $2), 0),"
-            f"COALESCE((SELECT feed_floor FROM {s}.meta WHERE org_id = $1 AND user_id = $2), 0))"
-        )
+        self.head = f"SELECT GREATEST({_max_cursor(s)}, {_floor(s)})"
         self.client_state = (
             "SELECT COALESCE((SELECT last_seq FROM "
             f"{s}.clients WHERE org_id = $1 AND user_id = $2 AND client_id = $3), 0), "
@@ -623,6 +629,9 @@ class _PostgresTx:
         self._conn = conn
         self._sql = sql
         self._schema = schema
+        self._head: int | None = None
+        """The tenant's head cursor as ``load`` read it, or as the feed rows ``write`` added
+        left it (the tenant lock keeps every other writer out meanwhile); None: read it."""
 
     async def lock_tenant(self, tenant: Tenant) -> None:
         # Held until COMMIT / ROLLBACK; see "Cursor visibility" in the module docstring.
@@ -661,8 +670,10 @@ class _PostgresTx:
                 found.sessions[key] = decode_session(key, body)
             elif what == 4:
                 found.chain_tails[key] = (int(number), str(row_hash))
-            else:
+            elif what == 5:
                 found.audit_tails[key] = (int(number), str(row_hash))
+            else:
+                self._head = int(number)
         return found
 
     async def write(self, tenant: Tenant, client_id: str, writes: BatchWrites) -> list[int]:
@@ -724,12 +735,18 @@ class _PostgresTx:
             )
             # The n-th smallest cursor went to the n-th row (see _Sql.append_feed).
             cursors = sorted(int(row[0]) for row in rows)
+            # New cursors are above every cursor the tenant had (one sequence), so the last
+            # is the head; a delete below may take feed rows away again: read it then.
+            self._head = cursors[-1] if cursors else self._head
         if writes.deleted_sessions:
+            self._head = None
             await self._delete_content(tenant)
         return cursors
 
     async def head_cursor(self, tenant: Tenant) -> int:
-        return await _head(self._conn, self._sql, tenant)
+        if self._head is None:
+            self._head = await _head(self._conn, self._sql, tenant)
+        return self._head
 
     async def _delete_content(self, tenant: Tenant) -> None:
         """Delete the content of the tenant's deleted sessions (``BatchTx.write``)."""
