@@ -28,10 +28,15 @@ from bench.bench_local import Row, file_bytes, render
 from pleach_client.providers.scripted import ScriptedProvider, ScriptedReply
 from pleach_client.runtime import SessionRuntime
 from pleach_client.store.sqlite import SQLiteAdapter
+from pleach_server.auth import issue_token
+from pleach_server.server import SyncServer
+from pleach_server.store import SQLiteServerStore, Tenant
 
 USER_BYTES = 200
 ASSISTANT_BYTES = 800
 CLIENT_ID = "bench-conversation-device"
+SECRET = b"bench-conversation-secret"
+TENANT = Tenant(org_id="default", user_id="anonymous")  # SessionRuntime's own defaults
 
 
 def user_text(i: int) -> str:
@@ -59,6 +64,25 @@ async def pleach_run(path: Path, n: int) -> list[float]:
                 pass
             out.append(time.perf_counter() - started)
     return out
+
+
+async def synced_bytes(device: Path, server_path: Path) -> tuple[int, int]:
+    """Sync the device file at ``device`` to a real server on ``server_path`` (``sync_once``:
+    everything pushed, and pulled back with the server's places); the device file's bytes
+    and the server file's bytes then, each with its WAL (both checkpointed first)."""
+    async with (
+        SQLiteServerStore(server_path) as store,
+        SyncServer(store, port=0, secret=SECRET) as server,
+    ):
+        provider = ScriptedProvider(default_reply=REPLY)
+        async with SessionRuntime(SQLiteAdapter(device), provider, client_id=CLIENT_ID) as rt:
+            receipt = await rt.sync.sync_once(server.url, issue_token(SECRET, TENANT, 3600), 600)
+            if receipt.pending_after:
+                raise RuntimeError(f"the sync left {receipt.pending_after} change(s) queued")
+    for path in (device, server_path):
+        with sqlite3.connect(path) as conn:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    return file_bytes(device), file_bytes(server_path)
 
 
 def raw_run(path: Path, n: int) -> list[float]:
@@ -107,11 +131,14 @@ async def _run(n: int) -> list[Row]:
         raw = raw_run(root / "raw.db", n)
         ours_bytes = file_bytes(root / "device.db")
         raw_bytes = file_bytes(root / "raw.db")
+        device_synced, server_bytes = await synced_bytes(root / "device.db", root / "server.db")
     o_early, o_late, o_p99 = windows(ours)
     r_early, r_late, r_p99 = windows(raw)
     last = f"{n - 99}-{n}"
     return [
         Row(f"bytes after {n} turns (unsynced)", ours_bytes, "bytes", "raw sqlite3", raw_bytes),
+        Row("  device bytes after a full sync", device_synced, "bytes", "raw sqlite3", raw_bytes),
+        Row("  server bytes for the same history", server_bytes, "bytes", "raw sqlite3", raw_bytes),
         Row("turn p50, turns 51-150", o_early * 1e6, "us", "raw sqlite3", r_early * 1e6),
         Row(f"turn p50, turns {last}", o_late * 1e6, "us", "raw sqlite3", r_late * 1e6),
         Row(f"turn p50, turns {last} vs 51-150", o_late * 1e6, "us", "turns 51-150", o_early * 1e6),

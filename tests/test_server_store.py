@@ -244,7 +244,7 @@ async def test_schema_3_files_migrate_to_tenant_scoped_ids(db_path: Path) -> Non
         assert [r.status for r in theirs.results] == ["applied"]
         assert (await store.pull(alice.tenant, 0, 10)).changes == feed
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
@@ -357,5 +357,9 @@ async def test_schema_4_files_migrate_with_every_audit_row_placed(db_path: Path)
         )
         assert [r.status for r in after.results] == ["applied"]
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
         assert conn.execute("SELECT count(*) FROM audit_places").fetchone()[0] == 4
+        # Migration 6 kept every record, now in a rowid table (bodies pack into its pages).
+        assert conn.execute("SELECT count(*) FROM records").fetchone()[0] == 4
+        (sql,) = conn.execute("SELECT sql FROM sqlite_schema WHERE name = 'records'").fetchone()
+        assert "WITHOUT ROWID" not in sql.upper()
