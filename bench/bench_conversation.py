@@ -72,7 +72,7 @@ async def synced_bytes(device: Path, server_path: Path) -> tuple[int, int]:
     and the server file's bytes then, each with its WAL (both checkpointed first)."""
     async with (
         SQLiteServerStore(server_path) as store,
-        SyncServer(store, port=0, secret=SECRET) as server,
+        SyncServer(store, port=0, secret=SECRET, rate_limit_per_s=None) as server,
     ):
         provider = ScriptedProvider(default_reply=REPLY)
         async with SessionRuntime(SQLiteAdapter(device), provider, client_id=CLIENT_ID) as rt:

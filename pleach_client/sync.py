@@ -37,6 +37,8 @@ from shared.messages import (
     DEFAULT_MAX_FRAME_BYTES,
     MAX_HEALTH_CONFLICTS,
     MAX_HEALTH_TEXT,
+    MAX_SKIPPED,
+    SKIPPED_SINCE,
     Changes,
     ConflictReceipt,
     Error,
@@ -863,15 +865,15 @@ class SyncFacet:
                         for e in entries
                     )
                     break
-                changes = _within(
-                    [Change(client_seq=e.client_seq, record=e.record) for e in entries],
-                    self.max_frame_bytes // 2,
-                )
-                entries = entries[: len(changes)]
+                skipping = (link.protocol.version or 0) >= SKIPPED_SINCE
+                changes, skipped = _push_of(entries, self.max_frame_bytes // 2, skipping)
+                entries = entries[: len(changes) + len(skipped)]
                 try:
                     answer = await link.request(
-                        lambda link=link, changes=changes: link.protocol.send_push(  # type: ignore[misc]
-                            changes, trace=span.traceparent
+                        lambda link=link, changes=changes, skipped=skipped: (  # type: ignore[misc]
+                            link.protocol.send_push(
+                                changes, trace=span.traceparent, skipped=skipped
+                            )
                         ),
                         self.request_timeout,
                     )
@@ -1182,15 +1184,42 @@ def _refusal(body: bytes | None) -> str:
         return ""
 
 
-def _within(changes: list[Change], budget: int) -> list[Change]:
-    """The longest prefix of ``changes`` whose encoded size stays within ``budget`` (the first
-    always): a push frame stays under the server's frame limit however large the records."""
+def _push_of(
+    entries: list[OutboxEntry], budget: int, skipping: bool
+) -> tuple[list[Change], list[int]]:
+    """A push of the longest prefix of ``entries`` whose frame stays within ``budget`` bytes
+    of changes (the first always, so a push frame stays under the server's frame limit
+    however large the records): its changes, and its ``skipped`` numbers.
+
+    With ``skipping`` (the server speaks protocol 4), an entry whose record is sent again
+    later in the prefix is skipped: a session queued once per turn refers to its one stored
+    row (one object, ``outbox_entries``), which then goes once, at its last number, after the
+    records it refers to, where it went once per queued turn. Each record counts once against
+    the budget then.
+    """
     total = 0
-    for count, change in enumerate(changes):
-        total += len(_CHANGE_ENCODER.encode(change))
+    end = len(entries)
+    counted: set[int] = set()
+    for count, entry in enumerate(entries):
+        if skipping and id(entry.record) in counted:
+            continue
+        counted.add(id(entry.record))
+        total += len(
+            _CHANGE_ENCODER.encode(Change(client_seq=entry.client_seq, record=entry.record))
+        )
         if count and total > budget:
-            return changes[:count]
-    return changes
+            end = count
+            break
+    prefix = entries[:end]
+    plain = [Change(client_seq=e.client_seq, record=e.record) for e in prefix]
+    if not skipping:
+        return plain, []
+    last = {id(e.record): e.client_seq for e in prefix}
+    changes = [c for c in plain if last[id(c.record)] == c.client_seq]
+    skipped = [c.client_seq for c in plain if last[id(c.record)] != c.client_seq]
+    if len(skipped) > MAX_SKIPPED:  # a batch larger than any default: sent whole instead
+        return plain, []
+    return changes, skipped
 
 
 class TenantMismatch(Forbidden):

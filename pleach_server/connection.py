@@ -50,6 +50,7 @@ from shared.errors import (
 from shared.messages import (
     CHAINS_CHECKED_SINCE,
     MIN_PROTOCOL,
+    SKIPPED_SINCE,
     ChangeResult,
     Health,
     Hello,
@@ -556,7 +557,8 @@ class Connection:
                 "pleach.org_id": self.tenant.org_id,
                 "pleach.user_id": self.tenant.user_id,
                 "pleach.client_id": self.client_id,
-                "pleach.changes": len(push.changes),
+                "pleach.changes": len(push.changes) + len(push.skipped),
+                "pleach.skipped": len(push.skipped),
             },
         ) as span:
             version = self.protocol.version or MIN_PROTOCOL
@@ -567,6 +569,7 @@ class Connection:
                 ctx.clock,
                 aliases=self.aliases,
                 chains=version >= CHAINS_CHECKED_SINCE,
+                skipped=push.skipped if version >= SKIPPED_SINCE else (),
             )
             span.set(
                 **{

@@ -26,6 +26,13 @@ highest both sides speak):
   ``ChangeResult`` names the chain's last place (``chain_sequence``, ``chain_hash``: 0 and ""
   for a chain the server holds nothing of). A device at version 2 or earlier is not checked.
 
+- **4**: a ``Push`` may name ``skipped`` client_seq numbers (at most ``MAX_SKIPPED``): numbers
+  whose record is sent later in the same push (a session queued once per turn refers to its
+  one stored row, so a flush would send that row once per queued number). The server answers
+  each ``superseded`` (``duplicate`` at or below ``last_seq``), in sequence with the changes,
+  and they change nothing. A device sends ``skipped`` only to a server at version 4 or later:
+  an older one would see a gap.
+
 A version 1 peer reads version 2 frames unchanged (it ignores the new fields), which is why the
 server fills them whatever version it agreed.
 """
@@ -42,12 +49,16 @@ from .records import Change, FeedChange
 
 MIN_PROTOCOL = 1
 """The oldest protocol version this code speaks."""
-MAX_PROTOCOL = 3
+MAX_PROTOCOL = 4
 """The newest protocol version this code speaks."""
 PROTOCOL_VERSION = MAX_PROTOCOL
 """The newest version (a ``Hello`` naming only it negotiates exactly it)."""
 CHAINS_CHECKED_SINCE = 3
 """The version from which the server checks that pushed audit rows continue their chains."""
+SKIPPED_SINCE = 4
+"""The version from which a ``Push`` may name ``skipped`` numbers (no record of their own)."""
+MAX_SKIPPED = 10_000
+"""The most ``skipped`` numbers one ``Push`` may name."""
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 MAX_RECORD_BYTES = DEFAULT_MAX_FRAME_BYTES // 2
 """The largest record a device writes (encoded): a push of it alone stays well under the frame
@@ -126,6 +137,8 @@ class Push(msgspec.Struct, kw_only=True, tag="push"):
     changes: list[Change]
     request_id: int = 0
     trace: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    skipped: Annotated[list[int], msgspec.Meta(max_length=MAX_SKIPPED)] = []
+    """Numbers in sequence with ``changes`` that carry no record (version 4; see above)."""
 
 
 class ChangeResult(msgspec.Struct, kw_only=True):

@@ -38,6 +38,7 @@ from .messages import (
     FRAME_TAGS,
     MAX_PROTOCOL,
     MIN_PROTOCOL,
+    SKIPPED_SINCE,
     ChangeResult,
     Changes,
     ClientFrame,
@@ -404,11 +405,19 @@ class ClientProtocol(_Protocol):
                     MalformedFrame(f"unexpected {type(frame).__name__} while {self.state.value}")
                 )
 
-    def send_push(self, changes: list[Change], *, trace: str = "") -> int:
+    def send_push(
+        self, changes: list[Change], *, trace: str = "", skipped: list[int] | None = None
+    ) -> int:
         """Queue a ``Push``; returns its request id (its ``PushAck`` or ``Error`` echoes it).
-        ``trace``: the ``traceparent`` of the span the push belongs to."""
+        ``trace``: the ``traceparent`` of the span the push belongs to. ``skipped``: numbers
+        that carry no record (only to a server at version 4 or later: ``InvalidState``
+        otherwise, since an older server would take them for a gap)."""
         self._require_open()
-        return self._request(lambda rid: Push(changes=changes, request_id=rid, trace=trace))
+        if skipped and (self.version is None or self.version < SKIPPED_SINCE):
+            raise InvalidState(f"skipped numbers need protocol {SKIPPED_SINCE}")
+        return self._request(
+            lambda rid: Push(changes=changes, request_id=rid, trace=trace, skipped=skipped or [])
+        )
 
     def send_pull(self, cursor: int, limit: int = 500) -> int:
         """Queue a ``Pull``; returns its request id (its ``Changes`` or ``Error`` echoes it)."""

@@ -760,6 +760,61 @@ class ServerStoreConformance:
         assert [ev.sequence_number for ev in events] == list(range(1, 10))  # feed order
         assert verify_chain(events).ok
 
+    # -- skipped numbers (protocol 4) -------------------------------------------------------------
+
+    async def test_skipped_numbers_fill_the_sequence_and_change_nothing(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        """A session queued once per turn goes once, at its last number; the numbers before
+        it are skipped. Each skipped number is answered ``superseded`` in sequence with the
+        changes, so the changes after it apply (their lookups included), and a resend of it is
+        a ``duplicate``. A number neither sent nor skipped is still a gap (3006)."""
+        dev = Device(new_tenant())
+        session = dev.session()
+        first, second = dev.message(session.id), dev.message(session.id)
+        row = dev.edit(session, message_ids=[first.id, second.id])
+        # client_seq 1: the session (skipped), 2: first, 3: the session (skipped), 4: second,
+        # 5: the session, sent once with everything it refers to before it.
+        changes = [
+            Change(client_seq=2, record=first),
+            Change(client_seq=4, record=second),
+            Change(client_seq=5, record=row),
+        ]
+        result = await server_store.push(
+            dev.tenant, dev.client_id, changes, server_clock, skipped=[1, 3]
+        )
+        assert [(r.client_seq, r.status) for r in result.results] == [
+            (1, "superseded"),
+            (2, "applied"),
+            (3, "superseded"),
+            (4, "applied"),
+            (5, "applied"),
+        ]
+        assert result.last_seq == 5
+        feed = [c.record for c in await pull_all(server_store, dev.tenant)]
+        assert feed == [first, second, row]
+        again = await server_store.push(
+            dev.tenant, dev.client_id, changes[2:], server_clock, skipped=[3, 4]
+        )
+        assert [(r.client_seq, r.status) for r in again.results] == [
+            (3, "duplicate"),
+            (4, "duplicate"),
+            (5, "duplicate"),
+        ]
+        third = dev.message(session.id)
+        gap = await server_store.push(
+            dev.tenant,
+            dev.client_id,
+            [Change(client_seq=8, record=third)],
+            server_clock,
+            skipped=[6],
+        )
+        assert [(r.client_seq, r.status, r.code) for r in gap.results] == [
+            (6, "superseded", None),
+            (8, "rejected", ErrorCode.SEQUENCE_GAP),
+        ]
+        assert gap.last_seq == 6
+
     # -- audit chains ----------------------------------------------------------------------------
 
     async def test_audit_rows_must_continue_their_chain(

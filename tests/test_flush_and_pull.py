@@ -31,7 +31,8 @@ from pleach_server.store import SQLiteServerStore, Tenant
 from shared.clock import HybridClock
 from shared.errors import SyncError
 from shared.ids import uuid7
-from shared.records import Message
+from shared.protocol import ClientProtocol
+from shared.records import Change, Message, Session
 
 SECRET = b"test-secret-for-pipelined-sync"
 ALICE = Tenant(org_id="acme", user_id="alice")
@@ -234,6 +235,44 @@ async def test_a_flush_in_small_batches_puts_each_change_on_the_server_once(
         phone = await stack.enter_async_context(device(tmp_path / "phone.db", "phone"))
         await phone.sync.sync_once(server.url, token)
         assert await holdings(phone) == await holdings(laptop)
+
+
+async def test_a_session_queued_once_per_turn_goes_once_per_push(
+    server: SyncServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Thirty turns written offline queue the session thirty times, each number referring to
+    its one stored row. A flush sends that row once per push, at the batch's last number for
+    it, and names the numbers before it ``skipped`` (protocol 4): every number is answered,
+    nothing is lost, and the frames carry the growing row a few times instead of thirty."""
+    pushes: list[tuple[list[Change], list[int]]] = []
+    send_push = ClientProtocol.send_push
+
+    def recording(self: ClientProtocol, changes: list[Change], **kwargs: Any) -> int:
+        pushes.append((list(changes), list(kwargs.get("skipped") or [])))
+        return send_push(self, changes, **kwargs)
+
+    monkeypatch.setattr(ClientProtocol, "send_push", recording)
+    token = issue_token(SECRET, ALICE, 3600)
+    async with AsyncExitStack() as stack:
+        laptop = await stack.enter_async_context(device(tmp_path / "laptop.db", "laptop"))
+        session_id = (await laptop.create_session(title="long")).id
+        for i in range(30):
+            async for _ in laptop.execute_message(session_id, f"turn {i}"):
+                pass
+        queued = await laptop.store.outbox_count()
+        laptop.sync.batch_size = 100
+        receipt = await laptop.sync.sync_once(server.url, token)
+        assert receipt.pending_after == 0 and receipt.flushed == queued, receipt
+        assert sum(len(c) + len(k) for c, k in pushes) == queued  # every number, once
+        for changes, skipped in pushes:
+            sessions = [c for c in changes if isinstance(c.record, Session)]
+            assert len(sessions) == 1  # the row once per push...
+            assert skipped and max(skipped) < sessions[0].client_seq  # ...at its last number
+        phone = await stack.enter_async_context(device(tmp_path / "phone.db", "phone"))
+        await phone.sync.sync_once(server.url, token)
+        assert await holdings(phone) == await holdings(laptop)
+        texts = [m.content[0]["text"] for m in await phone.sessions.messages(session_id)]
+        assert [t for t in texts if t.startswith("turn ")] == [f"turn {i}" for i in range(30)]
 
 
 class Batches(SQLiteAdapter):

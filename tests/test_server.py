@@ -614,7 +614,7 @@ async def test_no_common_version_gets_3003_naming_both_ranges_then_1008(
         )
         err = await client.error()
         assert (err.code, err.request_id) == (ErrorCode.PROTOCOL_VERSION, 1)
-        assert "device speaks 7..9, server speaks 1..3" in err.message
+        assert "device speaks 7..9, server speaks 1..4" in err.message
         closed = await client.closed()
         assert closed.rcvd is not None and closed.rcvd.code == 1008
 
@@ -722,12 +722,13 @@ class FlakyStore:
         *,
         aliases: Collection[str] = (),
         chains: bool = True,
+        skipped: Collection[int] = (),
     ) -> PushResult:
         self.push_entered.set()
         if self.push_gate is not None:
             await self.push_gate.wait()
         return await self.inner.push(
-            tenant, client_id, changes, clock, aliases=aliases, chains=chains
+            tenant, client_id, changes, clock, aliases=aliases, chains=chains, skipped=skipped
         )
 
     async def pull(

@@ -470,11 +470,13 @@ def batch_keys(
     aliases: Collection[str] = (),
     *,
     audit: bool = False,
+    skipped: Collection[int] = (),
 ) -> BatchKeys:
     """Every id the rules will ask ``StoreTx`` about for ``changes`` after ``last_seq``.
 
-    Only the changes that will be processed count: those after ``last_seq`` and before any gap,
-    that pass ``validate_record``. ``audit``: the chains of the audit rows too.
+    Only the changes that will be processed count: those after ``last_seq`` and before any gap
+    (``skipped`` numbers fill the sequence too), that pass ``validate_record``. ``audit``: the
+    chains of the audit rows too.
     """
     records: set[tuple[RecordKind, str]] = set()
     events: set[str] = set()
@@ -484,6 +486,8 @@ def batch_keys(
     audit_chains: set[str] = set()
     expected = last_seq + 1
     for change in changes:
+        while expected in skipped and expected < change.client_seq:
+            expected += 1
         if change.client_seq < expected:
             _duplicate_keys(
                 change.record, tenant, client_id, aliases, records, events, owners, sessions
@@ -915,6 +919,18 @@ class _Batch:
         return self._applied(seq, row, status=status)
 
 
+def _numbered(changes: list[Change], skipped: frozenset[int]) -> list[tuple[int, Change | None]]:
+    """The push's numbers in order: its changes, and its skipped numbers (None) among them. A
+    number both skipped and sent is the change's."""
+    numbered: list[tuple[int, Change | None]] = [(c.client_seq, c) for c in changes]
+    if not skipped:
+        return numbered
+    sent = {c.client_seq for c in changes}
+    numbered += [(seq, None) for seq in skipped if seq not in sent]
+    numbered.sort(key=lambda item: item[0])
+    return numbered
+
+
 async def apply_push(
     tx: BatchTx,
     tenant: Tenant,
@@ -926,6 +942,7 @@ async def apply_push(
     wrap: Callable[[StoreTx], StoreTx] | None = None,
     aliases: Collection[str] = (),
     chains: bool = True,
+    skipped: Collection[int] = (),
 ) -> PushResult:
     """Apply one push batch inside ``tx``, in order; see the module docstring for the rules.
 
@@ -934,21 +951,23 @@ async def apply_push(
     are the device's earlier client ids (see ``validate_record``). ``wrap`` (a store's
     ``_wrap_tx`` hook) wraps the ``StoreTx`` the rules run against. ``chains``: check that
     audit rows continue their chains (protocol 3; a device at 2 or earlier is not checked).
+    ``skipped``: numbers that carry no record (protocol 4), in sequence with the changes: each
+    fills its number and is answered ``superseded`` (``duplicate`` at or below ``last_seq``).
     The caller commits ``tx`` when this returns and rolls it back when it raises.
     """
     buffered = _BufferedTx(tx)
     view: StoreTx = buffered if wrap is None else wrap(buffered)
     await view.lock_tenant(tenant)
     start_seq = last_seq = await view.get_last_seq(tenant, client_id)
-    keys = batch_keys(changes, start_seq, tenant, client_id, aliases, audit=chains)
+    skip = frozenset(skipped)
+    keys = batch_keys(changes, start_seq, tenant, client_id, aliases, audit=chains, skipped=skip)
     await buffered.load(tenant, keys)
     batch = _Batch(view, tenant, clock, server_id)
     results: list[ChangeResult] = []
     gap = False
     reused = False
     held_back: ClockSkew | ChainBroken | None = None
-    for change in changes:
-        seq = change.client_seq
+    for seq, change in _numbered(changes, skip):
         if held_back is not None:
             # Like a gap: the device keeps this and everything after it, and resends it all
             # once its stamps are no longer ahead of this server's clock, or once it chained
@@ -969,7 +988,7 @@ async def apply_push(
             )
             continue
         if seq <= last_seq:
-            if await _held(view, change.record, tenant, client_id, aliases):
+            if change is None or await _held(view, change.record, tenant, client_id, aliases):
                 results.append(ChangeResult(client_seq=seq, status="duplicate"))
             else:
                 reused = True
@@ -980,6 +999,9 @@ async def apply_push(
                 results.append(_rejected(seq, copy))
             continue
         last_seq = seq
+        if change is None:  # a number whose record comes later in the push: nothing to do
+            results.append(ChangeResult(client_seq=seq, status="superseded"))
+            continue
         record = change.record
         present = False
         error = validate_record(record, tenant, client_id, aliases)

@@ -98,6 +98,7 @@ class ServerStore(Protocol):
         *,
         aliases: Collection[str] = (),
         chains: bool = True,
+        skipped: Collection[int] = (),
     ) -> PushResult:
         """Apply a batch idempotently in one transaction; see ``store/apply.py`` for rules.
 
@@ -106,6 +107,7 @@ class ServerStore(Protocol):
         retryable) when the database is unreachable; nothing of the batch is then committed.
         ``aliases`` are the device's earlier client ids (``Hello.previous_client_ids``).
         ``chains``: check that audit rows continue their chains (protocol 3 and later).
+        ``skipped``: numbers in sequence with ``changes`` that carry no record (protocol 4).
         """
         ...
 

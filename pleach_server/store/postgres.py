@@ -981,6 +981,7 @@ class PostgresServerStore(AsyncResource):
         *,
         aliases: Collection[str] = (),
         chains: bool = True,
+        skipped: Collection[int] = (),
     ) -> PushResult:
         async def body(conn: Any) -> PushResult:
             result = await apply_push(
@@ -993,6 +994,7 @@ class PostgresServerStore(AsyncResource):
                 wrap=self._wrap_tx,
                 aliases=aliases,
                 chains=chains,
+                skipped=skipped,
             )
             if result.cursors:
                 if self.feed_retention is not None:

@@ -788,6 +788,7 @@ class SQLiteServerStore(AsyncResource):
         *,
         aliases: Collection[str] = (),
         chains: bool = True,
+        skipped: Collection[int] = (),
     ) -> PushResult:
         read: list[int] = []
 
@@ -806,6 +807,7 @@ class SQLiteServerStore(AsyncResource):
                 wrap=self._wrap_tx,
                 aliases=aliases,
                 chains=chains,
+                skipped=skipped,
             )
             if self.feed_retention is not None and result.cursors:
                 await self._retain(conn, tenant, self.feed_retention)
