@@ -90,10 +90,13 @@ def _seeds(dev: Device) -> list[dict[str, Any]]:
         dev.message(session.id),
         dev.checkpoint(session.id),
         dev.event(session.id),
+        dev.audit(session.id),
     ]
     frames: list[Any] = [
         Hello(protocol=2, client_id=dev.client_id, min_protocol=1, max_protocol=2, request_id=1),
+        Hello(protocol=1, client_id=dev.client_id, min_protocol=1, max_protocol=4, request_id=1),
         Push(changes=dev.changes(*records), request_id=2),
+        Push(changes=dev.changes(session), skipped=[dev.next_seq - 3], request_id=4),
         Pull(cursor=0, limit=50, request_id=3),
     ]
     return [msgspec.to_builtins(f) for f in frames]
