@@ -43,12 +43,12 @@ from pleach_client.providers.scripted import ScriptedProvider
 from pleach_client.runtime import SessionRuntime
 from pleach_client.store.sqlite import SQLiteAdapter
 from pleach_client.stream import StreamEventBase
+from pleach_client.sync import _push_of
 from pleach_server.auth import issue_token
 from pleach_server.server import SyncServer
 from pleach_server.store import SQLiteServerStore, Tenant
 from shared.ids import uuid7
 from shared.messages import FrameCodec, Push
-from shared.records import Change
 
 __all__ = ["main", "run"]
 
@@ -72,16 +72,18 @@ def new_tenant(label: str) -> Tenant:
 
 
 async def outbox_payloads(rt: SessionRuntime, skip: int = 0) -> list[bytes]:
-    """The ``Push`` frames a flush would send for the pending outbox (after ``skip`` rows)."""
+    """The ``Push`` frames a flush would send for the pending outbox (after ``skip`` rows), cut
+    and made as the flush makes them (``_push_of``, to a server at the current protocol: a
+    record several numbers refer to goes once, the others are ``skipped``)."""
     codec = FrameCodec()
     pending = (await rt.store.outbox_pending(limit=1_000_000))[skip:]
-    size = rt.sync.batch_size
-    return [
-        codec.encode(
-            Push(changes=[Change(client_seq=e.client_seq, record=e.record) for e in chunk])
-        )
-        for chunk in (pending[i : i + size] for i in range(0, len(pending), size))
-    ]
+    size, budget = rt.sync.batch_size, rt.sync.max_frame_bytes // 2
+    frames: list[bytes] = []
+    while pending:
+        changes, skipped = _push_of(pending[:size], budget, skipping=True)
+        frames.append(codec.encode(Push(changes=changes, skipped=skipped)))
+        pending = pending[len(changes) + len(skipped) :]
+    return frames
 
 
 # -- (a) sync_once throughput ------------------------------------------------------------------
