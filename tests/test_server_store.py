@@ -244,7 +244,7 @@ async def test_schema_3_files_migrate_to_tenant_scoped_ids(db_path: Path) -> Non
         assert [r.status for r in theirs.results] == ["applied"]
         assert (await store.pull(alice.tenant, 0, 10)).changes == feed
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
@@ -357,9 +357,70 @@ async def test_schema_4_files_migrate_with_every_audit_row_placed(db_path: Path)
         )
         assert [r.status for r in after.results] == ["applied"]
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
         assert conn.execute("SELECT count(*) FROM audit_places").fetchone()[0] == 4
         # Migration 6 kept every record, now in a rowid table (bodies pack into its pages).
         assert conn.execute("SELECT count(*) FROM records").fetchone()[0] == 4
         (sql,) = conn.execute("SELECT sql FROM sqlite_schema WHERE name = 'records'").fetchone()
         assert "WITHOUT ROWID" not in sql.upper()
+
+
+async def test_schema_6_files_migrate_to_a_feed_that_refers_to_its_records(db_path: Path) -> None:
+    """A feed that held a copy of every body, and every version of a session (schema 6), keeps
+    one entry per record after migration 7, each read from its row; cursors go on above the
+    highest one ever handed out, even one whose entry is gone."""
+    from pleach_server.store import sqlite as module
+    from shared.records import encode_record
+
+    dev = Device(new_tenant())
+    v1 = dev.session(title="v1")
+    message = dev.message(v1.id)
+    v2 = dev.edit(v1, title="v2", message_ids=[message.id])
+    event = dev.event(v1.id)
+    gone = dev.message(v1.id)
+    t = (dev.tenant.org_id, dev.tenant.user_id)
+    with sqlite3.connect(db_path) as conn:
+        for statements in module._MIGRATIONS[:6]:
+            for statement in statements:
+                if isinstance(statement, str):  # a backfill of empty tables writes nothing
+                    conn.execute(statement)
+        conn.execute(
+            "INSERT INTO sessions (id, org_id, user_id, updated_at, body) VALUES (?, ?, ?, ?, ?)",
+            (v2.id, *t, v2.updated_at, encode_record(v2)),
+        )
+        conn.execute(
+            "INSERT INTO records (kind, id, org_id, user_id, session_id, body) "
+            "VALUES ('Message', ?, ?, ?, ?, ?)",
+            (message.id, *t, v1.id, encode_record(message)),
+        )
+        conn.execute(
+            "INSERT INTO events (id, session_id, sequence_number, org_id, user_id, row_hash, "
+            "body) VALUES (?, ?, 1, ?, ?, ?, ?)",
+            (event.id, v1.id, *t, event.row_hash, encode_record(event)),
+        )
+        for kind, record in (
+            ("Session", v1),
+            ("Message", message),
+            ("Session", v2),
+            ("Event", event),
+            ("Message", gone),
+        ):
+            conn.execute(
+                "INSERT INTO feed (org_id, user_id, kind, record_id, body) VALUES (?, ?, ?, ?, ?)",
+                (*t, kind, record.id, encode_record(record)),
+            )
+        conn.execute("DELETE FROM feed WHERE cursor = 5")  # its session's content was deleted
+        conn.execute("PRAGMA user_version = 6")
+    clock = HybridClock("server-x")
+    async with SQLiteServerStore(db_path) as store:
+        feed = await pull_all(store, dev.tenant)
+        assert [(c.cursor, c.record) for c in feed] == [(2, message), (3, v2), (4, event)]
+        later = await store.push(dev.tenant, dev.client_id, dev.changes(dev.message(v1.id)), clock)
+        assert later.cursors == [6]  # not 5: that cursor was handed out before
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        columns = [row[1] for row in conn.execute("PRAGMA table_info(feed)")]
+        assert columns == ["cursor", "org_id", "user_id", "kind", "record_id"]
+        indexes = {row[1] for row in conn.execute("PRAGMA index_list(feed)")}
+        assert indexes == {"feed_tenant", "feed_record"}

@@ -298,6 +298,7 @@ def explain_queries(store: PostgresServerStore) -> dict[str, tuple[str, tuple[An
     sql = store._sql
     return {
         "pull": (sql.pull, ("org-7", "user-7", 100, 51, 1 << 20)),
+        "pull (the tenant with the rows)": (sql.pull, ("org-1", "user-1", 100, 51, 1 << 20)),
         "head_cursor": (sql.head, ("org-7", "user-7")),
         "client_state": (sql.client_state, ("org-7", "user-7", "dev-7")),
         "get_last_seq": (sql.get_last_seq, ("org-7", "user-7", "dev-7")),
@@ -323,6 +324,12 @@ def explain_queries(store: PostgresServerStore) -> dict[str, tuple[str, tuple[An
             ),
         ),
         "retain": (sql.retain_cursor, ("org-7", "user-7", 10)),
+        # a push's feed rows, with the entries of its sessions they supersede
+        "append_feed": (
+            sql.append_feed,
+            ("org-7", "user-7", ["Message", "Session"], ["message-1", "session-7"], ["session-7"]),
+        ),
+        "drop_cursors": (sql.drop_cursors, ("org-7", "user-7", [10, 20])),
     }
 
 
@@ -338,9 +345,10 @@ async def test_per_tenant_queries_are_index_scans() -> None:
             s = schema
             # 500 tenants x 40 feed entries; sessions, events and records to match.
             await conn.execute(
-                f"""INSERT INTO {s}.feed (org_id, user_id, kind, record_id, body)
-                SELECT 'org-' || (i % 500), 'user-' || (i % 500), 'Message', 'message-' || i,
-                       '\\x00'::bytea
+                f"""INSERT INTO {s}.feed (org_id, user_id, kind, record_id)
+                SELECT 'org-' || (i % 500), 'user-' || (i % 500),
+                       CASE WHEN i % 10 = 0 THEN 'Session' ELSE 'Message' END,
+                       CASE WHEN i % 10 = 0 THEN 'session-' ELSE 'message-' END || i
                 FROM generate_series(1, 20000) AS i"""
             )
             await conn.execute(
@@ -937,8 +945,10 @@ async def schema_at(conn: Any, s: str, version: int) -> None:
     )
     for number, statements in enumerate(module._MIGRATIONS[:version], start=1):
         for statement in statements:
-            assert isinstance(statement, str)  # the early versions are statements only
-            await conn.execute(statement.format(s=s))
+            if isinstance(statement, str):
+                await conn.execute(statement.format(s=s))
+            else:  # a backfill
+                await statement(conn, s)
         await conn.execute(f"INSERT INTO {s}.schema_migrations VALUES ($1)", number)
 
 
@@ -1023,6 +1033,72 @@ async def test_schema_4_migrates_with_every_audit_row_placed() -> None:
                 dev.tenant, dev.client_id, dev.changes(dev.audit(session.id)), clock
             )
             assert [r.status for r in after.results] == ["applied"]
+
+
+async def test_schema_5_migrates_to_a_feed_that_refers_to_its_records() -> None:
+    """A feed that held a copy of every body, and every version of a session (schema 5),
+    keeps one entry per record after migration 6, each read from its row."""
+    from shared.records import encode_record
+
+    dev = Device(new_tenant())
+    v1 = dev.session(title="v1")
+    message = dev.message(v1.id)
+    v2 = dev.edit(v1, title="v2", message_ids=[message.id])
+    event = dev.event(v1.id)
+    t = (dev.tenant.org_id, dev.tenant.user_id)
+    async with scratch_schema() as s:
+        async with admin() as conn:
+            await schema_at(conn, s, 5)
+            await conn.execute(
+                f"INSERT INTO {s}.sessions (id, org_id, user_id, updated_at, body) "
+                "VALUES ($1, $2, $3, $4, $5)",
+                v2.id, *t, v2.updated_at, encode_record(v2),
+            )  # fmt: skip
+            await conn.execute(
+                f"INSERT INTO {s}.records (kind, id, org_id, user_id, session_id, body) "
+                "VALUES ('Message', $1, $2, $3, $4, $5)",
+                message.id, *t, v1.id, encode_record(message),
+            )  # fmt: skip
+            await conn.execute(
+                f"INSERT INTO {s}.events (id, session_id, sequence_number, org_id, user_id, "
+                "row_hash, body) VALUES ($1, $2, 1, $3, $4, $5, $6)",
+                event.id, v1.id, *t, event.row_hash, encode_record(event),
+            )  # fmt: skip
+            cursors = [
+                await conn.fetchval(
+                    f"INSERT INTO {s}.feed (org_id, user_id, kind, record_id, body) "
+                    "VALUES ($1, $2, $3, $4, $5) RETURNING cursor",
+                    *t,
+                    kind,
+                    record.id,
+                    encode_record(record),
+                )
+                for kind, record in (
+                    ("Session", v1),
+                    ("Message", message),
+                    ("Session", v2),
+                    ("Event", event),
+                )
+            ]
+        result = await migrate(PG_DSN, s)
+        assert (result.from_version, result.to_version) == (5, SCHEMA_VERSION)
+        clock = HybridClock("server-x")
+        async with pg_store(s) as store:
+            feed = await pull_all(store, dev.tenant)
+            assert [(c.cursor, c.record) for c in feed] == list(
+                zip(cursors[1:], [message, v2, event], strict=True)
+            )
+            later = await store.push(
+                dev.tenant, dev.client_id, dev.changes(dev.message(v1.id)), clock
+            )
+            assert later.cursors[0] > cursors[-1]
+        async with admin() as conn:
+            columns = await conn.fetch(
+                "SELECT column_name FROM information_schema.columns "
+                "WHERE table_schema = $1 AND table_name = 'feed' ORDER BY ordinal_position",
+                s,
+            )
+            assert [c[0] for c in columns] == ["cursor", "org_id", "user_id", "kind", "record_id"]
 
 
 async def test_a_push_is_six_statements_whatever_its_size(pg_schema: str) -> None:

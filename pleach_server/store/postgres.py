@@ -36,7 +36,8 @@ session-wide advisory lock, so several processes may start at once):
 - ``sessions``: one row per session id, its msgpack body.
 - ``records``: immutable records (messages, checkpoints, audit rows, artifact updates).
 - ``events``: canonical events; ``(session_id, sequence_number)`` is unique.
-- ``feed``: every applied change per tenant under a global monotonic ``cursor``;
+- ``feed``: every applied change per tenant under a global monotonic ``cursor``, by kind and
+  id (a pull reads each body from its row); a session keeps one entry, its latest version's.
   ``feed_tenant (org_id, user_id, cursor)`` serves pulls and head lookups.
 - ``clients``: ``last_seq`` per ``(tenant, client_id)``.
 - ``meta``: the feed floor per tenant.
@@ -247,6 +248,17 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
             PRIMARY KEY (org_id, user_id, client_id, sequence_number, id)
         )""",
         _backfill_audit_places,
+    ),
+    # 6: the feed refers to its records (kind and id) instead of holding a second copy of
+    # each body, and a session keeps one entry, its latest version's: every version of a
+    # session row a device pushed stayed in the feed, so a session synced turn by turn cost
+    # the sum of all its versions (growing with the square of its length).
+    (
+        "DELETE FROM {s}.feed AS f WHERE f.kind = 'Session' AND EXISTS ("
+        "SELECT 1 FROM {s}.feed AS later WHERE later.org_id = f.org_id "
+        "AND later.user_id = f.user_id AND later.kind = f.kind "
+        "AND later.record_id = f.record_id AND later.cursor > f.cursor)",
+        "ALTER TABLE {s}.feed DROP COLUMN body",
     ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
@@ -542,17 +554,27 @@ class _Sql:
             "(SELECT count(*) FROM x), (SELECT count(*) FROM c), (SELECT count(*) FROM p)"
         )
         # n cursors from the identity sequence (the caller holds the tenant lock), paired in
-        # increasing order with the rows in their given order (WITH ORDINALITY).
+        # increasing order with the rows in their given order (WITH ORDINALITY). In the same
+        # statement, the entries the new ones supersede go: the earlier entries of the
+        # sessions in $5 (the DELETE sees the feed as it was before this statement, so never
+        # the rows it adds; see migration 6).
         self.append_feed = (
-            f"INSERT INTO {s}.feed (cursor, org_id, user_id, kind, record_id, body) "
+            f"WITH superseded AS (DELETE FROM {s}.feed AS f USING unnest($5::text[]) AS k (id) "
+            "WHERE f.org_id = $1 AND f.user_id = $2 AND f.kind = 'Session' "
+            "AND f.record_id = k.id) "
+            f"INSERT INTO {s}.feed (cursor, org_id, user_id, kind, record_id) "
             "OVERRIDING SYSTEM VALUE "
-            "SELECT c.cursor, $1, $2, r.kind, r.record_id, r.body "
-            "FROM unnest($3::text[], $4::text[], $5::bytea[]) WITH ORDINALITY "
-            "AS r (kind, record_id, body, n) "
+            "SELECT c.cursor, $1, $2, r.kind, r.record_id "
+            "FROM unnest($3::text[], $4::text[]) WITH ORDINALITY AS r (kind, record_id, n) "
             "JOIN (SELECT a.cursor, row_number() OVER (ORDER BY a.cursor) AS n FROM ("
             f"SELECT nextval(pg_get_serial_sequence('{s}.feed', 'cursor')) AS cursor "
             "FROM generate_series(1, cardinality($3::text[]))) AS a) AS c USING (n) "
             "RETURNING cursor"
+        )
+        # A session written twice by one batch: its earlier entries of the batch.
+        self.drop_cursors = (
+            f"DELETE FROM {s}.feed AS f USING unnest($3::bigint[]) AS k (cursor) "
+            "WHERE f.cursor = k.cursor AND f.org_id = $1 AND f.user_id = $2"
         )
         self.head = f"SELECT GREATEST({_max_cursor(s)}, {_floor(s)})"
         self.client_state = (
@@ -567,18 +589,28 @@ class _Sql:
         # between two statements could otherwise drop entries this page would skip silently.
         # The LEFT JOIN yields one row (floor, NULL, NULL) when the page is empty. No outer
         # ORDER BY (it would add a Sort node): ``pull`` sorts the page it got, in O(n).
-        # The running size is summed in cursor order (a pipelined window: no scan past the
-        # LIMIT); bodies past the byte budget ($5) come back NULL, unread (octet_length of a
-        # TOASTed value reads only its header), so the page knows there is more.
+        # Each entry's body is read from the row it refers to, through that table's key. The
+        # running size is summed in cursor order over the page (at most $4 entries); bodies
+        # past the byte budget ($5) come back NULL (octet_length of a TOASTed value reads
+        # only its header), so the page knows there is more. ``within``: inside the budget
+        # (the first entry always is); a missing row reads as a NULL body within it.
         self.pull = (
-            "SELECT fl.floor, f.cursor, CASE WHEN f.n = 1 OR f.total <= $5 THEN f.body END "
+            "SELECT fl.floor, f.cursor, CASE WHEN f.within THEN f.body END, f.within "
             "FROM (SELECT COALESCE(("
             f"SELECT feed_floor FROM {s}.meta WHERE org_id = $1 AND user_id = $2), 0) AS floor"
             ") AS fl LEFT JOIN LATERAL ("
-            "SELECT cursor, body, SUM(octet_length(body)) OVER w AS total, "
-            f"ROW_NUMBER() OVER w AS n FROM {s}.feed WHERE org_id = $1 AND user_id = $2 "
-            "AND cursor > $3 WINDOW w AS (ORDER BY cursor ROWS UNBOUNDED PRECEDING) "
-            "ORDER BY cursor LIMIT $4) AS f ON true"
+            "SELECT cursor, body, (ROW_NUMBER() OVER w = 1 "
+            "OR SUM(octet_length(body)) OVER w <= $5) AS within FROM ("
+            "SELECT p.cursor, CASE p.kind "
+            f"WHEN 'Session' THEN (SELECT x.body FROM {s}.sessions AS x "
+            "WHERE x.org_id = $1 AND x.user_id = $2 AND x.id = p.record_id) "
+            f"WHEN 'Event' THEN (SELECT e.body FROM {s}.events AS e "
+            "WHERE e.org_id = $1 AND e.user_id = $2 AND e.id = p.record_id) "
+            f"ELSE (SELECT r.body FROM {s}.records AS r WHERE r.org_id = $1 "
+            "AND r.user_id = $2 AND r.kind = p.kind AND r.id = p.record_id) END AS body "
+            f"FROM {s}.feed AS p WHERE p.org_id = $1 AND p.user_id = $2 AND p.cursor > $3 "
+            "ORDER BY p.cursor LIMIT $4) AS page "
+            "WINDOW w AS (ORDER BY cursor ROWS UNBOUNDED PRECEDING)) AS f ON true"
         )
         self.retain_cursor = (
             f"SELECT cursor FROM {s}.feed WHERE org_id = $1 AND user_id = $2 "
@@ -725,16 +757,21 @@ class _PostgresTx:
         cursors: list[int] = []
         if writes.feed:
             feed = writes.feed
+            versioned = [i for i, r in enumerate(feed) if kind_of(r).merge == "versioned"]
             rows = await conn.fetch(
                 sql.append_feed,
                 tenant.org_id,
                 tenant.user_id,
                 [record_kind(r) for r in feed],
                 [r.id for r in feed],
-                [encode_record(r) for r in feed],
+                [feed[i].id for i in versioned],
             )
             # The n-th smallest cursor went to the n-th row (see _Sql.append_feed).
             cursors = sorted(int(row[0]) for row in rows)
+            last = {feed[i].id: i for i in versioned}
+            earlier = [cursors[i] for i in versioned if last[feed[i].id] != i]
+            if earlier:
+                await conn.execute(sql.drop_cursors, tenant.org_id, tenant.user_id, earlier)
             # New cursors are above every cursor the tenant had (one sequence), so the last
             # is the head; a delete below may take feed rows away again: read it then.
             self._head = cursors[-1] if cursors else self._head
@@ -1041,9 +1078,10 @@ class PostgresServerStore(AsyncResource):
             raise CursorTooOld(
                 f"cursor {cursor} predates the retained feed (floor {floor}): resync"
             )
-        entries = sorted((int(r[1]), r[2]) for r in rows if r[1] is not None)
-        page = [(c, bytes(b)) for c, b in entries[:limit] if b is not None]
-        changes = [FeedChange(cursor=c, record=_decode(c, b)) for c, b in page]
+        entries = sorted((int(r[1]), r[2], r[3]) for r in rows if r[1] is not None)
+        changes = [
+            FeedChange(cursor=c, record=_decode(c, b)) for c, b, within in entries[:limit] if within
+        ]
         return PullResult(
             changes=changes,
             to_cursor=changes[-1].cursor if changes else cursor,
@@ -1103,8 +1141,10 @@ def _discard(conn: Any) -> None:
         conn.terminate()
 
 
-def _decode(cursor: int, body: bytes) -> Record:
+def _decode(cursor: int, body: bytes | None) -> Record:
+    if body is None:
+        raise StorageError(f"the feed entry at cursor {cursor} refers to a missing record")
     try:
-        return decode_record(body)
+        return decode_record(bytes(body))
     except msgspec.DecodeError as exc:
         raise StorageError(f"corrupt feed entry at cursor {cursor}") from exc

@@ -14,7 +14,8 @@ Schema (versioned by ``PRAGMA user_version``, migrated at ``open()``):
 - ``records``: immutable records (messages, checkpoints, audit rows, artifact updates), keyed
   by ``(tenant, kind, id)`` in a unique index (a rowid table: bodies pack into its pages).
 - ``events``: canonical events; ``(session_id, sequence_number)`` is unique.
-- ``feed``: every applied change per tenant under a global monotonic ``cursor``.
+- ``feed``: every applied change per tenant under a global monotonic ``cursor``, by kind and
+  id (a pull reads each body from its row); a session keeps one entry, its latest version's.
 - ``clients``: ``last_seq`` per ``(tenant, client_id)``.
 - ``meta``: the feed floor per tenant (entries at or below it were compacted away).
 - ``audit_places``: where each audit row sits in its device's chain (client id, sequence
@@ -77,6 +78,14 @@ DEFAULT_MAX_PULL_LIMIT = 1000
 """A pull returns at most this many feed entries, whatever limit it asks for."""
 
 DEFAULT_BUSY_TIMEOUT_MS = 5000
+
+# Every feed entry of a versioned record (a session) but its latest: a later entry refers to
+# the same row, which holds the latest version only.
+_DROP_SUPERSEDED_SQL = """
+    DELETE FROM feed WHERE kind = 'Session' AND EXISTS (
+        SELECT 1 FROM feed AS later WHERE later.org_id = feed.org_id
+        AND later.user_id = feed.user_id AND later.kind = feed.kind
+        AND later.record_id = feed.record_id AND later.cursor > feed.cursor)"""
 
 # One tuple of statements per schema version; never edit a shipped version, append a new one.
 Step = str | Callable[[aiosqlite.Connection], Awaitable[None]]
@@ -242,6 +251,30 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         "CREATE UNIQUE INDEX records_key ON records (org_id, user_id, kind, id)",
         "CREATE INDEX records_tenant ON records (org_id, user_id, session_id)",
     ),
+    # 7: the feed refers to its records (kind and id) instead of holding a second copy of
+    # each body, and a session keeps one entry, its latest version's: every version of a
+    # session row a device pushed stayed in the feed, so a session synced turn by turn cost
+    # the sum of all its versions (about 5 MB for 300 turns, growing with the square).
+    # AUTOINCREMENT's high-water mark is carried over, so no cursor is ever handed out twice.
+    (
+        _DROP_SUPERSEDED_SQL,
+        """CREATE TABLE feed_7 (
+            cursor INTEGER PRIMARY KEY AUTOINCREMENT,
+            org_id TEXT NOT NULL,
+            user_id TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            record_id TEXT NOT NULL
+        )""",
+        "INSERT INTO feed_7 (cursor, org_id, user_id, kind, record_id) "
+        "SELECT cursor, org_id, user_id, kind, record_id FROM feed",
+        "DELETE FROM sqlite_sequence WHERE name = 'feed_7'",
+        "INSERT INTO sqlite_sequence (name, seq) "
+        "SELECT 'feed_7', seq FROM sqlite_sequence WHERE name = 'feed'",
+        "DROP TABLE feed",
+        "ALTER TABLE feed_7 RENAME TO feed",
+        "CREATE INDEX feed_tenant ON feed (org_id, user_id, cursor)",
+        "CREATE INDEX feed_record ON feed (org_id, user_id, kind, record_id, cursor)",
+    ),
 )
 _PUT_HEALTH_SQL = (
     "INSERT INTO devices (org_id, user_id, client_id, seen_at, health) VALUES (?, ?, ?, ?, ?) "
@@ -324,8 +357,11 @@ _PUT_SESSION_SQL = (
     "ON CONFLICT (org_id, user_id, id) DO UPDATE SET "
     "updated_at = excluded.updated_at, body = excluded.body"
 )
-_APPEND_FEED_SQL = (
-    "INSERT INTO feed (org_id, user_id, kind, record_id, body) VALUES (?, ?, ?, ?, ?)"
+_APPEND_FEED_SQL = "INSERT INTO feed (org_id, user_id, kind, record_id) VALUES (?, ?, ?, ?)"
+# The entries a session's new entry supersedes (see migration 7): through feed_record.
+_SUPERSEDED_SQL = (
+    "DELETE FROM feed WHERE org_id = ? AND user_id = ? AND kind = ? AND record_id = ? "
+    "AND cursor < ?"
 )
 # Deleting a session's content: the tenant's session rows, the records of the kinds deleted
 # with a session filed under its deleted ones, then the chosen records and their feed entries.
@@ -421,6 +457,8 @@ class _Rows(msgspec.Struct):
     events: list[tuple[Any, ...]]
     sessions: list[tuple[Any, ...]]
     feed: list[tuple[Any, ...]]
+    versioned: dict[tuple[str, str], int]
+    """Versioned records (sessions) in ``feed``: (kind, id) -> the index of its last entry."""
     last_seq: tuple[Any, ...] | None
     places: list[tuple[Any, ...]]
     head: tuple[Any, ...] | None
@@ -446,6 +484,11 @@ def _write_rows(raw: sqlite3.Connection, rows: _Rows) -> tuple[list[int], int | 
         # the consecutive cursors that end at the last one.
         last = int(raw.execute("SELECT last_insert_rowid()").fetchone()[0])
         cursors = list(range(last - len(rows.feed) + 1, last + 1))
+        if rows.versioned:
+            t = rows.feed[0][:2]
+            raw.executemany(
+                _SUPERSEDED_SQL, [(*t, *key, cursors[i]) for key, i in rows.versioned.items()]
+            )
     if rows.last_seq is not None:
         raw.execute(_SET_LAST_SEQ_SQL, rows.last_seq)
     if rows.places:
@@ -529,14 +572,7 @@ class _SQLiteTx:
 
     async def write(self, tenant: Tenant, client_id: str, writes: BatchWrites) -> list[int]:
         t = (tenant.org_id, tenant.user_id)
-        bodies: dict[int, bytes] = {}  # a record in a table and in the feed is encoded once
-
-        def body(r: Any) -> bytes:
-            encoded = bodies.get(id(r))
-            if encoded is None:
-                encoded = bodies[id(r)] = encode_record(r)
-            return encoded
-
+        body = encode_record  # the feed refers to these rows: each body is stored once
         records: list[tuple[Any, ...]] = []
         for r in writes.records:
             info = kind_of(r)
@@ -550,7 +586,12 @@ class _SQLiteTx:
                 for e in writes.events
             ],
             sessions=[(s.id, s.org_id, s.user_id, s.updated_at, body(s)) for s in writes.sessions],
-            feed=[(*t, record_kind(r), r.id, body(r)) for r in writes.feed],
+            feed=[(*t, record_kind(r), r.id) for r in writes.feed],
+            versioned={
+                (record_kind(r), r.id): i
+                for i, r in enumerate(writes.feed)
+                if kind_of(r).merge == "versioned"
+            },
             last_seq=None if writes.last_seq is None else (*t, client_id, writes.last_seq),
             places=[(*t, *_place(r)) for r in writes.records if isinstance(r, AuditRow)],
             head=None if writes.deleted_sessions else t + t,
@@ -840,20 +881,16 @@ class SQLiteServerStore(AsyncResource):
                 raise CursorTooOld(
                     f"cursor {cursor} predates the retained feed (floor {floor}): resync"
                 )
-            # The running size is summed over the page in cursor order; bodies past the
-            # budget come back NULL (not read), so the page knows there is more.
+            # The running size is summed over the page in cursor order; entries past the
+            # budget are left for the next page, so the page knows there is more.
             rows = await _fetchall(
-                conn,
-                "SELECT cursor, CASE WHEN n = 1 OR total <= ? THEN body END FROM ("
-                "SELECT cursor, body, SUM(length(body)) OVER w AS total, "
-                "ROW_NUMBER() OVER w AS n FROM feed "
-                "WHERE org_id = ? AND user_id = ? AND cursor > ? "
-                "WINDOW w AS (ORDER BY cursor ROWS UNBOUNDED PRECEDING) "
-                "ORDER BY cursor LIMIT ?)",
-                (budget, tenant.org_id, tenant.user_id, cursor, limit + 1),
+                conn, _PULL_SQL, (budget, tenant.org_id, tenant.user_id, cursor, limit + 1)
             )
-            page = [(int(c), b) for c, b in rows[:limit] if b is not None]
-            changes = [FeedChange(cursor=c, record=_decode(c, b)) for c, b in page]
+            changes = [
+                FeedChange(cursor=int(c), record=_decode(int(c), b))
+                for c, b, within in rows[:limit]
+                if within
+            ]
             return PullResult(
                 changes=changes,
                 to_cursor=changes[-1].cursor if changes else cursor,
@@ -889,8 +926,30 @@ class SQLiteServerStore(AsyncResource):
 
 _NO_BUDGET = 1 << 62
 
+# A page of the feed (at most ?5 entries after cursor ?4), each entry's body read from the
+# row it refers to, through that table's key; ``within``: the entry is inside the byte budget
+# (the first always is). A missing row reads as a NULL body, within the budget.
+_PULL_SQL = """
+    SELECT cursor, body, n = 1 OR total <= ?1 AS within FROM (
+        SELECT cursor, body, SUM(length(body)) OVER w AS total, ROW_NUMBER() OVER w AS n
+        FROM (
+            SELECT f.cursor, CASE f.kind
+                WHEN 'Session' THEN (SELECT s.body FROM sessions AS s
+                    WHERE s.org_id = ?2 AND s.user_id = ?3 AND s.id = f.record_id)
+                WHEN 'Event' THEN (SELECT e.body FROM events AS e
+                    WHERE e.org_id = ?2 AND e.user_id = ?3 AND e.id = f.record_id)
+                ELSE (SELECT r.body FROM records AS r WHERE r.org_id = ?2 AND r.user_id = ?3
+                    AND r.kind = f.kind AND r.id = f.record_id)
+                END AS body
+            FROM feed AS f WHERE f.org_id = ?2 AND f.user_id = ?3 AND f.cursor > ?4
+            ORDER BY f.cursor LIMIT ?5)
+        WINDOW w AS (ORDER BY cursor ROWS UNBOUNDED PRECEDING))
+    ORDER BY cursor"""
 
-def _decode(cursor: int, body: bytes) -> Record:
+
+def _decode(cursor: int, body: bytes | None) -> Record:
+    if body is None:
+        raise StorageError(f"the feed entry at cursor {cursor} refers to a missing record")
     try:
         return decode_record(body)
     except msgspec.DecodeError as exc:
