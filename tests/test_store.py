@@ -496,3 +496,58 @@ async def test_outbox_rows_with_a_copy_from_older_files_still_flush(db_path: Pat
         conn.close()
     async with SQLiteAdapter(db_path) as store:
         assert [e.record for e in await store.outbox_pending()] == [message]
+
+
+async def test_a_drained_outbox_gives_its_pages_back(
+    db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new file is INCREMENTAL: once the server has a long offline stretch, the pages its
+    outbox rows took go back to the OS instead of staying in the file as free pages."""
+    monkeypatch.setattr(sqlite_module, "RECLAIM_PAGES", 8)
+    session = make_session()
+    messages = [make_message(session_id=session.id) for _ in range(2000)]
+    async with SQLiteAdapter(db_path) as store:
+        receipt = await commit(store, session, *messages)
+        conn = raw(db_path)
+        try:
+            assert conn.execute("PRAGMA auto_vacuum").fetchone()[0] == 2  # INCREMENTAL
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            before = db_path.stat().st_size
+            await store.outbox_remove(receipt.client_seqs[:10])  # a few pages: kept for reuse
+            assert conn.execute("PRAGMA freelist_count").fetchone()[0] < 8
+            await store.outbox_remove(receipt.client_seqs[10:])
+            assert conn.execute("PRAGMA freelist_count").fetchone()[0] == 0
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            assert db_path.stat().st_size < before
+        finally:
+            conn.close()
+        assert await store.outbox_count() == 0
+        assert await store.get_messages([m.id for m in messages]) == messages
+        assert await store.integrity_check() == []
+
+
+async def test_a_file_made_before_incremental_vacuum_keeps_its_mode(
+    db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sqlite_module, "RECLAIM_PAGES", 8)
+    conn = raw(db_path)
+    try:  # as earlier versions made it: auto_vacuum NONE
+        for step in sqlite_module._MIGRATIONS:
+            for statement in step:
+                conn.execute(statement)
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        conn.commit()
+    finally:
+        conn.close()
+    session = make_session()
+    async with SQLiteAdapter(db_path) as store:
+        receipt = await commit(store, session, *(make_message() for _ in range(2000)))
+        await store.outbox_remove(receipt.client_seqs)
+        assert await store.outbox_count() == 0
+        assert await store.get_session(session.id) == session
+    conn = raw(db_path)
+    try:
+        assert conn.execute("PRAGMA auto_vacuum").fetchone()[0] == 0
+        assert conn.execute("PRAGMA freelist_count").fetchone()[0] > 8  # kept for reuse
+    finally:
+        conn.close()

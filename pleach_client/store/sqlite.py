@@ -9,6 +9,11 @@ fixed handful of round trips to the connection thread however many records it ho
 The schema version is ``PRAGMA user_version``. ``_MIGRATIONS`` are applied in order, in one
 transaction, by ``open()``; re-opening is a no-op, and a file written by a newer pleach is
 refused without being touched.
+
+A new file is created with ``auto_vacuum = INCREMENTAL``: the outbox's rows go once the server
+has them, and when a removal leaves at least ``RECLAIM_PAGES`` free pages the file gives them
+back (``PRAGMA incremental_vacuum``), so a device that synced a long offline stretch does not
+keep its high-water size. Files created before keep their mode (changing it needs a VACUUM).
 """
 
 from __future__ import annotations
@@ -454,6 +459,26 @@ def _delete_queued(raw: sqlite3.Connection, client_seqs: list[int]) -> None:
     raw.executemany("DELETE FROM outbox WHERE client_seq = ?", [(seq,) for seq in client_seqs])
 
 
+RECLAIM_PAGES: Final = 256
+"""Free pages (1 MiB at 4 KiB each) after which an outbox removal gives them back to the OS."""
+
+
+def _delete_queued_and_reclaim(raw: sqlite3.Connection, client_seqs: list[int]) -> int:
+    """Remove the entries (one transaction); then, past ``RECLAIM_PAGES`` free pages, give
+    them back in a transaction of its own (best effort: the removal stands whatever happens
+    to it). Returns the pages given back."""
+    _atomically(raw, _delete_queued, client_seqs)
+    free = int(raw.execute("PRAGMA freelist_count").fetchone()[0])
+    if free < RECLAIM_PAGES:
+        return 0
+    try:
+        # executescript steps the pragma to its end (execute would free one page per call).
+        raw.executescript("PRAGMA incremental_vacuum")
+    except sqlite3.Error:  # another process holds the write lock: next time
+        return 0
+    return free - int(raw.execute("PRAGMA freelist_count").fetchone()[0])
+
+
 # ?1: the session id; ?2: a JSON array of ids to keep (what a live fork refers to).
 _KEEP = "NOT IN (SELECT value FROM json_each(?2))"
 # Queued rows of purged contents are not removed (client_seq must stay gap-free: the server
@@ -654,6 +679,8 @@ class SQLiteAdapter(AsyncResource):
         self._conn: aiosqlite.Connection | None = None
         self._lock = asyncio.Lock()
         self._closing: asyncio.Future[None] | None = None
+        self._reclaims = False
+        """The file's ``auto_vacuum`` is INCREMENTAL: an outbox removal may give pages back."""
 
     def __repr__(self) -> str:
         return f"<SQLiteAdapter {self.path!r} {self._state.value}>"
@@ -703,7 +730,9 @@ class SQLiteAdapter(AsyncResource):
 
     async def _prepare(self, conn: aiosqlite.Connection) -> None:
         # Refuse a newer file before changing anything in it (even its journal mode).
-        await self._check_version(conn)
+        if await self._check_version(conn) == 0:
+            # A new file: before the first table, and before WAL mode writes the header.
+            await conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
         await conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
         await conn.execute("PRAGMA journal_mode = WAL")
         await conn.execute(f"PRAGMA synchronous = {self.synchronous}")
@@ -715,6 +744,7 @@ class SQLiteAdapter(AsyncResource):
                     for statement in step:
                         await conn.execute(statement)
                 await conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        self._reclaims = int((await _fetch(conn, "PRAGMA auto_vacuum"))[0][0]) == 2
 
     async def _check_version(self, conn: aiosqlite.Connection) -> int:
         tables = {str(r[0]) for r in await _fetch(conn, "SELECT name FROM sqlite_master")}
@@ -954,7 +984,14 @@ class SQLiteAdapter(AsyncResource):
         if not client_seqs:
             return
         async with self._lock:
-            await _in_one_hop(self._require_open(), "outbox remove", _delete_queued, client_seqs)
+            conn = self._require_open()
+            if not self._reclaims:
+                await _in_one_hop(conn, "outbox remove", _delete_queued, client_seqs)
+                return
+            try:  # one hop: the removal, then the reclaim
+                await conn._execute(_delete_queued_and_reclaim, conn._conn, client_seqs)  # type: ignore[no-untyped-call]
+            except _DB_ERRORS as exc:
+                raise _storage_error("outbox remove", exc) from exc
 
     async def outbox_mark_attempt(
         self, client_seqs: list[int], code: int | None, message: str | None
