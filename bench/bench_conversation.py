@@ -6,8 +6,10 @@ one SQLite file. The floor, measured in the same run: plain ``sqlite3`` (WAL,
 ``synchronous=NORMAL``) inserting the same two messages per turn in one transaction.
 
 Figures: file bytes after N turns, unsynced and after a full sync to a real server (device
-file and the server's file); turn p50 over turns 51-150 and over the last 100; p99 over the
-last 100. Each beside its floor, as a ratio.
+file and the server's file); the same when the device stays connected and each turn syncs as
+it is written (what a device online does: every turn pushes the session's new version); turn
+p50 over turns 51-150 and over the last 100; p99 over the last 100. Each beside its floor, as
+a ratio.
 """
 
 from __future__ import annotations
@@ -85,6 +87,29 @@ async def synced_bytes(device: Path, server_path: Path) -> tuple[int, int]:
     return file_bytes(device), file_bytes(server_path)
 
 
+async def live_synced_bytes(device: Path, server_path: Path, n: int) -> tuple[int, int]:
+    """``n`` turns on a device connected to a real server, each synced before the next; the
+    device file's bytes and the server file's bytes then (both checkpointed first)."""
+    async with (
+        SQLiteServerStore(server_path) as store,
+        SyncServer(store, port=0, secret=SECRET, rate_limit_per_s=None) as server,
+    ):
+        provider = ScriptedProvider(default_reply=REPLY)
+        async with SessionRuntime(SQLiteAdapter(device), provider, client_id=CLIENT_ID) as rt:
+            await rt.sync.connect(server.url, issue_token(SECRET, TENANT, 3600))
+            session_id = (await rt.create_session(title="bench")).id
+            for i in range(n):
+                async for _ in rt.execute_message(session_id, user_text(i)):
+                    pass
+                if not await rt.sync.wait_until_synced(60):
+                    raise RuntimeError(f"turn {i} did not sync within 60 s")
+            await rt.sync.disconnect()
+    for path in (device, server_path):
+        with sqlite3.connect(path) as conn:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    return file_bytes(device), file_bytes(server_path)
+
+
 def raw_run(path: Path, n: int) -> list[float]:
     """The floor: the same two messages per turn, plain ``sqlite3``, one transaction each."""
     conn = sqlite3.connect(path, isolation_level=None)
@@ -132,6 +157,9 @@ async def _run(n: int) -> list[Row]:
         ours_bytes = file_bytes(root / "device.db")
         raw_bytes = file_bytes(root / "raw.db")
         device_synced, server_bytes = await synced_bytes(root / "device.db", root / "server.db")
+        live_device, live_server = await live_synced_bytes(
+            root / "live-device.db", root / "live-server.db", n
+        )
     o_early, o_late, o_p99 = windows(ours)
     r_early, r_late, r_p99 = windows(raw)
     last = f"{n - 99}-{n}"
@@ -139,6 +167,8 @@ async def _run(n: int) -> list[Row]:
         Row(f"bytes after {n} turns (unsynced)", ours_bytes, "bytes", "raw sqlite3", raw_bytes),
         Row("  device bytes after a full sync", device_synced, "bytes", "raw sqlite3", raw_bytes),
         Row("  server bytes for the same history", server_bytes, "bytes", "raw sqlite3", raw_bytes),
+        Row("  device bytes, synced turn by turn", live_device, "bytes", "raw sqlite3", raw_bytes),
+        Row("  server bytes, synced turn by turn", live_server, "bytes", "raw sqlite3", raw_bytes),
         Row("turn p50, turns 51-150", o_early * 1e6, "us", "raw sqlite3", r_early * 1e6),
         Row(f"turn p50, turns {last}", o_late * 1e6, "us", "raw sqlite3", r_late * 1e6),
         Row(f"turn p50, turns {last} vs 51-150", o_late * 1e6, "us", "turns 51-150", o_early * 1e6),
