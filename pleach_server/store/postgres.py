@@ -48,7 +48,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import logging
 import re
 from collections.abc import Awaitable, Callable, Collection
@@ -549,27 +548,33 @@ class _Sql:
             f"INSERT INTO {s}.audit_places "
             "(org_id, user_id, client_id, sequence_number, row_hash, id) "
             "SELECT $1, $2, * FROM unnest($23::text[], $24::bigint[], $25::text[], $26::text[]) "
-            "ON CONFLICT DO NOTHING RETURNING 1) "
-            "SELECT (SELECT count(*) FROM r), (SELECT count(*) FROM e), "
-            "(SELECT count(*) FROM x), (SELECT count(*) FROM c), (SELECT count(*) FROM p)"
-        )
-        # n cursors from the identity sequence (the caller holds the tenant lock), paired in
-        # increasing order with the rows in their given order (WITH ORDINALITY). In the same
-        # statement, the entries the new ones supersede go: the earlier entries of the
-        # sessions in $5 (the DELETE sees the feed as it was before this statement, so never
-        # the rows it adds; see migration 6).
-        self.append_feed = (
-            f"WITH superseded AS (DELETE FROM {s}.feed AS f USING unnest($5::text[]) AS k (id) "
-            "WHERE f.org_id = $1 AND f.user_id = $2 AND f.kind = 'Session' "
-            "AND f.record_id = k.id) "
-            f"INSERT INTO {s}.feed (cursor, org_id, user_id, kind, record_id) "
+            "ON CONFLICT DO NOTHING RETURNING 1), "
+            # The feed rows ($27 kinds, $28 ids): n cursors from the identity sequence (the
+            # caller holds the tenant lock), paired in increasing order with the rows in
+            # their given order (WITH ORDINALITY).
+            f"f AS (INSERT INTO {s}.feed (cursor, org_id, user_id, kind, record_id) "
             "OVERRIDING SYSTEM VALUE "
             "SELECT c.cursor, $1, $2, r.kind, r.record_id "
-            "FROM unnest($3::text[], $4::text[]) WITH ORDINALITY AS r (kind, record_id, n) "
+            "FROM unnest($27::text[], $28::text[]) WITH ORDINALITY AS r (kind, record_id, n) "
             "JOIN (SELECT a.cursor, row_number() OVER (ORDER BY a.cursor) AS n FROM ("
             f"SELECT nextval(pg_get_serial_sequence('{s}.feed', 'cursor')) AS cursor "
-            "FROM generate_series(1, cardinality($3::text[]))) AS a) AS c USING (n) "
-            "RETURNING cursor"
+            "FROM generate_series(1, cardinality($27::text[]))) AS a) AS c USING (n) "
+            "RETURNING cursor), "
+            # The entries the new ones supersede: the earlier entries of the sessions in $29
+            # (this DELETE sees the feed as it was before the statement, so never the rows f
+            # adds; see migration 6).
+            f"d AS (DELETE FROM {s}.feed AS old USING unnest($29::text[]) AS k (id) "
+            "WHERE old.org_id = $1 AND old.user_id = $2 AND old.kind = 'Session' "
+            "AND old.record_id = k.id), "
+            # The notice to the other server processes ($30: the schema, $31: this server's
+            # id), delivered at COMMIT, in commit order, never if the transaction rolls back.
+            "n AS (SELECT pg_notify('" + NOTIFY_CHANNEL + "', json_build_object("
+            "'schema', $30::text, 'org', $1::text, 'user', $2::text, "
+            "'from', min(cursor) - 1, 'to', max(cursor), 'server', $31::text)::text) "
+            "FROM f HAVING count(*) > 0) "
+            "SELECT (SELECT count(*) FROM r), (SELECT count(*) FROM e), "
+            "(SELECT count(*) FROM x), (SELECT count(*) FROM c), (SELECT count(*) FROM p), "
+            "(SELECT array_agg(cursor) FROM f), (SELECT count(*) FROM n)"
         )
         # A session written twice by one batch: its earlier entries of the batch.
         self.drop_cursors = (
@@ -647,7 +652,6 @@ class _Sql:
             "WHERE f.org_id = $1 AND f.user_id = $2 AND f.kind = k.kind AND f.record_id = k.id"
         )
         self.lock_tenant = "SELECT pg_advisory_xact_lock($1)"
-        self.notify = "SELECT pg_notify($1, $2)"
 
 
 class _PostgresTx:
@@ -657,10 +661,12 @@ class _PostgresTx:
     keys and rows travel as arrays.
     """
 
-    def __init__(self, conn: Any, sql: _Sql, schema: str) -> None:
+    def __init__(self, conn: Any, sql: _Sql, schema: str, server_id: str) -> None:
         self._conn = conn
         self._sql = sql
         self._schema = schema
+        self._server_id = server_id
+        """Named in the notice of new cursors (``_Sql.write``): this server process."""
         self._head: int | None = None
         """The tenant's head cursor as ``load`` read it, or as the feed rows ``write`` added
         left it (the tenant lock keeps every other writer out meanwhile); None: read it."""
@@ -709,8 +715,10 @@ class _PostgresTx:
         return found
 
     async def write(self, tenant: Tenant, client_id: str, writes: BatchWrites) -> list[int]:
-        """The batch's rows, in two or three round trips: records, events, sessions and the
-        device's ``last_seq`` in one (``_Sql.write``), then the feed, then (after a delete)
+        """The batch's rows in ONE round trip (``_Sql.write``): records, events, sessions, the
+        device's ``last_seq``, the feed rows (and the entries they supersede) and the notice
+        to the other server processes; then, rarely, a second: a session written twice by
+        the batch (an older device's push) keeps its last entry only; then (after a delete)
         the content the delete drains."""
         conn, sql = self._conn, self._sql
         records: list[list[Any]] = [[], [], [], [], [], []]
@@ -721,13 +729,15 @@ class _PostgresTx:
             row = (info.name, r.id, r.org_id, r.user_id, info.session_of(r), encode_record(r))
             for column, value in zip(records, row, strict=True):
                 column.append(value)
-        events, sessions = writes.events, writes.sessions
+        events, sessions, feed = writes.events, writes.sessions, writes.feed
         places: list[list[Any]] = [[], [], [], []]
         for r in writes.records:
             if isinstance(r, AuditRow):
                 for place_column, place_value in zip(places, _place(r), strict=True):
                     place_column.append(place_value)
-        if records[0] or events or sessions or writes.last_seq is not None:
+        versioned = [i for i, r in enumerate(feed) if kind_of(r).merge == "versioned"]
+        cursors: list[int] = []
+        if records[0] or events or sessions or feed or writes.last_seq is not None:
             taken = await conn.fetchrow(
                 sql.write,
                 tenant.org_id,
@@ -748,33 +758,27 @@ class _PostgresTx:
                 client_id,
                 writes.last_seq,
                 *places,
+                [record_kind(r) for r in feed],
+                [r.id for r in feed],
+                [feed[i].id for i in versioned],
+                self._schema,
+                self._server_id,
             )
             assert taken is not None
             if taken[0] != len(writes.records):
                 raise claimed_concurrently("a record id")
             if taken[1] != len(events):
                 raise claimed_concurrently("an event id")
-        cursors: list[int] = []
-        if writes.feed:
-            feed = writes.feed
-            versioned = [i for i, r in enumerate(feed) if kind_of(r).merge == "versioned"]
-            rows = await conn.fetch(
-                sql.append_feed,
-                tenant.org_id,
-                tenant.user_id,
-                [record_kind(r) for r in feed],
-                [r.id for r in feed],
-                [feed[i].id for i in versioned],
-            )
-            # The n-th smallest cursor went to the n-th row (see _Sql.append_feed).
-            cursors = sorted(int(row[0]) for row in rows)
+            # The n-th smallest cursor went to the n-th feed row (see _Sql.write).
+            cursors = sorted(int(c) for c in taken[5] or ())
+        if cursors:
             last = {feed[i].id: i for i in versioned}
             earlier = [cursors[i] for i in versioned if last[feed[i].id] != i]
             if earlier:
                 await conn.execute(sql.drop_cursors, tenant.org_id, tenant.user_id, earlier)
             # New cursors are above every cursor the tenant had (one sequence), so the last
             # is the head; a delete below may take feed rows away again: read it then.
-            self._head = cursors[-1] if cursors else self._head
+            self._head = cursors[-1]
         if writes.deleted_sessions:
             self._head = None
             await self._delete_content(tenant)
@@ -1022,7 +1026,7 @@ class PostgresServerStore(AsyncResource):
     ) -> PushResult:
         async def body(conn: Any) -> PushResult:
             result = await apply_push(
-                _PostgresTx(conn, self._sql, self.schema),
+                _PostgresTx(conn, self._sql, self.schema, clock.client_id),
                 tenant,
                 client_id,
                 changes,
@@ -1033,23 +1037,9 @@ class PostgresServerStore(AsyncResource):
                 chains=chains,
                 skipped=skipped,
             )
-            if result.cursors:
-                if self.feed_retention is not None:
-                    await self._retain(conn, tenant, self.feed_retention)
-                    result.feed, result.previous_head = [], None  # read the page back instead
-                # Delivered at COMMIT, in commit order; never if this transaction rolls back.
-                payload = json.dumps(
-                    {
-                        "schema": self.schema,
-                        "org": tenant.org_id,
-                        "user": tenant.user_id,
-                        "from": min(result.cursors) - 1,
-                        "to": max(result.cursors),
-                        "server": clock.client_id,
-                    },
-                    separators=(",", ":"),
-                )
-                await conn.execute(self._sql.notify, NOTIFY_CHANNEL, payload)
+            if result.cursors and self.feed_retention is not None:
+                await self._retain(conn, tenant, self.feed_retention)
+                result.feed, result.previous_head = [], None  # read the page back instead
             return result
 
         return await self._run("push failed, rolled back", body, transaction=True)
