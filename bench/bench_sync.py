@@ -13,7 +13,10 @@ Every figure is printed beside a baseline measured in the same run on the same m
 - ``fan-out``: devices A and B connected live; A commits a turn (t0: commit returned), its sync
   loop pushes it, the server fans it out, B applies it (t1: B's ``sync.applied`` for the
   session, checked against B's store). Baseline: a raw ``websockets`` relay that forwards
-  A's message (one turn's encoded ``Push``) to B. Medians and p95 over the rounds.
+  A's message (one turn's encoded ``Push``) to B. Medians and p95 over the rounds. Then the
+  same at turn 1,000 of a session (300 with ``--quick``), against a relay of that turn's
+  ``Push``: the session's row carries every message id, so what each turn sends grows with
+  the session.
 
 Run ``python -m bench.bench_sync [--quick]``; bounded (well under a minute, loopback only).
 """
@@ -257,18 +260,23 @@ async def throughput_apart(tmp: Path, k: int, reps: int) -> list[Row]:
 # -- (b) live fan-out latency ------------------------------------------------------------------
 
 
-async def fanout(server: SyncServer, tmp: Path, rounds: int) -> tuple[list[float], float, bytes]:
+async def fanout(
+    server: SyncServer, tmp: Path, rounds: int, prefill: int = 0
+) -> tuple[list[float], float, bytes]:
     """A commits a turn, B applies it: seconds per round (after one warm-up round), the mean
     seconds the server spent in ``store.push`` per round, and one turn's encoded ``Push``
-    (the baseline's payload)."""
-    tenant = new_tenant("fanout")
+    (the baseline's payload). ``prefill``: turns A's session holds before the rounds (its
+    session row carries every message id, so each turn's push grows with the session)."""
+    label = f"fan{prefill}"
+    tenant = new_tenant(label)
     token = issue_token(SECRET, tenant, 3600)
     async with AsyncExitStack() as stack:
-        a = await stack.enter_async_context(device(tmp / "fan-a.db", tenant, "fan-a"))
-        b = await stack.enter_async_context(device(tmp / "fan-b.db", tenant, "fan-b"))
+        a = await stack.enter_async_context(device(tmp / f"{label}-a.db", tenant, f"{label}-a"))
+        b = await stack.enter_async_context(device(tmp / f"{label}-b.db", tenant, f"{label}-b"))
         session_id = (await a.create_session(title="fan-out")).id
+        await turns(a, session_id, 0, prefill)
         before = await a.store.outbox_count()
-        await turns(a, session_id, 0, 1)
+        await turns(a, session_id, prefill, 1)
         payload = (await outbox_payloads(a, skip=before))[0]
         for rt in (a, b):  # A first: B then pulls A's session when it connects
             await rt.sync.connect(server.url, token)
@@ -299,7 +307,7 @@ async def fanout(server: SyncServer, tmp: Path, rounds: int) -> tuple[list[float
             committed.clear()
             applied.clear()
             wake.clear()
-            await turns(a, session_id, r + 1, 1)
+            await turns(a, session_id, prefill + r + 1, 1)
             row = await a.store.get_session(session_id)
             assert row is not None and len(committed) == 1
             want = row.vv[a.client_id]
@@ -364,6 +372,7 @@ async def relay_latency(payload: bytes, rounds: int) -> list[float]:
 
 async def _run(quick: bool) -> list[Row]:
     k, reps, rounds = (40, 2, 10) if quick else (150, 3, 30)
+    long_session = 300 if quick else 1000
     with tempfile.TemporaryDirectory(prefix="pleach-bench-") as tmp:
         root = Path(tmp)
         async with (
@@ -373,7 +382,9 @@ async def _run(quick: bool) -> list[Row]:
             rows = await throughput(server, root, k, reps)
             rows += await throughput_apart(root, k, reps)
             latencies, in_store, payload = await fanout(server, root, rounds)
+            late, _, late_payload = await fanout(server, root, rounds, prefill=long_session)
         baseline = await relay_latency(payload, rounds)
+        late_baseline = await relay_latency(late_payload, rounds)
     kib = len(payload) / 1024
     rows += [
         Row(
@@ -391,6 +402,21 @@ async def _run(quick: bool) -> list[Row]:
             p95(baseline) * 1e3,
         ),
         Row("  of which the server's store.push, mean", in_store * 1e3, "ms"),
+        Row(
+            f"fan-out at turn {long_session:,} of a session, median of {rounds} "
+            f"({len(late_payload) / 1024:.1f} KiB)",
+            statistics.median(late) * 1e3,
+            "ms",
+            "ws relay A -> B",
+            statistics.median(late_baseline) * 1e3,
+        ),
+        Row(
+            f"  at turn {long_session:,} against turn 1, median",
+            statistics.median(late) * 1e3,
+            "ms",
+            "turn 1",
+            statistics.median(latencies) * 1e3,
+        ),
     ]
     return rows
 
