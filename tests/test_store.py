@@ -551,3 +551,51 @@ async def test_a_file_made_before_incremental_vacuum_keeps_its_mode(
         assert conn.execute("PRAGMA freelist_count").fetchone()[0] > 8  # kept for reuse
     finally:
         conn.close()
+
+
+async def test_events_keep_their_type_beside_the_body(db_path: Path) -> None:
+    """A reader of some types reads only their rows; rows written before schema 3 (no type
+    beside the body) are read and sorted by their body, so none is missed."""
+    kinds = ["message.added", "turn.complete", "checkpoint.created", "turn.complete", "error"]
+    events = [
+        make_event(session_id="s-1", sequence_number=n, type=kind, payload={"n": n})
+        for n, kind in enumerate(kinds, start=1)
+    ]
+    async with SQLiteAdapter(db_path) as store:
+        await commit(store, *events)
+    conn = raw(db_path)
+    try:
+        stored = dict(conn.execute("SELECT id, type FROM events").fetchall())
+        assert stored == {e.id: e.type for e in events}
+        # As a file migrated from schema 2 holds them: no type beside the older rows.
+        conn.execute("UPDATE events SET type = NULL WHERE sequence_number <= 2")
+        query = QUERIES["list_events_of_types"]
+        read = conn.execute(query, ("s-1", 0, '["error"]')).fetchall()
+        assert [row[0] for row in read] == [events[0].id, events[1].id, events[4].id]
+    finally:
+        conn.close()
+    async with SQLiteAdapter(db_path) as store:
+        wanted = {"turn.complete", "error"}
+        assert await store.list_events("s-1", types=wanted) == [events[1], events[3], events[4]]
+        assert await store.list_events("s-1", types={"message.added"}) == [events[0]]
+        assert await store.list_events("s-1") == events
+
+
+async def test_a_schema_2_file_gains_the_event_type_column(db_path: Path) -> None:
+    conn = raw(db_path)
+    try:
+        for step in sqlite_module._MIGRATIONS[:2]:
+            for statement in step:
+                conn.execute(statement)
+        event = make_event(session_id="s-1", sequence_number=1, type="turn.complete")
+        conn.execute(
+            "INSERT INTO events (id, session_id, sequence_number, hlc, body) VALUES (?, ?, ?, ?, ?)",
+            (event.id, event.session_id, 1, event.hlc, encode_record(event)),
+        )
+        conn.execute("PRAGMA user_version = 2")
+    finally:
+        conn.close()
+    async with SQLiteAdapter(db_path) as store:
+        assert await store.list_events("s-1", types={"turn.complete"}) == [event]
+        assert await store.list_events("s-1", types={"error"}) == []
+    assert _user_version(db_path) == SCHEMA_VERSION == 3

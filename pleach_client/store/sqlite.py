@@ -134,6 +134,10 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     (  # 2: is a record still queued (a session's unacknowledged version)?
         "CREATE INDEX ix_outbox_record ON outbox (record_id)",
     ),
+    # 3: an event's type beside its body, so that a reader of some types (a resume reads
+    # the few the fold needs) leaves the others' rows in the file. Rows written before have
+    # NULL there, and are read and sorted by their body as before.
+    ("ALTER TABLE events ADD COLUMN type TEXT",),
 )
 SCHEMA_VERSION: Final = len(_MIGRATIONS)
 
@@ -153,9 +157,10 @@ _PUT_CHECKPOINT = (
     "ON CONFLICT (id) DO NOTHING"
 )
 _PUT_EVENT = (
-    "INSERT INTO events (id, session_id, sequence_number, hlc, body) VALUES (?, ?, ?, ?, ?) "
-    "ON CONFLICT (id) DO UPDATE SET session_id = excluded.session_id, "
-    "sequence_number = excluded.sequence_number, hlc = excluded.hlc, body = excluded.body"
+    "INSERT INTO events (id, session_id, sequence_number, hlc, type, body) "
+    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET session_id = excluded.session_id, "
+    "sequence_number = excluded.sequence_number, hlc = excluded.hlc, type = excluded.type, "
+    "body = excluded.body"
 )
 _PUT_AUDIT = (
     "INSERT INTO audit (id, client_id, session_id, sequence_number, subject_key, body) "
@@ -223,6 +228,12 @@ QUERIES: Final[dict[str, str]] = {
     "list_events": (  # LIMIT -1: all of them
         "SELECT id, body FROM events WHERE session_id = ? AND sequence_number >= ? "
         "ORDER BY sequence_number, id LIMIT ?"
+    ),
+    # ?3: a JSON array of types; a row without its type (written before schema 3) is read.
+    "list_events_of_types": (
+        "SELECT id, body FROM events WHERE session_id = ?1 AND sequence_number >= ?2 "
+        "AND (type IS NULL OR type IN (SELECT value FROM json_each(?3))) "
+        "ORDER BY sequence_number, id"
     ),
     "list_audit": "SELECT id, body FROM audit ORDER BY client_id, sequence_number, id",
     "list_audit_session": (
@@ -336,7 +347,14 @@ def _encode_batch(
                 sql, row = _PUT_CHECKPOINT, (record.id, record.session_id, record.hlc, body)
             case Event():
                 sql = _PUT_EVENT
-                row = (record.id, record.session_id, record.sequence_number, record.hlc, body)
+                row = (
+                    record.id,
+                    record.session_id,
+                    record.sequence_number,
+                    record.hlc,
+                    record.type,
+                    body,
+                )
             case AuditRow():
                 sql = _PUT_AUDIT
                 row = (
@@ -935,7 +953,12 @@ class SQLiteAdapter(AsyncResource):
         """Events with ``sequence_number >= from_sequence``, by sequence number, then id;
         only those of ``types`` when given."""
         async with self._reading("read events") as conn:
-            rows = await _fetch(conn, QUERIES["list_events"], (session_id, from_sequence, -1))
+            if types is None:
+                rows = await _fetch(conn, QUERIES["list_events"], (session_id, from_sequence, -1))
+            else:
+                wanted = msgspec.json.encode(sorted(types)).decode()
+                query = QUERIES["list_events_of_types"]
+                rows = await _fetch(conn, query, (session_id, from_sequence, wanted))
         return decode_events(rows, types, lambda key, body: _decode(_EVENT, "events", key, body))
 
     async def get_event(self, event_id: str) -> Event | None:
