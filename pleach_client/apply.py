@@ -256,7 +256,7 @@ async def _reuses_our_counter(
     if local is None or remote.deleted or local.client_id != view.client_id:
         return False
     mine = local.vv.get(view.client_id, 0)
-    return 0 < mine <= remote.vv.get(view.client_id, 0) and await tx.queued(local.id)
+    return 0 < mine <= remote.vv.get(view.client_id, 0) and await tx.session_queued(local.id)
 
 
 async def missing_content(tx: TxReader, view: RemoteView, batch: WriteBatch) -> list[str]:

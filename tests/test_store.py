@@ -22,7 +22,7 @@ from pleach_client.store import sqlite as sqlite_module  # noqa: E402
 from pleach_client.store.sqlite import QUERIES, SCHEMA_VERSION  # noqa: E402
 from shared.errors import InvalidState, StorageError  # noqa: E402
 from shared.records import Record, encode_record  # noqa: E402
-from tests.factories import make_event, make_message, make_session  # noqa: E402
+from tests.factories import make_checkpoint, make_event, make_message, make_session  # noqa: E402
 from tests.store_conformance import (  # noqa: E402
     StoreConformance,
     commit,
@@ -581,6 +581,118 @@ async def test_events_keep_their_type_beside_the_body(db_path: Path) -> None:
         assert await store.list_events("s-1") == events
 
 
+async def test_a_checkpoint_keeps_its_parent_beside_its_body(db_path: Path) -> None:
+    root = make_checkpoint(session_id="s-1")
+    a, b = (make_checkpoint(session_id="s-1", parent_id=root.id) for _ in range(2))
+    grandchild = make_checkpoint(session_id="s-1", parent_id=a.id)
+    async with SQLiteAdapter(db_path) as store:
+        await commit(store, root, a, b, grandchild)
+    conn = raw(db_path)
+    try:
+        stored = dict(conn.execute("SELECT id, parent_id FROM checkpoints").fetchall())
+        assert stored == {root.id: "", a.id: root.id, b.id: root.id, grandchild.id: a.id}
+        # The children query reads the head's children only (and rows without the column).
+        query = QUERIES["child_checkpoints"]
+        assert [r[0] for r in conn.execute(query, ("s-1", root.id))] == [a.id, b.id]
+        # As a file migrated from schema 3 holds them: no parent beside the older rows.
+        conn.execute("UPDATE checkpoints SET parent_id = NULL WHERE id IN (?, ?)", (a.id, b.id))
+        assert [r[0] for r in conn.execute(query, ("s-1", a.id))] == [a.id, b.id, grandchild.id]
+        conn.commit()
+    finally:
+        conn.close()
+    async with SQLiteAdapter(db_path) as store:  # the body tells for a row without the column
+        assert await store.child_checkpoints("s-1", root.id) == [a, b]
+        assert await store.child_checkpoints("s-1", a.id) == [grandchild]
+        assert await store.child_checkpoints("s-1", b.id) == []
+
+
+async def test_no_query_reads_the_stamp_columns_of_messages_and_events(db_path: Path) -> None:
+    """Schema 4 writes '' there: the stamp is in the body, and the bytes went to nothing."""
+    message = make_message(session_id="s-1")
+    event = make_event(session_id="s-1", sequence_number=1)
+    async with SQLiteAdapter(db_path) as store:
+        await commit(store, message, event)
+        assert await store.get_messages([message.id]) == [message]
+        assert await store.list_events("s-1") == [event]
+    conn = raw(db_path)
+    try:
+        assert conn.execute(
+            "SELECT hlc FROM messages UNION ALL SELECT hlc FROM events"
+        ).fetchall() == [
+            ("",),
+            ("",),
+        ]
+    finally:
+        conn.close()
+    for name, sql in QUERIES.items():
+        assert "hlc" not in sql or ("messages" not in sql and "events" not in sql), name
+
+
+async def _session_queued(store: SQLiteAdapter, session_id: str) -> bool:
+    found: list[bool] = []
+
+    async def plan(tx: Any) -> None:
+        found.append(await tx.session_queued(session_id))
+
+    await store.transact(plan)
+    return found[0]
+
+
+async def test_only_session_rows_of_the_outbox_are_indexed_by_record(db_path: Path) -> None:
+    session = make_session(id="s-1")
+    message = make_message(session_id="s-1")
+    async with SQLiteAdapter(db_path) as store:
+        await commit(store, session, message)
+        assert await _session_queued(store, "s-1")
+        assert not await _session_queued(store, message.id)  # a message is no session
+        assert not await _session_queued(store, "s-2")
+    conn = raw(db_path)
+    try:
+        indexed = conn.execute(
+            "SELECT count(*) FROM outbox INDEXED BY ix_outbox_session "
+            "WHERE kind = 'Session' AND record_id IS NOT NULL"
+        ).fetchone()[0]
+        names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+    finally:
+        conn.close()
+    assert indexed == 1
+    assert "ix_outbox_record" not in names
+
+
+async def test_a_schema_3_file_migrates_to_4_with_nothing_lost(db_path: Path) -> None:
+    conn = raw(db_path)
+    root = make_checkpoint(session_id="s-1")
+    child = make_checkpoint(session_id="s-1", parent_id=root.id)
+    session = make_session(id="s-1")
+    try:
+        for step in sqlite_module._MIGRATIONS[:3]:
+            for statement in step:
+                conn.execute(statement)
+        for cp in (root, child):
+            conn.execute(
+                "INSERT INTO checkpoints (id, session_id, hlc, body) VALUES (?, ?, ?, ?)",
+                (cp.id, cp.session_id, cp.hlc, encode_record(cp)),
+            )
+        conn.execute(
+            "INSERT INTO sessions (id, updated_at, deleted, body) VALUES (?, ?, 0, ?)",
+            (session.id, session.updated_at, encode_record(session)),
+        )
+        conn.execute(
+            "INSERT INTO outbox (record_id, kind, attempts, created_at) VALUES (?, 'Session', 0, 0)",
+            (session.id,),
+        )
+        conn.execute("PRAGMA user_version = 3")
+        conn.commit()
+    finally:
+        conn.close()
+    async with SQLiteAdapter(db_path) as store:
+        assert await store.child_checkpoints("s-1", root.id) == [child]
+        assert await store.list_checkpoints("s-1") == [root, child]
+        assert await _session_queued(store, "s-1")
+        assert [e.record for e in await store.outbox_pending()] == [session]
+    assert _user_version(db_path) == SCHEMA_VERSION
+
+
 async def test_a_schema_2_file_gains_the_event_type_column(db_path: Path) -> None:
     conn = raw(db_path)
     try:
@@ -598,4 +710,4 @@ async def test_a_schema_2_file_gains_the_event_type_column(db_path: Path) -> Non
     async with SQLiteAdapter(db_path) as store:
         assert await store.list_events("s-1", types={"turn.complete"}) == [event]
         assert await store.list_events("s-1", types={"error"}) == []
-    assert _user_version(db_path) == SCHEMA_VERSION == 3
+    assert _user_version(db_path) == SCHEMA_VERSION

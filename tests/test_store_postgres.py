@@ -587,7 +587,7 @@ PLAN_ARGS: dict[str, tuple[Any, ...]] = {
     "get_meta": ("cursor",),
     "outbox_pending": (500,),
     "outbox_count": (),
-    "queued": ("id-3",),
+    "session_queued": ("id-3",),
     "audit_rows": (["id-1", "id-2"],),
     "dead_letters": (),
     "dead_letter_count": (),

@@ -104,8 +104,9 @@ class TxReader(Protocol):
         """Those of ``message_ids`` this store does not hold."""
         ...
 
-    async def queued(self, record_id: str) -> bool:
-        """Whether an outbox row still refers to ``record_id`` (not acknowledged yet)."""
+    async def session_queued(self, session_id: str) -> bool:
+        """Whether an outbox row still refers to the session ``session_id`` (a version of
+        its row not acknowledged yet)."""
         ...
 
     async def queued_records(self) -> list[Record]:

@@ -198,9 +198,9 @@ class MemoryAdapter(AsyncResource):
         self._check_open()
         return [m for m in message_ids if m not in self._messages]
 
-    async def queued(self, record_id: str) -> bool:
+    async def session_queued(self, session_id: str) -> bool:
         self._check_open()
-        return any(row.ref is not None and row.ref[1] == record_id for row in self._outbox.values())
+        return any(row.ref == ("Session", session_id) for row in self._outbox.values())
 
     async def queued_records(self) -> list[Record]:
         self._check_open()

@@ -561,7 +561,10 @@ class _Sql:
             "ORDER BY client_seq LIMIT $2) AS o ORDER BY o.client_seq"
         )
         self.outbox_count = f"SELECT count(*) FROM {s}.outbox WHERE device = $1"
-        self.queued = f"SELECT 1 FROM {s}.outbox WHERE device = $1 AND record_id = $2 LIMIT 1"
+        self.session_queued = (
+            f"SELECT 1 FROM {s}.outbox WHERE device = $1 AND kind = 'Session' "
+            "AND record_id = $2 LIMIT 1"
+        )
         self.dead_letters = (
             "SELECT client_seq, body, code, message, attempts, failed_at "
             f"FROM {s}.dead_letters WHERE device = $1 ORDER BY client_seq"
@@ -677,8 +680,8 @@ class _Reader:
         rows = await self._rows(self._sql.missing_messages, message_ids)
         return [str(row[0]) for row in rows]
 
-    async def queued(self, record_id: str) -> bool:
-        return bool(await self._rows(self._sql.queued, record_id))
+    async def session_queued(self, session_id: str) -> bool:
+        return bool(await self._rows(self._sql.session_queued, session_id))
 
     async def queued_records(self) -> list[Record]:
         rows = await self._rows(self._sql.outbox_pending, None)

@@ -138,6 +138,17 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     # the few the fold needs) leaves the others' rows in the file. Rows written before have
     # NULL there, and are read and sorted by their body as before.
     ("ALTER TABLE events ADD COLUMN type TEXT",),
+    # 4: a checkpoint's parent beside its body ('' for a root), so that resume asks for the
+    # head's children without reading every checkpoint of the session; rows written before
+    # have NULL there and are read by their body as before. The outbox's index on record_id
+    # served one question, whether a session's version is still queued: it now holds the
+    # session rows only (a tenth of the entries of a turn). And messages' and events' hlc
+    # columns, which no query reads, are written '' from now on: the stamp is in the body.
+    (
+        "ALTER TABLE checkpoints ADD COLUMN parent_id TEXT",
+        "DROP INDEX ix_outbox_record",
+        "CREATE INDEX ix_outbox_session ON outbox (record_id) WHERE kind = 'Session'",
+    ),
 )
 SCHEMA_VERSION: Final = len(_MIGRATIONS)
 
@@ -149,17 +160,17 @@ _PUT_SESSION = (
     "deleted = excluded.deleted, body = excluded.body"
 )
 _PUT_MESSAGE = (
-    "INSERT INTO messages (id, session_id, hlc, body) VALUES (?, ?, ?, ?) "
+    "INSERT INTO messages (id, session_id, hlc, body) VALUES (?, ?, '', ?) "
     "ON CONFLICT (id) DO NOTHING"
 )
 _PUT_CHECKPOINT = (
-    "INSERT INTO checkpoints (id, session_id, hlc, body) VALUES (?, ?, ?, ?) "
+    "INSERT INTO checkpoints (id, session_id, hlc, parent_id, body) VALUES (?, ?, ?, ?, ?) "
     "ON CONFLICT (id) DO NOTHING"
 )
 _PUT_EVENT = (
     "INSERT INTO events (id, session_id, sequence_number, hlc, type, body) "
-    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET session_id = excluded.session_id, "
-    "sequence_number = excluded.sequence_number, hlc = excluded.hlc, type = excluded.type, "
+    "VALUES (?, ?, ?, '', ?, ?) ON CONFLICT (id) DO UPDATE SET session_id = excluded.session_id, "
+    "sequence_number = excluded.sequence_number, hlc = '', type = excluded.type, "
     "body = excluded.body"
 )
 _PUT_AUDIT = (
@@ -220,6 +231,11 @@ QUERIES: Final[dict[str, str]] = {
         "WHERE NOT EXISTS (SELECT 1 FROM messages WHERE messages.id = json_each.value)"
     ),
     "list_checkpoints": ("SELECT id, body FROM checkpoints WHERE session_id = ? ORDER BY hlc, id"),
+    # A row written before schema 4 has no parent_id (NULL): it is read, and its body tells.
+    "child_checkpoints": (
+        "SELECT id, body FROM checkpoints WHERE session_id = ?1 "
+        "AND (parent_id = ?2 OR parent_id IS NULL) ORDER BY hlc, id"
+    ),
     "get_event": "SELECT id, body FROM events WHERE id = ?",
     "event_head": (
         "SELECT id, body FROM events WHERE session_id = ? "
@@ -257,7 +273,7 @@ QUERIES: Final[dict[str, str]] = {
         f"FROM outbox o {_OUTBOX_JOINS} ORDER BY o.client_seq LIMIT ?"
     ),
     "outbox_count": "SELECT count(*) FROM outbox",
-    "queued": "SELECT 1 FROM outbox WHERE record_id = ? LIMIT 1",
+    "session_queued": "SELECT 1 FROM outbox WHERE kind = 'Session' AND record_id = ? LIMIT 1",
     "dead_letters": (
         "SELECT client_seq, body, code, message, attempts, failed_at "
         "FROM dead_letters ORDER BY client_seq"
@@ -342,19 +358,14 @@ def _encode_batch(
             case Session():
                 sql, row = _PUT_SESSION, (record.id, record.updated_at, record.deleted, body)
             case Message():
-                sql, row = _PUT_MESSAGE, (record.id, record.session_id, record.hlc, body)
+                sql, row = _PUT_MESSAGE, (record.id, record.session_id, body)
             case Checkpoint():
-                sql, row = _PUT_CHECKPOINT, (record.id, record.session_id, record.hlc, body)
+                sql = _PUT_CHECKPOINT
+                parent = record.parent_id or ""
+                row = (record.id, record.session_id, record.hlc, parent, body)
             case Event():
                 sql = _PUT_EVENT
-                row = (
-                    record.id,
-                    record.session_id,
-                    record.sequence_number,
-                    record.hlc,
-                    record.type,
-                    body,
-                )
+                row = (record.id, record.session_id, record.sequence_number, record.type, body)
             case AuditRow():
                 sql = _PUT_AUDIT
                 row = (
@@ -651,8 +662,8 @@ class _Reader:
         rows = await _fetch(self._conn, QUERIES["missing_messages"], (ids,))
         return [str(row[0]) for row in rows]
 
-    async def queued(self, record_id: str) -> bool:
-        return bool(await _fetch(self._conn, QUERIES["queued"], (record_id,)))
+    async def session_queued(self, session_id: str) -> bool:
+        return bool(await _fetch(self._conn, QUERIES["session_queued"], (session_id,)))
 
     async def queued_records(self) -> list[Record]:
         rows = await _fetch(self._conn, QUERIES["outbox_pending"], (-1,))
@@ -942,7 +953,7 @@ class SQLiteAdapter(AsyncResource):
     async def child_checkpoints(self, session_id: str, parent_id: str) -> list[Checkpoint]:
         """The session's checkpoints whose parent is ``parent_id``, oldest first."""
         async with self._reading("read checkpoints") as conn:
-            rows = await _fetch(conn, QUERIES["list_checkpoints"], (session_id,))
+            rows = await _fetch(conn, QUERIES["child_checkpoints"], (session_id, parent_id))
         return decode_children(
             rows, parent_id, lambda key, body: _decode(_CHECKPOINT, "checkpoints", key, body)
         )
