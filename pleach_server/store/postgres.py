@@ -41,6 +41,9 @@ session-wide advisory lock, so several processes may start at once):
   ``feed_tenant (org_id, user_id, cursor)`` serves pulls and head lookups.
 - ``clients``: ``last_seq`` per ``(tenant, client_id)``.
 - ``meta``: the feed floor per tenant.
+- ``lock_tenant_last_seq(lock_key, org, user, client)``: a push's tenant lock and its device's
+  ``last_seq`` in one round trip (a plpgsql function: its read takes its own snapshot, after
+  the lock).
 """
 
 from __future__ import annotations
@@ -258,6 +261,21 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         "AND later.user_id = f.user_id AND later.kind = f.kind "
         "AND later.record_id = f.record_id AND later.cursor > f.cursor)",
         "ALTER TABLE {s}.feed DROP COLUMN body",
+    ),
+    # 7: a push takes the tenant lock and reads the device's last_seq in one round trip. A
+    # VOLATILE plpgsql function runs each of its statements on a fresh snapshot (READ
+    # COMMITTED), so the read, taken after the lock is granted, sees every push of the tenant
+    # committed before it, exactly as a statement of its own would (see "Cursor visibility").
+    (
+        """CREATE OR REPLACE FUNCTION {s}.lock_tenant_last_seq(
+            lock_key bigint, org text, usr text, client text
+        ) RETURNS bigint LANGUAGE plpgsql VOLATILE AS $$
+        BEGIN
+            PERFORM pg_advisory_xact_lock(lock_key);
+            RETURN (SELECT c.last_seq FROM {s}.clients AS c
+                    WHERE c.org_id = org AND c.user_id = usr AND c.client_id = client);
+        END
+        $$""",
     ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
@@ -652,6 +670,7 @@ class _Sql:
             "WHERE f.org_id = $1 AND f.user_id = $2 AND f.kind = k.kind AND f.record_id = k.id"
         )
         self.lock_tenant = "SELECT pg_advisory_xact_lock($1)"
+        self.lock_tenant_last_seq = f"SELECT {s}.lock_tenant_last_seq($1, $2, $3, $4)"
 
 
 class _PostgresTx:
@@ -670,19 +689,35 @@ class _PostgresTx:
         self._head: int | None = None
         """The tenant's head cursor as ``load`` read it, or as the feed rows ``write`` added
         left it (the tenant lock keeps every other writer out meanwhile); None: read it."""
+        self._unlocked: Tenant | None = None
+        """A tenant whose lock was asked for and not yet taken: the next call takes it first
+        (``get_last_seq`` in the same round trip as its read)."""
 
     async def lock_tenant(self, tenant: Tenant) -> None:
-        # Held until COMMIT / ROLLBACK; see "Cursor visibility" in the module docstring.
-        await self._conn.execute(self._sql.lock_tenant, tenant_lock_key(self._schema, tenant))
+        # Held until COMMIT / ROLLBACK; see "Cursor visibility" in the module docstring. A
+        # push asks for its device's last_seq next, which takes the lock with it.
+        await self._take_lock()
+        self._unlocked = tenant
+
+    async def _take_lock(self) -> None:
+        tenant, self._unlocked = self._unlocked, None
+        if tenant is not None:
+            await self._conn.execute(self._sql.lock_tenant, tenant_lock_key(self._schema, tenant))
 
     async def get_last_seq(self, tenant: Tenant, client_id: str) -> int:
-        value = await self._conn.fetchval(
-            self._sql.get_last_seq, tenant.org_id, tenant.user_id, client_id
-        )
+        t = (tenant.org_id, tenant.user_id, client_id)
+        if self._unlocked == tenant:
+            self._unlocked = None
+            key = tenant_lock_key(self._schema, tenant)
+            value = await self._conn.fetchval(self._sql.lock_tenant_last_seq, key, *t)
+        else:
+            await self._take_lock()
+            value = await self._conn.fetchval(self._sql.get_last_seq, *t)
         return int(value) if value is not None else 0
 
     async def load(self, tenant: Tenant, keys: BatchKeys) -> Snapshot:
         """Every lookup of the batch in one round trip (``_Sql.load``)."""
+        await self._take_lock()
         found = Snapshot()
         kinds, ids = zip(*keys.records, strict=True) if keys.records else ((), ())
         lookups = (
@@ -720,6 +755,7 @@ class _PostgresTx:
         to the other server processes; then, rarely, a second: a session written twice by
         the batch (an older device's push) keeps its last entry only; then (after a delete)
         the content the delete drains."""
+        await self._take_lock()
         conn, sql = self._conn, self._sql
         records: list[list[Any]] = [[], [], [], [], [], []]
         for r in writes.records:
@@ -785,6 +821,7 @@ class _PostgresTx:
         return cursors
 
     async def head_cursor(self, tenant: Tenant) -> int:
+        await self._take_lock()
         if self._head is None:
             self._head = await _head(self._conn, self._sql, tenant)
         return self._head
