@@ -38,13 +38,13 @@ def _observe_page(view: RemoteView, changes: list[FeedChange]) -> None:
         return
     top = max(change.record.hlc for change in changes)
     try:
-        view.clock.observe(top)
+        view.clock.advance(top)
         return
     except PleachError:
         pass
     for change in changes:
         try:
-            view.clock.observe(change.record.hlc)
+            view.clock.advance(change.record.hlc)
         except PleachError as exc:  # skew or a malformed stamp: apply, but say so
             log.warning("remote stamp not observed: %s", exc)
 

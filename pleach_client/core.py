@@ -588,7 +588,7 @@ class DeviceCore:
             self._generation = generation
             stored = await tx.get_meta("hlc")
             if stored:
-                self.clock.observe(stored)
+                self.clock.advance(stored)
 
     async def _check_generation(self) -> None:
         """Outside a write: a cheap look whether another process wrote (caches dropped)."""

@@ -158,6 +158,29 @@ def test_observe_yields_a_stamp_after_the_remote(
     assert clock.now() > out
 
 
+@settings(max_examples=200)
+@given(
+    st.lists(st.integers(min_value=0, max_value=10**9), max_size=5),
+    st.lists(st.builds(Timestamp, st.integers(min_value=0, max_value=10**9), counters, client_ids)),
+)
+def test_advance_moves_the_clock_as_observe_does(
+    local_walls: list[int], remotes: list[Timestamp]
+) -> None:
+    """``advance`` is ``observe`` without the returned stamp: two clocks fed the same stamps,
+    one each way, stay equal, and each next stamp is after every stamp either saw."""
+    wall = FakeWall(0)
+    a, b = HybridClock("local", wall=wall), HybridClock("local", wall=wall)
+    for ms in local_walls:
+        wall.ms = ms
+        assert a.now() == b.now()
+    for remote in remotes:
+        out = a.observe(remote.encode())
+        assert b.advance(remote.encode()) is None
+        assert b.last == a.last == out
+        assert ts(b.last) > remote
+    assert a.now() == b.now()
+
+
 def test_observe_takes_remote_counter_on_the_same_millisecond() -> None:
     clock = HybridClock("b", wall=FakeWall(1000))
     out = clock.observe(Timestamp(2000, 41, "a").encode())

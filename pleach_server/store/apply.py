@@ -741,10 +741,10 @@ async def _check_owners(
 
 def _observe(clock: HybridClock, record: Record) -> SyncError | None:
     try:
-        clock.observe(record.hlc)
+        clock.advance(record.hlc)
         if isinstance(record, Session) and record.updated_at != record.hlc:
             # updated_at decides last-writer-wins: a stamp far ahead must not win for a day.
-            clock.observe(record.updated_at)
+            clock.advance(record.updated_at)
     except (ClockSkew, InvalidRecord) as exc:
         return exc
     return None
