@@ -421,7 +421,7 @@ def test_decode_reads_any_exts_as_the_old_decoder_did(
             compact.decode(data)
 
 
-@pytest.mark.parametrize("count", [0, 1, 2, 31, 32, 33, 1000])
+@pytest.mark.parametrize("count", [0, 1, 2, 3, 4, 33, 1000])  # both sides of _BULK_UUIDS
 def test_uuid_lists_of_any_length_decode_alike(count: int) -> None:
     ids = [uuid.uuid4() for _ in range(count)]
     ext = Ext(4, b"".join(u.bytes for u in ids))  # what the encoder writes for two or more
@@ -430,6 +430,83 @@ def test_uuid_lists_of_any_length_decode_alike(count: int) -> None:
     for body in (checkpoint, session):
         assert compact.decode(body) == old_decode(body)
     assert compact.decode(checkpoint).appended == [str(u) for u in ids]  # type: ignore[union-attr]
+
+
+# -- the typed decode against the generic one ------------------------------------------------
+# decode reads a body into a typed Struct (_BODY_TYPES) and falls back to _decode_values (a
+# list, then a dict) when that fails: it must give exactly what _decode_values gives, a record
+# or a refusal (the error's type and text).
+
+
+def _result(fn: Any, data: bytes) -> tuple[Any, Any]:
+    try:
+        return "ok", fn(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return type(exc), str(exc)
+
+
+@settings(max_examples=400)
+@given(records() | odd_records().filter(lambda r: _outcome(compact.encode, r)[0] == "ok"))
+def test_the_typed_decode_reads_what_the_generic_one_reads(record: Record) -> None:
+    data = compact.encode(record)
+    expected = _result(compact._decode_values, data)
+    assert _result(compact.decode, data) == expected
+    if expected[0] == "ok":  # and read by the typed path itself, not by falling back
+        body = compact._BODY_DECODER.decode(data)
+        fields = msgspec.structs.asdict(body)
+        assert msgspec.convert(fields, compact._BODY_TYPES[type(body)]) == expected[1]
+
+
+@st.composite
+def mistyped_bodies(draw: st.DrawFn) -> bytes:
+    """A record's compact body with values replaced, added or cut: any JSON value or ext
+    where a field is (a list or a map where a string is, an ext in an int field...)."""
+    values = msgspec.msgpack.decode(compact.encode(draw(records())))  # exts left as Ext
+    for _ in range(draw(st.integers(1, 3))):
+        at = draw(st.integers(0, len(values)))
+        value = draw(JSON | ANY_EXTS | st.floats() | st.binary(max_size=4))
+        what = draw(st.sampled_from(["replace", "insert", "cut"]))
+        if what == "replace" and at < len(values):
+            values[at] = value
+        elif what == "insert":
+            values.insert(at, value)
+        else:
+            del values[at:]
+    return msgspec.msgpack.encode(values)
+
+
+@settings(max_examples=600)
+@given(mistyped_bodies())
+def test_a_mistyped_body_reads_or_is_refused_as_by_the_generic_decode(data: bytes) -> None:
+    assert _result(compact.decode, data) == _result(compact._decode_values, data)
+
+
+@settings(max_examples=400)
+@given(records(), st.data())
+def test_a_corrupt_body_reads_or_is_refused_as_by_the_generic_decode(
+    record: Record, data: st.DataObject
+) -> None:
+    body = bytearray(compact.encode(record))
+    for _ in range(data.draw(st.integers(1, 3))):
+        at = data.draw(st.integers(1, len(body) - 1))  # not the array head: no map form
+        body[at] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        del body[data.draw(st.integers(1, len(body))) :]  # cut short
+    assert _result(compact.decode, bytes(body)) == _result(compact._decode_values, bytes(body))
+
+
+def test_defaults_filled_in_are_not_shared_between_records() -> None:
+    session = make_session()
+    event = make_event()
+    for record in (session, event):  # trailing defaults left out: decode fills them in
+        assert len(msgspec.msgpack.decode(compact.encode(record))) < len(record.__struct_fields__)
+    first, second = compact.decode(compact.encode(session)), compact.decode(compact.encode(session))
+    first.state.message_ids.append("x")  # type: ignore[union-attr]
+    first.tools.append("x")  # type: ignore[union-attr]
+    assert second == session
+    one, other = compact.decode(compact.encode(event)), compact.decode(compact.encode(event))
+    one.payload["x"] = 1  # type: ignore[union-attr]
+    assert other == event
 
 
 def _fresh_ids(count: int) -> Iterator[str]:
