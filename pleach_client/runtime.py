@@ -268,9 +268,11 @@ class SessionsFacet:
             row = result.sessions.get(session_id, row)
             layers.append("checkpoint")
         # Only the types the fold reads are decoded: a long session's log is mostly
-        # message and checkpoint events, which the fold skips.
-        events = await rt.store.list_events(session_id, types=HYDRATED_EVENTS)
-        hydrated = hydrate(events)
+        # message and checkpoint events, which the fold skips; of the ones it counts (a turn's
+        # turn.complete...) only the type and payload.
+        tallies = await rt.store.event_payloads(session_id, TALLIED_EVENTS)
+        events = await rt.store.list_events(session_id, types=HYDRATED_EVENTS - TALLIED_EVENTS)
+        hydrated = hydrate(events, tallies)
         layers.append("events")
         handle = SessionHandle(id=session_id, record=row, hydrated=hydrated, layers=layers)
         core.active = handle
@@ -414,7 +416,7 @@ def _lineage_overlay(
     return None
 
 
-HYDRATED_EVENTS: Final = frozenset(
+TALLIED_EVENTS: Final = frozenset(
     {
         "turn.complete",
         "error",
@@ -423,15 +425,21 @@ HYDRATED_EVENTS: Final = frozenset(
         "checkpoint.rollback",
         "sync.conflict",
     }
-    | INTERRUPT_EVENTS
-    | JOB_EVENTS
-    | SUBAGENT_EVENTS
 )
+"""The types ``hydrate`` counts by type and payload alone: one a turn at least, so a resume
+reads only those two fields of them (``StorageAdapter.event_payloads``)."""
+HYDRATED_EVENTS: Final = TALLIED_EVENTS | INTERRUPT_EVENTS | JOB_EVENTS | SUBAGENT_EVENTS
 """The event types ``hydrate`` reads; it skips every other."""
 
 
-def hydrate(events: list[Event]) -> dict[str, Any]:
+def hydrate(
+    events: list[Event], tallies: list[tuple[str, dict[str, Any]]] | None = None
+) -> dict[str, Any]:
     """Fold the event log into transient card-lifecycle state (never stored on the row).
+
+    ``tallies``: the ``(type, payload)`` of the log's events of ``TALLIED_EVENTS``, in log
+    order, when ``events`` leaves those out (as resume reads them); by default they are taken
+    from ``events``.
 
     ``interrupts`` lists the session's interrupts (``Interrupt`` as plain data): the
     resolved ones with their decision, who made it and how, and any still waiting. ``jobs``
@@ -448,12 +456,14 @@ def hydrate(events: list[Event]) -> dict[str, Any]:
         "rollbacks": 0,
         "conflicts": [],
     }
-    for ev in events:
-        match ev.type:
+    if tallies is None:
+        tallies = [(ev.type, ev.payload) for ev in events if ev.type in TALLIED_EVENTS]
+    for kind, payload in tallies:
+        match kind:
             case "turn.complete":
                 state["turns"] += 1
-                state["last_outcome"] = ev.payload.get("outcome")
-                if ev.payload.get("outcome") == "user-aborted":
+                state["last_outcome"] = payload.get("outcome")
+                if payload.get("outcome") == "user-aborted":
                     state["aborted_turns"] += 1
             case "error":
                 state["errors"] += 1
@@ -465,7 +475,7 @@ def hydrate(events: list[Event]) -> dict[str, Any]:
             case "checkpoint.rollback":
                 state["rollbacks"] += 1
             case "sync.conflict":
-                state["conflicts"].append(ev.payload.get("conflict_id"))
+                state["conflicts"].append(payload.get("conflict_id"))
     state["interrupts"] = [msgspec.to_builtins(i) for i in interrupt_states(events).values()]
     state["jobs"] = [msgspec.to_builtins(j) for j in job_states(events).values()]
     state["subagents"] = [msgspec.to_builtins(r) for r in subagent_runs(events).values()]

@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pleach_client.runtime import HYDRATED_EVENTS, hydrate
+from pleach_client.runtime import HYDRATED_EVENTS, TALLIED_EVENTS, hydrate
 from pleach_client.store.base import WriteBatch
 from pleach_client.store.memory import MemoryAdapter
 from pleach_client.store.sqlite import SQLiteAdapter
@@ -91,6 +92,52 @@ def test_the_selected_types_fold_like_the_whole_log(events: list[Event]) -> None
     assert hydrate(selected) == hydrate(events)
 
 
+@settings(max_examples=300, deadline=None)
+@given(logs())
+def test_the_tallies_and_the_rest_fold_like_the_whole_log(events: list[Event]) -> None:
+    """As resume reads the log: the counted types by type and payload alone, the others
+    whole."""
+    tallies = [(e.type, e.payload) for e in events if e.type in TALLIED_EVENTS]
+    rest = [e for e in events if e.type in HYDRATED_EVENTS - TALLIED_EVENTS]
+    assert hydrate(rest, tallies) == hydrate(events)
+
+
+async def test_each_store_returns_the_tallies(tmp_path: Path) -> None:
+    """``event_payloads`` gives each store's events of the types asked, type and payload, in
+    chain order; also for a body in the map form (a file older versions wrote)."""
+    for seed in range(5):
+        numbered = [
+            msgspec.structs.replace(e, sequence_number=n) for n, e in enumerate(_log(seed), start=1)
+        ]
+        wanted = [(e.type, e.payload) for e in numbered if e.type in TALLIED_EVENTS]
+        stores = (MemoryAdapter(), SQLiteAdapter(tmp_path / f"{seed}.db"))
+        for store in stores:
+            async with store:
+                await store.commit(WriteBatch(records=list(numbered)))
+                assert await store.event_payloads("s", TALLIED_EVENTS) == wanted
+                assert await store.event_payloads("s", {"custom.note"}) == [
+                    (e.type, e.payload) for e in numbered if e.type == "custom.note"
+                ]
+                assert await store.event_payloads("s", set()) == []
+
+
+def test_a_map_form_body_reads_as_its_type_and_payload() -> None:
+    from pleach_client.store.base import decode_payloads
+    from shared import compact
+    from shared.records import encode_record
+
+    events = _log(7)[:40]
+    rows = [(e.id, encode_record(e) if i % 2 else compact.encode(e)) for i, e in enumerate(events)]
+
+    def decode(_: Any, body: bytes) -> Event:
+        record = compact.decode(body)  # either form
+        assert isinstance(record, Event)
+        return record
+
+    got = decode_payloads(rows, TALLIED_EVENTS, decode)
+    assert got == [(e.type, e.payload) for e in events if e.type in TALLIED_EVENTS]
+
+
 async def test_each_store_returns_the_selection(tmp_path: Path) -> None:
     for seed in range(5):
         numbered = [
@@ -121,3 +168,22 @@ def _log(seed: int) -> list[Event]:
         log_event(rng.choice(["d1", "d2"]), rng.choice(types), rng.choice(payloads), n)
         for n in range(200)
     ]
+
+
+def test_event_payload_refuses_what_decode_refuses() -> None:
+    """A compact body whose payload is no object (a list), or that is not an Event, reads as
+    None, so the caller decodes it whole and reports the corrupt row."""
+    from shared import compact
+
+    event = _log(3)[0]
+    good = compact.encode(event)
+    assert compact.event_payload(good) == (event.type, event.payload)
+    bad = compact.encode(msgspec.structs.replace(event, payload={"x": "y"})).replace(
+        b"\x81\xa1x\xa1y", b"\x92\xa1x\xa1y"  # the payload {"x": "y"} as ["x", "y"]
+    )
+    with pytest.raises(msgspec.ValidationError):
+        compact.decode(bad)
+    assert compact.event_payload(bad) is None
+    assert compact.event_payload(b"\x92\x01\x02") is None  # another kind
+    assert compact.event_payload(b"\x81\xa1a\x01") is None  # the map form
+    assert compact.event_payload(b"") is None

@@ -207,6 +207,13 @@ class StorageAdapter(Protocol):
         only those of ``types`` when given (the others are not decoded: ``decode_events``)."""
         ...
 
+    async def event_payloads(
+        self, session_id: str, types: Collection[str]
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """``(type, payload)`` of the session's events of ``types``, in chain order: only those
+        two fields are decoded (``decode_payloads``)."""
+        ...
+
     async def get_event(self, event_id: str) -> Event | None: ...
     async def list_audit(
         self, *, session_id: str | None = None, client_id: str | None = None
@@ -265,6 +272,26 @@ def decode_events(
             event = decode(key, body)
             if event.type in types:
                 out.append(event)
+    return out
+
+
+def decode_payloads(
+    rows: Iterable[Any], types: Collection[str], decode: Callable[[Any, bytes], Event]
+) -> list[tuple[str, dict[str, Any]]]:
+    """``(type, payload)`` of the stored event rows ``(key, body)`` of ``types``: a compact
+    body's type and payload are read without the rest (``compact.event_payload``); any other
+    body is decoded whole."""
+    out = []
+    for key, body in rows:
+        kind = compact.event_type(body)
+        if kind is not None and kind not in types:
+            continue
+        head = compact.event_payload(body)
+        if head is None:
+            event = decode(key, body)
+            head = (event.type, event.payload)
+        if head[0] in types:
+            out.append(head)
     return out
 
 

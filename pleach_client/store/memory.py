@@ -16,7 +16,7 @@ import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from enum import Enum
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -42,6 +42,7 @@ from .base import (
     WriteBatch,
     decode_children,
     decode_events,
+    decode_payloads,
 )
 
 __all__ = ["MemoryAdapter"]
@@ -434,6 +435,14 @@ class MemoryAdapter(AsyncResource):
             if int(row.order) >= from_sequence
         ][:limit]
         return decode_events(rows, types, lambda _, body: _decode(_EVENT, body))
+
+    async def event_payloads(
+        self, session_id: str, types: Collection[str]
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """``(type, payload)`` of the session's events of ``types``, in chain order."""
+        self._check_open()
+        rows = [(key, row.body) for key, row in self._events.group(session_id)]
+        return decode_payloads(rows, types, lambda _, body: _decode(_EVENT, body))
 
     async def get_event(self, event_id: str) -> Event | None:
         self._check_open()

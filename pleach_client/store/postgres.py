@@ -69,6 +69,7 @@ from .base import (
     WriteBatch,
     decode_children,
     decode_events,
+    decode_payloads,
     fixed_plan,
     outbox_entries,
 )
@@ -1096,6 +1097,15 @@ class PostgresAdapter(AsyncResource):
             "read events", self._sql.list_events, session_id, from_sequence, None
         )
         return decode_events(rows, types, lambda key, body: _decode(Event, "events", key, body))
+
+    async def event_payloads(
+        self, session_id: str, types: Collection[str]
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """``(type, payload)`` of the session's events of ``types``, in chain order."""
+        rows = await self._fetch(
+            "read events", self._sql.list_events, session_id, 0, None
+        )
+        return decode_payloads(rows, types, lambda key, body: _decode(Event, "events", key, body))
 
     async def get_event(self, event_id: str) -> Event | None:
         return await self._one(Event, "events", self._sql.get_event, event_id)

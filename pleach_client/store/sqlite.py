@@ -52,6 +52,7 @@ from .base import (
     WriteBatch,
     decode_children,
     decode_events,
+    decode_payloads,
     fixed_plan,
     outbox_entries,
 )
@@ -971,6 +972,17 @@ class SQLiteAdapter(AsyncResource):
                 query = QUERIES["list_events_of_types"]
                 rows = await _fetch(conn, query, (session_id, from_sequence, wanted))
         return decode_events(rows, types, lambda key, body: _decode(_EVENT, "events", key, body))
+
+    async def event_payloads(
+        self, session_id: str, types: Collection[str]
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """``(type, payload)`` of the session's events of ``types``, by sequence number, then
+        id; only those two fields are decoded."""
+        async with self._reading("read events") as conn:
+            wanted = msgspec.json.encode(sorted(types)).decode()
+            query = QUERIES["list_events_of_types"]
+            rows = await _fetch(conn, query, (session_id, 0, wanted))
+        return decode_payloads(rows, types, lambda key, body: _decode(_EVENT, "events", key, body))
 
     async def get_event(self, event_id: str) -> Event | None:
         return await self._one(_EVENT, "events", "get_event", event_id)
