@@ -489,8 +489,11 @@ def _delete_queued(raw: sqlite3.Connection, client_seqs: list[int]) -> None:
     raw.executemany("DELETE FROM outbox WHERE client_seq = ?", [(seq,) for seq in client_seqs])
 
 
-RECLAIM_PAGES: Final = 256
-"""Free pages (1 MiB at 4 KiB each) after which an outbox removal gives them back to the OS."""
+RECLAIM_PAGES: Final = 64
+"""Free pages (256 KiB at 4 KiB each) after which an outbox removal gives them back to the OS.
+The outbox of a 1,000-turn conversation is about 150 pages since schema 4 (its record index
+holds the session rows only), under the 256 pages this was: a full sync then gave nothing
+back."""
 
 
 def _delete_queued_and_reclaim(raw: sqlite3.Connection, client_seqs: list[int]) -> int:
