@@ -711,3 +711,36 @@ async def test_a_schema_2_file_gains_the_event_type_column(db_path: Path) -> Non
         assert await store.list_events("s-1", types={"turn.complete"}) == [event]
         assert await store.list_events("s-1", types={"error"}) == []
     assert _user_version(db_path) == SCHEMA_VERSION
+
+
+async def test_the_wal_is_checkpointed_beside_the_writer(db_path: Path) -> None:
+    """Every ``CHECKPOINT_EVERY`` commits a checkpoint runs on a connection of its own, so no
+    commit waits for SQLite's (which stays, at ``AUTOCHECKPOINT_PAGES``, as a safety net)."""
+    every = sqlite_module.CHECKPOINT_EVERY
+    async with SQLiteAdapter(db_path) as store:
+        for _ in range(every - 1):
+            await commit(store, make_message(session_id="s-1"))
+        assert store._checkpointing is None
+        before = db_path.stat().st_size  # the rows are in the WAL only
+        await commit(store, make_message(session_id="s-1"))
+        side = store._checkpointing
+        assert side is not None
+        await side
+        assert db_path.stat().st_size > before  # copied into the file, beside the writer
+        assert store._checkpointing is None
+        autocheckpoint = await store._require_open().execute_fetchall("PRAGMA wal_autocheckpoint")
+        assert list(autocheckpoint) == [(sqlite_module.AUTOCHECKPOINT_PAGES,)]
+
+
+async def test_close_waits_for_a_side_checkpoint(db_path: Path) -> None:
+    store = SQLiteAdapter(db_path)
+    await store.open()
+    for _ in range(sqlite_module.CHECKPOINT_EVERY):
+        await commit(store, make_message(session_id="s-1"))
+    side = store._checkpointing
+    assert side is not None and not side.done()
+    await store.close()  # no task left pending, no connection left open
+    assert side.done() and store._checkpointer is None
+    async with SQLiteAdapter(db_path) as again:  # and the file reads back whole
+        assert len(await again.list_events("s-1")) == 0
+        assert await again.outbox_count() == sqlite_module.CHECKPOINT_EVERY
