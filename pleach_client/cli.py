@@ -898,6 +898,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "dead-letters": _dead_letters,
         "doctor": _doctor,
     }
+    # Every command builds a runtime, which imports the sync module on first use: import it
+    # here, before the loop runs, so that no step of the loop spends that time (an import
+    # of 0.1 s inside a task is a slow callback, and asyncio's debug mode says so on stderr).
+    from . import sync as _sync_module  # noqa: F401
+
     try:
         if args.command == "demo":
             from .demo import run_demo
