@@ -236,6 +236,20 @@ async def wait_until(check: Callable[[], Any], what: str) -> None:
     raise AssertionError(f"gave up waiting for {what}")
 
 
+async def wait_for_one_on_the_tenant_lock(conn: Any, store: PostgresServerStore, what: str) -> None:
+    """Until exactly one of ``store``'s connections waits on an advisory (tenant) lock."""
+
+    async def one_waits() -> bool:
+        waiting = await conn.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 "
+            "AND wait_event_type = 'Lock' AND wait_event = 'advisory'",
+            store.application_name,
+        )
+        return bool(waiting == 1)
+
+    await wait_until(one_waits, what)
+
+
 # -- migrations --------------------------------------------------------------------------------
 
 
@@ -523,16 +537,7 @@ async def _open_then_commit_later(
         if skip_lock:
             await push_b  # nothing holds B back: it commits a higher cursor first
         else:
-
-            async def b_waits_for_the_tenant_lock() -> bool:
-                waiting = await conn.fetchval(
-                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 "
-                    "AND wait_event_type = 'Lock' AND wait_event = 'advisory'",
-                    store.application_name,
-                )
-                return bool(waiting == 1)
-
-            await wait_until(b_waits_for_the_tenant_lock, "B to wait on the tenant lock")
+            await wait_for_one_on_the_tenant_lock(conn, store, "B to wait on the tenant lock")
         first_page = await store.pull(tenant, 0, 100)
         release_a.set()
         result_a = await push_a
@@ -585,16 +590,7 @@ async def test_a_push_waiting_on_the_tenant_lock_reads_the_last_seq_committed_be
         first = asyncio.create_task(store.push(tenant, dev.client_id, changes, clock))
         await allocated.wait()
         again = asyncio.create_task(store.push(tenant, dev.client_id, changes, clock))
-
-        async def waits_for_the_tenant_lock() -> bool:
-            waiting = await conn.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 "
-                "AND wait_event_type = 'Lock' AND wait_event = 'advisory'",
-                store.application_name,
-            )
-            return bool(waiting == 1)
-
-        await wait_until(waits_for_the_tenant_lock, "the second push to wait on the lock")
+        await wait_for_one_on_the_tenant_lock(conn, store, "the second push to wait on the lock")
         release.set()
         assert statuses(await first) == ["applied"] * 3
         assert statuses(await again) == ["duplicate"] * 3
