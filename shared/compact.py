@@ -491,8 +491,8 @@ def _head_decoder(kind: str, last: str, last_type: Any) -> msgspec.msgpack.Decod
 
 
 def _read_head(decoder: msgspec.msgpack.Decoder[Any], index: int, data: bytes) -> Any:
-    """The last field ``decoder`` reads of the compact body ``data`` of the kind at ``index``
-    in ``KINDS``; None when ``data`` is not such a body (the map form, another kind, corrupt
+    """The head ``decoder`` reads of the compact body ``data`` of the kind at ``index`` in
+    ``KINDS``; None when ``data`` is not such a body (the map form, another kind, corrupt
     bytes): the caller then decodes it whole, which tells."""
     if not _is_compact(data):
         return None
@@ -500,7 +500,7 @@ def _read_head(decoder: msgspec.msgpack.Decoder[Any], index: int, data: bytes) -
         head = decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-    return head.last if head.kind == index else None
+    return head if head.kind == index else None
 
 
 _EVENT_HEAD: Final = _head_decoder("Event", "type", str)
@@ -512,8 +512,8 @@ _CHECKPOINT_INDEX: Final = KINDS.index("Checkpoint")
 def event_type(data: bytes) -> str | None:
     """The ``type`` of the Event in compact ``data``, read without decoding the rest (about a
     tenth of ``decode``); None when ``data`` is not a compact Event body."""
-    found: str | None = _read_head(_EVENT_HEAD, _EVENT_INDEX, data)
-    return found
+    head = _read_head(_EVENT_HEAD, _EVENT_INDEX, data)
+    return None if head is None else str(head.last)
 
 
 def _payload_decoder() -> msgspec.msgpack.Decoder[Any]:
@@ -541,13 +541,8 @@ def event_payload(data: bytes) -> tuple[str, dict[str, Any]] | None:
     """The ``type`` and ``payload`` of the Event in compact ``data``, read without decoding
     the rest; None when ``data`` is not a compact Event body (the caller then decodes it
     whole, which tells)."""
-    if not _is_compact(data):
-        return None
-    try:
-        head = _EVENT_PAYLOAD.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    return (head.type, head.payload) if head.kind == _EVENT_INDEX else None
+    head = _read_head(_EVENT_PAYLOAD, _EVENT_INDEX, data)
+    return None if head is None else (head.type, head.payload)
 
 
 def packed(value: str | None) -> bytes:
@@ -560,5 +555,5 @@ def checkpoint_parent(data: bytes) -> bytes | None:
     """The ``parent_id`` of the Checkpoint in compact ``data``, as its packed bytes (compare
     them with ``packed(id)``), read without decoding the rest; None when ``data`` is not a
     compact Checkpoint body."""
-    parent = _read_head(_CHECKPOINT_HEAD, _CHECKPOINT_INDEX, data)
-    return None if parent is None else bytes(parent)
+    head = _read_head(_CHECKPOINT_HEAD, _CHECKPOINT_INDEX, data)
+    return None if head is None else bytes(head.last)

@@ -283,9 +283,6 @@ def decode_payloads(
     body is decoded whole."""
     out = []
     for key, body in rows:
-        kind = compact.event_type(body)
-        if kind is not None and kind not in types:
-            continue
         head = compact.event_payload(body)
         if head is None:
             event = decode(key, body)

@@ -493,12 +493,12 @@ def _delete_queued(raw: sqlite3.Connection, client_seqs: list[int]) -> None:
 
 
 CHECKPOINT_EVERY: Final = 8
-"""Commits between two checkpoints of the WAL, each run on a connection of its own beside the
-writer's (``PRAGMA wal_checkpoint(PASSIVE)``: it copies what no reader still needs, and never
-waits for a lock), so that no commit waits for one. SQLite's own checkpoint runs inside the
-commit that takes the WAL past ``AUTOCHECKPOINT_PAGES``: at its default of 1,000 pages, a
-1,000-turn conversation (about 40 pages a turn) made every 24th turn 25-30 ms where the others
-took 4-5 ms."""
+"""Batch commits (``transact``: every turn's) between two checkpoints of the WAL, each run on a
+connection of its own beside the writer's (``PRAGMA wal_checkpoint(PASSIVE)``: it copies
+what no reader still needs, and never waits for a lock), so that no commit waits for one.
+SQLite's own checkpoint runs inside the commit that takes the WAL past
+``AUTOCHECKPOINT_PAGES``: at its default of 1,000 pages, a 1,000-turn conversation (about 40
+pages a turn) made every 24th turn 25-30 ms where the others took 4-5 ms."""
 AUTOCHECKPOINT_PAGES: Final = 4000
 """SQLite's own checkpoint, kept as a safety net for side checkpoints that cannot keep up (a
 reader of another process holding an old snapshot): the WAL stays under about 16 MB."""
