@@ -34,6 +34,7 @@ from shared.errors import (
 )
 from shared.merge import Resolution, resolve_conflicts
 from shared.messages import (
+    AS_PUSHED_SINCE,
     DEFAULT_MAX_FRAME_BYTES,
     MAX_HEALTH_CONFLICTS,
     MAX_HEALTH_TEXT,
@@ -52,6 +53,7 @@ from shared.protocol import Answer, ClientProtocol, Live, Notice
 from shared.records import (
     AuditRow,
     Change,
+    Event,
     FeedChange,
     Session,
 )
@@ -68,7 +70,7 @@ from .receipts import (
     SyncConflictResolveReceipt,
 )
 from .store.base import OutboxEntry, TxReader, WriteBatch
-from .syncplan import Sent, settle, unsettled
+from .syncplan import Echo, Sent, echo_lands, echo_of, settle, unsettled
 
 if TYPE_CHECKING:
     from .runtime import SessionRuntime
@@ -76,6 +78,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("pleach.sync")
 
 MAX_RECHAINS_PER_FLUSH = 3
+MAX_ECHOES = 64
+"""The most acknowledged pushes whose own rows wait for the cursor to reach them; past that,
+the device pulls them back instead."""
 """How often one flush chains refused audit rows on from the server's place (3013) and goes
 on; past that it stops and the next flush tries again (a server that keeps refusing cannot
 make a device spin)."""
@@ -168,6 +173,9 @@ class SyncFacet:
         self._resynced: set[str] = set()
         self._cursor = 0  # this device's feed cursor as last written here (the store has it)
         self._pull_due = True  # pull at the next catch-up (a new connection, a gap...)
+        # Pushes whose own feed rows the acks described (protocol 5), not yet taken: each is
+        # taken when the cursor reaches its start (``_take_echoes``).
+        self._echoes: list[Echo] = []
         self._marked_synced = False
         self._reconnect_now = False
         self._failures = 0  # connection attempts that ended in an error
@@ -553,6 +561,7 @@ class SyncFacet:
         cursor = int(await rt.store.get_meta("cursor") or 0)
         self._cursor = cursor
         self._pull_due = True
+        self._echoes.clear()
         self._health_key, self._health_at, self._health_stale = None, float("-inf"), False
         async with websockets.connect(
             self._url,
@@ -659,14 +668,18 @@ class SyncFacet:
             await self._report_health(link, receipt)
             self._poke()
             return
-        pull, self._pull_due = self._pull_due, False
         while self._live:
+            await self._take_echoes()  # a page of this device's own push first, if it is next
             frame = self._live.popleft()
             if frame.from_cursor > self._cursor:
                 self._live.clear()  # a gap (or a "you fell behind" marker): pull instead
-                pull = True
+                self._pull_due = True
                 break
             await self._apply(frame.changes, frame.to_cursor)
+        await self._take_echoes()
+        if self._echoes:
+            self._pull_due = True  # rows of others come before them, and not live: pull
+        pull, self._pull_due = self._pull_due, False
         if pull:
             await self._pull(link)
         await self._report_health(link, receipt)
@@ -911,6 +924,8 @@ class SyncFacet:
                     raise _as_error(answer)
                 self._head_cursor = max(self._head_cursor, answer.head_cursor)
                 progress, batch_conflicts, rechained = await self._settle(entries, answer, failed)
+                if (link.protocol.version or 0) >= AS_PUSHED_SINCE and self._link is link:
+                    await self._expect_echo(changes, answer)
                 flushed += progress
                 conflicts.extend(batch_conflicts)
                 if self._progress is not None:
@@ -991,6 +1006,65 @@ class SyncFacet:
         # A conflict's sync.conflict event is written by the server into the session's log:
         # this device, like every other, raises the stream event when the event arrives.
         return plan.progress, plan.conflicts, False
+
+    async def _expect_echo(self, changes: list[Change], ack: PushAck) -> None:
+        """Note what a version 5 ack says of the push's own feed rows, and take them now if
+        the cursor is where they start. The server sends no live page of them to this device:
+        rows the ack does not describe as pushed are pulled."""
+        if all(result.cursor is None for result in ack.results):
+            return  # the push wrote no feed row
+        echo = echo_of(changes, ack)
+        if echo is None or len(self._echoes) >= MAX_ECHOES:
+            self._pull_due = True
+            return
+        self._echoes.append(echo)
+        await self._take_echoes()
+
+    async def _take_echoes(self) -> None:
+        """Take the noted pushes whose rows start at the cursor, in order (``_echo``); forget
+        those the cursor has passed (a pull read them back)."""
+        while self._echoes:
+            self._echoes = [e for e in self._echoes if e.to_cursor > self._cursor]
+            echo = next((e for e in self._echoes if e.from_cursor == self._cursor), None)
+            if echo is None:
+                return
+            self._echoes.remove(echo)
+            if not await self._echo(echo):
+                self._echoes.clear()
+                self._pull_due = True
+                return
+
+    async def _echo(self, echo: Echo) -> bool:
+        """Take a push's own rows as its ack described them, in one transaction: the cursor
+        goes to ``echo.to_cursor`` and its events become canonical where they are. Decided
+        under the write lock: only when the stored cursor is still at ``echo.from_cursor`` and
+        every event is where the device placed it (``syncplan.echo_lands``); else nothing is
+        written and the device pulls the rows back instead. Whether it was taken."""
+        by_session: dict[str, list[Event]] = {}
+        for event in echo.events:
+            by_session.setdefault(event.session_id, []).append(event)
+
+        async def plan(tx: TxReader, view: RemoteView) -> tuple[WriteBatch | None, bool]:
+            if int(await tx.get_meta("cursor") or 0) != echo.from_cursor:
+                return None, False
+            for session_id, events in by_session.items():
+                first = events[0].sequence_number
+                start = max(1, first - 1)
+                limit = len(events) + (first - start)
+                held = await tx.list_events(session_id, from_sequence=start, limit=limit)
+                if not echo_lands(events, held):
+                    return None, False
+                view.canonical_heads[session_id] = (events[-1].sequence_number, events[-1].row_hash)
+            batch = WriteBatch(
+                records=list(echo.events), outbox=False, meta={"cursor": str(echo.to_cursor)}
+            )
+            return batch, True
+
+        _, taken = await self._rt.core.transact_remote(plan)
+        if taken:
+            self._cursor = echo.to_cursor
+            self._poke()
+        return bool(taken)
 
     async def _rechain(self, entries: list[OutboxEntry], rechain: tuple[int, int, str]) -> bool:
         """The server refused a queued audit row for not continuing its chain where the server

@@ -3,6 +3,8 @@
 - ``settle``: what one ``PushAck`` means for the outbox entries that were sent.
 - ``decide_session``: what to do with a remote version of a session, given the local row.
 - ``rebase``: place canonical events from the server and move the provisional tail after them.
+- ``echo_of`` and ``echo_lands``: when a ``PushAck`` says the push's feed rows are its changes
+  as pushed (protocol 5), the device takes its cursor past them without pulling them back.
 
 ``pleach_client.sync`` loads what these need, calls them, and writes what they return; the
 tests drive them directly (unit and property tests).
@@ -10,15 +12,18 @@ tests drive them directly (unit and property tests).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+import msgspec
+
 from shared.clock import Order, vv_compare
 from shared.errors import ChainError, ErrorCode
-from shared.hashchain import chain_event, verify_chain
+from shared.hashchain import GENESIS, chain_event, verify_chain
 from shared.messages import ConflictReceipt, PushAck
-from shared.records import Event, Session
+from shared.records import Change, Event, Session
 
 from .receipts import FailedEntry
 
@@ -269,17 +274,101 @@ def lands_in_place(incoming: Sequence[Event], known_head: int, tail_start: Seque
     )
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A push's own feed rows, known from its acknowledgement (protocol 5, ``as_pushed_from``).
+
+    The tenant's feed holds after ``from_cursor`` exactly these rows, up to ``to_cursor``: the
+    changes of the push the server applied, as they were pushed. A device whose cursor is at
+    ``from_cursor`` holds all of them already; taking them changes only its cursor (to
+    ``to_cursor``) and marks ``events`` (the pushed events, ``canonical``, in order of session
+    and place) canonical.
+    """
+
+    from_cursor: int
+    to_cursor: int
+    events: tuple[Event, ...] = ()
+
+
+def echo_of(changes: Sequence[Change], ack: PushAck) -> Echo | None:
+    """What ``ack`` says of the push's own feed rows, for the ``changes`` that were sent; None
+    when it says nothing (an older server, a conflict, an event the server placed elsewhere)
+    or what it says does not add up (then the device pulls its rows back, as before)."""
+    start = ack.as_pushed_from
+    if start is None or start < 0:
+        return None
+    sent = {change.client_seq: change.record for change in changes}
+    events: list[Event] = []
+    cursors: list[int] = []
+    for result in ack.results:
+        if result.status != "applied":
+            if result.cursor is not None:
+                return None  # a row the device did not push (a fork): nothing is known
+            continue
+        record = sent.get(result.client_seq)
+        if record is None or result.cursor is None or result.cursor <= start:
+            return None
+        cursors.append(result.cursor)
+        if isinstance(record, Event):
+            events.append(_canonical(record))
+    if not cursors or len(set(cursors)) != len(cursors):
+        return None
+    events.sort(key=lambda e: (e.session_id, e.sequence_number))
+    for before, after in itertools.pairwise(events):
+        if before.session_id == after.session_id and (
+            after.sequence_number != before.sequence_number + 1
+            or after.prev_hash != before.row_hash
+        ):
+            return None  # one session's pushed events are one run of places
+    return Echo(from_cursor=start, to_cursor=max(cursors), events=tuple(events))
+
+
+def echo_lands(pushed: Sequence[Event], held: Sequence[Event]) -> bool:
+    """Whether one session's ``pushed`` events (an ``Echo``'s, in order) are where this device
+    holds them: ``held`` are its events from the place before the first (from the first when
+    that is place 1), as read in the same transaction. Each must be there, provisional, with
+    the pushed id and hashes, and the event before them canonical with the hash the first
+    names (or the first at place 1 chain on from nothing)."""
+    if not pushed:
+        return True
+    first = pushed[0]
+    rows = list(held)
+    if first.sequence_number > 1:
+        if not rows or rows[0].sequence_number != first.sequence_number - 1:
+            return False
+        before, rows = rows[0], rows[1:]
+        if not before.canonical or before.row_hash != first.prev_hash:
+            return False
+    elif first.prev_hash != GENESIS:
+        return False
+    if len(rows) < len(pushed):
+        return False
+    return all(
+        not mine.canonical
+        and (mine.id, mine.sequence_number, mine.prev_hash, mine.row_hash)
+        == (placed.id, placed.sequence_number, placed.prev_hash, placed.row_hash)
+        for placed, mine in zip(pushed, rows, strict=False)
+    )
+
+
+def _canonical(event: Event) -> Event:
+    return event if event.canonical else msgspec.structs.replace(event, canonical=True)
+
+
 def _seq(event: Event) -> int:
     return event.sequence_number
 
 
 __all__ = [
     "Decision",
+    "Echo",
     "FailedEntry",
     "Rebase",
     "Sent",
     "Settlement",
     "decide_session",
+    "echo_lands",
+    "echo_of",
     "lands_in_place",
     "rebase",
     "settle",

@@ -48,6 +48,7 @@ from shared.errors import (
     Unauthorized,
 )
 from shared.messages import (
+    AS_PUSHED_SINCE,
     CHAINS_CHECKED_SINCE,
     MIN_PROTOCOL,
     SKIPPED_SINCE,
@@ -221,6 +222,7 @@ class ConnectionContext:
         *,
         local: bool,
         pushed: PushResult | None = None,
+        origin: Subscription | None = None,
     ) -> None:
         """Publish the tenant's feed page ``(from_cursor, to_cursor]`` to its devices here.
 
@@ -230,13 +232,15 @@ class ConnectionContext:
         the whole page: its rows directly follow ``from_cursor`` and fit one page. ``local``
         commits are also announced to the other instances. Never raises for a store failure:
         it publishes an empty marker at ``to_cursor`` instead, so devices pull to catch up.
+        ``origin``: the pushing device's subscription, left out (protocol 5: it takes its own
+        rows from the acknowledgement, or pulls them).
         """
         whole = _whole_page(
             pushed, from_cursor, to_cursor, self.max_pull_limit, self.max_pull_bytes
         )
         if whole and self.hub.subscribers(tenant):
             assert pushed is not None
-            self.hub.publish(tenant, from_cursor, to_cursor, pushed.feed)
+            self.hub.publish(tenant, from_cursor, to_cursor, pushed.feed, skip=origin)
         elif self.hub.subscribers(tenant):
             limit = max(1, min(to_cursor - from_cursor, self.max_pull_limit))
             try:
@@ -245,13 +249,13 @@ class ConnectionContext:
                 logger.warning(
                     "fan-out read of %s (%d, %d] failed: %s", tenant, from_cursor, to_cursor, exc
                 )
-                self.hub.publish(tenant, to_cursor, to_cursor, [])
+                self.hub.publish(tenant, to_cursor, to_cursor, [], skip=origin)
             else:
                 if page.changes:
-                    self.hub.publish(tenant, from_cursor, page.to_cursor, page.changes)
+                    self.hub.publish(tenant, from_cursor, page.to_cursor, page.changes, skip=origin)
                 if page.to_cursor < to_cursor:
                     # Page cut short (limit): tell devices there is more to pull.
-                    self.hub.publish(tenant, to_cursor, to_cursor, [])
+                    self.hub.publish(tenant, to_cursor, to_cursor, [], skip=origin)
         if local:
             try:
                 await self.notifier.publish(tenant, from_cursor, to_cursor)
@@ -530,9 +534,16 @@ class Connection:
                 result = await self._push_in_slot(push)
             ctx.metrics.push_seconds.observe(time.perf_counter() - started)
             self._count_results(result.results)
+            # Version 5: the ack says when the push's rows are its changes as pushed, and its
+            # own live page is not sent to it (it takes the rows from the ack, or pulls).
+            echoes = (self.protocol.version or MIN_PROTOCOL) >= AS_PUSHED_SINCE
             try:
                 self.protocol.send_push_ack(
-                    result.results, result.last_seq, result.head_cursor, request_id=push.request_id
+                    result.results,
+                    result.last_seq,
+                    result.head_cursor,
+                    request_id=push.request_id,
+                    as_pushed_from=result.previous_head if echoes and result.as_pushed else None,
                 )
                 self._take("push_ack")
                 await self._flush()
@@ -542,7 +553,12 @@ class Connection:
                 if result.cursors:
                     await asyncio.shield(
                         ctx.fan_out(
-                            self.tenant, before, max(result.cursors), local=True, pushed=result
+                            self.tenant,
+                            before,
+                            max(result.cursors),
+                            local=True,
+                            pushed=result,
+                            origin=self.subscription if echoes else None,
                         )
                     )
 

@@ -148,24 +148,35 @@ class Hub:
         return sum(len(subs) for subs in self._subs.values())
 
     def publish(
-        self, tenant: Tenant, from_cursor: int, to_cursor: int, changes: list[FeedChange]
+        self,
+        tenant: Tenant,
+        from_cursor: int,
+        to_cursor: int,
+        changes: list[FeedChange],
+        *,
+        skip: Subscription | None = None,
     ) -> int:
-        """Queue a live ``Changes`` frame for every device of ``tenant``; returns how many.
+        """Queue a live ``Changes`` frame for every device of ``tenant`` but ``skip``; returns
+        how many.
 
         ``from_cursor`` is the tenant's head before the commit and ``to_cursor`` after it, so a
         device whose cursor is below ``from_cursor`` knows to pull first. Never waits. The one
-        frame object is shared by all queues: treat it as read-only.
+        frame object is shared by all queues: treat it as read-only. ``skip``: the device whose
+        push this is, when it learns its rows from the acknowledgement (protocol 5).
         """
         subs = self._subs.get(tenant)
         if not subs:
             return 0
         frame = Changes(from_cursor=from_cursor, to_cursor=to_cursor, changes=changes, live=True)
+        offered = 0
         for sub in subs:
-            sub.offer(frame)
+            if sub is not skip:
+                sub.offer(frame)
+                offered += 1
         if to_cursor > self._heads.get(tenant, -1):
             self._heads[tenant] = to_cursor
         self.published += 1
-        return len(subs)
+        return offered
 
     def close(self) -> None:
         """Close every subscription (their waiting ``get`` calls raise ``InvalidState``)."""

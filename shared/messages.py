@@ -33,6 +33,14 @@ highest both sides speak):
   and they change nothing. A device sends ``skipped`` only to a server at version 4 or later:
   an older one would see a gap.
 
+- **5**: a ``PushAck`` may name ``as_pushed_from``: the tenant's feed head just before the
+  push's rows, when those rows are exactly its applied changes as the device pushed them
+  (events at the places and with the hashes the device gave them; nothing else written among
+  them). A device whose cursor is at ``as_pushed_from`` takes its cursor to the last of them
+  and marks its events canonical, without pulling its own changes back. The server does not
+  send a version 5 device the live page of its own push: the device either takes it from the
+  acknowledgement or pulls it.
+
 A version 1 peer reads version 2 frames unchanged (it ignores the new fields), which is why the
 server fills them whatever version it agreed.
 """
@@ -49,7 +57,7 @@ from .records import Change, FeedChange
 
 MIN_PROTOCOL = 1
 """The oldest protocol version this code speaks."""
-MAX_PROTOCOL = 4
+MAX_PROTOCOL = 5
 """The newest protocol version this code speaks."""
 PROTOCOL_VERSION = MAX_PROTOCOL
 """The newest version (a ``Hello`` naming only it negotiates exactly it)."""
@@ -57,6 +65,9 @@ CHAINS_CHECKED_SINCE = 3
 """The version from which the server checks that pushed audit rows continue their chains."""
 SKIPPED_SINCE = 4
 """The version from which a ``Push`` may name ``skipped`` numbers (no record of their own)."""
+AS_PUSHED_SINCE = 5
+"""The version from which a ``PushAck`` may name ``as_pushed_from`` and the server keeps a
+push's live page from the device that pushed it."""
 MAX_SKIPPED = 10_000
 """The most ``skipped`` numbers one ``Push`` may name."""
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
@@ -159,6 +170,10 @@ class PushAck(msgspec.Struct, kw_only=True, tag="push_ack"):
     last_seq: int
     head_cursor: int = 0
     request_id: int = 0
+    as_pushed_from: int | None = None
+    """(Version 5) The tenant's feed head just before this push's rows, when the rows at the
+    ``cursor`` of its ``applied`` results are the tenant's only rows after it, each the
+    change as pushed (an event at the pushed place and hashes, canonical). None otherwise."""
 
 
 class Pull(msgspec.Struct, kw_only=True, tag="pull"):

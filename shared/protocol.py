@@ -251,11 +251,16 @@ class ServerProtocol(_Protocol):
         head_cursor: int,
         *,
         request_id: int = 0,
+        as_pushed_from: int | None = None,
     ) -> None:
         self._require_open()
         self._send(
             PushAck(
-                results=results, last_seq=last_seq, head_cursor=head_cursor, request_id=request_id
+                results=results,
+                last_seq=last_seq,
+                head_cursor=head_cursor,
+                request_id=request_id,
+                as_pushed_from=as_pushed_from,
             )
         )
 

@@ -33,7 +33,7 @@ from pleach_server.store.base import (
 )
 from shared.clock import HybridClock, Order, vv_compare, wall_clock_ms
 from shared.errors import CursorTooOld, ErrorCode, StorageUnavailable
-from shared.hashchain import chain_audit, verify_chain
+from shared.hashchain import GENESIS, chain_audit, chain_event, verify_chain
 from shared.ids import uuid7
 from shared.records import (
     CASCADE_KINDS,
@@ -734,6 +734,63 @@ class ServerStoreConformance:
         check = verify_chain(events)
         assert check.ok, check
         assert events[0].prev_hash == ""
+
+    async def test_a_push_stored_as_pushed_says_so_and_where_its_rows_start(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        """``as_pushed`` (what a version 5 ack vouches for): the push's feed rows follow
+        ``previous_head`` and are its changes as pushed, events only marked canonical. Not when
+        the server placed an event elsewhere, forked a session, or deleted one."""
+        tenant = new_tenant()
+        laptop, phone = Device(tenant), Device(tenant)
+        session = laptop.session(title="v1")
+        e1, e2 = (chain_event(laptop.event(session.id, n=n), GENESIS, 1) for n in (1, 2))
+        e2 = chain_event(e2, e1.row_hash, 2)
+        records = [session, laptop.message(session.id), e1, e2]
+        before = await server_store.head_cursor(tenant)
+        first = await server_store.push(
+            tenant, laptop.client_id, laptop.changes(*records), server_clock
+        )
+        assert first.as_pushed and first.previous_head == before
+        feed = await pull_all(server_store, tenant, before)
+        assert [c.cursor for c in feed] == [r.cursor for r in first.results]
+        canon = [msgspec.structs.replace(e, canonical=True) for e in (e1, e2)]
+        assert [c.record for c in feed] == [*records[:2], *canon]
+
+        on_phone = chain_event(phone.event(session.id, n=3), e2.row_hash, 3)
+        second = await server_store.push(
+            tenant, phone.client_id, phone.changes(on_phone), server_clock
+        )
+        assert second.as_pushed and second.previous_head == first.head_cursor
+        # The laptop had not seen the phone's event: the server places its own after it.
+        stale = chain_event(laptop.event(session.id, n=4), e2.row_hash, 3)
+        moved = await server_store.push(
+            tenant, laptop.client_id, laptop.changes(stale), server_clock
+        )
+        assert statuses(moved) == ["applied"] and not moved.as_pushed
+        provisional = await server_store.push(
+            tenant, laptop.client_id, laptop.changes(laptop.event(session.id)), server_clock
+        )
+        assert not provisional.as_pushed
+
+        on_laptop = laptop.edit(session, title="laptop")
+        phone.clock.observe(on_laptop.updated_at)
+        await server_store.push(
+            tenant, phone.client_id, phone.changes(phone.edit(session, title="p")), server_clock
+        )
+        forked = await server_store.push(
+            tenant, laptop.client_id, laptop.changes(on_laptop), server_clock
+        )
+        assert statuses(forked) == ["resolved"] and not forked.as_pushed
+        gone = msgspec.structs.replace(laptop.edit(session, title="x"), deleted=True)
+        deleted = await server_store.push(
+            tenant, laptop.client_id, laptop.changes(gone), server_clock
+        )
+        assert not deleted.as_pushed
+        nothing = await server_store.push(
+            tenant, laptop.client_id, [Change(client_seq=1, record=records[1])], server_clock
+        )
+        assert statuses(nothing) == ["duplicate"] and not nothing.as_pushed
 
     async def test_concurrent_pushes_keep_chains_contiguous(
         self, server_store: ServerStore, server_clock: HybridClock

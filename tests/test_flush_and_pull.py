@@ -315,3 +315,73 @@ async def test_a_pull_does_not_write_again_the_messages_a_device_holds(
         async with device(tmp_path / "phone.db", "phone") as phone:
             await phone.sync.sync_once(server.url, token)
             assert await holdings(phone) == await holdings(laptop)
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_a_device_takes_its_own_rows_from_the_acks_and_pulls_none_back(
+    server: SyncServer, tmp_path: Path, seed: int
+) -> None:
+    """Protocol 5: each ack says where the push's rows start, and a device at that cursor takes
+    them from the ack. Generated: rounds in which the laptop, the phone or both write turns,
+    some in one shared session, then sync in a random order in batches of random size. A
+    device that pushed from the head applies no page row of its own (the second of two
+    devices that raced pulls its rows back: the other's came first); every event is
+    canonical once synced; both converge on what a new device pulls from the server."""
+    rng = random.Random(seed)
+    token = issue_token(SECRET, ALICE, 3600)
+    async with AsyncExitStack() as stack:
+        laptop = await stack.enter_async_context(device(tmp_path / "laptop.db", "laptop"))
+        phone = await stack.enter_async_context(device(tmp_path / "phone.db", "phone"))
+        own_rows: dict[str, list[str]] = {"laptop": [], "phone": []}
+        for rt in (laptop, phone):
+            apply = rt.sync._apply
+
+            async def applied(
+                changes: Any, to_cursor: int, rt: Any = rt, apply: Any = apply
+            ) -> int:
+                own_rows[rt.client_id] += [
+                    c.record.id for c in changes if c.record.client_id == rt.client_id
+                ]
+                return int(await apply(changes, to_cursor))
+
+            rt.sync._apply = applied  # type: ignore[method-assign]
+
+        async def sync(rt: SessionRuntime) -> None:
+            rt.sync.batch_size = rng.randint(1, 8)
+            receipt = await rt.sync.sync_once(server.url, token)
+            assert receipt.pending_after == 0, receipt
+
+        shared_session = (await laptop.create_session(title="both")).id
+        await sync(laptop)
+        await sync(phone)
+        sessions = {
+            laptop: [shared_session, (await laptop.create_session(title="laptop")).id],
+            phone: [shared_session, (await phone.create_session(title="phone")).id],
+        }
+        await sync(laptop)
+        await sync(phone)
+        await sync(laptop)  # both at the head
+        own_rows = {"laptop": [], "phone": []}
+        for _ in range(rng.randint(2, 5)):
+            writers = rng.sample([laptop, phone], rng.randint(1, 2))
+            for rt in writers:
+                for _ in range(rng.randint(1, 3)):
+                    async for _ in rt.execute_message(rng.choice(sessions[rt]), "hello"):
+                        pass
+            order = rng.sample([laptop, phone], 2)
+            for rt in order:
+                await sync(rt)
+            first = order[0] if order[0] in writers else order[1]
+            assert own_rows[first.client_id] == [], "pushed from the head, pulled back"
+            if len(writers) == 1:
+                assert own_rows == {"laptop": [], "phone": []}
+            await sync(order[0])  # both at the head before the next round
+            own_rows = {"laptop": [], "phone": []}
+        head = await server.store.head_cursor(ALICE)
+        for rt in (laptop, phone):
+            assert int(await rt.store.get_meta("cursor") or 0) == head
+            for sid in sessions[rt]:
+                assert all(e.canonical for e in await rt.store.list_events(sid))
+        fresh = await stack.enter_async_context(device(tmp_path / "fresh.db", "fresh"))
+        await fresh.sync.sync_once(server.url, token)
+        assert await holdings(laptop) == await holdings(phone) == await holdings(fresh)

@@ -108,9 +108,10 @@ def test_negotiate_picks_the_highest_common_version(
         (Hello(protocol=1, client_id="d"), 1),  # a version 1 device: only ``protocol``
         (Hello(protocol=2, client_id="d"), 2),
         (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=2), 2),
-        (Hello(protocol=1, client_id="d", max_protocol=9), 4),
+        (Hello(protocol=1, client_id="d", max_protocol=9), 5),
         (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=3), 3),
         (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=4), 4),
+        (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=5), 5),
         (Hello(protocol=2, client_id="d", min_protocol=1, max_protocol=1), 1),
     ],
 )
@@ -124,18 +125,18 @@ def test_server_agrees_the_highest_common_version(hello: Hello, version: int) ->
     assert isinstance(frame, Welcome) and frame.protocol == version
 
 
-def test_the_server_range_is_one_to_four() -> None:
-    assert (MIN_PROTOCOL, MAX_PROTOCOL) == (1, 4)
-    assert ServerProtocol().supported == (1, 4)
+def test_the_server_range_is_one_to_five() -> None:
+    assert (MIN_PROTOCOL, MAX_PROTOCOL) == (1, 5)
+    assert ServerProtocol().supported == (1, 5)
 
 
 @pytest.mark.parametrize(
     ("hello", "device_range"),
     [
-        (Hello(protocol=5, client_id="d", request_id=7), "5..5"),
-        (Hello(protocol=5, client_id="d", min_protocol=5, max_protocol=6, request_id=7), "5..6"),
+        (Hello(protocol=6, client_id="d", request_id=7), "6..6"),
+        (Hello(protocol=6, client_id="d", min_protocol=6, max_protocol=7, request_id=7), "6..7"),
         (Hello(protocol=0, client_id="d", request_id=7), "0..0"),
-        (Hello(protocol=1, client_id="d", min_protocol=5, max_protocol=4, request_id=7), "5..4"),
+        (Hello(protocol=1, client_id="d", min_protocol=6, max_protocol=5, request_id=7), "6..5"),
     ],
 )
 def test_no_common_version_is_a_3003_naming_both_ranges(hello: Hello, device_range: str) -> None:
@@ -146,7 +147,7 @@ def test_no_common_version_is_a_3003_naming_both_ranges(hello: Hello, device_ran
     assert err.code == ErrorCode.PROTOCOL_VERSION
     assert err.request_id == 7  # it answers the Hello
     assert f"device speaks {device_range}" in err.message
-    assert "server speaks 1..4" in err.message
+    assert "server speaks 1..5" in err.message
     assert server.state is State.CLOSING
     assert isinstance(server.close_reason, ProtocolVersion)
 

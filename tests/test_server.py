@@ -76,10 +76,12 @@ async def open_client(
 
 
 @contextlib.asynccontextmanager
-async def device(srv: SyncServer, dev: Device, cursor: int = 0) -> AsyncIterator[Client]:
-    """A connected device that has said Hello."""
+async def device(
+    srv: SyncServer, dev: Device, cursor: int = 0, protocol: int = PROTOCOL_VERSION
+) -> AsyncIterator[Client]:
+    """A connected device that has said Hello (at ``protocol``: the newest by default)."""
     async with open_client(srv, dev.tenant) as client:
-        await client.hello(dev.client_id, cursor)
+        await client.hello(dev.client_id, cursor, protocol)
         yield client
 
 
@@ -264,13 +266,35 @@ async def test_push_reaches_other_devices_of_the_tenant_live(srv: SyncServer) ->
         live = await cb.live_frame()
         assert live.live and (live.from_cursor, live.to_cursor) == (0, ack.head_cursor)
         assert [ch.record.id for ch in live.changes] == [session.id]
-        # A sees its own commit too (it advances A's cursor).
-        assert (await ca.live_frame()).to_cursor == ack.head_cursor
+        # A (protocol 5) learns its rows from the ack, not from a live page of its own push.
+        assert ack.as_pushed_from == 0
         # Tenant C's device hears nothing: its next frame is the answer to its own pull.
         page = await cc.pull(0)
         assert page.changes == [] and cc.live == []
         # B keeps working normally after the live frame.
         assert [ch.record.id for ch in (await cb.pull(0)).changes] == [session.id]
+        # B's commit reaches A live: the first live frame A gets, so none came of its own.
+        from_b = await cb.push(b.changes(b.session(title="from B")))
+        first = await ca.live_frame()
+        assert (first.from_cursor, first.to_cursor) == (ack.head_cursor, from_b.head_cursor)
+
+
+async def test_a_device_before_protocol_5_hears_its_own_push_live(srv: SyncServer) -> None:
+    """A version 4 device learns its rows' places from the live page of its own push (and
+    its ack vouches for nothing); a version 5 device beside it does not get that page."""
+    tenant = new_tenant()
+    old, new = Device(tenant), Device(tenant)
+    async with device(srv, old, protocol=4) as co, device(srv, new) as cn:
+        ack = await co.push(old.changes(old.session(title="v4")))
+        assert ack.as_pushed_from is None
+        assert (await co.live_frame()).to_cursor == ack.head_cursor
+        assert (await cn.live_frame()).to_cursor == ack.head_cursor
+        second = await cn.push(new.changes(new.session(title="v5")))
+        assert second.as_pushed_from == ack.head_cursor
+        assert (await co.live_frame()).to_cursor == second.head_cursor
+        # The v5 device's next frame answers its pull: no live page of its own push came.
+        page = await cn.pull(ack.head_cursor)
+        assert page.to_cursor == second.head_cursor and cn.live == []
 
 
 async def test_live_frame_starts_at_the_tenants_previous_head(srv: SyncServer) -> None:
@@ -614,7 +638,7 @@ async def test_no_common_version_gets_3003_naming_both_ranges_then_1008(
         )
         err = await client.error()
         assert (err.code, err.request_id) == (ErrorCode.PROTOCOL_VERSION, 1)
-        assert "device speaks 7..9, server speaks 1..4" in err.message
+        assert "device speaks 7..9, server speaks 1..5" in err.message
         closed = await client.closed()
         assert closed.rcvd is not None and closed.rcvd.code == 1008
 
@@ -667,7 +691,8 @@ async def test_a_client_protocol_pump_sorts_what_a_real_server_sends(srv: SyncSe
         async def exchange() -> list[ClientEvent]:
             for data in proto.data_to_send():
                 await raw.send_raw(data)
-            data = await raw.ws.recv()
+            async with asyncio.timeout(TIMEOUT):
+                data = await raw.ws.recv()
             assert isinstance(data, bytes)
             proto.receive_data(data)
             return proto.take_events()
@@ -681,8 +706,7 @@ async def test_a_client_protocol_pump_sorts_what_a_real_server_sends(srv: SyncSe
         push_id = proto.send_push(a.changes(a.session()))
         (event,) = await exchange()
         assert event == Answer(push_id, event.frame) and isinstance(event.frame, PushAck)
-        (event,) = await exchange()  # its own commit, live
-        assert isinstance(event, Live)
+        assert event.frame.as_pushed_from == 0  # its own commit: told by the ack, not live
         session = b.session()
         await cb.push(b.changes(session))
         (event,) = await exchange()

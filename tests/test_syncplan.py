@@ -1,8 +1,9 @@
 """The sync client's decisions, tested as pure functions: no loop, no store, no socket.
 
 ``settle`` (a PushAck against the entries sent), ``decide_session`` (a remote session version
-against the local row) and ``rebase`` (canonical events placed, the provisional tail moved
-after them), each with examples and Hypothesis properties.
+against the local row), ``rebase`` (canonical events placed, the provisional tail moved
+after them) and ``echo_of`` / ``echo_lands`` (a push's own rows taken from its ack), each with
+examples and Hypothesis properties.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pleach_client.syncplan import (
     Decision,
     Sent,
     decide_session,
+    echo_lands,
+    echo_of,
     lands_in_place,
     rebase,
     settle,
@@ -25,7 +28,8 @@ from shared.clock import Order, vv_bump, vv_compare, vv_merge
 from shared.errors import ChainError, ErrorCode
 from shared.hashchain import chain_event, verify_chain
 from shared.messages import ChangeResult, ConflictReceipt, PushAck
-from tests.factories import make_event, make_session
+from shared.records import Change
+from tests.factories import make_event, make_message, make_session
 
 # -- settle -----------------------------------------------------------------------------------
 
@@ -401,3 +405,120 @@ def test_unsettled_holds_pages_back_while_a_queued_change_may_be_on_the_server(
     if held:
         assert unsettled(queued, server_seq, unsure_through + 1)
         assert unsettled(queued, server_seq + 1, unsure_through)
+
+
+# -- echo_of, echo_lands ----------------------------------------------------------------------
+
+
+def pushed_ack(changes: list[Change], start: int | None, first_cursor: int) -> PushAck:
+    results = [
+        ChangeResult(client_seq=c.client_seq, status="applied", cursor=first_cursor + i)
+        for i, c in enumerate(changes)
+    ]
+    return PushAck(
+        results=results,
+        last_seq=changes[-1].client_seq,
+        head_cursor=first_cursor + len(changes) - 1,
+        as_pushed_from=start,
+    )
+
+
+def test_echo_of_names_the_rows_and_the_events_to_mark_canonical() -> None:
+    events = chain([make_event(session_id="s") for _ in range(2)])
+    message = make_message(session_id="s")
+    changes = [Change(client_seq=i + 1, record=r) for i, r in enumerate([message, *events])]
+    echo = echo_of(changes, pushed_ack(changes, start=40, first_cursor=41))
+    assert echo is not None
+    assert (echo.from_cursor, echo.to_cursor) == (40, 43)
+    assert list(echo.events) == canonical(events)
+
+
+def test_echo_of_says_nothing_unless_the_ack_vouches_for_every_row() -> None:
+    events = chain([make_event(session_id="s") for _ in range(3)])
+    changes = [Change(client_seq=i + 1, record=e) for i, e in enumerate(events)]
+    assert echo_of(changes, pushed_ack(changes, start=None, first_cursor=5)) is None  # v4
+    ack_ = pushed_ack(changes, start=4, first_cursor=5)
+    assert echo_of(changes[:2], ack_) is None  # a result for a change it did not send
+    at_start = pushed_ack(changes, start=5, first_cursor=5)
+    assert echo_of(changes, at_start) is None  # a row at or before where the rows start
+    forked = pushed_ack(changes, start=4, first_cursor=5)
+    forked.results[1] = ChangeResult(client_seq=2, status="resolved", cursor=6)
+    assert echo_of(changes, forked) is None
+    twice = pushed_ack(changes, start=4, first_cursor=5)
+    twice.results[2].cursor = 5
+    assert echo_of(changes, twice) is None
+    gapped = [changes[0], changes[2]]
+    assert echo_of(gapped, pushed_ack(gapped, start=4, first_cursor=5)) is None
+    none_applied = PushAck(
+        results=[ChangeResult(client_seq=1, status="duplicate")], last_seq=3, as_pushed_from=4
+    )
+    assert echo_of(changes, none_applied) is None
+
+
+def test_echo_lands_only_where_the_device_holds_the_pushed_events() -> None:
+    held = canonical(chain([make_event(session_id="s") for _ in range(2)]))
+    tail = chain([make_event(session_id="s") for _ in range(2)], held[-1].row_hash, start=3)
+    pushed = canonical(tail)
+    assert echo_lands(pushed, [held[-1], *tail])
+    assert echo_lands(pushed[:1], [held[-1], *tail])  # the tail goes on after the push
+    assert not echo_lands(pushed, [held[-1], *tail[:1]])  # one is not held
+    assert not echo_lands(pushed, tail)  # the place before is not read
+    assert not echo_lands(pushed, [tail[0], *tail])  # nor canonical
+    assert not echo_lands(pushed, [held[-1], *pushed])  # already canonical: a page placed them
+    other = chain([make_event(session_id="s")], held[-1].row_hash, start=3)
+    assert not echo_lands(pushed, [held[-1], *other, tail[1]])
+    first = canonical(chain([make_event(session_id="s")]))
+    assert echo_lands(first, [msgspec.structs.replace(first[0], canonical=False)])
+    assert not echo_lands(canonical(tail[:1]), [msgspec.structs.replace(tail[0], canonical=False)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    known=st.integers(0, 3),
+    theirs=st.integers(0, 2),
+    tail=st.integers(1, 5),
+    sent=st.integers(1, 5),
+    messages=st.integers(0, 2),
+)
+def test_taking_an_echo_leaves_the_log_a_pull_back_would(
+    known: int, theirs: int, tail: int, sent: int, messages: int
+) -> None:
+    """The device holds ``known`` canonical events and a provisional tail; it pushes the first
+    ``sent`` of them. The server (a model of ``_Batch._event``) holds another device's
+    ``theirs`` events after the known ones, unseen here, and places the pushed ones after them.
+    The ack vouches for the rows exactly when nothing came between; then taking the echo
+    leaves the same log as pulling the rows back and rebasing, and otherwise it is refused."""
+    held = canonical(chain([make_event(session_id="s") for _ in range(known)]))
+    head = (known, held[-1].row_hash) if held else (0, "")
+    mine = chain([make_event(session_id="s") for _ in range(tail)], head[1], start=known + 1)
+    pushed = mine[: min(sent, tail)]
+    others = canonical(
+        chain(
+            [make_event(session_id="s", client_id="b") for _ in range(theirs)],
+            head[1],
+            start=known + 1,
+        )
+    )
+    top = (others[-1].sequence_number, others[-1].row_hash) if others else head
+    placed = canonical(chain(pushed, top[1], start=top[0] + 1))
+    records = [make_message(session_id="s") for _ in range(messages)] + pushed
+    changes = [Change(client_seq=i + 1, record=r) for i, r in enumerate(records)]
+    as_pushed = all(
+        (p.sequence_number, p.row_hash) == (q.sequence_number, q.row_hash)
+        for p, q in zip(placed, pushed, strict=True)
+    )
+    start = 100 + theirs
+    ack_ = pushed_ack(changes, start=start if as_pushed else None, first_cursor=start + 1)
+    echo = echo_of(changes, ack_)
+    assert (echo is not None) == as_pushed == (theirs == 0)
+    if echo is None:
+        return
+    assert list(echo.events) == placed and echo.to_cursor == start + len(changes)
+    before = held[-1:] if known else []
+    assert echo_lands(list(echo.events), [*before, *mine])
+    taken = {e.id: e for e in [*held, *mine]}
+    taken.update((e.id, e) for e in echo.events)
+    slow = rebase("s", placed, known_head=head, verified=[], tail=mine, genesis=head[1])
+    pulled = {e.id: e for e in [*held, *mine]}
+    pulled.update((e.id, e) for e in slow.out)
+    assert taken == pulled

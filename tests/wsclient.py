@@ -62,8 +62,10 @@ class Client:
         assert isinstance(frame, Changes) and frame.live, frame
         return frame
 
-    async def hello(self, client_id: str, cursor: int = 0) -> Welcome:
-        await self.send(Hello(protocol=PROTOCOL_VERSION, client_id=client_id, cursor=cursor))
+    async def hello(
+        self, client_id: str, cursor: int = 0, protocol: int = PROTOCOL_VERSION
+    ) -> Welcome:
+        await self.send(Hello(protocol=protocol, client_id=client_id, cursor=cursor))
         welcome = await self.answer()
         assert isinstance(welcome, Welcome), welcome
         return welcome

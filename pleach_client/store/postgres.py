@@ -1102,9 +1102,7 @@ class PostgresAdapter(AsyncResource):
         self, session_id: str, types: Collection[str]
     ) -> list[tuple[str, dict[str, Any]]]:
         """``(type, payload)`` of the session's events of ``types``, in chain order."""
-        rows = await self._fetch(
-            "read events", self._sql.list_events, session_id, 0, None
-        )
+        rows = await self._fetch("read events", self._sql.list_events, session_id, 0, None)
         return decode_payloads(rows, types, lambda key, body: _decode(Event, "events", key, body))
 
     async def get_event(self, event_id: str) -> Event | None:

@@ -760,6 +760,8 @@ class _Batch:
     """The state of one ``apply_push`` call: its ``StoreTx`` and the feed entries it adds.
 
     A result that reports a cursor gets it once the batch is written (``set_cursors``).
+    ``as_pushed`` stays True while every feed entry is an ``applied`` change as it was pushed
+    (an event at the pushed place and hashes, only marked canonical).
     """
 
     def __init__(self, tx: StoreTx, tenant: Tenant, clock: HybridClock, server_id: str) -> None:
@@ -768,6 +770,7 @@ class _Batch:
         self.clock = clock
         self.server_id = server_id
         self.feed: list[Record] = []
+        self.as_pushed = True
         self._cursor_of: list[tuple[ChangeResult, int]] = []  # (result, index in self.feed)
 
     def _applied(
@@ -776,8 +779,12 @@ class _Batch:
         record: Record,
         status: Status = "applied",
         conflict: ConflictReceipt | None = None,
+        *,
+        as_pushed: bool = True,
     ) -> ChangeResult:
-        """Append ``record`` to the feed; a result that will report its cursor."""
+        """Append ``record`` to the feed; a result that will report its cursor. ``as_pushed``:
+        the entry is the change as pushed (see the class)."""
+        self.as_pushed = self.as_pushed and as_pushed and status == "applied"
         self.feed.append(record)
         result = ChangeResult(client_seq=seq, status=status, conflict=conflict)
         self._cursor_of.append((result, len(self.feed) - 1))
@@ -812,7 +819,9 @@ class _Batch:
         number, prev_hash = (last[0] + 1, last[1]) if last is not None else (1, GENESIS)
         placed = msgspec.structs.replace(chain_event(event, prev_hash, number), canonical=True)
         await self.tx.insert_event(placed)
-        return self._applied(seq, placed)
+        where = (placed.sequence_number, placed.prev_hash, placed.row_hash)
+        same = where == (event.sequence_number, event.prev_hash, event.row_hash)
+        return self._applied(seq, placed, as_pushed=same)
 
     async def _session(self, seq: int, pushed: Session) -> ChangeResult:
         current = await self.tx.get_session(pushed.id)
@@ -829,7 +838,7 @@ class _Batch:
                 return ChangeResult(client_seq=seq, status="superseded")
             stored = msgspec.structs.replace(pushed, vv=resolution.merged_vv)
             await self.tx.put_session(stored)
-            return self._applied(seq, stored)
+            return self._applied(seq, stored, as_pushed=stored.vv == pushed.vv)
 
         # Concurrent: the HLC winner keeps the id under a vector above both versions; the
         # loser lives on as a new session, so nothing written on either device is lost.
@@ -857,6 +866,7 @@ class _Batch:
             conflict_loser_side="remote" if pushed_won else "local",
         )
         await self.tx.put_session(winner_row)
+        self.as_pushed = False
         self.feed.append(winner_row)
         await self.tx.put_session(fork)
         receipt = ConflictReceipt(
@@ -916,7 +926,7 @@ class _Batch:
             row, status = msgspec.structs.replace(pushed, vv=bumped), "applied"
         await self.tx.put_session(row)
         await self.tx.delete_content(row.id)
-        return self._applied(seq, row, status=status)
+        return self._applied(seq, row, status=status, as_pushed=False)
 
 
 def _numbered(changes: list[Change], skipped: frozenset[int]) -> list[tuple[int, Change | None]]:
@@ -1062,4 +1072,5 @@ async def apply_push(
             else []
         ),
         previous_head=previous_head,
+        as_pushed=batch.as_pushed and previous_head is not None,
     )

@@ -33,7 +33,9 @@ class PushResult(msgspec.Struct, kw_only=True):
     ``previous_head`` is the tenant's feed head just before this push's rows, read under its
     lock, and ``feed`` those rows as a pull would return them; both are left out (None, [])
     when the push wrote no feed row or deleted a session (whose cascade may remove some of
-    them again before the commit).
+    them again before the commit). ``as_pushed``: ``feed`` is known and every row of it is an
+    ``applied`` change as the device pushed it (an event at the pushed place and hashes, only
+    marked canonical): the device may take its cursor past them without reading them back.
     """
 
     results: list[ChangeResult]
@@ -42,6 +44,7 @@ class PushResult(msgspec.Struct, kw_only=True):
     cursors: list[int] = []
     feed: list[FeedChange] = []
     previous_head: int | None = None
+    as_pushed: bool = False
 
 
 class PullResult(msgspec.Struct, kw_only=True):
