@@ -11,6 +11,7 @@ import aiosqlite
 import pytest
 
 from pleach_server.store import ServerStore, SQLiteServerStore, Tenant
+from pleach_server.store import sqlite as server_sqlite
 from pleach_server.store.apply import StoreTx
 from pleach_server.store.sqlite import SCHEMA_VERSION
 from shared.clock import HybridClock
@@ -315,6 +316,43 @@ async def test_a_push_is_four_hops_whatever_its_size(db_path: Path) -> None:
             assert {r.status for r in result.results} == {"applied"}
             counts.append(hops)
         assert counts == [4, 4]
+
+
+async def test_the_servers_wal_is_checkpointed_beside_the_writer(db_path: Path) -> None:
+    """Every ``CHECKPOINT_EVERY`` write transactions a checkpoint runs on a connection of its
+    own, so no push copies the WAL inside its commit (SQLite's own checkpoint stays, at
+    ``AUTOCHECKPOINT_PAGES``, as a safety net); close waits for one in flight."""
+    clock = HybridClock("server-x")
+    every = server_sqlite.CHECKPOINT_EVERY
+    dev = Device(new_tenant())
+    store = SQLiteServerStore(db_path)
+    await store.open()
+    try:
+        session = dev.session()
+        for n in range(every - 1):
+            records = [session] if n == 0 else [dev.message(session.id)]
+            await store.push(dev.tenant, dev.client_id, dev.changes(*records), clock)
+        assert store._checkpointing is None
+        before = db_path.stat().st_size  # the rows are in the WAL only
+        await store.push(dev.tenant, dev.client_id, dev.changes(dev.message(session.id)), clock)
+        side = store._checkpointing
+        assert side is not None
+        await side
+        assert db_path.stat().st_size > before  # copied into the file, beside the writer
+        writer = store._writer
+        assert writer is not None
+        pages = await writer.execute_fetchall("PRAGMA wal_autocheckpoint")
+        assert list(pages) == [(server_sqlite.AUTOCHECKPOINT_PAGES,)]
+        for _ in range(every):
+            await store.push(dev.tenant, dev.client_id, dev.changes(dev.message(session.id)), clock)
+        side = store._checkpointing
+        assert side is not None and not side.done()
+    finally:
+        await store.close()
+    assert side.done() and store._checkpointer is None
+    async with SQLiteServerStore(db_path) as again:  # and the file reads back whole
+        feed = (await again.pull(dev.tenant, 0, 1000)).changes
+        assert len(feed) == 2 * every
 
 
 async def test_schema_4_files_migrate_with_every_audit_row_placed(db_path: Path) -> None:

@@ -654,6 +654,17 @@ async def _compact(conn: aiosqlite.Connection, tenant: Tenant, keep_after_cursor
     return dropped
 
 
+CHECKPOINT_EVERY = 16
+"""Write transactions between two checkpoints of the WAL, each run on a connection of its own
+beside the writer's (``PRAGMA wal_checkpoint(PASSIVE)``: it copies what no reader still needs
+and never waits for a lock), so that no push waits for one. SQLite's own checkpoint runs inside
+the commit that takes the WAL past ``AUTOCHECKPOINT_PAGES`` (1,000 by default): that push then
+copies and syncs the whole WAL before its ack goes out."""
+AUTOCHECKPOINT_PAGES = 4000
+"""SQLite's own checkpoint, kept as a safety net for side checkpoints that cannot keep up (a
+long read holding an old snapshot): the WAL stays under about 16 MB."""
+
+
 class SQLiteServerStore(AsyncResource):
     """The embedded server store: one SQLite file. Use as ``async with``.
 
@@ -685,6 +696,10 @@ class SQLiteServerStore(AsyncResource):
         self._reader: aiosqlite.Connection | None = None
         self._write_lock = asyncio.Lock()
         self._read_lock = asyncio.Lock()
+        self._commits = 0
+        """Write transactions since the last side checkpoint was started."""
+        self._checkpointer: aiosqlite.Connection | None = None
+        self._checkpointing: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
         state = "open" if self._writer is not None else "closed"
@@ -700,6 +715,7 @@ class SQLiteServerStore(AsyncResource):
             self._writer = await self._connect()
             await self._writer.execute("PRAGMA journal_mode = WAL")
             await self._writer.execute(f"PRAGMA synchronous = {self.synchronous}")
+            await self._writer.execute(f"PRAGMA wal_autocheckpoint = {AUTOCHECKPOINT_PAGES}")
             await self._migrate(self._writer)
             self._reader = await self._connect()
             await self._reader.execute("PRAGMA query_only = 1")
@@ -716,11 +732,32 @@ class SQLiteServerStore(AsyncResource):
     async def _close(self) -> None:
         # Taking both locks lets an in-flight push or pull finish before its connection goes.
         async with self._write_lock, self._read_lock:
-            writer, reader = self._writer, self._reader
-            self._writer = self._reader = None
-            for conn in (reader, writer):
+            if self._checkpointing is not None:
+                await self._checkpointing  # never raises: it logs what fails
+            writer, reader, checkpointer = self._writer, self._reader, self._checkpointer
+            self._writer = self._reader = self._checkpointer = None
+            for conn in (checkpointer, reader, writer):
                 if conn is not None:
                     await conn.close()
+
+    def _committed(self) -> None:
+        """Count a write transaction; every ``CHECKPOINT_EVERY`` of them, start a side
+        checkpoint unless one still runs (at most one at a time; ``close`` waits for it)."""
+        self._commits += 1
+        if self._commits < CHECKPOINT_EVERY or self._checkpointing is not None:
+            return
+        self._commits = 0
+        self._checkpointing = asyncio.get_running_loop().create_task(self._checkpoint())
+
+    async def _checkpoint(self) -> None:
+        try:
+            if self._checkpointer is None:
+                self._checkpointer = await self._connect()
+            await self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        except sqlite3.Error as exc:  # best effort: SQLite's own checkpoint still runs
+            log.info("side checkpoint of %s failed: %s", self.path, exc)
+        finally:
+            self._checkpointing = None
 
     async def _connect(self) -> aiosqlite.Connection:
         # aiosqlite leaves its worker thread behind when connecting fails, and that thread
@@ -782,6 +819,7 @@ class SQLiteServerStore(AsyncResource):
                 if isinstance(exc, sqlite3.Error):
                     raise StorageUnavailable(f"write failed, rolled back: {exc}") from exc
                 raise
+            self._committed()
             return result
 
     async def _read(self, body: Callable[[aiosqlite.Connection], Awaitable[T]]) -> T:
