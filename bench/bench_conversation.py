@@ -70,7 +70,7 @@ async def pleach_run(path: Path, n: int) -> list[float]:
 
 async def synced_bytes(device: Path, server_path: Path) -> tuple[int, int]:
     """Sync the device file at ``device`` to a real server on ``server_path`` (``sync_once``:
-    everything pushed, and pulled back with the server's places); the device file's bytes
+    everything pushed, its events marked canonical from the acks); the device file's bytes
     and the server file's bytes then, each with its WAL (both checkpointed first)."""
     async with (
         SQLiteServerStore(server_path) as store,

@@ -7,7 +7,8 @@
 - the same checkpoints of every live session, the same event log per session (ids, canonical
   sequence numbers and hashes, in order), the same audit rows;
 - every event chain verifies on every device, and every device's audit chain verifies on
-  every device;
+  every device; every event a device holds is canonical (placed by the server, whether the
+  device learned its place from a page or from its push's ack);
 - nothing pending, nothing dead-lettered;
 - every artifact reads the same everywhere and holds every piece of text appended to it;
 - every conflict fork on the server is announced by a ``sync.conflict`` event in some log;
@@ -149,6 +150,13 @@ async def device_view(world: World, index: int, problems: list[str]) -> View:
     for sid, key in view.sessions.items():
         events = [e async for e in rt.events.iterate(sid)]
         view.events[sid] = [(e.id, e.sequence_number, e.row_hash) for e in events]
+        provisional = [e for e in events if not e.canonical]
+        if provisional:
+            problems.append(
+                f"event-provisional: {dev.name} session {sid} holds {len(provisional)} event(s) "
+                f"the server placed but it never marked canonical (first #"
+                f"{provisional[0].sequence_number})"
+            )
         view.announced.update(_announced(events))
         report = await rt.events.verify_chain(sid)
         if not report.ok:
