@@ -332,10 +332,10 @@ async def test_the_servers_wal_is_checkpointed_beside_the_writer(db_path: Path) 
         for n in range(every - 1):
             records = [session] if n == 0 else [dev.message(session.id)]
             await store.push(dev.tenant, dev.client_id, dev.changes(*records), clock)
-        assert store._checkpointing is None
+        assert store._checkpoints.running is None
         before = db_path.stat().st_size  # the rows are in the WAL only
         await store.push(dev.tenant, dev.client_id, dev.changes(dev.message(session.id)), clock)
-        side = store._checkpointing
+        side = store._checkpoints.running
         assert side is not None
         await side
         assert db_path.stat().st_size > before  # copied into the file, beside the writer
@@ -345,7 +345,7 @@ async def test_the_servers_wal_is_checkpointed_beside_the_writer(db_path: Path) 
         assert list(pages) == [(server_sqlite.AUTOCHECKPOINT_PAGES,)]
         for _ in range(every):
             await store.push(dev.tenant, dev.client_id, dev.changes(dev.message(session.id)), clock)
-        side = store._checkpointing
+        side = store._checkpoints.running
         assert side is not None and not side.done()
     finally:
         await store.close()

@@ -720,14 +720,14 @@ async def test_the_wal_is_checkpointed_beside_the_writer(db_path: Path) -> None:
     async with SQLiteAdapter(db_path) as store:
         for _ in range(every - 1):
             await commit(store, make_message(session_id="s-1"))
-        assert store._checkpointing is None
+        assert store._checkpoints.running is None
         before = db_path.stat().st_size  # the rows are in the WAL only
         await commit(store, make_message(session_id="s-1"))
-        side = store._checkpointing
+        side = store._checkpoints.running
         assert side is not None
         await side
         assert db_path.stat().st_size > before  # copied into the file, beside the writer
-        assert store._checkpointing is None
+        assert store._checkpoints.running is None
         autocheckpoint = await store._require_open().execute_fetchall("PRAGMA wal_autocheckpoint")
         assert list(autocheckpoint) == [(sqlite_module.AUTOCHECKPOINT_PAGES,)]
 
@@ -737,7 +737,7 @@ async def test_close_waits_for_a_side_checkpoint(db_path: Path) -> None:
     await store.open()
     for _ in range(sqlite_module.CHECKPOINT_EVERY):
         await commit(store, make_message(session_id="s-1"))
-    side = store._checkpointing
+    side = store._checkpoints.running
     assert side is not None and not side.done()
     await store.close()  # no task left pending, no connection left open
     assert side.done() and store._checkpointer is None

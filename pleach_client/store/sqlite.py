@@ -33,6 +33,7 @@ import aiosqlite
 import msgspec
 
 from shared import compact
+from shared.aio import Every
 from shared.errors import InvalidState, StorageError
 from shared.records import (
     ArtifactUpdate,
@@ -728,10 +729,9 @@ class SQLiteAdapter(AsyncResource):
         self._closing: asyncio.Future[None] | None = None
         self._reclaims = False
         """The file's ``auto_vacuum`` is INCREMENTAL: an outbox removal may give pages back."""
-        self._commits = 0
-        """Commits since the last side checkpoint was started (``CHECKPOINT_EVERY``)."""
         self._checkpointer: aiosqlite.Connection | None = None
-        self._checkpointing: asyncio.Task[None] | None = None
+        self._checkpoints = Every(CHECKPOINT_EVERY, self._checkpoint)
+        """A side checkpoint every ``CHECKPOINT_EVERY`` commits (``close`` waits for it)."""
 
     def __repr__(self) -> str:
         return f"<SQLiteAdapter {self.path!r} {self._state.value}>"
@@ -827,8 +827,7 @@ class SQLiteAdapter(AsyncResource):
 
     async def _shutdown(self, conn: aiosqlite.Connection) -> None:
         async with self._lock:  # let the transaction in progress finish
-            if self._checkpointing is not None:
-                await self._checkpointing  # never raises: it logs what fails
+            await self._checkpoints.wait()  # never raises: it logs what fails
             checkpointer, self._checkpointer = self._checkpointer, None
             try:
                 if checkpointer is not None:
@@ -837,15 +836,6 @@ class SQLiteAdapter(AsyncResource):
             except _DB_ERRORS as exc:
                 raise _storage_error(f"close {self.path!r}", exc) from exc
 
-    def _committed(self) -> None:
-        """Count a commit; every ``CHECKPOINT_EVERY`` of them, start a side checkpoint unless
-        one still runs (at most one at a time; ``close`` waits for it)."""
-        self._commits += 1
-        if self._commits < CHECKPOINT_EVERY or self._checkpointing is not None:
-            return
-        self._commits = 0
-        self._checkpointing = asyncio.get_running_loop().create_task(self._checkpoint())
-
     async def _checkpoint(self) -> None:
         try:
             if self._checkpointer is None:
@@ -853,8 +843,6 @@ class SQLiteAdapter(AsyncResource):
             await self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
         except _DB_ERRORS as exc:  # best effort: SQLite's own checkpoint still runs
             log.info("side checkpoint of %r failed: %s", self.path, exc)
-        finally:
-            self._checkpointing = None
 
     def _require_open(self) -> aiosqlite.Connection:
         if self._conn is None:
@@ -922,7 +910,7 @@ class SQLiteAdapter(AsyncResource):
                 if batch is None:
                     return CommitReceipt(client_seqs=[], records=0)
                 receipt = await _write_batch(conn, batch, commit=True)
-            self._committed()
+            self._checkpoints.tick()
             return receipt
 
     async def gdpr_soft_delete(self, subject_key: str) -> int:

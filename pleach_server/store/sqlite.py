@@ -34,6 +34,7 @@ from typing import Any, Literal, TypeVar
 import aiosqlite
 import msgspec
 
+from shared.aio import Every
 from shared.clock import HybridClock
 from shared.errors import CursorTooOld, InvalidState, StorageError, StorageUnavailable
 from shared.records import (
@@ -696,10 +697,9 @@ class SQLiteServerStore(AsyncResource):
         self._reader: aiosqlite.Connection | None = None
         self._write_lock = asyncio.Lock()
         self._read_lock = asyncio.Lock()
-        self._commits = 0
-        """Write transactions since the last side checkpoint was started."""
         self._checkpointer: aiosqlite.Connection | None = None
-        self._checkpointing: asyncio.Task[None] | None = None
+        self._checkpoints = Every(CHECKPOINT_EVERY, self._checkpoint)
+        """A side checkpoint every ``CHECKPOINT_EVERY`` commits (``close`` waits for it)."""
 
     def __repr__(self) -> str:
         state = "open" if self._writer is not None else "closed"
@@ -732,22 +732,12 @@ class SQLiteServerStore(AsyncResource):
     async def _close(self) -> None:
         # Taking both locks lets an in-flight push or pull finish before its connection goes.
         async with self._write_lock, self._read_lock:
-            if self._checkpointing is not None:
-                await self._checkpointing  # never raises: it logs what fails
+            await self._checkpoints.wait()  # never raises: it logs what fails
             writer, reader, checkpointer = self._writer, self._reader, self._checkpointer
             self._writer = self._reader = self._checkpointer = None
             for conn in (checkpointer, reader, writer):
                 if conn is not None:
                     await conn.close()
-
-    def _committed(self) -> None:
-        """Count a write transaction; every ``CHECKPOINT_EVERY`` of them, start a side
-        checkpoint unless one still runs (at most one at a time; ``close`` waits for it)."""
-        self._commits += 1
-        if self._commits < CHECKPOINT_EVERY or self._checkpointing is not None:
-            return
-        self._commits = 0
-        self._checkpointing = asyncio.get_running_loop().create_task(self._checkpoint())
 
     async def _checkpoint(self) -> None:
         try:
@@ -756,8 +746,6 @@ class SQLiteServerStore(AsyncResource):
             await self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
         except sqlite3.Error as exc:  # best effort: SQLite's own checkpoint still runs
             log.info("side checkpoint of %s failed: %s", self.path, exc)
-        finally:
-            self._checkpointing = None
 
     async def _connect(self) -> aiosqlite.Connection:
         # aiosqlite leaves its worker thread behind when connecting fails, and that thread
@@ -819,7 +807,7 @@ class SQLiteServerStore(AsyncResource):
                 if isinstance(exc, sqlite3.Error):
                     raise StorageUnavailable(f"write failed, rolled back: {exc}") from exc
                 raise
-            self._committed()
+            self._checkpoints.tick()
             return result
 
     async def _read(self, body: Callable[[aiosqlite.Connection], Awaitable[T]]) -> T:
