@@ -78,12 +78,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("pleach.sync")
 
 MAX_RECHAINS_PER_FLUSH = 3
-MAX_ECHOES = 64
-"""The most acknowledged pushes whose own rows wait for the cursor to reach them; past that,
-the device pulls them back instead."""
 """How often one flush chains refused audit rows on from the server's place (3013) and goes
 on; past that it stops and the next flush tries again (a server that keeps refusing cannot
 make a device spin)."""
+MAX_ECHOES = 64
+"""The most acknowledged pushes whose own rows wait for the cursor to reach them; past that,
+the device pulls them back instead."""
 HEALTH_MIN_INTERVAL_S = 1.0
 """A device tells the server its health at most this often..."""
 HEALTH_HEARTBEAT_S = 30.0
