@@ -1072,5 +1072,5 @@ async def apply_push(
             else []
         ),
         previous_head=previous_head,
-        as_pushed=batch.as_pushed and previous_head is not None,
+        as_pushed=batch.as_pushed and bool(batch.feed),
     )

@@ -33,9 +33,11 @@ class PushResult(msgspec.Struct, kw_only=True):
     ``previous_head`` is the tenant's feed head just before this push's rows, read under its
     lock, and ``feed`` those rows as a pull would return them; both are left out (None, [])
     when the push wrote no feed row or deleted a session (whose cascade may remove some of
-    them again before the commit). ``as_pushed``: ``feed`` is known and every row of it is an
+    them again before the commit). ``as_pushed``: the push wrote feed rows and every one is an
     ``applied`` change as the device pushed it (an event at the pushed place and hashes, only
-    marked canonical): the device may take its cursor past them without reading them back.
+    marked canonical). With ``previous_head``, which says where those rows start, the device
+    may take its cursor past them without reading them back (protocol 5's
+    ``PushAck.as_pushed_from``); without it, it says nothing.
     """
 
     results: list[ChangeResult]

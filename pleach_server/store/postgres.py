@@ -1077,7 +1077,6 @@ class PostgresServerStore(AsyncResource):
             if result.cursors and self.feed_retention is not None:
                 await self._retain(conn, tenant, self.feed_retention)
                 result.feed, result.previous_head = [], None  # read the page back instead
-                result.as_pushed = False
             return result
 
         return await self._run("push failed, rolled back", body, transaction=True)

@@ -879,7 +879,6 @@ class SQLiteServerStore(AsyncResource):
             if self.feed_retention is not None and result.cursors:
                 await self._retain(conn, tenant, self.feed_retention)
                 result.feed, result.previous_head = [], None  # read the page back instead
-                result.as_pushed = False
             return result
 
         return await self._write(body, first=last_seq)
