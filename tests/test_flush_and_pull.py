@@ -13,7 +13,9 @@ from the stored cursor.
 
 from __future__ import annotations
 
+import asyncio
 import random
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -36,6 +38,7 @@ from shared.records import Change, Message, Session
 
 SECRET = b"test-secret-for-pipelined-sync"
 ALICE = Tenant(org_id="acme", user_id="alice")
+TIMEOUT = 30.0
 
 
 @pytest.fixture
@@ -385,3 +388,88 @@ async def test_a_device_takes_its_own_rows_from_the_acks_and_pulls_none_back(
         fresh = await stack.enter_async_context(device(tmp_path / "fresh.db", "fresh"))
         await fresh.sync.sync_once(server.url, token)
         assert await holdings(laptop) == await holdings(phone) == await holdings(fresh)
+
+
+class HeldPushStore(SQLiteServerStore):
+    """Holds the pushes of the device ``hold`` names before they reach the store, until
+    ``release`` is set (``entered`` says one is waiting)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hold: str | None = None
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def push(self, tenant: Tenant, client_id: str, *args: Any, **kwargs: Any) -> Any:
+        if client_id == self.hold:
+            self.entered.set()
+            await self.release.wait()
+        return await super().push(tenant, client_id, *args, **kwargs)
+
+
+class SignallingDeque(deque[Any]):
+    def __init__(self, arrived: asyncio.Event) -> None:
+        super().__init__()
+        self.arrived = arrived
+
+    def append(self, item: Any) -> None:
+        super().append(item)
+        self.arrived.set()
+
+
+async def test_an_ack_waits_for_the_live_page_of_the_rows_before_it(tmp_path: Path) -> None:
+    """The laptop's push reaches the store only after the phone's has committed, so its ack
+    says its rows start after the phone's, which the laptop has not applied yet (their live
+    page waits in its queue while it flushes). The laptop keeps the ack, applies the phone's
+    page, then takes its own rows from the ack: no pull, none of its own rows applied."""
+    token = issue_token(SECRET, ALICE, 3600)
+    async with (
+        HeldPushStore(tmp_path / "server.db") as store,
+        SyncServer(store, port=0, secret=SECRET) as srv,
+        AsyncExitStack() as stack,
+    ):
+        laptop = await stack.enter_async_context(device(tmp_path / "laptop.db", "laptop"))
+        phone = await stack.enter_async_context(device(tmp_path / "phone.db", "phone"))
+        mine = (await laptop.create_session(title="laptop")).id
+        theirs = (await phone.create_session(title="phone")).id
+        for rt in (laptop, phone):
+            await rt.sync.connect(srv.url, token)
+        for rt in (laptop, phone, laptop):  # each holds the other's session
+            assert await rt.sync.wait_until_synced(TIMEOUT), await rt.sync.status()
+        own_rows: list[str] = []
+        pulls = 0
+        apply, pull = laptop.sync._apply, laptop.sync._pull
+
+        async def applied(changes: Any, to_cursor: int) -> int:
+            own_rows.extend(c.record.id for c in changes if c.record.client_id == "laptop")
+            return int(await apply(changes, to_cursor))
+
+        async def pulled(link: Any) -> int:
+            nonlocal pulls
+            pulls += 1
+            return int(await pull(link))
+
+        laptop.sync._apply = applied  # type: ignore[method-assign]
+        laptop.sync._pull = pulled  # type: ignore[method-assign]
+        came = asyncio.Event()
+        laptop.sync._live = SignallingDeque(came)
+
+        store.hold = "laptop"
+        async for _ in laptop.execute_message(mine, "from the laptop"):
+            pass
+        async with asyncio.timeout(TIMEOUT):
+            await store.entered.wait()  # the laptop's push waits at the store's door
+        async for _ in phone.execute_message(theirs, "from the phone"):
+            pass
+        assert await phone.sync.wait_until_synced(TIMEOUT), await phone.sync.status()
+        async with asyncio.timeout(TIMEOUT):
+            await came.wait()  # the phone's page is queued on the laptop, mid-flush
+        store.release.set()
+        assert await laptop.sync.wait_until_synced(TIMEOUT), await laptop.sync.status()
+        assert await phone.sync.wait_until_synced(TIMEOUT), await phone.sync.status()
+
+        assert own_rows == [] and pulls == 0
+        head = await store.head_cursor(ALICE)
+        assert int(await laptop.store.get_meta("cursor") or 0) == head
+        assert all(e.canonical for e in await laptop.store.list_events(mine))
+        assert await holdings(laptop) == await holdings(phone)
