@@ -33,18 +33,35 @@ class Link:
         self.waiters[request_id] = future
         return future
 
-    async def request(self, send: Callable[[], int], timeout: float) -> Frame:
-        """Send one request frame (``send`` queues it and returns its id); wait for its
-        answer. A request with no answer within ``timeout`` drops the connection: the loop
-        reconnects and resends what is not acknowledged."""
-        future = self.expect(send())
+    async def send(self, send: Callable[[], int]) -> tuple[int, asyncio.Future[Frame]]:
+        """Send one request frame (``send`` queues it and returns its id) without waiting for
+        its answer: its id and the future the answer lands in (``wait``). Several may be in
+        flight at once: the server answers a connection's frames in order."""
+        request_id = send()
+        future = self.expect(request_id)
         await self.flush_out()
+        return request_id, future
+
+    async def wait(self, future: asyncio.Future[Frame], timeout: float) -> Frame:
+        """The answer of a request sent with ``send``. None within ``timeout`` drops the
+        connection: the loop reconnects and resends what is not acknowledged."""
         try:
             async with asyncio.timeout(timeout):
                 return await future
         except TimeoutError:
             self.ws.transport.abort()
             raise ConnectionError(f"no answer within {timeout}s; reconnecting") from None
+
+    async def request(self, send: Callable[[], int], timeout: float) -> Frame:
+        """Send one request frame and wait for its answer (``send``, then ``wait``)."""
+        _, future = await self.send(send)
+        return await self.wait(future, timeout)
+
+    def forget(self, request_id: int) -> None:
+        """Stop waiting for a request's answer: when it comes, it is dropped."""
+        future = self.waiters.pop(request_id, None)
+        if future is not None and not future.done():
+            future.cancel()
 
     def answer(self, request_id: int, frame: Frame) -> None:
         future = self.waiters.pop(request_id, None)

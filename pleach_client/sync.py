@@ -16,6 +16,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
@@ -84,6 +85,10 @@ make a device spin)."""
 MAX_ECHOES = 64
 """The most acknowledged pushes whose own rows wait for the cursor to reach them; past that,
 the device pulls them back instead."""
+PUSHES_IN_FLIGHT = 4
+"""How many pushes a flush sends before it waits for the first one's ack (``pipeline``): the
+device reads and encodes the next while the server applies the one before. Each is at most a
+batch and half a frame."""
 HEALTH_MIN_INTERVAL_S = 1.0
 """A device tells the server its health at most this often..."""
 HEALTH_HEARTBEAT_S = 30.0
@@ -118,6 +123,16 @@ class SyncProgress(msgspec.Struct, kw_only=True):
 ProgressCallback = Callable[[SyncProgress], None]
 
 
+@dataclass
+class _InFlight:
+    """A push sent and not yet answered: its outbox entries, its changes, its request."""
+
+    entries: list[OutboxEntry]
+    changes: list[Change]
+    request_id: int
+    answer: asyncio.Future[Frame]
+
+
 class SyncCoordinator:
     """The pure merge rule, public for hosts that push through their own channel."""
 
@@ -140,8 +155,10 @@ class SyncFacet:
         request_timeout: float = 30.0,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         live_grace: float = 1.0,
+        pipeline: int = PUSHES_IN_FLIGHT,
     ) -> None:
         self._rt = rt
+        self.pipeline = max(1, pipeline)
         self.live_grace = live_grace
         self.batch_size = batch_size
         self.pull_limit = pull_limit
@@ -857,41 +874,59 @@ class SyncFacet:
         )
         rechains = 0
         drained = False
+        # Pushes sent and not yet answered, oldest first: the next one goes out while the one
+        # before it is applied on the server, so neither side waits on the other's work.
+        window: deque[_InFlight] = deque()
+        link = self._link
+        read_all = False  # the last read reached the outbox's end, and all of it was sent
+        saw_none = False  # the last read found nothing after the pushes sent
         try:
             while True:
-                entries = (
-                    first if first is not None else await store.outbox_pending(self.batch_size)
-                )
-                first = None
-                if not entries:
-                    drained = True  # this read saw none left: nothing to count after the loop
-                    break
-                link = self._link
-                if link is None:
-                    failed.extend(
-                        FailedEntry(
-                            client_seq=e.client_seq,
-                            code=None,
-                            attempts=e.attempts,
-                            message="offline: queued until the server is reachable",
+                # Fill the window: each push starts after the last one sent. An outbox read to
+                # its end is read again only once the window is empty (a live turn: two reads).
+                while link is not None and self._link is link and len(window) < self.pipeline:
+                    if read_all and window:
+                        break
+                    after = window[-1].entries[-1].client_seq if window else 0
+                    entries = (
+                        first
+                        if first is not None
+                        else await store.outbox_pending(self.batch_size, after=after)
+                    )
+                    first = None
+                    saw_none = not entries
+                    if saw_none:
+                        break
+                    flight = await self._send_push(link, entries, span.traceparent)
+                    window.append(flight)
+                    read_all = len(entries) < self.batch_size and len(flight.entries) == len(
+                        entries
+                    )
+                if not window:
+                    if link is None:
+                        entries = (
+                            first
+                            if first is not None
+                            else await store.outbox_pending(self.batch_size)
                         )
-                        for e in entries
-                    )
-                    break
-                skipping = (link.protocol.version or 0) >= SKIPPED_SINCE
-                changes, skipped = _push_of(entries, self.max_frame_bytes // 2, skipping)
-                entries = entries[: len(changes) + len(skipped)]
-                try:
-                    answer = await link.request(
-                        lambda link=link, changes=changes, skipped=skipped: (  # type: ignore[misc]
-                            link.protocol.send_push(
-                                changes, trace=span.traceparent, skipped=skipped
+                        failed.extend(
+                            FailedEntry(
+                                client_seq=e.client_seq,
+                                code=None,
+                                attempts=e.attempts,
+                                message="offline: queued until the server is reachable",
                             )
-                        ),
-                        self.request_timeout,
-                    )
+                            for e in entries
+                        )
+                    else:
+                        drained = saw_none and self._link is link  # nothing left to count
+                    break
+                flight = window.popleft()
+                assert link is not None  # a push in flight went out on it
+                try:
+                    answer = await link.wait(flight.answer, self.request_timeout)
                 except (ConnectionError, ConnectionClosed, TimeoutError) as exc:
-                    self._unsure(entries)
+                    entries = self._drop_window(link, flight, window)
                     await store.outbox_mark_attempt([e.client_seq for e in entries], None, str(exc))
                     failed.extend(
                         FailedEntry(
@@ -903,7 +938,9 @@ class SyncFacet:
                         for e in entries
                     )
                     break
+                entries = flight.entries
                 if isinstance(answer, Error):
+                    self._drop_window(link, None, window)
                     if answer.code == ErrorCode.STORAGE_UNAVAILABLE:
                         self._unsure(entries)  # it may have failed after its commit
                     await store.outbox_mark_attempt(
@@ -921,11 +958,18 @@ class SyncFacet:
                     )
                     break
                 if not isinstance(answer, PushAck):
+                    self._drop_window(link, None, window)
                     raise _as_error(answer)
                 self._head_cursor = max(self._head_cursor, answer.head_cursor)
-                progress, batch_conflicts, rechained = await self._settle(entries, answer, failed)
+                progress, batch_conflicts, rechained, whole = await self._settle(
+                    entries, answer, failed
+                )
+                if not whole:
+                    # The server refused the pushes after it as a sequence gap: they go again
+                    # from the oldest queued change, whose ack then settles them exactly.
+                    self._drop_window(link, None, window, unsure=False)
                 if (link.protocol.version or 0) >= AS_PUSHED_SINCE and self._link is link:
-                    await self._expect_echo(changes, answer)
+                    await self._expect_echo(flight.changes, answer)
                 flushed += progress
                 conflicts.extend(batch_conflicts)
                 if self._progress is not None:
@@ -933,8 +977,11 @@ class SyncFacet:
                 if rechained and rechains < MAX_RECHAINS_PER_FLUSH and self._link is link:
                     rechains += 1
                     continue  # the refused audit rows go again, chained on from the server's
-                if progress == 0 or self._link is not link:
-                    break  # nothing moved (a sequence gap: do not spin), or the id changed
+                if progress == 0 or self._link is not link or not whole:
+                    # Nothing moved (a sequence gap: do not spin), the id changed, or changes
+                    # stay queued (a clock ahead, a chain to mend): the next flush goes on.
+                    self._drop_window(link, None, window, unsure=bool(window))
+                    break
         finally:
             self._uploading = False
             self._poke()
@@ -957,11 +1004,44 @@ class SyncFacet:
             conflicts=conflicts,
         )
 
+    async def _send_push(self, link: Link, entries: list[OutboxEntry], trace: str) -> _InFlight:
+        """Send a push of the longest prefix of ``entries`` that fits a frame, unanswered."""
+        skipping = (link.protocol.version or 0) >= SKIPPED_SINCE
+        changes, skipped = _push_of(entries, self.max_frame_bytes // 2, skipping)
+        request_id, answer = await link.send(
+            lambda: link.protocol.send_push(changes, trace=trace, skipped=skipped)
+        )
+        return _InFlight(entries[: len(changes) + len(skipped)], changes, request_id, answer)
+
+    def _drop_window(
+        self,
+        link: Link | None,
+        flight: _InFlight | None,
+        window: deque[_InFlight],
+        *,
+        unsure: bool = True,
+    ) -> list[OutboxEntry]:
+        """Stop waiting for the pushes in ``window`` (and ``flight``); their entries stay
+        queued and go again from the oldest. ``unsure``: the server may have applied them
+        (``_unsure``: no page is applied until a resend settles them); not when the push
+        before them kept a change, as the server then refused them as a sequence gap. Their
+        entries, oldest first."""
+        dropped = ([flight] if flight is not None else []) + list(window)
+        window.clear()
+        if link is not None:
+            for each in dropped:
+                link.forget(each.request_id)
+        entries = [e for each in dropped for e in each.entries]
+        if unsure:
+            self._unsure(entries)
+        return entries
+
     async def _settle(
         self, entries: list[OutboxEntry], ack: PushAck, failed: list[FailedEntry]
-    ) -> tuple[int, list[ConflictReceipt], bool]:
+    ) -> tuple[int, list[ConflictReceipt], bool, bool]:
         """Apply one PushAck to the outbox (the decision is ``syncplan.settle``); also whether
-        refused audit rows were chained on from the server's place (3013)."""
+        refused audit rows were chained on from the server's place (3013), and whether the
+        push is settled whole (``Settlement.settled_all``: the pushes after it stand)."""
         store = self._rt.store
         self._server_seq = ack.last_seq
         self._unsure_through = 0  # the ack is exact, and its push began at the oldest queued
@@ -1002,10 +1082,11 @@ class SyncFacet:
                 )
             )
         elif plan.rechain is not None:
-            return plan.progress, plan.conflicts, await self._rechain(entries, plan.rechain)
+            rechained = await self._rechain(entries, plan.rechain)
+            return plan.progress, plan.conflicts, rechained, False
         # A conflict's sync.conflict event is written by the server into the session's log:
         # this device, like every other, raises the stream event when the event arrives.
-        return plan.progress, plan.conflicts, False
+        return plan.progress, plan.conflicts, False, plan.settled_all
 
     async def _expect_echo(self, changes: list[Change], ack: PushAck) -> None:
         """Note what a version 5 ack says of the push's own feed rows, and take them now if
@@ -1266,16 +1347,18 @@ def _push_of(
     however large the records): its changes, and its ``skipped`` numbers.
 
     With ``skipping`` (the server speaks protocol 4), an entry whose record is sent again
-    later in the prefix is skipped: a session queued once per turn refers to its one stored
-    row (one object, ``outbox_entries``), which then goes once, at its last number, after the
-    records it refers to, where it went once per queued turn. Each record counts once against
-    the budget then.
+    later is skipped: a session queued once per turn refers to its one stored row (one object,
+    ``outbox_entries``), which then goes once, at its last number, after the records it refers
+    to, where it went once per queued turn. Each record counts once against the budget then.
+    Later may be beyond this push (``OutboxEntry.again_later``): the row is its newest version,
+    which names messages queued after this number, and must not reach the server before them
+    (a fork the server makes of it would name messages it may never take).
     """
     total = 0
     end = len(entries)
     counted: set[int] = set()
     for count, entry in enumerate(entries):
-        if skipping and id(entry.record) in counted:
+        if skipping and (entry.again_later or id(entry.record) in counted):
             continue
         counted.add(id(entry.record))
         total += len(
@@ -1288,9 +1371,9 @@ def _push_of(
     plain = [Change(client_seq=e.client_seq, record=e.record) for e in prefix]
     if not skipping:
         return plain, []
-    last = {id(e.record): e.client_seq for e in prefix}
-    changes = [c for c in plain if last[id(c.record)] == c.client_seq]
-    skipped = [c.client_seq for c in plain if last[id(c.record)] != c.client_seq]
+    last = {id(e.record): e.client_seq for e in prefix if not e.again_later}
+    changes = [c for c in plain if last.get(id(c.record)) == c.client_seq]
+    skipped = [c.client_seq for c in plain if last.get(id(c.record)) != c.client_seq]
     if len(skipped) > MAX_SKIPPED:  # a batch larger than any default: sent whole instead
         return plain, []
     return changes, skipped

@@ -72,6 +72,17 @@ class Settlement:
     def progress(self) -> int:
         return len(self.remove) + len(self.dead)
 
+    @property
+    def settled_all(self) -> bool:
+        """Whether every change of the push is settled (on the server or dead) and the
+        device keeps its id: the server's ``last_seq`` is then at the push's end, so a push
+        sent after it without waiting (``SyncFacet`` keeps a few in flight) went where the
+        server expected it, and its ack can be settled as it stands. Otherwise the server
+        refused that later push's changes as a sequence gap, which its ack, settled on its
+        own, would take for lost numbers: the device drops the pushes in flight and resends
+        from its oldest queued change."""
+        return not self.keep and not self.rekey and self.rechain is None
+
 
 def unsettled(oldest_queued: int | None, server_seq: int, unsure_through: int) -> bool:
     """Whether the oldest queued change may already be on the server, unacknowledged, so a

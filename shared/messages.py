@@ -27,8 +27,9 @@ highest both sides speak):
   for a chain the server holds nothing of). A device at version 2 or earlier is not checked.
 
 - **4**: a ``Push`` may name ``skipped`` client_seq numbers (at most ``MAX_SKIPPED``): numbers
-  whose record is sent later in the same push (a session queued once per turn refers to its
-  one stored row, so a flush would send that row once per queued number). The server answers
+  whose record is sent at a later number, in the same push or a later one (a session queued
+  once per turn refers to its one stored row, so a flush would send that row once per queued
+  number, and before the messages queued after it). The server answers
   each ``superseded`` (``duplicate`` at or below ``last_seq``), in sequence with the changes,
   and they change nothing. A device sends ``skipped`` only to a server at version 4 or later:
   an older one would see a gap.

@@ -470,6 +470,44 @@ class StoreConformance:
         assert [e.client_seq for e in await store.outbox_pending(limit=2)] == [1, 2]
         assert await store.outbox_pending(limit=0) == []
 
+    async def test_outbox_pending_after(self, store: StorageAdapter) -> None:
+        """The next push's entries, read while the ones before it are in flight: those after
+        a client_seq, oldest first, gaps (removed entries) skipped."""
+        records = [make_session() for _ in range(6)]
+        await commit(store, *records)
+        await store.outbox_remove([4])
+        after = await store.outbox_pending(limit=2, after=2)
+        assert [(e.client_seq, e.record) for e in after] == [(3, records[2]), (5, records[4])]
+        assert [e.client_seq for e in await store.outbox_pending(after=3)] == [5, 6]
+        assert await store.outbox_pending(after=6) == []
+        assert [e.client_seq for e in await store.outbox_pending(after=0)] == [1, 2, 3, 5, 6]
+
+    async def test_a_session_queued_again_later_says_so(self, store: StorageAdapter) -> None:
+        """Each number of a session refers to its one stored row, the newest version: every
+        number but the last says a later one refers to the row too (the flush sends the row
+        there, after the messages queued between), whichever entries a read returns."""
+        first = make_session(title="v1")
+        other = make_session()
+        await commit(store, first, other)
+        message = make_message(session_id=first.id)
+        newer = msgspec.structs.replace(
+            first,
+            title="v2",
+            state=msgspec.structs.replace(first.state, message_ids=[message.id]),
+        )
+        await commit(store, message, newer)
+        pending = await store.outbox_pending()
+        assert [(e.client_seq, e.again_later) for e in pending] == [
+            (1, True),
+            (2, False),
+            (3, False),
+            (4, False),
+        ]
+        assert pending[0].record == newer == pending[3].record
+        assert [e.again_later for e in await store.outbox_pending(limit=1)] == [True]
+        await store.outbox_remove([4])
+        assert [e.again_later for e in await store.outbox_pending(limit=1)] == [False]
+
     async def test_outbox_seq_is_never_reused(self, store: StorageAdapter) -> None:
         assert (await commit(store, make_session(), make_session())).client_seqs == [1, 2]
         await store.outbox_remove([1, 2])

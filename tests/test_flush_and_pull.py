@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
@@ -23,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from pleach_client.link import Link
 from pleach_client.providers.scripted import ScriptedProvider
 from pleach_client.runtime import SessionRuntime
 from pleach_client.store.base import WriteBatch
@@ -31,7 +33,7 @@ from pleach_server.auth import issue_token
 from pleach_server.server import SyncServer
 from pleach_server.store import SQLiteServerStore, Tenant
 from shared.clock import HybridClock
-from shared.errors import SyncError
+from shared.errors import ErrorCode, SyncError
 from shared.ids import uuid7
 from shared.protocol import ClientProtocol
 from shared.records import Change, Message, Session
@@ -240,13 +242,14 @@ async def test_a_flush_in_small_batches_puts_each_change_on_the_server_once(
         assert await holdings(phone) == await holdings(laptop)
 
 
-async def test_a_session_queued_once_per_turn_goes_once_per_push(
+async def test_a_session_queued_once_per_turn_goes_once_at_its_last_number(
     server: SyncServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Thirty turns written offline queue the session thirty times, each number referring to
-    its one stored row. A flush sends that row once per push, at the batch's last number for
-    it, and names the numbers before it ``skipped`` (protocol 4): every number is answered,
-    nothing is lost, and the frames carry the growing row a few times instead of thirty."""
+    its one stored row: its newest version, which names every message. A flush sends that row
+    once, at its last number, after every message it names, and the numbers before it go
+    ``skipped`` (protocol 4), in whichever push they fall: every number is answered, nothing
+    is lost, and no push carries a session naming a message not sent yet."""
     pushes: list[tuple[list[Change], list[int]]] = []
     send_push = ClientProtocol.send_push
 
@@ -263,14 +266,22 @@ async def test_a_session_queued_once_per_turn_goes_once_per_push(
             async for _ in laptop.execute_message(session_id, f"turn {i}"):
                 pass
         queued = await laptop.store.outbox_count()
+        entries = await laptop.store.outbox_pending(100_000)
+        last_number = max(e.client_seq for e in entries if isinstance(e.record, Session))
         laptop.sync.batch_size = 100
         receipt = await laptop.sync.sync_once(server.url, token)
         assert receipt.pending_after == 0 and receipt.flushed == queued, receipt
         assert sum(len(c) + len(k) for c, k in pushes) == queued  # every number, once
-        for changes, skipped in pushes:
-            sessions = [c for c in changes if isinstance(c.record, Session)]
-            assert len(sessions) == 1  # the row once per push...
-            assert skipped and max(skipped) < sessions[0].client_seq  # ...at its last number
+        assert len(pushes) > 2
+        sent: set[str] = set()
+        rows = []
+        for changes, _ in pushes:
+            sent.update(c.record.id for c in changes if isinstance(c.record, Message))
+            for change in changes:
+                if isinstance(change.record, Session):
+                    rows.append(change.client_seq)
+                    assert set(change.record.state.message_ids) <= sent  # none before them
+        assert rows == [last_number]  # once, at its last number
         phone = await stack.enter_async_context(device(tmp_path / "phone.db", "phone"))
         await phone.sync.sync_once(server.url, token)
         assert await holdings(phone) == await holdings(laptop)
@@ -473,3 +484,98 @@ async def test_an_ack_waits_for_the_live_page_of_the_rows_before_it(tmp_path: Pa
         assert int(await laptop.store.get_meta("cursor") or 0) == head
         assert all(e.canonical for e in await laptop.store.list_events(mine))
         assert await holdings(laptop) == await holdings(phone)
+
+
+@pytest.mark.parametrize("pipeline", [1, 4])
+async def test_a_flush_keeps_pushes_in_flight_and_settles_each_ack_in_order(
+    server: SyncServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pipeline: int
+) -> None:
+    """A flush sends up to ``pipeline`` pushes before it waits for the first ack (each starts
+    after the last one sent), and settles the acks in order: every change is on the server
+    once, none is pulled back, and a fresh device pulls what the writer holds."""
+    pushes: list[int] = []
+    in_flight: list[int] = []  # answers awaited when each push went out
+    send_push, send = ClientProtocol.send_push, Link.send
+
+    def recording(self: ClientProtocol, changes: list[Change], **kwargs: Any) -> int:
+        pushes.append(len(changes) + len(kwargs.get("skipped") or []))
+        return send_push(self, changes, **kwargs)
+
+    async def counting(self: Link, request: Any) -> Any:
+        before, waiting = len(pushes), len(self.waiters)
+        sent = await send(self, request)
+        if len(pushes) > before:
+            in_flight.append(waiting)
+        return sent
+
+    monkeypatch.setattr(ClientProtocol, "send_push", recording)
+    monkeypatch.setattr(Link, "send", counting)
+    token = issue_token(SECRET, ALICE, 3600)
+    async with AsyncExitStack() as stack:
+        laptop = await stack.enter_async_context(device(tmp_path / "laptop.db", "laptop"))
+        await write_history(laptop, random.Random(pipeline))
+        queued = await laptop.store.outbox_count()
+        laptop.sync.batch_size, laptop.sync.pipeline = 3, pipeline
+        applied: list[Any] = []
+        laptop.events.on("sync.applied", applied.append)
+        receipt = await laptop.sync.sync_once(server.url, token)
+        assert receipt.outcome == "all-flushed" and receipt.flushed == queued, receipt
+        assert sum(pushes) == queued and len(pushes) > pipeline  # every number, once
+        assert max(in_flight) == pipeline - 1  # never more in flight than asked, and as many
+        assert applied == []  # its own rows came back with the acks, not by a pull
+        status = await laptop.sync.status()
+        assert status.cursor == await server.store.head_cursor(ALICE)
+        for session in await laptop.store.list_sessions():
+            assert all(e.canonical for e in await laptop.store.list_events(session.id))
+        feed = (await server.store.pull(ALICE, 0, 100_000)).changes
+        held = [c.record.id for c in feed if not isinstance(c.record, Session)]
+        assert len(held) == len(set(held))
+        phone = await stack.enter_async_context(device(tmp_path / "phone.db", "phone"))
+        await phone.sync.sync_once(server.url, token)
+        assert await holdings(phone) == await holdings(laptop)
+
+
+async def test_a_change_kept_back_mid_window_drops_the_pushes_after_it(
+    server: SyncServer, tmp_path: Path
+) -> None:
+    """A change the server keeps back (a stamp ahead of its clock: 3011) in the middle of the
+    pushes in flight: the server refuses the pushes after it as a sequence gap. The device
+    drops them (it does not take them for numbers the server lost, which would make it take a
+    new id), keeps the change and all after it queued, and every change before it is on the
+    server, once."""
+    token = issue_token(SECRET, ALICE, 3600)
+    async with AsyncExitStack() as stack:
+        laptop = await stack.enter_async_context(device(tmp_path / "laptop.db", "laptop"))
+        session_id = (await laptop.create_session(title="s")).id
+        for _ in range(3):
+            async for _ in laptop.execute_message(session_id, "before"):
+                pass
+        ahead = HybridClock("laptop", wall=lambda: int(time.time() * 1000) + 600_000).now()
+        early = Message(
+            id=uuid7(),
+            session_id=session_id,
+            org_id=ALICE.org_id,
+            user_id=ALICE.user_id,
+            client_id="laptop",
+            hlc=ahead,
+            role="user",
+            content=[{"type": "text", "text": "from a clock ten minutes fast"}],
+        )
+        skewed = (await laptop.store.commit(WriteBatch(records=[early]))).client_seqs[0]
+        for _ in range(3):
+            async for _ in laptop.execute_message(session_id, "after"):
+                pass
+        queued = [e.client_seq for e in await laptop.store.outbox_pending(100_000)]
+        laptop.sync.batch_size, laptop.sync.pipeline = 2, 4
+        for _ in range(2):  # and again: the same, nothing more
+            receipt = await laptop.sync.sync_once(server.url, token)
+            assert laptop.client_id == "laptop", receipt
+            assert receipt.pending_after == len([s for s in queued if s >= skewed]), receipt
+            left = [e.client_seq for e in await laptop.store.outbox_pending(100_000)]
+            assert left == [s for s in queued if s >= skewed]
+            assert (await laptop.sync.status()).last_error_code == int(ErrorCode.CLOCK_SKEW)
+            assert (await server.store.client_state(ALICE, "laptop"))[0] == skewed - 1
+            feed = (await server.store.pull(ALICE, 0, 100_000)).changes
+            held = [c.record.id for c in feed if not isinstance(c.record, Session)]
+            assert len(held) == len(set(held))
+            assert early.id not in held

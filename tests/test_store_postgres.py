@@ -585,7 +585,7 @@ PLAN_ARGS: dict[str, tuple[Any, ...]] = {
     "audit_subject": ("u",),
     "list_artifact_updates": ("a-1",),
     "get_meta": ("cursor",),
-    "outbox_pending": (500,),
+    "outbox_pending": (500, 0),
     "outbox_count": (),
     "session_queued": ("id-3",),
     "audit_rows": (["id-1", "id-2"],),

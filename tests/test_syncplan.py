@@ -198,6 +198,9 @@ def test_settle_partitions_every_sent_entry_exactly_once(
     lost = gapped and not reused and min(seqs) > last_seq + 1
     assert plan.lost_numbers == lost
     assert plan.rekey == (told or lost)
+    # Pushes sent after this one stand only when it is settled whole: every entry on the
+    # server or dead, under the same id.
+    assert plan.settled_all == (sorted(plan.remove + dead) == sorted(seqs) and not plan.rekey)
 
 
 # -- decide_session ---------------------------------------------------------------------------

@@ -137,6 +137,10 @@ class OutboxEntry(msgspec.Struct, kw_only=True):
     created_at: float = 0.0
     last_error_code: int | None = None
     last_error_message: str | None = None
+    again_later: bool = False
+    """A later queued number refers to the same stored session row. That row is its newest
+    version, which may name messages queued after this number: it goes at its last number
+    (after all of them), and this one is sent ``skipped``."""
 
 
 class DeadLetter(msgspec.Struct, kw_only=True):
@@ -224,8 +228,9 @@ class StorageAdapter(Protocol):
     async def list_artifact_updates(self, artifact_id: str) -> list[ArtifactUpdate]: ...
 
     # -- outbox ---------------------------------------------------------------------------
-    async def outbox_pending(self, limit: int = 500) -> list[OutboxEntry]:
-        """Oldest first, by client_seq."""
+    async def outbox_pending(self, limit: int = 500, *, after: int = 0) -> list[OutboxEntry]:
+        """Oldest first, by client_seq; only those after ``after`` (the flush reads the next
+        push's entries while the pushes before it are in flight)."""
         ...
 
     async def outbox_count(self) -> int: ...
@@ -312,11 +317,12 @@ def decode_children(
 def outbox_entries(
     rows: Iterable[Any], decode: Callable[[int, bytes], Record]
 ) -> list[OutboxEntry]:
-    """Outbox rows ``(client_seq, body, attempts, created_at, code, message)`` as entries. A
-    session queued once per turn refers to one stored row: each body is decoded once."""
+    """Outbox rows ``(client_seq, body, attempts, created_at, code, message, again_later)``
+    as entries. A session queued once per turn refers to one stored row: each body is decoded
+    once."""
     decoded: dict[bytes, Record] = {}
     out = []
-    for seq, body, attempts, created_at, code, message in rows:
+    for seq, body, attempts, created_at, code, message, later in rows:
         record = decoded.get(body)
         if record is None:
             record = decoded[body] = decode(seq, body)
@@ -328,6 +334,7 @@ def outbox_entries(
                 created_at=created_at,
                 last_error_code=code,
                 last_error_message=message,
+                again_later=bool(later),
             )
         )
     return out

@@ -470,13 +470,18 @@ class MemoryAdapter(AsyncResource):
 
     # -- outbox ---------------------------------------------------------------------------
 
-    async def outbox_pending(self, limit: int = 500) -> list[OutboxEntry]:
-        """Oldest first, by client_seq."""
+    async def outbox_pending(self, limit: int = 500, *, after: int = 0) -> list[OutboxEntry]:
+        """Oldest first, by client_seq; those after ``after``."""
         self._check_open()
-        seqs = sorted(self._outbox)[: max(limit, 0)]
-        return [self._entry(seq, self._outbox[seq]) for seq in seqs]
+        seqs = sorted(seq for seq in self._outbox if seq > after)[: max(limit, 0)]
+        last: dict[tuple[str, str], int] = {}  # a session row -> its last number referring
+        for seq, row in self._outbox.items():
+            if row.body is None and row.ref is not None and row.ref[0] == "Session":
+                last[row.ref] = max(seq, last.get(row.ref, 0))
+        return [self._entry(seq, self._outbox[seq], last) for seq in seqs]
 
-    def _entry(self, seq: int, row: _OutboxRow) -> OutboxEntry:
+    def _entry(self, seq: int, row: _OutboxRow, last: dict[tuple[str, str], int]) -> OutboxEntry:
+        again_later = row.body is None and row.ref is not None and last.get(row.ref, 0) > seq
         return OutboxEntry(
             client_seq=seq,
             record=_decode(_RECORD, self._body_of(row)),
@@ -484,6 +489,7 @@ class MemoryAdapter(AsyncResource):
             created_at=row.created_at,
             last_error_code=row.last_error_code,
             last_error_message=row.last_error_message,
+            again_later=again_later,
         )
 
     async def last_client_seq(self) -> int:

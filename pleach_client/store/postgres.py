@@ -558,8 +558,12 @@ class _Sql:
         # $2: the page size, NULL for all.
         self.outbox_pending = (
             f"SELECT o.client_seq, {body}, o.attempts, o.created_at, o.last_error_code, "
-            f"o.last_error_message FROM (SELECT * FROM {s}.outbox WHERE device = $1 "
-            "ORDER BY client_seq LIMIT $2) AS o ORDER BY o.client_seq"
+            "o.last_error_message, o.body IS NULL AND o.kind = 'Session' AND EXISTS ("
+            f"SELECT 1 FROM {s}.outbox l WHERE l.device = o.device "
+            "AND l.record_id = o.record_id AND l.kind = 'Session' AND l.body IS NULL "
+            "AND l.client_seq > o.client_seq) "
+            f"FROM (SELECT * FROM {s}.outbox WHERE device = $1 "
+            "AND client_seq > $3 ORDER BY client_seq LIMIT $2) AS o ORDER BY o.client_seq"
         )
         self.outbox_count = f"SELECT count(*) FROM {s}.outbox WHERE device = $1"
         self.session_queued = (
@@ -685,7 +689,7 @@ class _Reader:
         return bool(await self._rows(self._sql.session_queued, session_id))
 
     async def queued_records(self) -> list[Record]:
-        rows = await self._rows(self._sql.outbox_pending, None)
+        rows = await self._rows(self._sql.outbox_pending, None, 0)
         return [_decode(None, "outbox", row[0], row[1]) for row in rows]
 
     async def audit_rows(self, row_ids: list[str]) -> list[AuditRow]:
@@ -1129,9 +1133,9 @@ class PostgresAdapter(AsyncResource):
 
     # -- outbox ---------------------------------------------------------------------------
 
-    async def outbox_pending(self, limit: int = 500) -> list[OutboxEntry]:
-        """Oldest first, by client_seq; at most ``limit`` entries."""
-        rows = await self._fetch("read outbox", self._sql.outbox_pending, max(limit, 0))
+    async def outbox_pending(self, limit: int = 500, *, after: int = 0) -> list[OutboxEntry]:
+        """Oldest first, by client_seq; at most ``limit`` entries, those after ``after``."""
+        rows = await self._fetch("read outbox", self._sql.outbox_pending, max(limit, 0), after)
         return outbox_entries(rows, lambda seq, body: _decode(None, "outbox", seq, body))
 
     async def outbox_count(self) -> int:

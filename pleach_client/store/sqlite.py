@@ -274,8 +274,11 @@ QUERIES: Final[dict[str, str]] = {
     "get_meta": "SELECT value FROM sync_state WHERE key = ?",
     "outbox_pending": (
         f"SELECT o.client_seq, {_OUTBOX_BODY}, "
-        "o.attempts, o.created_at, o.last_error_code, o.last_error_message "
-        f"FROM outbox o {_OUTBOX_JOINS} ORDER BY o.client_seq LIMIT ?"
+        "o.attempts, o.created_at, o.last_error_code, o.last_error_message, "
+        "o.body IS NULL AND o.kind = 'Session' AND EXISTS (SELECT 1 FROM outbox l "
+        "WHERE l.kind = 'Session' AND l.record_id = o.record_id AND l.body IS NULL "
+        "AND l.client_seq > o.client_seq) "
+        f"FROM outbox o {_OUTBOX_JOINS} WHERE o.client_seq > ? ORDER BY o.client_seq LIMIT ?"
     ),
     "outbox_count": "SELECT count(*) FROM outbox",
     "session_queued": "SELECT 1 FROM outbox WHERE kind = 'Session' AND record_id = ? LIMIT 1",
@@ -685,7 +688,7 @@ class _Reader:
         return bool(await _fetch(self._conn, QUERIES["session_queued"], (session_id,)))
 
     async def queued_records(self) -> list[Record]:
-        rows = await _fetch(self._conn, QUERIES["outbox_pending"], (-1,))
+        rows = await _fetch(self._conn, QUERIES["outbox_pending"], (0, -1))
         return [_decode(_RECORD, "outbox", row[0], row[1]) for row in rows]
 
     async def audit_rows(self, row_ids: list[str]) -> list[AuditRow]:
@@ -1043,10 +1046,10 @@ class SQLiteAdapter(AsyncResource):
 
     # -- outbox ---------------------------------------------------------------------------
 
-    async def outbox_pending(self, limit: int = 500) -> list[OutboxEntry]:
-        """Oldest first, by client_seq."""
+    async def outbox_pending(self, limit: int = 500, *, after: int = 0) -> list[OutboxEntry]:
+        """Oldest first, by client_seq; those after ``after``."""
         async with self._reading("read outbox") as conn:
-            rows = await _fetch(conn, QUERIES["outbox_pending"], (max(limit, 0),))
+            rows = await _fetch(conn, QUERIES["outbox_pending"], (after, max(limit, 0)))
         return outbox_entries(rows, lambda seq, body: _decode(_RECORD, "outbox", seq, body))
 
     async def outbox_count(self) -> int:

@@ -109,8 +109,8 @@ class KillPoints(SQLiteAdapter):
             self.passing(kind[0], "after")
         return receipt
 
-    async def outbox_pending(self, limit: int = 500) -> list[OutboxEntry]:
-        entries = await super().outbox_pending(limit)
+    async def outbox_pending(self, limit: int = 500, *, after: int = 0) -> list[OutboxEntry]:
+        entries = await super().outbox_pending(limit, after=after)
         if entries:
             self.passing("flush", "in")
             self.passing("flush", "after")

@@ -284,8 +284,9 @@ def copy_db(src: Path, dst: Path) -> None:
 class Device:
     """One device: a ``SessionRuntime`` on its own SQLite file, behind its own proxy."""
 
-    def __init__(self, world: World, index: int, skew_ms: int) -> None:
+    def __init__(self, world: World, index: int, skew_ms: int, batch: int | None = None) -> None:
         self.world = world
+        self.batch = batch
         self.index = index
         self.name = f"dev{index}"
         self.first_client_id = f"{world.tenant.user_id}-{self.name}"
@@ -328,6 +329,8 @@ class Device:
         for attr, value in (("backoff_initial", 0.01), ("backoff_max", 0.1)):
             if hasattr(sync, attr):
                 setattr(sync, attr, value)
+        if self.batch is not None:
+            sync.batch_size = self.batch
         rt.events.on("sync.conflict", self._on_conflict)
         rt.events.on("sync.applied", lambda _: self.applied.set())
         self.rt = rt
@@ -382,7 +385,9 @@ class World:
         self.backend = backend
         self.workdir = workdir
         self.tenant = Tenant(org_id="sim", user_id=f"u{schedule.seed}-{uuid7()[-12:]}")
-        self.devices = [Device(self, i, s) for i, s in enumerate(schedule.skews_ms)]
+        self.devices = [
+            Device(self, i, s, schedule.batch_of(i)) for i, s in enumerate(schedule.skews_ms)
+        ]
         self.ledger = Ledger()
         self.artifacts: list[str] = []
         self.stats: dict[str, int] = {}

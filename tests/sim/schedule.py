@@ -15,6 +15,10 @@ from dataclasses import dataclass, field, replace
 # The server refuses stamps more than 60 s ahead of its own clock; devices stay well inside.
 MAX_SKEW_MS = 20_000
 
+# A device's push batch size: one change a push puts a turn's changes in several pushes in
+# flight at once; 200 is the default.
+BATCH_SIZES: tuple[int, ...] = (1, 2, 3, 200)
+
 # (kind, weight). Every kind is handled by ``harness.World.run_op``.
 OP_WEIGHTS: tuple[tuple[str, int], ...] = (
     ("create", 5),
@@ -73,6 +77,12 @@ class Schedule:
     devices: int
     skews_ms: tuple[int, ...]
     ops: tuple[Op, ...] = field(default=())
+    batches: tuple[int, ...] = ()
+    """Each device's push batch size (``SyncFacet.batch_size``; none given: the default). Small
+    ones put several pushes in flight at once, so refusals and lost acks land mid-window."""
+
+    def batch_of(self, device: int) -> int | None:
+        return self.batches[device] if device < len(self.batches) else None
 
     def with_ops(self, ops: list[Op] | tuple[Op, ...]) -> Schedule:
         return replace(self, ops=tuple(ops))
@@ -80,7 +90,7 @@ class Schedule:
     def describe(self) -> str:
         lines = [
             f"seed {self.seed}: {self.devices} devices, clock offsets (ms) {list(self.skews_ms)}, "
-            f"{len(self.ops)} ops"
+            f"push batches {list(self.batches)}, {len(self.ops)} ops"
         ]
         lines.extend(f"  {i:3d}. {op}" for i, op in enumerate(self.ops))
         return "\n".join(lines)
@@ -114,7 +124,9 @@ def generate(
         pick = rng.randrange(1 << 16)
         arg = rng.randint(-MAX_SKEW_MS, MAX_SKEW_MS) if kind == "skew" else rng.randrange(2)
         ops.append(Op(kind, dev, pick, arg))
-    return Schedule(seed=seed, devices=devices, skews_ms=skews, ops=tuple(ops))
+    # Drawn last, so a seed's devices and ops are what they were before batches were drawn.
+    batches = tuple(rng.choice(BATCH_SIZES) for _ in range(devices))
+    return Schedule(seed=seed, devices=devices, skews_ms=skews, ops=tuple(ops), batches=batches)
 
 
 __all__ = ["MAX_SKEW_MS", "NETWORK_OPS", "OP_WEIGHTS", "TURN_OPS", "Op", "Schedule", "generate"]
