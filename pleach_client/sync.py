@@ -1136,8 +1136,12 @@ class SyncFacet:
                 if not echo_lands(events, held):
                     return None, False
                 view.canonical_heads[session_id] = (events[-1].sequence_number, events[-1].row_hash)
+            # Each is stored as pushed (its id, place and hashes checked): only its flag
+            # changes, which the store writes from the stored bytes.
             batch = WriteBatch(
-                records=list(echo.events), outbox=False, meta={"cursor": str(echo.to_cursor)}
+                canonical=[e.id for e in echo.events],
+                outbox=False,
+                meta={"cursor": str(echo.to_cursor)},
             )
             return batch, True
 

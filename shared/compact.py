@@ -40,6 +40,7 @@ from .records import RECORD_KINDS, Record, decode_record
 
 __all__ = [
     "KINDS",
+    "canonical_body",
     "checkpoint_parent",
     "decode",
     "encode",
@@ -543,6 +544,29 @@ def event_payload(data: bytes) -> tuple[str, dict[str, Any]] | None:
     whole, which tells)."""
     head = _read_head(_EVENT_PAYLOAD, _EVENT_INDEX, data)
     return None if head is None else (head.type, head.payload)
+
+
+_FIXARRAY: Final = 0x90
+_EVENT_FIELDS: Final = len(_BY_INDEX[_EVENT_INDEX].names)
+if _BY_INDEX[_EVENT_INDEX].names[-1] != "canonical":  # pragma: no cover - a reordered record
+    raise TypeError("an Event's canonical flag must be its last field")
+_PROVISIONAL_HEAD: Final = bytes((_FIXARRAY + _EVENT_FIELDS, _EVENT_INDEX))
+"""A compact Event body with every field but ``canonical`` (left out: its default, False)."""
+_TRUE: Final = b"\xc3"
+
+
+def canonical_body(data: bytes) -> bytes | None:
+    """The compact body of the Event in ``data`` marked ``canonical``, made from the bytes
+    alone: a provisional event's body holds every field before ``canonical`` (it has hashes)
+    and leaves the flag out, so the canonical body is the same array one longer, ending in
+    ``True``. ``data`` itself when it is canonical already; None for any other body (the map
+    form, a body with trailing defaults left out, other kinds): the caller decodes, replaces
+    and encodes it. ``encode(replace(event, canonical=True))`` gives the same bytes."""
+    if data[:2] == _PROVISIONAL_HEAD:
+        return bytes((_FIXARRAY + _EVENT_FIELDS + 1,)) + data[1:] + _TRUE
+    if data[:2] == bytes((_FIXARRAY + _EVENT_FIELDS + 1, _EVENT_INDEX)) and data[-1:] == _TRUE:
+        return data
+    return None
 
 
 def packed(value: str | None) -> bytes:

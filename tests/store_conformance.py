@@ -16,7 +16,7 @@ from pleach_client.apply import _place_audit
 from pleach_client.store import StorageAdapter, WriteBatch
 from pleach_client.store.base import CommitReceipt, TxReader
 from shared.errors import InvalidState, StorageError
-from shared.hashchain import chain_audit
+from shared.hashchain import GENESIS, chain_audit, chain_event
 from shared.records import Record
 from tests.factories import (
     clock_for,
@@ -379,6 +379,27 @@ class StoreConformance:
         assert await store.get_event(provisional.id) == rebased
         assert await store.list_events("s-1") == [canonical, remote, rebased]
         assert await store.list_events("s-1", from_sequence=3) == [rebased]
+
+    async def test_events_marked_canonical_where_they_stand(self, store: StorageAdapter) -> None:
+        """``WriteBatch.canonical`` writes what the events replaced ``canonical=True`` would:
+        placed or not, with a payload or without, canonical already or not; other events and
+        unknown ids are left alone, and nothing is queued."""
+        first = chain_event(make_event(session_id="s-1", payload={"n": 1}), GENESIS, 1)
+        second = chain_event(make_event(session_id="s-1", type="turn.complete"), first.row_hash, 2)
+        bare = make_event(session_id="s-1", sequence_number=3)  # trailing defaults left out
+        done = make_event(session_id="s-1", sequence_number=4, canonical=True)
+        other = chain_event(make_event(session_id="s-2"), GENESIS, 1)
+        await commit(store, first, second, bare, done, other, outbox=False)
+        marked = [first, second, bare, done]
+        receipt = await store.commit(
+            WriteBatch(canonical=[e.id for e in marked] + ["nope"], outbox=False)
+        )
+        assert receipt.client_seqs == [] and await store.outbox_count() == 0
+        assert await store.list_events("s-1") == [
+            msgspec.structs.replace(e, canonical=True) for e in marked
+        ]
+        assert await store.list_events("s-2") == [other]
+        assert not WriteBatch(canonical=["x"]).is_empty()
 
     async def test_audit_ordered_per_client_and_filtered(self, store: StorageAdapter) -> None:
         a1 = make_audit(client_id="dev-a", session_id="s-1", sequence_number=1)

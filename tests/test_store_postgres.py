@@ -605,6 +605,8 @@ PLAN_ARGS: dict[str, tuple[Any, ...]] = {
     "put_meta": (["cursor"], ["9"]),
     "enqueue": (41, 0.0, [41], ["id-1"], ["Message"]),
     "rechain_audit": (["id-1"], ["c-2"], [1], [b"\x00"]),
+    "event_bodies": (["id-1", "id-2"],),
+    "put_event_bodies": (["id-1"], [b"\x00"]),
     "purge_sessions": (["s-1"], ["id-2"]),
     "purge_checkpoints": (["s-1"],),
     "renumber_outbox": (),

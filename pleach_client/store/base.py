@@ -53,6 +53,9 @@ class WriteBatch(msgspec.Struct, kw_only=True):
     client id (its file was restored or copied) starts a new sequence.
     ``rechained_audit`` replaces stored audit rows by id (client id, place and hashes): the
     unsent rows of an old client id moved onto the new id's chain.
+    ``canonical`` marks stored events canonical where they stand, by id, nothing else of them
+    changed (the server placed them as pushed); an id not stored is ignored. It writes what
+    ``records`` with each event replaced ``canonical=True`` would, without encoding them.
     """
 
     records: list[Record] = []
@@ -64,6 +67,7 @@ class WriteBatch(msgspec.Struct, kw_only=True):
     queued: list[Record] = []
     renumber_outbox: bool = False
     rechained_audit: list[AuditRow] = []
+    canonical: list[str] = []
 
     def is_empty(self) -> bool:
         """Whether committing it would change nothing."""
@@ -75,6 +79,7 @@ class WriteBatch(msgspec.Struct, kw_only=True):
             or self.meta
             or self.renumber_outbox
             or self.rechained_audit
+            or self.canonical
         )
 
 

@@ -252,6 +252,13 @@ class MemoryAdapter(AsyncResource):
             self._purge_session(session_id, keep)
         for record, body in encoded + queued:
             self._put(record, body)
+        for event_id in batch.canonical:
+            stored = self._events.rows.get(event_id)
+            if stored is not None:
+                event = _decode(_EVENT, stored.body)
+                if not event.canonical:
+                    marked = msgspec.structs.replace(event, canonical=True)
+                    self._put(marked, encode_record(marked))
         for session_id in batch.purge_checkpoints_for:
             dropped = {
                 ("Checkpoint", row_id) for row_id in self._checkpoints.groups.get(session_id, ())

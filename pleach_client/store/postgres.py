@@ -432,6 +432,12 @@ class _Sql:
             "FROM unnest($2::text[], $3::text[], $4::bigint[], $5::bytea[]) "
             "AS u (id, client_id, sequence_number, body) WHERE a.device = $1 AND a.id = u.id"
         )
+        self.event_bodies = f"SELECT id, body FROM {s}.events WHERE device = $1 AND id = ANY($2)"
+        self.put_event_bodies = (
+            f"UPDATE {s}.events AS e SET body = u.body "
+            "FROM unnest($2::text[], $3::bytea[]) AS u (id, body) "
+            "WHERE e.device = $1 AND e.id = u.id"
+        )
         # Purges. Queued rows of purged contents are not removed (client_seq must stay
         # gap-free: the server refuses a gap) but turned into references to the deleted
         # session's row: they send its tombstone, and the contents never leave the device.
@@ -733,6 +739,8 @@ async def _write_batch(
             [v[1] for v in values],
             [v[2] for v in values],
         )
+    if batch.canonical:
+        await _mark_canonical(conn, sql, device, batch.canonical)
     if batch.renumber_outbox:
         for statement in sql.renumber_outbox:
             await conn.execute(statement, device)
@@ -753,6 +761,23 @@ async def _write_batch(
     if batch.meta:
         await conn.execute(sql.put_meta, device, list(batch.meta), list(batch.meta.values()))
     return CommitReceipt(client_seqs=seqs, records=len(batch.records) + len(batch.queued))
+
+
+async def _mark_canonical(conn: Any, sql: _Sql, device: str, event_ids: list[str]) -> None:
+    """``WriteBatch.canonical``: each stored event's body marked canonical from its bytes
+    (``compact.canonical_body``), or decoded, replaced and encoded when its form is another."""
+    ids: list[str] = []
+    bodies: list[bytes] = []
+    for event_id, body in await conn.fetch(sql.event_bodies, device, event_ids):
+        marked = compact.canonical_body(body)
+        if marked is None:
+            event = _decode(Event, "events", event_id, body)
+            marked = _encode(msgspec.structs.replace(event, canonical=True))
+        if marked != body:
+            ids.append(event_id)
+            bodies.append(marked)
+    if ids:
+        await conn.execute(sql.put_event_bodies, device, ids, bodies)
 
 
 # -- the adapter ---------------------------------------------------------------------------------

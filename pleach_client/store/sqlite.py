@@ -596,6 +596,8 @@ def _write_batch_now(
                 for row in batch.rechained_audit
             ],
         )
+    if batch.canonical:
+        _mark_canonical(raw, batch.canonical)
     if batch.renumber_outbox:
         _renumber_outbox(raw)
     to_queue = (outbox if batch.outbox else []) + queued_outbox
@@ -617,6 +619,24 @@ def _write_batch_now(
     if commit:
         raw.execute("COMMIT")
     return CommitReceipt(client_seqs=seqs, records=len(batch.records) + len(batch.queued))
+
+
+def _mark_canonical(raw: sqlite3.Connection, event_ids: list[str]) -> None:
+    """``WriteBatch.canonical``: each stored event's body marked canonical from its bytes
+    (``compact.canonical_body``), or decoded, replaced and encoded when its form is another."""
+    ids = msgspec.json.encode(event_ids).decode()
+    rows = raw.execute(
+        "SELECT id, body FROM events WHERE id IN (SELECT value FROM json_each(?))", (ids,)
+    ).fetchall()
+    updates = []
+    for event_id, body in rows:
+        marked = compact.canonical_body(body)
+        if marked is None:
+            event = _decode(_EVENT, "events", event_id, body)
+            marked = compact.encode(msgspec.structs.replace(event, canonical=True))
+        if marked != body:
+            updates.append((marked, event_id))
+    raw.executemany("UPDATE events SET body = ? WHERE id = ?", updates)
 
 
 def _renumber_outbox(raw: sqlite3.Connection) -> None:
