@@ -190,6 +190,8 @@ class SyncFacet:
         self._resynced: set[str] = set()
         self._cursor = 0  # this device's feed cursor as last written here (the store has it)
         self._pull_due = True  # pull at the next catch-up (a new connection, a gap...)
+        # Whether the last flush left anything queued or refused (then every round flushes).
+        self._queued_after_flush = True
         # Pushes whose own feed rows the acks described (protocol 5), not yet taken: each is
         # taken when the cursor reaches its start (``_take_echoes``).
         self._echoes: list[Echo] = []
@@ -578,6 +580,7 @@ class SyncFacet:
         cursor = int(await rt.store.get_meta("cursor") or 0)
         self._cursor = cursor
         self._pull_due = True
+        self._queued_after_flush = True  # a new connection flushes first, whatever is queued
         self._echoes.clear()
         self._health_key, self._health_at, self._health_stale = None, float("-inf"), False
         async with websockets.connect(
@@ -666,10 +669,26 @@ class SyncFacet:
                     link.fail_all(ConnectionError("connection closed"))
 
     async def _catch_up(self, link: Link) -> None:
+        # A live page alone (no local write since a flush that left nothing queued) needs no
+        # flush: its outbox read would sit between the page and its apply. Anything queued,
+        # unsure or refused keeps every round flushing until it is settled, and a loop that
+        # wakes on its timers sets ``_dirty`` (another process's rows on this file go then).
+        flush = self._dirty.is_set() or self._queued_after_flush
         self._dirty.clear()
         self._behind.clear()
-        async with self._flush_lock:
-            receipt = await self._flush()
+        if flush:
+            async with self._flush_lock:
+                receipt = await self._flush()
+            self._queued_after_flush = bool(receipt.pending_after or receipt.failed_entries)
+        else:
+            receipt = OutboxFlushReceipt(
+                outcome="none-pending",
+                flushed=0,
+                failed_entries=[],
+                flushed_at=time.time(),
+                pending_before=0,
+                pending_after=0,
+            )
         if receipt.pending_after and receipt.outcome != "all-flushed":
             last = self._retry_delay or self.backoff_initial / 2
             self._retry_delay = min(last * 2, self.backoff_max) * random.uniform(0.5, 1.0)

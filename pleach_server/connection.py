@@ -537,30 +537,29 @@ class Connection:
             # Version 5: the ack says when the push's rows are its changes as pushed, and its
             # own live page is not sent to it (it takes the rows from the ack, or pulls).
             echoes = (self.protocol.version or MIN_PROTOCOL) >= AS_PUSHED_SINCE
-            try:
-                self.protocol.send_push_ack(
-                    result.results,
-                    result.last_seq,
-                    result.head_cursor,
-                    request_id=push.request_id,
-                    as_pushed_from=result.previous_head if echoes and result.as_pushed else None,
-                )
-                self._take("push_ack")
-                await self._flush()
-            finally:
-                # Committed is committed: the other devices hear of it even when the pusher's
-                # socket died before its acknowledgement went out.
-                if result.cursors:
-                    await asyncio.shield(
-                        ctx.fan_out(
-                            self.tenant,
-                            before,
-                            max(result.cursors),
-                            local=True,
-                            pushed=result,
-                            origin=self.subscription if echoes else None,
-                        )
+            # The other devices hear of it first (a change reaching them is the latency that
+            # counts; the pusher's ack follows at once), and whatever becomes of the pusher's
+            # socket: committed is committed.
+            if result.cursors:
+                await asyncio.shield(
+                    ctx.fan_out(
+                        self.tenant,
+                        before,
+                        max(result.cursors),
+                        local=True,
+                        pushed=result,
+                        origin=self.subscription if echoes else None,
                     )
+                )
+            self.protocol.send_push_ack(
+                result.results,
+                result.last_seq,
+                result.head_cursor,
+                request_id=push.request_id,
+                as_pushed_from=result.previous_head if echoes and result.as_pushed else None,
+            )
+            self._take("push_ack")
+            await self._flush()
 
     async def _push_in_slot(self, push: Push) -> PushResult:
         ctx = self.ctx

@@ -579,3 +579,43 @@ async def test_a_change_kept_back_mid_window_drops_the_pushes_after_it(
             held = [c.record.id for c in feed if not isinstance(c.record, Session)]
             assert len(held) == len(set(held))
             assert early.id not in held
+
+
+async def test_a_live_page_alone_is_applied_without_an_outbox_read(
+    server: SyncServer, tmp_path: Path
+) -> None:
+    """A device with nothing queued that receives another device's live page applies it
+    without reading its outbox first (that read sat between the page and its apply); its own
+    next write is flushed as ever."""
+    token = issue_token(SECRET, ALICE, 3600)
+    async with AsyncExitStack() as stack:
+        laptop = await stack.enter_async_context(device(tmp_path / "laptop.db", "laptop"))
+        phone = await stack.enter_async_context(device(tmp_path / "phone.db", "phone"))
+        session_id = (await laptop.create_session(title="live")).id
+        for rt in (laptop, phone):
+            await rt.sync.connect(server.url, token)
+            assert await rt.sync.wait_until_synced(TIMEOUT)
+        reads: list[int] = []
+        pending = phone.store.outbox_pending
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            reads.append(1)
+            return await pending(*args, **kwargs)
+
+        phone.store.outbox_pending = counted  # type: ignore[method-assign]
+        applied = asyncio.Event()
+        phone.events.on("sync.applied", lambda _: applied.set())
+        for _ in range(3):
+            applied.clear()
+            async for _ in laptop.execute_message(session_id, "from the laptop"):
+                pass
+            async with asyncio.timeout(TIMEOUT):
+                await applied.wait()
+        assert reads == []  # three live pages, no outbox read
+        async for _ in phone.execute_message(session_id, "and from the phone"):
+            pass
+        assert await phone.sync.wait_until_synced(TIMEOUT)
+        assert reads and (await phone.sync.status()).pending == 0
+        assert await laptop.sync.wait_until_synced(TIMEOUT)
+        texts = [m.content[0]["text"] for m in await laptop.sessions.messages(session_id)]
+        assert "and from the phone" in texts

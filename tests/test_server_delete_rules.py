@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pleach_server.store.apply import batch_keys, content_to_delete
+from pleach_server.store.apply import batch_keys, content_to_delete, validate_record
 from shared.records import Record, SessionState
 from tests.server_factories import Device, new_tenant
 
@@ -73,3 +73,21 @@ def test_batch_keys_load_the_session_of_content_to_see_if_it_is_deleted() -> Non
     }
     assert keys.events == {event.id} and keys.chains == {session.id}
     assert keys.session_owners == {session.id, "s-1", "s-2"}
+
+
+def test_batch_keys_keep_the_verdict_of_every_change_they_read_for() -> None:
+    """``validate_record`` runs once a pushed change: ``batch_keys`` keeps each verdict for
+    the rules, for exactly the changes processed (after ``last_seq``, before a gap)."""
+    dev = Device(new_tenant())
+    session = dev.session()
+    good = dev.message(session.id)
+    foreign = msgspec.structs.replace(dev.message(session.id), org_id="someone-else")
+    late = dev.message(session.id)
+    changes = dev.changes(session, good, foreign, late)
+    seqs = [c.client_seq for c in changes]
+    gapped = [*changes[:3], msgspec.structs.replace(changes[3], client_seq=seqs[3] + 1)]
+    keys = batch_keys(gapped, seqs[0], dev.tenant, dev.client_id)  # the first is held
+    assert set(keys.verdicts) == {seqs[1], seqs[2]}  # not the held one, none after the gap
+    assert keys.verdicts[seqs[1]] is None
+    assert validate_record(foreign, dev.tenant, dev.client_id) is not None
+    assert type(keys.verdicts[seqs[2]]) is type(validate_record(foreign, dev.tenant, dev.client_id))

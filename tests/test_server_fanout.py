@@ -132,3 +132,41 @@ async def test_every_live_page_is_the_feed_page_a_pull_returns(tmp_path: Path, s
         live = {c.cursor for frame in watcher.live for c in frame.changes}
         assert {c.cursor for c in feed} <= live
         assert 0 < read_back < pushes  # both ways were taken; most pages were not read back
+
+
+async def test_the_others_hear_of_a_push_before_its_pusher_is_acknowledged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A push's live page goes to the other devices before the pusher's ack is queued: the
+    change reaching another device is the latency that counts, and it never waits for the
+    pusher's socket."""
+    from pleach_server.connection import ConnectionContext
+    from shared.protocol import ServerProtocol
+
+    order: list[str] = []
+    fan_out, send_push_ack = ConnectionContext.fan_out, ServerProtocol.send_push_ack
+
+    async def fanning(self: Any, *args: Any, **kwargs: Any) -> Any:
+        order.append("fan-out")
+        return await fan_out(self, *args, **kwargs)
+
+    def acking(self: Any, *args: Any, **kwargs: Any) -> Any:
+        order.append("ack")
+        return send_push_ack(self, *args, **kwargs)
+
+    monkeypatch.setattr(ConnectionContext, "fan_out", fanning)
+    monkeypatch.setattr(ServerProtocol, "send_push_ack", acking)
+    tenant = new_tenant()
+    laptop, phone = Device(tenant), Device(tenant)
+    async with (
+        SQLiteServerStore(tmp_path / "server.db", synchronous="NORMAL") as store,
+        SyncServer(store, port=0, secret=SECRET, rate_limit_per_s=None) as srv,
+        device(srv, phone) as watcher,
+        device(srv, laptop) as pusher,
+    ):
+        sessions = [laptop.session(title=f"s{i}") for i in range(3)]
+        for i, session in enumerate(sessions):
+            await pusher.send(Push(changes=laptop.changes(session), request_id=10 + i))
+            async with asyncio.timeout(TIMEOUT):
+                await watcher.live_until({session.id})
+    assert order == ["fan-out", "ack"] * 3

@@ -61,7 +61,7 @@ store's ``BatchTx`` only a few times per batch:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -140,6 +140,11 @@ class BatchKeys:
     """Session ids whose last canonical event is read."""
     audit_chains: frozenset[str] = frozenset()
     """Client ids whose audit chain's last row is read."""
+    verdicts: Mapping[int, SyncError | None] = field(
+        default_factory=dict, compare=False, hash=False
+    )
+    """``validate_record`` of each change these keys were read for, by ``client_seq``: the
+    rules take it from here instead of checking the record a second time."""
 
     def __bool__(self) -> bool:
         return bool(
@@ -484,6 +489,7 @@ def batch_keys(
     sessions: set[str] = set()
     chains: set[str] = set()
     audit_chains: set[str] = set()
+    verdicts: dict[int, SyncError | None] = {}
     expected = last_seq + 1
     for change in changes:
         while expected in skipped and expected < change.client_seq:
@@ -497,7 +503,8 @@ def batch_keys(
             break  # a gap: nothing after it is processed
         expected += 1
         record = change.record
-        if validate_record(record, tenant, client_id, aliases) is not None:
+        verdict = verdicts[change.client_seq] = validate_record(record, tenant, client_id, aliases)
+        if verdict is not None:
             if _relayed(record, tenant, client_id, aliases):
                 sessions.add(record.id)
             continue
@@ -525,6 +532,7 @@ def batch_keys(
         sessions=frozenset(sessions),
         chains=frozenset(chains),
         audit_chains=frozenset(audit_chains),
+        verdicts=verdicts,
     )
 
 
@@ -1014,7 +1022,11 @@ async def apply_push(
             continue
         record = change.record
         present = False
-        error = validate_record(record, tenant, client_id, aliases)
+        error = (
+            keys.verdicts[seq]
+            if seq in keys.verdicts
+            else validate_record(record, tenant, client_id, aliases)
+        )
         if error is not None and _relayed(record, tenant, client_id, aliases):
             # Another device's version, relayed: the device's queued row now refers to a
             # version it pulled. Harmless if the server already includes it.
