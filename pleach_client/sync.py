@@ -1151,7 +1151,7 @@ class SyncFacet:
                 first = events[0].sequence_number
                 start = max(1, first - 1)
                 limit = len(events) + (first - start)
-                held = await tx.list_events(session_id, from_sequence=start, limit=limit)
+                held = await tx.event_places(session_id, from_sequence=start, limit=limit)
                 if not echo_lands(events, held):
                     return None, False
                 view.canonical_heads[session_id] = (events[-1].sequence_number, events[-1].row_hash)

@@ -16,6 +16,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 import msgspec
 
@@ -334,7 +335,22 @@ def echo_of(changes: Sequence[Change], ack: PushAck) -> Echo | None:
     return Echo(from_cursor=start, to_cursor=max(cursors), events=tuple(events))
 
 
-def echo_lands(pushed: Sequence[Event], held: Sequence[Event]) -> bool:
+class Placed(Protocol):
+    """An event's id and place: an ``Event``, or a store's ``EventPlace`` of one."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def sequence_number(self) -> int: ...
+    @property
+    def prev_hash(self) -> str: ...
+    @property
+    def row_hash(self) -> str: ...
+    @property
+    def canonical(self) -> bool: ...
+
+
+def echo_lands(pushed: Sequence[Event], held: Sequence[Placed]) -> bool:
     """Whether one session's ``pushed`` events (an ``Echo``'s, in order) are where this device
     holds them: ``held`` are its events from the place before the first (from the first when
     that is place 1), as read in the same transaction. Each must be there, provisional, with

@@ -45,6 +45,7 @@ __all__ = [
     "decode",
     "encode",
     "event_payload",
+    "event_place",
     "event_type",
     "packed",
 ]
@@ -544,6 +545,44 @@ def event_payload(data: bytes) -> tuple[str, dict[str, Any]] | None:
     whole, which tells)."""
     head = _read_head(_EVENT_PAYLOAD, _EVENT_INDEX, data)
     return None if head is None else (head.type, head.payload)
+
+
+def _place_decoder() -> msgspec.msgpack.Decoder[Any]:
+    """A decoder of a compact Event body's id and place: the kind index, ``id`` (through the
+    ext hook), the fields up to ``payload`` left unread (``Raw``), then ``sequence_number``,
+    ``prev_hash``, ``row_hash`` and ``canonical`` as ``decode`` gives them (their defaults when
+    left out)."""
+    names = _BY_INDEX[_EVENT_INDEX].names
+    tail = ["payload", "sequence_number", "prev_hash", "row_hash", "canonical"]
+    if names[0] != "id" or names[-len(tail) :] != tail:
+        raise TypeError("an Event's place must be its last fields")  # a reordered record
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = [("kind", int), ("id", Any)]
+    fields += [(f"_{name}", msgspec.Raw) for name in names[1 : -len(tail)]]
+    fields += [
+        ("_payload", msgspec.Raw, msgspec.Raw(_ENCODER.encode({}))),
+        ("sequence_number", int, 0),
+        ("prev_hash", Any, ""),
+        ("row_hash", Any, ""),
+        ("canonical", bool, False),
+    ]
+    head = msgspec.defstruct("EventPlaceHead", fields, array_like=True)
+    return msgspec.msgpack.Decoder(head, ext_hook=_unext)
+
+
+_EVENT_PLACE: Final = _place_decoder()
+
+
+def event_place(data: bytes) -> tuple[str, int, str, str, bool] | None:
+    """``(id, sequence_number, prev_hash, row_hash, canonical)`` of the Event in compact
+    ``data``, read without decoding its payload; None when ``data`` is not a compact Event
+    body whose id and hashes are text (the caller then decodes it whole, which tells)."""
+    head = _read_head(_EVENT_PLACE, _EVENT_INDEX, data)
+    if head is None:
+        return None
+    place = (head.id, head.sequence_number, head.prev_hash, head.row_hash, head.canonical)
+    if not (type(head.id) is type(head.prev_hash) is type(head.row_hash) is str):
+        return None
+    return place
 
 
 _FIXARRAY: Final = 0x90

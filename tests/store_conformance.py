@@ -650,6 +650,36 @@ class StoreConformance:
         after = [e.id for e in events[1:]]
         assert seen == {None: after, 0: [], 1: after[:1], 2: after[:2], 9: after}
 
+    async def test_transact_lists_event_places_as_list_events_has_them(
+        self, store: StorageAdapter
+    ) -> None:
+        """Each event's id and place, read without its payload, are the listed event's:
+        placed or provisional, canonical or not, with a payload or without."""
+        session = make_session()
+        first = chain_event(make_event(session_id=session.id, payload={"big": "x" * 500}), "", 1)
+        first = msgspec.structs.replace(first, canonical=True)
+        second = chain_event(make_event(session_id=session.id), first.row_hash, 2)
+        bare = make_event(session_id=session.id, sequence_number=3)
+        await commit(store, session, first, second, bare)
+        seen: dict[int | None, tuple[list[Any], list[Any]]] = {}
+
+        async def plan(tx: Any) -> None:
+            for limit in (None, 0, 2):
+                places = await tx.event_places(session.id, from_sequence=1, limit=limit)
+                listed = await tx.list_events(session.id, from_sequence=1, limit=limit)
+                seen[limit] = (
+                    [tuple(p) for p in places],
+                    [
+                        (e.id, e.sequence_number, e.prev_hash, e.row_hash, e.canonical)
+                        for e in listed
+                    ],
+                )
+
+        await store.transact(plan)
+        for limit, (places, listed) in seen.items():
+            assert places == listed, limit
+        assert len(seen[None][0]) == 3 and seen[None][0][0][4] is True
+
     async def test_a_remote_page_moves_a_held_audit_row_to_the_servers_place(
         self, store: StorageAdapter
     ) -> None:

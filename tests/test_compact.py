@@ -139,6 +139,20 @@ def test_canonical_body_is_the_canonical_events_encoding(event: Event) -> None:
     assert compact.canonical_body(compact.encode(make_message())) is None
 
 
+@settings(max_examples=500)
+@given(events())
+def test_event_place_reads_what_decode_gives(event: Event) -> None:
+    """An event's id and place, read without its payload, are the decoded event's."""
+    data = compact.encode(event)
+    whole = compact.decode(data)
+    assert isinstance(whole, Event)
+    place = (whole.id, whole.sequence_number, whole.prev_hash, whole.row_hash, whole.canonical)
+    assert compact.event_place(data) == place
+    assert compact.event_place(encode_record(event)) is None  # the map form: decoded whole
+    assert compact.event_place(compact.encode(make_message())) is None
+    assert compact.event_place(data[: len(data) // 2]) is None  # cut short: decoded, refused
+
+
 @pytest.mark.parametrize(
     "record",
     [

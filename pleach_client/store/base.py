@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Collection, Iterable
 from types import TracebackType
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import Any, NamedTuple, Protocol, Self, runtime_checkable
 
 import msgspec
 
@@ -100,6 +100,13 @@ class TxReader(Protocol):
         ``limit`` of them when given."""
         ...
 
+    async def event_places(
+        self, session_id: str, *, from_sequence: int = 0, limit: int | None = None
+    ) -> list[EventPlace]:
+        """What ``list_events`` gives, as each event's id and place only (its payload not
+        decoded)."""
+        ...
+
     async def list_sessions(self) -> list[Session]:
         """The sessions that are not deleted."""
         ...
@@ -133,6 +140,17 @@ def fixed_plan(batch: WriteBatch) -> Plan:
         return batch
 
     return plan
+
+
+class EventPlace(NamedTuple):
+    """An event's id and place in its session's chain, without its payload
+    (``TxReader.event_places``): what telling whether it stands where it was pushed needs."""
+
+    id: str
+    sequence_number: int
+    prev_hash: str
+    row_hash: str
+    canonical: bool
 
 
 class OutboxEntry(msgspec.Struct, kw_only=True):

@@ -37,6 +37,7 @@ from shared.resource import AsyncResource
 from .base import (
     CommitReceipt,
     DeadLetter,
+    EventPlace,
     OutboxEntry,
     Plan,
     WriteBatch,
@@ -442,6 +443,15 @@ class MemoryAdapter(AsyncResource):
             if int(row.order) >= from_sequence
         ][:limit]
         return decode_events(rows, types, lambda _, body: _decode(_EVENT, body))
+
+    async def event_places(
+        self, session_id: str, *, from_sequence: int = 0, limit: int | None = None
+    ) -> list[EventPlace]:
+        """``list_events``, as each event's id and place."""
+        return [
+            EventPlace(e.id, e.sequence_number, e.prev_hash, e.row_hash, e.canonical)
+            for e in await self.list_events(session_id, from_sequence=from_sequence, limit=limit)
+        ]
 
     async def event_payloads(
         self, session_id: str, types: Collection[str]

@@ -64,6 +64,7 @@ from shared.resource import AsyncResource
 from .base import (
     CommitReceipt,
     DeadLetter,
+    EventPlace,
     OutboxEntry,
     Plan,
     WriteBatch,
@@ -261,6 +262,17 @@ def _decode(cls: type[_T] | None, table: str, key: object, body: object) -> _T:
     except _DECODE_ERRORS as exc:
         raise StorageError(f"corrupt row in {table} (id {key!r}): {exc}") from exc
     return record  # type: ignore[return-value]
+
+
+def _place(key: object, body: object) -> EventPlace:
+    """A stored event's id and place: from the head of its compact body, else decoded."""
+    place = compact.event_place(body) if isinstance(body, bytes) else None
+    if place is not None:
+        return EventPlace(*place)
+    event = _decode(Event, "events", key, body)
+    return EventPlace(
+        event.id, event.sequence_number, event.prev_hash, event.row_hash, event.canonical
+    )
 
 
 def _encode(record: object) -> bytes:
@@ -676,6 +688,12 @@ class _Reader:
     ) -> list[Event]:
         rows = await self._rows(self._sql.list_events, session_id, from_sequence, limit)
         return [_decode(Event, "events", key, body) for key, body in rows]
+
+    async def event_places(
+        self, session_id: str, *, from_sequence: int = 0, limit: int | None = None
+    ) -> list[EventPlace]:
+        rows = await self._rows(self._sql.list_events, session_id, from_sequence, limit)
+        return [_place(key, body) for key, body in rows]
 
     async def list_sessions(self) -> list[Session]:
         rows = await self._rows(self._sql.list_sessions)

@@ -49,6 +49,7 @@ from shared.resource import AsyncResource
 from .base import (
     CommitReceipt,
     DeadLetter,
+    EventPlace,
     OutboxEntry,
     Plan,
     WriteBatch,
@@ -344,6 +345,17 @@ def _decode(decoder: _Body[_T], table: str, key: object, body: object) -> _T:
         return decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
         raise StorageError(f"corrupt row in {table} (id {key!r}): {exc}") from exc
+
+
+def _place(row_id: object, body: object) -> EventPlace:
+    """A stored event's id and place: from the head of its compact body, else decoded."""
+    place = compact.event_place(body) if isinstance(body, bytes) else None
+    if place is not None:
+        return EventPlace(*place)
+    event = _decode(_EVENT, "events", row_id, body)
+    return EventPlace(
+        event.id, event.sequence_number, event.prev_hash, event.row_hash, event.canonical
+    )
 
 
 def _encode_batch(
@@ -688,6 +700,16 @@ class _Reader:
             (session_id, from_sequence, -1 if limit is None else limit),
         )
         return [_decode(_EVENT, "events", row_id, body) for row_id, body in rows]
+
+    async def event_places(
+        self, session_id: str, *, from_sequence: int = 0, limit: int | None = None
+    ) -> list[EventPlace]:
+        rows = await _fetch(
+            self._conn,
+            QUERIES["list_events"],
+            (session_id, from_sequence, -1 if limit is None else limit),
+        )
+        return [_place(row_id, body) for row_id, body in rows]
 
     async def list_sessions(self) -> list[Session]:
         rows = await _fetch(self._conn, QUERIES["list_sessions"])
