@@ -681,14 +681,7 @@ class SyncFacet:
                 receipt = await self._flush()
             self._queued_after_flush = bool(receipt.pending_after or receipt.failed_entries)
         else:
-            receipt = OutboxFlushReceipt(
-                outcome="none-pending",
-                flushed=0,
-                failed_entries=[],
-                flushed_at=time.time(),
-                pending_before=0,
-                pending_after=0,
-            )
+            receipt = _none_pending()
         if receipt.pending_after and receipt.outcome != "all-flushed":
             last = self._retry_delay or self.backoff_initial / 2
             self._retry_delay = min(last * 2, self.backoff_max) * random.uniform(0.5, 1.0)
@@ -871,14 +864,7 @@ class SyncFacet:
         failed: list[FailedEntry] = []
         conflicts: list[ConflictReceipt] = []
         if pending_before == 0:
-            return OutboxFlushReceipt(
-                outcome="none-pending",
-                flushed=0,
-                failed_entries=[],
-                flushed_at=time.time(),
-                pending_before=0,
-                pending_after=0,
-            )
+            return _none_pending()
         self._uploading = True
         self._poke()
         span = self._rt.spans.start(
@@ -1336,6 +1322,18 @@ class SyncFacet:
         log.warning("sync: %d referenced message(s) missing here; resyncing", len(still))
         self._resynced |= set(still)
         return True
+
+
+def _none_pending() -> OutboxFlushReceipt:
+    """The receipt of a flush that found nothing queued."""
+    return OutboxFlushReceipt(
+        outcome="none-pending",
+        flushed=0,
+        failed_entries=[],
+        flushed_at=time.time(),
+        pending_before=0,
+        pending_after=0,
+    )
 
 
 def _float(value: str | None) -> float | None:

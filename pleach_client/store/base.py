@@ -285,6 +285,19 @@ class StorageAdapter(Protocol):
     async def discard_dead_letter(self, client_seq: int) -> bool: ...
 
 
+def event_place_of(body: object, decode: Callable[[], Event]) -> EventPlace:
+    """A stored event's id and place: from the head of its compact ``body``
+    (``compact.event_place``), else from the whole event (``decode()``: the map form, or a
+    body the head does not read, which the decode then refuses)."""
+    place = compact.event_place(body) if isinstance(body, bytes) else None
+    if place is not None:
+        return EventPlace(*place)
+    event = decode()
+    return EventPlace(
+        event.id, event.sequence_number, event.prev_hash, event.row_hash, event.canonical
+    )
+
+
 def decode_events(
     rows: Iterable[Any], types: Collection[str] | None, decode: Callable[[Any, bytes], Event]
 ) -> list[Event]:

@@ -42,6 +42,7 @@ import time
 import warnings
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from enum import Enum
+from functools import partial
 from typing import Any, Final, TypeVar
 from urllib.parse import urlsplit
 
@@ -71,6 +72,7 @@ from .base import (
     decode_children,
     decode_events,
     decode_payloads,
+    event_place_of,
     fixed_plan,
     outbox_entries,
 )
@@ -262,17 +264,6 @@ def _decode(cls: type[_T] | None, table: str, key: object, body: object) -> _T:
     except _DECODE_ERRORS as exc:
         raise StorageError(f"corrupt row in {table} (id {key!r}): {exc}") from exc
     return record  # type: ignore[return-value]
-
-
-def _place(key: object, body: object) -> EventPlace:
-    """A stored event's id and place: from the head of its compact body, else decoded."""
-    place = compact.event_place(body) if isinstance(body, bytes) else None
-    if place is not None:
-        return EventPlace(*place)
-    event = _decode(Event, "events", key, body)
-    return EventPlace(
-        event.id, event.sequence_number, event.prev_hash, event.row_hash, event.canonical
-    )
 
 
 def _encode(record: object) -> bytes:
@@ -693,7 +684,9 @@ class _Reader:
         self, session_id: str, *, from_sequence: int = 0, limit: int | None = None
     ) -> list[EventPlace]:
         rows = await self._rows(self._sql.list_events, session_id, from_sequence, limit)
-        return [_place(key, body) for key, body in rows]
+        return [
+            event_place_of(body, partial(_decode, Event, "events", key, body)) for key, body in rows
+        ]
 
     async def list_sessions(self) -> list[Session]:
         rows = await self._rows(self._sql.list_sessions)

@@ -27,6 +27,7 @@ import time
 import warnings
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from enum import Enum
+from functools import partial
 from typing import Any, Final, Generic, Literal, TypeVar
 
 import aiosqlite
@@ -56,6 +57,7 @@ from .base import (
     decode_children,
     decode_events,
     decode_payloads,
+    event_place_of,
     fixed_plan,
     outbox_entries,
 )
@@ -345,17 +347,6 @@ def _decode(decoder: _Body[_T], table: str, key: object, body: object) -> _T:
         return decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
         raise StorageError(f"corrupt row in {table} (id {key!r}): {exc}") from exc
-
-
-def _place(row_id: object, body: object) -> EventPlace:
-    """A stored event's id and place: from the head of its compact body, else decoded."""
-    place = compact.event_place(body) if isinstance(body, bytes) else None
-    if place is not None:
-        return EventPlace(*place)
-    event = _decode(_EVENT, "events", row_id, body)
-    return EventPlace(
-        event.id, event.sequence_number, event.prev_hash, event.row_hash, event.canonical
-    )
 
 
 def _encode_batch(
@@ -709,7 +700,10 @@ class _Reader:
             QUERIES["list_events"],
             (session_id, from_sequence, -1 if limit is None else limit),
         )
-        return [_place(row_id, body) for row_id, body in rows]
+        return [
+            event_place_of(body, partial(_decode, _EVENT, "events", row_id, body))
+            for row_id, body in rows
+        ]
 
     async def list_sessions(self) -> list[Session]:
         rows = await _fetch(self._conn, QUERIES["list_sessions"])
