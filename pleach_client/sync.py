@@ -890,7 +890,7 @@ class SyncFacet:
                 # Fill the window: each push starts after the last one sent. An outbox read to
                 # its end is read again only once the window is empty (a live turn: two reads).
                 while link is not None and self._link is link and len(window) < self.pipeline:
-                    if read_all and window:
+                    if window and (read_all or not self._past_the_server(window[0])):
                         break
                     after = window[-1].entries[-1].client_seq if window else 0
                     entries = (
@@ -1017,6 +1017,16 @@ class SyncFacet:
             lambda: link.protocol.send_push(changes, trace=trace, skipped=skipped)
         )
         return _InFlight(entries[: len(changes) + len(skipped)], changes, request_id, answer)
+
+    def _past_the_server(self, flight: _InFlight) -> bool:
+        """Whether a push in flight starts past every number the server may hold of this
+        device (its last word on them, and what went out unanswered): only then may more go
+        out behind it. A push of numbers the server may hold (a lost ack resent, a copied
+        file's) goes alone: its ack may say another copy writes under this id, and nothing
+        more may go out under the id until the device has taken a new one (the server refuses
+        new numbers under a reused id only within the push that shows it)."""
+        first = flight.entries[0].client_seq
+        return first > self._server_seq and first > self._unsure_through
 
     def _drop_window(
         self,

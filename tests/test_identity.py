@@ -42,13 +42,16 @@ async def server(tmp_path: Path) -> AsyncIterator[tuple[SyncServer, SQLiteServer
 
 
 @asynccontextmanager
-async def device(path: Path, srv: SyncServer) -> AsyncIterator[SessionRuntime]:
+async def device(
+    path: Path, srv: SyncServer, batch_size: int = 200
+) -> AsyncIterator[SessionRuntime]:
     rt = SessionRuntime(
         SQLiteAdapter(path), ScriptedProvider(), org_id=ALICE.org_id, user_id=ALICE.user_id
     )
     async with rt:
         rt.sync.backoff_initial = 0.01
         rt.sync.backoff_max = 0.2
+        rt.sync.batch_size = batch_size  # small: several pushes in flight
         await rt.sync.connect(srv.url, issue_token(SECRET, ALICE, 3600))
         yield rt
 
@@ -80,8 +83,9 @@ def copy_file(src: Path, dst: Path) -> None:
             shutil.copyfile(f"{src}{suffix}", f"{dst}{suffix}")
 
 
+@pytest.mark.parametrize("batch", [200, 2])
 async def test_a_restored_backup_takes_a_new_id_and_loses_nothing(
-    tmp_path: Path, server: tuple[SyncServer, SQLiteServerStore]
+    tmp_path: Path, server: tuple[SyncServer, SQLiteServerStore], batch: int
 ) -> None:
     srv, store = server
     path, backup = tmp_path / "laptop.db", tmp_path / "backup.db"
@@ -96,7 +100,7 @@ async def test_a_restored_backup_takes_a_new_id_and_loses_nothing(
         await say(rt, session_id, "after the backup 2")
         await synced(rt)
     copy_file(backup, path)  # restored from the backup
-    async with device(path, srv) as rt:
+    async with device(path, srv, batch) as rt:
         await say(rt, session_id, "written on the restored file")
         await synced(rt)
         status = await rt.sync.status()
@@ -122,9 +126,10 @@ async def test_a_restored_backup_takes_a_new_id_and_loses_nothing(
     assert everything <= everywhere | texts
 
 
+@pytest.mark.parametrize("batch", [200, 2])
 @pytest.mark.parametrize("clone_turns", [1, 2, 3])
 async def test_a_copied_file_writing_beside_the_original_loses_nothing(
-    tmp_path: Path, server: tuple[SyncServer, SQLiteServerStore], clone_turns: int
+    tmp_path: Path, server: tuple[SyncServer, SQLiteServerStore], clone_turns: int, batch: int
 ) -> None:
     """The copy writes fewer, as many or more changes than the original before both sync:
     with as many, only the server can tell (same numbers, different changes)."""
@@ -133,20 +138,53 @@ async def test_a_copied_file_writing_beside_the_original_loses_nothing(
     async with device(path, srv) as rt:
         session_id = (await rt.create_session(title="shared")).id
         await synced(rt)
+        shared_id = rt.client_id
     copy_file(path, clone_path)
     async with device(path, srv) as original:
         for i in range(2):
             await say(original, session_id, f"original {i}")
         await synced(original)
-    async with device(clone_path, srv) as clone:
+    held = (await store.client_state(ALICE, shared_id))[0]
+    async with device(clone_path, srv, batch) as clone:
         other = (await clone.create_session(title="clone's own")).id
         for i in range(clone_turns):
             await say(clone, other if i % 2 else session_id, f"clone {i}")
         await synced(clone)
         assert (await clone.sync.status()).last_error_code == ErrorCode.IDENTITY_REUSED
+    # Nothing of the copy's went in under the id the original writes under, not even a push
+    # sent behind the one whose ack said so.
+    assert (await store.client_state(ALICE, shared_id))[0] == held
     on_server = await server_user_texts(store)
     assert {"original 0", "original 1"} <= on_server
     assert {f"clone {i}" for i in range(clone_turns)} <= on_server
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3])
+async def test_nothing_goes_out_behind_a_push_of_numbers_the_server_holds(
+    tmp_path: Path, server: tuple[SyncServer, SQLiteServerStore], batch: int
+) -> None:
+    """A copy's queue starts at numbers the server holds of its id (the original's turn). A
+    push of them goes alone: the pushes behind it would start past the server's numbers and
+    go in under the id the original writes under before the copy learns it must take a new
+    one. Every change of both is on the server, and none of the copy's under the old id."""
+    srv, store = server
+    path, clone_path = tmp_path / "laptop.db", tmp_path / "desktop.db"
+    async with device(path, srv) as rt:
+        session_id = (await rt.create_session(title="shared")).id
+        await synced(rt)
+        shared_id = rt.client_id
+    copy_file(path, clone_path)
+    async with device(path, srv) as original:
+        await say(original, session_id, "original")
+        await synced(original)
+    held = (await store.client_state(ALICE, shared_id))[0]
+    async with device(clone_path, srv, batch) as clone:
+        for i in range(3):
+            await say(clone, session_id, f"clone {i}")
+        await synced(clone)
+        assert clone.client_id != shared_id
+    assert (await store.client_state(ALICE, shared_id))[0] == held
+    assert {"original", "clone 0", "clone 1", "clone 2"} <= await server_user_texts(store)
 
 
 async def test_a_lost_ack_is_still_a_duplicate(
