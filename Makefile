@@ -18,6 +18,7 @@ serve: $(BIN)/python
 
 test: install
 	$(BIN)/ruff check shared pleach_client pleach_server tests bench
+	$(BIN)/ruff format --check shared pleach_client pleach_server tests bench
 	$(BIN)/mypy
 	PYTHONASYNCIODEBUG=1 $(BIN)/python -m pytest -q -p no:cacheprovider
 

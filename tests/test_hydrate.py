@@ -179,7 +179,8 @@ def test_event_payload_refuses_what_decode_refuses() -> None:
     good = compact.encode(event)
     assert compact.event_payload(good) == (event.type, event.payload)
     bad = compact.encode(msgspec.structs.replace(event, payload={"x": "y"})).replace(
-        b"\x81\xa1x\xa1y", b"\x92\xa1x\xa1y"  # the payload {"x": "y"} as ["x", "y"]
+        b"\x81\xa1x\xa1y",
+        b"\x92\xa1x\xa1y",  # the payload {"x": "y"} as ["x", "y"]
     )
     with pytest.raises(msgspec.ValidationError):
         compact.decode(bad)
