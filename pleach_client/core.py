@@ -18,6 +18,7 @@ heads. Caches change only after a commit succeeds.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -49,6 +50,7 @@ GENERATION = "generation"
 PREVIOUS_IDS = "previous_client_ids"
 HISTORY_CACHE_SESSIONS = 16  # transcripts kept decoded in memory, least recently used dropped
 
+log = logging.getLogger("pleach.core")
 _ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -159,6 +161,10 @@ class DeviceCore:
         self._histories: dict[str, Transcript] = {}
         self._audit_head: tuple[int, str] | None = None
         self._turn_locks: dict[str, asyncio.Lock] = {}
+        # One re-key at a time, each reading the id it replaces under the lock, and each run
+        # to its end whatever becomes of its caller (``rekey``).
+        self._rekey_lock = asyncio.Lock()
+        self._rekeying: set[asyncio.Task[str]] = set()  # kept until done (see ``rekey``)
         self.active: SessionHandle | None = None
         self._listeners: list[Callable[[], None]] = []
 
@@ -420,6 +426,21 @@ class DeviceCore:
         (which the server does not hold) move onto the new id's chain, so the old id's chain
         here stays the one the server holds.
         """
+        # Shielded: a caller cancelled while the write was in flight (a disconnect) used to
+        # give the old id back in memory although the new one had committed, with the queued
+        # audit rows moved onto its chain; the next re-key then replaced the old id again and
+        # the new one never became a previous id, so the server refused those rows (3007).
+        task = asyncio.ensure_future(self._rekey_in_turn())
+        self._rekeying.add(task)
+        task.add_done_callback(self._rekeying.discard)
+        task.add_done_callback(_rekeyed)
+        return await asyncio.shield(task)
+
+    async def _rekey_in_turn(self) -> str:
+        async with self._rekey_lock:
+            return await self._rekey()
+
+    async def _rekey(self) -> str:
         old_id = self.client_id
         previous = [old_id, *(await self.previous_client_ids())][:MAX_PREVIOUS_IDS]
         new_id = uuid7()
@@ -723,3 +744,10 @@ __all__ = [
     "existing",
     "purge_keep",
 ]
+
+
+def _rekeyed(task: asyncio.Task[str]) -> None:
+    """A re-key's error is logged (its caller, if still there, gets it raised too): one whose
+    caller went away is not left unretrieved."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("re-key failed: %s", task.exception())

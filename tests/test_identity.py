@@ -476,3 +476,45 @@ async def test_an_open_connection_ends_when_its_token_expires(
         await rt.sync.connect(srv.url, issue_token(SECRET, ALICE, 3600))
         await synced(rt)
         assert (await rt.store.get_session(session_id)) is not None
+
+
+class _Entered(SQLiteAdapter):
+    """A SQLite store that says when a write transaction has begun."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.entered = asyncio.Event()
+
+    async def transact(self, plan: Any) -> Any:
+        self.entered.set()
+        return await super().transact(plan)
+
+
+async def test_a_rekey_whose_caller_is_cancelled_mid_write_still_takes_its_id(
+    tmp_path: Path,
+) -> None:
+    """A disconnect cancels the sync loop while its re-key writes. The re-key runs to its
+    end, so the id in memory is the stored one, and a later re-key replaces that id (not
+    the old one again): every id the device wrote under stays among its previous ids. It
+    gave the old id back in memory while the new one had committed (the simulation, seed
+    441,528), and the rows moved onto the lost id's chain were refused for good (3007)."""
+    store = _Entered(tmp_path / "d.db")
+    async with SessionRuntime(
+        store, ScriptedProvider(), org_id=ALICE.org_id, user_id=ALICE.user_id
+    ) as rt:
+        session_id = (await rt.create_session(title="s")).id
+        await say(rt, session_id, "queued")
+        old = rt.client_id
+        store.entered.clear()
+        caller = asyncio.create_task(rt.core.rekey())
+        await store.entered.wait()
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        second = await rt.core.rekey()  # waits for the first to end
+        previous = await rt.core.previous_client_ids()
+        assert rt.client_id == second == await rt.store.get_meta("client_id")
+        assert len(previous) == 2 and previous[1] == old
+        assert previous[0] not in (old, second)
+        rows = await rt.audit.rows()
+        assert {r.client_id for r in rows} <= {second, *previous}
