@@ -126,13 +126,12 @@ async def test_a_restored_backup_takes_a_new_id_and_loses_nothing(
     assert everything <= everywhere | texts
 
 
-@pytest.mark.parametrize("batch", [200, 2])
-@pytest.mark.parametrize("clone_turns", [1, 2, 3])
-async def test_a_copied_file_writing_beside_the_original_loses_nothing(
-    tmp_path: Path, server: tuple[SyncServer, SQLiteServerStore], clone_turns: int, batch: int
-) -> None:
-    """The copy writes fewer, as many or more changes than the original before both sync:
-    with as many, only the server can tell (same numbers, different changes)."""
+async def a_copied_file(
+    tmp_path: Path, server: tuple[SyncServer, SQLiteServerStore], original_says: list[str]
+) -> tuple[Path, str, str, int]:
+    """A synced device's file copied; the original then says ``original_says`` and syncs.
+    The copy's path, the shared session, the id both files hold, and the server's
+    ``last_seq`` of that id."""
     srv, store = server
     path, clone_path = tmp_path / "laptop.db", tmp_path / "desktop.db"
     async with device(path, srv) as rt:
@@ -141,10 +140,24 @@ async def test_a_copied_file_writing_beside_the_original_loses_nothing(
         shared_id = rt.client_id
     copy_file(path, clone_path)
     async with device(path, srv) as original:
-        for i in range(2):
-            await say(original, session_id, f"original {i}")
+        for text in original_says:
+            await say(original, session_id, text)
         await synced(original)
     held = (await store.client_state(ALICE, shared_id))[0]
+    return clone_path, session_id, shared_id, held
+
+
+@pytest.mark.parametrize("batch", [200, 2])
+@pytest.mark.parametrize("clone_turns", [1, 2, 3])
+async def test_a_copied_file_writing_beside_the_original_loses_nothing(
+    tmp_path: Path, server: tuple[SyncServer, SQLiteServerStore], clone_turns: int, batch: int
+) -> None:
+    """The copy writes fewer, as many or more changes than the original before both sync:
+    with as many, only the server can tell (same numbers, different changes)."""
+    srv, store = server
+    clone_path, session_id, shared_id, held = await a_copied_file(
+        tmp_path, server, ["original 0", "original 1"]
+    )
     async with device(clone_path, srv, batch) as clone:
         other = (await clone.create_session(title="clone's own")).id
         for i in range(clone_turns):
@@ -168,16 +181,7 @@ async def test_nothing_goes_out_behind_a_push_of_numbers_the_server_holds(
     go in under the id the original writes under before the copy learns it must take a new
     one. Every change of both is on the server, and none of the copy's under the old id."""
     srv, store = server
-    path, clone_path = tmp_path / "laptop.db", tmp_path / "desktop.db"
-    async with device(path, srv) as rt:
-        session_id = (await rt.create_session(title="shared")).id
-        await synced(rt)
-        shared_id = rt.client_id
-    copy_file(path, clone_path)
-    async with device(path, srv) as original:
-        await say(original, session_id, "original")
-        await synced(original)
-    held = (await store.client_state(ALICE, shared_id))[0]
+    clone_path, session_id, shared_id, held = await a_copied_file(tmp_path, server, ["original"])
     async with device(clone_path, srv, batch) as clone:
         for i in range(3):
             await say(clone, session_id, f"clone {i}")

@@ -285,6 +285,17 @@ class StorageAdapter(Protocol):
     async def discard_dead_letter(self, client_seq: int) -> bool: ...
 
 
+def marked_canonical(
+    body: bytes, decode: Callable[[], Event], encode: Callable[[Event], bytes]
+) -> bytes:
+    """``WriteBatch.canonical`` for one stored event: its body marked canonical from the bytes
+    (``compact.canonical_body``), else decoded (``decode()``), replaced and encoded."""
+    marked = compact.canonical_body(body)
+    if marked is not None:
+        return marked
+    return encode(msgspec.structs.replace(decode(), canonical=True))
+
+
 def event_place_of(body: object, decode: Callable[[], Event]) -> EventPlace:
     """A stored event's id and place: from the head of its compact ``body``
     (``compact.event_place``), else from the whole event (``decode()``: the map form, or a

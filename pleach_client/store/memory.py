@@ -16,6 +16,7 @@ import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from enum import Enum
+from functools import partial
 from typing import Any, TypeVar
 
 import msgspec
@@ -44,6 +45,7 @@ from .base import (
     decode_children,
     decode_events,
     decode_payloads,
+    marked_canonical,
 )
 
 __all__ = ["MemoryAdapter"]
@@ -256,10 +258,10 @@ class MemoryAdapter(AsyncResource):
         for event_id in batch.canonical:
             stored = self._events.rows.get(event_id)
             if stored is not None:
-                event = _decode(_EVENT, stored.body)
-                if not event.canonical:
-                    marked = msgspec.structs.replace(event, canonical=True)
-                    self._put(marked, encode_record(marked))
+                body = stored.body
+                marked = marked_canonical(body, partial(_decode, _EVENT, body), encode_record)
+                if marked != body:
+                    self._events.put(event_id, _ChildRow(stored.group, stored.order, marked))
         for session_id in batch.purge_checkpoints_for:
             dropped = {
                 ("Checkpoint", row_id) for row_id in self._checkpoints.groups.get(session_id, ())

@@ -74,6 +74,7 @@ from .base import (
     decode_payloads,
     event_place_of,
     fixed_plan,
+    marked_canonical,
     outbox_entries,
 )
 
@@ -780,10 +781,7 @@ async def _mark_canonical(conn: Any, sql: _Sql, device: str, event_ids: list[str
     ids: list[str] = []
     bodies: list[bytes] = []
     for event_id, body in await conn.fetch(sql.event_bodies, device, event_ids):
-        marked = compact.canonical_body(body)
-        if marked is None:
-            event = _decode(Event, "events", event_id, body)
-            marked = _encode(msgspec.structs.replace(event, canonical=True))
+        marked = marked_canonical(body, partial(_decode, Event, "events", event_id, body), _encode)
         if marked != body:
             ids.append(event_id)
             bodies.append(marked)

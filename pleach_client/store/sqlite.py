@@ -59,6 +59,7 @@ from .base import (
     decode_payloads,
     event_place_of,
     fixed_plan,
+    marked_canonical,
     outbox_entries,
 )
 
@@ -633,10 +634,9 @@ def _mark_canonical(raw: sqlite3.Connection, event_ids: list[str]) -> None:
     ).fetchall()
     updates = []
     for event_id, body in rows:
-        marked = compact.canonical_body(body)
-        if marked is None:
-            event = _decode(_EVENT, "events", event_id, body)
-            marked = compact.encode(msgspec.structs.replace(event, canonical=True))
+        marked = marked_canonical(
+            body, partial(_decode, _EVENT, "events", event_id, body), compact.encode
+        )
         if marked != body:
             updates.append((marked, event_id))
     raw.executemany("UPDATE events SET body = ? WHERE id = ?", updates)
