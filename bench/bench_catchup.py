@@ -29,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 from bench import bench_push
@@ -157,17 +158,21 @@ async def resume_once(path: Path, session_id: str) -> tuple[float, int, int]:
 def raw_resume(path: Path, session_id: str) -> float:
     started = time.perf_counter()
     conn = sqlite3.connect(path)
+    key = uuid.UUID(session_id).bytes  # how the device file keeps a UUID id (schema 5)
     try:
-        conn.execute("SELECT body FROM sessions WHERE id = ?", (session_id,)).fetchall()
+        rows = conn.execute("SELECT body FROM sessions WHERE id = ?", (key,)).fetchall()
         conn.execute(
-            "SELECT id, body FROM checkpoints WHERE session_id = ? ORDER BY hlc, id", (session_id,)
+            "SELECT id, body FROM checkpoints WHERE session_id = ? ORDER BY hlc, id", (key,)
         ).fetchall()
         conn.execute(
             "SELECT id, body FROM events WHERE session_id = ? ORDER BY sequence_number, id",
-            (session_id,),
+            (key,),
         ).fetchall()
-        conn.execute("SELECT id, body FROM messages WHERE session_id = ?", (session_id,)).fetchall()
-        return time.perf_counter() - started
+        conn.execute("SELECT id, body FROM messages WHERE session_id = ?", (key,)).fetchall()
+        seconds = time.perf_counter() - started
+        if not rows:
+            raise RuntimeError(f"the floor found no session row for {session_id}")
+        return seconds
     finally:
         conn.close()
 

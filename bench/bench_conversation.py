@@ -10,12 +10,20 @@ file and the server's file); the same when the device stays connected and each t
 it is written (what a device online does: every turn pushes the session's new version); turn
 p50 over turns 51-150 and over the last 100; p99 over the last 100. Each beside its floor, as
 a ratio.
+
+A turn is also set beside the floor of its own work (``own_rows_run``): the provider's stream
+of the same reply consumed by a bare loop, then plain ``sqlite3`` running the turn's own
+statements (the rows and bytes its commit wrote, captured as it ran: messages, events,
+checkpoint, audit row, session row, outbox rows and sync keys) on the same schema, in one
+transaction. What a turn costs beyond that is the runtime's own work. The device file's bytes
+are also printed by table (SQLite's ``dbstat``), indexes with their table.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import os
 import sqlite3
@@ -23,12 +31,15 @@ import statistics
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from bench.bench_local import Row, file_bytes, render
+from pleach_client.providers.base import ProviderRequest
 from pleach_client.providers.scripted import ScriptedProvider, ScriptedReply
 from pleach_client.runtime import SessionRuntime
+from pleach_client.store import sqlite as sqlite_store
 from pleach_client.store.sqlite import SQLiteAdapter
 from pleach_server.auth import issue_token
 from pleach_server.server import SyncServer
@@ -54,18 +65,116 @@ def percentile(samples: Sequence[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-async def pleach_run(path: Path, n: int) -> list[float]:
-    """``n`` turns through ``SessionRuntime`` on ``path``; each turn's seconds."""
+Statements = list[tuple[str, list[tuple[Any, ...]]]]
+
+
+async def pleach_run(path: Path, n: int, capture: list[Statements] | None = None) -> list[float]:
+    """``n`` turns through ``SessionRuntime`` on ``path``; each turn's seconds. ``capture``:
+    also collect each turn's commit as the statements and rows it ran (``own_rows_run``)."""
     out: list[float] = []
     provider = ScriptedProvider(default_reply=REPLY)
-    async with SessionRuntime(SQLiteAdapter(path), provider, client_id=CLIENT_ID) as rt:
-        session_id = (await rt.create_session(title="bench")).id
-        for i in range(n):
-            started = time.perf_counter()
-            async for _ in rt.execute_message(session_id, user_text(i)):
-                pass
-            out.append(time.perf_counter() - started)
+    with _capturing(capture):
+        async with SessionRuntime(SQLiteAdapter(path), provider, client_id=CLIENT_ID) as rt:
+            session_id = (await rt.create_session(title="bench")).id
+            if capture is not None:
+                capture.clear()  # the session's creation is no turn
+            for i in range(n):
+                started = time.perf_counter()
+                async for _ in rt.execute_message(session_id, user_text(i)):
+                    pass
+                out.append(time.perf_counter() - started)
     return out
+
+
+class _Recorder:
+    """A ``sqlite3.Connection`` stand-in for the store's batch writer: runs each statement
+    on the real connection and keeps what ran."""
+
+    def __init__(self, raw: sqlite3.Connection, into: Statements) -> None:
+        self.raw, self.into = raw, into
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Cursor:
+        self.into.append((sql, [tuple(params)]))
+        return self.raw.execute(sql, params)
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> sqlite3.Cursor:
+        kept = [tuple(row) for row in rows]
+        self.into.append((sql, kept))
+        return self.raw.executemany(sql, kept)
+
+
+@contextlib.contextmanager
+def _capturing(capture: list[Statements] | None) -> Iterator[None]:
+    """While inside, every batch the device's store writes is also kept in ``capture``."""
+    if capture is None:
+        yield
+        return
+    writer = sqlite_store._write_batch_now
+
+    def recorded(raw: sqlite3.Connection, *args: Any) -> Any:
+        capture.append([])
+        return writer(_Recorder(raw, capture[-1]), *args)  # type: ignore[arg-type]
+
+    sqlite_store._write_batch_now = recorded  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        sqlite_store._write_batch_now = writer  # type: ignore[assignment]
+
+
+async def own_rows_run(path: Path, turns: list[Statements]) -> list[float]:
+    """The floor of each turn's own work: the provider's stream of the same reply consumed
+    by a bare loop (the request as the turn sent it: the conversation so far), then the
+    turn's captured statements run by plain ``sqlite3`` on a new file of the device's schema,
+    in one ``BEGIN IMMEDIATE`` transaction (WAL, ``synchronous=NORMAL``, as the store)."""
+    async with SQLiteAdapter(path):  # the schema, created by the store itself
+        pass
+    conn = sqlite3.connect(path, isolation_level=None)
+    provider = ScriptedProvider(default_reply=REPLY)
+    messages: list[dict[str, Any]] = []
+    out: list[float] = []
+    try:
+        conn.execute("PRAGMA synchronous = NORMAL")
+        for i, statements in enumerate(turns):
+            messages.append({"role": "user", "content": [{"type": "text", "text": user_text(i)}]})
+            request = ProviderRequest(model="bench", messages=list(messages))
+            started = time.perf_counter()
+            async for _ in provider.stream(request):
+                pass
+            conn.execute("BEGIN IMMEDIATE")
+            for sql, rows in statements:
+                if sql.startswith("SELECT"):  # (the outbox's last number)
+                    for params in rows:
+                        conn.execute(sql, params).fetchall()
+                elif sql != "COMMIT":
+                    conn.executemany(sql, rows)
+            conn.execute("COMMIT")
+            out.append(time.perf_counter() - started)
+            messages.append(
+                {"role": "assistant", "content": [{"type": "text", "text": REPLY.text}]}
+            )
+    finally:
+        conn.close()
+    return out
+
+
+def bytes_by_table(path: Path) -> str:
+    """The file's bytes per table, its indexes counted with it (SQLite's ``dbstat``)."""
+    conn = sqlite3.connect(path)
+    try:
+        tables = dict(
+            conn.execute("SELECT name, tbl_name FROM sqlite_master WHERE name IS NOT NULL")
+        )
+        sizes: dict[str, int] = {}
+        for name, size in conn.execute("SELECT name, sum(pgsize) FROM dbstat GROUP BY name"):
+            table = tables.get(name, name)
+            sizes[table] = sizes.get(table, 0) + int(size)
+    except sqlite3.OperationalError as exc:  # a SQLite built without dbstat
+        return f"(bytes by table: {exc})"
+    finally:
+        conn.close()
+    ordered = sorted(sizes.items(), key=lambda kv: -kv[1])
+    return "bytes by table: " + ", ".join(f"{t} {b / 1e6:.2f} MB" for t, b in ordered if b > 8192)
 
 
 async def synced_bytes(device: Path, server_path: Path) -> tuple[int, int]:
@@ -152,17 +261,24 @@ async def _run(n: int) -> list[Row]:
         root = Path(tmp)
         await pleach_run(root / "warm.db", 5)
         raw_run(root / "warm-raw.db", 5)
-        ours = await pleach_run(root / "device.db", n)
+        statements: list[Statements] = []
+        ours = await pleach_run(root / "device.db", n, statements)
         raw = raw_run(root / "raw.db", n)
+        own = await own_rows_run(root / "own-rows.db", statements)
         ours_bytes = file_bytes(root / "device.db")
         raw_bytes = file_bytes(root / "raw.db")
+        with sqlite3.connect(root / "device.db") as conn:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        print(bytes_by_table(root / "device.db"))
         device_synced, server_bytes = await synced_bytes(root / "device.db", root / "server.db")
         live_device, live_server = await live_synced_bytes(
             root / "live-device.db", root / "live-server.db", n
         )
     o_early, o_late, o_p99 = windows(ours)
     r_early, r_late, r_p99 = windows(raw)
+    w_early, w_late, _ = windows(own)
     last = f"{n - 99}-{n}"
+    own_work = "stream + its rows raw"
     return [
         Row(f"bytes after {n} turns (unsynced)", ours_bytes, "bytes", "raw sqlite3", raw_bytes),
         Row("  device bytes after a full sync", device_synced, "bytes", "raw sqlite3", raw_bytes),
@@ -172,6 +288,10 @@ async def _run(n: int) -> list[Row]:
         Row("turn p50, turns 51-150", o_early * 1e6, "us", "raw sqlite3", r_early * 1e6),
         Row(f"turn p50, turns {last}", o_late * 1e6, "us", "raw sqlite3", r_late * 1e6),
         Row(f"turn p50, turns {last} vs 51-150", o_late * 1e6, "us", "turns 51-150", o_early * 1e6),
+        Row(
+            "turn p50, turns 51-150, vs its own work", o_early * 1e6, "us", own_work, w_early * 1e6
+        ),
+        Row(f"turn p50, turns {last}, vs its own work", o_late * 1e6, "us", own_work, w_late * 1e6),
         Row(f"turn p99, turns {last}", o_p99 * 1e6, "us", f"p50 turns {last}", o_late * 1e6),
         Row(f"raw turn p99, turns {last}", r_p99 * 1e6, "us", "raw p50", r_late * 1e6),
     ]

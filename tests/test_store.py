@@ -22,7 +22,13 @@ from pleach_client.store import sqlite as sqlite_module  # noqa: E402
 from pleach_client.store.sqlite import QUERIES, SCHEMA_VERSION  # noqa: E402
 from shared.errors import InvalidState, StorageError  # noqa: E402
 from shared.records import Record, encode_record  # noqa: E402
-from tests.factories import make_checkpoint, make_event, make_message, make_session  # noqa: E402
+from tests.factories import (  # noqa: E402
+    make_audit,
+    make_checkpoint,
+    make_event,
+    make_message,
+    make_session,
+)
 from tests.store_conformance import (  # noqa: E402
     StoreConformance,
     commit,
@@ -73,8 +79,14 @@ async def sqlite_store(db_path: Path) -> AsyncIterator[SQLiteAdapter]:
 
 
 def raw(path: Path) -> sqlite3.Connection:
-    """A plain sqlite3 connection in autocommit mode, to inspect or damage a file."""
-    return sqlite3.connect(path, isolation_level=None)
+    """A plain sqlite3 connection in autocommit mode, to inspect or damage a file; it reads
+    ids as the store keeps them (``pleach_key``, as the store's own connection does)."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.create_function("pleach_key", 1, sqlite_module._sql_key, deterministic=True)
+    return conn
+
+
+key, unkey = sqlite_module._key, sqlite_module._id
 
 
 def test_durability_flags() -> None:
@@ -265,9 +277,9 @@ async def test_corrupt_rows_raise_storage_error_naming_table_and_id(db_path: Pat
     # A well-formed body of the wrong kind is corrupt too.
     conn.execute(
         "UPDATE messages SET body = (SELECT body FROM sessions LIMIT 1) WHERE id = ?",
-        (message.id,),
+        (key(message.id),),
     )
-    conn.execute("UPDATE sessions SET body = x'c1ff00' WHERE id = ?", (session.id,))
+    conn.execute("UPDATE sessions SET body = x'c1ff00' WHERE id = ?", (key(session.id),))
     conn.execute("UPDATE outbox SET body = x'c1'")
     conn.execute("UPDATE dead_letters SET body = 'text, not msgpack'")
     conn.close()
@@ -566,12 +578,12 @@ async def test_events_keep_their_type_beside_the_body(db_path: Path) -> None:
     conn = raw(db_path)
     try:
         stored = dict(conn.execute("SELECT id, type FROM events").fetchall())
-        assert stored == {e.id: e.type for e in events}
+        assert stored == {key(e.id): e.type for e in events}
         # As a file migrated from schema 2 holds them: no type beside the older rows.
         conn.execute("UPDATE events SET type = NULL WHERE sequence_number <= 2")
         query = QUERIES["list_events_of_types"]
         read = conn.execute(query, ("s-1", 0, '["error"]')).fetchall()
-        assert [row[0] for row in read] == [events[0].id, events[1].id, events[4].id]
+        assert [unkey(row[0]) for row in read] == [events[0].id, events[1].id, events[4].id]
     finally:
         conn.close()
     async with SQLiteAdapter(db_path) as store:
@@ -590,13 +602,18 @@ async def test_a_checkpoint_keeps_its_parent_beside_its_body(db_path: Path) -> N
     conn = raw(db_path)
     try:
         stored = dict(conn.execute("SELECT id, parent_id FROM checkpoints").fetchall())
-        assert stored == {root.id: "", a.id: root.id, b.id: root.id, grandchild.id: a.id}
+        parents = {root.id: "", a.id: root.id, b.id: root.id, grandchild.id: a.id}
+        assert stored == {key(child): key(parent) for child, parent in parents.items()}
         # The children query reads the head's children only (and rows without the column).
         query = QUERIES["child_checkpoints"]
-        assert [r[0] for r in conn.execute(query, ("s-1", root.id))] == [a.id, b.id]
+        children = conn.execute(query, ("s-1", key(root.id)))
+        assert [unkey(r[0]) for r in children] == [a.id, b.id]
         # As a file migrated from schema 3 holds them: no parent beside the older rows.
-        conn.execute("UPDATE checkpoints SET parent_id = NULL WHERE id IN (?, ?)", (a.id, b.id))
-        assert [r[0] for r in conn.execute(query, ("s-1", a.id))] == [a.id, b.id, grandchild.id]
+        conn.execute(
+            "UPDATE checkpoints SET parent_id = NULL WHERE id IN (?, ?)", (key(a.id), key(b.id))
+        )
+        children = conn.execute(query, ("s-1", key(a.id)))
+        assert [unkey(r[0]) for r in children] == [a.id, b.id, grandchild.id]
         conn.commit()
     finally:
         conn.close()
@@ -744,3 +761,114 @@ async def test_close_waits_for_a_side_checkpoint(db_path: Path) -> None:
     async with SQLiteAdapter(db_path) as again:  # and the file reads back whole
         assert len(await again.list_events("s-1")) == 0
         assert await again.outbox_count() == sqlite_module.CHECKPOINT_EVERY
+
+
+# -- ids as keys (schema 5) -----------------------------------------------------------------
+
+# Every column that holds an id, by table.
+KEY_COLUMNS: dict[str, tuple[str, ...]] = {
+    "sessions": ("id",),
+    "messages": ("id", "session_id"),
+    "checkpoints": ("id", "session_id", "parent_id"),
+    "events": ("id", "session_id"),
+    "audit": ("id", "client_id", "session_id"),
+    "artifact_updates": ("id", "artifact_id", "session_id"),
+    "outbox": ("record_id",),
+    "dead_letters": ("record_id",),
+}
+
+
+def _uuid_texts(conn: sqlite3.Connection) -> dict[str, int]:
+    """Per ``table.column``, how many values are a canonical UUID kept as its text."""
+    found = {}
+    for table, columns in KEY_COLUMNS.items():
+        for column in columns:
+            n = conn.execute(
+                f"SELECT count(*) FROM {table} WHERE typeof({column}) = 'text' "
+                f"AND pleach_key({column}) != {column}"
+            ).fetchone()[0]
+            if n:
+                found[f"{table}.{column}"] = n
+    return found
+
+
+def _a_history() -> list[Record]:
+    """Records of every kind, their ids UUIDs and not: a session's children, a checkpoint's
+    parent, an audit row of a device whose id is a UUID and one whose id is a name."""
+    records = one_of_each()
+    session = records[0]
+    root = next(r for r in records if type(r).__name__ == "Checkpoint")
+    other = make_session(id="a-session-named-by-hand")
+    return [
+        *records,
+        make_checkpoint(session_id=session.id, parent_id=root.id),
+        make_message(session_id=session.id, id="MESSAGE-NOT-A-UUID"),
+        make_message(session_id=session.id, id=session.id.upper()),  # no canonical UUID
+        other,
+        make_event(session_id=other.id, sequence_number=1),
+        make_audit(session_id=other.id, client_id="3f6c2a58-1b1e-4e6f-9d4a-3c2e1f0a9b8c"),
+    ]
+
+
+def _text_ids(path: Path, version: int) -> None:
+    """Turn the file's keys back into text ids and mark it ``version``: a file as the schema
+    before 5 kept it."""
+    conn = raw(path)
+    conn.create_function("pleach_text", 1, lambda k: unkey(k) if isinstance(k, bytes) else k)
+    for table, columns in KEY_COLUMNS.items():
+        assignments = ", ".join(f"{c} = pleach_text({c})" for c in columns)
+        conn.execute(f"UPDATE {table} SET {assignments}")
+    conn.execute(f"PRAGMA user_version = {version}")
+    conn.close()
+
+
+async def test_every_id_column_keeps_a_uuid_as_its_bytes(db_path: Path) -> None:
+    history = _a_history()
+    async with SQLiteAdapter(db_path) as store:
+        await commit(store, *history)
+        await store.outbox_dead_letter(2, 3007, "invalid")
+        for record in history:
+            assert await read_back(store, record) == record
+    conn = raw(db_path)
+    try:
+        assert _uuid_texts(conn) == {}
+        # ... and any other id as its text, which reads back as it was written.
+        ids = {unkey(k) for (k,) in conn.execute("SELECT id FROM messages")}
+        assert {"MESSAGE-NOT-A-UUID", history[0].id.upper()} <= ids
+        blobs = conn.execute("SELECT count(*) FROM messages WHERE typeof(id) = 'blob'")
+        assert blobs.fetchone()[0] == 1
+    finally:
+        conn.close()
+
+
+async def test_a_schema_4_file_migrates_its_ids_to_keys(db_path: Path) -> None:
+    history = _a_history()
+    async with SQLiteAdapter(db_path) as store:
+        await commit(store, *history)
+        await store.outbox_dead_letter(2, 3007, "invalid")
+        before = await store.outbox_pending()
+    _text_ids(db_path, 4)
+    conn = raw(db_path)
+    assert _uuid_texts(conn) != {}
+    conn.close()
+    async with SQLiteAdapter(db_path) as store:
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 5
+        for record in history:
+            assert await read_back(store, record) == record
+        session = history[0]
+        assert [c.id for c in await store.child_checkpoints(session.id, history[2].id)] == [
+            history[6].id
+        ]
+        assert [e.id for e in await store.list_events(history[9].id)] == [history[10].id]
+        assert [r.id for r in await store.list_audit(client_id=history[11].client_id)] == [
+            history[11].id
+        ]
+        # The outbox still refers to every record it queued, and the dead letter is there.
+        assert await store.outbox_pending() == before
+        assert [d.record.id for d in await store.dead_letters()] == [history[1].id]
+        assert await store.integrity_check() == []
+    conn = raw(db_path)
+    try:
+        assert _uuid_texts(conn) == {}
+    finally:
+        conn.close()

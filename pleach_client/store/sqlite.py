@@ -22,8 +22,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import sqlite3
 import time
+import uuid
 import warnings
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from enum import Enum
@@ -158,8 +160,58 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         "DROP INDEX ix_outbox_record",
         "CREATE INDEX ix_outbox_session ON outbox (record_id) WHERE kind = 'Session'",
     ),
+    # 5: ids as their 16 bytes (``_key``): a canonical UUID took 36 characters in its column
+    # and again in every index that holds it (a turn keeps about 40 ids in its rows and
+    # indexes). Any other id stays its text. ``pleach_key`` is registered on the connection
+    # before migrating (``_sql_key``); it leaves a converted key as it is.
+    (
+        "UPDATE sessions SET id = pleach_key(id)",
+        "UPDATE messages SET id = pleach_key(id), session_id = pleach_key(session_id)",
+        "UPDATE checkpoints SET id = pleach_key(id), session_id = pleach_key(session_id), "
+        "parent_id = pleach_key(parent_id)",
+        "UPDATE events SET id = pleach_key(id), session_id = pleach_key(session_id)",
+        "UPDATE audit SET id = pleach_key(id), client_id = pleach_key(client_id), "
+        "session_id = pleach_key(session_id)",
+        "UPDATE artifact_updates SET id = pleach_key(id), "
+        "artifact_id = pleach_key(artifact_id), session_id = pleach_key(session_id)",
+        "UPDATE outbox SET record_id = pleach_key(record_id)",
+        "UPDATE dead_letters SET record_id = pleach_key(record_id)",
+    ),
 )
 SCHEMA_VERSION: Final = len(_MIGRATIONS)
+
+
+_UUID_TEXT: Final = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
+
+
+def _key(record_id: str) -> str | bytes:
+    """An id as the columns keep it (schema 5): a canonical (lowercase) UUID as its 16 bytes,
+    any other id as its text. One to one, since a column's BLOB never equals a TEXT: every
+    statement binds ``_key(id)``, or converts in SQL with ``pleach_key``. (A value that is no
+    text, which only a malformed record holds, is bound as it is: the constraint refuses it.)"""
+    if type(record_id) is str and len(record_id) == 36 and _UUID_TEXT.match(record_id):
+        return bytes.fromhex(record_id.replace("-", ""))
+    return record_id
+
+
+def _sql_key(value: object) -> object:
+    """``pleach_key(x)`` in SQL: ``_key`` of a text, anything else as it is (a converted key,
+    NULL)."""
+    return _key(value) if type(value) is str else value
+
+
+def _id(key: object) -> str:
+    """The id a column's key stands for (``_key`` reversed)."""
+    if isinstance(key, bytes) and len(key) == 16:
+        return str(uuid.UUID(bytes=key))
+    return str(key)
+
+
+def _keys_json(ids: Collection[str]) -> str:
+    """Ids as one bound JSON array, read in SQL as keys:
+    ``SELECT pleach_key(value) FROM json_each(?)``."""
+    return msgspec.json.encode(list(ids)).decode()
+
 
 # Immutable kinds: "ON CONFLICT DO NOTHING" rather than "INSERT OR IGNORE", which would also
 # silently skip a row that breaks a NOT NULL constraint.
@@ -232,12 +284,16 @@ QUERIES: Final[dict[str, str]] = {
     ),
     "list_sessions_all": "SELECT id, body FROM sessions ORDER BY updated_at DESC, id DESC",
     # json_each: any number of ids in one bound parameter and one round trip.
-    "get_messages": "SELECT id, body FROM messages WHERE id IN (SELECT value FROM json_each(?))",
-    "audit_rows": "SELECT id, body FROM audit WHERE id IN (SELECT value FROM json_each(?))",
+    "get_messages": (
+        "SELECT id, body FROM messages WHERE id IN (SELECT pleach_key(value) FROM json_each(?))"
+    ),
+    "audit_rows": (
+        "SELECT id, body FROM audit WHERE id IN (SELECT pleach_key(value) FROM json_each(?))"
+    ),
     "get_checkpoint": "SELECT id, body FROM checkpoints WHERE id = ?",
     "missing_messages": (
         "SELECT value FROM json_each(?) "
-        "WHERE NOT EXISTS (SELECT 1 FROM messages WHERE messages.id = json_each.value)"
+        "WHERE NOT EXISTS (SELECT 1 FROM messages WHERE messages.id = pleach_key(json_each.value))"
     ),
     "list_checkpoints": ("SELECT id, body FROM checkpoints WHERE session_id = ? ORDER BY hlc, id"),
     # A row written before schema 4 has no parent_id (NULL): it is read, and its body tells.
@@ -347,15 +403,17 @@ def _decode(decoder: _Body[_T], table: str, key: object, body: object) -> _T:
             raise TypeError(f"body is {type(body).__name__}, not bytes")
         return decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
-        raise StorageError(f"corrupt row in {table} (id {key!r}): {exc}") from exc
+        shown = _id(key) if isinstance(key, bytes) else key
+        raise StorageError(f"corrupt row in {table} (id {shown!r}): {exc}") from exc
 
 
 def _encode_batch(
     records: Sequence[Record],
-) -> tuple[dict[str, list[tuple[Any, ...]]], list[tuple[str, str, bytes | None]]]:
+) -> tuple[dict[str, list[tuple[Any, ...]]], list[tuple[str | bytes, str, bytes | None]]]:
     """Rows per insert statement (in order of first appearance) and the outbox rows."""
     groups: dict[str, list[tuple[Any, ...]]] = {}
-    outbox: list[tuple[str, str, bytes | None]] = []
+    outbox: list[tuple[str | bytes, str, bytes | None]] = []
+    key: str | bytes
     for record in records:
         try:
             body = compact.encode(record)
@@ -368,33 +426,37 @@ def _encode_batch(
         row: tuple[Any, ...]
         match record:
             case Session():
-                sql, row = _PUT_SESSION, (record.id, record.updated_at, record.deleted, body)
+                key = _key(record.id)
+                sql, row = _PUT_SESSION, (key, record.updated_at, record.deleted, body)
             case Message():
-                sql, row = _PUT_MESSAGE, (record.id, record.session_id, body)
+                key = _key(record.id)
+                sql, row = _PUT_MESSAGE, (key, _key(record.session_id), body)
             case Checkpoint():
-                sql = _PUT_CHECKPOINT
-                parent = record.parent_id or ""
-                row = (record.id, record.session_id, record.hlc, parent, body)
+                sql, key = _PUT_CHECKPOINT, _key(record.id)
+                parent = _key(record.parent_id or "")
+                row = (key, _key(record.session_id), record.hlc, parent, body)
             case Event():
-                sql = _PUT_EVENT
-                row = (record.id, record.session_id, record.sequence_number, record.type, body)
+                sql, key = _PUT_EVENT, _key(record.id)
+                session_key = _key(record.session_id)
+                row = (key, session_key, record.sequence_number, record.type, body)
             case AuditRow():
-                sql = _PUT_AUDIT
+                sql, key = _PUT_AUDIT, _key(record.id)
                 row = (
-                    record.id,
-                    record.client_id,
-                    record.session_id,
+                    key,
+                    _key(record.client_id),
+                    _key(record.session_id),
                     record.sequence_number,
                     record.subject_key,
                     body,
                 )
             case ArtifactUpdate():
-                sql = _PUT_ARTIFACT
-                row = (record.id, record.artifact_id, record.session_id, record.hlc, body)
+                sql, key = _PUT_ARTIFACT, _key(record.id)
+                artifact, session_key = _key(record.artifact_id), _key(record.session_id)
+                row = (key, artifact, session_key, record.hlc, body)
             case _:
                 raise StorageError(f"commit failed: not a record: {type(record).__name__}")
         groups.setdefault(sql, []).append(row)
-        outbox.append((record.id, type(record).__name__, None))
+        outbox.append((key, type(record).__name__, None))
     return groups, outbox
 
 
@@ -535,7 +597,7 @@ def _delete_queued_and_reclaim(raw: sqlite3.Connection, client_seqs: list[int]) 
 
 
 # ?1: the session id; ?2: a JSON array of ids to keep (what a live fork refers to).
-_KEEP = "NOT IN (SELECT value FROM json_each(?2))"
+_KEEP = "NOT IN (SELECT pleach_key(value) FROM json_each(?2))"
 # Queued rows of purged contents are not removed (client_seq must stay gap-free: the server
 # refuses a gap) but turned into references to the deleted session's row: they send its
 # tombstone, and the contents never leave the device.
@@ -574,29 +636,29 @@ def _write_batch_now(
     raw: sqlite3.Connection,
     batch: WriteBatch,
     groups: dict[str, list[tuple[Any, ...]]],
-    outbox: list[tuple[str, str, bytes | None]],
+    outbox: list[tuple[str | bytes, str, bytes | None]],
     queued_groups: dict[str, list[tuple[Any, ...]]],
-    queued_outbox: list[tuple[str, str, bytes | None]],
+    queued_outbox: list[tuple[str | bytes, str, bytes | None]],
     commit: bool,
 ) -> CommitReceipt:
     """``_write_batch``'s statements, run on the connection's own thread."""
     keep = msgspec.json.encode(batch.purge_keep).decode()
     for session_id in batch.purge_sessions:
         for statement in _PURGE_SESSION:
-            raw.execute(statement, (session_id, keep))
+            raw.execute(statement, (_key(session_id), keep))
     for sql, rows in groups.items():
         raw.executemany(sql, rows)
     for sql, rows in queued_groups.items():
         raw.executemany(sql, rows)
     if batch.purge_checkpoints_for:
-        purge = [(session_id,) for session_id in batch.purge_checkpoints_for]
+        purge = [(_key(session_id),) for session_id in batch.purge_checkpoints_for]
         for statement in _PURGE_CHECKPOINTS:
             raw.executemany(statement, purge)
     if batch.rechained_audit:
         raw.executemany(
             "UPDATE audit SET client_id = ?, sequence_number = ?, body = ? WHERE id = ?",
             [
-                (row.client_id, row.sequence_number, compact.encode(row), row.id)
+                (_key(row.client_id), row.sequence_number, compact.encode(row), _key(row.id))
                 for row in batch.rechained_audit
             ],
         )
@@ -628,9 +690,10 @@ def _write_batch_now(
 def _mark_canonical(raw: sqlite3.Connection, event_ids: list[str]) -> None:
     """``WriteBatch.canonical``: each stored event's body marked canonical from its bytes
     (``compact.canonical_body``), or decoded, replaced and encoded when its form is another."""
-    ids = msgspec.json.encode(event_ids).decode()
+    ids = _keys_json(event_ids)
     rows = raw.execute(
-        "SELECT id, body FROM events WHERE id IN (SELECT value FROM json_each(?))", (ids,)
+        "SELECT id, body FROM events WHERE id IN (SELECT pleach_key(value) FROM json_each(?))",
+        (ids,),
     ).fetchall()
     updates = []
     for event_id, body in rows:
@@ -672,11 +735,11 @@ class _Reader:
         return str(rows[0][0]) if rows else None
 
     async def get_session(self, session_id: str) -> Session | None:
-        rows = await _fetch(self._conn, QUERIES["get_session"], (session_id,))
+        rows = await _fetch(self._conn, QUERIES["get_session"], (_key(session_id),))
         return _decode(_SESSION, "sessions", rows[0][0], rows[0][1]) if rows else None
 
     async def event_head(self, session_id: str) -> tuple[int, str]:
-        rows = await _fetch(self._conn, QUERIES["event_head"], (session_id,))
+        rows = await _fetch(self._conn, QUERIES["event_head"], (_key(session_id),))
         if not rows:
             return (0, "")
         event = _decode(_EVENT, "events", rows[0][0], rows[0][1])
@@ -688,7 +751,7 @@ class _Reader:
         rows = await _fetch(
             self._conn,
             QUERIES["list_events"],
-            (session_id, from_sequence, -1 if limit is None else limit),
+            (_key(session_id), from_sequence, -1 if limit is None else limit),
         )
         return [_decode(_EVENT, "events", row_id, body) for row_id, body in rows]
 
@@ -698,7 +761,7 @@ class _Reader:
         rows = await _fetch(
             self._conn,
             QUERIES["list_events"],
-            (session_id, from_sequence, -1 if limit is None else limit),
+            (_key(session_id), from_sequence, -1 if limit is None else limit),
         )
         return [
             event_place_of(body, partial(_decode, _EVENT, "events", row_id, body))
@@ -710,18 +773,17 @@ class _Reader:
         return [_decode(_SESSION, "sessions", row_id, body) for row_id, body in rows]
 
     async def list_checkpoints(self, session_id: str) -> list[Checkpoint]:
-        rows = await _fetch(self._conn, QUERIES["list_checkpoints"], (session_id,))
+        rows = await _fetch(self._conn, QUERIES["list_checkpoints"], (_key(session_id),))
         return [_decode(_CHECKPOINT, "checkpoints", row_id, body) for row_id, body in rows]
 
     async def missing_messages(self, message_ids: list[str]) -> list[str]:
         if not message_ids:
             return []
-        ids = msgspec.json.encode(message_ids).decode()
-        rows = await _fetch(self._conn, QUERIES["missing_messages"], (ids,))
+        rows = await _fetch(self._conn, QUERIES["missing_messages"], (_keys_json(message_ids),))
         return [str(row[0]) for row in rows]
 
     async def session_queued(self, session_id: str) -> bool:
-        return bool(await _fetch(self._conn, QUERIES["session_queued"], (session_id,)))
+        return bool(await _fetch(self._conn, QUERIES["session_queued"], (_key(session_id),)))
 
     async def queued_records(self) -> list[Record]:
         rows = await _fetch(self._conn, QUERIES["outbox_pending"], (0, -1))
@@ -730,9 +792,7 @@ class _Reader:
     async def audit_rows(self, row_ids: list[str]) -> list[AuditRow]:
         if not row_ids:
             return []
-        rows = await _fetch(
-            self._conn, QUERIES["audit_rows"], (msgspec.json.encode(row_ids).decode(),)
-        )
+        rows = await _fetch(self._conn, QUERIES["audit_rows"], (_keys_json(row_ids),))
         return [_decode(_AUDIT, "audit", row_id, body) for row_id, body in rows]
 
 
@@ -819,6 +879,7 @@ class SQLiteAdapter(AsyncResource):
         self._state = _State.OPEN
 
     async def _prepare(self, conn: aiosqlite.Connection) -> None:
+        await conn.create_function("pleach_key", 1, _sql_key, deterministic=True)
         # Refuse a newer file before changing anything in it (even its journal mode).
         if await self._check_version(conn) == 0:
             # A new file: before the first table, and before WAL mode writes the header.
@@ -963,7 +1024,7 @@ class SQLiteAdapter(AsyncResource):
                 new = msgspec.structs.replace(
                     old, subject_key=None, request_id=None, detail={}, redacted=True
                 )
-                updates.append((compact.encode(new), row_id))
+                updates.append((compact.encode(new), row_id))  # (the stored key)
             if updates:
                 await conn.executemany(_REDACT_AUDIT, updates)
         return len(updates)
@@ -985,7 +1046,7 @@ class SQLiteAdapter(AsyncResource):
 
     async def _one(self, decoder: _Body[_T], table: str, query: str, key: str) -> _T | None:
         async with self._reading(f"read {table}") as conn:
-            rows = await _fetch(conn, QUERIES[query], (key,))
+            rows = await _fetch(conn, QUERIES[query], (_key(key),))
         return _decode(decoder, table, rows[0][0], rows[0][1]) if rows else None
 
     async def _many(
@@ -1008,28 +1069,25 @@ class SQLiteAdapter(AsyncResource):
         if not message_ids:
             return []
         async with self._reading("read messages") as conn:
-            rows = await _fetch(
-                conn, QUERIES["get_messages"], (msgspec.json.encode(message_ids).decode(),)
-            )
-        bodies: dict[str, bytes] = {row_id: body for row_id, body in rows}
+            rows = await _fetch(conn, QUERIES["get_messages"], (_keys_json(message_ids),))
+        bodies: dict[str | bytes, bytes] = {row_id: body for row_id, body in rows}
         # Decoding per position: a repeated id gets its own copy.
-        return [
-            _decode(_MESSAGE, "messages", message_id, bodies[message_id])
-            for message_id in message_ids
-            if message_id in bodies
-        ]
+        keys = [_key(message_id) for message_id in message_ids]
+        return [_decode(_MESSAGE, "messages", key, bodies[key]) for key in keys if key in bodies]
 
     async def get_checkpoint(self, checkpoint_id: str) -> Checkpoint | None:
         return await self._one(_CHECKPOINT, "checkpoints", "get_checkpoint", checkpoint_id)
 
     async def list_checkpoints(self, session_id: str) -> list[Checkpoint]:
         """Checkpoints of a session, oldest first (by hlc, then id)."""
-        return await self._many(_CHECKPOINT, "checkpoints", "list_checkpoints", (session_id,))
+        key = _key(session_id)
+        return await self._many(_CHECKPOINT, "checkpoints", "list_checkpoints", (key,))
 
     async def child_checkpoints(self, session_id: str, parent_id: str) -> list[Checkpoint]:
         """The session's checkpoints whose parent is ``parent_id``, oldest first."""
         async with self._reading("read checkpoints") as conn:
-            rows = await _fetch(conn, QUERIES["child_checkpoints"], (session_id, parent_id))
+            keys = (_key(session_id), _key(parent_id))
+            rows = await _fetch(conn, QUERIES["child_checkpoints"], keys)
         return decode_children(
             rows, parent_id, lambda key, body: _decode(_CHECKPOINT, "checkpoints", key, body)
         )
@@ -1041,11 +1099,12 @@ class SQLiteAdapter(AsyncResource):
         only those of ``types`` when given."""
         async with self._reading("read events") as conn:
             if types is None:
-                rows = await _fetch(conn, QUERIES["list_events"], (session_id, from_sequence, -1))
+                params = (_key(session_id), from_sequence, -1)
+                rows = await _fetch(conn, QUERIES["list_events"], params)
             else:
                 wanted = msgspec.json.encode(sorted(types)).decode()
                 query = QUERIES["list_events_of_types"]
-                rows = await _fetch(conn, query, (session_id, from_sequence, wanted))
+                rows = await _fetch(conn, query, (_key(session_id), from_sequence, wanted))
         return decode_events(rows, types, lambda key, body: _decode(_EVENT, "events", key, body))
 
     async def event_payloads(
@@ -1056,7 +1115,7 @@ class SQLiteAdapter(AsyncResource):
         async with self._reading("read events") as conn:
             wanted = msgspec.json.encode(sorted(types)).decode()
             query = QUERIES["list_events_of_types"]
-            rows = await _fetch(conn, query, (session_id, 0, wanted))
+            rows = await _fetch(conn, query, (_key(session_id), 0, wanted))
         return decode_payloads(rows, types, lambda key, body: _decode(_EVENT, "events", key, body))
 
     async def get_event(self, event_id: str) -> Event | None:
@@ -1067,17 +1126,18 @@ class SQLiteAdapter(AsyncResource):
     ) -> list[AuditRow]:
         """Audit rows ordered by (client_id, sequence_number, id)."""
         if session_id is not None and client_id is not None:
-            return await self._many(_AUDIT, "audit", "list_audit_both", (session_id, client_id))
+            both = (_key(session_id), _key(client_id))
+            return await self._many(_AUDIT, "audit", "list_audit_both", both)
         if session_id is not None:
-            return await self._many(_AUDIT, "audit", "list_audit_session", (session_id,))
+            return await self._many(_AUDIT, "audit", "list_audit_session", (_key(session_id),))
         if client_id is not None:
-            return await self._many(_AUDIT, "audit", "list_audit_client", (client_id,))
+            return await self._many(_AUDIT, "audit", "list_audit_client", (_key(client_id),))
         return await self._many(_AUDIT, "audit", "list_audit", ())
 
     async def list_artifact_updates(self, artifact_id: str) -> list[ArtifactUpdate]:
         """Updates of one artifact by hlc, then id (any order merges to the same document)."""
         return await self._many(
-            _ARTIFACT, "artifact_updates", "list_artifact_updates", (artifact_id,)
+            _ARTIFACT, "artifact_updates", "list_artifact_updates", (_key(artifact_id),)
         )
 
     # -- outbox ---------------------------------------------------------------------------
