@@ -37,7 +37,7 @@ from bench.bench_local import RecordingAdapter, Row, raw_rows, render
 from pleach_client.providers.scripted import ScriptedProvider, ScriptedReply
 from pleach_client.runtime import SessionRuntime
 from pleach_client.store.base import WriteBatch
-from pleach_client.store.sqlite import _ENQUEUE, _MIGRATIONS, _PUT_META, SQLiteAdapter
+from pleach_client.store.sqlite import _ENQUEUE, _PUT_META, SQLiteAdapter, create_schema
 from pleach_server.auth import issue_token
 from pleach_server.server import SyncServer
 from pleach_server.store import SQLiteServerStore, Tenant
@@ -126,9 +126,7 @@ def raw_bulk(path: Path, batches: list[WriteBatch]) -> float:
     try:
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = NORMAL")
-        for step in _MIGRATIONS:
-            for statement in step:
-                conn.execute(statement)
+        create_schema(conn)
         started = time.perf_counter()
         conn.execute("BEGIN IMMEDIATE")
         for groups, enqueue, meta in rows:

@@ -41,10 +41,10 @@ from pleach_client.store.base import CommitReceipt, Plan, StorageAdapter, TxRead
 from pleach_client.store.memory import MemoryAdapter
 from pleach_client.store.sqlite import (
     _ENQUEUE,
-    _MIGRATIONS,
     _PUT_META,
     SQLiteAdapter,
     _encode_batch,
+    create_schema,
 )
 from shared.messages import FrameCodec, Push
 from shared.records import Change, Record, Session, encode_record
@@ -255,9 +255,7 @@ def raw_replay(path: Path, rows: Sequence[RawTurn]) -> list[float]:
     try:
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = NORMAL")
-        for step in _MIGRATIONS:
-            for statement in step:
-                conn.execute(statement)
+        create_schema(conn)
         out: list[float] = []
         for groups, enqueue, meta in rows:
             started = time.perf_counter()

@@ -65,7 +65,7 @@ from .base import (
     outbox_entries,
 )
 
-__all__ = ["SCHEMA_VERSION", "SQLiteAdapter", "Synchronous"]
+__all__ = ["SCHEMA_VERSION", "SQLiteAdapter", "Synchronous", "create_schema"]
 
 log = logging.getLogger("pleach.store")
 
@@ -205,6 +205,17 @@ def _id(key: object) -> str:
     if isinstance(key, bytes) and len(key) == 16:
         return str(uuid.UUID(bytes=key))
     return str(key)
+
+
+def create_schema(raw: sqlite3.Connection) -> None:
+    """The device schema, as ``open()`` migrates a new file to it, on a plain ``sqlite3``
+    connection (for a tool or a baseline that writes the rows directly); ``pleach_key`` is
+    registered on it."""
+    raw.create_function("pleach_key", 1, _sql_key, deterministic=True)
+    for step in _MIGRATIONS:
+        for statement in step:
+            raw.execute(statement)
+    raw.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
 
 def _keys_json(ids: Collection[str]) -> str:
