@@ -42,7 +42,7 @@ from shared.records import (
 )
 
 from .cache import RecordCache
-from .store.base import CommitReceipt, StorageAdapter, TxReader, WriteBatch
+from .store.base import CommitReceipt, Rerunnable, StorageAdapter, TxReader, WriteBatch
 from .transcript import Transcript
 
 _R = TypeVar("_R", bound=Record)
@@ -393,8 +393,12 @@ class DeviceCore:
                 rechained_audit=moved,
             )
 
+        # Its only effects are what it returns (and caches that stay right): without a
+        # callback of the caller's or an identity to take, it may be planned on the store's
+        # last meta and committed in one step (``Rerunnable``).
+        rerunnable = prepare is None and compute_meta is None and identity is None
         try:
-            receipt = await self.store.transact(plan)
+            receipt = await self.store.transact(Rerunnable(plan) if rerunnable else plan)
         except BaseException:
             if previous is not None:
                 self.client_id, self.clock = previous

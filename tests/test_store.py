@@ -19,6 +19,7 @@ pytest.register_assert_rewrite("tests.store_conformance")
 
 from pleach_client.store import MemoryAdapter, SQLiteAdapter, StorageAdapter  # noqa: E402
 from pleach_client.store import sqlite as sqlite_module  # noqa: E402
+from pleach_client.store.base import Rerunnable, WriteBatch  # noqa: E402
 from pleach_client.store.sqlite import QUERIES, SCHEMA_VERSION  # noqa: E402
 from shared.errors import InvalidState, StorageError  # noqa: E402
 from shared.records import Record, encode_record  # noqa: E402
@@ -872,3 +873,80 @@ async def test_a_schema_4_file_migrates_its_ids_to_keys(db_path: Path) -> None:
         assert _uuid_texts(conn) == {}
     finally:
         conn.close()
+
+
+# -- a rerunnable plan: planned on the meta the store saw last, written in one hop ---------
+
+
+def _count_hops(store: SQLiteAdapter) -> list[int]:
+    """How many times the store's connection hands work to its thread (one cell, reset by
+    the caller)."""
+    conn = store._conn
+    assert conn is not None
+    hops = [0]
+    execute = conn._execute
+
+    async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        hops[0] += 1
+        return await execute(fn, *args, **kwargs)
+
+    conn._execute = counted  # type: ignore[method-assign]
+    return hops
+
+
+def _increment(calls: list[str], reads_session: bool = False) -> Rerunnable:
+    """A counter in ``sync_state`` taken one up, and a message written beside it: a
+    read-modify-write that loses an update if it is ever planned on stale meta."""
+
+    async def plan(tx: Any) -> WriteBatch:
+        calls.append("plan")
+        if reads_session:
+            await tx.get_session("s-1")
+        n = int(await tx.get_meta("n") or 0)
+        return WriteBatch(records=[make_message(session_id="s-1")], meta={"n": str(n + 1)})
+
+    return Rerunnable(plan)
+
+
+async def test_a_rerunnable_plan_on_an_unchanged_file_commits_in_one_hop(db_path: Path) -> None:
+    calls: list[str] = []
+    async with SQLiteAdapter(db_path) as store:
+        await store.transact(_increment(calls))  # the first: nothing seen yet, under the lock
+        hops = _count_hops(store)
+        for expected in range(2, 6):
+            hops[0], calls[:] = 0, []
+            receipt = await store.transact(_increment(calls))
+            assert (hops[0], calls, len(receipt.client_seqs)) == (1, ["plan"], 1)
+            assert await store.get_meta("n") == str(expected)
+        # A plan that reads more than the meta keys runs again under the lock (two hops).
+        hops[0], calls[:] = 0, []
+        await store.transact(_increment(calls, reads_session=True))
+        assert calls == ["plan", "plan"] and await store.get_meta("n") == "6"
+        # A meta key set outside a plan: the next plan runs under the lock, on what is there.
+        await store.set_meta("n", "100")
+        hops[0], calls[:] = 0, []
+        await store.transact(_increment(calls))
+        assert calls == ["plan"] and hops[0] >= 2 and await store.get_meta("n") == "101"
+        # A plan without the mark always runs under the lock.
+        hops[0], calls[:] = 0, []
+        await store.transact(_increment(calls).plan)
+        assert hops[0] >= 2 and await store.get_meta("n") == "102"
+        assert await store.outbox_count() == 8
+
+
+async def test_rerunnable_plans_of_two_connections_lose_no_update(db_path: Path) -> None:
+    """Two stores on one file (as two processes) each take a shared counter up 25 times, at
+    once: each plan decided on the meta its store saw last must be planned again whenever the
+    other wrote since, or an increment is lost."""
+    calls: list[str] = []
+    async with SQLiteAdapter(db_path) as a, SQLiteAdapter(db_path) as b:
+
+        async def increments(store: SQLiteAdapter) -> None:
+            for _ in range(25):
+                await store.transact(_increment(calls))
+
+        await asyncio.gather(increments(a), increments(b))
+        assert await a.get_meta("n") == await b.get_meta("n") == "50"
+        assert await a.outbox_count() == 50
+        assert len(await a.outbox_pending(limit=100)) == 50
+        assert len(calls) > 50  # (some were planned again: the other store had written)

@@ -133,6 +133,29 @@ class TxReader(Protocol):
 Plan = Callable[[TxReader], Awaitable[WriteBatch | None]]
 
 
+class Rerunnable:
+    """A plan that may be called more than once, each call's batch replacing the last: one
+    whose only effects are what it returns (and caches it keeps right whatever it reads).
+
+    A store may then call it before it takes the write lock, on a reader of the meta keys it
+    saw after its last commit, and write the batch in the same step that checks, under the
+    lock, that those keys did not change: one step to the database where a locked plan takes
+    two (``SQLiteAdapter``). When they changed, or the plan asks that reader for anything else
+    (it raises ``NotInSnapshot``), the store calls it again under the lock, as any plan. A
+    store may also ignore the mark."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+
+    def __call__(self, tx: TxReader) -> Awaitable[WriteBatch | None]:
+        return self.plan(tx)
+
+
+class NotInSnapshot(Exception):
+    """A ``Rerunnable`` plan, run before the write lock, read something the store's snapshot
+    of its meta keys does not hold: the store runs it again under the lock."""
+
+
 def fixed_plan(batch: WriteBatch) -> Plan:
     """The plan that writes ``batch`` as it is (how a store's ``commit`` uses ``transact``)."""
 

@@ -30,7 +30,7 @@ import warnings
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from enum import Enum
 from functools import partial
-from typing import Any, Final, Generic, Literal, TypeVar
+from typing import Any, Final, Generic, Literal, TypeVar, cast
 
 import aiosqlite
 import msgspec
@@ -53,8 +53,11 @@ from .base import (
     CommitReceipt,
     DeadLetter,
     EventPlace,
+    NotInSnapshot,
     OutboxEntry,
     Plan,
+    Rerunnable,
+    TxReader,
     WriteBatch,
     decode_children,
     decode_events,
@@ -194,10 +197,12 @@ def _key(record_id: str) -> str | bytes:
     return record_id
 
 
-def _sql_key(value: object) -> object:
+def _sql_key(value: object) -> str | bytes | int | float | None:
     """``pleach_key(x)`` in SQL: ``_key`` of a text, anything else as it is (a converted key,
     NULL)."""
-    return _key(value) if type(value) is str else value
+    if type(value) is str:
+        return _key(value)
+    return value if isinstance(value, bytes | int | float) else None
 
 
 def _id(key: object) -> str:
@@ -632,15 +637,36 @@ async def _write_batch(
     every statement of a batch runs there back to back (a turn's commit was about ten awaited
     hops, each a thread handoff, for well under a millisecond of SQLite work). ``commit``:
     end the transaction in the same hop (``_immediate`` then has nothing left to commit)."""
-    groups, outbox = _encode_batch(batch.records)
-    queued_groups, queued_outbox = _encode_batch(batch.queued)
     # aiosqlite runs queued functions on its connection thread, in order; it has no public
     # name for that, so this uses its ``_execute`` and ``_conn`` (pinned: aiosqlite < 0.23).
     raw: sqlite3.Connection = conn._conn
     receipt: CommitReceipt = await conn._execute(  # type: ignore[no-untyped-call]
-        _write_batch_now, raw, batch, groups, outbox, queued_groups, queued_outbox, commit
+        _write_batch_now, raw, batch, *_encoded(batch), commit
     )
     return receipt
+
+
+def _encoded(batch: WriteBatch) -> tuple[Any, ...]:
+    """``_write_batch_now``'s rows of ``batch``, encoded on the caller's thread."""
+    return (*_encode_batch(batch.records), *_encode_batch(batch.queued))
+
+
+def _write_if_unchanged(
+    raw: sqlite3.Connection, seen: dict[str, str], batch: WriteBatch, *encoded: Any
+) -> CommitReceipt | None:
+    """A ``Rerunnable`` plan's batch in one hop: ``BEGIN IMMEDIATE``, and when ``sync_state``
+    is still ``seen`` (what the plan decided on) the batch and ``COMMIT``; else ``ROLLBACK``
+    and None (another connection wrote since: the caller plans again under the lock)."""
+    if _begin_reading_meta(raw) != seen:
+        raw.execute("ROLLBACK")
+        return None
+    groups, outbox, queued_groups, queued_outbox = encoded
+    try:
+        return _write_batch_now(raw, batch, groups, outbox, queued_groups, queued_outbox, True)
+    except BaseException:
+        if raw.in_transaction:
+            raw.execute("ROLLBACK")
+        raise
 
 
 def _write_batch_now(
@@ -807,6 +833,23 @@ class _Reader:
         return [_decode(_AUDIT, "audit", row_id, body) for row_id, body in rows]
 
 
+class _SnapshotReader:
+    """``TxReader`` of a ``Rerunnable`` plan run before the write lock: the meta keys as the
+    store saw them after its last commit, and nothing else (``NotInSnapshot``)."""
+
+    def __init__(self, meta: dict[str, str]) -> None:
+        self._meta = meta
+
+    async def get_meta(self, key: str) -> str | None:
+        return self._meta.get(key)
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        async def not_here(*args: Any, **kwargs: Any) -> Any:
+            raise NotInSnapshot(name)
+
+        return not_here
+
+
 class SQLiteAdapter(AsyncResource):
     """A ``StorageAdapter`` over one SQLite file (``durable = True``).
 
@@ -839,6 +882,9 @@ class SQLiteAdapter(AsyncResource):
         self._closing: asyncio.Future[None] | None = None
         self._reclaims = False
         """The file's ``auto_vacuum`` is INCREMENTAL: an outbox removal may give pages back."""
+        self._seen: dict[str, str] | None = None
+        """``sync_state`` as this connection left it after its last ``transact`` (None: not
+        known), on which a ``Rerunnable`` plan runs before the write lock."""
         self._checkpointer: aiosqlite.Connection | None = None
         self._checkpoints = Every(CHECKPOINT_EVERY, self._checkpoint)
         """A side checkpoint every ``CHECKPOINT_EVERY`` commits (``close`` waits for it)."""
@@ -886,6 +932,7 @@ class SQLiteAdapter(AsyncResource):
             self._state = _State.CLOSED
             raise
         self._conn = conn
+        self._seen = None
         self._closing = None
         self._state = _State.OPEN
 
@@ -1016,13 +1063,44 @@ class SQLiteAdapter(AsyncResource):
         to ``busy_timeout_ms``) with a reader on the same transaction, then write its batch."""
         async with self._lock:
             conn = self._require_open()
-            async with _immediate(conn, "commit", read_meta=True) as meta:
-                batch = await plan(_Reader(conn, meta))
-                if batch is None:
-                    return CommitReceipt(client_seqs=[], records=0)
-                receipt = await _write_batch(conn, batch, commit=True)
+            seen, self._seen = self._seen, None  # (known again only once this one commits)
+            receipt: CommitReceipt | None = None
+            if seen is not None and isinstance(plan, Rerunnable):
+                receipt = await self._transact_as_seen(conn, plan, seen)
+            if receipt is None:
+                async with _immediate(conn, "commit", read_meta=True) as meta:
+                    batch = await plan(_Reader(conn, meta))
+                    if batch is None:
+                        self._seen = meta
+                        return CommitReceipt(client_seqs=[], records=0)
+                    receipt = await _write_batch(conn, batch, commit=True)
+                self._seen = None if meta is None else {**meta, **batch.meta}
             self._checkpoints.tick()
             return receipt
+
+    async def _transact_as_seen(
+        self, conn: aiosqlite.Connection, plan: Rerunnable, seen: dict[str, str]
+    ) -> CommitReceipt | None:
+        """``plan`` on the meta keys ``seen`` after the last commit, its batch written in one
+        hop if nothing changed them since (``_write_if_unchanged``); None when the plan must
+        run under the lock (it read more than those keys, decided nothing, or another
+        connection wrote). The lock is held, so no other call of this store runs between."""
+        try:
+            batch = await plan(cast(TxReader, _SnapshotReader(seen)))
+        except NotInSnapshot:
+            return None
+        if batch is None:
+            return None
+        raw: sqlite3.Connection = conn._conn
+        try:
+            receipt: CommitReceipt | None = await conn._execute(  # type: ignore[no-untyped-call]
+                _write_if_unchanged, raw, seen, batch, *_encoded(batch)
+            )
+        except _DB_ERRORS as exc:
+            raise _storage_error("commit", exc) from exc
+        if receipt is not None:
+            self._seen = {**seen, **batch.meta}
+        return receipt
 
     async def gdpr_soft_delete(self, subject_key: str) -> int:
         """Clear ``subject_key``, ``request_id`` and ``detail`` of the subject's audit rows and
@@ -1050,6 +1128,7 @@ class SQLiteAdapter(AsyncResource):
     async def set_meta(self, key: str, value: str) -> None:
         if not isinstance(value, str):
             raise StorageError(f"meta {key!r} must be a string, not {type(value).__name__}")
+        self._seen = None
         async with self._transaction("set meta") as conn:
             await conn.execute(_PUT_META, (key, value))
 
