@@ -1082,8 +1082,11 @@ async def _finish(
         # The turn's checkpoint holds all its messages, those committed when it waited too.
         # A rollback while it waited took those from the row: the turn then lands whole
         # after what the row holds (its tool results never come without their calls).
-        ids, turn = current.state.message_ids, set(kept)
-        if not turn <= set(ids):
+        # (Only a turn that waited has committed messages: the common turn reads no set of
+        # the row's ids, which grows with the session.)
+        ids = current.state.message_ids
+        if kept and not set(kept) <= set(ids):
+            turn = set(kept)
             ids = [i for i in ids if i not in turn] + kept
         checkpoint = core.draft_checkpoint(
             session.id,
