@@ -811,15 +811,23 @@ def _a_history() -> list[Record]:
     ]
 
 
-def _text_ids(path: Path, version: int) -> None:
-    """Turn the file's keys back into text ids and mark it ``version``: a file as the schema
-    before 5 kept it."""
+def _as_schema_4(source: Path, path: Path) -> None:
+    """A file as schema 4 kept it (its tables, ids as text), holding ``source``'s rows."""
     conn = raw(path)
     conn.create_function("pleach_text", 1, lambda k: unkey(k) if isinstance(k, bytes) else k)
-    for table, columns in KEY_COLUMNS.items():
-        assignments = ", ".join(f"{c} = pleach_text({c})" for c in columns)
-        conn.execute(f"UPDATE {table} SET {assignments}")
-    conn.execute(f"PRAGMA user_version = {version}")
+    for step in sqlite_module._MIGRATIONS[:4]:
+        for statement in step:
+            conn.execute(statement)
+    conn.execute("PRAGMA user_version = 4")
+    conn.execute("ATTACH DATABASE ? AS new", (str(source),))
+    for table in TABLES:
+        columns = [row[1] for row in conn.execute(f"PRAGMA new.table_info({table})")]
+        keys = KEY_COLUMNS.get(table, ())
+        read = ", ".join(f"pleach_text({c})" if c in keys else c for c in columns)
+        conn.execute(
+            f"INSERT INTO main.{table} ({', '.join(columns)}) SELECT {read} FROM new.{table}"
+        )
+    conn.execute("DETACH DATABASE new")
     conn.close()
 
 
@@ -842,15 +850,17 @@ async def test_every_id_column_keeps_a_uuid_as_its_bytes(db_path: Path) -> None:
         conn.close()
 
 
-async def test_a_schema_4_file_migrates_its_ids_to_keys(db_path: Path) -> None:
+async def test_a_schema_4_file_migrates_its_ids_to_keys(db_path: Path, tmp_path: Path) -> None:
     history = _a_history()
-    async with SQLiteAdapter(db_path) as store:
+    source = tmp_path / "source.db"
+    async with SQLiteAdapter(source) as store:
         await commit(store, *history)
         await store.outbox_dead_letter(2, 3007, "invalid")
         before = await store.outbox_pending()
-    _text_ids(db_path, 4)
+    _as_schema_4(source, db_path)
     conn = raw(db_path)
     assert _uuid_texts(conn) != {}
+    assert conn.execute("SELECT count(*) FROM events").fetchone()[0] == 2
     conn.close()
     async with SQLiteAdapter(db_path) as store:
         assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 5
