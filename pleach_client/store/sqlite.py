@@ -192,9 +192,23 @@ def _key(record_id: str) -> str | bytes:
     any other id as its text. One to one, since a column's BLOB never equals a TEXT: every
     statement binds ``_key(id)``, or converts in SQL with ``pleach_key``. (A value that is no
     text, which only a malformed record holds, is bound as it is: the constraint refuses it.)"""
-    if type(record_id) is str and len(record_id) == 36 and _UUID_TEXT.match(record_id):
-        return bytes.fromhex(record_id.replace("-", ""))
+    if type(record_id) is not str:
+        return record_id
+    key = _KEYS.get(record_id)
+    if key is not None:
+        return key
+    if len(record_id) == 36 and _UUID_TEXT.match(record_id):
+        if len(_KEYS) >= _KEYS_LIMIT:
+            _KEYS.clear()
+        key = _KEYS[record_id] = bytes.fromhex(record_id.replace("-", ""))
+        return key
     return record_id
+
+
+_KEYS: Final[dict[str, bytes]] = {}
+"""UUID text -> its 16 bytes: a turn binds its session's and device's ids again and again.
+Emptied at ``_KEYS_LIMIT`` entries (about 1 MB), cheaper than LRU bookkeeping."""
+_KEYS_LIMIT: Final = 8192
 
 
 def _sql_key(value: object) -> str | bytes | int | float | None:
