@@ -206,6 +206,8 @@ class TurnContext:
     ) -> builtins.list[CustomEvent]:
         """The custom events emitted since the last drain (the turn yields them); notes go to
         ``record`` (the turn's event log)."""
+        if not self._custom and not self._notes:  # (every chunk of a turn asks: the most)
+            return []
         if record is not None and self._notes:
             notes, self._notes = self._notes, []
             for kind, payload in notes:

@@ -507,6 +507,8 @@ class EventBus:
         self._handlers.clear()
 
     def emit(self, event: StreamEventBase) -> None:
+        if not self._handlers:  # (every streamed chunk comes here)
+            return
         for key in (event.type, "*"):
             handlers = self._handlers.get(key)
             if not handlers:

@@ -563,10 +563,11 @@ class StreamManager:
                 self._throttle(event)
             return
         session_id = event.session_id
-        if session_id in self._held:
+        if self._held and session_id in self._held:
             self._release(session_id)  # the held text comes before this event, in order
-        self._last_delta.pop(session_id, None)
-        if self._allowed(event.type):
+        if self._last_delta:
+            self._last_delta.pop(session_id, None)
+        if self._subs and self._allowed(event.type):  # (no subscriber: nobody to tell)
             self._deliver(event)
 
     def _allowed(self, kind: str) -> bool:

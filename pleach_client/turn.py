@@ -496,7 +496,10 @@ async def _run_turn(
                         if abort is not None and abort.is_set():
                             raise _Aborted
                         try:
-                            pev = await _next_event(stream, abort_wait)
+                            if abort_wait is None:  # (each chunk: no task of its own)
+                                pev = await anext(stream)
+                            else:
+                                pev = await _next_event(stream, abort_wait)
                         except StopAsyncIteration:
                             break
                         match pev:
