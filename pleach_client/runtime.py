@@ -744,7 +744,10 @@ class SessionRuntime(LegacySurface):
         early: ``async with contextlib.aclosing(rt.execute_message(...)) as events``.
         ``file_references``: files the model sees with the message (``pleach_client.files``).
         """
-        turn_events = run_turn(self, session_id, content, abort, files=file_references)
+        turn_events = cast(
+            AsyncGenerator[StreamEvent, None],
+            run_turn(self, session_id, content, abort, files=file_references),
+        )
         # (``_stream`` inline: one generator fewer for each of the turn's events to pass.)
         async with self.core.turn_lock(session_id), contextlib.aclosing(turn_events) as turn:
             async for event in turn:
