@@ -507,10 +507,14 @@ class EventBus:
         self._handlers.clear()
 
     def emit(self, event: StreamEventBase) -> None:
-        if not self._handlers:  # (every streamed chunk comes here)
+        found = self._handlers
+        if not found:  # (every streamed chunk comes here)
             return
-        for key in (event.type, "*"):
-            handlers = self._handlers.get(key)
+        kind = event.type
+        if kind not in found and "*" not in found:
+            return
+        for key in (kind, "*"):
+            handlers = found.get(key)
             if not handlers:
                 continue
             for handler, once in list(handlers):

@@ -502,18 +502,18 @@ async def _run_turn(
                                 pev = await _next_event(stream, abort_wait)
                         except StopAsyncIteration:
                             break
-                        match pev:
-                            case MessageStart():
-                                call.request_id = pev.request_id
-                                call.input_tokens = pev.input_tokens
-                                call.cache_creation = pev.cache_creation_input_tokens
-                                call.cache_read = pev.cache_read_input_tokens
+                        match pev:  # (text first: nearly every chunk is text)
                             case TextDelta(index=i, text=text):
                                 call.partial_text[i] = call.partial_text.get(i, "") + text
                                 call.chars_out += len(text)
                                 yield MessageDeltaEvent(
                                     session_id=session.id, message_id=reply_id, delta=text
                                 )
+                            case MessageStart():
+                                call.request_id = pev.request_id
+                                call.input_tokens = pev.input_tokens
+                                call.cache_creation = pev.cache_creation_input_tokens
+                                call.cache_read = pev.cache_read_input_tokens
                             case ThinkingDelta(index=i, thinking=text):
                                 call.partial_thinking[i] = call.partial_thinking.get(i, "") + text
                                 call.chars_out += len(text)
