@@ -190,10 +190,10 @@ def _capped(output: Any) -> Any:
 
 
 async def _next_event(
-    stream: AsyncGenerator[ProviderEvent, None], abort_wait: asyncio.Future[Any] | None
+    stream: AsyncGenerator[ProviderEvent, None], abort_wait: asyncio.Future[Any]
 ) -> ProviderEvent:
-    if abort_wait is None:
-        return await anext(stream)
+    """The stream's next event, or ``_Aborted`` when the abort comes first (a turn without an
+    abort event awaits ``anext`` itself: no task per chunk)."""
     step: asyncio.Future[ProviderEvent] = asyncio.ensure_future(anext(stream))
     await asyncio.wait({step, abort_wait}, return_when=asyncio.FIRST_COMPLETED)
     if step.done():

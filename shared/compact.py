@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import re
 import struct
-from typing import Any, Final, TypeVar, Union
+from typing import Any, Final, TypeVar, Union, cast
 
 import msgspec
 
@@ -48,6 +48,8 @@ __all__ = [
     "event_place",
     "event_type",
     "packed",
+    "uuid_bytes",
+    "uuid_text",
 ]
 
 KINDS: Final[tuple[str, ...]] = (
@@ -149,6 +151,13 @@ def _new_node_tail(node: str) -> bytes | None:
         except UnicodeEncodeError:  # a lone surrogate: leave it to the encoder to refuse
             return None
     return _remember(_node_tails, node, tail) if len(node) <= _NODE_CACHE_MAX else tail
+
+
+def _new_uuid_ext(value: str) -> Ext | None:
+    """A 36-character ``value`` as ext 1 when it is a canonical UUID (then cached), else None."""
+    if not _UUID.match(value):
+        return None
+    return _remember(_uuid_exts, value, Ext(_EXT_UUID, bytes.fromhex(value.replace("-", ""))))
 
 
 def _hlc(value: str) -> Ext | None:
@@ -253,12 +262,9 @@ def _pack(value: Any) -> Any:
     if kind is str:
         size = len(value)
         if size == 36:
-            ext = _uuid_exts.get(value)
+            ext = _uuid_exts.get(value) or _new_uuid_ext(value)
             if ext is not None:
                 return ext
-            if _UUID.match(value):
-                ext = Ext(_EXT_UUID, bytes.fromhex(value.replace("-", "")))
-                return _remember(_uuid_exts, value, ext)
         elif size == 64:
             digest = _hex_digest(value)
             if digest is not None:
@@ -606,6 +612,19 @@ def canonical_body(data: bytes) -> bytes | None:
     if data[:2] == bytes((_FIXARRAY + _EVENT_FIELDS + 1, _EVENT_INDEX)) and data[-1:] == _TRUE:
         return data
     return None
+
+
+def uuid_bytes(value: str) -> bytes | None:
+    """The 16 bytes of ``value`` when it is a canonical (lowercase) UUID, else None: the rule
+    and the bounded cache by which ``encode`` packs ids (a store keying its rows by them
+    converts exactly the ids a body holds as ext 1)."""
+    ext = _uuid_exts.get(value) or (_new_uuid_ext(value) if len(value) == 36 else None)
+    return None if ext is None else cast(bytes, ext.data)  # (made from bytes, above)
+
+
+def uuid_text(key: bytes) -> str:
+    """The canonical text of the UUID whose 16 bytes are ``key`` (``uuid_bytes`` reversed)."""
+    return _uuid_text(key)
 
 
 def packed(value: str | None) -> bytes:

@@ -650,3 +650,23 @@ def test_a_body_that_is_no_compact_checkpoint_reads_as_no_parent() -> None:
     assert compact.checkpoint_parent(encode_record(checkpoint)) is None  # the map form
     assert compact.checkpoint_parent(b"") is None
     assert compact.checkpoint_parent(msgspec.msgpack.encode([2, "x"])) is None  # cut short
+
+
+@given(
+    st.one_of(
+        st.uuids().map(str),
+        st.uuids().map(lambda u: str(u).upper()),
+        st.uuids().map(lambda u: u.hex),
+        st.text(min_size=30, max_size=40),
+    )
+)
+def test_uuid_bytes_converts_exactly_the_ids_a_body_packs(value: str) -> None:
+    """A store keys rows by ``uuid_bytes``: it must convert what ``encode`` packs as ext 1,
+    and nothing else, and ``uuid_text`` give the text back."""
+    packed = msgspec.msgpack.decode(compact.packed(value), ext_hook=lambda code, data: (code, data))
+    key = compact.uuid_bytes(value)
+    if isinstance(packed, tuple):
+        assert packed == (1, key)
+        assert key is not None and compact.uuid_text(key) == value
+    else:
+        assert key is None and packed == value

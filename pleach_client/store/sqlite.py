@@ -22,10 +22,8 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import sqlite3
 import time
-import uuid
 import warnings
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from enum import Enum
@@ -184,31 +182,15 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
 SCHEMA_VERSION: Final = len(_MIGRATIONS)
 
 
-_UUID_TEXT: Final = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
-
-
 def _key(record_id: str) -> str | bytes:
-    """An id as the columns keep it (schema 5): a canonical (lowercase) UUID as its 16 bytes,
-    any other id as its text. One to one, since a column's BLOB never equals a TEXT: every
-    statement binds ``_key(id)``, or converts in SQL with ``pleach_key``. (A value that is no
-    text, which only a malformed record holds, is bound as it is: the constraint refuses it.)"""
+    """An id as the columns keep it (schema 5): a canonical (lowercase) UUID as its 16 bytes
+    (``compact.uuid_bytes``: the ids a body packs as ext 1), any other id as its text. One to
+    one, since a column's BLOB never equals a TEXT: every statement binds ``_key(id)``, or
+    converts in SQL with ``pleach_key``. (A value that is no text, which only a malformed
+    record holds, is bound as it is: the constraint refuses it.)"""
     if type(record_id) is not str:
         return record_id
-    key = _KEYS.get(record_id)
-    if key is not None:
-        return key
-    if len(record_id) == 36 and _UUID_TEXT.match(record_id):
-        if len(_KEYS) >= _KEYS_LIMIT:
-            _KEYS.clear()
-        key = _KEYS[record_id] = bytes.fromhex(record_id.replace("-", ""))
-        return key
-    return record_id
-
-
-_KEYS: Final[dict[str, bytes]] = {}
-"""UUID text -> its 16 bytes: a turn binds its session's and device's ids again and again.
-Emptied at ``_KEYS_LIMIT`` entries (about 1 MB), cheaper than LRU bookkeeping."""
-_KEYS_LIMIT: Final = 8192
+    return compact.uuid_bytes(record_id) or record_id
 
 
 def _sql_key(value: object) -> str | bytes | int | float | None:
@@ -222,7 +204,7 @@ def _sql_key(value: object) -> str | bytes | int | float | None:
 def _id(key: object) -> str:
     """The id a column's key stands for (``_key`` reversed)."""
     if isinstance(key, bytes) and len(key) == 16:
-        return str(uuid.UUID(bytes=key))
+        return compact.uuid_text(key)
     return str(key)
 
 
