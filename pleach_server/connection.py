@@ -60,7 +60,6 @@ from shared.messages import (
     Welcome,
 )
 from shared.protocol import ServerProtocol, State
-from shared.records import encode_record
 from shared.tracing import Spans
 
 from .hub import Hub, Subscription
@@ -276,7 +275,7 @@ def _whole_page(
         return False
     if len(pushed.feed) == 1:
         return True  # a page always holds its first row, whatever its size
-    return sum(len(encode_record(change.record)) for change in pushed.feed) <= max_bytes
+    return sum(map(len, pushed.bodies)) <= max_bytes  # as a pull counts: the stored bytes
 
 
 def _shared_bucket(

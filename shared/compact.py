@@ -47,6 +47,7 @@ __all__ = [
     "event_payload",
     "event_place",
     "event_type",
+    "is_compact",
     "packed",
     "uuid_bytes",
     "uuid_text",
@@ -450,15 +451,15 @@ _ARRAY_HEADS: Final = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
 """The first bytes of a msgpack array (the compact form; a map-form body starts as a map)."""
 
 
-def _is_compact(data: bytes) -> bool:
+def is_compact(data: bytes | memoryview) -> bool:
     """Whether ``data`` starts as a msgpack array (the compact form) rather than a map."""
     return bool(data) and data[0] in _ARRAY_HEADS
 
 
-def decode(data: bytes) -> Record:
+def decode(data: bytes | memoryview) -> Record:
     """The record in ``data`` (compact or map form). Raises ``msgspec.DecodeError`` when the
     bytes are corrupt and ``msgspec.ValidationError`` when they decode to no valid record."""
-    if not data or data[0] not in _ARRAY_HEADS:  # _is_compact, inline
+    if not data or data[0] not in _ARRAY_HEADS:  # is_compact, inline
         return decode_record(data)  # the map form (or garbage, which it refuses)
     try:
         body = _BODY_DECODER.decode(data)
@@ -469,7 +470,7 @@ def decode(data: bytes) -> Record:
     return record
 
 
-def _decode_values(data: bytes) -> Record:
+def _decode_values(data: bytes | memoryview) -> Record:
     """``decode`` of a compact body the generic way: a list of values, then a dict of the
     fields. Slower; it gives what ``decode`` gives, and says why a body is refused."""
     raw = _DECODER.decode(data)
@@ -502,7 +503,7 @@ def _read_head(decoder: msgspec.msgpack.Decoder[Any], index: int, data: bytes) -
     """The head ``decoder`` reads of the compact body ``data`` of the kind at ``index`` in
     ``KINDS``; None when ``data`` is not such a body (the map form, another kind, corrupt
     bytes): the caller then decodes it whole, which tells."""
-    if not _is_compact(data):
+    if not is_compact(data):
         return None
     try:
         head = decoder.decode(data)

@@ -326,6 +326,6 @@ def encode_record(record: Record) -> bytes:
     return _ENCODER.encode(record)
 
 
-def decode_record(data: bytes) -> Record:
+def decode_record(data: bytes | memoryview) -> Record:
     """Decode bytes made by ``encode_record``; raises ``msgspec.DecodeError`` when corrupt."""
     return _RECORD_DECODER.decode(data)

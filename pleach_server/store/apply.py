@@ -107,7 +107,7 @@ from shared.records import (
     record_kind,
 )
 
-from .base import PushResult, Tenant
+from .base import Bodies, PushResult, Tenant
 
 __all__ = [
     "BatchKeys",
@@ -190,6 +190,9 @@ class BatchWrites:
     deleted_sessions: list[str] = field(default_factory=list)
     """Sessions tombstoned by this batch. When any, ``write`` ends (after the feed) by deleting
     the tenant's content of deleted sessions: see ``content_to_delete``."""
+    bodies: Bodies = field(default_factory=Bodies)
+    """The bytes to store of each record written (``Bodies.of``): a record stored as it was
+    pushed keeps the bytes it came in."""
 
     def __bool__(self) -> bool:
         return bool(
@@ -540,8 +543,9 @@ class _BufferedTx:
     """``StoreTx`` over a ``BatchTx``: reads from the loaded ``Snapshot`` and the batch's own
     writes; the writes are kept in order and handed to ``BatchTx.write`` by ``flush``."""
 
-    def __init__(self, tx: BatchTx) -> None:
+    def __init__(self, tx: BatchTx, bodies: Bodies) -> None:
         self._tx = tx
+        self.bodies = bodies
         self._keys = BatchKeys()
         self._loaded = Snapshot()
         self._records: dict[tuple[RecordKind, str], Record] = {}
@@ -568,6 +572,7 @@ class _BufferedTx:
             feed=feed,
             last_seq=self._last_seq,
             deleted_sessions=self._deleted,
+            bodies=self.bodies,
         )
         if not writes:
             return []
@@ -961,6 +966,7 @@ async def apply_push(
     aliases: Collection[str] = (),
     chains: bool = True,
     skipped: Collection[int] = (),
+    bodies: Collection[bytes] = (),
 ) -> PushResult:
     """Apply one push batch inside ``tx``, in order; see the module docstring for the rules.
 
@@ -971,9 +977,14 @@ async def apply_push(
     audit rows continue their chains (protocol 3; a device at 2 or earlier is not checked).
     ``skipped``: numbers that carry no record (protocol 4), in sequence with the changes: each
     fills its number and is answered ``superseded`` (``duplicate`` at or below ``last_seq``).
+    ``bodies``: the bytes each change's record arrived in, in order (protocol 6; empty: none),
+    kept as its stored bytes when it is stored as pushed (see ``Bodies``).
     The caller commits ``tx`` when this returns and rolls it back when it raises.
     """
-    buffered = _BufferedTx(tx)
+    if bodies and len(bodies) != len(changes):
+        raise ValueError(f"{len(bodies)} bodies for {len(changes)} changes")
+    stored = Bodies(zip((c.record for c in changes), bodies, strict=False))
+    buffered = _BufferedTx(tx, stored)
     view: StoreTx = buffered if wrap is None else wrap(buffered)
     await view.lock_tenant(tenant)
     start_seq = last_seq = await view.get_last_seq(tenant, client_id)
@@ -1085,4 +1096,5 @@ async def apply_push(
         ),
         previous_head=previous_head,
         as_pushed=batch.as_pushed and bool(batch.feed),
+        bodies=[stored.of(r) for r in batch.feed] if previous_head is not None else [],
     )

@@ -8,16 +8,17 @@ monotonic ``cursor``. A pull never skips a change that commits later under a low
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from types import TracebackType
 from typing import Protocol, Self, runtime_checkable
 
 import msgspec
 
+from shared import compact
 from shared.clock import HybridClock
 from shared.errors import StorageError
 from shared.messages import ChangeResult
-from shared.records import Change, FeedChange, Record, Session, decode_record
+from shared.records import Change, FeedChange, Record, Session
 
 
 class Tenant(msgspec.Struct, frozen=True, kw_only=True):
@@ -47,6 +48,9 @@ class PushResult(msgspec.Struct, kw_only=True):
     feed: list[FeedChange] = []
     previous_head: int | None = None
     as_pushed: bool = False
+    bodies: list[bytes] = []
+    """The stored bytes of each of ``feed``'s records, in order (empty when ``feed`` is):
+    what a live page to a device at protocol 6 carries, and what its size is counted by."""
 
 
 class PullResult(msgspec.Struct, kw_only=True):
@@ -154,20 +158,59 @@ class ServerStore(Protocol):
         ...
 
 
-_SESSION_DECODER = msgspec.msgpack.Decoder(Session)
+def encode_body(record: Record) -> bytes:
+    """The bytes a server store keeps of ``record``: its compact form (``shared.compact``),
+    which is also what a device at protocol 6 sends and receives (see ``shared.messages``)."""
+    return compact.encode(record)
+
+
+def decode_body(body: bytes | memoryview) -> Record:
+    """A stored body: the compact form, or the map form (``encode_record``) that servers
+    before the compact form wrote. Raises ``msgspec.DecodeError`` when it is corrupt."""
+    return compact.decode(body)
+
+
+class Bodies:
+    """The bytes a push stores of each of its records, each record encoded at most once.
+
+    ``sent`` maps a pushed record to the bytes it arrived in (protocol 6). A record stored
+    exactly as it arrived (the same object: an immutable record is stored as pushed) keeps
+    those bytes when they are in the compact form; anything else (a map-form body, a merged
+    session, an event at its canonical place) is encoded. Records are matched by identity,
+    never by equality: a different record with equal fields is encoded for itself.
+    """
+
+    __slots__ = ("_known",)
+
+    def __init__(self, sent: Iterable[tuple[Record, bytes]] = ()) -> None:
+        self._known: dict[int, tuple[Record, bytes]] = {
+            id(record): (record, body) for record, body in sent if compact.is_compact(body)
+        }
+
+    def of(self, record: Record) -> bytes:
+        """The stored bytes of ``record``."""
+        known = self._known.get(id(record))
+        if known is not None and known[0] is record:
+            return known[1]
+        body = encode_body(record)
+        self._known[id(record)] = (record, body)
+        return body
 
 
 def decode_session(session_id: str, body: bytes) -> Session:
     """A stored session row; ``StorageError`` when it is corrupt."""
     try:
-        return _SESSION_DECODER.decode(body)
+        session = decode_body(body)
     except msgspec.DecodeError as exc:
         raise StorageError(f"corrupt session row {session_id!r}") from exc
+    if not isinstance(session, Session):
+        raise StorageError(f"corrupt session row {session_id!r}: holds a {type(session).__name__}")
+    return session
 
 
 def decode_stored(kind: str, record_id: str, body: bytes) -> Record:
     """A stored record of ``kind``; ``StorageError`` when it is corrupt."""
     try:
-        return decode_record(body)
+        return decode_body(body)
     except msgspec.DecodeError as exc:
         raise StorageError(f"corrupt {kind} row {record_id!r}") from exc

@@ -69,8 +69,6 @@ from shared.records import (
     Change,
     FeedChange,
     Record,
-    decode_record,
-    encode_record,
     kind_of,
     record_kind,
 )
@@ -91,6 +89,7 @@ from .base import (
     PullResult,
     PushResult,
     Tenant,
+    decode_body,
     decode_session,
     decode_stored,
 )
@@ -129,7 +128,7 @@ async def _backfill_audit_places(conn: Any, s: str) -> None:
     )
     places: list[list[Any]] = [[], [], [], [], [], []]
     for org_id, user_id, body in rows:
-        row = decode_record(body)
+        row = decode_body(body)
         if isinstance(row, AuditRow):
             for column, value in zip(places, (org_id, user_id, *_place(row)), strict=True):
                 column.append(value)
@@ -762,7 +761,7 @@ class _PostgresTx:
             info = kind_of(r)
             if info.merge == "versioned" or info.server_placed:
                 raise TypeError(f"{info.name} records are not written as records")
-            row = (info.name, r.id, r.org_id, r.user_id, info.session_of(r), encode_record(r))
+            row = (info.name, r.id, r.org_id, r.user_id, info.session_of(r), writes.bodies.of(r))
             for column, value in zip(records, row, strict=True):
                 column.append(value)
         events, sessions, feed = writes.events, writes.sessions, writes.feed
@@ -785,12 +784,12 @@ class _PostgresTx:
                 [e.org_id for e in events],
                 [e.user_id for e in events],
                 [e.row_hash for e in events],
-                [encode_record(e) for e in events],
+                [writes.bodies.of(e) for e in events],
                 [x.id for x in sessions],
                 [x.org_id for x in sessions],
                 [x.user_id for x in sessions],
                 [x.updated_at for x in sessions],
-                [encode_record(x) for x in sessions],
+                [writes.bodies.of(x) for x in sessions],
                 client_id,
                 writes.last_seq,
                 *places,
@@ -1060,6 +1059,7 @@ class PostgresServerStore(AsyncResource):
         aliases: Collection[str] = (),
         chains: bool = True,
         skipped: Collection[int] = (),
+        bodies: Collection[bytes] = (),
     ) -> PushResult:
         async def body(conn: Any) -> PushResult:
             result = await apply_push(
@@ -1073,6 +1073,7 @@ class PostgresServerStore(AsyncResource):
                 aliases=aliases,
                 chains=chains,
                 skipped=skipped,
+                bodies=bodies,
             )
             if result.cursors and self.feed_retention is not None:
                 await self._retain(conn, tenant, self.feed_retention)
@@ -1172,6 +1173,6 @@ def _decode(cursor: int, body: bytes | None) -> Record:
     if body is None:
         raise StorageError(f"the feed entry at cursor {cursor} refers to a missing record")
     try:
-        return decode_record(bytes(body))
+        return decode_body(bytes(body))
     except msgspec.DecodeError as exc:
         raise StorageError(f"corrupt feed entry at cursor {cursor}") from exc

@@ -43,8 +43,6 @@ from shared.records import (
     Change,
     FeedChange,
     Record,
-    decode_record,
-    encode_record,
     kind_of,
     record_kind,
 )
@@ -65,6 +63,7 @@ from .base import (
     PullResult,
     PushResult,
     Tenant,
+    decode_body,
     decode_session,
     decode_stored,
 )
@@ -100,7 +99,7 @@ async def _backfill_audit_places(conn: aiosqlite.Connection) -> None:
     )
     places = []
     for org_id, user_id, body in rows:
-        row = decode_record(body)
+        row = decode_body(body)
         if isinstance(row, AuditRow):
             places.append((org_id, user_id, *_place(row)))
     await conn.executemany(_INSERT_PLACE_SQL, places)
@@ -573,7 +572,7 @@ class _SQLiteTx:
 
     async def write(self, tenant: Tenant, client_id: str, writes: BatchWrites) -> list[int]:
         t = (tenant.org_id, tenant.user_id)
-        body = encode_record  # the feed refers to these rows: each body is stored once
+        body = writes.bodies.of  # the feed refers to these rows: each body is stored once
         records: list[tuple[Any, ...]] = []
         for r in writes.records:
             info = kind_of(r)
@@ -856,6 +855,7 @@ class SQLiteServerStore(AsyncResource):
         aliases: Collection[str] = (),
         chains: bool = True,
         skipped: Collection[int] = (),
+        bodies: Collection[bytes] = (),
     ) -> PushResult:
         read: list[int] = []
 
@@ -875,6 +875,7 @@ class SQLiteServerStore(AsyncResource):
                 aliases=aliases,
                 chains=chains,
                 skipped=skipped,
+                bodies=bodies,
             )
             if self.feed_retention is not None and result.cursors:
                 await self._retain(conn, tenant, self.feed_retention)
@@ -977,7 +978,7 @@ def _decode(cursor: int, body: bytes | None) -> Record:
     if body is None:
         raise StorageError(f"the feed entry at cursor {cursor} refers to a missing record")
     try:
-        return decode_record(body)
+        return decode_body(body)
     except msgspec.DecodeError as exc:
         raise StorageError(f"corrupt feed entry at cursor {cursor}") from exc
 
