@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import ServerConnection, serve
 
@@ -51,7 +52,7 @@ from pleach_server.auth import issue_token
 from pleach_server.server import SyncServer
 from pleach_server.store import SQLiteServerStore, Tenant
 from shared.ids import uuid7
-from shared.messages import FrameCodec, Push
+from shared.messages import ChangeBody, FrameCodec, Push
 
 __all__ = ["main", "run"]
 
@@ -83,8 +84,15 @@ async def outbox_payloads(rt: SessionRuntime, skip: int = 0) -> list[bytes]:
     size, budget = rt.sync.batch_size, rt.sync.max_frame_bytes // 2
     frames: list[bytes] = []
     while pending:
-        changes, skipped = _push_of(pending[:size], budget, skipping=True)
-        frames.append(codec.encode(Push(changes=changes, skipped=skipped)))
+        changes, skipped, bodies = _push_of(pending[:size], budget, skipping=True, as_bodies=True)
+        if bodies is None:
+            frames.append(codec.encode(Push(changes=changes, skipped=skipped)))
+        else:  # protocol 6: each record as its stored bytes
+            packed = [
+                ChangeBody(c.client_seq, msgspec.Raw(b))
+                for c, b in zip(changes, bodies, strict=True)
+            ]
+            frames.append(codec.encode(Push(changes=[], skipped=skipped, bodies=packed)))
         pending = pending[len(changes) + len(skipped) :]
     return frames
 

@@ -24,6 +24,7 @@ import websockets
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
 from shared.aio import reap
+from shared.compact import Bodies
 from shared.errors import (
     ErrorCode,
     Forbidden,
@@ -36,14 +37,17 @@ from shared.errors import (
 from shared.merge import Resolution, resolve_conflicts
 from shared.messages import (
     AS_PUSHED_SINCE,
+    COMPACT_SINCE,
     DEFAULT_MAX_FRAME_BYTES,
     MAX_HEALTH_CONFLICTS,
     MAX_HEALTH_TEXT,
+    MAX_PROTOCOL,
     MAX_SKIPPED,
     SKIPPED_SINCE,
     Changes,
     ConflictReceipt,
     Error,
+    FeedBody,
     Frame,
     Health,
     HealthConflict,
@@ -156,8 +160,12 @@ class SyncFacet:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         live_grace: float = 1.0,
         pipeline: int = PUSHES_IN_FLIGHT,
+        max_protocol: int = MAX_PROTOCOL,
     ) -> None:
         self._rt = rt
+        self.max_protocol = max_protocol
+        """The newest protocol version this device offers (a lower one pins it, e.g. while
+        a fleet of servers is upgraded; the server picks the newest both speak)."""
         self.pipeline = max(1, pipeline)
         self.live_grace = live_grace
         self.batch_size = batch_size
@@ -593,6 +601,7 @@ class SyncFacet:
                 rt.client_id,
                 cursor,
                 max_frame_bytes=self.max_frame_bytes,
+                max_protocol=self.max_protocol,
                 previous_client_ids=await rt.core.previous_client_ids(),
             )
             link = Link(ws, protocol)
@@ -704,7 +713,7 @@ class SyncFacet:
                 self._live.clear()  # a gap (or a "you fell behind" marker): pull instead
                 self._pull_due = True
                 break
-            await self._apply(frame.changes, frame.to_cursor)
+            await self._apply(frame.changes, frame.to_cursor, frame.bodies)
         await self._take_echoes()
         if self._echoes:
             self._pull_due = True  # rows of others come before them, and not live: pull
@@ -1011,10 +1020,12 @@ class SyncFacet:
 
     async def _send_push(self, link: Link, entries: list[OutboxEntry], trace: str) -> _InFlight:
         """Send a push of the longest prefix of ``entries`` that fits a frame, unanswered."""
-        skipping = (link.protocol.version or 0) >= SKIPPED_SINCE
-        changes, skipped = _push_of(entries, self.max_frame_bytes // 2, skipping)
+        version = link.protocol.version or 0
+        changes, skipped, bodies = _push_of(
+            entries, self.max_frame_bytes // 2, version >= SKIPPED_SINCE, version >= COMPACT_SINCE
+        )
         request_id, answer = await link.send(
-            lambda: link.protocol.send_push(changes, trace=trace, skipped=skipped)
+            lambda: link.protocol.send_push(changes, trace=trace, skipped=skipped, bodies=bodies)
         )
         return _InFlight(entries[: len(changes) + len(skipped)], changes, request_id, answer)
 
@@ -1232,7 +1243,7 @@ class SyncFacet:
                     ahead_from = answer.to_cursor
                     ahead = asyncio.ensure_future(self._ask_page(link, ahead_from))
                 if answer.changes or answer.to_cursor > cursor:
-                    applied += await self._apply(answer.changes, answer.to_cursor)
+                    applied += await self._apply(answer.changes, answer.to_cursor, answer.bodies)
                     self._report_download(start, answer.to_cursor)
                 if self._link is not link:
                     return applied  # the device took a new id: the new link pulls on
@@ -1267,14 +1278,23 @@ class SyncFacet:
             total = max(self._head_cursor, cursor) - start
             self._progress(SyncProgress(phase="download", done=cursor - start, total=total))
 
-    async def _apply(self, changes: list[FeedChange], to_cursor: int) -> int:
+    async def _apply(
+        self, changes: list[FeedChange], to_cursor: int, bodies: list[FeedBody] | None = None
+    ) -> int:
         """Apply one page of remote changes in ONE local transaction with the cursor.
 
         Decided inside the write (``syncplan.decide_session`` and ``syncplan.rebase`` on the
         rows as they are under the lock), so a turn committing meanwhile is never
-        overwritten and a page that a pull already overtook is a no-op.
+        overwritten and a page that a pull already overtook is a no-op. ``bodies``: the
+        page's records as the bytes they came in (protocol 6), in order with ``changes``: a
+        record stored as it came is stored in them, not encoded again.
         """
         rt = self._rt
+        known = (
+            Bodies((c.record, bytes(b.body)) for c, b in zip(changes, bodies, strict=True))
+            if bodies and len(bodies) == len(changes)
+            else None
+        )
         emitted: list[Any] = []
 
         missing: list[str] = []
@@ -1288,6 +1308,7 @@ class SyncFacet:
             if to_cursor <= cursor and changes:
                 return None, 0  # already applied (a live page that a pull overtook)
             batch = await plan_page(tx, view, changes, emitted)
+            batch.bodies = known
             reused[:] = [view.identity_reused]
             written[:] = [max(to_cursor, cursor)]
             batch.meta = {**batch.meta, "cursor": str(written[0])}
@@ -1370,12 +1391,18 @@ def _refusal(body: bytes | None) -> str:
         return ""
 
 
+_BODY_OVERHEAD = 10
+"""The bytes a ``ChangeBody`` adds to its record's (an array head and a client_seq)."""
+
+
 def _push_of(
-    entries: list[OutboxEntry], budget: int, skipping: bool
-) -> tuple[list[Change], list[int]]:
+    entries: list[OutboxEntry], budget: int, skipping: bool, as_bodies: bool = False
+) -> tuple[list[Change], list[int], list[bytes] | None]:
     """A push of the longest prefix of ``entries`` whose frame stays within ``budget`` bytes
     of changes (the first always, so a push frame stays under the server's frame limit
-    however large the records): its changes, and its ``skipped`` numbers.
+    however large the records): its changes, its ``skipped`` numbers, and, with
+    ``as_bodies`` (the server speaks protocol 6) when every entry holds its stored bytes, the
+    bytes of each change's record (None otherwise). Sizes are counted in the form sent.
 
     With ``skipping`` (the server speaks protocol 4), an entry whose record is sent again
     later is skipped: a session queued once per turn refers to its one stored row (one object,
@@ -1385,6 +1412,7 @@ def _push_of(
     which names messages queued after this number, and must not reach the server before them
     (a fork the server makes of it would name messages it may never take).
     """
+    as_bodies = as_bodies and all(e.body for e in entries)
     total = 0
     end = len(entries)
     counted: set[int] = set()
@@ -1392,22 +1420,30 @@ def _push_of(
         if skipping and (entry.again_later or id(entry.record) in counted):
             continue
         counted.add(id(entry.record))
-        total += len(
-            _CHANGE_ENCODER.encode(Change(client_seq=entry.client_seq, record=entry.record))
-        )
+        if as_bodies:
+            total += len(entry.body) + _BODY_OVERHEAD
+        else:
+            total += len(
+                _CHANGE_ENCODER.encode(Change(client_seq=entry.client_seq, record=entry.record))
+            )
         if count and total > budget:
             end = count
             break
     prefix = entries[:end]
     plain = [Change(client_seq=e.client_seq, record=e.record) for e in prefix]
+    body_of = {id(e.record): e.body for e in prefix} if as_bodies else {}
+
+    def bodies(changes: list[Change]) -> list[bytes] | None:
+        return [body_of[id(c.record)] for c in changes] if as_bodies else None
+
     if not skipping:
-        return plain, []
+        return plain, [], bodies(plain)
     last = {id(e.record): e.client_seq for e in prefix if not e.again_later}
     changes = [c for c in plain if last.get(id(c.record)) == c.client_seq]
     skipped = [c.client_seq for c in plain if last.get(id(c.record)) != c.client_seq]
     if len(skipped) > MAX_SKIPPED:  # a batch larger than any default: sent whole instead
-        return plain, []
-    return changes, skipped
+        return plain, [], bodies(plain)
+    return changes, skipped, bodies(changes)
 
 
 class TenantMismatch(Forbidden):

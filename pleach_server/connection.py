@@ -50,9 +50,11 @@ from shared.errors import (
 from shared.messages import (
     AS_PUSHED_SINCE,
     CHAINS_CHECKED_SINCE,
+    COMPACT_SINCE,
     MIN_PROTOCOL,
     SKIPPED_SINCE,
     ChangeResult,
+    FeedBody,
     Health,
     Hello,
     Pull,
@@ -64,7 +66,7 @@ from shared.tracing import Spans
 
 from .hub import Hub, Subscription
 from .notify import Notifier
-from .store.base import PushResult, ServerStore, Tenant
+from .store.base import PushResult, ServerStore, Tenant, feed_changes
 
 if TYPE_CHECKING:
     from .server import SyncMetrics
@@ -239,19 +241,29 @@ class ConnectionContext:
         )
         if whole and self.hub.subscribers(tenant):
             assert pushed is not None
-            self.hub.publish(tenant, from_cursor, to_cursor, pushed.feed, skip=origin)
+            bodies = [
+                FeedBody(c.cursor, msgspec.Raw(b))
+                for c, b in zip(pushed.feed, pushed.bodies, strict=True)
+            ]
+            self.hub.publish(
+                tenant, from_cursor, to_cursor, pushed.feed, bodies=bodies, skip=origin
+            )
         elif self.hub.subscribers(tenant):
             limit = max(1, min(to_cursor - from_cursor, self.max_pull_limit))
             try:
-                page = await self.store.pull(tenant, from_cursor, limit, self.max_pull_bytes)
+                page = await self.store.pull(
+                    tenant, from_cursor, limit, self.max_pull_bytes, raw=True
+                )
             except (SyncError, StorageError) as exc:
                 logger.warning(
                     "fan-out read of %s (%d, %d] failed: %s", tenant, from_cursor, to_cursor, exc
                 )
                 self.hub.publish(tenant, to_cursor, to_cursor, [], skip=origin)
             else:
-                if page.changes:
-                    self.hub.publish(tenant, from_cursor, page.to_cursor, page.changes, skip=origin)
+                if page.bodies:
+                    self.hub.publish(
+                        tenant, from_cursor, page.to_cursor, [], bodies=page.bodies, skip=origin
+                    )
                 if page.to_cursor < to_cursor:
                     # Page cut short (limit): tell devices there is more to pull.
                     self.hub.publish(tenant, to_cursor, to_cursor, [], skip=origin)
@@ -584,6 +596,7 @@ class Connection:
                 aliases=self.aliases,
                 chains=version >= CHAINS_CHECKED_SINCE,
                 skipped=push.skipped if version >= SKIPPED_SINCE else (),
+                bodies=[bytes(b.body) for b in push.bodies],
             )
             span.set(
                 **{
@@ -630,15 +643,27 @@ class Connection:
                 "pleach.cursor": pull.cursor,
             },
         ) as span:
+            raw = self._speaks_bodies
             async with self.ctx.store_slot(self.tenant):
                 page = await self.ctx.store.pull(
-                    self.tenant, pull.cursor, limit, self.ctx.max_pull_bytes
+                    self.tenant, pull.cursor, limit, self.ctx.max_pull_bytes, raw=raw
                 )
-            span.set(**{"pleach.changes": len(page.changes), "pleach.to_cursor": page.to_cursor})
+            size = len(page.bodies) if raw else len(page.changes)
+            span.set(**{"pleach.changes": size, "pleach.to_cursor": page.to_cursor})
         self.protocol.send_changes(
-            pull.cursor, page.to_cursor, page.changes, more=page.more, request_id=pull.request_id
+            pull.cursor,
+            page.to_cursor,
+            page.changes,
+            more=page.more,
+            request_id=pull.request_id,
+            bodies=page.bodies if raw else None,
         )
         self._take("changes")
+
+    @property
+    def _speaks_bodies(self) -> bool:
+        """Whether the device takes records as their stored bytes (protocol 6)."""
+        return (self.protocol.version or MIN_PROTOCOL) >= COMPACT_SINCE
 
     # -- writer ------------------------------------------------------------------------
 
@@ -648,8 +673,16 @@ class Connection:
                 frame = await subscription.get()
                 if self.protocol.state is not State.OPEN:
                     return
+                # A live page holds its entries as records, as stored bytes, or both: each
+                # device gets the form it reads (a device before protocol 6: records).
+                bodies = self._speaks_bodies and (bool(frame.bodies) or not frame.changes)
                 self.protocol.send_changes(
-                    frame.from_cursor, frame.to_cursor, frame.changes, more=frame.more, live=True
+                    frame.from_cursor,
+                    frame.to_cursor,
+                    frame.changes if frame.changes or bodies else feed_changes(frame.bodies),
+                    more=frame.more,
+                    live=True,
+                    bodies=frame.bodies if bodies else None,
                 )
                 self._take("changes_live")
                 self.ctx.metrics.fanout_rate.add()

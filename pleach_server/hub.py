@@ -15,7 +15,7 @@ import asyncio
 from collections import deque
 
 from shared.errors import InvalidState
-from shared.messages import Changes
+from shared.messages import Changes, FeedBody
 from shared.records import FeedChange
 
 from .store.base import Tenant
@@ -154,6 +154,7 @@ class Hub:
         to_cursor: int,
         changes: list[FeedChange],
         *,
+        bodies: list[FeedBody] | None = None,
         skip: Subscription | None = None,
     ) -> int:
         """Queue a live ``Changes`` frame for every device of ``tenant`` but ``skip``; returns
@@ -167,7 +168,13 @@ class Hub:
         subs = self._subs.get(tenant)
         if not subs:
             return 0
-        frame = Changes(from_cursor=from_cursor, to_cursor=to_cursor, changes=changes, live=True)
+        frame = Changes(
+            from_cursor=from_cursor,
+            to_cursor=to_cursor,
+            changes=changes,
+            live=True,
+            bodies=bodies or [],
+        )
         offered = 0
         for sub in subs:
             if sub is not skip:

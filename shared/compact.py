@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Iterable
 from typing import Any, Final, TypeVar, Union, cast
 
 import msgspec
@@ -40,6 +41,7 @@ from .records import RECORD_KINDS, Record, decode_record
 
 __all__ = [
     "KINDS",
+    "Bodies",
     "canonical_body",
     "checkpoint_parent",
     "decode",
@@ -317,6 +319,34 @@ def encode(record: Record) -> bytes:
     while end and values[end - 1] == defaults[end - 1]:
         end -= 1
     return _ENCODER.encode([kind.index, *map(_pack, values[:end])])
+
+
+class Bodies:
+    """The compact bytes of records, each encoded at most once, and none encoded that came
+    in compact bytes (protocol 6 sends records as their stored bytes).
+
+    ``known`` pairs records with the bytes they were decoded from. ``of(record)`` gives those
+    bytes back for the very same object when they are in the compact form; anything else (a
+    map-form body, a record made anew from one) is encoded, once. Records are matched by
+    identity, never by equality, and each entry holds its record, so the match cannot be
+    taken by another object at the same address.
+    """
+
+    __slots__ = ("_known",)
+
+    def __init__(self, known: Iterable[tuple[Record, bytes]] = ()) -> None:
+        self._known: dict[int, tuple[Record, bytes]] = {
+            id(record): (record, body) for record, body in known if is_compact(body)
+        }
+
+    def of(self, record: Record) -> bytes:
+        """The compact bytes of ``record``."""
+        known = self._known.get(id(record))
+        if known is not None and known[0] is record:
+            return known[1]
+        body = encode(record)
+        self._known[id(record)] = (record, body)
+        return body
 
 
 def _field_builtins(value: Any, default: Any) -> Any:

@@ -34,15 +34,18 @@ from .errors import (
     SyncError,
 )
 from .messages import (
+    COMPACT_SINCE,
     DEFAULT_MAX_FRAME_BYTES,
     FRAME_TAGS,
     MAX_PROTOCOL,
     MIN_PROTOCOL,
     SKIPPED_SINCE,
+    ChangeBody,
     ChangeResult,
     Changes,
     ClientFrame,
     Error,
+    FeedBody,
     Frame,
     FrameCodec,
     Health,
@@ -51,6 +54,7 @@ from .messages import (
     Push,
     PushAck,
     Welcome,
+    unpacked,
 )
 from .records import Change, FeedChange
 
@@ -134,7 +138,10 @@ class _Protocol:
             self.fail(FrameTooLarge(f"frame of {len(data)} bytes exceeds {self.max_frame_bytes}"))
             return None
         try:
-            return self.codec.decode(data)
+            frame = self.codec.decode(data)
+            if isinstance(frame, Push | Changes) and frame.bodies:
+                return self._unpacked(frame)
+            return frame
         except msgspec.ValidationError as exc:
             envelope = self.codec.peek(data)
             if envelope is None:
@@ -158,6 +165,19 @@ class _Protocol:
         except msgspec.DecodeError as exc:
             self.fail(MalformedFrame(f"malformed frame: {exc}"), fatal=False)
         return None
+
+    def _unpacked(self, frame: Push | Changes) -> Push | Changes | None:
+        """``frame`` with its ``bodies`` (version 6) decoded into ``changes``; None (and a
+        non-fatal 3004 answering its request) when a record does not decode, or when the
+        frame also carries ``changes``."""
+        try:
+            return unpacked(frame)
+        except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is one
+            self._refuse_unpacked(frame, MalformedFrame(f"mistyped record in frame: {exc}"))
+            return None
+
+    def _refuse_unpacked(self, frame: Push | Changes, error: SyncError) -> None:
+        self.fail(error, fatal=False, request_id=frame.request_id)
 
 
 class ServerProtocol(_Protocol):
@@ -273,16 +293,22 @@ class ServerProtocol(_Protocol):
         more: bool = False,
         live: bool = False,
         request_id: int = 0,
+        bodies: list[FeedBody] | None = None,
     ) -> None:
+        """Queue a ``Changes`` page. ``bodies`` (version 6 only: ``InvalidState`` otherwise)
+        are its entries as their stored bytes, sent instead of ``changes``."""
         self._require_open()
+        if bodies is not None and (self.version or 0) < COMPACT_SINCE:
+            raise InvalidState(f"record bodies need protocol {COMPACT_SINCE}")
         self._send(
             Changes(
                 from_cursor=from_cursor,
                 to_cursor=to_cursor,
-                changes=changes,
+                changes=[] if bodies is not None else changes,
                 more=more,
                 live=live,
                 request_id=0 if live else request_id,
+                bodies=bodies or [],
             )
         )
 
@@ -411,15 +437,34 @@ class ClientProtocol(_Protocol):
                 )
 
     def send_push(
-        self, changes: list[Change], *, trace: str = "", skipped: list[int] | None = None
+        self,
+        changes: list[Change],
+        *,
+        trace: str = "",
+        skipped: list[int] | None = None,
+        bodies: list[bytes] | None = None,
     ) -> int:
         """Queue a ``Push``; returns its request id (its ``PushAck`` or ``Error`` echoes it).
         ``trace``: the ``traceparent`` of the span the push belongs to. ``skipped``: numbers
         that carry no record (only to a server at version 4 or later: ``InvalidState``
-        otherwise, since an older server would take them for a gap)."""
+        otherwise, since an older server would take them for a gap). ``bodies``: the stored
+        bytes of each change's record, in order; sent instead of the records to a server at
+        version 6 or later, ignored below it."""
         self._require_open()
         if skipped and (self.version is None or self.version < SKIPPED_SINCE):
             raise InvalidState(f"skipped numbers need protocol {SKIPPED_SINCE}")
+        if bodies is not None and len(bodies) != len(changes):
+            raise ValueError(f"{len(bodies)} bodies for {len(changes)} changes")
+        if bodies is not None and (self.version or 0) >= COMPACT_SINCE:
+            packed = [
+                ChangeBody(c.client_seq, msgspec.Raw(b))
+                for c, b in zip(changes, bodies, strict=True)
+            ]
+            return self._request(
+                lambda rid: Push(
+                    changes=[], request_id=rid, trace=trace, skipped=skipped or [], bodies=packed
+                )
+            )
         return self._request(
             lambda rid: Push(changes=changes, request_id=rid, trace=trace, skipped=skipped or [])
         )
@@ -501,6 +546,18 @@ class ClientProtocol(_Protocol):
     def _require_open(self) -> None:
         if self.state is not State.OPEN:
             raise InvalidState(f"connection is {self.state.value}")
+
+    def _refuse_unpacked(self, frame: Push | Changes, error: SyncError) -> None:
+        """A page holding a record this device cannot read answers its pull with the error
+        (a live page: a ``Notice``); the connection goes on."""
+        refusal = Error(code=int(error.code), message=error.message, request_id=frame.request_id)
+        if isinstance(frame, Changes) and self.state is State.OPEN:
+            if frame.live:
+                self._events.append(Notice(refusal))
+            else:
+                self._answer(refusal, self.version)
+            return
+        super()._refuse_unpacked(frame, error)
 
 
 def _frame_of(event: ClientEvent) -> Frame:

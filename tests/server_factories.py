@@ -11,10 +11,12 @@ from typing import Any
 
 import msgspec
 
-from pleach_server.store.base import Tenant
+from pleach_server.store.base import PullResult, PushResult, Tenant, feed_changes
+from shared import compact
 from shared.clock import HybridClock, vv_bump, wall_clock_ms
 from shared.hashchain import GENESIS, chain_audit
 from shared.ids import uuid7
+from shared.messages import FeedBody
 from shared.records import (
     ArtifactUpdate,
     AuditRow,
@@ -29,6 +31,28 @@ from shared.records import (
 )
 
 DAY_MS = 24 * 60 * 60 * 1000
+
+
+def rewrite_page(result: PullResult, change: Callable[[Record], Record]) -> PullResult:
+    """``result`` (changed in place) with each record replaced by ``change(record)``, in the
+    form it holds them: as records, or as stored bytes (``pull(raw=True)``, protocol 6)."""
+    for entry in result.changes:
+        entry.record = change(entry.record)
+    result.bodies = [
+        FeedBody(c.cursor, msgspec.Raw(compact.encode(change(c.record))))
+        for c in feed_changes(result.bodies)
+    ]
+    return result
+
+
+def rewrite_push(result: PushResult, change: Callable[[Record], Record]) -> PushResult:
+    """``result`` (changed in place) with each record of its live page replaced by
+    ``change(record)``, both as records and as the stored bytes a live page carries."""
+    for entry in result.feed:
+        entry.record = change(entry.record)
+    if result.bodies:
+        result.bodies = [compact.encode(entry.record) for entry in result.feed]
+    return result
 
 
 def new_tenant() -> Tenant:

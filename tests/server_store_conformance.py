@@ -31,6 +31,7 @@ from pleach_server.store.base import (
     ServerStore,
     Tenant,
 )
+from shared import compact
 from shared.clock import HybridClock, Order, vv_compare, wall_clock_ms
 from shared.errors import CursorTooOld, ErrorCode, StorageUnavailable
 from shared.hashchain import GENESIS, chain_audit, chain_event, verify_chain
@@ -45,6 +46,7 @@ from shared.records import (
     RecordKind,
     Session,
     SessionState,
+    encode_record,
     record_kind,
 )
 from tests.server_factories import DAY_MS, Device, new_tenant
@@ -275,6 +277,43 @@ class ServerStoreConformance:
                 assert after.canonical and after.sequence_number == 1
             else:
                 assert after == before
+
+    async def test_records_are_kept_and_served_as_their_bytes(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        """Protocol 6: a record stored as pushed keeps the compact bytes it came in, byte for
+        byte; one pushed in the map form, or changed on the way in (an event placed, a merged
+        session), is stored compact; ``pull(raw=True)`` serves the stored bytes, and they
+        read as exactly what a decoding pull returns. The live page a push describes carries
+        the same bytes."""
+        dev = Device(new_tenant())
+        session = dev.session(title="t")
+        records: list[Record] = [
+            session,
+            dev.message(session.id),
+            dev.checkpoint(session.id),
+            dev.event(session.id),
+            dev.audit(session.id),
+            dev.artifact(session.id),
+            dev.message(session.id, "in the map form"),
+        ]
+        sent = [compact.encode(r) for r in records[:-1]] + [encode_record(records[-1])]
+        result = await server_store.push(
+            dev.tenant, dev.client_id, dev.changes(*records), server_clock, bodies=sent
+        )
+        assert statuses(result) == ["applied"] * 7
+        raw = await server_store.pull(dev.tenant, 0, 100, raw=True)
+        decoded = await server_store.pull(dev.tenant, 0, 100)
+        assert raw.changes == [] and (raw.to_cursor, raw.more) == (decoded.to_cursor, False)
+        assert raw.entries() == decoded.changes
+        stored = [bytes(b.body) for b in raw.bodies]
+        assert all(compact.is_compact(b) for b in stored)
+        for record, body, mine, pulled in zip(records, stored, sent, decoded.changes, strict=True):
+            assert compact.decode(body) == pulled.record
+            placed = isinstance(record, Event)  # the server gave it its canonical place
+            assert (body == mine) is (not placed and compact.is_compact(mine)), record_kind(record)
+        assert stored[-1] == compact.encode(records[-1])  # the map form, stored compact
+        assert result.bodies == stored  # what a live page of this push carries
 
     # -- idempotency -------------------------------------------------------------------------
 

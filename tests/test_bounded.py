@@ -8,6 +8,7 @@ catches up on large records through pages cut by bytes. Real server, real SQLite
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -93,7 +94,7 @@ async def test_large_records_push_in_frames_under_the_limit_and_pull_in_byte_pag
         async with runtime(tmp_path / "b.db") as b:
             original = b.sync._apply  # count the pages B applies (each one pull answer)
 
-            async def counting(changes: list, to_cursor: int) -> int:  # type: ignore[type-arg]
+            async def counting(changes: list, to_cursor: int, bodies: Any = None) -> int:  # type: ignore[type-arg]
                 pages.append(
                     sum(
                         len(c.record.content[0].get("text", ""))
@@ -101,7 +102,7 @@ async def test_large_records_push_in_frames_under_the_limit_and_pull_in_byte_pag
                         if isinstance(c.record, Message)
                     )
                 )
-                return await original(changes, to_cursor)
+                return await original(changes, to_cursor, bodies)
 
             b.sync._apply = counting  # type: ignore[method-assign]
             await b.sync.sync_once(srv.url, token, timeout=TIMEOUT)

@@ -670,3 +670,24 @@ def test_uuid_bytes_converts_exactly_the_ids_a_body_packs(value: str) -> None:
         assert key is not None and compact.uuid_text(key) == value
     else:
         assert key is None and packed == value
+
+
+# -- Bodies: records kept in the bytes they came in -------------------------------------------
+
+
+@settings(max_examples=100)
+@given(st.lists(records(), min_size=1, max_size=5))
+def test_bodies_give_back_the_bytes_a_record_came_in(batch: list[Record]) -> None:
+    """The very bytes (the same object) for a record that came in them in the compact form;
+    a record equal to it but not it, a record that came in the map form, and a record that
+    came in none are encoded, and every answer is what ``encode`` gives."""
+    sent = [compact.encode(r) for r in batch]
+    bodies = compact.Bodies(zip(batch, sent, strict=True))
+    for record, body in zip(batch, sent, strict=True):
+        assert bodies.of(record) is body
+        twin = msgspec.structs.replace(record)
+        again = bodies.of(twin)
+        assert again == body and again is not body
+    maps = compact.Bodies((r, encode_record(r)) for r in batch)
+    assert [maps.of(r) for r in batch] == sent
+    assert [compact.Bodies().of(r) for r in batch] == sent

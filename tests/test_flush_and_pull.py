@@ -114,12 +114,12 @@ class Recorder:
                 self.pages.append((answer.to_cursor, answer.more))
             return answer
 
-        async def applied(changes: Any, to_cursor: int) -> int:
+        async def applied(changes: Any, to_cursor: int, bodies: Any = None) -> int:
             self.log.append(("apply", to_cursor))
             if self.fail_at is not None and len(self.applies()) == self.fail_at:
                 self.fail_at = None
                 raise OSError("disk full (injected)")
-            n = await apply(changes, to_cursor)
+            n = await apply(changes, to_cursor, bodies)
             self.log.append(("applied", to_cursor))
             if self.rekey_at is not None and len(self.applies()) == self.rekey_at:
                 self.rekey_at = None
@@ -351,12 +351,12 @@ async def test_a_device_takes_its_own_rows_from_the_acks_and_pulls_none_back(
             apply = rt.sync._apply
 
             async def applied(
-                changes: Any, to_cursor: int, rt: Any = rt, apply: Any = apply
+                changes: Any, to_cursor: int, bodies: Any = None, rt: Any = rt, apply: Any = apply
             ) -> int:
                 own_rows[rt.client_id] += [
                     c.record.id for c in changes if c.record.client_id == rt.client_id
                 ]
-                return int(await apply(changes, to_cursor))
+                return int(await apply(changes, to_cursor, bodies))
 
             rt.sync._apply = applied  # type: ignore[method-assign]
 
@@ -451,9 +451,9 @@ async def test_an_ack_waits_for_the_live_page_of_the_rows_before_it(tmp_path: Pa
         pulls = 0
         apply, pull = laptop.sync._apply, laptop.sync._pull
 
-        async def applied(changes: Any, to_cursor: int) -> int:
+        async def applied(changes: Any, to_cursor: int, bodies: Any = None) -> int:
             own_rows.extend(c.record.id for c in changes if c.record.client_id == "laptop")
-            return int(await apply(changes, to_cursor))
+            return int(await apply(changes, to_cursor, bodies))
 
         async def pulled(link: Any) -> int:
             nonlocal pulls
@@ -619,3 +619,30 @@ async def test_a_live_page_alone_is_applied_without_an_outbox_read(
         assert await laptop.sync.wait_until_synced(TIMEOUT)
         texts = [m.content[0]["text"] for m in await laptop.sessions.messages(session_id)]
         assert "and from the phone" in texts
+
+
+async def test_a_flush_at_protocol_6_sends_the_outbox_as_its_stored_bytes(tmp_path: Path) -> None:
+    """``_push_of`` cuts a push by the bytes it will send: the stored bytes of each record
+    (the very objects the outbox read), once per record however many numbers refer to it;
+    without them (a server before protocol 6), the records are sent and measured as such."""
+    from pleach_client.sync import _push_of
+    from shared import compact
+
+    async with SessionRuntime(SQLiteAdapter(tmp_path / "d.db"), ScriptedProvider()) as rt:
+        session = await rt.create_session(title="t")
+        for i in range(3):
+            async for _ in rt.execute_message(session.id, f"turn {i}"):
+                pass
+        entries = await rt.store.outbox_pending(1000)
+        assert all(compact.is_compact(e.body) for e in entries)
+        changes, skipped, bodies = _push_of(entries, 1 << 30, True, True)
+        assert bodies is not None and len(bodies) == len(changes) and skipped
+        for change, body in zip(changes, bodies, strict=True):
+            (entry,) = [e for e in entries if e.client_seq == change.client_seq]
+            assert body is entry.body and compact.decode(body) == change.record
+        plain, plain_skipped, none = _push_of(entries, 1 << 30, True, False)
+        assert none is None and plain == changes and plain_skipped == skipped
+        # A budget that holds the first few records' bytes and not the rest cuts there.
+        first = sum(len(e.body) + 10 for e in entries[:3] if not e.again_later)
+        cut, cut_skipped, cut_bodies = _push_of(entries, first, True, True)
+        assert cut_bodies is not None and 0 < len(cut) + len(cut_skipped) < len(entries)

@@ -10,19 +10,22 @@ import typing
 
 import msgspec
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.errors import ErrorCode, MalformedFrame, ProtocolVersion
+from shared import compact
+from shared.errors import ErrorCode, InvalidState, MalformedFrame, ProtocolVersion
 from shared.messages import (
     FRAME_TAGS,
     MAX_HEALTH_CONFLICTS,
     MAX_HEALTH_TEXT,
     MAX_PROTOCOL,
     MIN_PROTOCOL,
+    ChangeBody,
     ChangeResult,
     Changes,
     Error,
+    FeedBody,
     Frame,
     FrameCodec,
     Health,
@@ -42,8 +45,9 @@ from shared.protocol import (
     State,
     negotiate,
 )
-from shared.records import Change, FeedChange
+from shared.records import Change, FeedChange, Record, encode_record
 from tests.factories import make_message
+from tests.test_compact import records as compact_records
 
 codec = FrameCodec()
 
@@ -108,10 +112,11 @@ def test_negotiate_picks_the_highest_common_version(
         (Hello(protocol=1, client_id="d"), 1),  # a version 1 device: only ``protocol``
         (Hello(protocol=2, client_id="d"), 2),
         (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=2), 2),
-        (Hello(protocol=1, client_id="d", max_protocol=9), 5),
+        (Hello(protocol=1, client_id="d", max_protocol=9), 6),
         (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=3), 3),
         (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=4), 4),
         (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=5), 5),
+        (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=6), 6),
         (Hello(protocol=2, client_id="d", min_protocol=1, max_protocol=1), 1),
     ],
 )
@@ -125,18 +130,18 @@ def test_server_agrees_the_highest_common_version(hello: Hello, version: int) ->
     assert isinstance(frame, Welcome) and frame.protocol == version
 
 
-def test_the_server_range_is_one_to_five() -> None:
-    assert (MIN_PROTOCOL, MAX_PROTOCOL) == (1, 5)
-    assert ServerProtocol().supported == (1, 5)
+def test_the_server_range_is_one_to_six() -> None:
+    assert (MIN_PROTOCOL, MAX_PROTOCOL) == (1, 6)
+    assert ServerProtocol().supported == (1, 6)
 
 
 @pytest.mark.parametrize(
     ("hello", "device_range"),
     [
-        (Hello(protocol=6, client_id="d", request_id=7), "6..6"),
-        (Hello(protocol=6, client_id="d", min_protocol=6, max_protocol=7, request_id=7), "6..7"),
+        (Hello(protocol=7, client_id="d", request_id=7), "7..7"),
+        (Hello(protocol=7, client_id="d", min_protocol=7, max_protocol=8, request_id=7), "7..8"),
         (Hello(protocol=0, client_id="d", request_id=7), "0..0"),
-        (Hello(protocol=1, client_id="d", min_protocol=6, max_protocol=5, request_id=7), "6..5"),
+        (Hello(protocol=1, client_id="d", min_protocol=7, max_protocol=6, request_id=7), "7..6"),
     ],
 )
 def test_no_common_version_is_a_3003_naming_both_ranges(hello: Hello, device_range: str) -> None:
@@ -147,7 +152,7 @@ def test_no_common_version_is_a_3003_naming_both_ranges(hello: Hello, device_ran
     assert err.code == ErrorCode.PROTOCOL_VERSION
     assert err.request_id == 7  # it answers the Hello
     assert f"device speaks {device_range}" in err.message
-    assert "server speaks 1..5" in err.message
+    assert "server speaks 1..6" in err.message
     assert server.state is State.CLOSING
     assert isinstance(server.close_reason, ProtocolVersion)
 
@@ -639,3 +644,110 @@ def test_an_unbounded_health_frame_is_refused_and_the_connection_goes_on(
     server.receive_data(msgspec.msgpack.encode(frame))
     assert only_error(server).code == ErrorCode.MALFORMED_FRAME
     assert server.events_received() == [] and state(server) is State.OPEN
+
+
+# -- records as their stored bytes (version 6) ---------------------------------------------
+
+
+def connected_at(version: int) -> tuple[ClientProtocol, ServerProtocol]:
+    """A client offering at most ``version`` and a server of this code base, past Welcome."""
+    client, server = ClientProtocol("dev-a", 0, max_protocol=version), ServerProtocol()
+    for data in client.data_to_send():
+        server.receive_data(data)
+    server.events_received()
+    server.send_welcome(welcome())
+    for data in server.data_to_send():
+        client.receive_data(data)
+    client.take_events()
+    assert client.version == server.version == version
+    return client, server
+
+
+@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(compact_records(), min_size=1, max_size=6), st.booleans())
+def test_records_travel_as_their_bytes_both_ways(records: list[Record], map_form: bool) -> None:
+    """Generated records of every kind, sent as bytes (compact, or the map form a file of an
+    older version holds): the server reads each as the record it is and keeps the bytes
+    beside it; a page served from those bytes reaches the device as the same records and
+    bytes. The frame on the wire holds no map-form record the sender did not store so."""
+    client, server = connected_at(6)
+    encode = encode_record if map_form else compact.encode
+    bodies = [encode(r) for r in records]
+    changes = [Change(client_seq=i + 1, record=r) for i, r in enumerate(records)]
+    client.send_push(changes, bodies=bodies)
+    (data,) = client.data_to_send()
+    assert all(body in data for body in bodies)  # the stored bytes, as they are
+    server.receive_data(data)
+    (push,) = server.events_received()
+    assert isinstance(push, Push) and push.changes == changes
+    assert [bytes(b.body) for b in push.bodies] == bodies
+    pull_id = client.send_pull(0)
+    server.receive_data(client.data_to_send()[0])
+    page = [FeedBody(i + 1, msgspec.Raw(b)) for i, b in enumerate(bodies)]
+    server.send_changes(0, len(page), [], bodies=page, request_id=pull_id)
+    for data in server.data_to_send():
+        client.receive_data(data)
+    (event,) = client.take_events()
+    assert isinstance(event, Answer) and isinstance(event.frame, Changes)
+    assert [c.record for c in event.frame.changes] == records
+    assert [bytes(b.body) for b in event.frame.bodies] == bodies
+
+
+def test_below_version_6_records_go_as_records() -> None:
+    client, server = connected_at(5)
+    record = make_message()
+    client.send_push([Change(client_seq=1, record=record)], bodies=[compact.encode(record)])
+    (data,) = client.data_to_send()
+    push = codec.decode(data)
+    assert isinstance(push, Push) and push.bodies == [] and push.changes[0].record == record
+    with pytest.raises(InvalidState):
+        server.send_changes(0, 1, [], bodies=[FeedBody(1, msgspec.Raw(compact.encode(record)))])
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        msgspec.msgpack.encode([1, "not a uuid", 5]),  # a message of too few fields
+        msgspec.msgpack.encode([99, "x"]),  # no such kind
+        msgspec.msgpack.encode(["Message", "x"]),  # a kind that is not an index
+        msgspec.msgpack.encode({"record_kind": "Message", "id": 5}),  # a mistyped map form
+        msgspec.msgpack.encode(msgspec.msgpack.Ext(9, b"?")),  # an ext no record holds
+    ],
+)
+def test_a_record_that_does_not_decode_is_a_3004_and_the_connection_goes_on(body: bytes) -> None:
+    client, server = connected_at(6)
+    entry = [1, msgspec.Raw(body)]
+    server.receive_data(
+        msgspec.msgpack.encode({"type": "push", "changes": [], "request_id": 4, "bodies": [entry]})
+    )
+    assert server.events_received() == []
+    err = only_error(server)
+    assert (err.code, err.request_id) == (ErrorCode.MALFORMED_FRAME, 4)
+    assert server.state is State.OPEN
+    # The device's side: a page holding such a record answers its pull with the error.
+    pull_id = client.send_pull(0)
+    page = {"type": "changes", "from_cursor": 0, "to_cursor": 1, "changes": [], "bodies": [entry]}
+    client.receive_data(msgspec.msgpack.encode({**page, "request_id": pull_id}))
+    (event,) = client.take_events()
+    assert isinstance(event, Answer) and isinstance(event.frame, Error)
+    assert event.frame.code == ErrorCode.MALFORMED_FRAME and event.request_id == pull_id
+    assert client.state is State.OPEN and client.outstanding == ()
+    # A live page: a notice.
+    client.receive_data(msgspec.msgpack.encode({**page, "live": True}))
+    (notice,) = client.take_events()
+    assert isinstance(notice, Notice) and notice.frame.code == ErrorCode.MALFORMED_FRAME
+
+
+def test_a_frame_with_records_and_bodies_is_refused() -> None:
+    _, server = connected_at(6)
+    record = make_message()
+    both = Push(
+        changes=[Change(client_seq=1, record=record)],
+        request_id=3,
+        bodies=[ChangeBody(2, msgspec.Raw(compact.encode(record)))],
+    )
+    server.receive_data(enc(both))
+    assert server.events_received() == []
+    err = only_error(server)
+    assert (err.code, err.request_id) == (ErrorCode.MALFORMED_FRAME, 3)
+    assert "not both" in err.message and server.state is State.OPEN

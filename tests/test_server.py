@@ -620,7 +620,13 @@ async def test_welcome_names_the_agreed_version_and_the_tokens_tenant(srv: SyncS
         assert (welcome.org_id, welcome.user_id) == (dev.tenant.org_id, dev.tenant.user_id)
     async with open_client(srv, dev.tenant) as client:
         await client.send(
-            Hello(protocol=1, client_id=dev.client_id, min_protocol=1, max_protocol=5, request_id=1)
+            Hello(
+                protocol=1,
+                client_id=dev.client_id,
+                min_protocol=1,
+                max_protocol=MAX_PROTOCOL,
+                request_id=1,
+            )
         )
         welcome = await client.answer()
         assert isinstance(welcome, Welcome)
@@ -638,7 +644,7 @@ async def test_no_common_version_gets_3003_naming_both_ranges_then_1008(
         )
         err = await client.error()
         assert (err.code, err.request_id) == (ErrorCode.PROTOCOL_VERSION, 1)
-        assert "device speaks 7..9, server speaks 1..5" in err.message
+        assert f"device speaks 7..9, server speaks 1..{MAX_PROTOCOL}" in err.message
         closed = await client.closed()
         assert closed.rcvd is not None and closed.rcvd.code == 1008
 
@@ -747,20 +753,34 @@ class FlakyStore:
         aliases: Collection[str] = (),
         chains: bool = True,
         skipped: Collection[int] = (),
+        bodies: Collection[bytes] = (),
     ) -> PushResult:
         self.push_entered.set()
         if self.push_gate is not None:
             await self.push_gate.wait()
         return await self.inner.push(
-            tenant, client_id, changes, clock, aliases=aliases, chains=chains, skipped=skipped
+            tenant,
+            client_id,
+            changes,
+            clock,
+            aliases=aliases,
+            chains=chains,
+            skipped=skipped,
+            bodies=bodies,
         )
 
     async def pull(
-        self, tenant: Tenant, cursor: int, limit: int, max_bytes: int | None = None
+        self,
+        tenant: Tenant,
+        cursor: int,
+        limit: int,
+        max_bytes: int | None = None,
+        *,
+        raw: bool = False,
     ) -> PullResult:
         if self.fail_pull is not None:
             raise self.fail_pull
-        return await self.inner.pull(tenant, cursor, limit, max_bytes)
+        return await self.inner.pull(tenant, cursor, limit, max_bytes, raw=raw)
 
     async def head_cursor(self, tenant: Tenant) -> int:
         return await self.inner.head_cursor(tenant)

@@ -970,3 +970,26 @@ async def test_rerunnable_plans_of_two_connections_lose_no_update(db_path: Path)
             await b.transact(_increment(calls))
         assert await a.get_meta("n") == "70"
         assert len(calls) == 2 + 2 * 18
+
+
+async def test_a_record_that_came_as_bytes_is_stored_as_those_bytes(tmp_path: Path) -> None:
+    """A pulled page's records (protocol 6) are written in the bytes they came in: the very
+    same objects reach the statements, none is encoded again; a record made anew is encoded.
+    The file then reads them back as the records they are."""
+    from shared import compact
+    from shared.compact import Bodies
+
+    session = make_session()
+    pulled = [make_message(session_id=session.id), make_checkpoint(session_id=session.id)]
+    sent = [compact.encode(r) for r in pulled]
+    made = make_message(session_id=session.id)
+    batch = WriteBatch(
+        records=[*pulled, made], outbox=False, bodies=Bodies(zip(pulled, sent, strict=True))
+    )
+    groups, _ = sqlite_module._encode_batch(batch.records, batch.bodies)
+    written = [row[-1] for rows in groups.values() for row in rows]
+    assert all(any(w is body for w in written) for body in sent)  # the same objects
+    assert compact.encode(made) in written and len(written) == 3
+    async with SQLiteAdapter(tmp_path / "d.db") as store:
+        await store.commit(batch)
+        assert await store.get_messages([pulled[0].id, made.id]) == [pulled[0], made]

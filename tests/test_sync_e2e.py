@@ -25,6 +25,7 @@ from shared.clock import HybridClock
 from shared.errors import CursorTooOld, ErrorCode
 from shared.ids import uuid7
 from shared.records import Message
+from tests.server_factories import rewrite_page, rewrite_push
 
 SECRET = b"test-secret-for-sync"
 ALICE = Tenant(org_id="acme", user_id="alice")
@@ -487,6 +488,13 @@ async def test_artifacts_merge_concurrent_offline_edits(cluster: Cluster) -> Non
     assert await phone.artifacts.list(session.id) == [created.artifact_id]
 
 
+def forged(record: Any) -> Any:
+    """An event with an altered payload (its hashes left as they were); any other record."""
+    if type(record).__name__ == "Event":
+        return msgspec.structs.replace(record, payload={"forged": True})
+    return record
+
+
 async def test_a_pulled_chain_that_does_not_verify_is_refused(cluster: Cluster) -> None:
     assert cluster.store is not None and cluster.server is not None
     inner = cluster.store
@@ -497,12 +505,8 @@ async def test_a_pulled_chain_that_does_not_verify_is_refused(cluster: Cluster) 
         def __getattr__(self, name: str) -> Any:
             return getattr(inner, name)
 
-        async def pull(self, *args: Any) -> Any:
-            result = await inner.pull(*args)
-            for change in result.changes:
-                if type(change.record).__name__ == "Event":
-                    change.record = msgspec.structs.replace(change.record, payload={"forged": True})
-            return result
+        async def pull(self, *args: Any, **kwargs: Any) -> Any:
+            return rewrite_page(await inner.pull(*args, **kwargs), forged)
 
     laptop = await cluster.device("laptop")
     session = await laptop.create_session()
@@ -596,21 +600,15 @@ async def test_a_tampered_page_after_the_first_is_refused_too(cluster: Cluster) 
         def __getattr__(self, name: str) -> Any:
             return getattr(inner, name)
 
-        async def pull(self, *args: Any) -> Any:
-            result = await inner.pull(*args)
-            forge(result.changes)
-            return result
+        async def pull(self, *args: Any, **kwargs: Any) -> Any:
+            return rewrite_page(await inner.pull(*args, **kwargs), forge)
 
         async def push(self, *args: Any, **kwargs: Any) -> Any:
-            result = await inner.push(*args, **kwargs)
-            forge(result.feed)  # the rows a live page is made of, when not read back
-            return result
+            # The rows a live page is made of, when not read back.
+            return rewrite_push(await inner.push(*args, **kwargs), forge)
 
-    def forge(changes: list[Any]) -> None:
-        if tamper.is_set():
-            for change in changes:
-                if type(change.record).__name__ == "Event":
-                    change.record = msgspec.structs.replace(change.record, payload={"forged": True})
+    def forge(record: Any) -> Any:
+        return forged(record) if tamper.is_set() else record
 
     await cluster.server.shutdown()
     await cluster.start_server(Tamper())  # type: ignore[arg-type]
@@ -628,3 +626,42 @@ async def test_a_tampered_page_after_the_first_is_refused_too(cluster: Cluster) 
     assert await snapshot(phone, session.id) == before
     await phone.sync.disconnect()
     await laptop.sync.disconnect()
+
+
+def _stored_bodies(path: Path, table: str) -> dict[str, bytes]:
+    """A device file's bodies of ``table`` by id, read with plain sqlite3."""
+    import sqlite3
+    import uuid
+
+    with sqlite3.connect(path) as conn:
+        rows = conn.execute(f"SELECT id, body FROM {table}").fetchall()
+    return {str(uuid.UUID(bytes=key)) if len(key) == 16 else key: body for key, body in rows}
+
+
+async def test_records_keep_their_bytes_from_device_to_server_to_device(cluster: Cluster) -> None:
+    """Protocol 6 end to end: a message travels as the bytes the laptop stored, the server
+    keeps them, and the phone stores them again, byte for byte; a device pinned to protocol 5
+    (the map form) in the same account reads the same history and its turn reaches both."""
+    assert cluster.store is not None
+    laptop, phone, old = [await cluster.device(n) for n in ("laptop", "phone", "old")]
+    old.sync.max_protocol = 5
+    session = await laptop.create_session()
+    await chat(laptop, session.id, "as its bytes")
+    await cluster.online(laptop, phone, old)
+    assert laptop.sync._link is not None and laptop.sync._link.protocol.version == 6
+    assert old.sync._link is not None and old.sync._link.protocol.version == 5
+    laptop_bodies = _stored_bodies(cluster.tmp / "laptop.db", "messages")
+    phone_bodies = _stored_bodies(cluster.tmp / "phone.db", "messages")
+    page = await cluster.store.pull(ALICE, 0, 1000, raw=True)
+    server_bodies = {
+        entry.record.id: bytes(body.body)
+        for entry, body in zip(page.entries(), page.bodies, strict=True)
+    }
+    assert len(laptop_bodies) == 2
+    for message_id, body in laptop_bodies.items():
+        assert server_bodies[message_id] == body == phone_bodies[message_id]
+    await chat(old, session.id, "from the old device")
+    await cluster.settle(old, laptop, phone)
+    expected = await snapshot(old, session.id)
+    assert len(expected["messages"]) == 4
+    assert await snapshot(laptop, session.id) == expected == await snapshot(phone, session.id)

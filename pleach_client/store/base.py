@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, Protocol, Self, runtime_checkable
 import msgspec
 
 from shared import compact
+from shared.compact import Bodies
 from shared.records import (
     ArtifactUpdate,
     AuditRow,
@@ -68,6 +69,10 @@ class WriteBatch(msgspec.Struct, kw_only=True):
     renumber_outbox: bool = False
     rechained_audit: list[AuditRow] = []
     canonical: list[str] = []
+    bodies: Bodies | None = None
+    """The compact bytes some of ``records`` arrived in (a page pulled at protocol 6): a store
+    that keeps compact bodies writes a record that is one of them as those bytes instead of
+    encoding it again (``shared.compact.Bodies``). Changes nothing of what is written."""
 
     def is_empty(self) -> bool:
         """Whether committing it would change nothing."""
@@ -187,6 +192,9 @@ class OutboxEntry(msgspec.Struct, kw_only=True):
     """A later queued number refers to the same stored session row. That row is its newest
     version, which may name messages queued after this number: it goes at its last number
     (after all of them), and this one is sent ``skipped``."""
+    body: bytes = b""
+    """The stored bytes ``record`` was read from (empty: unknown). A flush to a server at
+    protocol 6 sends them as they are (``shared.messages.ChangeBody``)."""
 
 
 class DeadLetter(msgspec.Struct, kw_only=True):
@@ -405,6 +413,7 @@ def outbox_entries(
                 last_error_code=code,
                 last_error_message=message,
                 again_later=bool(later),
+                body=body,
             )
         )
     return out

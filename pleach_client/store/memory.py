@@ -501,9 +501,11 @@ class MemoryAdapter(AsyncResource):
 
     def _entry(self, seq: int, row: _OutboxRow, last: dict[tuple[str, str], int]) -> OutboxEntry:
         again_later = row.body is None and row.ref is not None and last.get(row.ref, 0) > seq
+        body = self._body_of(row)
         return OutboxEntry(
             client_seq=seq,
-            record=_decode(_RECORD, self._body_of(row)),
+            record=_decode(_RECORD, body),
+            body=body,
             attempts=row.attempts,
             created_at=row.created_at,
             last_error_code=row.last_error_code,

@@ -420,15 +420,17 @@ def _decode(decoder: _Body[_T], table: str, key: object, body: object) -> _T:
 
 
 def _encode_batch(
-    records: Sequence[Record],
+    records: Sequence[Record], bodies: compact.Bodies | None = None
 ) -> tuple[dict[str, list[tuple[Any, ...]]], list[tuple[str | bytes, str, bytes | None]]]:
-    """Rows per insert statement (in order of first appearance) and the outbox rows."""
+    """Rows per insert statement (in order of first appearance) and the outbox rows.
+    ``bodies``: bytes some records arrived in (``WriteBatch.bodies``), stored as they are."""
     groups: dict[str, list[tuple[Any, ...]]] = {}
     outbox: list[tuple[str | bytes, str, bytes | None]] = []
     key: str | bytes
+    encode = compact.encode if bodies is None else bodies.of
     for record in records:
         try:
-            body = compact.encode(record)
+            body = encode(record)
         except (TypeError, OverflowError, msgspec.EncodeError) as exc:
             name = getattr(record, "id", "?")
             raise StorageError(
@@ -644,7 +646,7 @@ async def _write_batch(
 
 def _encoded(batch: WriteBatch) -> tuple[Any, ...]:
     """``_write_batch_now``'s rows of ``batch``, encoded on the caller's thread."""
-    return (*_encode_batch(batch.records), *_encode_batch(batch.queued))
+    return (*_encode_batch(batch.records, batch.bodies), *_encode_batch(batch.queued))
 
 
 def _write_if_unchanged(

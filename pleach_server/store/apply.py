@@ -76,6 +76,7 @@ from shared.clock import (
     vv_compare,
     vv_merge,
 )
+from shared.compact import Bodies
 from shared.errors import (
     ChainBroken,
     ClockSkew,
@@ -107,7 +108,7 @@ from shared.records import (
     record_kind,
 )
 
-from .base import Bodies, PushResult, Tenant
+from .base import PushResult, Tenant
 
 __all__ = [
     "BatchKeys",

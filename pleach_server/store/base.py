@@ -17,7 +17,7 @@ import msgspec
 from shared import compact
 from shared.clock import HybridClock
 from shared.errors import StorageError
-from shared.messages import ChangeResult
+from shared.messages import ChangeResult, FeedBody
 from shared.records import Change, FeedChange, Record, Session
 
 
@@ -54,9 +54,17 @@ class PushResult(msgspec.Struct, kw_only=True):
 
 
 class PullResult(msgspec.Struct, kw_only=True):
+    """A page of the feed: its entries as records (``changes``), or, from ``pull(raw=True)``,
+    as their stored bytes (``bodies``, with ``changes`` empty)."""
+
     changes: list[FeedChange]
     to_cursor: int
     more: bool
+    bodies: list[FeedBody] = []
+
+    def entries(self) -> list[FeedChange]:
+        """The page's entries as records, decoded from ``bodies`` when it holds them."""
+        return feed_changes(self.bodies) if self.bodies else self.changes
 
 
 class DeviceHealth(msgspec.Struct, kw_only=True):
@@ -108,6 +116,7 @@ class ServerStore(Protocol):
         aliases: Collection[str] = (),
         chains: bool = True,
         skipped: Collection[int] = (),
+        bodies: Collection[bytes] = (),
     ) -> PushResult:
         """Apply a batch idempotently in one transaction; see ``store/apply.py`` for rules.
 
@@ -117,13 +126,23 @@ class ServerStore(Protocol):
         ``aliases`` are the device's earlier client ids (``Hello.previous_client_ids``).
         ``chains``: check that audit rows continue their chains (protocol 3 and later).
         ``skipped``: numbers in sequence with ``changes`` that carry no record (protocol 4).
+        ``bodies``: the bytes each change's record arrived in, in order (protocol 6; empty:
+        none): a record stored as pushed is stored in them (``Bodies``).
         """
         ...
 
     async def pull(
-        self, tenant: Tenant, cursor: int, limit: int, max_bytes: int | None = None
+        self,
+        tenant: Tenant,
+        cursor: int,
+        limit: int,
+        max_bytes: int | None = None,
+        *,
+        raw: bool = False,
     ) -> PullResult:
         """Feed entries with ``cursor > cursor``, at most ``limit``, in cursor order.
+
+        ``raw``: the entries as their stored bytes (``PullResult.bodies``), not decoded.
 
         ``max_bytes`` bounds the page by the stored size of its records as well: entries are
         taken while their sizes add up to at most it, and the first entry always (a record
@@ -170,31 +189,30 @@ def decode_body(body: bytes | memoryview) -> Record:
     return compact.decode(body)
 
 
-class Bodies:
-    """The bytes a push stores of each of its records, each record encoded at most once.
+_RAW = msgspec.msgpack.Decoder(msgspec.Raw)
 
-    ``sent`` maps a pushed record to the bytes it arrived in (protocol 6). A record stored
-    exactly as it arrived (the same object: an immutable record is stored as pushed) keeps
-    those bytes when they are in the compact form; anything else (a map-form body, a merged
-    session, an event at its canonical place) is encoded. Records are matched by identity,
-    never by equality: a different record with equal fields is encoded for itself.
-    """
 
-    __slots__ = ("_known",)
+def feed_body(cursor: int, body: bytes | None) -> FeedBody:
+    """A stored feed entry as it travels (protocol 6): its bytes, checked to be one whole
+    msgpack value (a corrupt row is a ``StorageError`` here, not a page the device cannot
+    read), and not decoded."""
+    if body is None:
+        raise StorageError(f"the feed entry at cursor {cursor} refers to a missing record")
+    try:
+        return FeedBody(cursor, _RAW.decode(body))
+    except msgspec.DecodeError as exc:
+        raise StorageError(f"corrupt feed entry at cursor {cursor}") from exc
 
-    def __init__(self, sent: Iterable[tuple[Record, bytes]] = ()) -> None:
-        self._known: dict[int, tuple[Record, bytes]] = {
-            id(record): (record, body) for record, body in sent if compact.is_compact(body)
-        }
 
-    def of(self, record: Record) -> bytes:
-        """The stored bytes of ``record``."""
-        known = self._known.get(id(record))
-        if known is not None and known[0] is record:
-            return known[1]
-        body = encode_body(record)
-        self._known[id(record)] = (record, body)
-        return body
+def feed_changes(bodies: Iterable[FeedBody]) -> list[FeedChange]:
+    """Feed entries in stored bytes as records (for a device before protocol 6)."""
+    out = []
+    for entry in bodies:
+        try:
+            out.append(FeedChange(cursor=entry.cursor, record=decode_body(memoryview(entry.body))))
+        except msgspec.DecodeError as exc:
+            raise StorageError(f"corrupt feed entry at cursor {entry.cursor}") from exc
+    return out
 
 
 def decode_session(session_id: str, body: bytes) -> Session:

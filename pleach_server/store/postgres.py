@@ -92,6 +92,7 @@ from .base import (
     decode_body,
     decode_session,
     decode_stored,
+    feed_body,
 )
 
 __all__ = [
@@ -1088,7 +1089,13 @@ class PostgresServerStore(AsyncResource):
             await _compact(conn, self._sql, tenant, int(cursor))
 
     async def pull(
-        self, tenant: Tenant, cursor: int, limit: int, max_bytes: int | None = None
+        self,
+        tenant: Tenant,
+        cursor: int,
+        limit: int,
+        max_bytes: int | None = None,
+        *,
+        raw: bool = False,
     ) -> PullResult:
         if limit < 1:
             raise ValueError("limit must be at least 1")
@@ -1107,13 +1114,12 @@ class PostgresServerStore(AsyncResource):
                 f"cursor {cursor} predates the retained feed (floor {floor}): resync"
             )
         entries = sorted((int(r[1]), r[2], r[3]) for r in rows if r[1] is not None)
-        changes = [
-            FeedChange(cursor=c, record=_decode(c, b)) for c, b, within in entries[:limit] if within
-        ]
+        taken = [(c, b) for c, b, within in entries[:limit] if within]
         return PullResult(
-            changes=changes,
-            to_cursor=changes[-1].cursor if changes else cursor,
-            more=len(entries) > len(changes),
+            changes=[] if raw else [FeedChange(cursor=c, record=_decode(c, b)) for c, b in taken],
+            bodies=[feed_body(c, None if b is None else bytes(b)) for c, b in taken] if raw else [],
+            to_cursor=taken[-1][0] if taken else cursor,
+            more=len(entries) > len(taken),
         )
 
     async def head_cursor(self, tenant: Tenant) -> int:

@@ -66,6 +66,7 @@ from .base import (
     decode_body,
     decode_session,
     decode_stored,
+    feed_body,
 )
 
 __all__ = ["DEFAULT_MAX_PULL_LIMIT", "SQLiteServerStore"]
@@ -895,7 +896,13 @@ class SQLiteServerStore(AsyncResource):
             await _compact(conn, tenant, int(row[0]))
 
     async def pull(
-        self, tenant: Tenant, cursor: int, limit: int, max_bytes: int | None = None
+        self,
+        tenant: Tenant,
+        cursor: int,
+        limit: int,
+        max_bytes: int | None = None,
+        *,
+        raw: bool = False,
     ) -> PullResult:
         if limit < 1:
             raise ValueError("limit must be at least 1")
@@ -913,15 +920,14 @@ class SQLiteServerStore(AsyncResource):
             rows = await _fetchall(
                 conn, _PULL_SQL, (budget, tenant.org_id, tenant.user_id, cursor, limit + 1)
             )
-            changes = [
-                FeedChange(cursor=int(c), record=_decode(int(c), b))
-                for c, b, within in rows[:limit]
-                if within
-            ]
+            taken = [(int(c), b) for c, b, within in rows[:limit] if within]
             return PullResult(
-                changes=changes,
-                to_cursor=changes[-1].cursor if changes else cursor,
-                more=len(rows) > len(changes),
+                changes=[]
+                if raw
+                else [FeedChange(cursor=c, record=_decode(c, b)) for c, b in taken],
+                bodies=[feed_body(c, b) for c, b in taken] if raw else [],
+                to_cursor=taken[-1][0] if taken else cursor,
+                more=len(rows) > len(taken),
             )
 
         return await self._read(body)
