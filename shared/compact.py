@@ -339,6 +339,16 @@ class Bodies:
             id(record): (record, body) for record, body in known if is_compact(body)
         }
 
+    def known(self, record: Record) -> bytes | None:
+        """The compact bytes ``record`` came in (or was given by ``keep``), or None."""
+        known = self._known.get(id(record))
+        return known[1] if known is not None and known[0] is record else None
+
+    def keep(self, record: Record, body: bytes) -> None:
+        """Take ``body`` as the compact bytes of ``record`` (which the caller made sure they
+        are, as from ``canonical_body``)."""
+        self._known[id(record)] = (record, body)
+
     def of(self, record: Record) -> bytes:
         """The compact bytes of ``record``."""
         known = self._known.get(id(record))
@@ -427,6 +437,11 @@ def _unext(code: int, data: memoryview) -> Any:
             if len(_uuid_texts) >= _CACHE_LIMIT:
                 _uuid_texts.clear()
             _uuid_texts[key] = text
+            # The way back too: a record just read is often keyed or encoded next (a pulled
+            # page is stored by its ids), and this text is canonical, so its ext is this one.
+            if len(_uuid_exts) >= _CACHE_LIMIT:
+                _uuid_exts.clear()
+            _uuid_exts[text] = Ext(_EXT_UUID, key)
         return text
     if code == _EXT_HEX and len(data) == 32:
         return data.hex()  # a digest rarely repeats: no cache

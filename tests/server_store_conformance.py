@@ -314,6 +314,21 @@ class ServerStoreConformance:
             assert (body == mine) is (not placed and compact.is_compact(mine)), record_kind(record)
         assert stored[-1] == compact.encode(records[-1])  # the map form, stored compact
         assert result.bodies == stored  # what a live page of this push carries
+        # Events pushed at the places the server gives them: stored as the pushed bytes
+        # marked canonical, made from those bytes (``canonical_body``), not encoded again.
+        head = next(r for r in decoded.changes if isinstance(r.record, Event)).record
+        e2 = chain_event(dev.event(session.id, n=2), head.row_hash, 2)
+        e3 = chain_event(dev.event(session.id, n=3), e2.row_hash, 3)
+        sent = [compact.encode(e) for e in (e2, e3)]
+        placed = await server_store.push(
+            dev.tenant, dev.client_id, dev.changes(e2, e3), server_clock, bodies=sent
+        )
+        assert statuses(placed) == ["applied"] * 2 and placed.as_pushed
+        page = await server_store.pull(dev.tenant, raw.to_cursor, 100, raw=True)
+        assert [bytes(b.body) for b in page.bodies] == [compact.canonical_body(b) for b in sent]
+        assert [c.record for c in page.entries()] == [
+            msgspec.structs.replace(e, canonical=True) for e in (e2, e3)
+        ]
 
     # -- idempotency -------------------------------------------------------------------------
 

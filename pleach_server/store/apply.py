@@ -76,7 +76,7 @@ from shared.clock import (
     vv_compare,
     vv_merge,
 )
-from shared.compact import Bodies
+from shared.compact import Bodies, canonical_body
 from shared.errors import (
     ChainBroken,
     ClockSkew,
@@ -778,8 +778,16 @@ class _Batch:
     (an event at the pushed place and hashes, only marked canonical).
     """
 
-    def __init__(self, tx: StoreTx, tenant: Tenant, clock: HybridClock, server_id: str) -> None:
+    def __init__(
+        self,
+        tx: StoreTx,
+        tenant: Tenant,
+        clock: HybridClock,
+        server_id: str,
+        bodies: Bodies | None = None,
+    ) -> None:
         self.tx = tx
+        self.bodies = bodies or Bodies()
         self.tenant = tenant
         self.clock = clock
         self.server_id = server_id
@@ -835,6 +843,13 @@ class _Batch:
         await self.tx.insert_event(placed)
         where = (placed.sequence_number, placed.prev_hash, placed.row_hash)
         same = where == (event.sequence_number, event.prev_hash, event.row_hash)
+        sent = self.bodies.known(event) if same else None
+        if sent is not None:
+            # At the pushed place, the canonical event is the pushed one marked canonical:
+            # its bytes follow from the pushed bytes alone (``compact.canonical_body``).
+            body = canonical_body(sent)
+            if body is not None:
+                self.bodies.keep(placed, body)
         return self._applied(seq, placed, as_pushed=same)
 
     async def _session(self, seq: int, pushed: Session) -> ChangeResult:
@@ -992,7 +1007,7 @@ async def apply_push(
     skip = frozenset(skipped)
     keys = batch_keys(changes, start_seq, tenant, client_id, aliases, audit=chains, skipped=skip)
     await buffered.load(tenant, keys)
-    batch = _Batch(view, tenant, clock, server_id)
+    batch = _Batch(view, tenant, clock, server_id, stored)
     results: list[ChangeResult] = []
     gap = False
     reused = False
