@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -621,13 +621,17 @@ class Connection:
 
     def _count_results(self, results: list[ChangeResult]) -> None:
         metrics = self.ctx.metrics
-        applied = sum(1 for item in results if item.status in ("applied", "resolved"))
+        # One counter step per status, not per change (a labelled step is a lookup and a
+        # lock in prometheus_client: about 4 us, which a push of 200 paid 200 times).
+        statuses = Counter(item.status for item in results)
+        applied = statuses["applied"] + statuses["resolved"]
         if applied:
             metrics.push_rate.add(applied)
-        for item in results:
-            metrics.changes.labels(item.status).inc()
-            if item.conflict is not None:
-                metrics.conflicts.inc()
+        for status, count in statuses.items():
+            metrics.changes.labels(status).inc(count)
+        conflicts = sum(item.conflict is not None for item in results)
+        if conflicts:
+            metrics.conflicts.inc(conflicts)
 
     async def _on_pull(self, pull: Pull) -> None:
         if not 0 <= pull.cursor < 2**63:

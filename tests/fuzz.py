@@ -38,8 +38,9 @@ from websockets.exceptions import ConnectionClosed
 from pleach_server.auth import issue_token
 from pleach_server.server import SyncServer
 from pleach_server.store import SQLiteServerStore, Tenant
+from shared import compact
 from shared.errors import ErrorCode
-from shared.messages import Changes, Error, FrameCodec, Hello, Pull, Push, Welcome
+from shared.messages import Changes, Error, FrameCodec, Hello, Pull, Push, Welcome, unpacked
 from tests.server_factories import Device, new_tenant
 
 SECRET = b"fuzz-secret"
@@ -98,8 +99,15 @@ def _seeds(dev: Device) -> list[dict[str, Any]]:
         Push(changes=dev.changes(*records), request_id=2),
         Push(changes=dev.changes(session), skipped=[dev.next_seq - 3], request_id=4),
         Pull(cursor=0, limit=50, request_id=3),
+        Hello(protocol=1, client_id=dev.client_id, min_protocol=1, max_protocol=6, request_id=1),
     ]
-    return [msgspec.to_builtins(f) for f in frames]
+    # Protocol 6: the records as their compact bytes, inline (each one msgpack value).
+    bodies = [
+        [c.client_seq, msgspec.msgpack.decode(compact.encode(c.record))]
+        for c in dev.changes(*records)
+    ]
+    pushed = {"type": "push", "changes": [], "request_id": 5, "bodies": bodies}
+    return [msgspec.to_builtins(f) for f in frames] + [pushed]
 
 
 def _weird(rng: random.Random, depth: int = 0) -> Any:
@@ -235,6 +243,11 @@ async def _drain(ws: ClientConnection, codec: FrameCodec, report: FuzzReport, mi
         if isinstance(frame, Error):
             report.errors[frame.code] += 1
         if isinstance(frame, Changes):
+            try:
+                frame = unpacked(frame)  # protocol 6: the records as their stored bytes
+            except (msgspec.DecodeError, RecursionError) as exc:
+                report.problems.append(f"the server sent a record that does not decode: {exc}")
+                continue
             for change in frame.changes:
                 record = change.record
                 if (record.org_id, record.user_id) != (mine.org_id, mine.user_id):
