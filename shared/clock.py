@@ -33,7 +33,23 @@ class Timestamp:
 
     @classmethod
     def decode(cls, value: str) -> Timestamp:
-        """Parse an encoded stamp; raises ``InvalidRecord`` when it is malformed."""
+        """Parse an encoded stamp; raises ``InvalidRecord`` when it is malformed.
+
+        Stamps parsed lately are kept (at most ``_DECODED_LIMIT``, then all are dropped): a
+        server checks each pushed stamp, then observes it, a stamp apart in the same push."""
+        if type(value) is str and cls is Timestamp:
+            known = _DECODED.get(value)
+            if known is not None:
+                return known
+            stamp = cls._parse(value)
+            if len(_DECODED) >= _DECODED_LIMIT:
+                _DECODED.clear()
+            _DECODED[value] = stamp
+            return stamp
+        return cls._parse(value)
+
+    @classmethod
+    def _parse(cls, value: str) -> Timestamp:
         try:
             wall, counter, client_id = value.split("-", 2)
             if len(wall) != _WALL_DIGITS or len(counter) != _COUNTER_DIGITS:
@@ -45,6 +61,11 @@ class Timestamp:
             return cls(int(wall), int(counter), client_id)
         except (ValueError, AttributeError) as exc:
             raise InvalidRecord(f"malformed HLC timestamp: {value!r}") from exc
+
+
+_DECODED_LIMIT = 4096
+_DECODED: dict[str, Timestamp] = {}
+"""Stamps parsed lately (``Timestamp.decode``); each is immutable, so it may be shared."""
 
 
 def wall_clock_ms() -> int:

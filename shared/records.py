@@ -282,9 +282,8 @@ RECORD_KINDS: Mapping[str, RecordKindInfo] = MappingProxyType(
 )
 """Every record kind by name, in the order of the ``Record`` union."""
 
-_BY_CLASS: Mapping[type, RecordKindInfo] = MappingProxyType(
-    {info.cls: info for info in RECORD_KINDS.values()}
-)
+_BY_CLASS: dict[type, RecordKindInfo] = {info.cls: info for info in RECORD_KINDS.values()}
+"""(Private, never changed: a plain dict, read on every record's every rule.)"""
 
 CASCADE_KINDS: tuple[RecordKind, ...] = tuple(
     info.name for info in RECORD_KINDS.values() if info.deleted_with_session
