@@ -361,3 +361,15 @@ def test_compare_is_mirrored_and_matches_pointwise(a: dict[str, int], b: dict[st
         (False, False): Order.CONCURRENT,
     }[(ge, le)]
     assert order is expected
+
+
+def test_decoded_stamps_are_kept_within_a_bound_and_read_the_same() -> None:
+    from shared import clock
+
+    stamps = [Timestamp(1_700_000_000_000 + i, i % 1000, "dev").encode() for i in range(5000)]
+    first = [Timestamp.decode(s) for s in stamps]
+    assert len(clock._DECODED) <= clock._DECODED_LIMIT
+    assert [Timestamp.decode(s) for s in stamps] == first  # kept or parsed again: the same
+    assert all(t.encode() == s for t, s in zip(first, stamps, strict=True))
+    with pytest.raises(InvalidRecord):
+        Timestamp.decode(stamps[-1][:-4] + "+" + stamps[-1][-3:])  # never kept when malformed
