@@ -46,6 +46,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import asyncpg  # type: ignore[import-untyped]
@@ -220,11 +221,11 @@ def hook(dev: Device, progress: asyncio.Event) -> None:
 
     dev.rt.events.on("checkpoint.created", on_commit)
     dev.rt.events.on("sync.applied", on_applied)
-    apply_page: Callable[[list[FeedChange], int], Awaitable[int]] = dev.rt.sync._apply
+    apply_page: Callable[..., Awaitable[int]] = dev.rt.sync._apply
 
-    async def applying(changes: list[FeedChange], to_cursor: int) -> int:
+    async def applying(changes: list[FeedChange], to_cursor: int, bodies: Any = None) -> int:
         stamps.clear()
-        applied = await apply_page(changes, to_cursor)
+        applied = await apply_page(changes, to_cursor, bodies)
         t1 = stamps.pop(peer_session, None)
         if t1 is not None:
             top = max(
