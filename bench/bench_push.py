@@ -8,7 +8,8 @@ same run, on the same machine):
   eight tenants pushing at once (SQLite serializes every write; PostgreSQL runs one
   transaction per pool connection in parallel and only serializes within a tenant).
 - ``server``: real ``pleach-server`` subprocesses on loopback, ``websockets`` devices sending
-  ``Push`` frames and waiting for each ``PushAck``. ``x2`` splits the devices across two
+  ``Push`` frames and waiting for each ``PushAck``. Records go as a device at protocol 6 sends
+  them, as their compact bytes (``bodies``); ``store`` rows pass the same bytes. ``x2`` splits the devices across two
   processes sharing one PostgreSQL database.
 
 No thresholds: this prints figures (docs/POSTGRES.md quotes a run). Bounded: well under 60 s
@@ -29,15 +30,26 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
+import msgspec
 from websockets.asyncio.client import connect
 
 from pleach_server.auth import issue_token
 from pleach_server.store.base import ServerStore, Tenant
 from pleach_server.store.postgres import PostgresServerStore
 from pleach_server.store.sqlite import SQLiteServerStore
+from shared import compact
 from shared.clock import HybridClock
 from shared.ids import uuid7
-from shared.messages import PROTOCOL_VERSION, Changes, FrameCodec, Hello, Push, PushAck, Welcome
+from shared.messages import (
+    PROTOCOL_VERSION,
+    ChangeBody,
+    Changes,
+    FrameCodec,
+    Hello,
+    Push,
+    PushAck,
+    Welcome,
+)
 from shared.records import Change, Message, Session, SessionState
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,6 +101,8 @@ class Workload:
                     )
                 batch.append(Change(client_seq=seq, record=record))
             self.batches.append(batch)
+        # What a device at protocol 6 sends: each record as the compact bytes it stored.
+        self.bodies = [[compact.encode(c.record) for c in batch] for batch in self.batches]
 
     @property
     def changes(self) -> int:
@@ -103,8 +117,8 @@ async def push_direct(store: ServerStore, workloads: list[Workload]) -> float:
     clock = HybridClock(f"srv-{uuid7()}")
 
     async def one(w: Workload) -> None:
-        for batch in w.batches:
-            result = await store.push(w.tenant, w.client_id, batch, clock)
+        for batch, bodies in zip(w.batches, w.bodies, strict=True):
+            result = await store.push(w.tenant, w.client_id, batch, clock, bodies=bodies)
             assert all(r.status == "applied" for r in result.results), result
 
     started = time.perf_counter()
@@ -177,8 +191,12 @@ async def push_over_websockets(urls: list[str], workloads: list[Workload]) -> fl
             await ws.send(codec.encode(Hello(protocol=PROTOCOL_VERSION, client_id=w.client_id)))
             assert isinstance(codec.decode(await _recv(ws)), Welcome)
             await ready.wait()
-            for batch in w.batches:
-                await ws.send(codec.encode(Push(changes=batch)))
+            for batch, bodies in zip(w.batches, w.bodies, strict=True):
+                packed = [
+                    ChangeBody(c.client_seq, msgspec.Raw(b))
+                    for c, b in zip(batch, bodies, strict=True)
+                ]
+                await ws.send(codec.encode(Push(changes=[], bodies=packed)))
                 while True:  # live Changes frames of our own pushes are skipped
                     frame = codec.decode(await _recv(ws))
                     if isinstance(frame, PushAck):
