@@ -1291,7 +1291,11 @@ class SyncFacet:
         """
         rt = self._rt
         known = (
-            Bodies((c.record, bytes(b.body)) for c, b in zip(changes, bodies, strict=True))
+            Bodies(
+                (c.record, bytes(b.body))
+                for c, b in zip(changes, bodies, strict=True)
+                if c.cursor == b.cursor  # (each pair is one entry of the page)
+            )
             if bodies and len(bodies) == len(changes)
             else None
         )

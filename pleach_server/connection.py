@@ -275,6 +275,14 @@ class ConnectionContext:
                 logger.warning("notifier publish for %s failed: %s", tenant, exc)
 
 
+def _bodies_of(push: Push) -> list[bytes]:
+    """The bytes each of ``push``'s changes came in (protocol 6), in order; none when they
+    are not one for one (the protocol makes them so: this only guards the pairing)."""
+    if [b.client_seq for b in push.bodies] != [c.client_seq for c in push.changes]:
+        return []
+    return [bytes(b.body) for b in push.bodies]
+
+
 def _whole_page(
     pushed: PushResult | None, from_cursor: int, to_cursor: int, limit: int, max_bytes: int
 ) -> bool:
@@ -596,7 +604,7 @@ class Connection:
                 aliases=self.aliases,
                 chains=version >= CHAINS_CHECKED_SINCE,
                 skipped=push.skipped if version >= SKIPPED_SINCE else (),
-                bodies=[bytes(b.body) for b in push.bodies],
+                bodies=_bodies_of(push),
             )
             span.set(
                 **{
