@@ -9,8 +9,8 @@ same run, on the same machine):
   transaction per pool connection in parallel and only serializes within a tenant).
 - ``server``: real ``pleach-server`` subprocesses on loopback, ``websockets`` devices sending
   ``Push`` frames and waiting for each ``PushAck``. Records go as a device at protocol 6 sends
-  them, as their compact bytes (``bodies``); ``store`` rows pass the same bytes. ``x2`` splits the devices across two
-  processes sharing one PostgreSQL database.
+  them, as their compact bytes (``bodies``); ``store`` rows pass the same bytes. ``x2`` splits
+  the devices across two processes sharing one PostgreSQL database.
 
 No thresholds: this prints figures (docs/POSTGRES.md quotes a run). Bounded: well under 60 s
 with the defaults. Run ``python -m bench.bench_push`` (``--help`` for sizes and the DSN).

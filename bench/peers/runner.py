@@ -412,7 +412,7 @@ def live_and_sync(
             (
                 "sync_once",
                 "pleach: sync_once of {turns} offline turns = {changes:,} changes"
-                " (flush; nothing pulled back, protocol 5; bench_sync), median of {reps}",
+                " (flush; nothing pulled back, protocol 6; bench_sync), median of {reps}",
             ),
             (
                 "fresh_pull",
