@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
@@ -1290,15 +1291,10 @@ class SyncFacet:
         record stored as it came is stored in them, not encoded again.
         """
         rt = self._rt
-        known = (
-            Bodies(
-                (c.record, bytes(b.body))
-                for c, b in zip(changes, bodies, strict=True)
-                if c.cursor == b.cursor  # (each pair is one entry of the page)
-            )
-            if bodies and len(bodies) == len(changes)
-            else None
-        )
+        known = None
+        if bodies and list(map(_CURSOR, bodies)) == list(map(_CURSOR, changes)):
+            # (Paired by place as well as by order: each pair is one entry of the page.)
+            known = Bodies.pairs(list(map(_RECORD, changes)), list(map(bytes, map(_BODY, bodies))))
         emitted: list[Any] = []
 
         missing: list[str] = []
@@ -1394,6 +1390,8 @@ def _refusal(body: bytes | None) -> str:
     except msgspec.DecodeError:
         return ""
 
+
+_CURSOR, _RECORD, _BODY = attrgetter("cursor"), attrgetter("record"), attrgetter("body")
 
 _BODY_OVERHEAD = 10
 """The bytes a ``ChangeBody`` adds to its record's (an array head and a client_seq)."""

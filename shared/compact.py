@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Final, TypeVar, Union, cast
 
 import msgspec
@@ -335,14 +335,25 @@ class Bodies:
     __slots__ = ("_known",)
 
     def __init__(self, known: Iterable[tuple[Record, bytes]] = ()) -> None:
-        self._known: dict[int, tuple[Record, bytes]] = {
-            id(record): (record, body) for record, body in known if is_compact(body)
-        }
+        # Whether the bytes are compact is asked when they are used: a page's bodies are
+        # paired in C loops (``pairs``), most are used once, and some not at all.
+        self._known: dict[int, tuple[Record, bytes]] = {id(r): (r, b) for r, b in known}
+
+    @classmethod
+    def pairs(cls, records: Sequence[Record], bodies: Sequence[bytes]) -> Bodies:
+        """``Bodies`` of ``records[i]`` in ``bodies[i]`` (as many of each)."""
+        if len(records) != len(bodies):
+            raise ValueError(f"{len(bodies)} bodies for {len(records)} records")
+        made = cls()
+        made._known = dict(zip(map(id, records), zip(records, bodies, strict=True), strict=True))
+        return made
 
     def known(self, record: Record) -> bytes | None:
         """The compact bytes ``record`` came in (or was given by ``keep``), or None."""
         known = self._known.get(id(record))
-        return known[1] if known is not None and known[0] is record else None
+        if known is None or known[0] is not record or not is_compact(known[1]):
+            return None
+        return known[1]
 
     def keep(self, record: Record, body: bytes) -> None:
         """Take ``body`` as the compact bytes of ``record`` (which the caller made sure they
@@ -352,7 +363,7 @@ class Bodies:
     def of(self, record: Record) -> bytes:
         """The compact bytes of ``record``."""
         known = self._known.get(id(record))
-        if known is not None and known[0] is record:
+        if known is not None and known[0] is record and is_compact(known[1]):
             return known[1]
         body = encode(record)
         self._known[id(record)] = (record, body)

@@ -999,7 +999,7 @@ async def apply_push(
     """
     if bodies and len(bodies) != len(changes):
         raise ValueError(f"{len(bodies)} bodies for {len(changes)} changes")
-    stored = Bodies(zip((c.record for c in changes), bodies, strict=False))
+    stored = Bodies.pairs([c.record for c in changes], list(bodies)) if bodies else Bodies()
     buffered = _BufferedTx(tx, stored)
     view: StoreTx = buffered if wrap is None else wrap(buffered)
     await view.lock_tenant(tenant)
