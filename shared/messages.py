@@ -50,9 +50,10 @@ highest both sides speak):
   in the bytes it came in, and serves a page from the bytes it stored; a device stores a
   record it takes as is in the bytes it came in, and sends its outbox from the bytes it
   stored. No record is encoded again on the way (each is still decoded once on each side, to
-  be checked), and the compact form is about half the bytes of the map form. A record that does not decode is refused as a mistyped
-  frame (3004), and so is a frame that carries both fields. A server sends ``bodies`` only
-  to a device at version 6 or later; a device sends them only to such a server.
+  be checked), and the compact form is about half the bytes of the map form. A record that
+  does not decode is refused as a mistyped frame (3004), and so is a frame that carries both
+  fields. A server sends ``bodies`` only to a device at version 6 or later; a device sends
+  them only to such a server.
 
 A version 1 peer reads version 2 frames unchanged (it ignores the new fields), which is why the
 server fills them whatever version it agreed.
