@@ -762,6 +762,8 @@ def _print_status(status: SyncStatus, args: argparse.Namespace) -> None:
         ("last synced", _ago(status.last_synced_at), "" if status.has_synced else "yellow"),
         ("feed cursor", str(status.cursor), ""),
     ]
+    if status.protocol is not None:
+        rows.append(("protocol", f"version {status.protocol}", ""))
     if status.last_error:
         code = f" [{status.last_error_code}]" if status.last_error_code else ""
         rows.append(("last error", f"{status.last_error}{code}", "red"))

@@ -114,6 +114,9 @@ class SyncStatus(msgspec.Struct, kw_only=True):
     last_error: str | None
     last_error_code: int | None = None
     server_url: str | None = None
+    protocol: int | None = None
+    """The protocol version agreed with the server on the open connection (None: none open).
+    From 6, records travel as their stored bytes (see ``shared.messages``)."""
 
 
 class SyncProgress(msgspec.Struct, kw_only=True):
@@ -271,6 +274,7 @@ class SyncFacet:
             last_error=self._last_error,
             last_error_code=self._last_error_code,
             server_url=self._url,
+            protocol=self._link.protocol.version if self._link is not None else None,
         )
 
     async def wait_until_synced(self, timeout: float = 30.0) -> bool:

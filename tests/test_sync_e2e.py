@@ -648,8 +648,8 @@ async def test_records_keep_their_bytes_from_device_to_server_to_device(cluster:
     session = await laptop.create_session()
     await chat(laptop, session.id, "as its bytes")
     await cluster.online(laptop, phone, old)
-    assert laptop.sync._link is not None and laptop.sync._link.protocol.version == 6
-    assert old.sync._link is not None and old.sync._link.protocol.version == 5
+    assert (await laptop.sync.status()).protocol == 6
+    assert (await old.sync.status()).protocol == 5
     laptop_bodies = _stored_bodies(cluster.tmp / "laptop.db", "messages")
     phone_bodies = _stored_bodies(cluster.tmp / "phone.db", "messages")
     page = await cluster.store.pull(ALICE, 0, 1000, raw=True)
@@ -665,3 +665,5 @@ async def test_records_keep_their_bytes_from_device_to_server_to_device(cluster:
     expected = await snapshot(old, session.id)
     assert len(expected["messages"]) == 4
     assert await snapshot(laptop, session.id) == expected == await snapshot(phone, session.id)
+    await old.sync.disconnect()
+    assert (await old.sync.status()).protocol is None  # no connection open
