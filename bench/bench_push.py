@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
-import msgspec
 from websockets.asyncio.client import connect
 
 from pleach_server.auth import issue_token
@@ -42,13 +41,13 @@ from shared.clock import HybridClock
 from shared.ids import uuid7
 from shared.messages import (
     PROTOCOL_VERSION,
-    ChangeBody,
     Changes,
     FrameCodec,
     Hello,
     Push,
     PushAck,
     Welcome,
+    change_bodies,
 )
 from shared.records import Change, Message, Session, SessionState
 
@@ -192,10 +191,7 @@ async def push_over_websockets(urls: list[str], workloads: list[Workload]) -> fl
             assert isinstance(codec.decode(await _recv(ws)), Welcome)
             await ready.wait()
             for batch, bodies in zip(w.batches, w.bodies, strict=True):
-                packed = [
-                    ChangeBody(c.client_seq, msgspec.Raw(b))
-                    for c, b in zip(batch, bodies, strict=True)
-                ]
+                packed = change_bodies(batch, bodies)
                 await ws.send(codec.encode(Push(changes=[], bodies=packed)))
                 while True:  # live Changes frames of our own pushes are skipped
                     frame = codec.decode(await _recv(ws))

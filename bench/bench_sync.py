@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import ServerConnection, serve
 
@@ -52,7 +51,7 @@ from pleach_server.auth import issue_token
 from pleach_server.server import SyncServer
 from pleach_server.store import SQLiteServerStore, Tenant
 from shared.ids import uuid7
-from shared.messages import ChangeBody, FrameCodec, Push
+from shared.messages import FrameCodec, Push, change_bodies
 
 __all__ = ["main", "run"]
 
@@ -93,10 +92,7 @@ async def outbox_payloads(
         if bodies is None:
             frames.append(codec.encode(Push(changes=changes, skipped=skipped)))
         else:  # protocol 6: each record as its stored bytes
-            packed = [
-                ChangeBody(c.client_seq, msgspec.Raw(b))
-                for c, b in zip(changes, bodies, strict=True)
-            ]
+            packed = change_bodies(changes, bodies)
             frames.append(codec.encode(Push(changes=[], skipped=skipped, bodies=packed)))
         pending = pending[len(changes) + len(skipped) :]
     return frames

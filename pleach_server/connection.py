@@ -54,6 +54,7 @@ from shared.messages import (
     MIN_PROTOCOL,
     SKIPPED_SINCE,
     ChangeResult,
+    Changes,
     FeedBody,
     Health,
     Hello,
@@ -685,17 +686,7 @@ class Connection:
                 frame = await subscription.get()
                 if self.protocol.state is not State.OPEN:
                     return
-                # A live page holds its entries as records, as stored bytes, or both: each
-                # device gets the form it reads (a device before protocol 6: records).
-                bodies = self._speaks_bodies and (bool(frame.bodies) or not frame.changes)
-                self.protocol.send_changes(
-                    frame.from_cursor,
-                    frame.to_cursor,
-                    frame.changes if frame.changes or bodies else feed_changes(frame.bodies),
-                    more=frame.more,
-                    live=True,
-                    bodies=frame.bodies if bodies else None,
-                )
+                self._send_live(frame)
                 self._take("changes_live")
                 self.ctx.metrics.fanout_rate.add()
                 await self._flush()
@@ -704,6 +695,24 @@ class Connection:
         except Exception:
             logger.exception("%r: live writer failed", self)
             await self._abort(CloseCode.INTERNAL_ERROR, "internal server error")
+
+    def _send_live(self, frame: Changes) -> None:
+        """Queue a live page in the form this device reads: its stored bytes (protocol 6),
+        or its records (decoded here when the hub holds only bytes). A page whose bytes do
+        not decode goes as an empty marker at its end: the device pulls, and the pull
+        answers with the store's error."""
+        start, end = frame.from_cursor, frame.to_cursor
+        if self._speaks_bodies and (frame.bodies or not frame.changes):
+            self.protocol.send_changes(
+                start, end, [], more=frame.more, live=True, bodies=frame.bodies
+            )
+            return
+        try:
+            changes = frame.changes or feed_changes(frame.bodies)
+        except StorageError as exc:
+            logger.warning("%r: live page (%d, %d] not sent: %s", self, start, end, exc)
+            start, changes = end, []
+        self.protocol.send_changes(start, end, changes, more=frame.more, live=True)
 
     # -- output ------------------------------------------------------------------------
 

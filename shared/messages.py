@@ -166,6 +166,11 @@ class ChangeBody(msgspec.Struct, array_like=True):
     body: msgspec.Raw
 
 
+def change_bodies(changes: list[Change], bodies: list[bytes]) -> list[ChangeBody]:
+    """``Push.bodies`` of ``changes`` whose records are stored as ``bodies`` (in order)."""
+    return [ChangeBody(c.client_seq, msgspec.Raw(b)) for c, b in zip(changes, bodies, strict=True)]
+
+
 class FeedBody(msgspec.Struct, array_like=True):
     """(Version 6) One feed entry as ``[cursor, record]``, the record in its stored bytes."""
 

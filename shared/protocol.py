@@ -40,7 +40,6 @@ from .messages import (
     MAX_PROTOCOL,
     MIN_PROTOCOL,
     SKIPPED_SINCE,
-    ChangeBody,
     ChangeResult,
     Changes,
     ClientFrame,
@@ -54,6 +53,7 @@ from .messages import (
     Push,
     PushAck,
     Welcome,
+    change_bodies,
     unpacked,
 )
 from .records import Change, FeedChange
@@ -456,10 +456,7 @@ class ClientProtocol(_Protocol):
         if bodies is not None and len(bodies) != len(changes):
             raise ValueError(f"{len(bodies)} bodies for {len(changes)} changes")
         if bodies is not None and (self.version or 0) >= COMPACT_SINCE:
-            packed = [
-                ChangeBody(c.client_seq, msgspec.Raw(b))
-                for c, b in zip(changes, bodies, strict=True)
-            ]
+            packed = change_bodies(changes, bodies)
             return self._request(
                 lambda rid: Push(
                     changes=[], request_id=rid, trace=trace, skipped=skipped or [], bodies=packed

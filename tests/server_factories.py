@@ -194,3 +194,15 @@ class Device:
             update=update,
             **self._base(),
         )
+
+    def one_of_each(self, title: str = "t") -> list[Record]:
+        """A new session, then one record of every other kind in it, in push order."""
+        session = self.session(title=title)
+        return [
+            session,
+            self.message(session.id),
+            self.checkpoint(session.id),
+            self.event(session.id),
+            self.audit(session.id),
+            self.artifact(session.id),
+        ]

@@ -243,15 +243,7 @@ class ServerStoreConformance:
         self, server_store: ServerStore, server_clock: HybridClock
     ) -> None:
         dev = Device(new_tenant())
-        session = dev.session(title="t")
-        records: list[Record] = [
-            session,
-            dev.message(session.id),
-            dev.checkpoint(session.id),
-            dev.event(session.id),
-            dev.audit(session.id),
-            dev.artifact(session.id),
-        ]
+        records = dev.one_of_each()
         result = await server_store.push(
             dev.tenant, dev.client_id, dev.changes(*records), server_clock
         )
@@ -287,16 +279,9 @@ class ServerStoreConformance:
         read as exactly what a decoding pull returns. The live page a push describes carries
         the same bytes."""
         dev = Device(new_tenant())
-        session = dev.session(title="t")
-        records: list[Record] = [
-            session,
-            dev.message(session.id),
-            dev.checkpoint(session.id),
-            dev.event(session.id),
-            dev.audit(session.id),
-            dev.artifact(session.id),
-            dev.message(session.id, "in the map form"),
-        ]
+        records = dev.one_of_each()
+        session = records[0]
+        records.append(dev.message(session.id, "in the map form"))
         sent = [compact.encode(r) for r in records[:-1]] + [encode_record(records[-1])]
         result = await server_store.push(
             dev.tenant, dev.client_id, dev.changes(*records), server_clock, bodies=sent

@@ -1101,3 +1101,30 @@ async def test_a_device_database_given_to_the_server_is_refused_before_any_write
     lines = err.decode().strip().splitlines()
     assert len(lines) == 1 and "device database" in lines[0], lines
     assert not Path(f"{device_db}.secret").exists()  # nothing written beside it
+
+
+async def test_a_live_page_reaches_each_device_in_the_form_it_reads(srv: SyncServer) -> None:
+    """A page the hub holds only as stored bytes goes to a protocol 6 device as those bytes
+    and to a protocol 5 device as records; a page whose bytes do not decode goes to the
+    protocol 5 device as an empty marker at its end (it pulls, and the pull answers with the
+    store's error), and its connection goes on."""
+    from shared import compact
+    from shared.messages import FeedBody
+
+    dev = Device(new_tenant())
+    old_dev = Device(dev.tenant)
+    message = dev.message(dev.session().id)
+    body = compact.encode(message)
+    async with device(srv, dev) as new, device(srv, old_dev, protocol=5) as old:
+        await until_true(lambda: srv.hub.subscribers(dev.tenant) == 2)
+        srv.hub.publish(dev.tenant, 0, 7, [], bodies=[FeedBody(7, msgspec.Raw(body))])
+        got_new, got_old = await new.live_frame(), await old.live_frame()
+        assert [bytes(b.body) for b in got_new.bodies] == [body]
+        assert [c.record for c in got_new.changes] == [message]  # (the test client reads them)
+        assert got_old.bodies == [] and [c.record for c in got_old.changes] == [message]
+        bad = msgspec.msgpack.encode([1, "not a message"])
+        srv.hub.publish(dev.tenant, 7, 9, [], bodies=[FeedBody(9, msgspec.Raw(bad))])
+        marker = await old.live_frame()
+        assert (marker.from_cursor, marker.to_cursor, marker.changes) == (9, 9, [])
+        ack = await old.push(old_dev.changes(old_dev.session()))
+        assert [r.status for r in ack.results] == ["applied"]

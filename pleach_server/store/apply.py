@@ -784,10 +784,10 @@ class _Batch:
         tenant: Tenant,
         clock: HybridClock,
         server_id: str,
-        bodies: Bodies | None = None,
+        bodies: Bodies,
     ) -> None:
         self.tx = tx
-        self.bodies = bodies or Bodies()
+        self.bodies = bodies
         self.tenant = tenant
         self.clock = clock
         self.server_id = server_id
@@ -997,8 +997,6 @@ async def apply_push(
     kept as its stored bytes when it is stored as pushed (see ``Bodies``).
     The caller commits ``tx`` when this returns and rolls it back when it raises.
     """
-    if bodies and len(bodies) != len(changes):
-        raise ValueError(f"{len(bodies)} bodies for {len(changes)} changes")
     stored = Bodies.pairs([c.record for c in changes], list(bodies)) if bodies else Bodies()
     buffered = _BufferedTx(tx, stored)
     view: StoreTx = buffered if wrap is None else wrap(buffered)

@@ -177,19 +177,33 @@ class ServerStore(Protocol):
         ...
 
 
-def encode_body(record: Record) -> bytes:
-    """The bytes a server store keeps of ``record``: its compact form (``shared.compact``),
-    which is also what a device at protocol 6 sends and receives (see ``shared.messages``)."""
-    return compact.encode(record)
-
-
 def decode_body(body: bytes | memoryview) -> Record:
-    """A stored body: the compact form, or the map form (``encode_record``) that servers
-    before the compact form wrote. Raises ``msgspec.DecodeError`` when it is corrupt."""
+    """A stored body: the compact form (``shared.compact``, what protocol 6 carries), or the
+    map form (``encode_record``) that servers before the compact form wrote. Raises
+    ``msgspec.DecodeError`` when it is corrupt."""
     return compact.decode(body)
 
 
 _RAW = msgspec.msgpack.Decoder(msgspec.Raw)
+
+
+def _missing(cursor: int) -> StorageError:
+    return StorageError(f"the feed entry at cursor {cursor} refers to a missing record")
+
+
+def _corrupt(cursor: int) -> StorageError:
+    return StorageError(f"corrupt feed entry at cursor {cursor}")
+
+
+def feed_change(cursor: int, body: bytes | memoryview | None) -> FeedChange:
+    """A stored feed entry as a record; ``StorageError`` when its record is missing or
+    corrupt."""
+    if body is None:
+        raise _missing(cursor)
+    try:
+        return FeedChange(cursor=cursor, record=decode_body(body))
+    except msgspec.DecodeError as exc:
+        raise _corrupt(cursor) from exc
 
 
 def feed_body(cursor: int, body: bytes | None) -> FeedBody:
@@ -197,22 +211,30 @@ def feed_body(cursor: int, body: bytes | None) -> FeedBody:
     msgpack value (a corrupt row is a ``StorageError`` here, not a page the device cannot
     read), and not decoded."""
     if body is None:
-        raise StorageError(f"the feed entry at cursor {cursor} refers to a missing record")
+        raise _missing(cursor)
     try:
         return FeedBody(cursor, _RAW.decode(body))
     except msgspec.DecodeError as exc:
-        raise StorageError(f"corrupt feed entry at cursor {cursor}") from exc
+        raise _corrupt(cursor) from exc
 
 
 def feed_changes(bodies: Iterable[FeedBody]) -> list[FeedChange]:
     """Feed entries in stored bytes as records (for a device before protocol 6)."""
-    out = []
-    for entry in bodies:
-        try:
-            out.append(FeedChange(cursor=entry.cursor, record=decode_body(memoryview(entry.body))))
-        except msgspec.DecodeError as exc:
-            raise StorageError(f"corrupt feed entry at cursor {entry.cursor}") from exc
-    return out
+    return [feed_change(entry.cursor, memoryview(entry.body)) for entry in bodies]
+
+
+def feed_page(
+    taken: list[tuple[int, bytes | None]], cursor: int, more: bool, *, raw: bool
+) -> PullResult:
+    """A pull's page of the stored entries ``taken`` (cursor and body, in cursor order): as
+    records, or with ``raw`` as their stored bytes. Its ``to_cursor`` is the last entry's
+    (``cursor``, where the pull started, when there is none)."""
+    return PullResult(
+        changes=[] if raw else [feed_change(c, b) for c, b in taken],
+        bodies=[feed_body(c, b) for c, b in taken] if raw else [],
+        to_cursor=taken[-1][0] if taken else cursor,
+        more=more,
+    )
 
 
 def decode_session(session_id: str, body: bytes) -> Session:

@@ -67,8 +67,6 @@ from shared.records import (
     CASCADE_KINDS,
     AuditRow,
     Change,
-    FeedChange,
-    Record,
     kind_of,
     record_kind,
 )
@@ -92,7 +90,7 @@ from .base import (
     decode_body,
     decode_session,
     decode_stored,
-    feed_body,
+    feed_page,
 )
 
 __all__ = [
@@ -1115,12 +1113,7 @@ class PostgresServerStore(AsyncResource):
             )
         entries = sorted((int(r[1]), r[2], r[3]) for r in rows if r[1] is not None)
         taken = [(c, b) for c, b, within in entries[:limit] if within]
-        return PullResult(
-            changes=[] if raw else [FeedChange(cursor=c, record=_decode(c, b)) for c, b in taken],
-            bodies=[feed_body(c, None if b is None else bytes(b)) for c, b in taken] if raw else [],
-            to_cursor=taken[-1][0] if taken else cursor,
-            more=len(entries) > len(taken),
-        )
+        return feed_page(taken, cursor, len(entries) > len(taken), raw=raw)
 
     async def head_cursor(self, tenant: Tenant) -> int:
         return await self._run(
@@ -1173,12 +1166,3 @@ def _discard(conn: Any) -> None:
     """Terminate a pool connection so that it is never reused (the pool replaces it)."""
     with contextlib.suppress(asyncpg.InterfaceError):  # already released: nothing to do
         conn.terminate()
-
-
-def _decode(cursor: int, body: bytes | None) -> Record:
-    if body is None:
-        raise StorageError(f"the feed entry at cursor {cursor} refers to a missing record")
-    try:
-        return decode_body(bytes(body))
-    except msgspec.DecodeError as exc:
-        raise StorageError(f"corrupt feed entry at cursor {cursor}") from exc

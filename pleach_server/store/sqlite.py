@@ -41,8 +41,6 @@ from shared.records import (
     CASCADE_KINDS,
     AuditRow,
     Change,
-    FeedChange,
-    Record,
     kind_of,
     record_kind,
 )
@@ -66,7 +64,7 @@ from .base import (
     decode_body,
     decode_session,
     decode_stored,
-    feed_body,
+    feed_page,
 )
 
 __all__ = ["DEFAULT_MAX_PULL_LIMIT", "SQLiteServerStore"]
@@ -921,14 +919,7 @@ class SQLiteServerStore(AsyncResource):
                 conn, _PULL_SQL, (budget, tenant.org_id, tenant.user_id, cursor, limit + 1)
             )
             taken = [(int(c), b) for c, b, within in rows[:limit] if within]
-            return PullResult(
-                changes=[]
-                if raw
-                else [FeedChange(cursor=c, record=_decode(c, b)) for c, b in taken],
-                bodies=[feed_body(c, b) for c, b in taken] if raw else [],
-                to_cursor=taken[-1][0] if taken else cursor,
-                more=len(rows) > len(taken),
-            )
+            return feed_page(taken, cursor, len(rows) > len(taken), raw=raw)
 
         return await self._read(body)
 
@@ -978,15 +969,6 @@ _PULL_SQL = """
             ORDER BY f.cursor LIMIT ?5)
         WINDOW w AS (ORDER BY cursor ROWS UNBOUNDED PRECEDING))
     ORDER BY cursor"""
-
-
-def _decode(cursor: int, body: bytes | None) -> Record:
-    if body is None:
-        raise StorageError(f"the feed entry at cursor {cursor} refers to a missing record")
-    try:
-        return decode_body(body)
-    except msgspec.DecodeError as exc:
-        raise StorageError(f"corrupt feed entry at cursor {cursor}") from exc
 
 
 def _begin_now(
