@@ -238,9 +238,14 @@ class DeviceCore:
             return await self.store.get_messages(message_ids)
         found, missing = cache.get_many(message_ids)
         if missing:
-            for message in await self.store.get_messages(missing):
+            read = await self.store.get_messages(missing)
+            # Only the last ones the cache can hold are sized and kept: the rest would be
+            # evicted by those at once (a long transcript read whole).
+            kept = len(read) - cache.max_entries
+            for at, message in enumerate(read):
                 found[message.id] = message
-                cache.put(message.id, message, len(_ENCODER.encode(message)))
+                if at >= kept:
+                    cache.put(message.id, message, len(_ENCODER.encode(message)))
         return [found[i] for i in message_ids if i in found]
 
     # -- drafts -----------------------------------------------------------------------------

@@ -608,7 +608,7 @@ class SessionRuntime(LegacySurface):
             user_id=user_id,
             client_id=client_id,
             wall_clock=self._wall_clock,
-            cache=RecordCache() if cache is True else (cache or None),
+            cache=RecordCache() if cache is True else (None if cache is False else cache),
         )
         self.interrupt = interrupt
         self._provider = provider

@@ -53,6 +53,7 @@ __all__ = [
     "packed",
     "uuid_bytes",
     "uuid_text",
+    "uuids_bytes",
 ]
 
 KINDS: Final[tuple[str, ...]] = (
@@ -677,6 +678,13 @@ def uuid_bytes(value: str) -> bytes | None:
     converts exactly the ids a body holds as ext 1)."""
     ext = _uuid_exts.get(value) or (_new_uuid_ext(value) if len(value) == 36 else None)
     return None if ext is None else cast(bytes, ext.data)  # (made from bytes, above)
+
+
+def uuids_bytes(values: Sequence[str]) -> bytes | None:
+    """The 16 bytes of each of ``values`` joined, when every one is a canonical (lowercase)
+    UUID, else None: ``uuid_bytes`` of a whole list at once, by C loops (a store keying a
+    transcript's rows converts its ids in about a tenth of the time, one by one)."""
+    return _uuid_list_bytes(values if type(values) is list else list(values))
 
 
 def uuid_text(key: bytes) -> str:

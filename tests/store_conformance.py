@@ -269,6 +269,15 @@ class StoreConformance:
         await commit(store, *many, outbox=False)
         wanted = [m.id for m in reversed(many)]
         assert [m.id for m in await store.get_messages(wanted)] == wanted
+        # Any count (a store may read in lists of a few sizes), ids that are no UUIDs among
+        # UUIDs, unknown ones and repeats anywhere.
+        texts = [make_message(id=f"text-{i}") for i in range(3)]
+        await commit(store, *texts, outbox=False)
+        for count in (1, 5, 17, 257, 300):
+            wanted = [m.id for m in many[:count]]
+            wanted[count // 2 : count // 2] = [texts[count % 3].id, "unknown", wanted[0]]
+            found = await store.get_messages(wanted)
+            assert [m.id for m in found] == [i for i in wanted if i != "unknown"], count
 
     async def test_checkpoints_oldest_first_and_get(self, store: StorageAdapter) -> None:
         session_id = "s-1"

@@ -88,6 +88,20 @@ async def test_the_runtime_reads_messages_through_the_cache(tmp_path: object) ->
         assert after.entries == 6 and after.bytes > 0
         await rt.delete_session(session.id)
         assert rt.cache.metrics_snapshot().entries == 0
+    async with SessionRuntime(SQLiteAdapter(db), ScriptedProvider(), cache=RecordCache(4)) as rt:
+        # A transcript longer than the cache holds: all of it read, its last ones kept.
+        assert rt.cache is not None
+        session = await rt.create_session()
+        for text in ("one", "two", "three"):
+            async for _ in rt.execute_message(session.id, text):
+                pass
+        rt.cache.clear()
+        evicted = rt.cache.metrics_snapshot().evictions
+        transcript = await rt.sessions.messages(session.id)
+        assert [m.content[0]["text"] for m in transcript[::2]] == ["one", "two", "three"]
+        assert len(rt.cache) == 4 and rt.cache.metrics_snapshot().evictions == evicted
+        kept, missing = rt.cache.get_many([m.id for m in transcript])
+        assert list(kept) == [m.id for m in transcript[2:]] and len(missing) == 2
     async with SessionRuntime(SQLiteAdapter(db), ScriptedProvider(), cache=None) as rt:
         assert rt.cache is None
         other = await rt.create_session()

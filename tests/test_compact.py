@@ -672,6 +672,29 @@ def test_uuid_bytes_converts_exactly_the_ids_a_body_packs(value: str) -> None:
         assert key is None and packed == value
 
 
+@given(
+    st.lists(
+        st.one_of(
+            st.uuids().map(str),
+            st.uuids().map(str),
+            st.uuids().map(lambda u: str(u).upper()),
+            st.text(min_size=34, max_size=38),
+        ),
+        max_size=8,
+    )
+)
+def test_uuids_bytes_is_uuid_bytes_of_a_whole_list(values: list[str]) -> None:
+    """``uuids_bytes`` keys a list at once: the joined ``uuid_bytes`` of its items when each
+    is a canonical UUID, None when any is not (then a store keys them one by one)."""
+    each = [compact.uuid_bytes(v) for v in values]
+    joined = compact.uuids_bytes(values)
+    if all(key is not None for key in each):
+        assert joined == b"".join(key for key in each if key is not None)
+    else:
+        assert joined is None
+    assert compact.uuids_bytes(tuple(values)) == joined
+
+
 # -- Bodies: records kept in the bytes they came in -------------------------------------------
 
 

@@ -219,6 +219,44 @@ def create_schema(raw: sqlite3.Connection) -> None:
     raw.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
 
+def _keys(ids: Sequence[str]) -> list[str | bytes]:
+    """``_key`` of each of ``ids``: a list of canonical UUIDs (a transcript's message ids)
+    converted at once (``compact.uuids_bytes``), any other list one by one."""
+    joined = compact.uuids_bytes(ids)
+    if joined is None:
+        return [_key(record_id) for record_id in ids]
+    return [joined[at : at + 16] for at in range(0, len(joined), 16)]
+
+
+_IN_SIZES: Final = (1, 4, 16, 64, 256)
+"""How many keys one ``IN`` list binds: a read of more keys runs in lists of the largest, the
+last one padded (with a key it holds already) to the next size. A few statement texts, each
+prepared once (the connection's statement cache), and far below SQLite's bound variables."""
+
+
+def _select_in(raw: sqlite3.Connection, sql: str, keys: Sequence[object]) -> list[Any]:
+    """The rows of ``sql`` (its ``IN ({keys})`` a list of bound keys) for ``keys``, in lists of
+    ``_IN_SIZES``, on the connection's thread: one round trip, no SQL function per key.
+    A key asked twice gives its row once, as ``IN`` does."""
+    rows: list[Any] = []
+    size = _IN_SIZES[-1]
+    for at in range(0, len(keys), size):
+        chunk = list(keys[at : at + size])
+        fit = next(n for n in _IN_SIZES if n >= len(chunk))
+        chunk += chunk[-1:] * (fit - len(chunk))
+        rows += raw.execute(sql.format(keys=_MARKS[fit]), chunk).fetchall()
+    return rows
+
+
+_MARKS: Final = {n: ", ".join("?" * n) for n in _IN_SIZES}
+
+
+async def _fetch_in(conn: aiosqlite.Connection, sql: str, keys: Sequence[object]) -> list[Any]:
+    raw: sqlite3.Connection = conn._conn
+    rows: list[Any] = await conn._execute(_select_in, raw, sql, keys)  # type: ignore[no-untyped-call]
+    return rows
+
+
 def _keys_json(ids: Collection[str]) -> str:
     """Ids as one bound JSON array, read in SQL as keys:
     ``SELECT pleach_key(value) FROM json_each(?)``."""
@@ -295,13 +333,9 @@ QUERIES: Final[dict[str, str]] = {
         "SELECT id, body FROM sessions WHERE deleted = 0 ORDER BY updated_at DESC, id DESC"
     ),
     "list_sessions_all": "SELECT id, body FROM sessions ORDER BY updated_at DESC, id DESC",
-    # json_each: any number of ids in one bound parameter and one round trip.
-    "get_messages": (
-        "SELECT id, body FROM messages WHERE id IN (SELECT pleach_key(value) FROM json_each(?))"
-    ),
-    "audit_rows": (
-        "SELECT id, body FROM audit WHERE id IN (SELECT pleach_key(value) FROM json_each(?))"
-    ),
+    # {keys}: a list of bound keys (``_select_in``: any number of ids in one round trip).
+    "get_messages": "SELECT id, body FROM messages WHERE id IN ({keys})",
+    "audit_rows": "SELECT id, body FROM audit WHERE id IN ({keys})",
     "get_checkpoint": "SELECT id, body FROM checkpoints WHERE id = ?",
     "missing_messages": (
         "SELECT value FROM json_each(?) "
@@ -725,11 +759,7 @@ def _write_batch_now(
 def _mark_canonical(raw: sqlite3.Connection, event_ids: list[str]) -> None:
     """``WriteBatch.canonical``: each stored event's body marked canonical from its bytes
     (``compact.canonical_body``), or decoded, replaced and encoded when its form is another."""
-    ids = _keys_json(event_ids)
-    rows = raw.execute(
-        "SELECT id, body FROM events WHERE id IN (SELECT pleach_key(value) FROM json_each(?))",
-        (ids,),
-    ).fetchall()
+    rows = _select_in(raw, "SELECT id, body FROM events WHERE id IN ({keys})", _keys(event_ids))
     updates = []
     for event_id, body in rows:
         marked = marked_canonical(
@@ -827,7 +857,7 @@ class _Reader:
     async def audit_rows(self, row_ids: list[str]) -> list[AuditRow]:
         if not row_ids:
             return []
-        rows = await _fetch(self._conn, QUERIES["audit_rows"], (_keys_json(row_ids),))
+        rows = await _fetch_in(self._conn, QUERIES["audit_rows"], _keys(row_ids))
         return [_decode(_AUDIT, "audit", row_id, body) for row_id, body in rows]
 
 
@@ -1156,11 +1186,11 @@ class SQLiteAdapter(AsyncResource):
         """Messages in the order of ``message_ids``; unknown ids are skipped."""
         if not message_ids:
             return []
+        keys = _keys(message_ids)
         async with self._reading("read messages") as conn:
-            rows = await _fetch(conn, QUERIES["get_messages"], (_keys_json(message_ids),))
+            rows = await _fetch_in(conn, QUERIES["get_messages"], keys)
         bodies: dict[str | bytes, bytes] = {row_id: body for row_id, body in rows}
         # Decoding per position: a repeated id gets its own copy.
-        keys = [_key(message_id) for message_id in message_ids]
         return [_decode(_MESSAGE, "messages", key, bodies[key]) for key in keys if key in bodies]
 
     async def get_checkpoint(self, checkpoint_id: str) -> Checkpoint | None:
