@@ -279,6 +279,23 @@ class StoreConformance:
             found = await store.get_messages(wanted)
             assert [m.id for m in found] == [i for i in wanted if i != "unknown"], count
 
+    async def test_missing_messages_are_those_not_held_in_the_asked_order(
+        self, store: StorageAdapter
+    ) -> None:
+        held = [make_message() for _ in range(300)] + [make_message(id="text-held")]
+        await commit(store, *held, outbox=False)
+        absent = [make_message().id for _ in range(3)]
+        asked = [held[0].id, absent[0], "nope", held[-1].id, *[m.id for m in held[1:299]]]
+        asked += [absent[1], "nope", held[299].id, absent[2]]
+        found: list[list[str]] = []
+
+        async def plan(tx: Any) -> None:
+            found.append(await tx.missing_messages(asked))
+            found.append(await tx.missing_messages([]))
+
+        await store.transact(plan)
+        assert found == [[absent[0], "nope", absent[1], "nope", absent[2]], []]
+
     async def test_checkpoints_oldest_first_and_get(self, store: StorageAdapter) -> None:
         session_id = "s-1"
         c1, c2, c3 = (make_checkpoint(session_id=session_id) for _ in range(3))

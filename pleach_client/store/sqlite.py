@@ -257,12 +257,6 @@ async def _fetch_in(conn: aiosqlite.Connection, sql: str, keys: Sequence[object]
     return rows
 
 
-def _keys_json(ids: Collection[str]) -> str:
-    """Ids as one bound JSON array, read in SQL as keys:
-    ``SELECT pleach_key(value) FROM json_each(?)``."""
-    return msgspec.json.encode(list(ids)).decode()
-
-
 # Immutable kinds: "ON CONFLICT DO NOTHING" rather than "INSERT OR IGNORE", which would also
 # silently skip a row that breaks a NOT NULL constraint.
 _PUT_SESSION = (
@@ -337,10 +331,7 @@ QUERIES: Final[dict[str, str]] = {
     "get_messages": "SELECT id, body FROM messages WHERE id IN ({keys})",
     "audit_rows": "SELECT id, body FROM audit WHERE id IN ({keys})",
     "get_checkpoint": "SELECT id, body FROM checkpoints WHERE id = ?",
-    "missing_messages": (
-        "SELECT value FROM json_each(?) "
-        "WHERE NOT EXISTS (SELECT 1 FROM messages WHERE messages.id = pleach_key(json_each.value))"
-    ),
+    "held_messages": "SELECT id FROM messages WHERE id IN ({keys})",
     "list_checkpoints": ("SELECT id, body FROM checkpoints WHERE session_id = ? ORDER BY hlc, id"),
     # A row written before schema 4 has no parent_id (NULL): it is read, and its body tells.
     "child_checkpoints": (
@@ -844,8 +835,9 @@ class _Reader:
     async def missing_messages(self, message_ids: list[str]) -> list[str]:
         if not message_ids:
             return []
-        rows = await _fetch(self._conn, QUERIES["missing_messages"], (_keys_json(message_ids),))
-        return [str(row[0]) for row in rows]
+        keys = _keys(message_ids)
+        held = {row[0] for row in await _fetch_in(self._conn, QUERIES["held_messages"], keys)}
+        return [m for m, key in zip(message_ids, keys, strict=True) if key not in held]
 
     async def session_queued(self, session_id: str) -> bool:
         return bool(await _fetch(self._conn, QUERIES["session_queued"], (_key(session_id),)))
