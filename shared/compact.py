@@ -123,6 +123,13 @@ _LISTS_LIMIT: Final = 64
 time, so the list encoded last is this turn's minus its new tail. Each entry holds its items
 (references) and 16 bytes per id."""
 _uuid_lists: dict[str, tuple[list[str], bytes]] = {}  # encode: first id -> (ids, data)
+_id_lists: dict[bytes, tuple[bytes, tuple[str, ...]]] = {}  # decode: first 16 bytes -> both
+_ID_LISTS_MIN: Final = 64
+"""Id lists of fewer ids than this are decoded whole (``_uuid_list_texts``), never kept."""
+_ID_LISTS_BUDGET: Final = 1 << 16
+"""Ids kept in all of ``_id_lists`` at most (about 110 bytes each with their bytes): past it,
+the cache is emptied, so a peer's long lists hold a few MB at most."""
+_id_lists_held = 0
 _uuid_exts: dict[str, Ext] = {}  # encode: UUID text -> ext 1
 _node_tails: dict[str, bytes] = {}  # encode: HLC node text -> node kind byte + node
 _uuid_texts: dict[bytes, str] = {}  # decode: ext 1 bytes -> UUID text
@@ -138,8 +145,10 @@ def _remember(cache: dict[_K, _V], key: _K, value: _V) -> _V:
 
 def _clear_caches() -> None:
     """Empties every cache (a benchmark starts each pass cold with it)."""
-    for cache in (_uuid_exts, _node_tails, _uuid_texts, _node_texts, _uuid_lists):
+    global _id_lists_held
+    for cache in (_uuid_exts, _node_tails, _uuid_texts, _node_texts, _uuid_lists, _id_lists):
         cache.clear()
+    _id_lists_held = 0
 
 
 # -- encode --------------------------------------------------------------------------------
@@ -469,8 +478,34 @@ def _unext(code: int, data: memoryview) -> Any:
             return f"{wall}-{_COUNTER_TEXTS[counter]}-{node}"
         return f"{wall:013d}-{counter:06d}-{node}"  # early walls, busy milliseconds, odd bytes
     if code == _EXT_UUIDS and len(data) % 16 == 0:
-        return _uuid_list_texts(data)
+        return _uuid_list_texts(data) if len(data) < 16 * _ID_LISTS_MIN else _id_list(data)
     raise _unknown_ext(code, data)
+
+
+def _id_list(data: memoryview) -> list[str]:
+    """``_uuid_list_texts`` of a long list, by way of ``_id_lists``: a session's message ids
+    come again and again, a turn's few more each time (the server reads a session row as
+    pushed and as stored, each device as pulled), so a list that extends one decoded before,
+    byte for byte, converts only its new tail. Each call gives a new list."""
+    global _id_lists_held
+    raw = data.tobytes()
+    key = raw[:16]
+    known = _id_lists.get(key)
+    if known is not None and raw.startswith(known[0]):
+        size = len(known[0])
+        texts = [*known[1], *_uuid_list_texts(data[size:])] if len(raw) > size else [*known[1]]
+    else:
+        texts = _uuid_list_texts(data)
+    count = len(texts)
+    if known is not None:
+        _id_lists_held -= len(known[1])
+    if _id_lists_held + count > _ID_LISTS_BUDGET:
+        _id_lists.clear()
+        _id_lists_held = 0
+    if count <= _ID_LISTS_BUDGET:
+        _id_lists[key] = (raw, tuple(texts))
+        _id_lists_held += count
+    return texts
 
 
 _DECODER: Final = msgspec.msgpack.Decoder(ext_hook=_unext)

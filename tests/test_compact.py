@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import enum
 import os
+import random
 import re
 import uuid
 from collections.abc import Iterator
@@ -693,6 +694,60 @@ def test_uuids_bytes_is_uuid_bytes_of_a_whole_list(values: list[str]) -> None:
     else:
         assert joined is None
     assert compact.uuids_bytes(tuple(values)) == joined
+
+
+@settings(max_examples=60)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["extend", "truncate", "fresh", "same first"]), st.integers(0, 90)
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    st.randoms(use_true_random=False),
+)
+def test_long_id_lists_decode_alike_through_their_cache(
+    steps: list[tuple[str, int]], rng: random.Random
+) -> None:
+    """A long id list (a session's message ids) that extends one decoded before converts
+    only its tail (``_id_lists``): whatever came before, each list decodes to its ids, as a
+    new list each time, and the cache holds no more ids than its budget."""
+
+    def ids(n: int) -> list[str]:
+        return [str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in range(n)]
+
+    current = ids(compact._ID_LISTS_MIN)
+    for step, n in steps:
+        if step == "extend":
+            current = current + ids(n)
+        elif step == "truncate":
+            current = current[: max(2, len(current) - n)]
+        elif step == "fresh":
+            current = ids(compact._ID_LISTS_MIN + n)
+        else:  # the same first id, then other ids
+            current = current[:1] + ids(compact._ID_LISTS_MIN + n)
+        data = memoryview(compact.uuids_bytes(current) or b"")
+        first = compact._unext(4, data)
+        again = compact._unext(4, data)
+        assert first == again == current and first is not again
+        first.append("changed")  # the caller's own list: the cache is not touched
+        assert compact._unext(4, data) == current
+        held = sum(len(texts) for _, texts in compact._id_lists.values())
+        assert held == compact._id_lists_held <= compact._ID_LISTS_BUDGET
+
+
+def test_the_id_list_cache_keeps_to_its_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lists past the budget empty the cache; one longer than the budget is never kept."""
+    monkeypatch.setattr(compact, "_ID_LISTS_BUDGET", 200)
+    compact._clear_caches()
+    lists = [[str(uuid.uuid4()) for _ in range(n)] for n in (64, 100, 70, 250)]
+    for at, ids in enumerate(lists):
+        assert compact._unext(4, memoryview(compact.uuids_bytes(ids) or b"")) == ids
+        held = sorted(len(texts) for _, texts in compact._id_lists.values())
+        assert held == [[64], [64, 100], [70], []][at]
+        assert compact._id_lists_held == sum(held)
+    compact._clear_caches()
 
 
 # -- Bodies: records kept in the bytes they came in -------------------------------------------
