@@ -625,6 +625,8 @@ class Connection:
             self.ctx.metrics.frames_received.labels("health_dropped").inc()
             return
         self._health_at = now
+        # The version this connection agreed, never the device's word for it.
+        health = msgspec.structs.replace(health, protocol=self.protocol.version or 0)
         body = self._health_codec.encode(health)
         await self.ctx.store.put_health(self.tenant, self.client_id, body, time.time())
 

@@ -101,6 +101,9 @@ class DeviceStatus(msgspec.Struct, kw_only=True):
     last_error: str | None = None
     last_error_code: int | None = None
     conflicts: list[HealthConflict] = []
+    protocol: int | None = None
+    """The protocol version of the connection its last report came on (None: not known, a
+    report kept by a server before this field)."""
 
 
 class UserStatus(msgspec.Struct, kw_only=True):
@@ -178,6 +181,7 @@ def build_report(
             device.last_error = health.last_error
             device.last_error_code = health.last_error_code
             device.conflicts = list(health.conflicts)
+            device.protocol = health.protocol or None
         users.setdefault(tenant, []).append(device)
     rank = {"fail": 0, "warn": 1, "ok": 2}
     out = []
@@ -282,6 +286,7 @@ def render_html(report: StatusReport) -> str:
                 ("queued", "?" if d.pending is None else str(d.pending)),
                 ("dead letters", "?" if d.dead_letters is None else str(d.dead_letters)),
                 ("cursor lag", "?" if d.lag is None else str(d.lag)),
+                ("protocol", "?" if d.protocol is None else str(d.protocol)),
                 (
                     "last flush",
                     f"{d.last_flush_outcome or '-'}, {d.last_flushed} sent, "

@@ -288,6 +288,9 @@ class Health(msgspec.Struct, kw_only=True, tag="health"):
     sent_at: float = 0.0
     optional: bool = True
     request_id: int = 0
+    protocol: Annotated[int, msgspec.Meta(ge=0, le=255)] = 0
+    """The protocol version agreed on the connection the report came on, as the server keeps
+    it (the server sets it when it keeps the report, whatever the device sent); 0 unknown."""
 
 
 Frame = Hello | Welcome | Push | PushAck | Pull | Changes | Error | Health

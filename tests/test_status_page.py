@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from websockets.asyncio.client import connect
 
 from pleach_client.providers.scripted import ScriptedProvider
 from pleach_client.runtime import SessionRuntime
@@ -36,8 +37,9 @@ from pleach_server.store.base import DeviceHealth, Tenant
 from pleach_server.store.sqlite import SQLiteServerStore
 from shared.clock import HybridClock
 from shared.ids import uuid7
-from shared.messages import Health, HealthConflict
+from shared.messages import MAX_PROTOCOL, Health, HealthConflict
 from shared.records import Message
+from tests.wsclient import Client
 
 SECRET = b"status-page-secret"
 ADMIN = "admin-token-0123456789"
@@ -131,6 +133,8 @@ def test_the_page_escapes_what_devices_send() -> None:
     )
     page = render_html(build_report([row(ALICE, evil, health, 1.0)], {}, [], rates(), now=2.0))
     assert "<script>" not in page and "&lt;script&gt;" in page
+    # A report kept before the server noted its connection's protocol: not known.
+    assert "<dt>protocol</dt><dd>?</dd>" in page
 
 
 def test_rate_window_counts_the_last_minute() -> None:
@@ -254,9 +258,11 @@ async def test_devices_report_and_the_page_shows_what_is_safe(setup: Setup) -> N
     assert laptop_row["verdict"] == "ok" and laptop_row["pending"] == 0
     assert laptop_row["lag"] == 0 and laptop_row["connected_here"] is True
     assert laptop_row["last_flush_outcome"] == "all-flushed" and laptop_row["last_flushed"] > 0
+    assert laptop_row["protocol"] == MAX_PROTOCOL
 
     # The phone pulls, then edits the session offline while the laptop edits it live: the
     # phone's push conflicts when it syncs, and it says so in its health.
+    phone.sync.max_protocol = 5  # a device not moved to protocol 6 yet: the page says so
     assert (await phone.sync.sync_once(setup.url, setup.token())).outcome == "none-pending"
     await chat(phone, session.id, "phone edit")
     await chat(laptop, session.id, "laptop edit")
@@ -277,6 +283,7 @@ async def test_devices_report_and_the_page_shows_what_is_safe(setup: Setup) -> N
     assert conflict["session_id"] == session.id
     assert conflict["fork_session_id"] == receipt.conflicts[0].fork_session_id
     assert rows["phone"]["connected_here"] is False  # sync_once disconnects
+    assert (rows["phone"]["protocol"], rows["laptop"]["protocol"]) == (5, MAX_PROTOCOL)
     user = next(u for u in report["users"] if u["user_id"] == "alice")
     assert user["verdict"] == "fail" and report["users"][0]["user_id"] == "alice"
     assert report["server"]["pushed_changes_total"] > 0
@@ -290,6 +297,26 @@ async def test_devices_report_and_the_page_shows_what_is_safe(setup: Setup) -> N
         lambda r: devices_of(r, "alice").get("laptop", {}).get("dead_letters") == 0
     )
     assert devices_of(report, "alice")["laptop"]["verdict"] in ("ok", "warn")
+
+
+async def test_the_protocol_shown_is_the_connections_not_the_devices_word(
+    setup: Setup,
+) -> None:
+    """A device's report may name any version: the server keeps the one its connection
+    agreed, and the page shows that."""
+    async with connect(
+        setup.url,
+        additional_headers={"Authorization": f"Bearer {setup.token()}"},
+        compression=None,
+        proxy=None,
+    ) as ws:
+        client = Client(ws)
+        await client.hello("boaster", 0, 5)
+        await client.send(Health(pending=0, dead_letters=0, cursor=0, protocol=200))
+        report = await setup.until(lambda r: "boaster" in devices_of(r, "alice"))
+    assert devices_of(report, "alice")["boaster"]["protocol"] == 5
+    page = render_html(await setup.server.status_report())
+    assert "<dt>protocol</dt><dd>5</dd>" in page
 
 
 async def test_the_page_needs_the_admin_token(setup: Setup) -> None:
