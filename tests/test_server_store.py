@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import re
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiosqlite
+import msgspec
 import pytest
 
 from pleach_server.store import ServerStore, SQLiteServerStore, Tenant
 from pleach_server.store import sqlite as server_sqlite
 from pleach_server.store.apply import StoreTx
 from pleach_server.store.sqlite import SCHEMA_VERSION
+from shared import compact
 from shared.clock import HybridClock
+from shared.compact import uuid_bytes, uuid_text
 from shared.errors import CursorTooOld, ErrorCode, InvalidState, StorageError, StorageUnavailable
 from shared.records import Session
 from tests.server_factories import Device, new_tenant
@@ -63,12 +67,17 @@ def stored_rows(db_path: Path) -> StoredRows:
         t = (tenant.org_id, tenant.user_id)
         async with aiosqlite.connect(db_path) as conn:
             found = await conn.execute_fetchall(
-                "SELECT 'Session', id FROM sessions WHERE org_id = ? AND user_id = ? "
-                "UNION ALL SELECT 'Event', id FROM events WHERE org_id = ? AND user_id = ? "
-                "UNION ALL SELECT kind, id FROM records WHERE org_id = ? AND user_id = ?",
-                t * 3,
+                "WITH t(tid) AS (SELECT tid FROM tenants WHERE org_id = ? AND user_id = ?) "
+                "SELECT 'Session', id FROM sessions WHERE tid = (SELECT tid FROM t) "
+                "UNION ALL SELECT 'Event', id FROM events WHERE tid = (SELECT tid FROM t) "
+                "UNION ALL SELECT kind, id FROM records WHERE tid = (SELECT tid FROM t)",
+                t,
             )
-        return {(str(kind), str(record_id)) for kind, record_id in found}
+        # Schema 8 keeps a UUID id as its 16 bytes.
+        return {
+            (str(kind), uuid_text(record_id) if isinstance(record_id, bytes) else str(record_id))
+            for kind, record_id in found
+        }
 
     return rows
 
@@ -245,7 +254,7 @@ async def test_schema_3_files_migrate_to_tenant_scoped_ids(db_path: Path) -> Non
         assert [r.status for r in theirs.results] == ["applied"]
         assert (await store.pull(alice.tenant, 0, 10)).changes == feed
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 8
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
@@ -273,18 +282,21 @@ async def test_a_batch_lookup_reads_each_key_through_an_index(db_path: Path, nam
         pass
     sql = getattr(server_sqlite, name)
     conn = sqlite3.connect(db_path)
+    conn.create_function("pleach_key", 1, server_sqlite._sql_key, deterministic=True)
     try:
-        params = ("org", "user", "[]") if "?3" in sql else ("[]",) * sql.count("?")
+        numbered = [int(n) for n in re.findall(r"\?(\d+)", sql)]
+        params = ("[]",) * (max(numbered) if numbered else sql.count("?"))
         plan = [row[3] for row in conn.execute(f"EXPLAIN QUERY PLAN {sql}", params)]
     finally:
         conn.close()
-    searches = [line for line in plan if line.startswith("SEARCH")]
+    # The tenant's number is found once per statement, by its (org_id, user_id) key.
+    searches = [line for line in plan if line.startswith("SEARCH") and " tenants " not in line]
     assert searches, plan
     assert not any(line.startswith("SCAN") and "VIRTUAL TABLE" not in line for line in plan), plan
     for line in searches:
         constrained = line[line.index("(") + 1 : line.rindex(")")]
         columns = {c.split("=")[0].strip() for c in constrained.split(" AND ")}
-        assert columns - {"org_id", "user_id"}, f"{name}: {line}"
+        assert columns - {"org_id", "user_id", "tid"}, f"{name}: {line}"
 
 
 async def test_a_push_is_four_hops_whatever_its_size(db_path: Path) -> None:
@@ -395,7 +407,7 @@ async def test_schema_4_files_migrate_with_every_audit_row_placed(db_path: Path)
         )
         assert [r.status for r in after.results] == ["applied"]
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 8
         assert conn.execute("SELECT count(*) FROM audit_places").fetchone()[0] == 4
         # Migration 6 kept every record, now in a rowid table (bodies pack into its pages).
         assert conn.execute("SELECT count(*) FROM records").fetchone()[0] == 4
@@ -456,9 +468,118 @@ async def test_schema_6_files_migrate_to_a_feed_that_refers_to_its_records(db_pa
         later = await store.push(dev.tenant, dev.client_id, dev.changes(dev.message(v1.id)), clock)
         assert later.cursors == [6]  # not 5: that cursor was handed out before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 8
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         columns = [row[1] for row in conn.execute("PRAGMA table_info(feed)")]
-        assert columns == ["cursor", "org_id", "user_id", "kind", "record_id"]
+        assert columns == ["cursor", "tid", "kind", "record_id"]
         indexes = {row[1] for row in conn.execute("PRAGMA index_list(feed)")}
         assert indexes == {"feed_tenant", "feed_record"}
+
+
+async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Path) -> None:
+    """A file of schema 7 (tenants, ids and hashes as text in every row) written by a real
+    store keeps every row through migration 8: two tenants' feeds pull the same records under
+    the same cursors, a device's last_seq and a compacted floor stay, a resent change is a
+    duplicate, the next cursor is above every one handed out, and the ids and hashes are kept
+    as their bytes (an id that is no UUID as its text)."""
+    from pleach_server.store import sqlite as module
+
+    alice, bob = Device(new_tenant()), Device(new_tenant())
+    clock = HybridClock("server-x")
+    session = alice.session(title="before the upgrade")
+    odd = alice.session(id="not-a-uuid", title="an id that is no UUID")
+    message = alice.message(session.id)
+    placed = alice.event(session.id)
+    event = msgspec.structs.replace(placed, sequence_number=1, prev_hash="", row_hash="ab" * 32)
+    audit = alice.audit(session.id)
+    theirs = bob.session(id=session.id)  # the same id in bob's own namespace
+    renamed = alice.edit(session, title="renamed", message_ids=[message.id])
+    a, b = (alice.tenant.org_id, alice.tenant.user_id), (bob.tenant.org_id, bob.tenant.user_id)
+    with sqlite3.connect(db_path) as conn:
+        for statements in module._MIGRATIONS[:7]:
+            for statement in statements:
+                if isinstance(statement, str):  # a backfill of empty tables writes nothing
+                    conn.execute(statement)
+        for t, row in ((a, renamed), (a, odd), (b, theirs)):
+            conn.execute(
+                "INSERT INTO sessions (id, org_id, user_id, updated_at, body) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (row.id, *t, row.updated_at, compact.encode(row)),
+            )
+        for row in (message, audit):
+            conn.execute(
+                "INSERT INTO records (kind, id, org_id, user_id, session_id, body) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (type(row).__name__, row.id, *a, session.id, compact.encode(row)),
+            )
+        conn.execute(
+            "INSERT INTO audit_places (org_id, user_id, client_id, sequence_number, row_hash, id) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (*a, audit.client_id, audit.sequence_number, audit.row_hash, audit.id),
+        )
+        conn.execute(
+            "INSERT INTO events (id, session_id, sequence_number, org_id, user_id, row_hash, body) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                event.id,
+                session.id,
+                event.sequence_number,
+                *a,
+                event.row_hash,
+                compact.encode(event),
+            ),
+        )
+        # Cursor 1 held the first version of the session; compaction took it and raised the
+        # floor to 2. Cursor 7 was handed out to an entry that is gone.
+        for cursor, t, kind, record_id in (
+            (2, a, "Message", message.id),
+            (3, a, "Event", event.id),
+            (4, a, "AuditRow", audit.id),
+            (5, a, "Session", odd.id),
+            (6, b, "Session", theirs.id),
+            (8, a, "Session", renamed.id),
+        ):
+            conn.execute(
+                "INSERT INTO feed (cursor, org_id, user_id, kind, record_id) VALUES (?, ?, ?, ?, ?)",
+                (cursor, *t, kind, record_id),
+            )
+        conn.execute("UPDATE sqlite_sequence SET seq = 9 WHERE name = 'feed'")
+        conn.execute("INSERT INTO meta (org_id, user_id, feed_floor) VALUES (?, ?, 2)", a)
+        for t, device, last_seq in ((a, alice, 6), (b, bob, 1)):
+            conn.execute(
+                "INSERT INTO clients (org_id, user_id, client_id, last_seq) VALUES (?, ?, ?, ?)",
+                (*t, device.client_id, last_seq),
+            )
+        conn.execute("PRAGMA user_version = 7")
+    alice.next_seq, bob.next_seq = 7, 2
+    before = [
+        [(2, message), (3, event), (4, audit), (5, odd), (8, renamed)],
+        [(6, theirs)],
+    ]
+    highest = 9
+    async with SQLiteServerStore(db_path) as store:
+        pulled = [await pull_all(store, d.tenant) for d in (alice, bob)]
+        assert [[(c.cursor, c.record) for c in feed] for feed in pulled] == before
+        assert await store.client_state(alice.tenant, alice.client_id) == (6, 8)
+        with pytest.raises(CursorTooOld):
+            await store.pull(alice.tenant, 1, 10)  # under the floor compaction raised
+        again = await store.push(alice.tenant, alice.client_id, alice.changes(message), clock)
+        assert [r.status for r in again.results] == ["duplicate"]
+        later = await store.push(
+            bob.tenant, bob.client_id, bob.changes(bob.message(theirs.id)), clock
+        )
+        assert later.cursors == [highest + 1]
+        audit_next = await store.push(
+            alice.tenant, alice.client_id, alice.changes(alice.audit(session.id)), clock
+        )
+        assert [r.status for r in audit_next.results] == ["applied"]  # the chain's tail read back
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 8
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert conn.execute("SELECT count(*) FROM tenants").fetchone()[0] == 2
+        kept = dict(conn.execute("SELECT typeof(id), count(*) FROM records GROUP BY 1"))
+        assert kept == {"blob": 4}  # two messages, two audit rows: ids of 16 bytes each
+        ids = {row[0] for row in conn.execute("SELECT id FROM sessions")}
+        assert ids == {uuid_bytes(session.id), "not-a-uuid"}
+        (row_hash,) = conn.execute("SELECT row_hash FROM events").fetchone()
+        assert row_hash == bytes.fromhex(event.row_hash)

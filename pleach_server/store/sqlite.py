@@ -10,16 +10,24 @@ are translated to ``StorageUnavailable`` (3009, retryable).
 
 Schema (versioned by ``PRAGMA user_version``, migrated at ``open()``):
 
-- ``sessions``: one row per session id, its msgpack body.
+- ``tenants``: each ``(org_id, user_id)`` under a number, ``tid``; every other table names
+  its tenant by it (a push adds its tenant in its first hop; statements find the number by
+  the ``(org_id, user_id)`` key, once per statement).
+- ``sessions``: one row per session id, its body.
 - ``records``: immutable records (messages, checkpoints, audit rows, artifact updates), keyed
-  by ``(tenant, kind, id)`` in a unique index (a rowid table: bodies pack into its pages).
-- ``events``: canonical events; ``(session_id, sequence_number)`` is unique.
+  by ``(tid, kind, id)`` in a unique index (a rowid table: bodies pack into its pages).
+- ``events``: canonical events; ``(tid, session_id, sequence_number)`` is unique.
 - ``feed``: every applied change per tenant under a global monotonic ``cursor``, by kind and
   id (a pull reads each body from its row); a session keeps one entry, its latest version's.
-- ``clients``: ``last_seq`` per ``(tenant, client_id)``.
+- ``clients``: ``last_seq`` per ``(tid, client_id)``.
 - ``meta``: the feed floor per tenant (entries at or below it were compacted away).
 - ``audit_places``: where each audit row sits in its device's chain (client id, sequence
   number, row hash), so that a push reads a chain's last place with one index probe.
+
+Every id in a row or an index is kept as its key (``_key``, ``pleach_key`` in SQL): a
+canonical UUID as its 16 bytes, any other id as its text, as the device's file keeps them; a
+row hash as its 32 bytes (``pleach_digest``). Statements take and give ids as text: a lookup
+converts its keys in SQL and answers with the keys as it was given them.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from typing import Any, Literal, TypeVar
 import aiosqlite
 import msgspec
 
+from shared import compact
 from shared.aio import Every
 from shared.clock import HybridClock
 from shared.errors import CursorTooOld, InvalidState, StorageError, StorageUnavailable
@@ -100,8 +109,14 @@ async def _backfill_audit_places(conn: aiosqlite.Connection) -> None:
     for org_id, user_id, body in rows:
         row = decode_body(body)
         if isinstance(row, AuditRow):
-            places.append((org_id, user_id, *_place(row)))
-    await conn.executemany(_INSERT_PLACE_SQL, places)
+            places.append(
+                (org_id, user_id, row.client_id, row.sequence_number, row.row_hash, row.id)
+            )
+    await conn.executemany(
+        "INSERT INTO audit_places (org_id, user_id, client_id, sequence_number, row_hash, id) "
+        "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+        places,
+    )
 
 
 _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
@@ -274,6 +289,118 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         "CREATE INDEX feed_tenant ON feed (org_id, user_id, cursor)",
         "CREATE INDEX feed_record ON feed (org_id, user_id, kind, record_id, cursor)",
     ),
+    # 8: a tenant is a number (``tenants``), an id is kept as its key (a canonical UUID as its
+    # 16 bytes, any other id as its text: ``pleach_key``, the device file's rule) and a row hash
+    # as its 32 bytes (``pleach_digest``), in every row and index. The tenant as text and ids
+    # and hashes as text were about two fifths of the file: a 1,000-turn conversation took
+    # 7.5 MB for 3.2 MB of bodies. Rows keep their order; the feed keeps its cursors and
+    # AUTOINCREMENT's high-water mark.
+    (
+        """CREATE TABLE tenants (
+            tid INTEGER PRIMARY KEY,
+            org_id TEXT NOT NULL,
+            user_id TEXT NOT NULL,
+            UNIQUE (org_id, user_id)
+        )""",
+        "INSERT INTO tenants (org_id, user_id) SELECT org_id, user_id FROM ("
+        + " UNION ".join(
+            f"SELECT org_id, user_id FROM {table}"
+            for table in ("feed", "sessions", "records", "events", "clients", "meta")
+        )
+        + " UNION SELECT org_id, user_id FROM audit_places) ORDER BY org_id, user_id",
+        """CREATE TABLE sessions_8 (
+            tid INTEGER NOT NULL,
+            id BLOB NOT NULL,
+            updated_at TEXT NOT NULL,
+            body BLOB NOT NULL,
+            PRIMARY KEY (tid, id)
+        ) WITHOUT ROWID""",
+        "INSERT INTO sessions_8 (tid, id, updated_at, body) "
+        "SELECT t.tid, pleach_key(s.id), s.updated_at, s.body "
+        "FROM sessions AS s JOIN tenants AS t USING (org_id, user_id)",
+        "DROP TABLE sessions",
+        "ALTER TABLE sessions_8 RENAME TO sessions",
+        "CREATE INDEX sessions_tenant ON sessions (tid, updated_at)",
+        """CREATE TABLE records_8 (
+            kind TEXT NOT NULL,
+            id BLOB NOT NULL,
+            tid INTEGER NOT NULL,
+            session_id BLOB,
+            body BLOB NOT NULL
+        )""",
+        "INSERT INTO records_8 (kind, id, tid, session_id, body) "
+        "SELECT r.kind, pleach_key(r.id), t.tid, pleach_key(r.session_id), r.body "
+        "FROM records AS r JOIN tenants AS t USING (org_id, user_id) ORDER BY r.rowid",
+        "DROP TABLE records",
+        "ALTER TABLE records_8 RENAME TO records",
+        "CREATE UNIQUE INDEX records_key ON records (tid, kind, id)",
+        "CREATE INDEX records_tenant ON records (tid, session_id)",
+        """CREATE TABLE events_8 (
+            id BLOB NOT NULL,
+            session_id BLOB NOT NULL,
+            sequence_number INTEGER NOT NULL,
+            tid INTEGER NOT NULL,
+            row_hash BLOB NOT NULL,
+            body BLOB NOT NULL,
+            UNIQUE (tid, id),
+            UNIQUE (tid, session_id, sequence_number)
+        )""",
+        "INSERT INTO events_8 (id, session_id, sequence_number, tid, row_hash, body) "
+        "SELECT pleach_key(e.id), pleach_key(e.session_id), e.sequence_number, t.tid, "
+        "pleach_digest(e.row_hash), e.body "
+        "FROM events AS e JOIN tenants AS t USING (org_id, user_id) ORDER BY e.rowid",
+        "DROP TABLE events",
+        "ALTER TABLE events_8 RENAME TO events",
+        """CREATE TABLE feed_8 (
+            cursor INTEGER PRIMARY KEY AUTOINCREMENT,
+            tid INTEGER NOT NULL,
+            kind TEXT NOT NULL,
+            record_id BLOB NOT NULL
+        )""",
+        "INSERT INTO feed_8 (cursor, tid, kind, record_id) "
+        "SELECT f.cursor, t.tid, f.kind, pleach_key(f.record_id) "
+        "FROM feed AS f JOIN tenants AS t USING (org_id, user_id) ORDER BY f.cursor",
+        "DELETE FROM sqlite_sequence WHERE name = 'feed_8'",
+        "INSERT INTO sqlite_sequence (name, seq) "
+        "SELECT 'feed_8', seq FROM sqlite_sequence WHERE name = 'feed'",
+        "DROP TABLE feed",
+        "ALTER TABLE feed_8 RENAME TO feed",
+        "CREATE INDEX feed_tenant ON feed (tid, cursor)",
+        "CREATE INDEX feed_record ON feed (tid, kind, record_id, cursor)",
+        """CREATE TABLE clients_8 (
+            tid INTEGER NOT NULL,
+            client_id TEXT NOT NULL,
+            last_seq INTEGER NOT NULL,
+            PRIMARY KEY (tid, client_id)
+        ) WITHOUT ROWID""",
+        "INSERT INTO clients_8 (tid, client_id, last_seq) SELECT t.tid, c.client_id, c.last_seq "
+        "FROM clients AS c JOIN tenants AS t USING (org_id, user_id)",
+        "DROP TABLE clients",
+        "ALTER TABLE clients_8 RENAME TO clients",
+        """CREATE TABLE meta_8 (
+            tid INTEGER PRIMARY KEY,
+            feed_floor INTEGER NOT NULL DEFAULT 0
+        )""",
+        "INSERT INTO meta_8 (tid, feed_floor) SELECT t.tid, m.feed_floor "
+        "FROM meta AS m JOIN tenants AS t USING (org_id, user_id)",
+        "DROP TABLE meta",
+        "ALTER TABLE meta_8 RENAME TO meta",
+        # The key's columns first: SQLite 3.40's integrity_check reports a false NULL in a
+        # WITHOUT ROWID table's column that precedes a key column.
+        """CREATE TABLE audit_places_8 (
+            tid INTEGER NOT NULL,
+            client_id TEXT NOT NULL,
+            sequence_number INTEGER NOT NULL,
+            id BLOB NOT NULL,
+            row_hash BLOB NOT NULL,
+            PRIMARY KEY (tid, client_id, sequence_number, id)
+        ) WITHOUT ROWID""",
+        "INSERT INTO audit_places_8 (tid, client_id, sequence_number, row_hash, id) "
+        "SELECT t.tid, p.client_id, p.sequence_number, pleach_digest(p.row_hash), "
+        "pleach_key(p.id) FROM audit_places AS p JOIN tenants AS t USING (org_id, user_id)",
+        "DROP TABLE audit_places",
+        "ALTER TABLE audit_places_8 RENAME TO audit_places",
+    ),
 )
 _PUT_HEALTH_SQL = (
     "INSERT INTO devices (org_id, user_id, client_id, seen_at, health) VALUES (?, ?, ?, ?, ?) "
@@ -291,94 +418,105 @@ _LIST_HEALTH_SQL = (
 SCHEMA_VERSION = len(_MIGRATIONS)
 
 
-_HEAD_SQL = """SELECT MAX(
-    COALESCE((SELECT MAX(cursor) FROM feed WHERE org_id = ? AND user_id = ?), 0),
-    COALESCE((SELECT feed_floor FROM meta WHERE org_id = ? AND user_id = ?), 0))"""
+_TENANT = "(SELECT tid FROM tenants WHERE org_id = ? AND user_id = ?)"
+"""The tenant's number (schema 8), for statements that take the tenant as ``?, ?``."""
+_TENANT_12 = "(SELECT tid FROM tenants WHERE org_id = ?1 AND user_id = ?2)"
+"""The same, for statements that number their parameters (the tenant as ``?1, ?2``)."""
 
-_FLOOR_SQL = "SELECT feed_floor FROM meta WHERE org_id = ? AND user_id = ?"
+_HEAD_SQL = f"""SELECT MAX(
+    COALESCE((SELECT MAX(cursor) FROM feed WHERE tid = {_TENANT}), 0),
+    COALESCE((SELECT feed_floor FROM meta WHERE tid = {_TENANT}), 0))"""
 
-_LAST_SEQ_SQL = "SELECT last_seq FROM clients WHERE org_id = ? AND user_id = ? AND client_id = ?"
+_FLOOR_SQL = f"SELECT feed_floor FROM meta WHERE tid = {_TENANT}"
+
+_LAST_SEQ_SQL = f"SELECT last_seq FROM clients WHERE tid = {_TENANT} AND client_id = ?"
+
+# A push names its tenant before its first read: every row it writes refers to the number.
+_ADD_TENANT_SQL = "INSERT INTO tenants (org_id, user_id) VALUES (?, ?) ON CONFLICT DO NOTHING"
 
 # The batch lookups of a push: each takes the tenant, then its keys as ONE JSON array
 # parameter (no limit on how many, one statement per kind of key) and reads each key through
-# an index. Every id is the tenant's own: another tenant's rows are never read. CROSS JOIN
+# an index; an id is looked up by its stored key (``pleach_key``: a UUID's 16 bytes). Every id
+# is the tenant's own: another tenant's rows are never read, so whatever is found is the
+# tenant's (each lookup answers with the keys it found, as the push named them). CROSS JOIN
 # keeps the keys as the outer loop: with a plain JOIN the planner may walk all of the tenant's
 # rows once per key (a push read 0.3 ms per change that way, and more as the history grew).
-_RECORD_OWNERS_SQL = """
-    SELECT r.kind, r.id, r.org_id, r.user_id FROM json_each(?3) AS k
-    CROSS JOIN records AS r ON r.org_id = ?1 AND r.user_id = ?2
-        AND r.kind = json_extract(k.value, '$[0]') AND r.id = json_extract(k.value, '$[1]')"""
-_EVENT_OWNERS_SQL = """
-    SELECT id, org_id, user_id FROM events
-    WHERE org_id = ?1 AND user_id = ?2 AND id IN (SELECT value FROM json_each(?3))"""
+_RECORD_OWNERS_SQL = f"""
+    SELECT json_extract(k.value, '$[0]'), json_extract(k.value, '$[1]') FROM json_each(?3) AS k
+    CROSS JOIN records AS r ON r.tid = {_TENANT_12}
+        AND r.kind = json_extract(k.value, '$[0]')
+        AND r.id = pleach_key(json_extract(k.value, '$[1]'))"""
+_EVENT_OWNERS_SQL = f"""
+    SELECT k.value FROM json_each(?3) AS k
+    CROSS JOIN events AS e ON e.tid = {_TENANT_12} AND e.id = pleach_key(k.value)"""
 # A session id is held by its row, else by any event, else by any record filed under it.
-_SESSION_OWNERS_SQL = """
-    SELECT k.value, s.org_id, s.user_id, e.org_id, e.user_id, r.org_id, r.user_id
-    FROM json_each(?3) AS k
-    LEFT JOIN sessions AS s ON s.org_id = ?1 AND s.user_id = ?2 AND s.id = k.value
-    LEFT JOIN events AS e ON e.rowid = (
-        SELECT rowid FROM events
-        WHERE org_id = ?1 AND user_id = ?2 AND session_id = k.value LIMIT 1)
-    LEFT JOIN records AS r ON r.org_id = ?1 AND r.user_id = ?2 AND (r.kind, r.id) = (
-        SELECT kind, id FROM records
-        WHERE org_id = ?1 AND user_id = ?2 AND session_id = k.value LIMIT 1)"""
-_SESSIONS_SQL = """
-    SELECT id, body FROM sessions
-    WHERE org_id = ?1 AND user_id = ?2 AND id IN (SELECT value FROM json_each(?3))"""
-_CHAIN_TAILS_SQL = """
+_SESSION_OWNERS_SQL = f"""
+    SELECT k.value FROM json_each(?3) AS k
+    WHERE EXISTS (SELECT 1 FROM sessions AS s
+            WHERE s.tid = {_TENANT_12} AND s.id = pleach_key(k.value))
+        OR EXISTS (SELECT 1 FROM events AS e
+            WHERE e.tid = {_TENANT_12} AND e.session_id = pleach_key(k.value))
+        OR EXISTS (SELECT 1 FROM records AS r
+            WHERE r.tid = {_TENANT_12} AND r.session_id = pleach_key(k.value))"""
+_SESSIONS_SQL = f"""
+    SELECT k.value, s.body FROM json_each(?3) AS k
+    CROSS JOIN sessions AS s ON s.tid = {_TENANT_12} AND s.id = pleach_key(k.value)"""
+_CHAIN_TAILS_SQL = f"""
     SELECT k.value, e.sequence_number, e.row_hash FROM json_each(?3) AS k
     CROSS JOIN events AS e ON e.rowid = (
-        SELECT rowid FROM events WHERE org_id = ?1 AND user_id = ?2 AND session_id = k.value
+        SELECT rowid FROM events
+        WHERE tid = {_TENANT_12} AND session_id = pleach_key(k.value)
         ORDER BY sequence_number DESC LIMIT 1)"""
 
 # The last place of each client id's audit chain (the highest sequence number), one probe of
 # the primary key per client id.
-_AUDIT_TAILS_SQL = """
+_AUDIT_TAILS_SQL = f"""
     SELECT k.value, p.sequence_number, p.row_hash FROM json_each(?3) AS k
-    CROSS JOIN audit_places AS p ON p.org_id = ?1 AND p.user_id = ?2 AND p.client_id = k.value
+    CROSS JOIN audit_places AS p ON p.tid = {_TENANT_12} AND p.client_id = k.value
         AND p.sequence_number = (
             SELECT MAX(sequence_number) FROM audit_places
-            WHERE org_id = ?1 AND user_id = ?2 AND client_id = k.value)"""
+            WHERE tid = {_TENANT_12} AND client_id = k.value)"""
 _INSERT_PLACE_SQL = (
-    "INSERT INTO audit_places (org_id, user_id, client_id, sequence_number, row_hash, id) "
-    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+    f"INSERT INTO audit_places (tid, client_id, sequence_number, row_hash, id) "
+    f"VALUES ({_TENANT}, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
 )
 _INSERT_RECORD_SQL = (
-    "INSERT INTO records (kind, id, org_id, user_id, session_id, body) "
-    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (org_id, user_id, kind, id) DO NOTHING"
+    f"INSERT INTO records (kind, id, tid, session_id, body) "
+    f"VALUES (?, ?, {_TENANT}, ?, ?) ON CONFLICT (tid, kind, id) DO NOTHING"
 )
 _INSERT_EVENT_SQL = (
-    "INSERT INTO events (id, session_id, sequence_number, org_id, user_id, row_hash, body) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+    f"INSERT INTO events (id, session_id, sequence_number, tid, row_hash, body) "
+    f"VALUES (?, ?, ?, {_TENANT}, ?, ?) ON CONFLICT DO NOTHING"
 )
 _PUT_SESSION_SQL = (
-    "INSERT INTO sessions (id, org_id, user_id, updated_at, body) VALUES (?, ?, ?, ?, ?) "
-    "ON CONFLICT (org_id, user_id, id) DO UPDATE SET "
-    "updated_at = excluded.updated_at, body = excluded.body"
+    f"INSERT INTO sessions (id, tid, updated_at, body) VALUES (?, {_TENANT}, ?, ?) "
+    "ON CONFLICT (tid, id) DO UPDATE SET updated_at = excluded.updated_at, body = excluded.body"
 )
-_APPEND_FEED_SQL = "INSERT INTO feed (org_id, user_id, kind, record_id) VALUES (?, ?, ?, ?)"
+_APPEND_FEED_SQL = f"INSERT INTO feed (tid, kind, record_id) VALUES ({_TENANT}, ?, ?)"
 # The entries a session's new entry supersedes (see migration 7): through feed_record.
 _SUPERSEDED_SQL = (
-    "DELETE FROM feed WHERE org_id = ? AND user_id = ? AND kind = ? AND record_id = ? "
-    "AND cursor < ?"
+    f"DELETE FROM feed WHERE tid = {_TENANT} AND kind = ? AND record_id = ? AND cursor < ?"
 )
 # Deleting a session's content: the tenant's session rows, the records of the kinds deleted
 # with a session filed under its deleted ones, then the chosen records and their feed entries.
-_TENANT_SESSIONS_SQL = "SELECT id, body FROM sessions WHERE org_id = ? AND user_id = ?"
+_TENANT_SESSIONS_SQL = f"SELECT id, body FROM sessions WHERE tid = {_TENANT}"
 _CASCADE_CANDIDATES_SQL = """
-    SELECT r.kind, r.id, r.body FROM json_each(?) AS k
+    SELECT r.kind, r.id, r.body FROM json_each(?1) AS k
     CROSS JOIN records AS r INDEXED BY records_tenant
-        ON r.org_id = ? AND r.user_id = ? AND r.session_id = k.value
-    WHERE r.kind IN (SELECT value FROM json_each(?))"""
-_DELETE_RECORDS_SQL = """
-    DELETE FROM records WHERE org_id = ? AND user_id = ? AND (kind, id) IN (
-        SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') FROM json_each(?))"""
-_DELETE_FEED_SQL = """
-    DELETE FROM feed WHERE org_id = ? AND user_id = ? AND (kind, record_id) IN (
-        SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') FROM json_each(?))"""
+        ON r.tid = (SELECT tid FROM tenants WHERE org_id = ?2 AND user_id = ?3)
+        AND r.session_id = pleach_key(k.value)
+    WHERE r.kind IN (SELECT value FROM json_each(?4))"""
+_DELETE_RECORDS_SQL = f"""
+    DELETE FROM records WHERE tid = {_TENANT} AND (kind, id) IN (
+        SELECT json_extract(value, '$[0]'), pleach_key(json_extract(value, '$[1]'))
+        FROM json_each(?))"""
+_DELETE_FEED_SQL = f"""
+    DELETE FROM feed WHERE tid = {_TENANT} AND (kind, record_id) IN (
+        SELECT json_extract(value, '$[0]'), pleach_key(json_extract(value, '$[1]'))
+        FROM json_each(?))"""
 _SET_LAST_SEQ_SQL = (
-    "INSERT INTO clients (org_id, user_id, client_id, last_seq) VALUES (?, ?, ?, ?) "
-    "ON CONFLICT (org_id, user_id, client_id) DO UPDATE SET last_seq = excluded.last_seq"
+    f"INSERT INTO clients (tid, client_id, last_seq) VALUES ({_TENANT}, ?, ?) "
+    "ON CONFLICT (tid, client_id) DO UPDATE SET last_seq = excluded.last_seq"
 )
 
 
@@ -412,21 +550,52 @@ async def _floor(conn: aiosqlite.Connection, tenant: Tenant) -> int:
     return int(row[0]) if row is not None else 0
 
 
+def _key(value: str) -> bytes | str:
+    """How an id is kept (schema 8): a canonical UUID as its 16 bytes, any other id as its
+    text (the rule ``compact`` packs ids by, and the device file's)."""
+    return compact.uuid_bytes(value) or value
+
+
+def _sql_key(value: Any) -> Any:
+    """``pleach_key(id)`` in SQL: ``_key`` of a text, anything else as it is."""
+    return _key(value) if type(value) is str else value
+
+
+def _digest_key(value: str) -> bytes | str:
+    """How a row hash is kept: a 64-character lowercase hex digest as its 32 bytes, anything
+    else as its text (so it reads back exactly, ``_digest_text``)."""
+    if len(value) == 64:
+        try:
+            data = bytes.fromhex(value)
+        except ValueError:
+            return value
+        if data.hex() == value:
+            return data
+    return value
+
+
+def _sql_digest(value: Any) -> Any:
+    """``pleach_digest(hash)`` in SQL: ``_digest_key`` of a text, anything else as it is."""
+    return _digest_key(value) if type(value) is str else value
+
+
+def _id_text(value: bytes | str) -> str:
+    """An id as stored, read back as its text."""
+    return compact.uuid_text(value) if type(value) is bytes and len(value) == 16 else str(value)
+
+
+def _digest_text(value: bytes | str) -> str:
+    """A row hash as stored, read back as its text."""
+    return value.hex() if type(value) is bytes else str(value)
+
+
 def _json(keys: Iterable[Any]) -> str:
     return msgspec.json.encode(sorted(keys)).decode()
 
 
-def _place(row: AuditRow) -> tuple[str, int, str, str]:
+def _place(row: AuditRow) -> tuple[str, int, bytes | str, bytes | str]:
     """An audit row's ``audit_places`` columns after the tenant's."""
-    return (row.client_id, row.sequence_number, row.row_hash, row.id)
-
-
-def _owner(org_id: str | None, user_id: str | None) -> Tenant | None:
-    return (
-        Tenant(org_id=org_id, user_id=user_id)
-        if org_id is not None and user_id is not None
-        else None
-    )
+    return (row.client_id, row.sequence_number, _digest_key(row.row_hash), _key(row.id))
 
 
 _R = TypeVar("_R")
@@ -456,7 +625,7 @@ class _Rows(msgspec.Struct):
     events: list[tuple[Any, ...]]
     sessions: list[tuple[Any, ...]]
     feed: list[tuple[Any, ...]]
-    versioned: dict[tuple[str, str], int]
+    versioned: dict[tuple[str, bytes | str], int]
     """Versioned records (sessions) in ``feed``: (kind, id) -> the index of its last entry."""
     last_seq: tuple[Any, ...] | None
     places: list[tuple[Any, ...]]
@@ -546,27 +715,25 @@ class _SQLiteTx:
         each, self._head = await _on_thread(self._conn, _fetch_each_and_head, lookups, t + t)
         answers = iter(each)
         found = Snapshot()
+        # Every lookup reads the tenant's own rows only: whatever it finds is the tenant's.
         if keys.records:
-            for kind, record_id, org_id, user_id in next(answers):
-                found.record_owners[(kind, record_id)] = Tenant(org_id=org_id, user_id=user_id)
+            for kind, record_id in next(answers):
+                found.record_owners[(kind, record_id)] = tenant
         if keys.events:
-            for event_id, org_id, user_id in next(answers):
-                found.event_owners[event_id] = Tenant(org_id=org_id, user_id=user_id)
+            for (event_id,) in next(answers):
+                found.event_owners[event_id] = tenant
         if keys.session_owners:
-            for session_id, *columns in next(answers):
-                owners = (_owner(*columns[i : i + 2]) for i in (0, 2, 4))
-                owner = next((o for o in owners if o is not None), None)
-                if owner is not None:
-                    found.session_owners[session_id] = owner
+            for (session_id,) in next(answers):
+                found.session_owners[session_id] = tenant
         if keys.sessions:
             for session_id, body in next(answers):
                 found.sessions[session_id] = decode_session(session_id, body)
         if keys.chains:
             for session_id, number, row_hash in next(answers):
-                found.chain_tails[session_id] = (int(number), str(row_hash))
+                found.chain_tails[session_id] = (int(number), _digest_text(row_hash))
         if keys.audit_chains:
             for chain, number, row_hash in next(answers):
-                found.audit_tails[chain] = (int(number), str(row_hash))
+                found.audit_tails[chain] = (int(number), _digest_text(row_hash))
         return found
 
     async def write(self, tenant: Tenant, client_id: str, writes: BatchWrites) -> list[int]:
@@ -577,17 +744,37 @@ class _SQLiteTx:
             info = kind_of(r)
             if info.merge == "versioned" or info.server_placed:
                 raise TypeError(f"{info.name} records are not written as records")
-            records.append((info.name, r.id, r.org_id, r.user_id, info.session_of(r), body(r)))
+            session_id = info.session_of(r)
+            records.append(
+                (
+                    info.name,
+                    _key(r.id),
+                    r.org_id,
+                    r.user_id,
+                    None if session_id is None else _key(session_id),
+                    body(r),
+                )
+            )
         rows = _Rows(
             records=records,
             events=[
-                (e.id, e.session_id, e.sequence_number, e.org_id, e.user_id, e.row_hash, body(e))
+                (
+                    _key(e.id),
+                    _key(e.session_id),
+                    e.sequence_number,
+                    e.org_id,
+                    e.user_id,
+                    _digest_key(e.row_hash),
+                    body(e),
+                )
                 for e in writes.events
             ],
-            sessions=[(s.id, s.org_id, s.user_id, s.updated_at, body(s)) for s in writes.sessions],
-            feed=[(*t, record_kind(r), r.id) for r in writes.feed],
+            sessions=[
+                (_key(s.id), s.org_id, s.user_id, s.updated_at, body(s)) for s in writes.sessions
+            ],
+            feed=[(*t, record_kind(r), _key(r.id)) for r in writes.feed],
             versioned={
-                (record_kind(r), r.id): i
+                (record_kind(r), _key(r.id)): i
                 for i, r in enumerate(writes.feed)
                 if kind_of(r).merge == "versioned"
             },
@@ -609,12 +796,17 @@ class _SQLiteTx:
     async def _delete_content(self, tenant: Tenant) -> None:
         """Delete the content of the tenant's deleted sessions (``BatchTx.write``)."""
         conn, t = self._conn, (tenant.org_id, tenant.user_id)
-        sessions = [decode_session(i, b) for i, b in await _fetchall(conn, _TENANT_SESSIONS_SQL, t)]
+        sessions = [
+            decode_session(_id_text(i), b)
+            for i, b in await _fetchall(conn, _TENANT_SESSIONS_SQL, t)
+        ]
         deleted = [x.id for x in sessions if x.deleted]
         rows = await _fetchall(
             conn, _CASCADE_CANDIDATES_SQL, (_json(deleted), *t, _json(CASCADE_KINDS))
         )
-        candidates = [decode_stored(kind, record_id, body) for kind, record_id, body in rows]
+        candidates = [
+            decode_stored(kind, _id_text(record_id), body) for kind, record_id, body in rows
+        ]
         doomed = _json(list(k) for k in content_to_delete(sessions, candidates))
         if doomed != "[]":
             await conn.execute(_DELETE_RECORDS_SQL, (*t, doomed))
@@ -622,11 +814,15 @@ class _SQLiteTx:
 
 
 _COMPACT = (
-    "DELETE FROM feed WHERE org_id = ? AND user_id = ? AND cursor <= ? AND EXISTS ("
-    "SELECT 1 FROM feed AS later WHERE later.org_id = feed.org_id "
-    "AND later.user_id = feed.user_id AND later.kind = feed.kind "
+    f"DELETE FROM feed WHERE tid = {_TENANT} AND cursor <= ? AND EXISTS ("
+    "SELECT 1 FROM feed AS later WHERE later.tid = feed.tid AND later.kind = feed.kind "
     "AND later.record_id = feed.record_id AND later.cursor > feed.cursor)"
 )
+_SET_FLOOR_SQL = (
+    f"INSERT INTO meta (tid, feed_floor) VALUES ({_TENANT}, ?) "
+    "ON CONFLICT (tid) DO UPDATE SET feed_floor = excluded.feed_floor"
+)
+_RETAIN_SQL = f"SELECT cursor FROM feed WHERE tid = {_TENANT} ORDER BY cursor DESC LIMIT 1 OFFSET ?"
 
 
 async def _compact(conn: aiosqlite.Connection, tenant: Tenant, keep_after_cursor: int) -> int:
@@ -645,11 +841,7 @@ async def _compact(conn: aiosqlite.Connection, tenant: Tenant, keep_after_cursor
         _COMPACT,
         (tenant.org_id, tenant.user_id, new_floor),
     )
-    await conn.execute(
-        "INSERT INTO meta (org_id, user_id, feed_floor) VALUES (?, ?, ?) "
-        "ON CONFLICT (org_id, user_id) DO UPDATE SET feed_floor = excluded.feed_floor",
-        (tenant.org_id, tenant.user_id, new_floor),
-    )
+    await conn.execute(_SET_FLOOR_SQL, (tenant.org_id, tenant.user_id, new_floor))
     return dropped
 
 
@@ -753,6 +945,8 @@ class SQLiteServerStore(AsyncResource):
         conn = await aiosqlite.connect(self.path, isolation_level=None)
         try:
             await conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}")
+            await conn.create_function("pleach_key", 1, _sql_key, deterministic=True)
+            await conn.create_function("pleach_digest", 1, _sql_digest, deterministic=True)
         except BaseException:
             await asyncio.shield(conn.close())
             raise
@@ -859,6 +1053,7 @@ class SQLiteServerStore(AsyncResource):
         read: list[int] = []
 
         def last_seq(raw: sqlite3.Connection) -> None:
+            raw.execute(_ADD_TENANT_SQL, (tenant.org_id, tenant.user_id))
             row = raw.execute(_LAST_SEQ_SQL, (tenant.org_id, tenant.user_id, client_id)).fetchone()
             read.append(int(row[0]) if row is not None else 0)
 
@@ -884,12 +1079,7 @@ class SQLiteServerStore(AsyncResource):
         return await self._write(body, first=last_seq)
 
     async def _retain(self, conn: aiosqlite.Connection, tenant: Tenant, keep: int) -> None:
-        row = await _fetchone(
-            conn,
-            "SELECT cursor FROM feed WHERE org_id = ? AND user_id = ? "
-            "ORDER BY cursor DESC LIMIT 1 OFFSET ?",
-            (tenant.org_id, tenant.user_id, keep),
-        )
+        row = await _fetchone(conn, _RETAIN_SQL, (tenant.org_id, tenant.user_id, keep))
         if row is not None:
             await _compact(conn, tenant, int(row[0]))
 
@@ -959,13 +1149,15 @@ _PULL_SQL = """
         FROM (
             SELECT f.cursor, CASE f.kind
                 WHEN 'Session' THEN (SELECT s.body FROM sessions AS s
-                    WHERE s.org_id = ?2 AND s.user_id = ?3 AND s.id = f.record_id)
+                    WHERE s.tid = f.tid AND s.id = f.record_id)
                 WHEN 'Event' THEN (SELECT e.body FROM events AS e
-                    WHERE e.org_id = ?2 AND e.user_id = ?3 AND e.id = f.record_id)
-                ELSE (SELECT r.body FROM records AS r WHERE r.org_id = ?2 AND r.user_id = ?3
-                    AND r.kind = f.kind AND r.id = f.record_id)
+                    WHERE e.tid = f.tid AND e.id = f.record_id)
+                ELSE (SELECT r.body FROM records AS r
+                    WHERE r.tid = f.tid AND r.kind = f.kind AND r.id = f.record_id)
                 END AS body
-            FROM feed AS f WHERE f.org_id = ?2 AND f.user_id = ?3 AND f.cursor > ?4
+            FROM feed AS f
+            WHERE f.tid = (SELECT tid FROM tenants WHERE org_id = ?2 AND user_id = ?3)
+                AND f.cursor > ?4
             ORDER BY f.cursor LIMIT ?5)
         WINDOW w AS (ORDER BY cursor ROWS UNBOUNDED PRECEDING))
     ORDER BY cursor"""
