@@ -20,7 +20,7 @@ from shared import compact
 from shared.clock import HybridClock
 from shared.compact import uuid_bytes, uuid_text
 from shared.errors import CursorTooOld, ErrorCode, InvalidState, StorageError, StorageUnavailable
-from shared.records import Session
+from shared.records import Event, Session
 from tests.server_factories import Device, new_tenant
 from tests.server_store_conformance import (
     MakeStore,
@@ -573,6 +573,14 @@ async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Pat
             alice.tenant, alice.client_id, alice.changes(alice.audit(session.id)), clock
         )
         assert [r.status for r in audit_next.results] == ["applied"]  # the chain's tail read back
+        # An event goes on from the chain's tail, whose row hash is read from its body.
+        placed = await store.push(
+            alice.tenant, alice.client_id, alice.changes(alice.event(session.id)), clock
+        )
+        assert [r.status for r in placed.results] == ["applied"]
+        (last,) = (await store.pull(alice.tenant, max(placed.cursors) - 1, 10)).changes
+        assert isinstance(last.record, Event)
+        assert (last.record.sequence_number, last.record.prev_hash) == (2, event.row_hash)
     with sqlite3.connect(db_path) as conn:
         assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 8
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
@@ -581,5 +589,22 @@ async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Pat
         assert kept == {"blob": 4}  # two messages, two audit rows: ids of 16 bytes each
         ids = {row[0] for row in conn.execute("SELECT id FROM sessions")}
         assert ids == {uuid_bytes(session.id), "not-a-uuid"}
-        (row_hash,) = conn.execute("SELECT row_hash FROM events").fetchone()
-        assert row_hash == bytes.fromhex(event.row_hash)
+        columns = [row[1] for row in conn.execute("PRAGMA table_info(events)")]
+        assert columns == ["id", "session_id", "sequence_number", "tid", "body"]
+
+
+def test_a_chain_tail_is_read_from_the_event_body_in_either_form() -> None:
+    """A chain's tail is read from its last event's body: the compact form without decoding
+    its payload, the map form older servers wrote by decoding it; a corrupt body is a
+    ``StorageError``, never a wrong hash."""
+    from shared.records import encode_record
+
+    dev = Device(new_tenant())
+    event = msgspec.structs.replace(
+        dev.event(dev.session().id), sequence_number=3, prev_hash="cd" * 32, row_hash="ef" * 32
+    )
+    assert server_sqlite._row_hash(event.session_id, compact.encode(event)) == "ef" * 32
+    assert server_sqlite._row_hash(event.session_id, encode_record(event)) == "ef" * 32
+    for corrupt in (b"\xc1", compact.encode(dev.session())):
+        with pytest.raises(StorageError):
+            server_sqlite._row_hash(event.session_id, corrupt)

@@ -50,6 +50,7 @@ from shared.records import (
     CASCADE_KINDS,
     AuditRow,
     Change,
+    Event,
     kind_of,
     record_kind,
 )
@@ -291,7 +292,8 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
     ),
     # 8: a tenant is a number (``tenants``), an id is kept as its key (a canonical UUID as its
     # 16 bytes, any other id as its text: ``pleach_key``, the device file's rule) and a row hash
-    # as its 32 bytes (``pleach_digest``), in every row and index. The tenant as text and ids
+    # as its 32 bytes (``pleach_digest``), in every row and index; an event's row hash is read
+    # from its body (which holds it) instead of a column of its own. The tenant as text and ids
     # and hashes as text were about two fifths of the file: a 1,000-turn conversation took
     # 7.5 MB for 3.2 MB of bodies. Rows keep their order; the feed keeps its cursors and
     # AUTOINCREMENT's high-water mark.
@@ -340,14 +342,12 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
             session_id BLOB NOT NULL,
             sequence_number INTEGER NOT NULL,
             tid INTEGER NOT NULL,
-            row_hash BLOB NOT NULL,
             body BLOB NOT NULL,
             UNIQUE (tid, id),
             UNIQUE (tid, session_id, sequence_number)
         )""",
-        "INSERT INTO events_8 (id, session_id, sequence_number, tid, row_hash, body) "
-        "SELECT pleach_key(e.id), pleach_key(e.session_id), e.sequence_number, t.tid, "
-        "pleach_digest(e.row_hash), e.body "
+        "INSERT INTO events_8 (id, session_id, sequence_number, tid, body) "
+        "SELECT pleach_key(e.id), pleach_key(e.session_id), e.sequence_number, t.tid, e.body "
         "FROM events AS e JOIN tenants AS t USING (org_id, user_id) ORDER BY e.rowid",
         "DROP TABLE events",
         "ALTER TABLE events_8 RENAME TO events",
@@ -462,7 +462,7 @@ _SESSIONS_SQL = f"""
     SELECT k.value, s.body FROM json_each(?3) AS k
     CROSS JOIN sessions AS s ON s.tid = {_TENANT_12} AND s.id = pleach_key(k.value)"""
 _CHAIN_TAILS_SQL = f"""
-    SELECT k.value, e.sequence_number, e.row_hash FROM json_each(?3) AS k
+    SELECT k.value, e.sequence_number, e.body FROM json_each(?3) AS k
     CROSS JOIN events AS e ON e.rowid = (
         SELECT rowid FROM events
         WHERE tid = {_TENANT_12} AND session_id = pleach_key(k.value)
@@ -485,8 +485,8 @@ _INSERT_RECORD_SQL = (
     f"VALUES (?, ?, {_TENANT}, ?, ?) ON CONFLICT (tid, kind, id) DO NOTHING"
 )
 _INSERT_EVENT_SQL = (
-    f"INSERT INTO events (id, session_id, sequence_number, tid, row_hash, body) "
-    f"VALUES (?, ?, ?, {_TENANT}, ?, ?) ON CONFLICT DO NOTHING"
+    f"INSERT INTO events (id, session_id, sequence_number, tid, body) "
+    f"VALUES (?, ?, ?, {_TENANT}, ?) ON CONFLICT DO NOTHING"
 )
 _PUT_SESSION_SQL = (
     f"INSERT INTO sessions (id, tid, updated_at, body) VALUES (?, {_TENANT}, ?, ?) "
@@ -587,6 +587,21 @@ def _id_text(value: bytes | str) -> str:
 def _digest_text(value: bytes | str) -> str:
     """A row hash as stored, read back as its text."""
     return value.hex() if type(value) is bytes else str(value)
+
+
+def _row_hash(session_id: str, body: bytes) -> str:
+    """The row hash of the stored event ``body`` (the last of ``session_id``'s chain), read
+    without decoding its payload when it is compact; ``StorageError`` when it is corrupt."""
+    place = compact.event_place(body)
+    if place is not None:
+        return place[3]
+    try:
+        event = decode_body(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise StorageError(f"corrupt event row of session {session_id!r}") from exc
+    if not isinstance(event, Event):
+        raise StorageError(f"corrupt event row of session {session_id!r}: not an event")
+    return event.row_hash
 
 
 def _json(keys: Iterable[Any]) -> str:
@@ -729,8 +744,8 @@ class _SQLiteTx:
             for session_id, body in next(answers):
                 found.sessions[session_id] = decode_session(session_id, body)
         if keys.chains:
-            for session_id, number, row_hash in next(answers):
-                found.chain_tails[session_id] = (int(number), _digest_text(row_hash))
+            for session_id, number, body in next(answers):
+                found.chain_tails[session_id] = (int(number), _row_hash(session_id, body))
         if keys.audit_chains:
             for chain, number, row_hash in next(answers):
                 found.audit_tails[chain] = (int(number), _digest_text(row_hash))
@@ -764,7 +779,6 @@ class _SQLiteTx:
                     e.sequence_number,
                     e.org_id,
                     e.user_id,
-                    _digest_key(e.row_hash),
                     body(e),
                 )
                 for e in writes.events
