@@ -73,9 +73,12 @@ def stored_rows(db_path: Path) -> StoredRows:
                 "UNION ALL SELECT kind, id FROM records WHERE tid = (SELECT tid FROM t)",
                 t,
             )
-        # Schema 8 keeps a UUID id as its 16 bytes.
+        # Schema 8 keeps a kind as its number and a UUID id as its 16 bytes.
         return {
-            (str(kind), uuid_text(record_id) if isinstance(record_id, bytes) else str(record_id))
+            (
+                compact.KINDS[kind] if isinstance(kind, int) else str(kind),
+                uuid_text(record_id) if isinstance(record_id, bytes) else str(record_id),
+            )
             for kind, record_id in found
         }
 
@@ -591,6 +594,13 @@ async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Pat
         assert ids == {uuid_bytes(session.id), "not-a-uuid"}
         columns = [row[1] for row in conn.execute("PRAGMA table_info(events)")]
         assert columns == ["id", "session_id", "sequence_number", "tid", "body"]
+        kinds = conn.execute("SELECT DISTINCT kind FROM feed UNION SELECT kind FROM records")
+        assert {compact.KINDS[k] for (k,) in kinds} == {
+            "Message",
+            "Event",
+            "AuditRow",
+            "Session",
+        }
 
 
 def test_a_chain_tail_is_read_from_the_event_body_in_either_form() -> None:

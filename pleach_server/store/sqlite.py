@@ -37,7 +37,7 @@ import logging
 import os
 import sqlite3
 from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 import aiosqlite
 import msgspec
@@ -45,6 +45,7 @@ import msgspec
 from shared import compact
 from shared.aio import Every
 from shared.clock import HybridClock
+from shared.compact import KINDS
 from shared.errors import CursorTooOld, InvalidState, StorageError, StorageUnavailable
 from shared.records import (
     CASCADE_KINDS,
@@ -95,6 +96,19 @@ _DROP_SUPERSEDED_SQL = """
         SELECT 1 FROM feed AS later WHERE later.org_id = feed.org_id
         AND later.user_id = feed.user_id AND later.kind = feed.kind
         AND later.record_id = feed.record_id AND later.cursor > feed.cursor)"""
+
+
+def _kind_number(column: str) -> str:
+    """SQL: the number of the kind named in ``column`` (its index in ``compact.KINDS``, which
+    never changes); NULL for a name that is no kind."""
+    cases = " ".join(f"WHEN '{name}' THEN {number}" for number, name in enumerate(KINDS))
+    return f"CASE {column} {cases} END"
+
+
+_KIND_NUMBERS: Final = {name: number for number, name in enumerate(KINDS)}
+_SESSION_KIND: Final = _KIND_NUMBERS["Session"]
+_EVENT_KIND: Final = _KIND_NUMBERS["Event"]
+
 
 # One tuple of statements per schema version; never edit a shipped version, append a new one.
 Step = str | Callable[[aiosqlite.Connection], Awaitable[None]]
@@ -291,9 +305,10 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         "CREATE INDEX feed_record ON feed (org_id, user_id, kind, record_id, cursor)",
     ),
     # 8: a tenant is a number (``tenants``), an id is kept as its key (a canonical UUID as its
-    # 16 bytes, any other id as its text: ``pleach_key``, the device file's rule) and a row hash
-    # as its 32 bytes (``pleach_digest``), in every row and index; an event's row hash is read
-    # from its body (which holds it) instead of a column of its own. The tenant as text and ids
+    # 16 bytes, any other id as its text: ``pleach_key``, the device file's rule), a kind as its
+    # number in ``compact.KINDS`` and a row hash as its 32 bytes (``pleach_digest``), in every
+    # row and index; an event's row hash is read from its body (which holds it) instead of a
+    # column of its own. The tenant as text and ids
     # and hashes as text were about two fifths of the file: a 1,000-turn conversation took
     # 7.5 MB for 3.2 MB of bodies. Rows keep their order; the feed keeps its cursors and
     # AUTOINCREMENT's high-water mark.
@@ -324,14 +339,15 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         "ALTER TABLE sessions_8 RENAME TO sessions",
         "CREATE INDEX sessions_tenant ON sessions (tid, updated_at)",
         """CREATE TABLE records_8 (
-            kind TEXT NOT NULL,
+            kind INTEGER NOT NULL,
             id BLOB NOT NULL,
             tid INTEGER NOT NULL,
             session_id BLOB,
             body BLOB NOT NULL
         )""",
         "INSERT INTO records_8 (kind, id, tid, session_id, body) "
-        "SELECT r.kind, pleach_key(r.id), t.tid, pleach_key(r.session_id), r.body "
+        f"SELECT {_kind_number('r.kind')}, pleach_key(r.id), t.tid, pleach_key(r.session_id), "
+        "r.body "
         "FROM records AS r JOIN tenants AS t USING (org_id, user_id) ORDER BY r.rowid",
         "DROP TABLE records",
         "ALTER TABLE records_8 RENAME TO records",
@@ -354,11 +370,11 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         """CREATE TABLE feed_8 (
             cursor INTEGER PRIMARY KEY AUTOINCREMENT,
             tid INTEGER NOT NULL,
-            kind TEXT NOT NULL,
+            kind INTEGER NOT NULL,
             record_id BLOB NOT NULL
         )""",
         "INSERT INTO feed_8 (cursor, tid, kind, record_id) "
-        "SELECT f.cursor, t.tid, f.kind, pleach_key(f.record_id) "
+        f"SELECT f.cursor, t.tid, {_kind_number('f.kind')}, pleach_key(f.record_id) "
         "FROM feed AS f JOIN tenants AS t USING (org_id, user_id) ORDER BY f.cursor",
         "DELETE FROM sqlite_sequence WHERE name = 'feed_8'",
         "INSERT INTO sqlite_sequence (name, seq) "
@@ -640,7 +656,7 @@ class _Rows(msgspec.Struct):
     events: list[tuple[Any, ...]]
     sessions: list[tuple[Any, ...]]
     feed: list[tuple[Any, ...]]
-    versioned: dict[tuple[str, bytes | str], int]
+    versioned: dict[tuple[int, bytes | str], int]
     """Versioned records (sessions) in ``feed``: (kind, id) -> the index of its last entry."""
     last_seq: tuple[Any, ...] | None
     places: list[tuple[Any, ...]]
@@ -717,7 +733,7 @@ class _SQLiteTx:
         lookups = [
             (sql, (*t, _json(wanted)))
             for sql, wanted in (
-                (_RECORD_OWNERS_SQL, keys.records),
+                (_RECORD_OWNERS_SQL, [(_KIND_NUMBERS[k], i) for k, i in keys.records]),
                 (_EVENT_OWNERS_SQL, keys.events),
                 (_SESSION_OWNERS_SQL, keys.session_owners),
                 (_SESSIONS_SQL, keys.sessions),
@@ -733,7 +749,7 @@ class _SQLiteTx:
         # Every lookup reads the tenant's own rows only: whatever it finds is the tenant's.
         if keys.records:
             for kind, record_id in next(answers):
-                found.record_owners[(kind, record_id)] = tenant
+                found.record_owners[(KINDS[kind], record_id)] = tenant
         if keys.events:
             for (event_id,) in next(answers):
                 found.event_owners[event_id] = tenant
@@ -762,7 +778,7 @@ class _SQLiteTx:
             session_id = info.session_of(r)
             records.append(
                 (
-                    info.name,
+                    _KIND_NUMBERS[info.name],
                     _key(r.id),
                     r.org_id,
                     r.user_id,
@@ -786,9 +802,9 @@ class _SQLiteTx:
             sessions=[
                 (_key(s.id), s.org_id, s.user_id, s.updated_at, body(s)) for s in writes.sessions
             ],
-            feed=[(*t, record_kind(r), _key(r.id)) for r in writes.feed],
+            feed=[(*t, _KIND_NUMBERS[record_kind(r)], _key(r.id)) for r in writes.feed],
             versioned={
-                (record_kind(r), _key(r.id)): i
+                (_KIND_NUMBERS[record_kind(r)], _key(r.id)): i
                 for i, r in enumerate(writes.feed)
                 if kind_of(r).merge == "versioned"
             },
@@ -815,13 +831,15 @@ class _SQLiteTx:
             for i, b in await _fetchall(conn, _TENANT_SESSIONS_SQL, t)
         ]
         deleted = [x.id for x in sessions if x.deleted]
-        rows = await _fetchall(
-            conn, _CASCADE_CANDIDATES_SQL, (_json(deleted), *t, _json(CASCADE_KINDS))
-        )
+        kinds = [_KIND_NUMBERS[kind] for kind in CASCADE_KINDS]
+        rows = await _fetchall(conn, _CASCADE_CANDIDATES_SQL, (_json(deleted), *t, _json(kinds)))
         candidates = [
-            decode_stored(kind, _id_text(record_id), body) for kind, record_id, body in rows
+            decode_stored(KINDS[kind], _id_text(record_id), body) for kind, record_id, body in rows
         ]
-        doomed = _json(list(k) for k in content_to_delete(sessions, candidates))
+        doomed = _json(
+            [_KIND_NUMBERS[kind], record_id]
+            for kind, record_id in content_to_delete(sessions, candidates)
+        )
         if doomed != "[]":
             await conn.execute(_DELETE_RECORDS_SQL, (*t, doomed))
             await conn.execute(_DELETE_FEED_SQL, (*t, doomed))
@@ -1157,14 +1175,14 @@ _NO_BUDGET = 1 << 62
 # A page of the feed (at most ?5 entries after cursor ?4), each entry's body read from the
 # row it refers to, through that table's key; ``within``: the entry is inside the byte budget
 # (the first always is). A missing row reads as a NULL body, within the budget.
-_PULL_SQL = """
+_PULL_SQL = f"""
     SELECT cursor, body, n = 1 OR total <= ?1 AS within FROM (
         SELECT cursor, body, SUM(length(body)) OVER w AS total, ROW_NUMBER() OVER w AS n
         FROM (
             SELECT f.cursor, CASE f.kind
-                WHEN 'Session' THEN (SELECT s.body FROM sessions AS s
+                WHEN {_SESSION_KIND} THEN (SELECT s.body FROM sessions AS s
                     WHERE s.tid = f.tid AND s.id = f.record_id)
-                WHEN 'Event' THEN (SELECT e.body FROM events AS e
+                WHEN {_EVENT_KIND} THEN (SELECT e.body FROM events AS e
                     WHERE e.tid = f.tid AND e.id = f.record_id)
                 ELSE (SELECT r.body FROM records AS r
                     WHERE r.tid = f.tid AND r.kind = f.kind AND r.id = f.record_id)
