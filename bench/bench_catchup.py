@@ -236,7 +236,7 @@ def run(
     quick: bool = False, history: int | None = None, long_turns: int | None = None
 ) -> list[Row]:
     history = history or (10_000 if quick else 100_000)
-    long_turns = long_turns or (250 if quick else 1250)
+    long_turns = long_turns or (250 if quick else 2500)
     started = time.perf_counter()
     rows, notes = asyncio.run(_run(history, long_turns, 3))
     print(render("bench_catchup: a new device catching up, a session resumed", rows))
@@ -250,7 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="10,000 changes, 250-turn session")
     parser.add_argument("--history", type=int, default=None, help="changes (100,000)")
-    parser.add_argument("--long-turns", type=int, default=None, help="long session turns (1250)")
+    parser.add_argument(
+        "--long-turns",
+        type=int,
+        default=None,
+        help="long session turns (2500: a 10,001-event session)",
+    )
     args = parser.parse_args(argv)
     run(args.quick, args.history, args.long_turns)
     return 0
