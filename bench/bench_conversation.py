@@ -6,10 +6,11 @@ one SQLite file. The floor, measured in the same run: plain ``sqlite3`` (WAL,
 ``synchronous=NORMAL``) inserting the same two messages per turn in one transaction.
 
 Figures: file bytes after N turns, unsynced and after a full sync to a real server (device
-file and the server's file); the same when the device stays connected and each turn syncs as
-it is written (what a device online does: every turn pushes the session's new version); turn
-p50 over turns 51-150 and over the last 100; p99 over the last 100. Each beside its floor, as
-a ratio.
+file and the server's file; and the bytes of the same history on the PostgreSQL store, its
+tables with their indexes, when PostgreSQL answers at ``PLEACH_TEST_PG_DSN``); the same when
+the device stays connected and each turn syncs as it is written (what a device online does:
+every turn pushes the session's new version); turn p50 over turns 51-150 and over the last
+100; p99 over the last 100. Each beside its floor, as a ratio.
 
 A turn is also set beside the floor of its own work (``own_rows_run``): the provider's stream
 of the same reply consumed by a bare loop, then plain ``sqlite3`` running the turn's own
@@ -26,6 +27,7 @@ import asyncio
 import contextlib
 import math
 import os
+import shutil
 import sqlite3
 import statistics
 import tempfile
@@ -50,6 +52,7 @@ ASSISTANT_BYTES = 800
 CLIENT_ID = "bench-conversation-device"
 SECRET = b"bench-conversation-secret"
 TENANT = Tenant(org_id="default", user_id="anonymous")  # SessionRuntime's own defaults
+PG_DSN = os.environ.get("PLEACH_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 
 
 def user_text(i: int) -> str:
@@ -196,6 +199,44 @@ async def synced_bytes(device: Path, server_path: Path) -> tuple[int, int]:
     return file_bytes(device), file_bytes(server_path)
 
 
+async def postgres_bytes(device: Path, dsn: str) -> int | None:
+    """Sync the device file at ``device`` to a real server on the PostgreSQL store, in a
+    schema of its own (dropped after); the bytes of that schema's tables then, with their
+    indexes and TOAST (``pg_total_relation_size``). None, and why printed, when PostgreSQL
+    does not answer at ``dsn``."""
+    import asyncpg  # type: ignore[import-untyped]
+
+    from pleach_server.store.postgres import PostgresServerStore
+
+    schema = f"bench_conv_{uuid.uuid4().hex[:12]}"
+    try:
+        conn = await asyncpg.connect(dsn, timeout=10)
+    except (OSError, asyncpg.PostgresError) as exc:
+        print(f"- PostgreSQL server bytes skipped: {dsn} does not answer ({exc})")
+        return None
+    try:
+        async with (
+            PostgresServerStore(dsn, schema=schema) as store,
+            SyncServer(store, port=0, secret=SECRET, rate_limit_per_s=None) as server,
+        ):
+            provider = ScriptedProvider(default_reply=REPLY)
+            async with SessionRuntime(SQLiteAdapter(device), provider, client_id=CLIENT_ID) as rt:
+                token = issue_token(SECRET, TENANT, 3600)
+                receipt = await rt.sync.sync_once(server.url, token, 600)
+                if receipt.pending_after:
+                    raise RuntimeError(f"the sync left {receipt.pending_after} change(s) queued")
+        size = await conn.fetchval(
+            "SELECT COALESCE(SUM(pg_total_relation_size(c.oid)), 0) FROM pg_class AS c "
+            "JOIN pg_namespace AS n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = $1 AND c.relkind = 'r'",
+            schema,
+        )
+        return int(size)
+    finally:
+        await conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+        await conn.close()
+
+
 async def live_synced_bytes(device: Path, server_path: Path, n: int) -> tuple[int, int]:
     """``n`` turns on a device connected to a real server, each synced before the next; the
     device file's bytes and the server file's bytes then (both checkpointed first)."""
@@ -270,7 +311,9 @@ async def _run(n: int) -> list[Row]:
         with sqlite3.connect(root / "device.db") as conn:
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         print(bytes_by_table(root / "device.db"))
+        shutil.copy(root / "device.db", root / "device-pg.db")  # unsynced, as the other
         device_synced, server_bytes = await synced_bytes(root / "device.db", root / "server.db")
+        pg_bytes = await postgres_bytes(root / "device-pg.db", PG_DSN)
         live_device, live_server = await live_synced_bytes(
             root / "live-device.db", root / "live-server.db", n
         )
@@ -283,6 +326,11 @@ async def _run(n: int) -> list[Row]:
         Row(f"bytes after {n} turns (unsynced)", ours_bytes, "bytes", "raw sqlite3", raw_bytes),
         Row("  device bytes after a full sync", device_synced, "bytes", "raw sqlite3", raw_bytes),
         Row("  server bytes for the same history", server_bytes, "bytes", "raw sqlite3", raw_bytes),
+        *(
+            []
+            if pg_bytes is None
+            else [Row("  the same, PostgreSQL store", pg_bytes, "bytes", "raw sqlite3", raw_bytes)]
+        ),
         Row("  device bytes, synced turn by turn", live_device, "bytes", "raw sqlite3", raw_bytes),
         Row("  server bytes, synced turn by turn", live_server, "bytes", "raw sqlite3", raw_bytes),
         Row("turn p50, turns 51-150", o_early * 1e6, "us", "raw sqlite3", r_early * 1e6),
