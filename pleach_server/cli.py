@@ -109,6 +109,20 @@ def open_store(
     return SQLiteServerStore(db)
 
 
+def _sqlite_schema_version(path: Path) -> int:
+    """The schema version of the server file at ``path``, read only; 0 when there is none."""
+    if not path.is_file():
+        return 0
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            return int(conn.execute("PRAGMA user_version").fetchone()[0])
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise CliError(f"{path} is not a pleach server database: {exc}") from exc
+
+
 def _db_path(db: str) -> str:
     return db.removeprefix("sqlite://") if db.startswith("sqlite://") else db
 
@@ -291,6 +305,8 @@ def _migrate(args: argparse.Namespace) -> int:
             f"{result.to_version} ({result.applied} migration(s) applied)"
         )
         return 0
+    path = Path(_db_path(db))
+    before = _sqlite_schema_version(path)
     store = open_store(db)
 
     async def run() -> None:
@@ -298,7 +314,11 @@ def _migrate(args: argparse.Namespace) -> int:
         await store.close()
 
     asyncio.run(run())
-    print(f"{Path(_db_path(db)).resolve()}: schema up to date")
+    after = _sqlite_schema_version(path)
+    print(
+        f"{path.resolve()}: schema version {before} -> {after} "
+        f"({after - before} migration(s) applied)"
+    )
     return 0
 
 

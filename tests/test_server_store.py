@@ -618,3 +618,36 @@ def test_a_chain_tail_is_read_from_the_event_body_in_either_form() -> None:
     for corrupt in (b"\xc1", compact.encode(dev.session())):
         with pytest.raises(StorageError):
             server_sqlite._row_hash(event.session_id, corrupt)
+
+
+def test_pleach_server_migrate_says_what_it_did(tmp_path: Path) -> None:
+    """`pleach-server migrate` on a server file of schema 7 says it took it to 8, and again
+    that nothing was left to do; on a path with no file, that it made one from nothing."""
+    import subprocess
+    import sys
+
+    from pleach_server.store import sqlite as module
+
+    old = tmp_path / "old.db"
+    with sqlite3.connect(old) as conn:
+        for statements in module._MIGRATIONS[:7]:
+            for statement in statements:
+                if isinstance(statement, str):  # a backfill of empty tables writes nothing
+                    conn.execute(statement)
+        conn.execute("PRAGMA user_version = 7")
+
+    def migrate(path: Path) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "pleach_server.cli", "migrate", "--db", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert migrate(old).endswith(f"schema version 7 -> {SCHEMA_VERSION} (1 migration(s) applied)")
+    assert migrate(old).endswith("(0 migration(s) applied)")
+    fresh = migrate(tmp_path / "new.db")
+    assert fresh.endswith(f"0 -> {SCHEMA_VERSION} ({SCHEMA_VERSION} migration(s) applied)")
