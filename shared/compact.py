@@ -45,6 +45,7 @@ __all__ = [
     "canonical_body",
     "checkpoint_parent",
     "decode",
+    "digest_bytes",
     "encode",
     "event_payload",
     "event_place",
@@ -714,6 +715,13 @@ def uuid_bytes(value: str) -> bytes | None:
     and the bounded cache by which ``encode`` packs ids (a store keying its rows by them
     converts exactly the ids a body holds as ext 1)."""
     ext = _uuid_exts.get(value) or (_new_uuid_ext(value) if len(value) == 36 else None)
+    return None if ext is None else cast(bytes, ext.data)  # (made from bytes, above)
+
+
+def digest_bytes(value: str) -> bytes | None:
+    """The 32 bytes of ``value`` when it is a 64-character lowercase hex digest, else None:
+    the rule by which ``encode`` packs hashes (ext 2), for a store keeping them as bytes."""
+    ext = _hex_digest(value) if len(value) == 64 else None
     return None if ext is None else cast(bytes, ext.data)  # (made from bytes, above)
 
 

@@ -769,3 +769,14 @@ def test_bodies_give_back_the_bytes_a_record_came_in(batch: list[Record]) -> Non
     maps = compact.Bodies((r, encode_record(r)) for r in batch)
     assert [maps.of(r) for r in batch] == sent
     assert [compact.Bodies().of(r) for r in batch] == sent
+
+
+def test_digest_bytes_is_the_rule_encode_packs_hashes_by() -> None:
+    """A 64-character lowercase hex digest gives its 32 bytes; uppercase, spaced, short or
+    non-hex text gives None, as ``encode`` leaves such text as text."""
+    from shared.compact import digest_bytes
+
+    digest = "ab" * 32
+    assert digest_bytes(digest) == bytes.fromhex(digest)
+    for other in ("AB" * 32, "ab" * 31 + " a", "ab" * 31, "zz" * 32, "provisional", ""):
+        assert digest_bytes(other) is None, other

@@ -578,16 +578,9 @@ def _sql_key(value: Any) -> Any:
 
 
 def _digest_key(value: str) -> bytes | str:
-    """How a row hash is kept: a 64-character lowercase hex digest as its 32 bytes, anything
-    else as its text (so it reads back exactly, ``_digest_text``)."""
-    if len(value) == 64:
-        try:
-            data = bytes.fromhex(value)
-        except ValueError:
-            return value
-        if data.hex() == value:
-            return data
-    return value
+    """How a row hash is kept: a 64-character lowercase hex digest as its 32 bytes (the rule
+    ``compact`` packs hashes by), anything else as its text (read back by ``_digest_text``)."""
+    return compact.digest_bytes(value) or value
 
 
 def _sql_digest(value: Any) -> Any:
