@@ -1,7 +1,12 @@
 """``python -m tests.sim``: replay a seed (shrinking it when it fails), or soak.
 
     python -m tests.sim --seed 1234 [--backend sqlite|postgres|process] [--shrink-budget 120]
-    python -m tests.sim --soak 10000 [--start 0] [--backend sqlite]
+    python -m tests.sim --soak 10000 [--start 0] [--backend sqlite] [--report failures.txt]
+
+A soak prints each failing seed's first problem as it fails, and keeps every problem of each
+failing schedule with the schedule itself in a report file (``--report``; by default
+``pleach-soak-START-N.txt`` in the working directory, written only when something failed): a
+failure that does not come back in a replay can still be read.
 
 Exit status 1 when any schedule failed.
 """
@@ -27,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start", type=int, default=0, help="first seed of a soak")
     parser.add_argument("--backend", choices=BACKENDS, default="sqlite")
     parser.add_argument("--shrink-budget", type=float, default=120.0, help="seconds")
+    parser.add_argument("--report", type=Path, help="where a soak keeps its failures' problems")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.CRITICAL)
     if args.seed is not None:
@@ -35,12 +41,26 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0 if outcome.ok else 1
     if args.soak is not None:
-        return asyncio.run(soak(args.soak, args.start, args.backend))
+        report = args.report or Path(f"pleach-soak-{args.start}-{args.soak}.txt")
+        return asyncio.run(soak(args.soak, args.start, args.backend, report))
     parser.print_help()
     return 2
 
 
-async def soak(count: int, start: int, backend_name: str) -> int:
+def failure_report(outcome: Outcome) -> str:
+    """Everything a failing schedule left: its problems, counts and the schedule itself."""
+    lines = [
+        f"seed {outcome.schedule.seed} ({outcome.backend}) failed: {len(outcome.problems)} "
+        f"problem(s), {outcome.ops_done} ops done, {outcome.ops_skipped} skipped, "
+        f"{outcome.seconds:.2f}s",
+        *(f"  problem: {p}" for p in outcome.problems),
+        *(f"  stat {k}: {v}" for k, v in sorted(outcome.stats.items())),
+        outcome.schedule.describe(),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+async def soak(count: int, start: int, backend_name: str, report_path: Path | None = None) -> int:
     failed: list[Outcome] = []
     started = time.monotonic()
     done = 0
@@ -51,6 +71,9 @@ async def soak(count: int, start: int, backend_name: str) -> int:
         if not outcome.ok:
             failed.append(outcome)
             print(f"FAIL seed {outcome.schedule.seed}: {outcome.problems[0]}", flush=True)
+            if report_path is not None:
+                with report_path.open("a", encoding="utf-8") as out:
+                    out.write(failure_report(outcome))
         if done % 100 == 0:
             rate = done / (time.monotonic() - started)
             print(f"{done}/{count} schedules, {len(failed)} failed, {rate:.1f}/s", flush=True)
@@ -62,6 +85,8 @@ async def soak(count: int, start: int, backend_name: str) -> int:
         f"soak ({backend_name}): {done} schedules in {elapsed:.0f}s, {len(failed)} failed"
         + (f"; failing seeds: {[o.schedule.seed for o in failed]}" if failed else "")
     )
+    if failed and report_path is not None:
+        print(f"every problem of each failing schedule: {report_path}")
     if failed:
         print(f"replay one with: python -m tests.sim --seed SEED --backend {backend_name}")
     return 1 if failed else 0
