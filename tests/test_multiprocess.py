@@ -119,8 +119,15 @@ async def test_notifier_delivers_other_servers_commits_in_order_and_skips_its_ow
             got1 = await heard1.until(len(got1) + 1)
         assert got1 in ([page[1], page[2]], [(tenant, page[1][1], page[2][2])])
         assert await heard2.until(2) == [page[0], page[3]]
+        # One connection delivers in commit order: srv-two has handled its own two commits
+        # before page 3. srv-one's own page 3 is handled before a later commit it hears.
+        assert n2.own == 2
+        before = len(heard1.pages)
+        later = await store.push(tenant, dev.client_id, dev.changes(dev.message(session.id)), two)
+        got1 = await heard1.until(before + 1)
+        assert got1[before:] == [(tenant, later.cursors[0] - 1, later.cursors[-1])]
         await n1.publish(tenant, 0, 1)  # a no-op: the push itself notified
-        assert n1.published == 1 and n1.own == 2 and n2.own == 2
+        assert n1.published == 1 and n1.own == 2
         assert heard3.pages == []  # another schema's commits are not ours
 
 

@@ -357,7 +357,7 @@ def explain_queries(store: PostgresServerStore) -> dict[str, tuple[str, tuple[An
                 "server-1",
             ),
         ),
-        "drop_cursors": (sql.drop_cursors, ("org-7", "user-7", [10, 20])),
+        "drop_cursors": (sql.drop_cursors, ([10, 20],)),
     }
 
 
@@ -422,6 +422,186 @@ async def test_per_tenant_queries_are_index_scans() -> None:
                 assert "Seq Scan" not in plan, f"{name} reads a whole table:\n{plan}"
                 assert "Index Scan" in plan or "Index Only Scan" in plan, plan
             print("\n\n".join(report))
+
+
+def _literal(value: Any) -> str:
+    """``value`` as an SQL literal an ``EXECUTE`` coerces to the parameter's type."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool):
+        raise TypeError("no boolean parameters here")
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return "'" + value.replace("'", "''") + "'"
+    if isinstance(value, list):
+        items = ",".join(
+            '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"' for v in value
+        )
+        return "'{" + items.replace("'", "''") + "}'"
+    raise TypeError(f"no literal for {type(value).__name__}")
+
+
+def _blocks(plan: dict[str, Any]) -> int:
+    """The shared buffers a plan node and everything under it touched."""
+    return int(plan.get("Shared Hit Blocks", 0)) + int(plan.get("Shared Read Blocks", 0))
+
+
+async def _buffers(conn: Any, query: str, args: tuple[Any, ...], *, generic: bool) -> int:
+    """The shared buffers ``query`` touches when run with ``args``, as a custom plan (planned
+    for these values) or as the generic plan the store's connections use. Run inside a
+    transaction that is rolled back: the writes write nothing."""
+    found: dict[str, Any] = {}
+    with contextlib.suppress(_RolledBack):
+        async with conn.transaction():
+            if generic:
+                await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+                await conn.execute(f"PREPARE sized AS {query}")
+                literals = ", ".join(_literal(a) for a in args)
+                rows = await conn.fetch(
+                    f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE sized({literals})"
+                )
+            else:
+                rows = await conn.fetch(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {query}", *args)
+            found = json.loads(rows[0][0])[0]
+            raise _RolledBack
+    if generic:
+        await conn.execute("DEALLOCATE sized")
+    return _blocks(found["Plan"])
+
+
+async def _plan_text(conn: Any, query: str, args: tuple[Any, ...], *, generic: bool) -> str:
+    """The plan ``_buffers`` measured, as text (for a failure's message)."""
+    async with conn.transaction():
+        if generic:
+            await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+            await conn.execute(f"PREPARE shown AS {query}")
+            literals = ", ".join(_literal(a) for a in args)
+            rows = await conn.fetch(f"EXPLAIN (COSTS OFF) EXECUTE shown({literals})")
+            await conn.execute("DEALLOCATE shown")
+        else:
+            rows = await conn.fetch(f"EXPLAIN (COSTS OFF) {query}", *args)
+    return "\n".join(r[0] for r in rows)
+
+
+class _RolledBack(Exception):
+    """Raised to roll a measuring transaction back."""
+
+
+async def test_plans_do_not_depend_on_a_tenants_size() -> None:
+    """A tenant 50 times the average costs each statement no more buffers than a small one.
+
+    The planner estimates a tenant's rows from the whole table (about ten here), so a plan
+    that is right for the average tenant can read every row of a large one: ``MAX(cursor)``
+    over the feed was planned as an aggregate over all of the tenant's entries, or as a walk
+    back along the primary key, 40-80 ms a call at 300,000 entries. Each per-tenant and
+    per-key statement runs here for a small tenant and for the large one with the same number
+    of keys, in the generic plan the store's connections use and in a custom plan, and the
+    large tenant may touch only a few more buffers (one more index level) than the small one.
+    """
+    small, big = ("org-7", "user-7"), ("org-big", "user-big")
+    async with scratch_schema() as schema:
+        async with pg_store(schema) as store, admin() as conn:
+            s = schema
+            # 2,000 tenants of 5 rows each, and one of 20,000 (its ids end in -b).
+            for table, columns, select in (
+                ("feed", "org_id, user_id, kind, record_id", "'Message', 'message-' || i"),
+                (
+                    "records",
+                    "kind, id, org_id, user_id, session_id, body",
+                    "'Message', 'message-' || i, ORG, USR, 'session-7', ''",
+                ),
+                (
+                    "events",
+                    "id, session_id, sequence_number, org_id, user_id, row_hash, body",
+                    "'event-' || i, 'session-7', i, ORG, USR, 'h', ''",
+                ),
+                (
+                    "audit_places",
+                    "org_id, user_id, client_id, sequence_number, row_hash, id",
+                    "ORG, USR, 'dev-7', i, 'h', 'audit-' || i",
+                ),
+            ):
+                tenant = "'org-' || (i % 2000), 'user-' || (i % 2000)"
+                if table == "feed":
+                    rows = f"{tenant}, {select}"
+                else:
+                    rows = select.replace("ORG, USR", tenant)
+                await conn.execute(
+                    f"INSERT INTO {s}.{table} ({columns}) SELECT {rows} "
+                    "FROM generate_series(1, 10000) AS i"
+                )
+                rows = (
+                    f"'org-big', 'user-big', {select}"
+                    if table == "feed"
+                    else select.replace("ORG, USR", "'org-big', 'user-big'")
+                )
+                await conn.execute(
+                    f"INSERT INTO {s}.{table} ({columns}) SELECT {rows} "
+                    "FROM generate_series(10001, 30000) AS i"
+                )
+            await conn.execute(
+                f"""INSERT INTO {s}.sessions (id, org_id, user_id, updated_at, body)
+                SELECT 'session-7', 'org-' || i, 'user-' || i, 'x', ''::bytea
+                FROM generate_series(0, 1999) AS i
+                UNION ALL SELECT 'session-7', 'org-big', 'user-big', 'x', ''::bytea"""
+            )
+            await conn.execute(
+                f"""INSERT INTO {s}.clients (org_id, user_id, client_id, last_seq)
+                SELECT 'org-' || i, 'user-' || i, 'dev-7', 1 FROM generate_series(0, 1999) AS i
+                UNION ALL SELECT 'org-big', 'user-big', 'dev-7', 1"""
+            )
+            await conn.execute(
+                f"ANALYZE {s}.feed, {s}.clients, {s}.sessions, {s}.events, "
+                f"{s}.records, {s}.audit_places"
+            )
+            # A key of each tenant: its newest rows (the small tenant's are spread out).
+            keys = {small: ("message-9007", "event-9007"), big: ("message-29000", "event-29000")}
+            report: list[str] = []
+            failures: list[str] = []
+            for name, (query, args) in explain_queries(store).items():
+                costs = {}
+                bounds: dict[tuple[str, str], tuple[Any, ...]] = {}
+                for tenant in (small, big):
+                    ids = {"message-7": keys[tenant][0], "message-1": keys[tenant][0]}
+                    ids["event-7"] = keys[tenant][1]
+
+                    def swap(value: Any, ids: dict[str, str] = ids) -> Any:
+                        if isinstance(value, list):
+                            return [swap(v) for v in value]
+                        return ids.get(value, value) if isinstance(value, str) else value
+
+                    if query == store._sql.drop_cursors:  # two of the tenant's entries
+                        newest = await conn.fetch(
+                            f"SELECT cursor FROM {s}.feed WHERE org_id = $1 AND user_id = $2 "
+                            "ORDER BY cursor DESC LIMIT 2",
+                            *tenant,
+                        )
+                        bound: tuple[Any, ...] = ([r[0] for r in newest],)
+                    elif query == store._sql.pull:  # the same page for both: 3 entries
+                        bound = (*tenant, 0, 3, 1 << 20)
+                    else:
+                        bound = (*tenant, *(swap(a) for a in args[2:]))
+                    bounds[tenant] = bound
+                    costs[tenant] = [
+                        await _buffers(conn, query, bound, generic=generic)
+                        for generic in (True, False)
+                    ]
+                report.append(f"{name}: small {costs[small]}, large {costs[big]}")
+                # The store runs the generic plans; a custom plan, shown beside, is planned for
+                # the values at hand and may walk the feed's primary key past other tenants'
+                # rows when this tenant holds most of the table.
+                for mode, (few, many) in zip(
+                    ("generic",), zip(costs[small], costs[big], strict=True), strict=False
+                ):
+                    if many > 2 * few + 12:
+                        plan = await _plan_text(conn, query, bounds[big], generic=mode == "generic")
+                        failures.append(
+                            f"{name} ({mode} plan) touches {many} buffers for the large tenant "
+                            f"against {few} for a small one:\n{plan}"
+                        )
+            print("\n".join(report))
+            assert not failures, "\n".join(failures)
 
 
 # -- cursor visibility -------------------------------------------------------------------------
@@ -924,6 +1104,7 @@ async def test_pool_options_reach_the_server(pg_schema: str) -> None:
         async with pool.acquire() as conn:
             assert await conn.fetchval("SHOW statement_timeout") == "1234ms"
             assert await conn.fetchval("SHOW application_name") == store.application_name
+            assert await conn.fetchval("SHOW plan_cache_mode") == "force_generic_plan"
         assert pool.get_max_size() == 3
 
 
