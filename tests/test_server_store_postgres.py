@@ -489,21 +489,22 @@ class _RolledBack(Exception):
 
 
 async def test_plans_do_not_depend_on_a_tenants_size() -> None:
-    """A tenant 50 times the average costs each statement no more buffers than a small one.
+    """A tenant 4,000 times the size of another costs each statement about as many buffers.
 
-    The planner estimates a tenant's rows from the whole table (about ten here), so a plan
+    A generic plan estimates a tenant's rows from the whole table (about 15 here), so a plan
     that is right for the average tenant can read every row of a large one: ``MAX(cursor)``
     over the feed was planned as an aggregate over all of the tenant's entries, or as a walk
-    back along the primary key, 40-80 ms a call at 300,000 entries. Each per-tenant and
+    back along the primary key, 40-80 ms a call at 300,000 entries; without migration 8's
+    statistics, key lookups walked every record or event of the tenant. Each per-tenant and
     per-key statement runs here for a small tenant and for the large one with the same number
-    of keys, in the generic plan the store's connections use and in a custom plan, and the
-    large tenant may touch only a few more buffers (one more index level) than the small one.
+    of keys, in the generic plan the store's connections use (and, reported only, a custom
+    plan); the large tenant may touch only a few more buffers (one more index level).
     """
     small, big = ("org-7", "user-7"), ("org-big", "user-big")
     async with scratch_schema() as schema:
         async with pg_store(schema) as store, admin() as conn:
             s = schema
-            # 2,000 tenants of 5 rows each, and one of 20,000 (its ids end in -b).
+            # 2,000 tenants of 5 rows in each table, and one of 20,000.
             for table, columns, select in (
                 ("feed", "org_id, user_id, kind, record_id", "'Message', 'message-' || i"),
                 (
