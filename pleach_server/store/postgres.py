@@ -279,9 +279,10 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
 # 8: the planner told that a tenant's user id decides its org id. Without it, it takes the two
 # columns as independent, puts a tenant at about one row in (tenants squared), and plans a key
 # lookup as a walk along any index that starts with the tenant, filtering the rest: right for
-# an average tenant, proportional to the size of a large one. The statements run as generic
-# plans (planned once per connection for any tenant; ``PostgresServerStore.open``), so they
-# must be right for a tenant of any size (test_plans_do_not_depend_on_a_tenants_size).
+# an average tenant, proportional to the size of a large one. PostgreSQL runs a prepared
+# statement (asyncpg prepares each) as a generic plan, planned for any tenant, once five runs
+# showed it no costlier, so those plans must be right for a tenant of any size
+# (test_plans_do_not_depend_on_a_tenants_size).
 _TENANT_TABLES = ("sessions", "records", "events", "feed", "clients", "meta", "devices")
 _MIGRATIONS += (
     (
@@ -975,11 +976,6 @@ class PostgresServerStore(AsyncResource):
                     "application_name": self.application_name,
                     "statement_timeout": str(self.statement_timeout_ms),
                     "idle_in_transaction_session_timeout": str(self.idle_in_transaction_timeout_ms),
-                    # Each statement is planned once per connection, for any tenant: a push's
-                    # lookups and writes took longer to plan (about 0.5 ms) than to run, and
-                    # PostgreSQL's own choice ("auto") switches to the generic plan after five
-                    # runs anyway. Migration 8 keeps those plans right for a tenant of any size.
-                    "plan_cache_mode": "force_generic_plan",
                 },
                 reset=_keep_session,
             )
