@@ -116,3 +116,24 @@ async def test_shrink_keeps_only_what_the_failure_needs() -> None:
     assert await fails(shrunk)
     assert len(shrunk.ops) == len(needed)
     assert all(op in schedule.ops for op in shrunk.ops)
+
+
+def test_a_soak_failure_report_keeps_every_problem_and_the_schedule() -> None:
+    """A failure that does not come back in a replay can still be read from its report."""
+    from tests.sim.__main__ import failure_report
+
+    schedule = generate(4242)
+    outcome = Outcome(
+        schedule=schedule,
+        backend="sqlite",
+        problems=["session-differs: a", "missing-message-record: b", "lost: c"],
+        ops_done=7,
+        ops_skipped=1,
+        stats={"pushes": 3},
+    )
+    report = failure_report(outcome)
+    assert report.startswith("seed 4242 (sqlite) failed: 3 problem(s), 7 ops done, 1 skipped")
+    for problem in outcome.problems:
+        assert f"  problem: {problem}\n" in report
+    assert "  stat pushes: 3\n" in report
+    assert schedule.describe() in report
