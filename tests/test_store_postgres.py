@@ -467,7 +467,8 @@ async def test_a_fresh_schema_migrates_once_under_concurrent_opens(schema: str) 
     stores = [adapter(schema) for _ in range(4)]
     await asyncio.gather(*(store.open() for store in stores))
     try:
-        assert sorted(store.migrated_from or 0 for store in stores) == [0, 1, 1, 1]
+        migrated = sorted(store.migrated_from or 0 for store in stores)
+        assert migrated == [0, SCHEMA_VERSION, SCHEMA_VERSION, SCHEMA_VERSION]
         assert await tables_of(schema) == TABLES
         async with admin() as conn:
             versions = await conn.fetch(f"SELECT version FROM {schema}.schema_migrations")
@@ -575,9 +576,11 @@ PLAN_ARGS: dict[str, tuple[Any, ...]] = {
     "missing_messages": (["id-3", "nope"],),
     "get_checkpoint": ("id-3",),
     "list_checkpoints": ("s-3",),
+    "child_checkpoints": ("s-3", "id-2"),
     "get_event": ("id-3",),
     "event_head": ("s-3",),
     "list_events": ("s-3", 0, 5),
+    "list_events_of_types": ("s-3", 0, ["turn.complete"]),
     "list_audit": (),
     "list_audit_session": ("s-3",),
     "list_audit_client": ("c-1",),
@@ -598,8 +601,8 @@ PLAN_ARGS: dict[str, tuple[Any, ...]] = {
     "set_last_seq": (5,),
     "put_sessions": (["id-1"], ["x"], [False], [b"\x00"]),
     "put_messages": (["id-1"], ["s-1"], ["h"], [b"\x00"]),
-    "put_checkpoints": (["id-1"], ["s-1"], ["h"], [b"\x00"]),
-    "put_events": (["id-1"], ["s-1"], [1], ["h"], [b"\x00"]),
+    "put_checkpoints": (["id-1"], ["s-1"], ["h"], [""], [b"\x00"]),
+    "put_events": (["id-1"], ["s-1"], [1], ["h"], ["turn.complete"], [b"\x00"]),
     "put_audit": (["id-1"], ["c-1"], ["s-1"], [1], [None], [b"\x00"]),
     "put_artifacts": (["id-1"], ["a-1"], ["s-1"], ["h"], [b"\x00"]),
     "put_meta": (["cursor"], ["9"]),
@@ -771,3 +774,50 @@ def test_from_env_reads_pleach_store(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     monkeypatch.setenv(STORE_ENV, "postgresql://db/app?device=carol")
     chosen = SessionRuntime()  # no store given: the environment picks it
     assert isinstance(chosen.store, PostgresAdapter) and chosen.store.device_key == "carol"
+
+
+async def test_rows_written_before_schema_2_are_read_by_their_bodies(schema: str) -> None:
+    """Schema 2 keeps a checkpoint's parent and an event's type beside the body, so resume
+    reads the head's children and the events the fold counts only. Rows written before hold
+    NULL there and must still be found: resume sees every turn, old and new, and the children
+    of an old and a new checkpoint."""
+    key = new_key("old")
+    async with SessionRuntime(adapter(schema, key), ScriptedProvider()) as rt:
+        session = await rt.create_session(title="before")
+        for text in ("one", "two", "three"):
+            async for _ in rt.execute_message(session.id, text):
+                pass
+        before = await rt.store.list_checkpoints(session.id)
+    # The same rows as schema 1 wrote them: the columns gone, version 2 not applied.
+    async with admin() as conn:
+        await conn.execute(f"ALTER TABLE {schema}.checkpoints DROP COLUMN parent_id")
+        await conn.execute(f"ALTER TABLE {schema}.events DROP COLUMN type")
+        await conn.execute(f"DELETE FROM {schema}.schema_migrations WHERE version = 2")
+    async with SessionRuntime(adapter(schema, key), ScriptedProvider()) as rt:
+        assert isinstance(rt.store, PostgresAdapter) and rt.store.migrated_from == 1
+        async for _ in rt.execute_message(session.id, "four"):
+            pass
+        async with admin() as conn:
+            nulls = await conn.fetchval(
+                f"SELECT count(*) FROM {schema}.events WHERE device = $1 AND type IS NULL", key
+            )
+            typed = await conn.fetchval(
+                f"SELECT count(*) FROM {schema}.events WHERE device = $1 AND type IS NOT NULL",
+                key,
+            )
+        assert nulls > 0 and typed > 0  # old rows and new ones side by side
+        handle = await rt.sessions.resume(session.id)
+        assert handle.hydrated["turns"] == 4
+        after = await rt.store.list_checkpoints(session.id)
+        old_parent, old_child = before[-2], before[-1]  # written before: parent_id NULL
+        assert [c.id for c in await rt.store.child_checkpoints(session.id, old_parent.id)] == [
+            old_child.id
+        ]
+        newest = after[-1]  # written after: parent_id kept
+        assert newest.parent_id == old_child.id
+        assert [c.id for c in await rt.store.child_checkpoints(session.id, old_child.id)] == [
+            newest.id
+        ]
+        assert await rt.store.child_checkpoints(session.id, newest.id) == []
+        tallied = await rt.store.event_payloads(session.id, {"turn.complete"})
+        assert [t for t, _ in tallied] == ["turn.complete"] * 4

@@ -185,6 +185,14 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
             value text NOT NULL,
             PRIMARY KEY (device, key))""",
     ),
+    # 2: a checkpoint's parent ('' for a root) and an event's type beside its body, as the
+    # SQLite store keeps them: resume asks for the head's children and for the events the
+    # fold counts, and read every checkpoint and every event of the session to find them.
+    # Rows written before hold NULL there: they are read, and their bodies tell.
+    (
+        'ALTER TABLE {s}.checkpoints ADD COLUMN parent_id text COLLATE "C"',
+        'ALTER TABLE {s}.events ADD COLUMN type text COLLATE "C"',
+    ),
 )
 SCHEMA_VERSION: Final = len(_MIGRATIONS)
 
@@ -284,9 +292,9 @@ class _Rows:
 
     def __init__(self) -> None:
         self.sessions: dict[str, tuple[str, bool, bytes]] = {}
-        self.events: dict[str, tuple[str, int, str, bytes]] = {}
+        self.events: dict[str, tuple[str, int, str, str, bytes]] = {}
         self.messages: dict[str, tuple[str, str, bytes]] = {}
-        self.checkpoints: dict[str, tuple[str, str, bytes]] = {}
+        self.checkpoints: dict[str, tuple[str, str, str, bytes]] = {}
         self.audit: dict[str, tuple[str, str, int, str | None, bytes]] = {}
         self.artifacts: dict[str, tuple[str, str, str, bytes]] = {}
 
@@ -305,12 +313,15 @@ class _Rows:
                         record.session_id,
                         record.sequence_number,
                         record.hlc,
+                        record.type,
                         body,
                     )
                 case Message():
                     self.messages.setdefault(record.id, (record.session_id, record.hlc, body))
                 case Checkpoint():
-                    self.checkpoints.setdefault(record.id, (record.session_id, record.hlc, body))
+                    self.checkpoints.setdefault(
+                        record.id, (record.session_id, record.hlc, record.parent_id or "", body)
+                    )
                 case AuditRow():
                     self.audit.setdefault(
                         record.id,
@@ -395,16 +406,16 @@ class _Sql:
             "ON CONFLICT DO NOTHING"
         )
         self.put_checkpoints = (
-            f"INSERT INTO {s}.checkpoints (device, id, session_id, hlc, body) "
-            "SELECT $1, * FROM unnest($2::text[], $3::text[], $4::text[], $5::bytea[]) "
-            "ON CONFLICT DO NOTHING"
+            f"INSERT INTO {s}.checkpoints (device, id, session_id, hlc, parent_id, body) "
+            "SELECT $1, * FROM unnest($2::text[], $3::text[], $4::text[], $5::text[], "
+            "$6::bytea[]) ON CONFLICT DO NOTHING"
         )
         self.put_events = (
-            f"INSERT INTO {s}.events (device, id, session_id, sequence_number, hlc, body) "
+            f"INSERT INTO {s}.events (device, id, session_id, sequence_number, hlc, type, body) "
             "SELECT $1, * FROM unnest($2::text[], $3::text[], $4::bigint[], $5::text[], "
-            "$6::bytea[]) ON CONFLICT (device, id) DO UPDATE SET "
+            "$6::text[], $7::bytea[]) ON CONFLICT (device, id) DO UPDATE SET "
             "session_id = excluded.session_id, sequence_number = excluded.sequence_number, "
-            "hlc = excluded.hlc, body = excluded.body"
+            "hlc = excluded.hlc, type = excluded.type, body = excluded.body"
         )
         self.put_audit = (
             f"INSERT INTO {s}.audit "
@@ -535,6 +546,11 @@ class _Sql:
             f"SELECT id, body FROM {s}.checkpoints WHERE device = $1 AND session_id = $2 "
             "ORDER BY hlc, id"
         )
+        # A row written before schema 2 has NULL parent_id: it is read, and its body tells.
+        self.child_checkpoints = (
+            f"SELECT id, body FROM {s}.checkpoints WHERE device = $1 AND session_id = $2 "
+            "AND (parent_id = $3 OR parent_id IS NULL) ORDER BY hlc, id"
+        )
         self.get_event = f"SELECT id, body FROM {s}.events WHERE device = $1 AND id = $2"
         self.event_head = (
             f"SELECT id, body FROM {s}.events WHERE device = $1 AND session_id = $2 "
@@ -543,6 +559,13 @@ class _Sql:
         self.list_events = (
             f"SELECT id, body FROM {s}.events WHERE device = $1 AND session_id = $2 "
             "AND sequence_number >= $3 ORDER BY sequence_number, id LIMIT $4"  # NULL: all
+        )
+        # Only the events of the types in $4 (a NULL type: written before schema 2, its body
+        # tells), along the session's index.
+        self.list_events_of_types = (
+            f"SELECT id, body FROM {s}.events WHERE device = $1 AND session_id = $2 "
+            "AND sequence_number >= $3 AND (type IS NULL OR type = ANY($4::text[])) "
+            "ORDER BY sequence_number, id"
         )
         self.list_audit = (
             f"SELECT id, body FROM {s}.audit WHERE device = $1 "
@@ -1121,7 +1144,9 @@ class PostgresAdapter(AsyncResource):
 
     async def child_checkpoints(self, session_id: str, parent_id: str) -> list[Checkpoint]:
         """The session's checkpoints whose parent is ``parent_id``, oldest first."""
-        rows = await self._fetch("read checkpoints", self._sql.list_checkpoints, session_id)
+        rows = await self._fetch(
+            "read checkpoints", self._sql.child_checkpoints, session_id, parent_id
+        )
         return decode_children(
             rows, parent_id, lambda key, body: _decode(Checkpoint, "checkpoints", key, body)
         )
@@ -1131,16 +1156,27 @@ class PostgresAdapter(AsyncResource):
     ) -> list[Event]:
         """Events with ``sequence_number >= from_sequence``, by sequence number, then id;
         only those of ``types`` when given."""
-        rows = await self._fetch(
-            "read events", self._sql.list_events, session_id, from_sequence, None
-        )
+        if types is None:
+            rows = await self._fetch(
+                "read events", self._sql.list_events, session_id, from_sequence, None
+            )
+        else:
+            rows = await self._fetch(
+                "read events",
+                self._sql.list_events_of_types,
+                session_id,
+                from_sequence,
+                sorted(types),
+            )
         return decode_events(rows, types, lambda key, body: _decode(Event, "events", key, body))
 
     async def event_payloads(
         self, session_id: str, types: Collection[str]
     ) -> list[tuple[str, dict[str, Any]]]:
         """``(type, payload)`` of the session's events of ``types``, in chain order."""
-        rows = await self._fetch("read events", self._sql.list_events, session_id, 0, None)
+        rows = await self._fetch(
+            "read events", self._sql.list_events_of_types, session_id, 0, sorted(types)
+        )
         return decode_payloads(rows, types, lambda key, body: _decode(Event, "events", key, body))
 
     async def get_event(self, event_id: str) -> Event | None:
