@@ -44,6 +44,8 @@ session-wide advisory lock, so several processes may start at once):
 - ``lock_tenant_last_seq(lock_key, org, user, client)``: a push's tenant lock and its device's
   ``last_seq`` in one round trip (a plpgsql function: its read takes its own snapshot, after
   the lock).
+- ``<table>_tenant``: extended statistics on ``(org_id, user_id)`` of each table, so that
+  the plans of a large tenant's lookups are those of a small one's (migration 8).
 """
 
 from __future__ import annotations
