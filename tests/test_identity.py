@@ -469,8 +469,12 @@ async def test_an_open_connection_ends_when_its_token_expires(
     )
     async with rt:
         rt.sync.backoff_initial = 0.01
-        await rt.sync.connect(srv.url, issue_token(SECRET, ALICE, 1))
+        # A token's exp is whole seconds from the second it was issued in: a ttl of 1 s could
+        # leave a few ms, less than a loaded machine takes to sync. 3 s leaves at least 2 s
+        # for the connection to open and sync; then it must end.
+        await rt.sync.connect(srv.url, issue_token(SECRET, ALICE, 3))
         await synced(rt)
+        assert rt.sync._state != "needs-auth"  # the connection is open, its token still good
         async with asyncio.timeout(TIMEOUT), rt.sync._changed:  # woken by every state change
             await rt.sync._changed.wait_for(lambda: rt.sync._state == "needs-auth")
         session_id = (await rt.create_session(title="after expiry")).id
