@@ -151,6 +151,18 @@ def _place(row: AuditRow) -> tuple[str, int, str, str]:
     return (row.client_id, row.sequence_number, row.row_hash, row.id)
 
 
+_TENANT_TABLES = (
+    "sessions",
+    "records",
+    "events",
+    "feed",
+    "clients",
+    "meta",
+    "devices",
+    "audit_places",
+)
+"""Every table whose rows belong to a tenant (``org_id``, ``user_id``)."""
+
 Step = str | Callable[[Any, str], Awaitable[None]]
 """A migration step: a statement, or a function run on the connection and schema (a backfill)."""
 
@@ -277,23 +289,20 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         END
         $$""",
     ),
-)
-# 8: the planner told that a tenant's user id decides its org id. Without it, it takes the two
-# columns as independent, puts a tenant at about one row in (tenants squared), and plans a key
-# lookup as a walk along any index that starts with the tenant, filtering the rest: right for
-# an average tenant, proportional to the size of a large one. PostgreSQL runs a prepared
-# statement (asyncpg prepares each) as a generic plan, planned for any tenant, once five runs
-# showed it no costlier, so those plans must be right for a tenant of any size
-# (test_plans_do_not_depend_on_a_tenants_size).
-_TENANT_TABLES = ("sessions", "records", "events", "feed", "clients", "meta", "devices")
-_MIGRATIONS += (
+    # 8: the planner told that a tenant's user id decides its org id. Without it, it takes the two
+    # columns as independent, puts a tenant at about one row in (tenants squared), and plans a key
+    # lookup as a walk along any index that starts with the tenant, filtering the rest: right for
+    # an average tenant, proportional to the size of a large one. PostgreSQL runs a prepared
+    # statement (asyncpg prepares each) as a generic plan, planned for any tenant, once five runs
+    # showed it no costlier, so those plans must be right for a tenant of any size
+    # (test_plans_do_not_depend_on_a_tenants_size).
     (
         *(
             f"CREATE STATISTICS {{s}}.{table}_tenant (ndistinct, dependencies) "
             f"ON org_id, user_id FROM {{s}}.{table}"
-            for table in (*_TENANT_TABLES, "audit_places")
+            for table in _TENANT_TABLES
         ),
-        "ANALYZE " + ", ".join(f"{{s}}.{t}" for t in (*_TENANT_TABLES, "audit_places")),
+        "ANALYZE " + ", ".join(f"{{s}}.{table}" for table in _TENANT_TABLES),
     ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
@@ -489,7 +498,8 @@ def _max_cursor(s: str) -> str:
     planner estimates a tenant's rows from the whole table's statistics, so for a tenant far
     larger than the average it planned ``MAX`` as an aggregate over every entry the tenant
     has, or as a walk back along the primary key past everyone else's, which took 40-80 ms a
-    call at 300,000 entries (``test_plans_do_not_depend_on_a_tenants_size``).
+    call at 300,000 entries (docs/POSTGRES.md). Ordered as the index is, with ``LIMIT 1``, it
+    is one probe whatever the estimates.
     """
     return (
         f"COALESCE((SELECT cursor FROM {s}.feed WHERE {_T} "

@@ -72,7 +72,8 @@ async def soak(count: int, start: int, backend_name: str, report_path: Path | No
             failed.append(outcome)
             print(f"FAIL seed {outcome.schedule.seed}: {outcome.problems[0]}", flush=True)
             if report_path is not None:
-                with report_path.open("a", encoding="utf-8") as out:
+                # This run's failures only: the first one replaces a report left by another run.
+                with report_path.open("a" if len(failed) > 1 else "w", encoding="utf-8") as out:
                     out.write(failure_report(outcome))
         if done % 100 == 0:
             rate = done / (time.monotonic() - started)
