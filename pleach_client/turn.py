@@ -133,8 +133,10 @@ class _Call:
     chars_out: int = 0
     finished: bool = False
     blocks: dict[int, dict[str, Any]] = field(default_factory=dict)
-    partial_text: dict[int, str] = field(default_factory=dict)
-    partial_thinking: dict[int, str] = field(default_factory=dict)
+    partial_text: dict[int, list[str]] = field(default_factory=dict)
+    """The pieces of each text block streamed so far (joined when kept: adding each piece to
+    one growing string copied the whole block at every chunk)."""
+    partial_thinking: dict[int, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -502,20 +504,29 @@ async def _run_turn(
                                 pev = await _next_event(stream, abort_wait)
                         except StopAsyncIteration:
                             break
-                        match pev:  # (text first: nearly every chunk is text)
-                            case TextDelta(index=i, text=text):
-                                call.partial_text[i] = call.partial_text.get(i, "") + text
-                                call.chars_out += len(text)
-                                yield MessageDeltaEvent(
-                                    session_id=session.id, message_id=reply_id, delta=text
-                                )
+                        if isinstance(pev, TextDelta):  # nearly every chunk: no match to walk
+                            text = pev.text
+                            pieces = call.partial_text.get(pev.index)
+                            if pieces is None:
+                                call.partial_text[pev.index] = [text]
+                            else:
+                                pieces.append(text)
+                            call.chars_out += len(text)
+                            yield MessageDeltaEvent(
+                                session_id=session.id, message_id=reply_id, delta=text
+                            )
+                            if ctx.pending:  # what plugins emitted on this chunk
+                                for custom in ctx.drain(event):
+                                    yield custom
+                            continue
+                        match pev:
                             case MessageStart():
                                 call.request_id = pev.request_id
                                 call.input_tokens = pev.input_tokens
                                 call.cache_creation = pev.cache_creation_input_tokens
                                 call.cache_read = pev.cache_read_input_tokens
                             case ThinkingDelta(index=i, thinking=text):
-                                call.partial_thinking[i] = call.partial_thinking.get(i, "") + text
+                                call.partial_thinking.setdefault(i, []).append(text)
                                 call.chars_out += len(text)
                                 yield ThinkingDeltaEvent(
                                     session_id=session.id, message_id=reply_id, delta=text
@@ -540,8 +551,9 @@ async def _run_turn(
                                 call.output_tokens = pev.output_tokens
                                 call.input_tokens = pev.input_tokens
                                 call.request_id = pev.request_id or call.request_id
-                        for custom in ctx.drain(event):  # what plugins emitted on this chunk
-                            yield custom
+                        if ctx.pending:  # what plugins emitted on this chunk
+                            for custom in ctx.drain(event):
+                                yield custom
                 except ProviderError as exc:
                     # A retry policy may call the model again (the partial reply is dropped).
                     retry_in = (
@@ -869,10 +881,12 @@ async def _run_tool(call: Any, abort_wait: asyncio.Future[Any] | None) -> str:
 def _keep_partial(call: _Call, add_message: Any, *, aborted: bool) -> Message | None:
     """Keep what a cut-off call produced: finished blocks, partial text and thinking."""
     blocks: dict[int, dict[str, Any]] = dict(call.blocks)
-    for i, text in call.partial_text.items():
+    for i, pieces in call.partial_text.items():
+        text = "".join(pieces)
         if i not in blocks and text:
             blocks[i] = {"type": "text", "text": text}
-    for i, text in call.partial_thinking.items():
+    for i, pieces in call.partial_thinking.items():
+        text = "".join(pieces)
         if i not in blocks and text:
             blocks[i] = {"type": "thinking", "thinking": text}
     content = [blocks[i] for i in sorted(blocks)]
