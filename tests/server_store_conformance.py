@@ -381,6 +381,40 @@ class ServerStoreConformance:
         )
         assert statuses(again) == ["duplicate", "duplicate", "rejected"]
 
+    async def test_a_copys_session_version_under_a_used_seq_is_identity_reused(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        """A session's id is shared by both copies of a device: a version the stored row does
+        not include, sent under a number the server used for another change, was never taken.
+        Answered ``duplicate``, the copy dropped it (its rename and artifact, found by the
+        simulation on seed 640,284 with PostgreSQL)."""
+        dev = Device(new_tenant())
+        session = dev.session(title="s0")
+        await server_store.push(dev.tenant, dev.client_id, dev.changes(session), server_clock)
+        # The original writes a message under number 2; its copy, from the same file, edits
+        # the session twice (its own counter 2, then 3) and sends the row under number 2.
+        original = dev.changes(dev.message(session.id))
+        await server_store.push(dev.tenant, dev.client_id, original, server_clock)
+        renamed = dev.edit(dev.edit(session, title="t5"), title="t12")
+        copy = [Change(client_seq=2, record=renamed)]
+        result = await server_store.push(dev.tenant, dev.client_id, copy, server_clock)
+        assert statuses(result) == ["rejected"]
+        assert codes(result) == [ErrorCode.IDENTITY_REUSED]
+        # A version the row includes, resent after a lost ack, is still a duplicate: the
+        # version itself, and an older one once a newer version is stored.
+        again = await server_store.push(
+            dev.tenant, dev.client_id, [Change(client_seq=1, record=session)], server_clock
+        )
+        assert statuses(again) == ["duplicate"]
+        newer = dev.changes(dev.edit(session, title="s1"))
+        await server_store.push(dev.tenant, dev.client_id, newer, server_clock)
+        older = await server_store.push(
+            dev.tenant, dev.client_id, [Change(client_seq=1, record=session)], server_clock
+        )
+        assert statuses(older) == ["duplicate"]
+        rows = [c.record for c in await pull_all(server_store, dev.tenant)]
+        assert [r.title for r in rows if isinstance(r, Session)] == ["s1"]
+
     async def test_resent_content_of_a_deleted_session_is_a_duplicate(
         self, server_store: ServerStore, server_clock: HybridClock
     ) -> None:

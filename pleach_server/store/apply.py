@@ -450,18 +450,20 @@ async def _held(
     that it refused them). Another copy of the device (a restored backup, a copied file)
     sends different changes under the same numbers: the server has never seen their ids, and
     answering ``duplicate`` would make that copy drop them unsent.
+
+    A session's id is no such proof: both copies write versions of the same sessions. Every
+    version the server took is included in the row it stores (a newer version, a conflict's
+    winner and a tombstone are all written under a vector at or above it), so a version the
+    stored row does not include (its vector is ahead of the row's or beside it) was never
+    taken, and one under the row's very vector but with another stamp is another copy's.
     """
     if validate_record(record, tenant, client_id, aliases) is not None:
         return True  # refused when it first came, and the device was told why
     info = kind_of(record)
     if isinstance(record, Session):
         current = await tx.get_session(record.id)
-        if (
-            current is not None
-            and current.vv == record.vv
-            and (current.hlc, current.client_id) != (record.hlc, record.client_id)
-        ):
-            return False  # another version under the same vector: another copy's
+        if current is not None and not _includes(current, record):
+            return False  # a version the server never took: another copy's
     if await tx.owner_of(info.name, record.id) is not None:
         return True  # stored (or, for another tenant's id, refused when it first came)
     session_id = info.session_of(record)
@@ -469,6 +471,16 @@ async def _held(
         session = await tx.get_session(session_id)
         return session is not None and session.deleted  # drained by the session's delete
     return False
+
+
+def _includes(stored: Session, version: Session) -> bool:
+    """Whether the stored row of a session includes ``version``: its vector is at or above
+    the version's, and equal only with the same stamp (a different version under one vector
+    is another copy's)."""
+    order = vv_compare(stored.vv, version.vv)
+    if order is Order.EQUAL:
+        return (stored.hlc, stored.client_id) == (version.hlc, version.client_id)
+    return order is Order.DOMINATES
 
 
 def batch_keys(
