@@ -405,12 +405,20 @@ async def test_timeout_before_the_response_is_a_timeout(
 
 
 class BreakingBody(sse.StreamBody):
-    """A body whose connection drops after its chunks."""
+    """A body whose connection drops after its chunks (``error``: how it breaks)."""
+
+    error: Exception = httpx2.ReadError("connection reset by peer")
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         for chunk in self.chunks:
             yield chunk
-        raise httpx2.ReadError("connection reset by peer")
+        raise self.error
+
+
+class StallingBody(BreakingBody):
+    """A body whose reads time out after its chunks."""
+
+    error = httpx2.ReadTimeout("timed out")
 
 
 async def test_connection_dropped_mid_body_is_a_connection_error(
@@ -426,6 +434,22 @@ async def test_connection_dropped_mid_body_is_a_connection_error(
 
     assert [type(event) for event in seen] == [MessageStart, TextDelta]
     assert (caught.value.code, caught.value.retryable) == ("connection_error", True)
+    assert caught.value.request_id == "req_test_0001"
+    assert str(caught.value).startswith("Anthropic stream broke")
+
+
+async def test_a_read_timing_out_mid_body_is_a_timeout_of_that_response(
+    api: FakeAPI, provider: AnthropicProvider
+) -> None:
+    """Whether the SDK raises the transport's timeout as it is or wraps it (newer versions
+    wrap what breaks mid-body), the error names the response the stream had begun."""
+    body = StallingBody([sse.message_start(), sse.text_start(0), sse.text_delta(0, "Hi")])
+    api.replies.append(sse.sse_response(body))
+
+    with pytest.raises(ProviderError) as caught:
+        await collect(provider, ask())
+
+    assert (caught.value.code, caught.value.retryable) == ("timeout", True)
     assert caught.value.request_id == "req_test_0001"
 
 

@@ -190,6 +190,16 @@ class AnthropicProvider:
                     if isinstance(event, MessageStop):
                         return
         except anthropic.APIError as exc:
+            if request_id is not None and isinstance(exc, anthropic.APIConnectionError):
+                # The body broke after the response began (newer SDKs wrap a mid-body
+                # transport error so): the stream's own failure, with its response's id.
+                timeout = isinstance(exc, anthropic.APITimeoutError)
+                raise ProviderError(
+                    f"Anthropic stream {'timed out' if timeout else 'broke'}: {exc}",
+                    code="timeout" if timeout else "connection_error",
+                    retryable=True,
+                    request_id=request_id,
+                ) from exc
             raise translate_error(exc) from exc
         except httpx2.TimeoutException as exc:
             # A read timeout mid-body is raised by httpx2 as is: the SDK wraps only the send.
