@@ -515,42 +515,39 @@ async def _run_turn(
                             yield MessageDeltaEvent(
                                 session_id=session.id, message_id=reply_id, delta=text
                             )
-                            if ctx.pending:  # what plugins emitted on this chunk
-                                for custom in ctx.drain(event):
-                                    yield custom
-                            continue
-                        match pev:
-                            case MessageStart():
-                                call.request_id = pev.request_id
-                                call.input_tokens = pev.input_tokens
-                                call.cache_creation = pev.cache_creation_input_tokens
-                                call.cache_read = pev.cache_read_input_tokens
-                            case ThinkingDelta(index=i, thinking=text):
-                                call.partial_thinking.setdefault(i, []).append(text)
-                                call.chars_out += len(text)
-                                yield ThinkingDeltaEvent(
-                                    session_id=session.id, message_id=reply_id, delta=text
-                                )
-                            case ToolUseStart():
-                                pass
-                            case ToolInputDelta(partial_json=chunk):
-                                call.chars_out += len(chunk)
-                            case BlockStop(index=i, block=block):
-                                call.blocks[i] = block
-                                if block.get("type") == "thinking":
-                                    yield ThinkingComplete(
-                                        session_id=session.id,
-                                        message_id=reply_id,
-                                        thinking=str(block.get("thinking", "")),
+                        else:
+                            match pev:
+                                case MessageStart():
+                                    call.request_id = pev.request_id
+                                    call.input_tokens = pev.input_tokens
+                                    call.cache_creation = pev.cache_creation_input_tokens
+                                    call.cache_read = pev.cache_read_input_tokens
+                                case ThinkingDelta(index=i, thinking=text):
+                                    call.partial_thinking.setdefault(i, []).append(text)
+                                    call.chars_out += len(text)
+                                    yield ThinkingDeltaEvent(
+                                        session_id=session.id, message_id=reply_id, delta=text
                                     )
-                            case MessageDelta(output_tokens=n):
-                                call.output_tokens = n
-                            case MessageStop():
-                                stop = pev
-                                call.finished = True
-                                call.output_tokens = pev.output_tokens
-                                call.input_tokens = pev.input_tokens
-                                call.request_id = pev.request_id or call.request_id
+                                case ToolUseStart():
+                                    pass
+                                case ToolInputDelta(partial_json=chunk):
+                                    call.chars_out += len(chunk)
+                                case BlockStop(index=i, block=block):
+                                    call.blocks[i] = block
+                                    if block.get("type") == "thinking":
+                                        yield ThinkingComplete(
+                                            session_id=session.id,
+                                            message_id=reply_id,
+                                            thinking=str(block.get("thinking", "")),
+                                        )
+                                case MessageDelta(output_tokens=n):
+                                    call.output_tokens = n
+                                case MessageStop():
+                                    stop = pev
+                                    call.finished = True
+                                    call.output_tokens = pev.output_tokens
+                                    call.input_tokens = pev.input_tokens
+                                    call.request_id = pev.request_id or call.request_id
                         if ctx.pending:  # what plugins emitted on this chunk
                             for custom in ctx.drain(event):
                                 yield custom

@@ -202,7 +202,7 @@ class AnthropicProvider:
                 ) from exc
             raise translate_error(exc) from exc
         except httpx2.TimeoutException as exc:
-            # A read timeout mid-body is raised by httpx2 as is: the SDK wraps only the send.
+            # A read timeout mid-body, as older SDKs raise it: httpx2's own (newer ones wrap it).
             raise ProviderError(
                 f"Anthropic stream timed out: {exc}",
                 code="timeout",
