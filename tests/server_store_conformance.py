@@ -415,6 +415,33 @@ class ServerStoreConformance:
         rows = [c.record for c in await pull_all(server_store, dev.tenant)]
         assert [r.title for r in rows if isinstance(r, Session)] == ["s1"]
 
+    async def test_a_copys_new_session_under_a_used_seq_is_identity_reused(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        """A session the server has no row of was never taken, though its id is the tenant's
+        once its ``session.created`` event is stored. The copy of a device created a session,
+        its event went in under a fresh number, the original took the next numbers, and the
+        row, sent under one of them, was answered ``duplicate``: no other device ever saw the
+        session (found by the simulation on seed 691,062)."""
+        dev = Device(new_tenant())
+        first = dev.session()
+        await server_store.push(dev.tenant, dev.client_id, dev.changes(first), server_clock)
+        new = dev.session(title="s7")
+        created = [Change(client_seq=2, record=dev.event(new.id))]  # the copy
+        taken = await server_store.push(dev.tenant, dev.client_id, created, server_clock)
+        assert statuses(taken) == ["applied"]
+        original = [Change(client_seq=3, record=dev.event(first.id))]
+        await server_store.push(dev.tenant, dev.client_id, original, server_clock)
+        row = [Change(client_seq=3, record=new)]  # the copy's row, under the original's number
+        result = await server_store.push(dev.tenant, dev.client_id, row, server_clock)
+        assert statuses(result) == ["rejected"]
+        assert codes(result) == [ErrorCode.IDENTITY_REUSED]
+        # The original's own row, resent under its number after a lost ack: a duplicate.
+        again = await server_store.push(
+            dev.tenant, dev.client_id, [Change(client_seq=1, record=first)], server_clock
+        )
+        assert statuses(again) == ["duplicate"]
+
     async def test_resent_content_of_a_deleted_session_is_a_duplicate(
         self, server_store: ServerStore, server_clock: HybridClock
     ) -> None:

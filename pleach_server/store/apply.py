@@ -451,19 +451,24 @@ async def _held(
     sends different changes under the same numbers: the server has never seen their ids, and
     answering ``duplicate`` would make that copy drop them unsent.
 
-    A session's id is no such proof: both copies write versions of the same sessions. Every
-    version the server took is included in the row it stores (a newer version, a conflict's
-    winner and a tombstone are all written under a vector at or above it), so a version the
-    stored row does not include (its vector is ahead of the row's or beside it) was never
-    taken, and one under the row's very vector but with another stamp is another copy's.
+    A session's id is no such proof: both copies write versions of the same sessions, and
+    the id is the tenant's as soon as any record filed under it is stored (a new session's
+    ``session.created`` event, pushed under the number before its row). Every version the
+    server took is included in the row it stores (a newer version, a conflict's winner and a
+    tombstone are all written under a vector at or above it), so a version the stored row
+    does not include (its vector is ahead of the row's or beside it), or one of a session with
+    no row here, was never taken; and one under the row's very vector but with another stamp
+    is another copy's.
     """
     if validate_record(record, tenant, client_id, aliases) is not None:
         return True  # refused when it first came, and the device was told why
     info = kind_of(record)
     if isinstance(record, Session):
         current = await tx.get_session(record.id)
-        if current is not None and not _includes(current, record):
-            return False  # a version the server never took: another copy's
+        if current is not None:
+            return _includes(current, record)
+        owner = await tx.owner_of(info.name, record.id)
+        return owner is not None and owner != tenant  # another tenant's id: refused at first
     if await tx.owner_of(info.name, record.id) is not None:
         return True  # stored (or, for another tenant's id, refused when it first came)
     session_id = info.session_of(record)
