@@ -157,6 +157,18 @@ class CollidingEventsTx(FaultyTx):
         await self.inner.insert_event(msgspec.structs.replace(event, sequence_number=1))
 
 
+async def _refused_as_a_copy_and_resend_held(
+    store: ServerStore, clock: HybridClock, dev: Device, copy: Change, first: Session
+) -> None:
+    """``copy`` (another copy's session row under a used number) is answered 3012, and the
+    device's first row resent under number 1 (a lost ack) is still a ``duplicate``."""
+    result = await store.push(dev.tenant, dev.client_id, [copy], clock)
+    assert statuses(result) == ["rejected"]
+    assert codes(result) == [ErrorCode.IDENTITY_REUSED]
+    again = await store.push(dev.tenant, dev.client_id, [Change(client_seq=1, record=first)], clock)
+    assert statuses(again) == ["duplicate"]
+
+
 async def pull_all(store: ServerStore, tenant: Tenant, cursor: int = 0) -> list[FeedChange]:
     """Every feed entry after ``cursor``, paging until ``more`` is false."""
     out: list[FeedChange] = []
@@ -396,16 +408,11 @@ class ServerStoreConformance:
         original = dev.changes(dev.message(session.id))
         await server_store.push(dev.tenant, dev.client_id, original, server_clock)
         renamed = dev.edit(dev.edit(session, title="t5"), title="t12")
-        copy = [Change(client_seq=2, record=renamed)]
-        result = await server_store.push(dev.tenant, dev.client_id, copy, server_clock)
-        assert statuses(result) == ["rejected"]
-        assert codes(result) == [ErrorCode.IDENTITY_REUSED]
         # A version the row includes, resent after a lost ack, is still a duplicate: the
-        # version itself, and an older one once a newer version is stored.
-        again = await server_store.push(
-            dev.tenant, dev.client_id, [Change(client_seq=1, record=session)], server_clock
+        # version itself, and (below) an older one once a newer version is stored.
+        await _refused_as_a_copy_and_resend_held(
+            server_store, server_clock, dev, Change(client_seq=2, record=renamed), session
         )
-        assert statuses(again) == ["duplicate"]
         newer = dev.changes(dev.edit(session, title="s1"))
         await server_store.push(dev.tenant, dev.client_id, newer, server_clock)
         older = await server_store.push(
@@ -432,15 +439,10 @@ class ServerStoreConformance:
         assert statuses(taken) == ["applied"]
         original = [Change(client_seq=3, record=dev.event(first.id))]
         await server_store.push(dev.tenant, dev.client_id, original, server_clock)
-        row = [Change(client_seq=3, record=new)]  # the copy's row, under the original's number
-        result = await server_store.push(dev.tenant, dev.client_id, row, server_clock)
-        assert statuses(result) == ["rejected"]
-        assert codes(result) == [ErrorCode.IDENTITY_REUSED]
-        # The original's own row, resent under its number after a lost ack: a duplicate.
-        again = await server_store.push(
-            dev.tenant, dev.client_id, [Change(client_seq=1, record=first)], server_clock
+        # The copy's row, under the original's number; the original's own row, resent.
+        await _refused_as_a_copy_and_resend_held(
+            server_store, server_clock, dev, Change(client_seq=3, record=new), first
         )
-        assert statuses(again) == ["duplicate"]
 
     async def test_resent_content_of_a_deleted_session_is_a_duplicate(
         self, server_store: ServerStore, server_clock: HybridClock
