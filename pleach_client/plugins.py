@@ -186,9 +186,6 @@ class TurnContext:
         self.model = session.model
         self._custom: list[CustomEvent] = []
         self._notes: list[tuple[str, dict[str, Any]]] = []
-        self.pending = False
-        """Whether ``drain`` has anything to give: the turn asks at every chunk, and an
-        attribute costs less than the call."""
 
     @property
     def session_id(self) -> str:
@@ -198,27 +195,24 @@ class TurnContext:
         """Add ``custom.<name>`` to the turn's stream; returns the event."""
         event = custom_event(self.session.id, name, data)
         self._custom.append(event)
-        self.pending = True
         return event
 
     def note(self, kind: str, payload: dict[str, Any]) -> None:
         """Have the turn write an event-log row (``kind``, ``payload``) with its commit."""
         self._notes.append((kind, {**payload, "turn_id": self.turn_id}))
-        self.pending = True
 
     def drain(
         self, record: Callable[[str, dict[str, Any]], None] | None = None
     ) -> builtins.list[CustomEvent]:
         """The custom events emitted since the last drain (the turn yields them); notes go to
         ``record`` (the turn's event log)."""
-        if not self.pending:
+        if not self._custom and not self._notes:  # (every chunk of a turn asks: the most)
             return []
         if record is not None and self._notes:
             notes, self._notes = self._notes, []
             for kind, payload in notes:
                 record(kind, payload)
         events, self._custom = self._custom, []
-        self.pending = bool(self._notes)
         return events
 
 

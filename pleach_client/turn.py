@@ -506,11 +506,7 @@ async def _run_turn(
                             break
                         if isinstance(pev, TextDelta):  # nearly every chunk: no match to walk
                             text = pev.text
-                            pieces = call.partial_text.get(pev.index)
-                            if pieces is None:
-                                call.partial_text[pev.index] = [text]
-                            else:
-                                pieces.append(text)
+                            call.partial_text.setdefault(pev.index, []).append(text)
                             call.chars_out += len(text)
                             yield MessageDeltaEvent(
                                 session_id=session.id, message_id=reply_id, delta=text
@@ -548,9 +544,8 @@ async def _run_turn(
                                     call.output_tokens = pev.output_tokens
                                     call.input_tokens = pev.input_tokens
                                     call.request_id = pev.request_id or call.request_id
-                        if ctx.pending:  # what plugins emitted on this chunk
-                            for custom in ctx.drain(event):
-                                yield custom
+                        for custom in ctx.drain(event):  # what plugins emitted on this chunk
+                            yield custom
                 except ProviderError as exc:
                     # A retry policy may call the model again (the partial reply is dropped).
                     retry_in = (
@@ -878,14 +873,11 @@ async def _run_tool(call: Any, abort_wait: asyncio.Future[Any] | None) -> str:
 def _keep_partial(call: _Call, add_message: Any, *, aborted: bool) -> Message | None:
     """Keep what a cut-off call produced: finished blocks, partial text and thinking."""
     blocks: dict[int, dict[str, Any]] = dict(call.blocks)
-    for i, pieces in call.partial_text.items():
-        text = "".join(pieces)
-        if i not in blocks and text:
-            blocks[i] = {"type": "text", "text": text}
-    for i, pieces in call.partial_thinking.items():
-        text = "".join(pieces)
-        if i not in blocks and text:
-            blocks[i] = {"type": "thinking", "thinking": text}
+    for partial, kind in ((call.partial_text, "text"), (call.partial_thinking, "thinking")):
+        for i, pieces in partial.items():
+            text = "".join(pieces)
+            if i not in blocks and text:
+                blocks[i] = {"type": kind, kind: text}
     content = [blocks[i] for i in sorted(blocks)]
     if not content:
         return None

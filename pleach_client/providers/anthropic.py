@@ -194,28 +194,13 @@ class AnthropicProvider:
                 # The body broke after the response began (newer SDKs wrap a mid-body
                 # transport error so): the stream's own failure, with its response's id.
                 timeout = isinstance(exc, anthropic.APITimeoutError)
-                raise ProviderError(
-                    f"Anthropic stream {'timed out' if timeout else 'broke'}: {exc}",
-                    code="timeout" if timeout else "connection_error",
-                    retryable=True,
-                    request_id=request_id,
-                ) from exc
+                raise _stream_broke(exc, request_id, timeout=timeout) from exc
             raise translate_error(exc) from exc
         except httpx2.TimeoutException as exc:
             # A read timeout mid-body, as older SDKs raise it: httpx2's own (newer ones wrap it).
-            raise ProviderError(
-                f"Anthropic stream timed out: {exc}",
-                code="timeout",
-                retryable=True,
-                request_id=request_id,
-            ) from exc
+            raise _stream_broke(exc, request_id, timeout=True) from exc
         except httpx2.TransportError as exc:
-            raise ProviderError(
-                f"Anthropic stream broke: {exc}",
-                code="connection_error",
-                retryable=True,
-                request_id=request_id,
-            ) from exc
+            raise _stream_broke(exc, request_id, timeout=False) from exc
         except ValueError as exc:
             # The SDK could not parse the tool input JSON the model streamed.
             raise ProviderError(
@@ -233,6 +218,16 @@ class AnthropicProvider:
                 request_id=request_id,
             ) from exc
         _raise_truncated(request_id)
+
+
+def _stream_broke(exc: BaseException, request_id: str | None, *, timeout: bool) -> ProviderError:
+    """A stream whose connection broke (or whose reads timed out) once its response began."""
+    return ProviderError(
+        f"Anthropic stream {'timed out' if timeout else 'broke'}: {exc}",
+        code="timeout" if timeout else "connection_error",
+        retryable=True,
+        request_id=request_id,
+    )
 
 
 def _raise_truncated(request_id: str | None) -> NoReturn:
