@@ -18,13 +18,19 @@ import msgspec
 from shared.clock import vector_problem
 from shared.errors import PleachError
 from shared.ids import uuid7
-from shared.messages import ConflictReceipt
+from shared.messages import ConflictReceipt, KeptReceipt
 from shared.records import ArtifactUpdate, AuditRow, Event, FeedChange, Message, Record, Session
 
 from .core import RemoteView, purge_keep
 from .payloads import read_payload
 from .store.base import TxReader, WriteBatch
-from .stream import SyncApplied, SyncConflict, job_events, remote_interrupt_events
+from .stream import (
+    SyncApplied,
+    SyncConflict,
+    SyncDeleteKept,
+    job_events,
+    remote_interrupt_events,
+)
 from .syncplan import Decision, decide_session, lands_in_place, rebase
 
 log = logging.getLogger("pleach.sync")
@@ -107,6 +113,7 @@ async def plan_page(
                     local,
                     id=uuid7(),
                     vv={},
+                    state=msgspec.structs.replace(local.state, resolved={}),
                     forked_from=local.id,
                     conflict_id=uuid7(),
                     conflict_loser_side="local",
@@ -157,6 +164,12 @@ async def plan_page(
             if e.type == "sync.conflict"
             and e.client_id != view.client_id
             and (receipt := _receipt(e)) is not None
+        )
+        emitted.extend(
+            kept_event(e, kept_receipt)
+            for e in placed.fresh
+            if e.type == "sync.delete.kept"
+            and (kept_receipt := read_payload(e, KeptReceipt)) is not None
         )
         emitted.extend(
             remote_interrupt_events([e for e in placed.fresh if e.client_id != view.client_id])
@@ -295,4 +308,13 @@ def conflict_event(receipt: ConflictReceipt) -> SyncConflict:
     )
 
 
-__all__ = ["conflict_event", "missing_content", "plan_page"]
+def kept_event(event: Event, receipt: KeptReceipt) -> SyncDeleteKept:
+    return SyncDeleteKept(
+        session_id=event.session_id,
+        fork_session_id=receipt.fork_session_id,
+        version_by=receipt.version_by,
+        deleted_by=receipt.deleted_by,
+    )
+
+
+__all__ = ["conflict_event", "kept_event", "missing_content", "plan_page"]

@@ -204,6 +204,7 @@ class CheckpointsFacet:
                 message_ids=copy.message_ids,
                 pending_tool_calls=[],
                 artifacts=copy.artifact_ids,
+                resolved={},
             ),
             forked_from=session_id,
             forked_at_checkpoint=checkpoint_id or source.head_checkpoint_id,

@@ -233,6 +233,16 @@ class SyncConflict(StreamEventBase, tag="sync.conflict"):
     conflicted_paths: list[ConflictedPath] = []
 
 
+class SyncDeleteKept(StreamEventBase, tag="sync.delete.kept"):
+    """Another device deleted ``session_id`` while this version of it, which that device never
+    saw, was written (a conflict resolution, or an edit of a session that was in a conflict):
+    the delete stands, and the version lives on as ``fork_session_id``."""
+
+    fork_session_id: str
+    version_by: str = ""
+    deleted_by: str = ""
+
+
 class SyncApplied(StreamEventBase, tag="sync.applied"):
     """Remote changes touched this session (emitted once per applied page)."""
 
@@ -345,6 +355,7 @@ StreamEvent = (
     | InterruptResolved
     | TurnSuspended
     | SyncConflict
+    | SyncDeleteKept
     | SyncApplied
     | CustomEvent
     | JobQueued
@@ -451,6 +462,7 @@ _MODES: dict[str, frozenset[str] | None] = {
             "interrupt.resolved",
             "turn.suspended",
             "sync.conflict",
+            "sync.delete.kept",
             "sync.applied",
             *_JOB_EVENT_TYPES,
             "subagent.started",

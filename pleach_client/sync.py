@@ -486,8 +486,13 @@ class SyncFacet:
             if current.state != was.state or current.title != was.title:
                 stale.append(True)
                 return None
+            # Marked as a resolve's: a delete of this session that never saw this version
+            # must not take what came out of the other one (the server keeps it as a fork).
             state = msgspec.structs.replace(
-                other.state, message_ids=copy.message_ids, artifacts=copy.artifact_ids
+                other.state,
+                message_ids=copy.message_ids,
+                artifacts=copy.artifact_ids,
+                resolved={core.client_id: current.vv.get(core.client_id, 0)},
             )
             row = msgspec.structs.replace(
                 current, title=other.title, state=state, head_checkpoint_id=copy.checkpoint.id

@@ -118,6 +118,22 @@ class ConflictReceipt(msgspec.Struct, kw_only=True):
     """The client id that wrote the version the server held."""
 
 
+class KeptReceipt(msgspec.Struct, kw_only=True):
+    """A version of a session that lost to a concurrent delete and was kept as a new session
+    (the payload of the ``sync.delete.kept`` event the server writes in the deleted session's
+    log): the version may hold what a conflict resolution moved out of its fork.
+
+    ``session_id`` is the deleted session, ``fork_session_id`` the kept version's new id;
+    ``version_by`` and ``deleted_by`` name the devices that wrote the version and the delete.
+    """
+
+    session_id: str
+    fork_session_id: str
+    version_by: str = ""
+    deleted_by: str = ""
+    detected_at: str = ""
+
+
 class Hello(msgspec.Struct, kw_only=True, tag="hello"):
     """The first frame of a connection: who the device is and which versions it speaks.
 

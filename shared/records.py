@@ -32,6 +32,12 @@ class SessionState(msgspec.Struct, kw_only=True):
     pending_tool_calls: list[dict[str, JSON]] = []
     artifacts: list[str] = []
     jobs: list[dict[str, JSON]] = []
+    resolved: dict[str, int] = {}
+    """Set by a conflict resolution that moved the other side's content into this session:
+    ``{resolving device: its vector entry of the session before the resolve}``. A delete that
+    never saw the resolve (its vector's entry for that device at or below the number) does not
+    take that content: the server keeps the version as a fork. Cleared in every session made
+    from another one (a fork's vector counts anew)."""
 
 
 class Session(msgspec.Struct, kw_only=True, tag=True, tag_field="record_kind"):

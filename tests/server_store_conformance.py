@@ -1662,6 +1662,98 @@ class ServerStoreConformance:
         assert statuses(again) == ["superseded"]
         assert {c.record.id for c in await pull_all(server_store, tenant)} == {v1.id}
 
+    async def _resolved_and_deleted(
+        self,
+        server_store: ServerStore,
+        server_clock: HybridClock,
+        stored_rows: StoredRows,
+        *,
+        delete_first: bool,
+    ) -> None:
+        """A session resolved on the phone (the version holds copies of its conflict fork's
+        messages, pushed in one batch with them, and the resolve's mark) while the laptop,
+        which never saw that version, deletes it. Delete wins; the resolved version is kept as
+        a new session, with the messages it names; an unmarked one is not (as before)."""
+        tenant = new_tenant()
+        laptop, phone = Device(tenant), Device(tenant)
+        v1 = laptop.session()
+        await server_store.push(tenant, laptop.client_id, laptop.changes(v1), server_clock)
+        head = await server_store.head_cursor(tenant)
+        copied = phone.message(v1.id, "written in the fork")
+        unnamed = phone.message(v1.id, "named by no version")
+        resolved = phone.edit(v1, message_ids=[copied.id])
+        mark = {phone.client_id: v1.vv.get(phone.client_id, 0)}
+        resolved = msgspec.structs.replace(
+            resolved, state=msgspec.structs.replace(resolved.state, resolved=mark)
+        )
+        tomb = tombstone(laptop, v1)
+        assert vv_compare(resolved.vv, tomb.vv) is Order.CONCURRENT
+        resolve = phone.changes(copied, unnamed, resolved)
+        if delete_first:
+            deleted = await server_store.push(
+                tenant, laptop.client_id, laptop.changes(tomb), server_clock
+            )
+            assert statuses(deleted) == ["applied"]
+            result = await server_store.push(tenant, phone.client_id, resolve, server_clock)
+            assert statuses(result) == ["applied", "applied", "superseded"]
+        else:
+            result = await server_store.push(tenant, phone.client_id, resolve, server_clock)
+            assert statuses(result) == ["applied"] * 3
+            deleted = await server_store.push(
+                tenant, laptop.client_id, laptop.changes(tomb), server_clock
+            )
+            assert statuses(deleted) == ["applied"]
+            assert deleted.results[0].conflict is None
+
+        feed = await pull_all(server_store, tenant, head)
+        sessions = [c.record for c in feed if isinstance(c.record, Session)]
+        (kept,) = [s for s in sessions if s.id != v1.id]
+        latest = [s for s in sessions if s.id == v1.id][-1]
+        assert latest.deleted and vv_compare(latest.vv, resolved.vv) is Order.DOMINATES
+        # The fork comes ahead of the tombstone that deletes its origin.
+        assert sessions.index(kept) < sessions.index(latest)
+        assert kept.forked_from == v1.id and not kept.deleted
+        assert kept.state.message_ids == [copied.id] and kept.state.resolved == {}
+        assert kept.conflict_id is None and kept.client_id == server_clock.client_id
+        rows = await stored_rows(tenant)
+        assert ("Message", copied.id) in rows and ("Message", unnamed.id) not in rows
+        assert ("Session", kept.id) in rows
+        feed_ids = {c.record.id for c in await pull_all(server_store, tenant)}
+        assert copied.id in feed_ids and unnamed.id not in feed_ids
+        (announced,) = [
+            c.record
+            for c in feed
+            if isinstance(c.record, Event) and c.record.type == "sync.delete.kept"
+        ]
+        assert announced.session_id == v1.id and announced.canonical
+        assert announced.payload["fork_session_id"] == kept.id
+        assert announced.payload["version_by"] == phone.client_id
+        assert announced.payload["deleted_by"] == laptop.client_id
+
+        # The phone resends the batch (its acks were lost): nothing new, no second fork.
+        again = await server_store.push(tenant, phone.client_id, resolve, server_clock)
+        assert statuses(again) == ["duplicate"] * 3 and again.cursors == []
+        # A later version from the phone that saw the delete: a revival, not kept.
+        revived = phone.edit(latest, deleted=False, message_ids=[copied.id])
+        late = await server_store.push(
+            tenant, phone.client_id, phone.changes(revived), server_clock
+        )
+        assert statuses(late) == ["superseded"]
+        after = [c.record for c in await pull_all(server_store, tenant)]
+        assert {r.id for r in after if isinstance(r, Session)} == {v1.id, kept.id}
+
+    async def test_a_resolved_version_pushed_after_the_delete_is_kept_as_a_fork(
+        self, server_store: ServerStore, server_clock: HybridClock, stored_rows: StoredRows
+    ) -> None:
+        await self._resolved_and_deleted(server_store, server_clock, stored_rows, delete_first=True)
+
+    async def test_a_delete_pushed_after_a_resolved_version_keeps_it_as_a_fork(
+        self, server_store: ServerStore, server_clock: HybridClock, stored_rows: StoredRows
+    ) -> None:
+        await self._resolved_and_deleted(
+            server_store, server_clock, stored_rows, delete_first=False
+        )
+
     async def test_delete_within_one_batch_and_before_the_session_row(
         self, server_store: ServerStore, server_clock: HybridClock, stored_rows: StoredRows
     ) -> None:

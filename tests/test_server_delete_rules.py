@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import msgspec
 
-from pleach_server.store.apply import batch_keys, content_to_delete, validate_record
-from shared.records import Record, SessionState
+from pleach_server.store.apply import (
+    _kept_as_fork,
+    batch_keys,
+    content_to_delete,
+    validate_record,
+)
+from shared.clock import Order, vv_compare
+from shared.records import Record, Session, SessionState
 from tests.server_factories import Device, new_tenant
 
 
@@ -91,3 +97,46 @@ def test_batch_keys_keep_the_verdict_of_every_change_they_read_for() -> None:
     assert keys.verdicts[seqs[1]] is None
     assert validate_record(foreign, dev.tenant, dev.client_id) is not None
     assert type(keys.verdicts[seqs[2]]) is type(validate_record(foreign, dev.tenant, dev.client_id))
+
+
+def _marked(session: Session, mark: dict[str, int]) -> Session:
+    return msgspec.structs.replace(
+        session, state=msgspec.structs.replace(session.state, resolved=mark)
+    )
+
+
+def test_a_resolved_version_is_kept_only_beside_a_delete_that_never_saw_the_resolve() -> None:
+    """Histories of one session on a resolving device and a deleting one, built step by step;
+    what each tombstone saw is known from how it was built, not from the rule."""
+    resolver, deleter = Device(new_tenant()), Device(new_tenant())
+    base = resolver.session()
+    seen_by_both = deleter.edit(base)
+    for start in (base, seen_by_both):
+        before = resolver.edit(start)  # an unmarked edit ahead of the resolve
+        mark = {resolver.client_id: before.vv[resolver.client_id]}
+        resolve = _marked(resolver.edit(before), mark)
+        after = resolver.edit(resolve)  # a later turn: the mark stays
+        lives = {"before": before, "resolve": resolve, "after": after}
+        tombstones = {
+            # (what the deleting device had seen, its tombstone)
+            "start": msgspec.structs.replace(deleter.edit(start), deleted=True),
+            "before": msgspec.structs.replace(deleter.edit(before), deleted=True),
+            "resolve": msgspec.structs.replace(deleter.edit(resolve), deleted=True),
+            "after": msgspec.structs.replace(deleter.edit(after), deleted=True),
+        }
+        for seen, tomb in tombstones.items():
+            for name, live in lives.items():
+                kept = _kept_as_fork(live, tomb)
+                saw_resolve = seen in ("resolve", "after")
+                marked = name != "before"
+                assert kept == (marked and not saw_resolve), (seen, name)
+                # A version built on the delete (a revival) is never kept.
+                revival = msgspec.structs.replace(resolver.edit(tomb), deleted=False)
+                assert not _kept_as_fork(_marked(revival, mark), tomb)
+                assert not _kept_as_fork(tomb, live)  # a live row is never the tombstone
+    # Unmarked versions are never kept: delete wins over a concurrent edit, as before.
+    plain = resolver.edit(base)
+    tomb = msgspec.structs.replace(deleter.edit(base), deleted=True)
+    assert vv_compare(plain.vv, tomb.vv) is Order.CONCURRENT
+    assert not _kept_as_fork(plain, tomb)
+    assert _kept_as_fork(_marked(plain, {resolver.client_id: base.vv[resolver.client_id]}), tomb)

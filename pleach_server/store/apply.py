@@ -36,7 +36,12 @@ the SQLite and PostgreSQL stores cannot drift apart:
   messages and artifacts); events and audit rows stay. Content that arrives later for a deleted
   session is ``superseded`` and not stored; a live version of it that the tombstone does not
   dominate is ``superseded`` too, and the server writes the tombstone again under a vector
-  that dominates it, so that device adopts the delete when it pulls.
+  that dominates it, so that device adopts the delete when it pulls. One exception keeps what
+  a conflict resolution moved: a live version written by a resolve (``SessionState.resolved``)
+  that the deleting device never saw holds messages that were in the session's fork, a live
+  session, as that device knew them. The delete still wins, and that version is kept as a new
+  session (forked from the deleted one, announced by a ``sync.delete.kept`` event in the
+  deleted session's log), with the content it names (``_kept_as_fork``).
 
 The kinds are told apart by ``shared.records.RECORD_KINDS``: a ``versioned`` kind is the
 session row, a ``server_placed`` kind is an event, every other kind is an immutable record.
@@ -63,7 +68,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
@@ -90,7 +95,7 @@ from shared.errors import (
 from shared.hashchain import GENESIS, chain_event
 from shared.ids import uuid7
 from shared.merge import resolve_conflicts
-from shared.messages import ChangeResult, ConflictReceipt, Status
+from shared.messages import ChangeResult, ConflictReceipt, KeptReceipt, Status
 from shared.records import (
     ArtifactUpdate,
     AuditRow,
@@ -103,6 +108,7 @@ from shared.records import (
     RecordKind,
     RecordKindInfo,
     Session,
+    SessionState,
     kind_info,
     kind_of,
     record_kind,
@@ -811,6 +817,7 @@ class _Batch:
         self.feed: list[Record] = []
         self.as_pushed = True
         self._cursor_of: list[tuple[ChangeResult, int]] = []  # (result, index in self.feed)
+        self._keeping: set[str] = set()  # deleted sessions whose pushed content is kept: prepare
 
     def _applied(
         self,
@@ -842,7 +849,7 @@ class _Batch:
         session_id = info.session_of(record)
         if info.deleted_with_session and session_id is not None:
             session = await self.tx.get_session(session_id)
-            if session is not None and session.deleted:
+            if session is not None and session.deleted and session_id not in self._keeping:
                 # Content of a deleted session, pushed late: drained, never stored.
                 return ChangeResult(client_seq=seq, status="superseded")
         if present:
@@ -906,6 +913,7 @@ class _Batch:
             hlc=now,
             updated_at=now,
             vv={self.server_id: 1},
+            state=_unmarked(loser.state),
             forked_from=pushed.id,
             forked_at_checkpoint=loser.head_checkpoint_id,
             conflict_id=conflict_id,
@@ -927,22 +935,69 @@ class _Batch:
         )
         # The server logs the conflict in the session's event log itself, so every device
         # learns of it from the feed, even when the pusher never sees its acknowledgement.
-        last = await self.tx.last_event(pushed.id)
+        await self._log(pushed, "sync.conflict", msgspec.to_builtins(receipt), now)
+        return self._applied(seq, fork, status="resolved", conflict=receipt)
+
+    async def _log(self, session: Session, type_: str, payload: dict[str, Any], now: str) -> None:
+        """An event the server writes in ``session``'s log, at its next canonical place."""
+        last = await self.tx.last_event(session.id)
         number, prev_hash = (last[0] + 1, last[1]) if last is not None else (1, GENESIS)
         logged = Event(
             id=uuid7(),
-            session_id=pushed.id,
-            org_id=pushed.org_id,
-            user_id=pushed.user_id,
+            session_id=session.id,
+            org_id=session.org_id,
+            user_id=session.user_id,
             client_id=self.server_id,
             hlc=now,
-            type="sync.conflict",
-            payload=msgspec.to_builtins(receipt),
+            type=type_,
+            payload=payload,
         )
         placed = msgspec.structs.replace(chain_event(logged, prev_hash, number), canonical=True)
         await self.tx.insert_event(placed)
         self.feed.append(placed)
-        return self._applied(seq, fork, status="resolved", conflict=receipt)
+
+    async def prepare(self, records: Iterable[Record]) -> None:
+        """Before the push's changes apply: the sessions whose content, pushed ahead of their
+        row, must not drain as late content of a deleted session, because the row is a live
+        version that ``_deleted`` will keep as a fork (``_kept_as_fork``; a resolve writes its
+        copies and the row in one push). Their content is stored; the batch ends by deleting
+        what the kept fork does not name, as for any tombstone it writes."""
+        for record in records:
+            if isinstance(record, Session) and not record.deleted and record.state.resolved:
+                stored = await self.tx.get_session(record.id)
+                if stored is not None and _kept_as_fork(record, stored):
+                    self._keeping.add(record.id)
+                    await self.tx.delete_content(record.id)
+
+    async def _keep(self, live: Session, tombstone: Session) -> None:
+        """Keep ``live``, which loses to ``tombstone``, as a new session forked from it: the
+        fork goes to the feed ahead of the tombstone, so a device that takes the tombstone
+        already knows the fork, and keeps the content it names."""
+        now = self.clock.now()
+        fork = msgspec.structs.replace(
+            live,
+            id=uuid7(),
+            client_id=self.server_id,
+            hlc=now,
+            updated_at=now,
+            vv={self.server_id: 1},
+            state=_unmarked(live.state),
+            forked_from=live.id,
+            forked_at_checkpoint=live.head_checkpoint_id,
+            conflict_id=None,
+            conflict_loser_side=None,
+        )
+        await self.tx.put_session(fork)
+        self.as_pushed = False
+        self.feed.append(fork)
+        receipt = KeptReceipt(
+            session_id=live.id,
+            fork_session_id=fork.id,
+            version_by=live.client_id,
+            deleted_by=tombstone.client_id,
+            detected_at=now,
+        )
+        await self._log(live, "sync.delete.kept", msgspec.to_builtins(receipt), now)
 
     async def _deleted(self, seq: int, pushed: Session, current: Session) -> ChangeResult:
         """A version of a session meets a tombstone (pushed, stored or both): delete wins.
@@ -970,9 +1025,37 @@ class _Batch:
         else:  # a pushed tombstone beats a live row it does not dominate
             bumped = vv_bump(merged, self.server_id)
             row, status = msgspec.structs.replace(pushed, vv=bumped), "applied"
+        live, tombstone = (current, pushed) if pushed.deleted else (pushed, current)
+        if _kept_as_fork(live, tombstone):
+            await self._keep(live, tombstone)
         await self.tx.put_session(row)
         await self.tx.delete_content(row.id)
         return self._applied(seq, row, status=status, as_pushed=False)
+
+
+def _kept_as_fork(live: Session, tombstone: Session) -> bool:
+    """Whether ``live``, a version of a session that loses to ``tombstone``, is kept as a fork.
+
+    Delete wins over a concurrent edit, whose content goes with the session. But a conflict
+    resolution moves content between a session and its fork (each takes copies of the other's
+    messages, ``SessionState.resolved`` marks the version): a delete that never saw the resolve
+    would take messages that, as the deleting device knew them, were in another, live session.
+    So a marked live version is kept when the tombstone's vector is at or below the resolving
+    device's number before the resolve, and the two are concurrent (a version built on the
+    delete is a revival: never kept).
+    """
+    return (
+        tombstone.deleted
+        and not live.deleted
+        and any(tombstone.vv.get(device, 0) <= n for device, n in live.state.resolved.items())
+        and vv_compare(live.vv, tombstone.vv) is Order.CONCURRENT
+    )
+
+
+def _unmarked(state: SessionState) -> SessionState:
+    """``state`` for a session made from another one: a resolve's mark counts in the vector of
+    the session it was written in, not in the new one's."""
+    return msgspec.structs.replace(state, resolved={}) if state.resolved else state
 
 
 def _numbered(changes: list[Change], skipped: frozenset[int]) -> list[tuple[int, Change | None]]:
@@ -1023,6 +1106,7 @@ async def apply_push(
     keys = batch_keys(changes, start_seq, tenant, client_id, aliases, audit=chains, skipped=skip)
     await buffered.load(tenant, keys)
     batch = _Batch(view, tenant, clock, server_id, stored)
+    await batch.prepare(c.record for c in changes if keys.verdicts.get(c.client_seq, 0) is None)
     results: list[ChangeResult] = []
     gap = False
     reused = False
