@@ -95,7 +95,7 @@ from shared.errors import (
 from shared.hashchain import GENESIS, chain_event
 from shared.ids import uuid7
 from shared.merge import resolve_conflicts
-from shared.messages import ChangeResult, ConflictReceipt, KeptReceipt, Status
+from shared.messages import ChangeResult, ConflictReceipt, KeptReceipt, Side, Status
 from shared.records import (
     ArtifactUpdate,
     AuditRow,
@@ -906,19 +906,7 @@ class _Batch:
             # The winner is not a loser of this conflict, whatever it was before.
             conflict_loser_side=None,
         )
-        fork = msgspec.structs.replace(
-            loser,
-            id=uuid7(),
-            client_id=self.server_id,
-            hlc=now,
-            updated_at=now,
-            vv={self.server_id: 1},
-            state=_unmarked(loser.state),
-            forked_from=pushed.id,
-            forked_at_checkpoint=loser.head_checkpoint_id,
-            conflict_id=conflict_id,
-            conflict_loser_side="remote" if pushed_won else "local",
-        )
+        fork = self._fork(loser, now, conflict_id, "remote" if pushed_won else "local")
         await self.tx.put_session(winner_row)
         self.as_pushed = False
         self.feed.append(winner_row)
@@ -937,6 +925,25 @@ class _Batch:
         # learns of it from the feed, even when the pusher never sees its acknowledgement.
         await self._log(pushed, "sync.conflict", msgspec.to_builtins(receipt), now)
         return self._applied(seq, fork, status="resolved", conflict=receipt)
+
+    def _fork(
+        self, version: Session, now: str, conflict_id: str | None, loser_side: Side | None
+    ) -> Session:
+        """``version`` of a session as a new session forked from it, made by the server: a
+        new id and vector, the same content (a resolve's mark cleared: ``_unmarked``)."""
+        return msgspec.structs.replace(
+            version,
+            id=uuid7(),
+            client_id=self.server_id,
+            hlc=now,
+            updated_at=now,
+            vv={self.server_id: 1},
+            state=_unmarked(version.state),
+            forked_from=version.id,
+            forked_at_checkpoint=version.head_checkpoint_id,
+            conflict_id=conflict_id,
+            conflict_loser_side=loser_side,
+        )
 
     async def _log(self, session: Session, type_: str, payload: dict[str, Any], now: str) -> None:
         """An event the server writes in ``session``'s log, at its next canonical place."""
@@ -974,19 +981,7 @@ class _Batch:
         fork goes to the feed ahead of the tombstone, so a device that takes the tombstone
         already knows the fork, and keeps the content it names."""
         now = self.clock.now()
-        fork = msgspec.structs.replace(
-            live,
-            id=uuid7(),
-            client_id=self.server_id,
-            hlc=now,
-            updated_at=now,
-            vv={self.server_id: 1},
-            state=_unmarked(live.state),
-            forked_from=live.id,
-            forked_at_checkpoint=live.head_checkpoint_id,
-            conflict_id=None,
-            conflict_loser_side=None,
-        )
+        fork = self._fork(live, now, None, None)
         await self.tx.put_session(fork)
         self.as_pushed = False
         self.feed.append(fork)
