@@ -19,9 +19,19 @@ from shared.clock import vector_problem
 from shared.errors import PleachError
 from shared.ids import uuid7
 from shared.messages import ConflictReceipt, KeptReceipt
-from shared.records import ArtifactUpdate, AuditRow, Event, FeedChange, Message, Record, Session
+from shared.records import (
+    ArtifactUpdate,
+    AuditRow,
+    Checkpoint,
+    Event,
+    FeedChange,
+    Message,
+    Record,
+    Session,
+)
 
-from .core import RemoteView, purge_keep
+from .artifacts import copy_document
+from .core import PREVIOUS_IDS, RemoteView, previous_ids, purge_keep
 from .payloads import read_payload
 from .store.base import TxReader, WriteBatch
 from .stream import (
@@ -85,6 +95,7 @@ async def plan_page(
             case _:
                 contents.append(record)
     touched: set[str] = set()
+    kept_versions: list[KeptReceipt] = []
     for remote in remote_sessions.values():
         local = await view.row(tx, remote.id)
         decision = decide_session(local, remote)
@@ -165,17 +176,22 @@ async def plan_page(
             and e.client_id != view.client_id
             and (receipt := _receipt(e)) is not None
         )
-        emitted.extend(
-            kept_event(e, kept_receipt)
-            for e in placed.fresh
-            if e.type == "sync.delete.kept"
-            and (kept_receipt := read_payload(e, KeptReceipt)) is not None
-        )
+        for e in placed.fresh:
+            if e.type == "sync.delete.kept":
+                kept_receipt = read_payload(e, KeptReceipt)
+                if kept_receipt is not None:
+                    kept_versions.append(kept_receipt)
+                    emitted.append(kept_event(e, kept_receipt))
         emitted.extend(
             remote_interrupt_events([e for e in placed.fresh if e.client_id != view.client_id])
         )
         # Another device's job lifecycle (``pleach_client.jobs``), raised on first sight.
         emitted.extend(job_events([e for e in placed.fresh if e.client_id != view.client_id]))
+    if kept_versions:
+        own = {view.client_id, *previous_ids(await tx.get_meta(PREVIOUS_IDS))}
+        for kept_version in kept_versions:
+            if kept_version.version_by in own:
+                queued.extend(await _own_kept(tx, view, kept_version, touched))
     emitted[:0] = [SyncApplied(session_id=sid, records=len(changes)) for sid in sorted(touched)]
     kept_audit, moved = await _place_audit(tx, audit)
     records.extend(kept_audit)
@@ -306,6 +322,64 @@ def conflict_event(receipt: ConflictReceipt) -> SyncConflict:
         winner=receipt.winner,
         conflicted_paths=receipt.conflicted_paths,
     )
+
+
+async def _own_kept(
+    tx: TxReader, view: RemoteView, receipt: KeptReceipt, touched: set[str]
+) -> list[Record]:
+    """This device wrote the version the server kept as ``receipt.fork_session_id`` beside
+    a delete (a resolve's, ``SessionState.resolved``): make the kept session own its content.
+
+    The kept session names the version's messages and artifacts, filed under the deleted
+    session. The server kept those it had; but what it got after the delete, in pushes before
+    the one with the version (a long resolve's copies, sent over several pushes), it drained,
+    and only this device still holds them. So it writes them again as copies filed under the
+    kept session (new ids), and a new version of it naming the copies, queued in the page's
+    own transaction: the server stores them whatever it drained, and every device gets them.
+    Content filed elsewhere (a later turn in the kept session) stays as it is."""
+    fork = await view.row(tx, receipt.fork_session_id)
+    if fork is None or fork.deleted:
+        return []
+    deleted = receipt.session_id
+    copies: dict[str, Record] = {}
+    for message in await tx.get_messages(fork.state.message_ids):
+        if message.session_id == deleted and message.id not in copies:
+            copies[message.id] = msgspec.structs.replace(
+                message,
+                id=uuid7(),
+                session_id=fork.id,
+                client_id=view.client_id,
+                hlc=view.clock.now(),
+            )
+    documents: dict[str, ArtifactUpdate] = {}
+    for artifact_id in fork.state.artifacts:
+        updates = await tx.list_artifact_updates(artifact_id)
+        if updates and all(u.session_id == deleted for u in updates):
+            documents[artifact_id] = copy_document(updates, fork.id, view.client_id, view.clock)
+    if not copies and not documents:
+        return []
+    message_ids = [copies[i].id if i in copies else i for i in fork.state.message_ids]
+    artifacts = [documents[a].artifact_id if a in documents else a for a in fork.state.artifacts]
+    checkpoint = Checkpoint(
+        id=uuid7(),
+        session_id=fork.id,
+        org_id=fork.org_id,
+        user_id=fork.user_id,
+        client_id=view.client_id,
+        hlc=view.clock.now(),
+        parent_id=None,
+        turn_id=None,
+        kind="fork",
+        appended=[],
+        snapshot=message_ids,
+    )
+    state = msgspec.structs.replace(fork.state, message_ids=message_ids, artifacts=artifacts)
+    row = view.stamp(
+        msgspec.structs.replace(fork, state=state, head_checkpoint_id=checkpoint.id), base=fork
+    )
+    view.rows[fork.id] = row
+    touched.add(fork.id)
+    return [*copies.values(), *documents.values(), checkpoint, row]
 
 
 def kept_event(event: Event, receipt: KeptReceipt) -> SyncDeleteKept:

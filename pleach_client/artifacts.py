@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from shared.clock import HybridClock
 from shared.errors import NotFound
 from shared.ids import uuid7
 from shared.records import ArtifactUpdate, Session
@@ -72,13 +73,11 @@ class ArtifactsFacet:
     async def copy_to(self, artifact_id: str, session_id: str) -> ArtifactUpdate | None:
         """A new artifact in ``session_id`` with the same document, as one update record (not
         written: the caller writes it with what it belongs to); None if there is none."""
-        import pycrdt
-
         updates = await self._rt.store.list_artifact_updates(artifact_id)
         if not updates:
             return None
-        merged = pycrdt.merge_updates(*(u.update for u in updates))
-        return self._record(session_id, uuid7(), merged)
+        core = self._rt.core
+        return copy_document(updates, session_id, core.client_id, core.clock)
 
     async def list(self, session_id: str) -> list[str]:
         return [*(await self._rt.core.session(session_id)).state.artifacts]
@@ -167,3 +166,23 @@ class ArtifactsFacet:
             hlc=core.now(),
             update=update,
         )
+
+
+def copy_document(
+    updates: list[ArtifactUpdate], session_id: str, client_id: str, clock: HybridClock
+) -> ArtifactUpdate:
+    """A new artifact in ``session_id`` holding the document of ``updates`` (one artifact's,
+    not empty), as one update record written by ``client_id``."""
+    import pycrdt
+
+    first = updates[0]
+    return ArtifactUpdate(
+        id=uuid7(),
+        artifact_id=uuid7(),
+        session_id=session_id,
+        org_id=first.org_id,
+        user_id=first.user_id,
+        client_id=client_id,
+        hlc=clock.now(),
+        update=pycrdt.merge_updates(*(u.update for u in updates)),
+    )

@@ -509,14 +509,7 @@ class DeviceCore:
 
     async def previous_client_ids(self) -> list[str]:
         """The ids this device wrote under before its current one, newest first."""
-        stored = await self.store.get_meta(PREVIOUS_IDS)
-        if not stored:
-            return []
-        try:
-            ids = msgspec.json.decode(stored, type=list[str])
-        except msgspec.DecodeError:
-            return []
-        return ids[:MAX_PREVIOUS_IDS]
+        return previous_ids(await self.store.get_meta(PREVIOUS_IDS))
 
     async def transact_remote(
         self, plan: Callable[[TxReader, RemoteView], Any]
@@ -691,6 +684,17 @@ class RemoteView:
 
     def stamp(self, row: Session, *, base: Session | None) -> Session:
         return self._core._stamp(row, base=base)
+
+
+def previous_ids(stored: str | None) -> list[str]:
+    """The ids a device wrote under before its current one, from their meta value."""
+    if not stored:
+        return []
+    try:
+        ids = msgspec.json.decode(stored, type=list[str])
+    except msgspec.DecodeError:
+        return []
+    return ids[:MAX_PREVIOUS_IDS]
 
 
 async def purge_keep(

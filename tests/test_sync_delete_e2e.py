@@ -81,9 +81,10 @@ async def test_a_deleted_sessions_content_leaves_the_server(cluster: Cluster) ->
     assert events and (await tablet.events.verify_chain(session.id)).ok
 
 
+@pytest.mark.parametrize("batch", [200, 1])
 @pytest.mark.parametrize("first", ["delete", "resolve"])
 async def test_a_delete_beside_a_resolve_keeps_what_the_resolve_took_from_the_fork(
-    cluster: Cluster, first: str
+    cluster: Cluster, first: str, batch: int
 ) -> None:
     """A conflict forks a session; the phone writes a turn in the fork, then resolves the
     conflict toward the fork (the session takes copies of the fork's messages, the fork
@@ -93,6 +94,7 @@ async def test_a_delete_beside_a_resolve_keeps_what_the_resolve_took_from_the_fo
     laptop = await cluster.device("laptop")
     phone = await cluster.device("phone")
     tablet = await cluster.device("tablet")
+    phone.sync.batch_size = batch  # 1: the resolve's copies and its version in separate pushes
     session = await laptop.create_session(title="shared")
     await chat(laptop, session.id, "hello")
     await cluster.online(laptop, phone, tablet)
@@ -148,3 +150,8 @@ async def test_a_delete_beside_a_resolve_keeps_what_the_resolve_took_from_the_fo
     assert {e.fork_session_id for e in kept} <= set(views[0])
     (event,) = {e.fork_session_id for e in kept}
     assert "written in the fork" in views[0][event]
+    # The phone, which wrote the kept version, gave the kept session copies of its own: on
+    # every device its messages are filed under it, whatever the server drained (batch 1: the
+    # resolve's copies reached it in pushes before the version, after the delete).
+    for rt in (laptop, phone, tablet):
+        assert {m.session_id for m in await rt.sessions.messages(event)} == {event}

@@ -121,6 +121,14 @@ class TxReader(Protocol):
         """Those of ``message_ids`` this store does not hold."""
         ...
 
+    async def get_messages(self, message_ids: list[str]) -> list[Message]:
+        """Messages in the order of ``message_ids``; unknown ids are skipped."""
+        ...
+
+    async def list_artifact_updates(self, artifact_id: str) -> list[ArtifactUpdate]:
+        """Updates of one artifact (any order merges to the same document)."""
+        ...
+
     async def session_queued(self, session_id: str) -> bool:
         """Whether an outbox row still refers to the session ``session_id`` (a version of
         its row not acknowledged yet)."""

@@ -726,6 +726,21 @@ class _Reader:
         rows = await self._rows(self._sql.missing_messages, message_ids)
         return [str(row[0]) for row in rows]
 
+    async def get_messages(self, message_ids: list[str]) -> list[Message]:
+        if not message_ids:
+            return []
+        rows = await self._rows(self._sql.get_messages, message_ids)
+        bodies: dict[str, bytes] = {row_id: body for row_id, body in rows}
+        return [
+            _decode(Message, "messages", message_id, bodies[message_id])
+            for message_id in message_ids
+            if message_id in bodies
+        ]
+
+    async def list_artifact_updates(self, artifact_id: str) -> list[ArtifactUpdate]:
+        rows = await self._rows(self._sql.list_artifact_updates, artifact_id)
+        return [_decode(ArtifactUpdate, "artifact_updates", key, body) for key, body in rows]
+
     async def session_queued(self, session_id: str) -> bool:
         return bool(await self._rows(self._sql.session_queued, session_id))
 

@@ -839,6 +839,19 @@ class _Reader:
         held = {row[0] for row in await _fetch_in(self._conn, QUERIES["held_messages"], keys)}
         return [m for m, key in zip(message_ids, keys, strict=True) if key not in held]
 
+    async def get_messages(self, message_ids: list[str]) -> list[Message]:
+        if not message_ids:
+            return []
+        keys = _keys(message_ids)
+        rows = await _fetch_in(self._conn, QUERIES["get_messages"], keys)
+        bodies: dict[str | bytes, bytes] = {row_id: body for row_id, body in rows}
+        return [_decode(_MESSAGE, "messages", key, bodies[key]) for key in keys if key in bodies]
+
+    async def list_artifact_updates(self, artifact_id: str) -> list[ArtifactUpdate]:
+        key = (_key(artifact_id),)
+        rows = await _fetch(self._conn, QUERIES["list_artifact_updates"], key)
+        return [_decode(_ARTIFACT, "artifact_updates", row_id, body) for row_id, body in rows]
+
     async def session_queued(self, session_id: str) -> bool:
         return bool(await _fetch(self._conn, QUERIES["session_queued"], (_key(session_id),)))
 
