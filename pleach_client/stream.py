@@ -234,9 +234,10 @@ class SyncConflict(StreamEventBase, tag="sync.conflict"):
 
 
 class SyncDeleteKept(StreamEventBase, tag="sync.delete.kept"):
-    """Another device deleted ``session_id`` while this version of it, which that device never
-    saw, was written (a conflict resolution, or an edit of a session that was in a conflict):
-    the delete stands, and the version lives on as ``fork_session_id``."""
+    """Another device deleted ``session_id`` without having seen a conflict resolution of it
+    (which moved the fork's messages into it): the delete stands, and the resolved version
+    lives on as a new session, ``fork_session_id``. ``version_by`` wrote that version,
+    ``deleted_by`` the delete."""
 
     fork_session_id: str
     version_by: str = ""

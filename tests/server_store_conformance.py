@@ -1673,7 +1673,8 @@ class ServerStoreConformance:
         """A session resolved on the phone (the version holds copies of its conflict fork's
         messages, pushed in one batch with them, and the resolve's mark) while the laptop,
         which never saw that version, deletes it. Delete wins; the resolved version is kept as
-        a new session, with the messages it names; an unmarked one is not (as before)."""
+        a new session, with the messages it names. (An unmarked version is not kept:
+        ``test_a_tombstone_wins_over_a_concurrent_live_version``.)"""
         tenant = new_tenant()
         laptop, phone = Device(tenant), Device(tenant)
         v1 = laptop.session()

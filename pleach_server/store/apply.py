@@ -966,9 +966,11 @@ class _Batch:
     async def prepare(self, records: Iterable[Record]) -> None:
         """Before the push's changes apply: the sessions whose content, pushed ahead of their
         row, must not drain as late content of a deleted session, because the row is a live
-        version that ``_deleted`` will keep as a fork (``_kept_as_fork``; a resolve writes its
-        copies and the row in one push). Their content is stored; the batch ends by deleting
-        what the kept fork does not name, as for any tombstone it writes."""
+        version that ``_deleted`` will keep as a fork (``_kept_as_fork``). Their content is
+        stored; the batch ends by deleting what the kept fork does not name, as for any
+        tombstone it writes. (A resolve's copies that came in earlier pushes, after the delete,
+        have drained: the device that wrote the version copies them into the kept session when
+        it learns of it, ``pleach_client.apply._own_kept``.)"""
         for record in records:
             if isinstance(record, Session) and not record.deleted and record.state.resolved:
                 stored = await self.tx.get_session(record.id)
