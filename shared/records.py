@@ -25,7 +25,7 @@ OutcomeStatus = Literal["ok", "user-aborted", "provider-error", "tool-error"]
 Role = Literal["user", "assistant"]
 
 
-class SessionState(msgspec.Struct, kw_only=True):
+class SessionState(msgspec.Struct, kw_only=True, omit_defaults=True):
     """The durable, synced state of a session (the reference's SessionState)."""
 
     message_ids: list[str] = []
