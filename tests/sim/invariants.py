@@ -12,6 +12,8 @@
 - nothing pending, nothing dead-lettered;
 - every artifact reads the same everywhere and holds every piece of text appended to it;
 - every conflict fork on the server is announced by a ``sync.conflict`` event in some log;
+- every session a ``sync.delete.kept`` event names (a resolved version the server kept beside
+  a delete) is held, on every device and the server;
 - every user message a device wrote is in some live session on every device and on the
   server, unless a rollback or a delete touched its session's family (the session and every
   session forked from it or it from, transitively) after the message was written, or a delete
@@ -97,6 +99,7 @@ class View:
     audit: set[str] = field(default_factory=set)
     messages: set[str] = field(default_factory=set)
     announced: set[str] = field(default_factory=set)  # conflict ids of sync.conflict events
+    kept: set[str] = field(default_factory=set)  # sessions sync.delete.kept events name
 
     def live(self) -> set[str]:
         return {sid for sid, s in self.sessions.items() if not s["deleted"]}
@@ -104,6 +107,10 @@ class View:
 
 def _announced(events: list[Event]) -> set[str]:
     return {str(e.payload.get("conflict_id")) for e in events if e.type == "sync.conflict"}
+
+
+def _kept(events: list[Event]) -> set[str]:
+    return {str(e.payload.get("fork_session_id")) for e in events if e.type == "sync.delete.kept"}
 
 
 def _message_key(m: Message) -> tuple[str, str, str]:
@@ -158,6 +165,7 @@ async def device_view(world: World, index: int, problems: list[str]) -> View:
                 f"{provisional[0].sequence_number})"
             )
         view.announced.update(_announced(events))
+        view.kept.update(_kept(events))
         report = await rt.events.verify_chain(sid)
         if not report.ok:
             problems.append(
@@ -234,6 +242,7 @@ def server_view(feed: list[Any]) -> View:
             view.checkpoints[sid] = sorted(c.id for c in checkpoints.get(sid, []))
     for sid, evs in events.items():
         view.announced.update(_announced(evs))
+        view.kept.update(_kept(evs))
         view.events[sid] = [
             (e.id, e.sequence_number, e.row_hash)
             for e in sorted(evs, key=lambda e: e.sequence_number)
@@ -276,6 +285,17 @@ def _diff(a: View, b: View, problems: list[str], *, server: bool) -> None:
             f"audit-differs: {len(a.audit - b.audit)} rows only on {a.name}, "
             f"{len(b.audit - a.audit)} only on {b.name}"
         )
+
+
+def _kept_missing(view: View, problems: list[str]) -> None:
+    """A session a ``sync.delete.kept`` event names (the server kept a resolved version
+    beside a delete) must be there: live, or a tombstone of a later delete."""
+    for sid in sorted(view.kept - set(view.sessions)):
+        problems.append(
+            f"kept-missing: {view.name}'s log says a resolved version was kept as {sid}, "
+            "which it does not hold"
+        )
+        return
 
 
 def _unannounced(view: View, problems: list[str]) -> None:
@@ -357,6 +377,8 @@ async def check(world: World, feed: list[Any]) -> list[str]:
         _diff(views[0], view, problems, server=False)
     _diff(views[0], server, problems, server=True)
     _lost_messages(world, [*views, server], problems)
+    for view in [*views, server]:
+        _kept_missing(view, problems)
     _unannounced(server, problems)
     if len(problems) > MAX_PROBLEMS:
         problems = [*problems[:MAX_PROBLEMS], f"more: {len(problems) - MAX_PROBLEMS} more"]
