@@ -17,6 +17,7 @@ from pleach_client.store import StorageAdapter, WriteBatch
 from pleach_client.store.base import CommitReceipt, TxReader
 from shared.errors import InvalidState, StorageError
 from shared.hashchain import GENESIS, chain_audit, chain_event
+from shared.ids import uuid7
 from shared.records import Record
 from tests.factories import (
     clock_for,
@@ -295,6 +296,30 @@ class StoreConformance:
 
         await store.transact(plan)
         assert found == [[absent[0], "nope", absent[1], "nope", absent[2]], []]
+
+    async def test_transact_reads_messages_and_artifact_updates_as_the_store_does(
+        self, store: StorageAdapter
+    ) -> None:
+        held = [make_message() for _ in range(300)] + [make_message(id="text-held")]
+        doc, other = uuid7(), uuid7()
+        updates = [make_artifact_update(artifact_id=doc) for _ in range(3)]
+        await commit(store, *held, *updates, make_artifact_update(artifact_id=other), outbox=False)
+        asked = [held[-1].id, "nope", *[m.id for m in held[:299]], held[0].id]
+        found: list[Any] = []
+
+        async def plan(tx: Any) -> None:
+            found.append(await tx.get_messages(asked))
+            found.append(await tx.get_messages([]))
+            found.append(await tx.list_artifact_updates(doc))
+            found.append(await tx.list_artifact_updates(uuid7()))
+
+        await store.transact(plan)
+        messages, none, doc_updates, no_updates = found
+        assert messages == await store.get_messages(asked)
+        assert [m.id for m in messages] == [i for i in asked if i != "nope"]
+        assert none == [] and no_updates == []
+        assert sorted(u.id for u in doc_updates) == sorted(u.id for u in updates)
+        assert doc_updates == await store.list_artifact_updates(doc)
 
     async def test_checkpoints_oldest_first_and_get(self, store: StorageAdapter) -> None:
         session_id = "s-1"
