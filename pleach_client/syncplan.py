@@ -23,6 +23,7 @@ import msgspec
 from shared.clock import Order, vv_compare
 from shared.errors import ChainError, ErrorCode
 from shared.hashchain import GENESIS, chain_event, verify_chain
+from shared.merge import kept_beside_delete
 from shared.messages import ConflictReceipt, PushAck
 from shared.records import Change, Event, Session
 
@@ -192,11 +193,16 @@ def decide_session(local: Session | None, remote: Session) -> Decision:
     (``REUSED``: that writer, if it is this device, takes a new id and stamps a new version,
     which the server then settles as a conflict, both kept); otherwise both are kept here,
     the local version as a fork. Deletion wins both ways: a remote tombstone is taken, a
-    local tombstone is kept.
+    local tombstone is kept. Except over a conflict resolution's version the tombstone never
+    saw (``kept_beside_delete``): the server keeps that one as a new session, so the local row
+    stays until its push gets there and the tombstone the server writes then, which includes
+    it, comes back after the kept session.
     """
     if local is None:
         return Decision.TAKE
     if local.deleted != remote.deleted:
+        if remote.deleted and kept_beside_delete(local, remote):
+            return Decision.KEEP
         return Decision.TAKE if remote.deleted else Decision.KEEP
     order = vv_compare(remote.vv, local.vv)
     if order is Order.DOMINATES:

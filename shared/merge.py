@@ -95,3 +95,27 @@ def resolve_conflicts(local: Session, remote: Session) -> Resolution:
     # Ordered versions: the dominating side wins outright; equal vectors keep the remote.
     winner = "local" if order is Order.DOMINATES else "remote"
     return Resolution(order=order, winner=winner, concurrent=False, merged_vv=merged)
+
+
+def kept_beside_delete(live: Session, tombstone: Session) -> bool:
+    """Whether ``live``, a version of a session that loses to ``tombstone``, is kept as a fork.
+
+    The server keeps it as a new session (``pleach_server.store.apply``); a device that holds
+    it does not take that tombstone over it, so that its push reaches the server and the
+    tombstone the server writes then (one that includes it) comes back with the kept session
+    (``pleach_client.syncplan.decide_session``).
+
+    Delete wins over a concurrent edit, whose content goes with the session. But a conflict
+    resolution moves content between a session and its fork (each takes copies of the other's
+    messages, ``SessionState.resolved`` marks the version): a delete that never saw the resolve
+    would take messages that, as the deleting device knew them, were in another, live session.
+    So a marked live version is kept when the tombstone's vector is at or below the resolving
+    device's number before the resolve, and the two are concurrent (a version built on the
+    delete is a revival: never kept).
+    """
+    return (
+        tombstone.deleted
+        and not live.deleted
+        and any(tombstone.vv.get(device, 0) <= n for device, n in live.state.resolved.items())
+        and vv_compare(live.vv, tombstone.vv) is Order.CONCURRENT
+    )

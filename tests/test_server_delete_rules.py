@@ -5,12 +5,12 @@ from __future__ import annotations
 import msgspec
 
 from pleach_server.store.apply import (
-    _kept_as_fork,
     batch_keys,
     content_to_delete,
     validate_record,
 )
 from shared.clock import Order, vv_compare
+from shared.merge import kept_beside_delete
 from shared.records import Record, Session, SessionState
 from tests.server_factories import Device, new_tenant
 
@@ -126,17 +126,19 @@ def test_a_resolved_version_is_kept_only_beside_a_delete_that_never_saw_the_reso
         }
         for seen, tomb in tombstones.items():
             for name, live in lives.items():
-                kept = _kept_as_fork(live, tomb)
+                kept = kept_beside_delete(live, tomb)
                 saw_resolve = seen in ("resolve", "after")
                 marked = name != "before"
                 assert kept == (marked and not saw_resolve), (seen, name)
                 # A version built on the delete (a revival) is never kept.
                 revival = msgspec.structs.replace(resolver.edit(tomb), deleted=False)
-                assert not _kept_as_fork(_marked(revival, mark), tomb)
-                assert not _kept_as_fork(tomb, live)  # a live row is never the tombstone
+                assert not kept_beside_delete(_marked(revival, mark), tomb)
+                assert not kept_beside_delete(tomb, live)  # a live row is never the tombstone
     # Unmarked versions are never kept: delete wins over a concurrent edit, as before.
     plain = resolver.edit(base)
     tomb = msgspec.structs.replace(deleter.edit(base), deleted=True)
     assert vv_compare(plain.vv, tomb.vv) is Order.CONCURRENT
-    assert not _kept_as_fork(plain, tomb)
-    assert _kept_as_fork(_marked(plain, {resolver.client_id: base.vv[resolver.client_id]}), tomb)
+    assert not kept_beside_delete(plain, tomb)
+    assert kept_beside_delete(
+        _marked(plain, {resolver.client_id: base.vv[resolver.client_id]}), tomb
+    )

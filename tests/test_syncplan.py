@@ -28,7 +28,7 @@ from shared.clock import Order, vv_bump, vv_compare, vv_merge
 from shared.errors import ChainError, ErrorCode
 from shared.hashchain import chain_event, verify_chain
 from shared.messages import ChangeResult, ConflictReceipt, PushAck
-from shared.records import Change
+from shared.records import Change, SessionState
 from tests.factories import make_event, make_message, make_session
 
 # -- settle -----------------------------------------------------------------------------------
@@ -240,6 +240,28 @@ def test_delete_wins_both_ways() -> None:
     merged = msgspec.structs.replace(tomb, vv={"a": 5, "b": 1, "srv": 1})
     assert decide_session(tomb, merged) is Decision.TAKE
     assert decide_session(merged, tomb) is Decision.KEEP
+
+
+def test_a_tombstone_that_never_saw_a_resolve_waits_for_the_servers() -> None:
+    """A resolved version (marked) is kept by the server beside a delete that never saw it: a
+    device holding it does not take such a tombstone, only the one the server writes once the
+    version got there (which includes it)."""
+    base = make_session(vv={"a": 2, "b": 1})
+    resolved = msgspec.structs.replace(
+        base,
+        vv={"a": 3, "b": 1},
+        state=SessionState(message_ids=["m"], resolved={"a": 2}),
+    )
+    unaware = msgspec.structs.replace(base, vv={"a": 2, "b": 1, "c": 1}, deleted=True)
+    assert decide_session(resolved, unaware) is Decision.KEEP
+    # One that saw the resolve wins as always, and so does the server's, which includes it.
+    aware = msgspec.structs.replace(base, vv={"a": 3, "b": 1, "c": 1}, deleted=True)
+    assert decide_session(resolved, aware) is Decision.TAKE
+    servers = msgspec.structs.replace(unaware, vv={"a": 3, "b": 1, "c": 1, "srv": 1})
+    assert decide_session(resolved, servers) is Decision.TAKE
+    # An unmarked version loses to the unaware tombstone: delete wins.
+    plain = msgspec.structs.replace(resolved, state=SessionState(message_ids=["m"]))
+    assert decide_session(plain, unaware) is Decision.TAKE
 
 
 vectors = st.dictionaries(st.sampled_from("abcd"), st.integers(1, 4), max_size=4)

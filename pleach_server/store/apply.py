@@ -41,7 +41,7 @@ the SQLite and PostgreSQL stores cannot drift apart:
   that the deleting device never saw holds messages that were in the session's fork, a live
   session, as that device knew them. The delete still wins, and that version is kept as a new
   session (forked from the deleted one, announced by a ``sync.delete.kept`` event in the
-  deleted session's log), with the content it names (``_kept_as_fork``).
+  deleted session's log), with the content it names (``shared.merge.kept_beside_delete``).
 
 The kinds are told apart by ``shared.records.RECORD_KINDS``: a ``versioned`` kind is the
 session row, a ``server_placed`` kind is an event, every other kind is an immutable record.
@@ -94,7 +94,7 @@ from shared.errors import (
 )
 from shared.hashchain import GENESIS, chain_event
 from shared.ids import uuid7
-from shared.merge import resolve_conflicts
+from shared.merge import kept_beside_delete, resolve_conflicts
 from shared.messages import ChangeResult, ConflictReceipt, KeptReceipt, Side, Status
 from shared.records import (
     ArtifactUpdate,
@@ -966,15 +966,15 @@ class _Batch:
     async def prepare(self, records: Iterable[Record]) -> None:
         """Before the push's changes apply: the sessions whose content, pushed ahead of their
         row, must not drain as late content of a deleted session, because the row is a live
-        version that ``_deleted`` will keep as a fork (``_kept_as_fork``). Their content is
-        stored; the batch ends by deleting what the kept fork does not name, as for any
-        tombstone it writes. (A resolve's copies that came in earlier pushes, after the delete,
-        have drained: the device that wrote the version copies them into the kept session when
-        it learns of it, ``pleach_client.apply._own_kept``.)"""
+        version that ``_deleted`` will keep as a fork (``shared.merge.kept_beside_delete``).
+        Their content is stored; the batch ends by deleting what the kept fork does not name,
+        as for any tombstone it writes. (A resolve's copies that came in earlier pushes, after
+        the delete, have drained: the device that wrote the version copies them into the kept
+        session when it learns of it, ``pleach_client.apply._own_kept``.)"""
         for record in records:
             if isinstance(record, Session) and not record.deleted and record.state.resolved:
                 stored = await self.tx.get_session(record.id)
-                if stored is not None and _kept_as_fork(record, stored):
+                if stored is not None and kept_beside_delete(record, stored):
                     self._keeping.add(record.id)
                     await self.tx.delete_content(record.id)
 
@@ -1023,30 +1023,11 @@ class _Batch:
             bumped = vv_bump(merged, self.server_id)
             row, status = msgspec.structs.replace(pushed, vv=bumped), "applied"
         live, tombstone = (current, pushed) if pushed.deleted else (pushed, current)
-        if _kept_as_fork(live, tombstone):
+        if kept_beside_delete(live, tombstone):
             await self._keep(live, tombstone)
         await self.tx.put_session(row)
         await self.tx.delete_content(row.id)
         return self._applied(seq, row, status=status, as_pushed=False)
-
-
-def _kept_as_fork(live: Session, tombstone: Session) -> bool:
-    """Whether ``live``, a version of a session that loses to ``tombstone``, is kept as a fork.
-
-    Delete wins over a concurrent edit, whose content goes with the session. But a conflict
-    resolution moves content between a session and its fork (each takes copies of the other's
-    messages, ``SessionState.resolved`` marks the version): a delete that never saw the resolve
-    would take messages that, as the deleting device knew them, were in another, live session.
-    So a marked live version is kept when the tombstone's vector is at or below the resolving
-    device's number before the resolve, and the two are concurrent (a version built on the
-    delete is a revival: never kept).
-    """
-    return (
-        tombstone.deleted
-        and not live.deleted
-        and any(tombstone.vv.get(device, 0) <= n for device, n in live.state.resolved.items())
-        and vv_compare(live.vv, tombstone.vv) is Order.CONCURRENT
-    )
 
 
 def _unmarked(state: SessionState) -> SessionState:

@@ -39,6 +39,7 @@ from pleach_server.server import SyncServer
 from pleach_server.store import ServerStore, SQLiteServerStore, Tenant
 from shared.errors import NotFound
 from shared.ids import uuid7
+from shared.records import Event
 
 from .invariants import Ledger, check
 from .network import Proxy
@@ -391,6 +392,7 @@ class World:
         self.ledger = Ledger()
         self.artifacts: list[str] = []
         self.stats: dict[str, int] = {}
+        self.kept = 0  # sync.delete.kept events in the server's feed at the end
 
     def _count(self, key: str) -> None:
         self.stats[key] = self.stats.get(key, 0) + 1
@@ -682,11 +684,18 @@ async def run_schedule(schedule: Schedule, backend: Backend, workdir: Path) -> O
         await world.play(outcome)
         if not outcome.problems and await world.quiesce(outcome):
             feed = await backend.feed(world.tenant)
+            world.kept = sum(
+                1
+                for change in feed
+                if isinstance(change.record, Event) and change.record.type == "sync.delete.kept"
+            )
             outcome.problems.extend(await check(world, feed))
     finally:
         await world.close()
         shutil.rmtree(workdir, ignore_errors=True)
     outcome.stats = dict(world.stats)
+    if world.kept:
+        outcome.stats["kept_beside_delete"] = world.kept
     outcome.seconds = time.monotonic() - started
     return outcome
 

@@ -59,9 +59,9 @@ async def backends(name: str, workdir: Path) -> AsyncIterator[Callable[[], Backe
         raise ValueError(f"unknown backend {name!r}; one of {BACKENDS}")
 
 
-def schedule_for(seed: int) -> Schedule:
-    """The schedule a seed means (the same for every backend)."""
-    return generate(seed)
+def schedule_for(seed: int, mix: str = "all") -> Schedule:
+    """The schedule a seed means in ``mix`` (the same for every backend)."""
+    return generate(seed, mix=mix)
 
 
 async def run_seeds(
@@ -72,6 +72,7 @@ async def run_seeds(
     report: Callable[[Outcome], None] | None = None,
     concurrency: int = 1,
     max_failures: int | None = None,
+    mix: str = "all",
 ) -> list[Outcome]:
     """Run the seeds' schedules, ``concurrency`` at a time in this loop (embedded servers
     only; a shared server process runs one schedule at a time). Stops starting new schedules
@@ -87,7 +88,8 @@ async def run_seeds(
                 if max_failures is not None and sum(not o.ok for o in outcomes) >= max_failures:
                     return
                 seed = pending.pop(0)
-                outcome = await run_schedule(schedule_for(seed), make(), workdir / f"s{seed}")
+                schedule = schedule_for(seed, mix)
+                outcome = await run_schedule(schedule, make(), workdir / f"s{seed}")
                 outcomes.append(outcome)
                 if report is not None:
                     report(outcome)
@@ -108,6 +110,7 @@ async def replay(
     attempts: int = 5,
     schedule: Schedule | None = None,
     log: Callable[[str], None] = print,
+    mix: str = "all",
 ) -> tuple[Outcome, Schedule | None]:
     """Run one seed; when it fails, shrink it. Returns the outcome and the shrunk schedule."""
     with tempfile.TemporaryDirectory(prefix="pleach-sim-") as tmp:
@@ -120,7 +123,7 @@ async def replay(
                 runs += 1
                 return await run_schedule(s, make(), workdir / f"r{runs}")
 
-            original = schedule or schedule_for(seed)
+            original = schedule or schedule_for(seed, mix)
             log(original.describe())
             # Real sockets vary the interleaving: a failing seed may need a few runs to fail.
             for attempt in range(1, attempts + 1):

@@ -52,6 +52,31 @@ OP_WEIGHTS: tuple[tuple[str, int], ...] = (
     ("clone", 1),
 )
 
+# The ops drawn between the steps of a "races" schedule (``_race_ops``): edits, more conflicts
+# and deletes, devices going off and on, and some network and process faults.
+RACE_NOISE: tuple[tuple[str, int], ...] = (
+    ("turn", 10),
+    ("rename", 6),
+    ("delete", 3),
+    ("resolve", 6),
+    ("fork", 1),
+    ("rollback", 1),
+    ("artifact_edit", 2),
+    ("offline", 5),
+    ("online", 6),
+    ("sync", 5),
+    ("net_cut", 1),
+    ("net_drop_ack", 1),
+    ("net_hold_live", 1),
+    ("crash", 1),
+    ("server_restart", 1),
+)
+
+MIXES: tuple[str, ...] = ("all", "races")
+"""How a schedule is drawn: ``all``, every op by ``OP_WEIGHTS``; ``races``, a conflict, a
+turn in its fork, a delete on a device that never saw the resolve, and the resolve, in a
+drawn order with drawn ops between them (``_race_ops``). A seed means one schedule per mix."""
+
 NETWORK_OPS = frozenset(k for k, _ in OP_WEIGHTS if k.startswith("net_"))
 TURN_OPS = frozenset({"turn", "turn_tool", "turn_abort", "turn_fail"})
 
@@ -80,6 +105,8 @@ class Schedule:
     batches: tuple[int, ...] = ()
     """Each device's push batch size (``SyncFacet.batch_size``; none given: the default). Small
     ones put several pushes in flight at once, so refusals and lost acks land mid-window."""
+    mix: str = "all"
+    """The op weights it was drawn with (``MIXES``)."""
 
     def batch_of(self, device: int) -> int | None:
         return self.batches[device] if device < len(self.batches) else None
@@ -88,9 +115,10 @@ class Schedule:
         return replace(self, ops=tuple(ops))
 
     def describe(self) -> str:
+        mix = "" if self.mix == "all" else f" ({self.mix} mix)"
         lines = [
-            f"seed {self.seed}: {self.devices} devices, clock offsets (ms) {list(self.skews_ms)}, "
-            f"push batches {list(self.batches)}, {len(self.ops)} ops"
+            f"seed {self.seed}{mix}: {self.devices} devices, clock offsets (ms) "
+            f"{list(self.skews_ms)}, push batches {list(self.batches)}, {len(self.ops)} ops"
         ]
         lines.extend(f"  {i:3d}. {op}" for i, op in enumerate(self.ops))
         return "\n".join(lines)
@@ -104,8 +132,9 @@ def generate(
     min_devices: int = 2,
     max_devices: int = 5,
     server_faults: bool = True,
+    mix: str = "all",
 ) -> Schedule:
-    """The schedule of ``seed``: the same seed always gives the same schedule."""
+    """The schedule of ``seed`` in ``mix``: the same seed always gives the same schedule."""
     rng = random.Random(seed)
     # Fewer devices are likelier (cheaper); every count from min to max occurs.
     counts = list(range(min_devices, max_devices + 1))
@@ -113,6 +142,16 @@ def generate(
     skews = tuple(
         rng.randint(-MAX_SKEW_MS, MAX_SKEW_MS) if rng.random() < 0.5 else 0 for _ in range(devices)
     )
+    if mix not in MIXES:
+        raise ValueError(f"unknown mix {mix!r}; one of {MIXES}")
+    if mix == "races":
+        devices = max(devices, 3)
+        skews = (*skews, *(0 for _ in range(devices - len(skews))))
+        ops = _race_ops(rng, devices, server_faults)
+        batches = tuple(rng.choice(BATCH_SIZES) for _ in range(devices))
+        return Schedule(
+            seed=seed, devices=devices, skews_ms=skews, ops=tuple(ops), batches=batches, mix=mix
+        )
     kinds = [k for k, _ in OP_WEIGHTS if server_faults or k != "server_restart"]
     weights = [w for k, w in OP_WEIGHTS if server_faults or k != "server_restart"]
     count = rng.randint(min_ops, max_ops)
@@ -126,7 +165,55 @@ def generate(
         ops.append(Op(kind, dev, pick, arg))
     # Drawn last, so a seed's devices and ops are what they were before batches were drawn.
     batches = tuple(rng.choice(BATCH_SIZES) for _ in range(devices))
-    return Schedule(seed=seed, devices=devices, skews_ms=skews, ops=tuple(ops), batches=batches)
+    return Schedule(
+        seed=seed, devices=devices, skews_ms=skews, ops=tuple(ops), batches=batches, mix=mix
+    )
 
 
-__all__ = ["MAX_SKEW_MS", "NETWORK_OPS", "OP_WEIGHTS", "TURN_OPS", "Op", "Schedule", "generate"]
+def _race_ops(rng: random.Random, devices: int, server_faults: bool) -> list[Op]:
+    """A resolve and a delete that meet. Roles: ``a`` and ``b`` edit the first session while
+    ``b`` is offline, and both sync, so each sees the conflict and its fork; ``d`` has the
+    session but is offline from then on, and deletes it; ``a`` or ``b`` writes a turn in the
+    fork (``pick`` 1: the second session by age) and resolves the conflict either way; then
+    the delete and the resolve reach the server in a drawn order. Between every two steps,
+    0-2 ops drawn from ``RACE_NOISE``. Every sub-list is still a valid schedule."""
+    a, b, d = rng.sample(range(devices), 3)
+    resolver = rng.choice((a, b))
+    steps: list[list[Op]] = [
+        [Op("create", a), Op("turn", a)],
+        [Op("online", a), Op("online", b), Op("online", d)],
+        [Op("sync", a), Op("sync", b), Op("sync", d)],
+        [Op("offline", d), Op("offline", b)],
+        [Op("turn", a), Op("turn", b)],
+        [Op("online", b), Op("sync", b), Op("sync", a), Op("sync", b)],
+        [Op("turn", resolver, pick=1)],
+        [Op("delete", d, pick=0)],
+    ]
+    resolve = [Op("offline", resolver), Op("resolve", resolver, pick=0, arg=rng.randrange(2))]
+    delete_first = rng.random() < 0.5
+    back = [Op("online", d), Op("sync", d)]
+    again = [Op("online", resolver), Op("sync", resolver)]
+    steps += [resolve, *([back, again] if delete_first else [again, back])]
+    steps.append([Op("sync", x) for x in (a, b, d)])
+    kinds = [k for k, _ in RACE_NOISE if server_faults or k != "server_restart"]
+    weights = [w for k, w in RACE_NOISE if server_faults or k != "server_restart"]
+    ops: list[Op] = []
+    for step in steps:
+        ops += step
+        for _ in range(rng.choice((0, 0, 1, 2))):
+            kind = rng.choices(kinds, weights)[0]
+            ops.append(Op(kind, rng.randrange(devices), rng.randrange(1 << 16), rng.randrange(2)))
+    return ops
+
+
+__all__ = [
+    "MAX_SKEW_MS",
+    "MIXES",
+    "NETWORK_OPS",
+    "OP_WEIGHTS",
+    "RACE_NOISE",
+    "TURN_OPS",
+    "Op",
+    "Schedule",
+    "generate",
+]
