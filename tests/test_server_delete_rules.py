@@ -48,6 +48,31 @@ def test_content_to_delete_spares_what_live_sessions_refer_to() -> None:
     assert content_to_delete([], candidates) == []
 
 
+def test_a_live_conflict_fork_spares_all_of_its_deleted_origins_content() -> None:
+    """A conflict fork shares its origin's content by id, and a device may still send a
+    version of the fork naming any of it (written before it learned that a resolve gave the
+    fork copies of its own): while the fork lives, none of the origin's content goes. A
+    user's fork (which holds copies) spares only what it names."""
+    dev = Device(new_tenant())
+    gone = msgspec.structs.replace(dev.session(), deleted=True, state=SessionState())
+    own = [dev.message(gone.id), dev.message(gone.id)]
+    update, cp = dev.artifact(gone.id), dev.checkpoint(gone.id)
+    candidates: list[Record] = [*own, update, cp]
+    conflict_fork = msgspec.structs.replace(
+        dev.session(), forked_from=gone.id, conflict_id="c", state=SessionState()
+    )
+    user_fork = msgspec.structs.replace(dev.session(), forked_from=gone.id, state=SessionState())
+    assert content_to_delete([gone, conflict_fork], candidates) == []
+    assert {i for _, i in content_to_delete([gone, user_fork], candidates)} == {
+        r.id for r in candidates
+    }
+    # Once the conflict fork is deleted too, the origin's content goes with the next sweep.
+    both_gone = msgspec.structs.replace(conflict_fork, deleted=True)
+    assert {i for _, i in content_to_delete([gone, both_gone], candidates)} == {
+        r.id for r in candidates
+    }
+
+
 def test_content_to_delete_spares_the_checkpoint_lineage_of_a_live_head() -> None:
     dev = Device(new_tenant())
     gone, fork = dev.session(), dev.session()

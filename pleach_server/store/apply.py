@@ -721,14 +721,18 @@ def content_to_delete(
     ``state.message_ids``, an artifact update of a document in its ``state.artifacts`` (a fork
     shares these with its origin), a checkpoint on the parent chain of its
     ``head_checkpoint_id`` or ``forked_at_checkpoint`` (a conflict fork keeps the loser's head,
-    a checkpoint of the origin). Once those live sessions are deleted too, the next deletion
-    takes what they kept.
+    a checkpoint of the origin). And while a live conflict fork of a deleted session exists,
+    none of that session's content goes: the fork shares it by id, and a version of the fork
+    that a device wrote before it learned of a later change (a resolve gave the fork copies of
+    its own, say) may still name any of it, and arrive after this deletion. Once those live
+    sessions are deleted too, the next deletion takes what they kept.
     """
     candidates = list(candidates)
     deleted: set[str] = set()
     messages: set[str] = set()
     artifacts: set[str] = set()
     heads: list[str] = []
+    shared: set[str] = set()  # deleted sessions a live conflict fork was made from
     for session in sessions:
         if session.deleted:
             deleted.add(session.id)
@@ -736,6 +740,8 @@ def content_to_delete(
             messages.update(session.state.message_ids)
             artifacts.update(session.state.artifacts)
             heads.extend(c for c in (session.head_checkpoint_id, session.forked_at_checkpoint) if c)
+            if session.conflict_id is not None and session.forked_from is not None:
+                shared.add(session.forked_from)
     parents = {r.id: r.parent_id for r in candidates if isinstance(r, Checkpoint)}
     checkpoints: set[str] = set()
     for head in heads:
@@ -746,7 +752,8 @@ def content_to_delete(
     doomed: list[tuple[RecordKind, str]] = []
     for record in candidates:
         info = kind_of(record)
-        if not info.deleted_with_session or info.session_of(record) not in deleted:
+        session_id = info.session_of(record)
+        if not info.deleted_with_session or session_id not in deleted or session_id in shared:
             continue
         if isinstance(record, Message) and record.id in messages:
             continue
