@@ -32,6 +32,7 @@ bench-peers: install
 
 soak: install
 	$(BIN)/python -m tests.sim --soak $(or $(SOAK_SCHEDULES),10000) --backend $(or $(SOAK_BACKEND),sqlite)
+	$(BIN)/python -m tests.sim --soak $(or $(SOAK_RACES),2000) --start 1000000 --mix races --backend $(or $(SOAK_BACKEND),sqlite)
 	$(BIN)/python -m tests.fuzz --frames $(or $(FUZZ_FRAMES),100000) --seed $(or $(FUZZ_SEED),0)
 	$(BIN)/python -m tests.campaign all --rounds $(or $(CAMPAIGN_ROUNDS),200) --seed $(or $(CAMPAIGN_SEED),0)
 
