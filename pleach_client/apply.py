@@ -341,8 +341,18 @@ async def _own_kept(
     if fork is None or fork.deleted:
         return []
     deleted = receipt.session_id
+    # What the version named: this device's row of it, while it has not taken the delete
+    # (``decide_session`` waits for the server's tombstone); the server's kept session names
+    # only the messages it holds.
+    version = view.before.get(deleted) or await view.row(tx, deleted)
+    named = fork.state.message_ids
+    if version is not None and not version.deleted and version.state.resolved:
+        kept = set(named)
+        named = [*named, *(m for m in version.state.message_ids if m not in kept)]
+        order = {m: i for i, m in enumerate(version.state.message_ids)}
+        named.sort(key=lambda m: order.get(m, len(order)))
     copies: dict[str, Record] = {}
-    for message in await tx.get_messages(fork.state.message_ids):
+    for message in await tx.get_messages(named):
         if message.session_id == deleted and message.id not in copies:
             copies[message.id] = msgspec.structs.replace(
                 message,
@@ -358,7 +368,7 @@ async def _own_kept(
             documents[artifact_id] = copy_document(updates, fork.id, view.client_id, view.clock)
     if not copies and not documents:
         return []
-    message_ids = [copies[i].id if i in copies else i for i in fork.state.message_ids]
+    message_ids = [copies[i].id if i in copies else i for i in named]
     artifacts = [documents[a].artifact_id if a in documents else a for a in fork.state.artifacts]
     checkpoint = Checkpoint(
         id=uuid7(),

@@ -1682,22 +1682,30 @@ class ServerStoreConformance:
         head = await server_store.head_cursor(tenant)
         copied = phone.message(v1.id, "written in the fork")
         unnamed = phone.message(v1.id, "named by no version")
-        resolved = phone.edit(v1, message_ids=[copied.id])
+        # A copy sent in a push of its own before the version (a long resolve): after the
+        # delete it drains, and the kept session must not name it.
+        early = phone.message(v1.id, "an earlier copy")
+        named = [early.id, copied.id] if delete_first else [copied.id]
+        resolved = phone.edit(v1, message_ids=named)
         mark = {phone.client_id: v1.vv.get(phone.client_id, 0)}
         resolved = msgspec.structs.replace(
             resolved, state=msgspec.structs.replace(resolved.state, resolved=mark)
         )
         tomb = tombstone(laptop, v1)
         assert vv_compare(resolved.vv, tomb.vv) is Order.CONCURRENT
-        resolve = phone.changes(copied, unnamed, resolved)
         if delete_first:
             deleted = await server_store.push(
                 tenant, laptop.client_id, laptop.changes(tomb), server_clock
             )
             assert statuses(deleted) == ["applied"]
+            ahead = phone.changes(early)
+            drained = await server_store.push(tenant, phone.client_id, ahead, server_clock)
+            assert statuses(drained) == ["superseded"]
+            resolve = phone.changes(copied, unnamed, resolved)
             result = await server_store.push(tenant, phone.client_id, resolve, server_clock)
             assert statuses(result) == ["applied", "applied", "superseded"]
         else:
+            resolve = phone.changes(copied, unnamed, resolved)
             result = await server_store.push(tenant, phone.client_id, resolve, server_clock)
             assert statuses(result) == ["applied"] * 3
             deleted = await server_store.push(

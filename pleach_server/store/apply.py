@@ -542,6 +542,10 @@ def batch_keys(
             owners.add(record.id)
             sessions.add(record.id)
             chains.add(record.id)  # a conflict appends a sync.conflict event to its log
+            if isinstance(record, Session) and record.state.resolved and not record.deleted:
+                # A resolve's version may be kept beside a delete: which messages it names
+                # the server holds (``_Batch._keep``).
+                records.update(("Message", m) for m in record.state.message_ids)
         elif info.server_placed:
             events.add(record.id)
             if session_id is not None:
@@ -985,12 +989,25 @@ class _Batch:
                     self._keeping.add(record.id)
                     await self.tx.delete_content(record.id)
 
-    async def _keep(self, live: Session, tombstone: Session) -> None:
+    async def _keep(self, live: Session, tombstone: Session, pushed: Session) -> None:
         """Keep ``live``, which loses to ``tombstone``, as a new session forked from it: the
         fork goes to the feed ahead of the tombstone, so a device that takes the tombstone
         already knows the fork, and keeps the content it names."""
         now = self.clock.now()
         fork = self._fork(live, now, None, None)
+        if live is pushed:
+            # The kept session names only messages stored here: a resolve's copies that came
+            # in pushes after the delete drained, and a device that took this session and
+            # wrote it before the resolving device gave it copies (``_own_kept`` there) would
+            # otherwise carry names no one can read. (A stored version's copies were stored.)
+            held = [
+                m
+                for m in live.state.message_ids
+                if await self.tx.owner_of("Message", m) == self.tenant
+            ]
+            if len(held) != len(live.state.message_ids):
+                state = msgspec.structs.replace(fork.state, message_ids=held)
+                fork = msgspec.structs.replace(fork, state=state)
         await self.tx.put_session(fork)
         self.as_pushed = False
         self.feed.append(fork)
@@ -1031,7 +1048,7 @@ class _Batch:
             row, status = msgspec.structs.replace(pushed, vv=bumped), "applied"
         live, tombstone = (current, pushed) if pushed.deleted else (pushed, current)
         if kept_beside_delete(live, tombstone):
-            await self._keep(live, tombstone)
+            await self._keep(live, tombstone, pushed)
         await self.tx.put_session(row)
         await self.tx.delete_content(row.id)
         return self._applied(seq, row, status=status, as_pushed=False)
