@@ -22,7 +22,6 @@ from shared.messages import ConflictReceipt, KeptReceipt
 from shared.records import (
     ArtifactUpdate,
     AuditRow,
-    Checkpoint,
     Event,
     FeedChange,
     Message,
@@ -370,18 +369,8 @@ async def _own_kept(
         return []
     message_ids = [copies[i].id if i in copies else i for i in named]
     artifacts = [documents[a].artifact_id if a in documents else a for a in fork.state.artifacts]
-    checkpoint = Checkpoint(
-        id=uuid7(),
-        session_id=fork.id,
-        org_id=fork.org_id,
-        user_id=fork.user_id,
-        client_id=view.client_id,
-        hlc=view.clock.now(),
-        parent_id=None,
-        turn_id=None,
-        kind="fork",
-        appended=[],
-        snapshot=message_ids,
+    checkpoint = view.draft_checkpoint(
+        fork.id, parent_id=None, turn_id=None, kind="fork", appended=[], snapshot=message_ids
     )
     state = msgspec.structs.replace(fork.state, message_ids=message_ids, artifacts=artifacts)
     row = view.stamp(

@@ -685,6 +685,10 @@ class RemoteView:
     def stamp(self, row: Session, *, base: Session | None) -> Session:
         return self._core._stamp(row, base=base)
 
+    def draft_checkpoint(self, session_id: str, **fields: Any) -> Checkpoint:
+        """A checkpoint of ``session_id`` written by this device (``DeviceCore``'s)."""
+        return self._core.draft_checkpoint(session_id, **fields)
+
 
 def previous_ids(stored: str | None) -> list[str]:
     """The ids a device wrote under before its current one, from their meta value."""
