@@ -1345,10 +1345,11 @@ class SyncFacet:
         """True once for each new set of messages that taken sessions refer to and this
         device still lacks at the end of a pull (a session row may arrive a page before its
         messages); a resync that cannot find them (the server lost them too) is not
-        repeated."""
+        repeated. The ids leave ``_missing`` only once they are looked at: a disconnect that
+        cancels the look keeps them for the next pull."""
         fresh = self._missing - self._resynced
-        self._missing.clear()
         if not fresh:
+            self._missing.clear()
             return False
         still: list[str] = []
 
@@ -1357,6 +1358,7 @@ class SyncFacet:
             return None, None
 
         await self._rt.core.transact_remote(check)
+        self._missing -= fresh
         if not still:
             return False
         log.warning("sync: %d referenced message(s) missing here; resyncing", len(still))
