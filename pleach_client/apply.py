@@ -18,6 +18,7 @@ import msgspec
 from shared.clock import vector_problem
 from shared.errors import PleachError
 from shared.ids import uuid7
+from shared.merge import unmarked
 from shared.messages import ConflictReceipt, KeptReceipt
 from shared.records import (
     ArtifactUpdate,
@@ -123,7 +124,7 @@ async def plan_page(
                     local,
                     id=uuid7(),
                     vv={},
-                    state=msgspec.structs.replace(local.state, resolved={}),
+                    state=unmarked(local.state),
                     forked_from=local.id,
                     conflict_id=uuid7(),
                     conflict_loser_side="local",
@@ -346,10 +347,9 @@ async def _own_kept(
     version = view.before.get(deleted) or await view.row(tx, deleted)
     named = fork.state.message_ids
     if version is not None and not version.deleted and version.state.resolved:
-        kept = set(named)
-        named = [*named, *(m for m in version.state.message_ids if m not in kept)]
-        order = {m: i for i, m in enumerate(version.state.message_ids)}
-        named.sort(key=lambda m: order.get(m, len(order)))
+        # The version's transcript, then what the kept session gained since (later turns).
+        own = set(version.state.message_ids)
+        named = [*version.state.message_ids, *(m for m in named if m not in own)]
     copies: dict[str, Record] = {}
     for message in await tx.get_messages(named):
         if message.session_id == deleted and message.id not in copies:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import msgspec
 
 from .clock import Order, vv_compare, vv_merge
-from .records import Session
+from .records import Session, SessionState
 
 Side = Literal["local", "remote"]
 
@@ -119,3 +119,9 @@ def kept_beside_delete(live: Session, tombstone: Session) -> bool:
         and any(tombstone.vv.get(device, 0) <= n for device, n in live.state.resolved.items())
         and vv_compare(live.vv, tombstone.vv) is Order.CONCURRENT
     )
+
+
+def unmarked(state: SessionState) -> SessionState:
+    """``state`` for a session made from another one (a fork of any kind): a resolve's mark
+    counts in the vector of the session it was written in, not in the new one's."""
+    return msgspec.structs.replace(state, resolved={}) if state.resolved else state

@@ -66,8 +66,8 @@ store's ``BatchTx`` only a few times per batch:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Collection, Hashable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import msgspec
@@ -94,7 +94,7 @@ from shared.errors import (
 )
 from shared.hashchain import GENESIS, chain_event
 from shared.ids import uuid7
-from shared.merge import kept_beside_delete, resolve_conflicts
+from shared.merge import kept_beside_delete, resolve_conflicts, unmarked
 from shared.messages import ChangeResult, ConflictReceipt, KeptReceipt, Side, Status
 from shared.records import (
     ArtifactUpdate,
@@ -108,7 +108,6 @@ from shared.records import (
     RecordKind,
     RecordKindInfo,
     Session,
-    SessionState,
     kind_info,
     kind_of,
     record_kind,
@@ -542,10 +541,6 @@ def batch_keys(
             owners.add(record.id)
             sessions.add(record.id)
             chains.add(record.id)  # a conflict appends a sync.conflict event to its log
-            if isinstance(record, Session) and record.state.resolved and not record.deleted:
-                # A resolve's version may be kept beside a delete: which messages it names
-                # the server holds (``_Batch._keep``).
-                records.update(("Message", m) for m in record.state.message_ids)
         elif info.server_placed:
             events.add(record.id)
             if session_id is not None:
@@ -710,6 +705,26 @@ class _BufferedTx:
         if session_id not in self._deleted:
             self._deleted.append(session_id)
 
+    async def held(self, tenant: Tenant, kind: RecordKind, ids: Iterable[str]) -> set[str]:
+        """Which of ``ids`` of ``kind`` the tenant holds, stored or written by this batch. Ids
+        the batch's keys did not name are read in one more ``load``: for a rule that needs
+        them only rarely (``_Batch._keep``), not for every batch."""
+        ids = list(ids)
+        wanted = frozenset(
+            (kind, i)
+            for i in ids
+            if (kind, i) not in self._records and (kind, i) not in self._keys.records
+        )
+        if wanted:
+            found = await self._tx.load(tenant, BatchKeys(records=wanted))
+            self._loaded.record_owners.update(found.record_owners)
+            self._keys = replace(self._keys, records=self._keys.records | wanted)
+        return {
+            i
+            for i in ids
+            if (kind, i) in self._records or self._loaded.record_owners.get((kind, i)) == tenant
+        }
+
     async def head_cursor(self, tenant: Tenant) -> int:
         return await self._tx.head_cursor(tenant)
 
@@ -819,8 +834,10 @@ class _Batch:
         clock: HybridClock,
         server_id: str,
         bodies: Bodies,
+        held: Callable[[Tenant, RecordKind, Iterable[str]], Awaitable[set[str]]],
     ) -> None:
         self.tx = tx
+        self._held_ids = held  # ``_BufferedTx.held``: a read beyond the batch's keys
         self.bodies = bodies
         self.tenant = tenant
         self.clock = clock
@@ -941,7 +958,8 @@ class _Batch:
         self, version: Session, now: str, conflict_id: str | None, loser_side: Side | None
     ) -> Session:
         """``version`` of a session as a new session forked from it, made by the server: a
-        new id and vector, the same content (a resolve's mark cleared: ``_unmarked``)."""
+        new id and vector, the same content (a resolve's mark cleared:
+        ``shared.merge.unmarked``)."""
         return msgspec.structs.replace(
             version,
             id=uuid7(),
@@ -949,7 +967,7 @@ class _Batch:
             hlc=now,
             updated_at=now,
             vv={self.server_id: 1},
-            state=_unmarked(version.state),
+            state=unmarked(version.state),
             forked_from=version.id,
             forked_at_checkpoint=version.head_checkpoint_id,
             conflict_id=conflict_id,
@@ -1000,13 +1018,12 @@ class _Batch:
             # in pushes after the delete drained, and a device that took this session and
             # wrote it before the resolving device gave it copies (``_own_kept`` there) would
             # otherwise carry names no one can read. (A stored version's copies were stored.)
-            held = [
-                m
-                for m in live.state.message_ids
-                if await self.tx.owner_of("Message", m) == self.tenant
-            ]
-            if len(held) != len(live.state.message_ids):
-                state = msgspec.structs.replace(fork.state, message_ids=held)
+            named = live.state.message_ids
+            held = await self._held_ids(self.tenant, "Message", named)
+            if len(held) != len(set(named)):
+                state = msgspec.structs.replace(
+                    fork.state, message_ids=[m for m in named if m in held]
+                )
                 fork = msgspec.structs.replace(fork, state=state)
         await self.tx.put_session(fork)
         self.as_pushed = False
@@ -1052,12 +1069,6 @@ class _Batch:
         await self.tx.put_session(row)
         await self.tx.delete_content(row.id)
         return self._applied(seq, row, status=status, as_pushed=False)
-
-
-def _unmarked(state: SessionState) -> SessionState:
-    """``state`` for a session made from another one: a resolve's mark counts in the vector of
-    the session it was written in, not in the new one's."""
-    return msgspec.structs.replace(state, resolved={}) if state.resolved else state
 
 
 def _numbered(changes: list[Change], skipped: frozenset[int]) -> list[tuple[int, Change | None]]:
@@ -1107,7 +1118,7 @@ async def apply_push(
     skip = frozenset(skipped)
     keys = batch_keys(changes, start_seq, tenant, client_id, aliases, audit=chains, skipped=skip)
     await buffered.load(tenant, keys)
-    batch = _Batch(view, tenant, clock, server_id, stored)
+    batch = _Batch(view, tenant, clock, server_id, stored, buffered.held)
     await batch.prepare(c.record for c in changes if keys.verdicts.get(c.client_seq, 0) is None)
     results: list[ChangeResult] = []
     gap = False
