@@ -27,11 +27,14 @@ from pleach_server.store.postgres import (
     NOTIFY_CHANNEL,
     SCHEMA_VERSION,
     PostgresServerStore,
+    _pg_id,
+    _pg_key,
     migrate,
     redact_dsn,
     tenant_lock_key,
 )
 from shared.clock import HybridClock
+from shared.compact import KINDS
 from shared.errors import CursorTooOld, ErrorCode, InvalidState, StorageError, StorageUnavailable
 from shared.hashchain import chain_audit, verify_chain
 from shared.ids import uuid7
@@ -180,14 +183,16 @@ def stored_rows(pg_schema: str) -> StoredRows:
     async def rows(tenant: Tenant) -> set[tuple[str, str]]:
         s = pg_schema
         async with admin() as conn:
+            # Kinds as their numbers and ids as their keys (schema 9), read back as the store does.
             found = await conn.fetch(
-                f"SELECT 'Session', id FROM {s}.sessions WHERE org_id = $1 AND user_id = $2 "
-                f"UNION ALL SELECT 'Event', id FROM {s}.events WHERE org_id = $1 AND user_id = $2 "
+                f"SELECT 0::smallint, id FROM {s}.sessions WHERE org_id = $1 AND user_id = $2 "
+                f"UNION ALL SELECT 3::smallint, id FROM {s}.events "
+                "WHERE org_id = $1 AND user_id = $2 "
                 f"UNION ALL SELECT kind, id FROM {s}.records WHERE org_id = $1 AND user_id = $2",
                 tenant.org_id,
                 tenant.user_id,
             )
-        return {(str(kind), str(record_id)) for kind, record_id in found}
+        return {(KINDS[kind], _pg_id(key)) for kind, key in found}
 
     return rows
 
@@ -350,9 +355,9 @@ def explain_queries(store: PostgresServerStore) -> dict[str, tuple[str, tuple[An
                 "dev-7",
                 None,
                 *([] for _ in range(4)),  # audit places
-                ["Message", "Session"],
-                ["message-1", "session-7"],
-                ["session-7"],
+                [KINDS.index("Message"), KINDS.index("Session")],  # kinds and ids as kept
+                [_pg_key("message-1"), _pg_key("session-7")],
+                [_pg_key("session-7")],
                 "schema",
                 "server-1",
             ),
@@ -375,8 +380,9 @@ async def test_per_tenant_queries_are_index_scans() -> None:
             await conn.execute(
                 f"""INSERT INTO {s}.feed (org_id, user_id, kind, record_id)
                 SELECT 'org-' || (i % 500), 'user-' || (i % 500),
-                       CASE WHEN i % 10 = 0 THEN 'Session' ELSE 'Message' END,
-                       CASE WHEN i % 10 = 0 THEN 'session-' ELSE 'message-' END || i
+                       {s}.pleach_kind(CASE WHEN i % 10 = 0 THEN 'Session' ELSE 'Message' END),
+                       {s}.pleach_key(
+                           CASE WHEN i % 10 = 0 THEN 'session-' ELSE 'message-' END || i)
                 FROM generate_series(1, 20000) AS i"""
             )
             await conn.execute(
@@ -386,18 +392,21 @@ async def test_per_tenant_queries_are_index_scans() -> None:
             )
             await conn.execute(
                 f"""INSERT INTO {s}.sessions (id, org_id, user_id, updated_at, body)
-                SELECT 'session-' || i, 'org-' || (i % 500), 'user-' || (i % 500), 'x', ''
+                SELECT {s}.pleach_key('session-' || i), 'org-' || (i % 500),
+                       'user-' || (i % 500), 'x', ''
                 FROM generate_series(1, 5000) AS i"""
             )
             await conn.execute(
                 f"""INSERT INTO {s}.events
                     (id, session_id, sequence_number, org_id, user_id, row_hash, body)
-                SELECT 'event-' || i, 'session-' || (i % 5000), i, 'org-1', 'user-1', 'h', ''
+                SELECT {s}.pleach_key('event-' || i), {s}.pleach_key('session-' || (i % 5000)),
+                       i, 'org-1', 'user-1', 'h', ''
                 FROM generate_series(1, 20000) AS i"""
             )
             await conn.execute(
                 f"""INSERT INTO {s}.records (kind, id, org_id, user_id, session_id, body)
-                SELECT 'Message', 'message-' || i, 'org-1', 'user-1', 'session-' || (i % 5000), ''
+                SELECT {s}.pleach_kind('Message'), {s}.pleach_key('message-' || i), 'org-1',
+                       'user-1', {s}.pleach_key('session-' || (i % 5000)), ''
                 FROM generate_series(1, 20000) AS i"""
             )
             await conn.execute(
@@ -407,7 +416,7 @@ async def test_per_tenant_queries_are_index_scans() -> None:
             await conn.execute(
                 f"""INSERT INTO {s}.audit_places
                     (org_id, user_id, client_id, sequence_number, row_hash, id)
-                SELECT 'org-1', 'user-1', 'dev-' || (i % 50), i, 'h', 'audit-' || i
+                SELECT 'org-1', 'user-1', 'dev-' || (i % 50), i, 'h', {s}.pleach_key('audit-' || i)
                 FROM generate_series(1, 20000) AS i"""
             )
             await conn.execute(
@@ -434,9 +443,14 @@ def _literal(value: Any) -> str:
         return str(value)
     if isinstance(value, str):
         return "'" + value.replace("'", "''") + "'"
+    if isinstance(value, bytes):
+        return "'\\x" + value.hex() + "'"
     if isinstance(value, list):
         items = ",".join(
-            '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"' for v in value
+            '"\\\\x' + v.hex() + '"'
+            if isinstance(v, bytes)
+            else '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+            for v in value
         )
         return "'{" + items.replace("'", "''") + "}'"
     raise TypeError(f"no literal for {type(value).__name__}")
@@ -510,22 +524,24 @@ async def test_plans_do_not_depend_on_a_tenants_size() -> None:
                 (
                     "feed",
                     "org_id, user_id, kind, record_id",
-                    "ORG, USR, 'Message', 'message-' || i",
+                    "ORG, USR, {s}.pleach_kind('Message'), {s}.pleach_key('message-' || i)",
                 ),
                 (
                     "records",
                     "kind, id, org_id, user_id, session_id, body",
-                    "'Message', 'message-' || i, ORG, USR, 'session-7', ''",
+                    "{s}.pleach_kind('Message'), {s}.pleach_key('message-' || i), ORG, USR, "
+                    "{s}.pleach_key('session-7'), ''",
                 ),
                 (
                     "events",
                     "id, session_id, sequence_number, org_id, user_id, row_hash, body",
-                    "'event-' || i, 'session-7', i, ORG, USR, 'h', ''",
+                    "{s}.pleach_key('event-' || i), {s}.pleach_key('session-7'), i, ORG, USR, "
+                    "'h', ''",
                 ),
                 (
                     "audit_places",
                     "org_id, user_id, client_id, sequence_number, row_hash, id",
-                    "ORG, USR, 'dev-7', i, 'h', 'audit-' || i",
+                    "ORG, USR, 'dev-7', i, 'h', {s}.pleach_key('audit-' || i)",
                 ),
             ):
                 for tenant, numbers in (
@@ -534,14 +550,14 @@ async def test_plans_do_not_depend_on_a_tenants_size() -> None:
                 ):
                     await conn.execute(
                         f"INSERT INTO {s}.{table} ({columns}) "
-                        f"SELECT {select.replace('ORG, USR', tenant)} "
+                        f"SELECT {select.replace('ORG, USR', tenant).replace('{s}', s)} "
                         f"FROM generate_series({numbers}) AS i"
                     )
             await conn.execute(
                 f"""INSERT INTO {s}.sessions (id, org_id, user_id, updated_at, body)
-                SELECT 'session-7', 'org-' || i, 'user-' || i, 'x', ''::bytea
+                SELECT {s}.pleach_key('session-7'), 'org-' || i, 'user-' || i, 'x', ''::bytea
                 FROM generate_series(0, 1999) AS i
-                UNION ALL SELECT 'session-7', 'org-big', 'user-big', 'x', ''::bytea"""
+                UNION ALL SELECT {s}.pleach_key('session-7'), 'org-big', 'user-big', 'x', ''::bytea"""
             )
             await conn.execute(
                 f"""INSERT INTO {s}.clients (org_id, user_id, client_id, last_seq)
@@ -1355,3 +1371,112 @@ async def test_a_push_is_three_statements_whatever_its_size(pg_schema: str) -> N
             verbs = [q.split()[0].upper().rstrip(";") for q in statements]
             counts.append(verbs.index("COMMIT") - verbs.index("BEGIN") - 1)
         assert counts[1:] == [3, 3]
+
+
+async def test_keys_are_converted_alike_in_python_and_in_sql(pg_schema: str) -> None:
+    """``_pg_key`` (a push's rows) and ``pleach_key`` (lookups, migration 9) give one key per
+    id, no two ids share one, no key but a UUID's is 16 bytes, and ``_pg_id`` reads it back;
+    ``pleach_kind`` numbers the kinds as ``KINDS`` does."""
+    ids = [
+        uuid7(),
+        uuid7().upper(),  # not canonical: kept as its text
+        "",
+        "a",
+        "x" * 14,
+        "x" * 15,  # 15 bytes: behind two marks, so not 16 bytes long
+        "x" * 16,
+        "\u00ff" + "x" * 13,  # 15 bytes in UTF-8
+        "session-" + "é" * 4,
+        "01234567-89ab-cdef-0123-456789abcdeg",  # 36 characters, no UUID
+    ]
+    async with pg_store(pg_schema), admin() as conn:
+        in_sql = [await conn.fetchval(f"SELECT {pg_schema}.pleach_key($1)", i) for i in ids]
+        kinds = [await conn.fetchval(f"SELECT {pg_schema}.pleach_kind($1)", k) for k in KINDS]
+    keys = [_pg_key(i) for i in ids]
+    assert keys == [bytes(k) for k in in_sql]
+    assert len(set(keys)) == len(ids)
+    assert [len(k) == 16 for k in keys] == [True] + [False] * (len(ids) - 1)
+    assert [_pg_id(k) for k in keys] == ids
+    assert kinds == list(range(len(KINDS)))
+
+
+async def test_schema_8_migrates_ids_to_keys_and_kinds_to_numbers() -> None:
+    """Rows a schema 8 store wrote (ids and kinds as text, UUIDs and other ids alike) are read
+    after migration 9 as before, under the same cursors, and a push finds them by their ids."""
+    from shared.records import encode_record
+
+    dev = Device(new_tenant())
+    session = dev.session(title="s", id="session-15chars")  # 15 characters: two marks
+    uuid_message = dev.message(session.id)
+    text_message = dev.message(session.id, id="message-16-chars")
+    session = dev.edit(session, message_ids=[uuid_message.id, text_message.id])
+    event = dev.event(session.id)
+    t = (dev.tenant.org_id, dev.tenant.user_id)
+    async with scratch_schema() as s:
+        async with admin() as conn:
+            await schema_at(conn, s, 8)
+            await conn.execute(
+                f"INSERT INTO {s}.sessions (id, org_id, user_id, updated_at, body) "
+                "VALUES ($1, $2, $3, $4, $5)",
+                session.id, *t, session.updated_at, encode_record(session),
+            )  # fmt: skip
+            for message in (uuid_message, text_message):
+                await conn.execute(
+                    f"INSERT INTO {s}.records (kind, id, org_id, user_id, session_id, body) "
+                    "VALUES ('Message', $1, $2, $3, $4, $5)",
+                    message.id, *t, session.id, encode_record(message),
+                )  # fmt: skip
+            await conn.execute(
+                f"INSERT INTO {s}.events (id, session_id, sequence_number, org_id, user_id, "
+                "row_hash, body) VALUES ($1, $2, 1, $3, $4, $5, $6)",
+                event.id, session.id, *t, event.row_hash, encode_record(event),
+            )  # fmt: skip
+            entries = (
+                ("Message", uuid_message),
+                ("Message", text_message),
+                ("Session", session),
+                ("Event", event),
+            )
+            cursors = [
+                await conn.fetchval(
+                    f"INSERT INTO {s}.feed (org_id, user_id, kind, record_id) "
+                    "VALUES ($1, $2, $3, $4) RETURNING cursor",
+                    *t,
+                    kind,
+                    record.id,
+                )
+                for kind, record in entries
+            ]
+        result = await migrate(PG_DSN, s)
+        assert (result.from_version, result.to_version) == (8, SCHEMA_VERSION)
+        async with pg_store(s) as store:
+            feed = await pull_all(store, dev.tenant)
+            assert [(c.cursor, c.record) for c in feed] == list(
+                zip(cursors, [r for _, r in entries], strict=True)
+            )
+            # Found by their ids: the session (not claimed as new), a message id already held.
+            again = await store.push(
+                dev.tenant,
+                dev.client_id,
+                dev.changes(dev.edit(session, title="t"), text_message),
+                HybridClock("server-x"),
+            )
+            assert [r.status for r in again.results] == ["applied", "duplicate"]
+        async with admin() as conn:
+            types = await conn.fetch(
+                "SELECT table_name, column_name, data_type FROM information_schema.columns "
+                "WHERE table_schema = $1 AND column_name IN ('id', 'session_id', 'record_id', "
+                "'kind') ORDER BY table_name, column_name",
+                s,
+            )
+        assert {(r[0], r[1]): r[2] for r in types} == {
+            ("audit_places", "id"): "bytea",
+            ("events", "id"): "bytea",
+            ("events", "session_id"): "bytea",
+            ("feed", "kind"): "smallint",
+            ("feed", "record_id"): "bytea",
+            ("records", "id"): "bytea",
+            ("records", "kind"): "smallint",
+            ("records", "session_id"): "bytea",
+            ("sessions", "id"): "bytea",
+        }

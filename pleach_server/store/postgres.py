@@ -33,6 +33,9 @@ that broke is terminated on release and replaced on the next acquire.
 Schema (versioned in ``<schema>.schema_migrations``, migrated at ``open()`` under a
 session-wide advisory lock, so several processes may start at once):
 
+Ids are kept as their keys (``pleach_key``: a canonical UUID as its 16 bytes, any other id as
+its text behind a marker) and kinds as their numbers (``pleach_kind``), since version 9.
+
 - ``sessions``: one row per session id, its msgpack body.
 - ``records``: immutable records (messages, checkpoints, audit rows, artifact updates).
 - ``events``: canonical events; ``(session_id, sequence_number)`` is unique.
@@ -56,13 +59,14 @@ import hashlib
 import logging
 import re
 from collections.abc import Awaitable, Callable, Collection
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 from urllib.parse import urlsplit
 
 import asyncpg  # type: ignore[import-untyped]
 import msgspec
 
 from shared.clock import HybridClock
+from shared.compact import KINDS, uuid_bytes, uuid_text
 from shared.errors import CursorTooOld, InvalidState, StorageError, StorageUnavailable
 from shared.ids import uuid7
 from shared.records import (
@@ -149,6 +153,49 @@ def _insert_places(s: str) -> str:
 def _place(row: AuditRow) -> tuple[str, int, str, str]:
     """An audit row's ``audit_places`` columns after the tenant's."""
     return (row.client_id, row.sequence_number, row.row_hash, row.id)
+
+
+_KIND_NUMBERS: Final = {name: number for number, name in enumerate(KINDS)}
+_SESSION_KIND: Final = _KIND_NUMBERS["Session"]
+_EVENT_KIND: Final = _KIND_NUMBERS["Event"]
+_LONG_MARK: Final = b"\xff\xff"
+_MARK: Final = b"\xff"
+"""A key that is no UUID's: its text's UTF-8 behind 0xFF (a byte UTF-8 never holds), or
+behind two when the text is 15 bytes long, so that no such key is 16 bytes (a UUID's) and
+no two texts share one."""
+
+# ``{{`` and ``}}``: the statements are formatted with the schema (``{s}``).
+_PLEACH_KEY = (
+    "CREATE FUNCTION {s}.pleach_key(t text) RETURNS bytea "
+    "LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$ SELECT CASE "
+    "WHEN t ~ '^[0-9a-f]{{8}}-[0-9a-f]{{4}}-[0-9a-f]{{4}}-[0-9a-f]{{4}}-[0-9a-f]{{12}}$' "
+    "THEN decode(replace(t, '-', ''), 'hex') "
+    "WHEN octet_length(t) = 15 THEN '\\xffff'::bytea || convert_to(t, 'UTF8') "
+    "ELSE '\\xff'::bytea || convert_to(t, 'UTF8') END $$"
+)
+_PLEACH_KIND = (
+    "CREATE FUNCTION {s}.pleach_kind(t text) RETURNS smallint "
+    "LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$ SELECT CASE t "
+    + " ".join(f"WHEN '{name}' THEN {number}" for number, name in enumerate(KINDS))
+    + " END::smallint $$"
+)
+
+
+def _pg_key(record_id: str) -> bytes:
+    """``pleach_key`` in Python: how the columns keep an id (schema 9)."""
+    key = uuid_bytes(record_id)
+    if key is not None:
+        return key
+    text = record_id.encode()
+    return (_LONG_MARK if len(text) == 15 else _MARK) + text
+
+
+def _pg_id(key: bytes) -> str:
+    """The id a column's key stands for (``_pg_key`` reversed)."""
+    key = bytes(key)
+    if len(key) == 16:
+        return uuid_text(key)
+    return key[len(_LONG_MARK) if len(key) == 17 and key[1] == 0xFF else len(_MARK) :].decode()
 
 
 _TENANT_TABLES = (
@@ -302,6 +349,26 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
             f"ON org_id, user_id FROM {{s}}.{table}"
             for table in _TENANT_TABLES
         ),
+        "ANALYZE " + ", ".join(f"{{s}}.{table}" for table in _TENANT_TABLES),
+    ),
+    # 9: an id is kept as its key (``pleach_key``: a canonical UUID as its 16 bytes, any other
+    # id as its text behind a marker) and a kind as its number (``pleach_kind``: its index in
+    # ``shared.compact.KINDS``), as the SQLite store keeps them: a UUID took 37 bytes as text
+    # in its row and again in every index entry that holds it, 17 as bytes. The two functions
+    # are the store's own conversions in SQL (lookups and this migration use them; a push
+    # converts its rows in Python, ``_pg_key``: test_keys_are_converted_alike).
+    (
+        _PLEACH_KEY,
+        _PLEACH_KIND,
+        "ALTER TABLE {s}.sessions ALTER COLUMN id TYPE bytea USING {s}.pleach_key(id)",
+        "ALTER TABLE {s}.records ALTER COLUMN kind TYPE smallint USING {s}.pleach_kind(kind), "
+        "ALTER COLUMN id TYPE bytea USING {s}.pleach_key(id), "
+        "ALTER COLUMN session_id TYPE bytea USING {s}.pleach_key(session_id)",
+        "ALTER TABLE {s}.events ALTER COLUMN id TYPE bytea USING {s}.pleach_key(id), "
+        "ALTER COLUMN session_id TYPE bytea USING {s}.pleach_key(session_id)",
+        "ALTER TABLE {s}.feed ALTER COLUMN kind TYPE smallint USING {s}.pleach_kind(kind), "
+        "ALTER COLUMN record_id TYPE bytea USING {s}.pleach_key(record_id)",
+        "ALTER TABLE {s}.audit_places ALTER COLUMN id TYPE bytea USING {s}.pleach_key(id)",
         "ANALYZE " + ", ".join(f"{{s}}.{table}" for table in _TENANT_TABLES),
     ),
 )
@@ -461,8 +528,10 @@ async def migrate(
 _T = "org_id = $1 AND user_id = $2"
 
 
-def _session_owner(s: str, key: str) -> str:
-    """A session id is held by its row, else by any event, else by any record filed under it."""
+def _session_owner(s: str, id_: str) -> str:
+    """A session id is held by its row, else by any event, else by any record filed under it.
+    ``id_``: the id as text (as every lookup's below), converted to its key in SQL."""
+    key = f"{s}.pleach_key({id_})"
     return (
         f"SELECT org_id, user_id FROM {s}.sessions WHERE {_T} AND id = {key} "
         f"UNION ALL (SELECT org_id, user_id FROM {s}.events WHERE {_T} AND session_id = {key} "
@@ -472,22 +541,25 @@ def _session_owner(s: str, key: str) -> str:
     )
 
 
-def _event_owner(s: str, key: str) -> str:
-    return f"SELECT org_id, user_id FROM {s}.events WHERE {_T} AND id = {key}"
+def _event_owner(s: str, id_: str) -> str:
+    return f"SELECT org_id, user_id FROM {s}.events WHERE {_T} AND id = {s}.pleach_key({id_})"
 
 
-def _record_owner(s: str, kind: str, key: str) -> str:
-    return f"SELECT org_id, user_id FROM {s}.records WHERE {_T} AND kind = {kind} AND id = {key}"
-
-
-def _get_session(s: str, key: str) -> str:
-    return f"SELECT body FROM {s}.sessions WHERE {_T} AND id = {key}"
-
-
-def _last_event(s: str, key: str) -> str:
+def _record_owner(s: str, kind: str, id_: str) -> str:
     return (
-        f"SELECT sequence_number, row_hash FROM {s}.events WHERE {_T} AND session_id = {key} "
-        "ORDER BY sequence_number DESC LIMIT 1"
+        f"SELECT org_id, user_id FROM {s}.records WHERE {_T} "
+        f"AND kind = {s}.pleach_kind({kind}) AND id = {s}.pleach_key({id_})"
+    )
+
+
+def _get_session(s: str, id_: str) -> str:
+    return f"SELECT body FROM {s}.sessions WHERE {_T} AND id = {s}.pleach_key({id_})"
+
+
+def _last_event(s: str, id_: str) -> str:
+    return (
+        f"SELECT sequence_number, row_hash FROM {s}.events WHERE {_T} "
+        f"AND session_id = {s}.pleach_key({id_}) ORDER BY sequence_number DESC LIMIT 1"
     )
 
 
@@ -584,16 +656,17 @@ class _Sql:
         self.write = (
             "WITH r AS ("
             f"INSERT INTO {s}.records (kind, id, org_id, user_id, session_id, body) "
-            "SELECT * FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[], "
-            "$8::bytea[]) ON CONFLICT (org_id, user_id, kind, id) DO NOTHING RETURNING 1), "
+            "SELECT * FROM unnest($3::smallint[], $4::bytea[], $5::text[], $6::text[], "
+            "$7::bytea[], $8::bytea[]) ON CONFLICT (org_id, user_id, kind, id) DO NOTHING "
+            "RETURNING 1), "
             "e AS ("
             f"INSERT INTO {s}.events "
             "(id, session_id, sequence_number, org_id, user_id, row_hash, body) "
-            "SELECT * FROM unnest($9::text[], $10::text[], $11::bigint[], $12::text[], "
+            "SELECT * FROM unnest($9::bytea[], $10::bytea[], $11::bigint[], $12::text[], "
             "$13::text[], $14::text[], $15::bytea[]) ON CONFLICT DO NOTHING RETURNING 1), "
             "x AS ("
             f"INSERT INTO {s}.sessions (id, org_id, user_id, updated_at, body) "
-            "SELECT * FROM unnest($16::text[], $17::text[], $18::text[], $19::text[], "
+            "SELECT * FROM unnest($16::bytea[], $17::text[], $18::text[], $19::text[], "
             "$20::bytea[]) ON CONFLICT (org_id, user_id, id) DO UPDATE SET "
             "updated_at = excluded.updated_at, body = excluded.body RETURNING 1), "
             "c AS ("
@@ -604,7 +677,7 @@ class _Sql:
             "p AS ("
             f"INSERT INTO {s}.audit_places "
             "(org_id, user_id, client_id, sequence_number, row_hash, id) "
-            "SELECT $1, $2, * FROM unnest($23::text[], $24::bigint[], $25::text[], $26::text[]) "
+            "SELECT $1, $2, * FROM unnest($23::text[], $24::bigint[], $25::text[], $26::bytea[]) "
             "ON CONFLICT DO NOTHING RETURNING 1), "
             # The feed rows ($27 kinds, $28 ids): n cursors from the identity sequence (the
             # caller holds the tenant lock), paired in increasing order with the rows in
@@ -612,16 +685,16 @@ class _Sql:
             f"f AS (INSERT INTO {s}.feed (cursor, org_id, user_id, kind, record_id) "
             "OVERRIDING SYSTEM VALUE "
             "SELECT c.cursor, $1, $2, r.kind, r.record_id "
-            "FROM unnest($27::text[], $28::text[]) WITH ORDINALITY AS r (kind, record_id, n) "
+            "FROM unnest($27::smallint[], $28::bytea[]) WITH ORDINALITY AS r (kind, record_id, n) "
             "JOIN (SELECT a.cursor, row_number() OVER (ORDER BY a.cursor) AS n FROM ("
             f"SELECT nextval(pg_get_serial_sequence('{s}.feed', 'cursor')) AS cursor "
-            "FROM generate_series(1, cardinality($27::text[]))) AS a) AS c USING (n) "
+            "FROM generate_series(1, cardinality($27::smallint[]))) AS a) AS c USING (n) "
             "RETURNING cursor), "
             # The entries the new ones supersede: the earlier entries of the sessions in $29
             # (this DELETE sees the feed as it was before the statement, so never the rows f
             # adds; see migration 6).
-            f"d AS (DELETE FROM {s}.feed AS old USING unnest($29::text[]) AS k (id) "
-            "WHERE old.org_id = $1 AND old.user_id = $2 AND old.kind = 'Session' "
+            f"d AS (DELETE FROM {s}.feed AS old USING unnest($29::bytea[]) AS k (id) "
+            f"WHERE old.org_id = $1 AND old.user_id = $2 AND old.kind = {_SESSION_KIND} "
             "AND old.record_id = k.id), "
             # The notice to the other server processes ($30: the schema, $31: this server's
             # id), delivered at COMMIT, in commit order, never if the transaction rolls back.
@@ -661,9 +734,9 @@ class _Sql:
             "SELECT cursor, body, (ROW_NUMBER() OVER w = 1 "
             "OR SUM(octet_length(body)) OVER w <= $5) AS within FROM ("
             "SELECT p.cursor, CASE p.kind "
-            f"WHEN 'Session' THEN (SELECT x.body FROM {s}.sessions AS x "
+            f"WHEN {_SESSION_KIND} THEN (SELECT x.body FROM {s}.sessions AS x "
             "WHERE x.org_id = $1 AND x.user_id = $2 AND x.id = p.record_id) "
-            f"WHEN 'Event' THEN (SELECT e.body FROM {s}.events AS e "
+            f"WHEN {_EVENT_KIND} THEN (SELECT e.body FROM {s}.events AS e "
             "WHERE e.org_id = $1 AND e.user_id = $2 AND e.id = p.record_id) "
             f"ELSE (SELECT r.body FROM {s}.records AS r WHERE r.org_id = $1 "
             "AND r.user_id = $2 AND r.kind = p.kind AND r.id = p.record_id) END AS body "
@@ -695,14 +768,15 @@ class _Sql:
         )
         self.cascade_candidates = (
             f"SELECT kind, id, body FROM {s}.records WHERE org_id = $1 AND user_id = $2 "
-            "AND session_id = ANY($3::text[]) AND kind = ANY($4::text[])"
+            "AND session_id = ANY($3::bytea[]) AND kind = ANY($4::smallint[])"
         )
         self.delete_records = (
-            f"DELETE FROM {s}.records AS r USING unnest($3::text[], $4::text[]) AS k (kind, id) "
+            f"DELETE FROM {s}.records AS r "
+            "USING unnest($3::smallint[], $4::bytea[]) AS k (kind, id) "
             "WHERE r.org_id = $1 AND r.user_id = $2 AND r.kind = k.kind AND r.id = k.id"
         )
         self.delete_feed = (
-            f"DELETE FROM {s}.feed AS f USING unnest($3::text[], $4::text[]) AS k (kind, id) "
+            f"DELETE FROM {s}.feed AS f USING unnest($3::smallint[], $4::bytea[]) AS k (kind, id) "
             "WHERE f.org_id = $1 AND f.user_id = $2 AND f.kind = k.kind AND f.record_id = k.id"
         )
         self.lock_tenant = "SELECT pg_advisory_xact_lock($1)"
@@ -798,14 +872,25 @@ class _PostgresTx:
             info = kind_of(r)
             if info.merge == "versioned" or info.server_placed:
                 raise TypeError(f"{info.name} records are not written as records")
-            row = (info.name, r.id, r.org_id, r.user_id, info.session_of(r), writes.bodies.of(r))
+            session_id = info.session_of(r)
+            row = (
+                _KIND_NUMBERS[info.name],
+                _pg_key(r.id),
+                r.org_id,
+                r.user_id,
+                None if session_id is None else _pg_key(session_id),
+                writes.bodies.of(r),
+            )
             for column, value in zip(records, row, strict=True):
                 column.append(value)
         events, sessions, feed = writes.events, writes.sessions, writes.feed
         places: list[list[Any]] = [[], [], [], []]
         for r in writes.records:
             if isinstance(r, AuditRow):
-                for place_column, place_value in zip(places, _place(r), strict=True):
+                client, number, row_hash, row_id = _place(r)
+                for place_column, place_value in zip(
+                    places, (client, number, row_hash, _pg_key(row_id)), strict=True
+                ):
                     place_column.append(place_value)
         versioned = [i for i, r in enumerate(feed) if kind_of(r).merge == "versioned"]
         cursors: list[int] = []
@@ -815,14 +900,14 @@ class _PostgresTx:
                 tenant.org_id,
                 tenant.user_id,
                 *records,
-                [e.id for e in events],
-                [e.session_id for e in events],
+                [_pg_key(e.id) for e in events],
+                [_pg_key(e.session_id) for e in events],
                 [e.sequence_number for e in events],
                 [e.org_id for e in events],
                 [e.user_id for e in events],
                 [e.row_hash for e in events],
                 [writes.bodies.of(e) for e in events],
-                [x.id for x in sessions],
+                [_pg_key(x.id) for x in sessions],
                 [x.org_id for x in sessions],
                 [x.user_id for x in sessions],
                 [x.updated_at for x in sessions],
@@ -830,9 +915,9 @@ class _PostgresTx:
                 client_id,
                 writes.last_seq,
                 *places,
-                [record_kind(r) for r in feed],
-                [r.id for r in feed],
-                [feed[i].id for i in versioned],
+                [_KIND_NUMBERS[record_kind(r)] for r in feed],
+                [_pg_key(r.id) for r in feed],
+                [_pg_key(feed[i].id) for i in versioned],
                 self._schema,
                 self._server_id,
             )
@@ -865,13 +950,16 @@ class _PostgresTx:
     async def _delete_content(self, tenant: Tenant) -> None:
         """Delete the content of the tenant's deleted sessions (``BatchTx.write``)."""
         conn, sql, t = self._conn, self._sql, (tenant.org_id, tenant.user_id)
-        sessions = [decode_session(i, b) for i, b in await conn.fetch(sql.tenant_sessions, *t)]
-        deleted = [x.id for x in sessions if x.deleted]
-        rows = await conn.fetch(sql.cascade_candidates, *t, deleted, list(CASCADE_KINDS))
-        candidates = [decode_stored(kind, record_id, body) for kind, record_id, body in rows]
+        rows = await conn.fetch(sql.tenant_sessions, *t)
+        sessions = [decode_session(_pg_id(key), body) for key, body in rows]
+        deleted = [_pg_key(x.id) for x in sessions if x.deleted]
+        cascade = [_KIND_NUMBERS[kind] for kind in CASCADE_KINDS]
+        rows = await conn.fetch(sql.cascade_candidates, *t, deleted, cascade)
+        candidates = [decode_stored(KINDS[kind], _pg_id(key), body) for kind, key, body in rows]
         doomed = content_to_delete(sessions, candidates)
         if doomed:
-            kinds, ids = [k for k, _ in doomed], [i for _, i in doomed]
+            kinds = [_KIND_NUMBERS[kind] for kind, _ in doomed]
+            ids = [_pg_key(record_id) for _, record_id in doomed]
             await conn.execute(sql.delete_records, *t, kinds, ids)
             await conn.execute(sql.delete_feed, *t, kinds, ids)
 
