@@ -33,8 +33,9 @@ that broke is terminated on release and replaced on the next acquire.
 Schema (versioned in ``<schema>.schema_migrations``, migrated at ``open()`` under a
 session-wide advisory lock, so several processes may start at once):
 
-Ids are kept as their keys (``pleach_key``: a canonical UUID as its 16 bytes, any other id as
-its text behind a marker) and kinds as their numbers (``pleach_kind``), since version 9.
+Ids are kept as their keys (``_pg_key``, ``pleach_key`` in SQL: a canonical UUID as its 16
+bytes, any other id as its text behind a marker) and kinds as their numbers (their index in
+``KINDS``), since version 9; every statement binds keys converted in Python.
 
 - ``sessions``: one row per session id, its msgpack body.
 - ``records``: immutable records (messages, checkpoints, audit rows, artifact updates).
@@ -528,10 +529,10 @@ async def migrate(
 _T = "org_id = $1 AND user_id = $2"
 
 
-def _session_owner(s: str, id_: str) -> str:
+def _session_owner(s: str, key: str) -> str:
     """A session id is held by its row, else by any event, else by any record filed under it.
-    ``id_``: the id as text (as every lookup's below), converted to its key in SQL."""
-    key = f"{s}.pleach_key({id_})"
+    ``key``: the id's key (``_pg_key``), as in every lookup below (a lookup converts its ids
+    in Python: the planner does not read a key computed in SQL through an index)."""
     return (
         f"SELECT org_id, user_id FROM {s}.sessions WHERE {_T} AND id = {key} "
         f"UNION ALL (SELECT org_id, user_id FROM {s}.events WHERE {_T} AND session_id = {key} "
@@ -541,25 +542,22 @@ def _session_owner(s: str, id_: str) -> str:
     )
 
 
-def _event_owner(s: str, id_: str) -> str:
-    return f"SELECT org_id, user_id FROM {s}.events WHERE {_T} AND id = {s}.pleach_key({id_})"
+def _event_owner(s: str, key: str) -> str:
+    return f"SELECT org_id, user_id FROM {s}.events WHERE {_T} AND id = {key}"
 
 
-def _record_owner(s: str, kind: str, id_: str) -> str:
+def _record_owner(s: str, kind: str, key: str) -> str:
+    return f"SELECT org_id, user_id FROM {s}.records WHERE {_T} AND kind = {kind} AND id = {key}"
+
+
+def _get_session(s: str, key: str) -> str:
+    return f"SELECT body FROM {s}.sessions WHERE {_T} AND id = {key}"
+
+
+def _last_event(s: str, key: str) -> str:
     return (
-        f"SELECT org_id, user_id FROM {s}.records WHERE {_T} "
-        f"AND kind = {s}.pleach_kind({kind}) AND id = {s}.pleach_key({id_})"
-    )
-
-
-def _get_session(s: str, id_: str) -> str:
-    return f"SELECT body FROM {s}.sessions WHERE {_T} AND id = {s}.pleach_key({id_})"
-
-
-def _last_event(s: str, id_: str) -> str:
-    return (
-        f"SELECT sequence_number, row_hash FROM {s}.events WHERE {_T} "
-        f"AND session_id = {s}.pleach_key({id_}) ORDER BY sequence_number DESC LIMIT 1"
+        f"SELECT sequence_number, row_hash FROM {s}.events WHERE {_T} AND session_id = {key} "
+        "ORDER BY sequence_number DESC LIMIT 1"
     )
 
 
@@ -629,21 +627,22 @@ class _Sql:
         # cursor, always one row); an empty key array returns nothing.
         self.load = (
             "SELECT 0, k.kind, k.id, o.org_id, o.user_id, NULL::bytea, NULL::bigint, NULL::text "
-            "FROM unnest($3::text[], $4::text[]) AS k (kind, id) "
+            "FROM unnest($3::smallint[], $4::bytea[]) AS k (kind, id) "
             f"CROSS JOIN LATERAL ({_record_owner(s, 'k.kind', 'k.id')} LIMIT 1) AS o "
             "UNION ALL SELECT 1, NULL, k.id, o.org_id, o.user_id, NULL, NULL, NULL "
-            "FROM unnest($5::text[]) AS k (id) "
+            "FROM unnest($5::bytea[]) AS k (id) "
             f"CROSS JOIN LATERAL ({_event_owner(s, 'k.id')} LIMIT 1) AS o "
             "UNION ALL SELECT 2, NULL, k.id, o.org_id, o.user_id, NULL, NULL, NULL "
-            "FROM unnest($6::text[]) AS k (id) "
+            "FROM unnest($6::bytea[]) AS k (id) "
             f"CROSS JOIN LATERAL ({_session_owner(s, 'k.id')}) AS o "
             "UNION ALL SELECT 3, NULL, k.id, NULL, NULL, o.body, NULL, NULL "
-            "FROM unnest($7::text[]) AS k (id) "
+            "FROM unnest($7::bytea[]) AS k (id) "
             f"CROSS JOIN LATERAL ({_get_session(s, 'k.id')} LIMIT 1) AS o "
             "UNION ALL SELECT 4, NULL, k.id, NULL, NULL, NULL, o.sequence_number, o.row_hash "
-            "FROM unnest($8::text[]) AS k (id) "
+            "FROM unnest($8::bytea[]) AS k (id) "
             f"CROSS JOIN LATERAL ({_last_event(s, 'k.id')}) AS o "
-            "UNION ALL SELECT 5, NULL, k.id, NULL, NULL, NULL, o.sequence_number, o.row_hash "
+            "UNION ALL SELECT 5, NULL, convert_to(k.id, 'UTF8'), NULL, NULL, NULL, "
+            "o.sequence_number, o.row_hash "
             "FROM unnest($9::text[]) AS k (id) "
             f"CROSS JOIN LATERAL ({_audit_tail(s, 'k.id')}) AS o "
             "UNION ALL SELECT 6, NULL, NULL, NULL, NULL, NULL, ("
@@ -830,33 +829,48 @@ class _PostgresTx:
         await self._take_lock()
         found = Snapshot()
         kinds, ids = zip(*keys.records, strict=True) if keys.records else ((), ())
+        named: dict[bytes, str] = {}  # key -> id, to name what the rows found
+
+        def keyed(values: Collection[str]) -> list[bytes]:
+            out = []
+            for value in values:
+                key = _pg_key(value)
+                named[key] = value
+                out.append(key)
+            return out
+
         lookups = (
-            list(kinds),
-            list(ids),
-            list(keys.events),
-            list(keys.session_owners),
-            list(keys.sessions),
-            list(keys.chains),
-            list(keys.audit_chains),
+            [_KIND_NUMBERS[kind] for kind in kinds],
+            keyed(ids),
+            keyed(keys.events),
+            keyed(keys.session_owners),
+            keyed(keys.sessions),
+            keyed(keys.chains),
+            list(keys.audit_chains),  # device ids: kept as their text
         )
         if not any(lookups):
             return found
         rows = await self._conn.fetch(self._sql.load, tenant.org_id, tenant.user_id, *lookups)
         for what, kind, key, org_id, user_id, body, number, row_hash in rows:
-            if what == 0:
-                found.record_owners[(kind, key)] = Tenant(org_id=org_id, user_id=user_id)
-            elif what == 1:
-                found.event_owners[key] = Tenant(org_id=org_id, user_id=user_id)
-            elif what == 2:
-                found.session_owners[key] = Tenant(org_id=org_id, user_id=user_id)
-            elif what == 3:
-                found.sessions[key] = decode_session(key, body)
-            elif what == 4:
-                found.chain_tails[key] = (int(number), str(row_hash))
-            elif what == 5:
-                found.audit_tails[key] = (int(number), str(row_hash))
-            else:
+            if what == 5:
+                # (a device id, as its UTF-8: the column holds the other lookups' keys)
+                found.audit_tails[bytes(key).decode()] = (int(number), str(row_hash))
+                continue
+            if what == 6:
                 self._head = int(number)
+                continue
+            record_id = named[bytes(key)]
+            if what == 0:
+                owner = Tenant(org_id=org_id, user_id=user_id)
+                found.record_owners[(KINDS[kind], record_id)] = owner
+            elif what == 1:
+                found.event_owners[record_id] = Tenant(org_id=org_id, user_id=user_id)
+            elif what == 2:
+                found.session_owners[record_id] = Tenant(org_id=org_id, user_id=user_id)
+            elif what == 3:
+                found.sessions[record_id] = decode_session(record_id, body)
+            else:
+                found.chain_tails[record_id] = (int(number), str(row_hash))
         return found
 
     async def write(self, tenant: Tenant, client_id: str, writes: BatchWrites) -> list[int]:
