@@ -356,8 +356,9 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
     # id as its text behind a marker) and a kind as its number (``pleach_kind``: its index in
     # ``shared.compact.KINDS``), as the SQLite store keeps them: a UUID took 37 bytes as text
     # in its row and again in every index entry that holds it, 17 as bytes. The two functions
-    # are the store's own conversions in SQL (lookups and this migration use them; a push
-    # converts its rows in Python, ``_pg_key``: test_keys_are_converted_alike).
+    # are the store's conversions in SQL, for this migration and for a reader in psql; the
+    # store binds keys converted in Python (``_pg_key``), alike
+    # (test_keys_are_converted_alike_in_python_and_in_sql).
     (
         _PLEACH_KEY,
         _PLEACH_KIND,
