@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
@@ -38,7 +38,7 @@ from shared.compact import KINDS
 from shared.errors import CursorTooOld, ErrorCode, InvalidState, StorageError, StorageUnavailable
 from shared.hashchain import chain_audit, verify_chain
 from shared.ids import uuid7
-from shared.records import CASCADE_KINDS, Event, record_kind
+from shared.records import CASCADE_KINDS, Event, Message, Record, Session, record_kind
 from tests.server_factories import Device, new_tenant
 from tests.server_store_conformance import (
     FaultyTx,
@@ -1202,10 +1202,57 @@ async def schema_at(conn: Any, s: str, version: int) -> None:
         await conn.execute(f"INSERT INTO {s}.schema_migrations VALUES ($1)", number)
 
 
+async def text_rows(
+    conn: Any,
+    s: str,
+    tenant: Tenant,
+    *,
+    sessions: Iterable[Session] = (),
+    messages: Iterable[Message] = (),
+    events: Iterable[Event] = (),
+    feed: Iterable[tuple[str, Record]] = (),
+    feed_bodies: bool = False,
+) -> list[int]:
+    """Rows as the schemas before 9 kept them (tenants, kinds and ids as text) in schema ``s``:
+    the sessions, the messages (each under its session), the events (places 1, 2, ...) and
+    the feed entries (with a copy of each body: ``feed_bodies``, before 6); their cursors."""
+    from shared.records import encode_record
+
+    t = (tenant.org_id, tenant.user_id)
+    for x in sessions:
+        await conn.execute(
+            f"INSERT INTO {s}.sessions (id, org_id, user_id, updated_at, body) "
+            "VALUES ($1, $2, $3, $4, $5)",
+            x.id, *t, x.updated_at, encode_record(x),
+        )  # fmt: skip
+    for m in messages:
+        await conn.execute(
+            f"INSERT INTO {s}.records (kind, id, org_id, user_id, session_id, body) "
+            "VALUES ('Message', $1, $2, $3, $4, $5)",
+            m.id, *t, m.session_id, encode_record(m),
+        )  # fmt: skip
+    for number, e in enumerate(events, start=1):
+        await conn.execute(
+            f"INSERT INTO {s}.events (id, session_id, sequence_number, org_id, user_id, "
+            "row_hash, body) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            e.id, e.session_id, number, *t, e.row_hash, encode_record(e),
+        )  # fmt: skip
+    cursors = []
+    for kind, record in feed:
+        row = [*t, kind, record.id, *([encode_record(record)] if feed_bodies else [])]
+        cursor = await conn.fetchval(
+            f"INSERT INTO {s}.feed (org_id, user_id, kind, record_id"
+            f"{', body' if feed_bodies else ''}) "
+            f"VALUES ({', '.join(f'${n}' for n in range(1, len(row) + 1))}) RETURNING cursor",
+            *row,
+        )
+        cursors.append(int(cursor))
+    return cursors
+
+
 async def test_schema_3_migrates_to_tenant_scoped_ids() -> None:
     """A schema at version 3 (ids unique across tenants) keeps its rows through migration 4,
     and they are found by their new keys."""
-    from shared.records import encode_record
 
     alice, bob = Device(new_tenant()), Device(new_tenant())
     session = alice.session(title="before the upgrade")
@@ -1214,25 +1261,14 @@ async def test_schema_3_migrates_to_tenant_scoped_ids() -> None:
     async with scratch_schema() as s:
         async with admin() as conn:
             await schema_at(conn, s, 3)
-            await conn.execute(
-                f"INSERT INTO {s}.sessions (id, org_id, user_id, updated_at, body) "
-                "VALUES ($1, $2, $3, $4, $5)",
-                session.id, *t, session.updated_at, encode_record(session),
+            await text_rows(
+                conn, s, alice.tenant, sessions=[session], messages=[message],
+                feed=[("Session", session), ("Message", message)], feed_bodies=True,
             )  # fmt: skip
-            await conn.execute(
-                f"INSERT INTO {s}.records (kind, id, org_id, user_id, session_id, body) "
-                "VALUES ('Message', $1, $2, $3, $4, $5)",
-                message.id, *t, session.id, encode_record(message),
-            )  # fmt: skip
-            for kind, record in (("Session", session), ("Message", message)):
-                await conn.execute(
-                    f"INSERT INTO {s}.feed (org_id, user_id, kind, record_id, body) "
-                    "VALUES ($1, $2, $3, $4, $5)",
-                    *t, kind, record.id, encode_record(record),
-                )  # fmt: skip
             await conn.execute(
                 f"INSERT INTO {s}.clients VALUES ($1, $2, $3, 2)", *t, alice.client_id
             )
+
         result = await migrate(PG_DSN, s)
         assert (result.from_version, result.to_version) == (3, SCHEMA_VERSION)
         clock = HybridClock("server-x")
@@ -1288,48 +1324,21 @@ async def test_schema_4_migrates_with_every_audit_row_placed() -> None:
 async def test_schema_5_migrates_to_a_feed_that_refers_to_its_records() -> None:
     """A feed that held a copy of every body, and every version of a session (schema 5),
     keeps one entry per record after migration 6, each read from its row."""
-    from shared.records import encode_record
 
     dev = Device(new_tenant())
     v1 = dev.session(title="v1")
     message = dev.message(v1.id)
     v2 = dev.edit(v1, title="v2", message_ids=[message.id])
     event = dev.event(v1.id)
-    t = (dev.tenant.org_id, dev.tenant.user_id)
     async with scratch_schema() as s:
         async with admin() as conn:
             await schema_at(conn, s, 5)
-            await conn.execute(
-                f"INSERT INTO {s}.sessions (id, org_id, user_id, updated_at, body) "
-                "VALUES ($1, $2, $3, $4, $5)",
-                v2.id, *t, v2.updated_at, encode_record(v2),
+            cursors = await text_rows(
+                conn, s, dev.tenant, sessions=[v2], messages=[message], events=[event],
+                feed=[("Session", v1), ("Message", message), ("Session", v2), ("Event", event)],
+                feed_bodies=True,
             )  # fmt: skip
-            await conn.execute(
-                f"INSERT INTO {s}.records (kind, id, org_id, user_id, session_id, body) "
-                "VALUES ('Message', $1, $2, $3, $4, $5)",
-                message.id, *t, v1.id, encode_record(message),
-            )  # fmt: skip
-            await conn.execute(
-                f"INSERT INTO {s}.events (id, session_id, sequence_number, org_id, user_id, "
-                "row_hash, body) VALUES ($1, $2, 1, $3, $4, $5, $6)",
-                event.id, v1.id, *t, event.row_hash, encode_record(event),
-            )  # fmt: skip
-            cursors = [
-                await conn.fetchval(
-                    f"INSERT INTO {s}.feed (org_id, user_id, kind, record_id, body) "
-                    "VALUES ($1, $2, $3, $4, $5) RETURNING cursor",
-                    *t,
-                    kind,
-                    record.id,
-                    encode_record(record),
-                )
-                for kind, record in (
-                    ("Session", v1),
-                    ("Message", message),
-                    ("Session", v2),
-                    ("Event", event),
-                )
-            ]
+
         result = await migrate(PG_DSN, s)
         assert (result.from_version, result.to_version) == (5, SCHEMA_VERSION)
         clock = HybridClock("server-x")
@@ -1408,7 +1417,6 @@ async def test_keys_are_converted_alike_in_python_and_in_sql(pg_schema: str) -> 
 async def test_schema_8_migrates_ids_to_keys_and_kinds_to_numbers() -> None:
     """Rows a schema 8 store wrote (ids and kinds as text, UUIDs and other ids alike) are read
     after migration 9 as before, under the same cursors, and a push finds them by their ids."""
-    from shared.records import encode_record
 
     dev = Device(new_tenant())
     session = dev.session(title="s", id="session-15chars")  # 15 characters: two marks
@@ -1416,42 +1424,20 @@ async def test_schema_8_migrates_ids_to_keys_and_kinds_to_numbers() -> None:
     text_message = dev.message(session.id, id="message-16-chars")
     session = dev.edit(session, message_ids=[uuid_message.id, text_message.id])
     event = dev.event(session.id)
-    t = (dev.tenant.org_id, dev.tenant.user_id)
     async with scratch_schema() as s:
         async with admin() as conn:
             await schema_at(conn, s, 8)
-            await conn.execute(
-                f"INSERT INTO {s}.sessions (id, org_id, user_id, updated_at, body) "
-                "VALUES ($1, $2, $3, $4, $5)",
-                session.id, *t, session.updated_at, encode_record(session),
-            )  # fmt: skip
-            for message in (uuid_message, text_message):
-                await conn.execute(
-                    f"INSERT INTO {s}.records (kind, id, org_id, user_id, session_id, body) "
-                    "VALUES ('Message', $1, $2, $3, $4, $5)",
-                    message.id, *t, session.id, encode_record(message),
-                )  # fmt: skip
-            await conn.execute(
-                f"INSERT INTO {s}.events (id, session_id, sequence_number, org_id, user_id, "
-                "row_hash, body) VALUES ($1, $2, 1, $3, $4, $5, $6)",
-                event.id, session.id, *t, event.row_hash, encode_record(event),
-            )  # fmt: skip
             entries = (
                 ("Message", uuid_message),
                 ("Message", text_message),
                 ("Session", session),
                 ("Event", event),
             )
-            cursors = [
-                await conn.fetchval(
-                    f"INSERT INTO {s}.feed (org_id, user_id, kind, record_id) "
-                    "VALUES ($1, $2, $3, $4) RETURNING cursor",
-                    *t,
-                    kind,
-                    record.id,
-                )
-                for kind, record in entries
-            ]
+            cursors = await text_rows(
+                conn, s, dev.tenant, sessions=[session], messages=[uuid_message, text_message],
+                events=[event], feed=entries,
+            )  # fmt: skip
+
         result = await migrate(PG_DSN, s)
         assert (result.from_version, result.to_version) == (8, SCHEMA_VERSION)
         async with pg_store(s) as store:
