@@ -183,12 +183,13 @@ def stored_rows(pg_schema: str) -> StoredRows:
     async def rows(tenant: Tenant) -> set[tuple[str, str]]:
         s = pg_schema
         async with admin() as conn:
-            # Kinds as their numbers and ids as their keys (schema 9), read back as the store does.
+            # Kinds as their numbers and ids as their keys (schema 9), the tenant as its number
+            # (10), read back as the store does.
+            t = f"(SELECT tid FROM {s}.tenants WHERE org_id = $1 AND user_id = $2)"
             found = await conn.fetch(
-                f"SELECT 0::smallint, id FROM {s}.sessions WHERE org_id = $1 AND user_id = $2 "
-                f"UNION ALL SELECT 3::smallint, id FROM {s}.events "
-                "WHERE org_id = $1 AND user_id = $2 "
-                f"UNION ALL SELECT kind, id FROM {s}.records WHERE org_id = $1 AND user_id = $2",
+                f"SELECT 0::smallint, id FROM {s}.sessions WHERE tid = {t} "
+                f"UNION ALL SELECT 3::smallint, id FROM {s}.events WHERE tid = {t} "
+                f"UNION ALL SELECT kind, id FROM {s}.records WHERE tid = {t}",
                 tenant.org_id,
                 tenant.user_id,
             )
@@ -306,10 +307,17 @@ async def test_migrate_creates_a_fresh_schema() -> None:
             "meta",
             "devices",
             "audit_places",
+            "tenants",
         }
 
 
 # -- index scans -------------------------------------------------------------------------------
+
+
+def tid(s: str, org: str, user: str) -> str:
+    """SQL: the number of the tenant whose org and user are the expressions ``org`` and
+    ``user`` (schema 10), for rows a test writes directly."""
+    return f"(SELECT tid FROM {s}.tenants WHERE org_id = {org} AND user_id = {user})"
 
 
 def explain_queries(store: PostgresServerStore) -> dict[str, tuple[str, tuple[Any, ...]]]:
@@ -353,9 +361,9 @@ def explain_queries(store: PostgresServerStore) -> dict[str, tuple[str, tuple[An
             (
                 "org-7",
                 "user-7",
-                *([] for _ in range(6)),  # records
-                *([] for _ in range(7)),  # events
-                *([] for _ in range(5)),  # sessions
+                *([] for _ in range(4)),  # records
+                *([] for _ in range(5)),  # events
+                *([] for _ in range(3)),  # sessions
                 "dev-7",
                 None,
                 *([] for _ in range(4)),  # audit places
@@ -382,8 +390,12 @@ async def test_per_tenant_queries_are_index_scans() -> None:
             s = schema
             # 500 tenants x 40 feed entries; sessions, events and records to match.
             await conn.execute(
-                f"""INSERT INTO {s}.feed (org_id, user_id, kind, record_id)
-                SELECT 'org-' || (i % 500), 'user-' || (i % 500),
+                f"""INSERT INTO {s}.tenants (org_id, user_id)
+                SELECT 'org-' || i, 'user-' || i FROM generate_series(0, 499) AS i"""
+            )
+            await conn.execute(
+                f"""INSERT INTO {s}.feed (tid, kind, record_id)
+                SELECT {tid(s, "'org-' || (i % 500)", "'user-' || (i % 500)")},
                        {s}.pleach_kind(CASE WHEN i % 10 = 0 THEN 'Session' ELSE 'Message' END),
                        {s}.pleach_key(
                            CASE WHEN i % 10 = 0 THEN 'session-' ELSE 'message-' END || i)
@@ -395,22 +407,23 @@ async def test_per_tenant_queries_are_index_scans() -> None:
                 FROM generate_series(1, 5000) AS i"""
             )
             await conn.execute(
-                f"""INSERT INTO {s}.sessions (id, org_id, user_id, updated_at, body)
-                SELECT {s}.pleach_key('session-' || i), 'org-' || (i % 500),
-                       'user-' || (i % 500), 'x', ''
+                f"""INSERT INTO {s}.sessions (id, tid, updated_at, body)
+                SELECT {s}.pleach_key('session-' || i),
+                       {tid(s, "'org-' || (i % 500)", "'user-' || (i % 500)")}, 'x', ''
                 FROM generate_series(1, 5000) AS i"""
             )
             await conn.execute(
                 f"""INSERT INTO {s}.events
-                    (id, session_id, sequence_number, org_id, user_id, row_hash, body)
+                    (id, session_id, sequence_number, tid, row_hash, body)
                 SELECT {s}.pleach_key('event-' || i), {s}.pleach_key('session-' || (i % 5000)),
-                       i, 'org-1', 'user-1', 'h', ''
+                       i, {tid(s, "'org-1'", "'user-1'")}, 'h', ''
                 FROM generate_series(1, 20000) AS i"""
             )
             await conn.execute(
-                f"""INSERT INTO {s}.records (kind, id, org_id, user_id, session_id, body)
-                SELECT {s}.pleach_kind('Message'), {s}.pleach_key('message-' || i), 'org-1',
-                       'user-1', {s}.pleach_key('session-' || (i % 5000)), ''
+                f"""INSERT INTO {s}.records (kind, id, tid, session_id, body)
+                SELECT {s}.pleach_kind('Message'), {s}.pleach_key('message-' || i),
+                       {tid(s, "'org-1'", "'user-1'")}, {s}.pleach_key('session-' || (i % 5000)),
+                       ''
                 FROM generate_series(1, 20000) AS i"""
             )
             await conn.execute(
@@ -419,13 +432,14 @@ async def test_per_tenant_queries_are_index_scans() -> None:
             )
             await conn.execute(
                 f"""INSERT INTO {s}.audit_places
-                    (org_id, user_id, client_id, sequence_number, row_hash, id)
-                SELECT 'org-1', 'user-1', 'dev-' || (i % 50), i, 'h', {s}.pleach_key('audit-' || i)
+                    (tid, client_id, sequence_number, row_hash, id)
+                SELECT {tid(s, "'org-1'", "'user-1'")}, 'dev-' || (i % 50), i, 'h',
+                       {s}.pleach_key('audit-' || i)
                 FROM generate_series(1, 20000) AS i"""
             )
             await conn.execute(
                 f"ANALYZE {s}.feed, {s}.clients, {s}.sessions, {s}.events, {s}.records, "
-                f"{s}.meta, {s}.audit_places"
+                f"{s}.meta, {s}.audit_places, {s}.tenants"
             )
             report = []
             for name, (query, args) in explain_queries(store).items():
@@ -523,45 +537,47 @@ async def test_plans_do_not_depend_on_a_tenants_size() -> None:
     async with scratch_schema() as schema:
         async with pg_store(schema) as store, admin() as conn:
             s = schema
-            # 2,000 tenants of 5 rows in each table (ORG, USR), and one of 20,000.
+            # 2,000 tenants of 5 rows in each table (TID: the tenant's number), and one of 20,000.
+            await conn.execute(
+                f"""INSERT INTO {s}.tenants (org_id, user_id)
+                SELECT 'org-' || i, 'user-' || i FROM generate_series(0, 1999) AS i
+                UNION ALL SELECT 'org-big', 'user-big'"""
+            )
             for table, columns, select in (
                 (
                     "feed",
-                    "org_id, user_id, kind, record_id",
-                    "ORG, USR, {s}.pleach_kind('Message'), {s}.pleach_key('message-' || i)",
+                    "tid, kind, record_id",
+                    "TID, {s}.pleach_kind('Message'), {s}.pleach_key('message-' || i)",
                 ),
                 (
                     "records",
-                    "kind, id, org_id, user_id, session_id, body",
-                    "{s}.pleach_kind('Message'), {s}.pleach_key('message-' || i), ORG, USR, "
+                    "kind, id, tid, session_id, body",
+                    "{s}.pleach_kind('Message'), {s}.pleach_key('message-' || i), TID, "
                     "{s}.pleach_key('session-7'), ''",
                 ),
                 (
                     "events",
-                    "id, session_id, sequence_number, org_id, user_id, row_hash, body",
-                    "{s}.pleach_key('event-' || i), {s}.pleach_key('session-7'), i, ORG, USR, "
-                    "'h', ''",
+                    "id, session_id, sequence_number, tid, row_hash, body",
+                    "{s}.pleach_key('event-' || i), {s}.pleach_key('session-7'), i, TID, 'h', ''",
                 ),
                 (
                     "audit_places",
-                    "org_id, user_id, client_id, sequence_number, row_hash, id",
-                    "ORG, USR, 'dev-7', i, 'h', {s}.pleach_key('audit-' || i)",
+                    "tid, client_id, sequence_number, row_hash, id",
+                    "TID, 'dev-7', i, 'h', {s}.pleach_key('audit-' || i)",
                 ),
             ):
-                for tenant, numbers in (
-                    ("'org-' || (i % 2000), 'user-' || (i % 2000)", "1, 10000"),
-                    ("'org-big', 'user-big'", "10001, 30000"),
+                for number, numbers in (
+                    (tid(s, "'org-' || (i % 2000)", "'user-' || (i % 2000)"), "1, 10000"),
+                    (tid(s, "'org-big'", "'user-big'"), "10001, 30000"),
                 ):
                     await conn.execute(
                         f"INSERT INTO {s}.{table} ({columns}) "
-                        f"SELECT {select.replace('ORG, USR', tenant).replace('{s}', s)} "
+                        f"SELECT {select.replace('TID', number).replace('{s}', s)} "
                         f"FROM generate_series({numbers}) AS i"
                     )
             await conn.execute(
-                f"""INSERT INTO {s}.sessions (id, org_id, user_id, updated_at, body)
-                SELECT {s}.pleach_key('session-7'), 'org-' || i, 'user-' || i, 'x', ''::bytea
-                FROM generate_series(0, 1999) AS i
-                UNION ALL SELECT {s}.pleach_key('session-7'), 'org-big', 'user-big', 'x', ''::bytea"""
+                f"""INSERT INTO {s}.sessions (id, tid, updated_at, body)
+                SELECT {s}.pleach_key('session-7'), tid, 'x', ''::bytea FROM {s}.tenants"""
             )
             await conn.execute(
                 f"""INSERT INTO {s}.clients (org_id, user_id, client_id, last_seq)
@@ -570,7 +586,7 @@ async def test_plans_do_not_depend_on_a_tenants_size() -> None:
             )
             await conn.execute(
                 f"ANALYZE {s}.feed, {s}.clients, {s}.sessions, {s}.events, "
-                f"{s}.records, {s}.audit_places"
+                f"{s}.records, {s}.audit_places, {s}.tenants"
             )
             # A key of each tenant: its newest rows (the small tenant's are spread out).
             keys = {small: ("message-9007", "event-9007"), big: ("message-29000", "event-29000")}
@@ -591,7 +607,7 @@ async def test_plans_do_not_depend_on_a_tenants_size() -> None:
 
                     if query == store._sql.drop_cursors:  # two of the tenant's entries
                         newest = await conn.fetch(
-                            f"SELECT cursor FROM {s}.feed WHERE org_id = $1 AND user_id = $2 "
+                            f"SELECT cursor FROM {s}.feed WHERE tid = {tid(s, '$1', '$2')} "
                             "ORDER BY cursor DESC LIMIT 2",
                             *tenant,
                         )
@@ -724,6 +740,13 @@ async def _open_then_commit_later(
 
     clock = HybridClock(f"server-{uuid7()}")
     async with store_of(wrap) as store, admin() as conn:
+        # The tenant has written before: a tenant's first push makes its number, and two
+        # first pushes of one tenant would wait on each other's row even without the lock.
+        await conn.execute(
+            f"INSERT INTO {store.schema}.tenants (org_id, user_id) VALUES ($1, $2)",
+            tenant.org_id,
+            tenant.user_id,
+        )
         push_a = asyncio.create_task(
             store.push(tenant, a.client_id, a.changes(a.message(session_id)), clock)
         )
@@ -1357,7 +1380,7 @@ async def test_schema_5_migrates_to_a_feed_that_refers_to_its_records() -> None:
                 "WHERE table_schema = $1 AND table_name = 'feed' ORDER BY ordinal_position",
                 s,
             )
-            assert [c[0] for c in columns] == ["cursor", "org_id", "user_id", "kind", "record_id"]
+            assert [c[0] for c in columns] == ["cursor", "kind", "record_id", "tid"]
 
 
 async def test_a_push_is_three_statements_whatever_its_size(pg_schema: str) -> None:

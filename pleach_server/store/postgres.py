@@ -35,7 +35,9 @@ session-wide advisory lock, so several processes may start at once):
 
 Ids are kept as their keys (``_pg_key``, ``pleach_key`` in SQL: a canonical UUID as its 16
 bytes, any other id as its text behind a marker) and kinds as their numbers (their index in
-``KINDS``), since version 9; every statement binds keys converted in Python.
+``KINDS``), since version 9; every statement binds keys converted in Python. Since version
+10 the large tables name a tenant by its number (``tenants``, ``tid``), read once per
+statement from its org and user ids.
 
 - ``sessions``: one row per session id, its msgpack body.
 - ``records``: immutable records (messages, checkpoints, audit rows, artifact updates).
@@ -209,7 +211,9 @@ _TENANT_TABLES = (
     "devices",
     "audit_places",
 )
-"""Every table whose rows belong to a tenant (``org_id``, ``user_id``)."""
+"""Every table whose rows belonged to a tenant (``org_id``, ``user_id``) before version 10."""
+_NUMBERED_TABLES = ("sessions", "records", "events", "feed", "audit_places")
+"""The tables that name a tenant by its number (``tid``) since version 10."""
 
 Step = str | Callable[[Any, str], Awaitable[None]]
 """A migration step: a statement, or a function run on the connection and schema (a backfill)."""
@@ -373,6 +377,40 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         "ALTER TABLE {s}.audit_places ALTER COLUMN id TYPE bytea USING {s}.pleach_key(id)",
         "ANALYZE " + ", ".join(f"{{s}}.{table}" for table in _TENANT_TABLES),
     ),
+    # 10: a tenant is a number (``tenants``) in the large tables, as in the SQLite store: its
+    # org and user ids, as text, were in every row and index entry of theirs. The small
+    # tables (``clients``, ``meta``, ``devices``) keep the names. Dropping the two columns
+    # drops the indexes, keys and statistics that held them; they are made again on ``tid``.
+    # The old values stay in the rows' bytes until a row is rewritten: ``VACUUM FULL`` of
+    # each table gives the space back at once (it locks the table while it runs).
+    (
+        "CREATE TABLE {s}.tenants (tid integer GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
+        "org_id text NOT NULL, user_id text NOT NULL, UNIQUE (org_id, user_id))",
+        "INSERT INTO {s}.tenants (org_id, user_id) "
+        + " UNION ".join(f"SELECT org_id, user_id FROM {{s}}.{t}" for t in _NUMBERED_TABLES)
+        + " ORDER BY 1, 2",
+        *(
+            statement
+            for table in _NUMBERED_TABLES
+            for statement in (
+                f"ALTER TABLE {{s}}.{table} ADD COLUMN tid integer",
+                f"UPDATE {{s}}.{table} AS x SET tid = t.tid FROM {{s}}.tenants AS t "
+                "WHERE t.org_id = x.org_id AND t.user_id = x.user_id",
+                f"ALTER TABLE {{s}}.{table} ALTER COLUMN tid SET NOT NULL, "
+                "DROP COLUMN org_id, DROP COLUMN user_id",
+            )
+        ),
+        "ALTER TABLE {s}.sessions ADD PRIMARY KEY (tid, id)",
+        "CREATE INDEX sessions_tenant ON {s}.sessions (tid, updated_at)",
+        "ALTER TABLE {s}.records ADD PRIMARY KEY (tid, kind, id)",
+        "CREATE INDEX records_tenant ON {s}.records (tid, session_id)",
+        "ALTER TABLE {s}.events ADD PRIMARY KEY (tid, id), "
+        "ADD CONSTRAINT events_place UNIQUE (tid, session_id, sequence_number)",
+        "CREATE INDEX feed_tenant ON {s}.feed (tid, cursor)",
+        "CREATE INDEX feed_record ON {s}.feed (tid, kind, record_id, cursor)",
+        "ALTER TABLE {s}.audit_places ADD PRIMARY KEY (tid, client_id, sequence_number, id)",
+        "ANALYZE {s}.tenants, " + ", ".join(f"{{s}}.{t}" for t in _NUMBERED_TABLES),
+    ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -526,39 +564,50 @@ async def migrate(
 
 
 # Every lookup by id is among the tenant's own rows ($1 org, $2 user): ids are scoped to
-# their tenant, so another tenant's rows under the same id are never read.
+# their tenant, so another tenant's rows under the same id are never read. Since version 10
+# the large tables name a tenant by its number (``tenants``): each statement reads it once
+# (an uncorrelated subquery, run once before the rest as an InitPlan; NULL for a tenant that
+# has written nothing, which no row matches).
+def _tid(s: str) -> str:
+    """The tenant's number, ``$1`` and ``$2`` its org and user."""
+    return f"(SELECT tid FROM {s}.tenants WHERE org_id = $1 AND user_id = $2)"
+
+
 _T = "org_id = $1 AND user_id = $2"
+"""The tenant condition of the small tables (``clients``, ``meta``, ``devices``), which keep
+its names."""
 
 
 def _session_owner(s: str, key: str) -> str:
     """A session id is held by its row, else by any event, else by any record filed under it.
     ``key``: the id's key (``_pg_key``), as in every lookup below (a lookup converts its ids
-    in Python: the planner does not read a key computed in SQL through an index)."""
+    in Python: the planner does not read a key computed in SQL through an index). Each
+    answers a row when the tenant holds the id."""
+    t = _tid(s)
     return (
-        f"SELECT org_id, user_id FROM {s}.sessions WHERE {_T} AND id = {key} "
-        f"UNION ALL (SELECT org_id, user_id FROM {s}.events WHERE {_T} AND session_id = {key} "
-        "LIMIT 1) "
-        f"UNION ALL (SELECT org_id, user_id FROM {s}.records WHERE {_T} AND session_id = {key} "
-        "LIMIT 1) LIMIT 1"
+        f"SELECT 1 FROM {s}.sessions WHERE tid = {t} AND id = {key} "
+        f"UNION ALL (SELECT 1 FROM {s}.events WHERE tid = {t} AND session_id = {key} LIMIT 1) "
+        f"UNION ALL (SELECT 1 FROM {s}.records WHERE tid = {t} AND session_id = {key} LIMIT 1) "
+        "LIMIT 1"
     )
 
 
 def _event_owner(s: str, key: str) -> str:
-    return f"SELECT org_id, user_id FROM {s}.events WHERE {_T} AND id = {key}"
+    return f"SELECT 1 FROM {s}.events WHERE tid = {_tid(s)} AND id = {key}"
 
 
 def _record_owner(s: str, kind: str, key: str) -> str:
-    return f"SELECT org_id, user_id FROM {s}.records WHERE {_T} AND kind = {kind} AND id = {key}"
+    return f"SELECT 1 FROM {s}.records WHERE tid = {_tid(s)} AND kind = {kind} AND id = {key}"
 
 
 def _get_session(s: str, key: str) -> str:
-    return f"SELECT body FROM {s}.sessions WHERE {_T} AND id = {key}"
+    return f"SELECT body FROM {s}.sessions WHERE tid = {_tid(s)} AND id = {key}"
 
 
 def _last_event(s: str, key: str) -> str:
     return (
-        f"SELECT sequence_number, row_hash FROM {s}.events WHERE {_T} AND session_id = {key} "
-        "ORDER BY sequence_number DESC LIMIT 1"
+        f"SELECT sequence_number, row_hash FROM {s}.events WHERE tid = {_tid(s)} "
+        f"AND session_id = {key} ORDER BY sequence_number DESC LIMIT 1"
     )
 
 
@@ -573,8 +622,8 @@ def _max_cursor(s: str) -> str:
     is one probe whatever the estimates.
     """
     return (
-        f"COALESCE((SELECT cursor FROM {s}.feed WHERE {_T} "
-        "ORDER BY org_id DESC, user_id DESC, cursor DESC LIMIT 1), 0)"
+        f"COALESCE((SELECT cursor FROM {s}.feed WHERE tid = {_tid(s)} "
+        "ORDER BY tid DESC, cursor DESC LIMIT 1), 0)"
     )
 
 
@@ -584,7 +633,7 @@ def _floor(s: str) -> str:
 
 def _audit_tail(s: str, key: str) -> str:
     return (
-        f"SELECT sequence_number, row_hash FROM {s}.audit_places WHERE {_T} "
+        f"SELECT sequence_number, row_hash FROM {s}.audit_places WHERE tid = {_tid(s)} "
         f"AND client_id = {key} ORDER BY sequence_number DESC, id DESC LIMIT 1"
     )
 
@@ -627,26 +676,26 @@ class _Sql:
         # session owners, 3 sessions, 4 chain tails, 5 audit chain tails, 6 the tenant's head
         # cursor, always one row); an empty key array returns nothing.
         self.load = (
-            "SELECT 0, k.kind, k.id, o.org_id, o.user_id, NULL::bytea, NULL::bigint, NULL::text "
+            "SELECT 0, k.kind, k.id, NULL::bytea, NULL::bigint, NULL::text "
             "FROM unnest($3::smallint[], $4::bytea[]) AS k (kind, id) "
             f"CROSS JOIN LATERAL ({_record_owner(s, 'k.kind', 'k.id')} LIMIT 1) AS o "
-            "UNION ALL SELECT 1, NULL, k.id, o.org_id, o.user_id, NULL, NULL, NULL "
+            "UNION ALL SELECT 1, NULL, k.id, NULL, NULL, NULL "
             "FROM unnest($5::bytea[]) AS k (id) "
             f"CROSS JOIN LATERAL ({_event_owner(s, 'k.id')} LIMIT 1) AS o "
-            "UNION ALL SELECT 2, NULL, k.id, o.org_id, o.user_id, NULL, NULL, NULL "
+            "UNION ALL SELECT 2, NULL, k.id, NULL, NULL, NULL "
             "FROM unnest($6::bytea[]) AS k (id) "
             f"CROSS JOIN LATERAL ({_session_owner(s, 'k.id')}) AS o "
-            "UNION ALL SELECT 3, NULL, k.id, NULL, NULL, o.body, NULL, NULL "
+            "UNION ALL SELECT 3, NULL, k.id, o.body, NULL, NULL "
             "FROM unnest($7::bytea[]) AS k (id) "
             f"CROSS JOIN LATERAL ({_get_session(s, 'k.id')} LIMIT 1) AS o "
-            "UNION ALL SELECT 4, NULL, k.id, NULL, NULL, NULL, o.sequence_number, o.row_hash "
+            "UNION ALL SELECT 4, NULL, k.id, NULL, o.sequence_number, o.row_hash "
             "FROM unnest($8::bytea[]) AS k (id) "
             f"CROSS JOIN LATERAL ({_last_event(s, 'k.id')}) AS o "
-            "UNION ALL SELECT 5, NULL, convert_to(k.id, 'UTF8'), NULL, NULL, NULL, "
+            "UNION ALL SELECT 5, NULL, convert_to(k.id, 'UTF8'), NULL, "
             "o.sequence_number, o.row_hash "
             "FROM unnest($9::text[]) AS k (id) "
             f"CROSS JOIN LATERAL ({_audit_tail(s, 'k.id')}) AS o "
-            "UNION ALL SELECT 6, NULL, NULL, NULL, NULL, NULL, ("
+            "UNION ALL SELECT 6, NULL, NULL, NULL, ("
             f"SELECT GREATEST({_max_cursor(s)}, {_floor(s)})), NULL"
         )
         # The writes of a push, the rows passed as arrays (columns): records, events, sessions
@@ -654,53 +703,58 @@ class _Sql:
         # tables, each run whatever the query reads; empty arrays (and a NULL last_seq) write
         # nothing. It answers the rows records and events took.
         self.write = (
-            "WITH r AS ("
-            f"INSERT INTO {s}.records (kind, id, org_id, user_id, session_id, body) "
-            "SELECT * FROM unnest($3::smallint[], $4::bytea[], $5::text[], $6::text[], "
-            "$7::bytea[], $8::bytea[]) ON CONFLICT (org_id, user_id, kind, id) DO NOTHING "
-            "RETURNING 1), "
+            # The tenant's number: made here the first time the tenant writes (the tenant
+            # lock keeps its other pushes out meanwhile), read otherwise. The sequence turns
+            # only when a row is made (a NOT EXISTS, not a conflict).
+            f"WITH t AS (INSERT INTO {s}.tenants (org_id, user_id) SELECT $1, $2 "
+            f"WHERE NOT EXISTS (SELECT 1 FROM {s}.tenants WHERE org_id = $1 AND user_id = $2) "
+            "ON CONFLICT DO NOTHING RETURNING tid), "
+            f"tt AS (SELECT COALESCE((SELECT tid FROM t), {_tid(s)}) AS tid), "
+            "r AS ("
+            f"INSERT INTO {s}.records (tid, kind, id, session_id, body) "
+            "SELECT tt.tid, u.* FROM tt, unnest($3::smallint[], $4::bytea[], $5::bytea[], "
+            "$6::bytea[]) AS u ON CONFLICT (tid, kind, id) DO NOTHING RETURNING 1), "
             "e AS ("
-            f"INSERT INTO {s}.events "
-            "(id, session_id, sequence_number, org_id, user_id, row_hash, body) "
-            "SELECT * FROM unnest($9::bytea[], $10::bytea[], $11::bigint[], $12::text[], "
-            "$13::text[], $14::text[], $15::bytea[]) ON CONFLICT DO NOTHING RETURNING 1), "
+            f"INSERT INTO {s}.events (tid, id, session_id, sequence_number, row_hash, body) "
+            "SELECT tt.tid, u.* FROM tt, unnest($7::bytea[], $8::bytea[], $9::bigint[], "
+            "$10::text[], $11::bytea[]) AS u ON CONFLICT DO NOTHING RETURNING 1), "
             "x AS ("
-            f"INSERT INTO {s}.sessions (id, org_id, user_id, updated_at, body) "
-            "SELECT * FROM unnest($16::bytea[], $17::text[], $18::text[], $19::text[], "
-            "$20::bytea[]) ON CONFLICT (org_id, user_id, id) DO UPDATE SET "
+            f"INSERT INTO {s}.sessions (tid, id, updated_at, body) "
+            "SELECT tt.tid, u.* FROM tt, unnest($12::bytea[], $13::text[], $14::bytea[]) AS u "
+            "ON CONFLICT (tid, id) DO UPDATE SET "
             "updated_at = excluded.updated_at, body = excluded.body RETURNING 1), "
             "c AS ("
             f"INSERT INTO {s}.clients (org_id, user_id, client_id, last_seq) "
-            "SELECT $1, $2, $21, $22::bigint WHERE $22::bigint IS NOT NULL "
+            "SELECT $1, $2, $15, $16::bigint WHERE $16::bigint IS NOT NULL "
             "ON CONFLICT (org_id, user_id, client_id) DO UPDATE SET last_seq = excluded.last_seq "
             "RETURNING 1), "
             "p AS ("
-            f"INSERT INTO {s}.audit_places "
-            "(org_id, user_id, client_id, sequence_number, row_hash, id) "
-            "SELECT $1, $2, * FROM unnest($23::text[], $24::bigint[], $25::text[], $26::bytea[]) "
-            "ON CONFLICT DO NOTHING RETURNING 1), "
-            # The feed rows ($27 kinds, $28 ids): n cursors from the identity sequence (the
+            f"INSERT INTO {s}.audit_places (tid, client_id, sequence_number, row_hash, id) "
+            "SELECT tt.tid, u.* FROM tt, unnest($17::text[], $18::bigint[], $19::text[], "
+            "$20::bytea[]) AS u ON CONFLICT DO NOTHING RETURNING 1), "
+            # The feed rows ($21 kinds, $22 ids): n cursors from the identity sequence (the
             # caller holds the tenant lock), paired in increasing order with the rows in
             # their given order (WITH ORDINALITY).
-            f"f AS (INSERT INTO {s}.feed (cursor, org_id, user_id, kind, record_id) "
+            f"f AS (INSERT INTO {s}.feed (cursor, tid, kind, record_id) "
             "OVERRIDING SYSTEM VALUE "
-            "SELECT c.cursor, $1, $2, r.kind, r.record_id "
-            "FROM unnest($27::smallint[], $28::bytea[]) WITH ORDINALITY AS r (kind, record_id, n) "
+            "SELECT c.cursor, tt.tid, r.kind, r.record_id "
+            "FROM tt, unnest($21::smallint[], $22::bytea[]) "
+            "WITH ORDINALITY AS r (kind, record_id, n) "
             "JOIN (SELECT a.cursor, row_number() OVER (ORDER BY a.cursor) AS n FROM ("
             f"SELECT nextval(pg_get_serial_sequence('{s}.feed', 'cursor')) AS cursor "
-            "FROM generate_series(1, cardinality($27::smallint[]))) AS a) AS c USING (n) "
+            "FROM generate_series(1, cardinality($21::smallint[]))) AS a) AS c USING (n) "
             "RETURNING cursor), "
-            # The entries the new ones supersede: the earlier entries of the sessions in $29
+            # The entries the new ones supersede: the earlier entries of the sessions in $23
             # (this DELETE sees the feed as it was before the statement, so never the rows f
             # adds; see migration 6).
-            f"d AS (DELETE FROM {s}.feed AS old USING unnest($29::bytea[]) AS k (id) "
-            f"WHERE old.org_id = $1 AND old.user_id = $2 AND old.kind = {_SESSION_KIND} "
+            f"d AS (DELETE FROM {s}.feed AS old USING tt, unnest($23::bytea[]) AS k (id) "
+            f"WHERE old.tid = tt.tid AND old.kind = {_SESSION_KIND} "
             "AND old.record_id = k.id), "
-            # The notice to the other server processes ($30: the schema, $31: this server's
+            # The notice to the other server processes ($24: the schema, $25: this server's
             # id), delivered at COMMIT, in commit order, never if the transaction rolls back.
             "n AS (SELECT pg_notify('" + NOTIFY_CHANNEL + "', json_build_object("
-            "'schema', $30::text, 'org', $1::text, 'user', $2::text, "
-            "'from', min(cursor) - 1, 'to', max(cursor), 'server', $31::text)::text) "
+            "'schema', $24::text, 'org', $1::text, 'user', $2::text, "
+            "'from', min(cursor) - 1, 'to', max(cursor), 'server', $25::text)::text) "
             "FROM f HAVING count(*) > 0) "
             "SELECT (SELECT count(*) FROM r), (SELECT count(*) FROM e), "
             "(SELECT count(*) FROM x), (SELECT count(*) FROM c), (SELECT count(*) FROM p), "
@@ -735,24 +789,24 @@ class _Sql:
             "OR SUM(octet_length(body)) OVER w <= $5) AS within FROM ("
             "SELECT p.cursor, CASE p.kind "
             f"WHEN {_SESSION_KIND} THEN (SELECT x.body FROM {s}.sessions AS x "
-            "WHERE x.org_id = $1 AND x.user_id = $2 AND x.id = p.record_id) "
+            "WHERE x.tid = p.tid AND x.id = p.record_id) "
             f"WHEN {_EVENT_KIND} THEN (SELECT e.body FROM {s}.events AS e "
-            "WHERE e.org_id = $1 AND e.user_id = $2 AND e.id = p.record_id) "
-            f"ELSE (SELECT r.body FROM {s}.records AS r WHERE r.org_id = $1 "
-            "AND r.user_id = $2 AND r.kind = p.kind AND r.id = p.record_id) END AS body "
-            f"FROM {s}.feed AS p WHERE p.org_id = $1 AND p.user_id = $2 AND p.cursor > $3 "
+            "WHERE e.tid = p.tid AND e.id = p.record_id) "
+            f"ELSE (SELECT r.body FROM {s}.records AS r WHERE r.tid = p.tid "
+            "AND r.kind = p.kind AND r.id = p.record_id) END AS body "
+            f"FROM {s}.feed AS p WHERE p.tid = {_tid(s)} AND p.cursor > $3 "
             "ORDER BY p.cursor LIMIT $4) AS page "
             "WINDOW w AS (ORDER BY cursor ROWS UNBOUNDED PRECEDING)) AS f ON true"
         )
         self.retain_cursor = (
-            f"SELECT cursor FROM {s}.feed WHERE org_id = $1 AND user_id = $2 "
+            f"SELECT cursor FROM {s}.feed WHERE tid = {_tid(s)} "
             "ORDER BY cursor DESC LIMIT 1 OFFSET $3"
         )
         # Log compaction: only versions superseded by a later entry of the same record go.
         self.compact = (
-            f"DELETE FROM {s}.feed AS f WHERE f.org_id = $1 AND f.user_id = $2 "
+            f"DELETE FROM {s}.feed AS f WHERE f.tid = {_tid(s)} "
             f"AND f.cursor <= $3 AND EXISTS (SELECT 1 FROM {s}.feed AS later "
-            "WHERE later.org_id = f.org_id AND later.user_id = f.user_id "
+            "WHERE later.tid = f.tid "
             "AND later.kind = f.kind AND later.record_id = f.record_id "
             "AND later.cursor > f.cursor)"
         )
@@ -763,21 +817,19 @@ class _Sql:
         # Deleting a session's content: the tenant's session rows, the records of the kinds
         # deleted with a session filed under its deleted ones, then the chosen records and
         # their feed entries (sessions_tenant, records_tenant, records' key, feed_record).
-        self.tenant_sessions = (
-            f"SELECT id, body FROM {s}.sessions WHERE org_id = $1 AND user_id = $2"
-        )
+        self.tenant_sessions = f"SELECT id, body FROM {s}.sessions WHERE tid = {_tid(s)}"
         self.cascade_candidates = (
-            f"SELECT kind, id, body FROM {s}.records WHERE org_id = $1 AND user_id = $2 "
+            f"SELECT kind, id, body FROM {s}.records WHERE tid = {_tid(s)} "
             "AND session_id = ANY($3::bytea[]) AND kind = ANY($4::smallint[])"
         )
         self.delete_records = (
             f"DELETE FROM {s}.records AS r "
             "USING unnest($3::smallint[], $4::bytea[]) AS k (kind, id) "
-            "WHERE r.org_id = $1 AND r.user_id = $2 AND r.kind = k.kind AND r.id = k.id"
+            f"WHERE r.tid = {_tid(s)} AND r.kind = k.kind AND r.id = k.id"
         )
         self.delete_feed = (
             f"DELETE FROM {s}.feed AS f USING unnest($3::smallint[], $4::bytea[]) AS k (kind, id) "
-            "WHERE f.org_id = $1 AND f.user_id = $2 AND f.kind = k.kind AND f.record_id = k.id"
+            f"WHERE f.tid = {_tid(s)} AND f.kind = k.kind AND f.record_id = k.id"
         )
         self.lock_tenant = "SELECT pg_advisory_xact_lock($1)"
         self.lock_tenant_last_seq = f"SELECT {s}.lock_tenant_last_seq($1, $2, $3, $4)"
@@ -852,7 +904,7 @@ class _PostgresTx:
         if not any(lookups):
             return found
         rows = await self._conn.fetch(self._sql.load, tenant.org_id, tenant.user_id, *lookups)
-        for what, kind, key, org_id, user_id, body, number, row_hash in rows:
+        for what, kind, key, body, number, row_hash in rows:
             if what == 5:
                 # (a device id, as its UTF-8: the column holds the other lookups' keys)
                 found.audit_tails[bytes(key).decode()] = (int(number), str(row_hash))
@@ -861,13 +913,12 @@ class _PostgresTx:
                 self._head = int(number)
                 continue
             record_id = named[bytes(key)]
-            if what == 0:
-                owner = Tenant(org_id=org_id, user_id=user_id)
-                found.record_owners[(KINDS[kind], record_id)] = owner
+            if what == 0:  # (a lookup reads the tenant's own rows only: it is the owner)
+                found.record_owners[(KINDS[kind], record_id)] = tenant
             elif what == 1:
-                found.event_owners[record_id] = Tenant(org_id=org_id, user_id=user_id)
+                found.event_owners[record_id] = tenant
             elif what == 2:
-                found.session_owners[record_id] = Tenant(org_id=org_id, user_id=user_id)
+                found.session_owners[record_id] = tenant
             elif what == 3:
                 found.sessions[record_id] = decode_session(record_id, body)
             else:
@@ -882,7 +933,9 @@ class _PostgresTx:
         the content the delete drains."""
         await self._take_lock()
         conn, sql = self._conn, self._sql
-        records: list[list[Any]] = [[], [], [], [], [], []]
+        # (Every record, event and session of a push is the tenant's: apply_push refused any
+        # other. The statement files them all under the tenant's number.)
+        records: list[list[Any]] = [[], [], [], []]
         for r in writes.records:
             info = kind_of(r)
             if info.merge == "versioned" or info.server_placed:
@@ -891,8 +944,6 @@ class _PostgresTx:
             row = (
                 _KIND_NUMBERS[info.name],
                 _pg_key(r.id),
-                r.org_id,
-                r.user_id,
                 None if session_id is None else _pg_key(session_id),
                 writes.bodies.of(r),
             )
@@ -918,13 +969,9 @@ class _PostgresTx:
                 [_pg_key(e.id) for e in events],
                 [_pg_key(e.session_id) for e in events],
                 [e.sequence_number for e in events],
-                [e.org_id for e in events],
-                [e.user_id for e in events],
                 [e.row_hash for e in events],
                 [writes.bodies.of(e) for e in events],
                 [_pg_key(x.id) for x in sessions],
-                [x.org_id for x in sessions],
-                [x.user_id for x in sessions],
                 [x.updated_at for x in sessions],
                 [writes.bodies.of(x) for x in sessions],
                 client_id,
