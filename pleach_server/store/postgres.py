@@ -44,14 +44,16 @@ statement from its org and user ids.
 - ``events``: canonical events; ``(session_id, sequence_number)`` is unique.
 - ``feed``: every applied change per tenant under a global monotonic ``cursor``, by kind and
   id (a pull reads each body from its row); a session keeps one entry, its latest version's.
-  ``feed_tenant (org_id, user_id, cursor)`` serves pulls and head lookups.
+  ``feed_tenant (tid, cursor)`` serves pulls and head lookups.
+- ``tenants``: each tenant's number (``tid``) by its ``(org_id, user_id)``.
 - ``clients``: ``last_seq`` per ``(tenant, client_id)``.
 - ``meta``: the feed floor per tenant.
 - ``lock_tenant_last_seq(lock_key, org, user, client)``: a push's tenant lock and its device's
   ``last_seq`` in one round trip (a plpgsql function: its read takes its own snapshot, after
   the lock).
-- ``<table>_tenant``: extended statistics on ``(org_id, user_id)`` of each table, so that
-  the plans of a large tenant's lookups are those of a small one's (migration 8).
+- ``<table>_tenant``: extended statistics on ``(org_id, user_id)`` of the tables that keep
+  the two (``clients``, ``meta``, ``devices``), so that the plans of a large tenant's lookups
+  are those of a small one's (migration 8; the others name the tenant by number since 10).
 """
 
 from __future__ import annotations
