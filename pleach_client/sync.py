@@ -76,7 +76,18 @@ from .receipts import (
     SyncConflictResolveReceipt,
 )
 from .store.base import OutboxEntry, TxReader, WriteBatch
-from .syncplan import Echo, Sent, echo_lands, echo_of, settle, unsettled
+from .syncplan import (
+    RESYNC_DUE,
+    Echo,
+    ResyncLedger,
+    Sent,
+    echo_lands,
+    echo_of,
+    resync_ids,
+    resync_text,
+    settle,
+    unsettled,
+)
 
 if TYPE_CHECKING:
     from .runtime import SessionRuntime
@@ -198,8 +209,7 @@ class SyncFacet:
         self._head_cursor = 0
         self._auto = True
         self._retry_delay: float | None = None
-        self._missing: set[str] = set()
-        self._resynced: set[str] = set()
+        self._resync = ResyncLedger()  # messages taken sessions name and this device lacks
         self._cursor = 0  # this device's feed cursor as last written here (the store has it)
         self._pull_due = True  # pull at the next catch-up (a new connection, a gap...)
         # Whether the last flush left anything queued or refused (then every round flushes).
@@ -1214,6 +1224,7 @@ class SyncFacet:
         asked on a link that an apply closed (the device took a new id) is dropped: the pull
         starts again on the new link, from the stored cursor."""
         applied = 0
+        self._resync.pull_started()  # (a pass from the start is complete only within a pull)
         self._downloading = True
         self._poke()
         start = int(await self._rt.store.get_meta("cursor") or 0)
@@ -1321,7 +1332,11 @@ class SyncFacet:
             reused[:] = [view.identity_reused]
             written[:] = [max(to_cursor, cursor)]
             batch.meta = {**batch.meta, "cursor": str(written[0])}
-            missing.extend(await missing_content(tx, view, batch))
+            lacking = await missing_content(tx, view, batch)
+            if lacking:  # stored with the page: a cancel or a crash after it cannot lose them
+                stored = resync_ids(await tx.get_meta(RESYNC_DUE))
+                batch.meta[RESYNC_DUE] = resync_text(stored | set(lacking))
+            missing[:] = lacking
             return batch, len(changes)
 
         _, applied = await rt.core.transact_remote(plan)
@@ -1332,8 +1347,7 @@ class SyncFacet:
                 "this device's file was restored or copied: a page holds another version "
                 "under this device's id and counter"
             )
-        self._missing.update(missing)
-        if self._missing - self._resynced:
+        if self._resync.wants_look(missing):
             self._pull_due = True  # for a live page: the loop pulls, and resyncs, next
             self._behind.set()
         for event in emitted:
@@ -1342,27 +1356,30 @@ class SyncFacet:
         return int(applied)
 
     async def _wants_resync(self) -> bool:
-        """True once for each new set of messages that taken sessions refer to and this
-        device still lacks at the end of a pull (a session row may arrive a page before its
-        messages); a resync that cannot find them (the server lost them too) is not
-        repeated. The ids leave ``_missing`` only once they are looked at: a disconnect that
-        cancels the look keeps them for the next pull."""
-        fresh = self._missing - self._resynced
-        if not fresh:
-            self._missing.clear()
-            return False
-        still: list[str] = []
+        """At the end of the feed: whether to read it again from the start, for messages that
+        taken sessions name and this device still lacks (a session row may arrive a page
+        before its messages). ``ResyncLedger`` decides, on the ids the pages stored under
+        ``RESYNC_DUE``: a pass is done once it reaches the end of the feed, so a pass cut
+        short (a disconnect, a cancel, a crash) is made again by the next pull; a complete
+        pass that could not find them (the server lost them too) is not repeated. The look-up
+        and the ids kept stored are one transaction."""
+        self._resync.end_of_feed()
+        keep: set[str] = set()
 
-        async def check(tx: TxReader, view: RemoteView) -> tuple[None, None]:
-            still.extend(await tx.missing_messages(sorted(fresh)))
-            return None, None
+        async def check(tx: TxReader, view: RemoteView) -> tuple[WriteBatch | None, None]:
+            text = await tx.get_meta(RESYNC_DUE)
+            due = self._resync.due(resync_ids(text))
+            lacking = await tx.missing_messages(sorted(due)) if due else []
+            keep.clear()
+            keep.update(set(lacking) & due)
+            kept = resync_text(keep)
+            return (None if kept == (text or "") else WriteBatch(meta={RESYNC_DUE: kept})), None
 
         await self._rt.core.transact_remote(check)
-        self._missing -= fresh
-        if not still:
+        self._resync.start_pass(keep)
+        if not keep:
             return False
-        log.warning("sync: %d referenced message(s) missing here; resyncing", len(still))
-        self._resynced |= set(still)
+        log.warning("sync: %d referenced message(s) missing here; resyncing", len(keep))
         return True
 
 

@@ -407,3 +407,78 @@ __all__ = [
     "settle",
     "unsettled",
 ]
+
+
+RESYNC_DUE = "resync_due"
+"""The meta key of the messages that taken sessions name and this device lacks, not yet found
+nor given their pass (``ResyncLedger``): a JSON list of ids, written in the transaction of
+the page that found them lacking, so a cancel or a crash right after cannot forget them."""
+MAX_RESYNC_IDS = 10_000
+"""Ids kept under ``RESYNC_DUE`` at most (about 40 bytes each), and in the ledger's ``done``:
+past it, ``done`` is emptied (a forgotten id may cost one more pass from the start of the
+feed, which reads only what the device holds) and a page's further ids wait for a later page
+that counts them again."""
+
+
+def resync_ids(text: str | None) -> set[str]:
+    """The ids stored under ``RESYNC_DUE`` (none for a missing or unreadable value)."""
+    if not text:
+        return set()
+    try:
+        ids = msgspec.json.decode(text, type=list[str])
+    except msgspec.DecodeError:  # (ValidationError is one)
+        return set()
+    return set(ids[:MAX_RESYNC_IDS])
+
+
+def resync_text(ids: set[str]) -> str:
+    """``ids`` as stored under ``RESYNC_DUE`` (sorted, at most ``MAX_RESYNC_IDS``)."""
+    return msgspec.json.encode(sorted(ids)[:MAX_RESYNC_IDS]).decode() if ids else ""
+
+
+@dataclass
+class ResyncLedger:
+    """Whether a pull should read the feed again from the start, for messages that taken
+    sessions name and this device lacks.
+
+    A session row taken from a page may name messages that this device does not hold (it
+    purged them with a session it deleted, before it learned of a fork that shares them).
+    The page's transaction adds them to the ids stored under ``RESYNC_DUE``. At the end of a
+    pull the device looks up those not ``done`` (``due``) and keeps stored only those it still
+    lacks: when some are, the pull reads the feed again from cursor 0, once for those ids
+    (``start_pass``). They are done only when that pass reaches the end of the
+    feed (``end_of_feed``); a pass cut short (a disconnect, a cancel, a crash) leaves them
+    stored and not done, so the next pull starts the pass again. A complete pass that still
+    did not bring them (the server lost them too) is not repeated. Pure: the sync loop reads
+    and writes the stored ids, in the same transaction as the look-up.
+    """
+
+    done: set[str] = field(default_factory=set)
+    """Had their complete pass from the start of the feed (in this process)."""
+    passing: set[str] = field(default_factory=set)
+    """The ids of the pass this pull is making (empty when it makes none)."""
+
+    def wants_look(self, ids: Sequence[str]) -> bool:
+        """A page found ``ids`` lacking: whether any is not done (a pull should look)."""
+        return any(i not in self.done for i in ids)
+
+    def pull_started(self) -> None:
+        """A new pull: a pass that an earlier pull left unfinished is no longer under way."""
+        self.passing = set()
+
+    def end_of_feed(self) -> None:
+        """The pull reached the end of the feed: a pass under way is complete."""
+        if self.passing:
+            if len(self.done) + len(self.passing) > MAX_RESYNC_IDS:
+                self.done.clear()
+            self.done |= self.passing
+            self.passing = set()
+
+    def due(self, stored: set[str]) -> set[str]:
+        """Of the stored ids, those to look up now: never given a complete pass."""
+        return stored - self.done
+
+    def start_pass(self, ids: set[str]) -> None:
+        """The look-up found ``ids`` still lacking (they stay stored): a pass from the start
+        of the feed begins for them (none: no pass)."""
+        self.passing = set(ids)
