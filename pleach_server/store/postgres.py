@@ -717,10 +717,12 @@ class _Sql:
             # The tenant's number: made here the first time the tenant writes (the tenant
             # lock keeps its other pushes out meanwhile), read otherwise. The sequence turns
             # only when a row is made (a NOT EXISTS, not a conflict).
-            f"WITH t AS (INSERT INTO {s}.tenants (org_id, user_id) SELECT $1, $2 "
-            f"WHERE NOT EXISTS (SELECT 1 FROM {s}.tenants WHERE org_id = $1 AND user_id = $2) "
-            "ON CONFLICT DO NOTHING RETURNING tid), "
-            f"tt AS (SELECT COALESCE((SELECT tid FROM t), {_tid(s)}) AS tid), "
+            # (One probe of ``tenants``: ``t0`` is read by both.)
+            f"WITH t0 AS MATERIALIZED (SELECT tid FROM {s}.tenants "
+            "WHERE org_id = $1 AND user_id = $2), "
+            f"t AS (INSERT INTO {s}.tenants (org_id, user_id) SELECT $1, $2 "
+            "WHERE NOT EXISTS (SELECT 1 FROM t0) ON CONFLICT DO NOTHING RETURNING tid), "
+            "tt AS (SELECT COALESCE((SELECT tid FROM t), (SELECT tid FROM t0)) AS tid), "
             "r AS ("
             f"INSERT INTO {s}.records (tid, kind, id, session_id, body) "
             "SELECT tt.tid, u.* FROM tt, unnest($3::smallint[], $4::bytea[], $5::bytea[], "
