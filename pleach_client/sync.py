@@ -168,7 +168,7 @@ class SyncFacet:
         rt: SessionRuntime,
         *,
         batch_size: int = 200,
-        pull_limit: int = 500,
+        pull_limit: int = 1000,
         backoff_initial: float = 0.2,
         backoff_max: float = 30.0,
         request_timeout: float = 30.0,
