@@ -651,6 +651,7 @@ class SyncFacet:
                     )
                 self._link = link
                 self._welcomed += 1
+                self._resync.stored()  # (another process on this file may have stored ids)
                 self._set_state("connected")
                 if not self._auto:
                     await reader
@@ -1336,6 +1337,7 @@ class SyncFacet:
             if lacking:  # stored with the page: a cancel or a crash after it cannot lose them
                 stored = resync_ids(await tx.get_meta(RESYNC_DUE))
                 batch.meta[RESYNC_DUE] = resync_text(stored | set(lacking))
+                self._resync.stored()  # (before the commit: a cancel after it cannot skip it)
             missing[:] = lacking
             return batch, len(changes)
 
@@ -1364,6 +1366,8 @@ class SyncFacet:
         pass that could not find them (the server lost them too) is not repeated. The look-up
         and the ids kept stored are one transaction."""
         self._resync.end_of_feed()
+        if not self._resync.maybe_stored:
+            return False
         keep: set[str] = set()
 
         async def check(tx: TxReader, view: RemoteView) -> tuple[WriteBatch | None, None]:

@@ -457,6 +457,11 @@ class ResyncLedger:
     """Had their complete pass from the start of the feed (in this process)."""
     passing: set[str] = field(default_factory=set)
     """The ids of the pass this pull is making (empty when it makes none)."""
+    maybe_stored: bool = True
+    """Whether ids may be stored: the end of a pull looks only then (a transaction), so a
+    pull that found nothing lacking costs nothing more. True when the ledger starts (ids a
+    process stored before may wait) and on each new connection (another process on the same
+    file may have stored some), after a page stored ids; False after a look kept none."""
 
     def wants_look(self, ids: Sequence[str]) -> bool:
         """A page found ``ids`` lacking: whether any is not done (a pull should look)."""
@@ -479,6 +484,11 @@ class ResyncLedger:
         return stored - self.done
 
     def start_pass(self, ids: set[str]) -> None:
-        """The look-up found ``ids`` still lacking (they stay stored): a pass from the start
-        of the feed begins for them (none: no pass)."""
+        """The look-up found ``ids`` still lacking (they stay stored, and only they): a pass
+        from the start of the feed begins for them (none: no pass)."""
         self.passing = set(ids)
+        self.maybe_stored = bool(ids)
+
+    def stored(self) -> None:
+        """A page stored ids, or a new connection began: the next end of a pull looks."""
+        self.maybe_stored = True
