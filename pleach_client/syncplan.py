@@ -5,6 +5,8 @@
 - ``rebase``: place canonical events from the server and move the provisional tail after them.
 - ``echo_of`` and ``echo_lands``: when a ``PushAck`` says the push's feed rows are its changes
   as pushed (protocol 5), the device takes its cursor past them without pulling them back.
+- ``ResyncLedger``: whether a pull reads the feed again from the start, for messages a taken
+  session names and this device lacks, and when such a pass counts as made.
 
 ``pleach_client.sync`` loads what these need, calls them, and writes what they return; the
 tests drive them directly (unit and property tests).
@@ -392,23 +394,6 @@ def _seq(event: Event) -> int:
     return event.sequence_number
 
 
-__all__ = [
-    "Decision",
-    "Echo",
-    "FailedEntry",
-    "Rebase",
-    "Sent",
-    "Settlement",
-    "decide_session",
-    "echo_lands",
-    "echo_of",
-    "lands_in_place",
-    "rebase",
-    "settle",
-    "unsettled",
-]
-
-
 RESYNC_DUE = "resync_due"
 """The meta key of the messages that taken sessions name and this device lacks, not yet found
 nor given their pass (``ResyncLedger``): a JSON list of ids, written in the transaction of
@@ -492,3 +477,25 @@ class ResyncLedger:
     def stored(self) -> None:
         """A page stored ids, or a new connection began: the next end of a pull looks."""
         self.maybe_stored = True
+
+
+__all__ = [
+    "MAX_RESYNC_IDS",
+    "RESYNC_DUE",
+    "Decision",
+    "Echo",
+    "FailedEntry",
+    "Rebase",
+    "ResyncLedger",
+    "Sent",
+    "Settlement",
+    "decide_session",
+    "echo_lands",
+    "echo_of",
+    "lands_in_place",
+    "rebase",
+    "resync_ids",
+    "resync_text",
+    "settle",
+    "unsettled",
+]
