@@ -1,7 +1,8 @@
 """The device's resync for messages a taken session names and it lacks: the decision
-(``syncplan.ResyncLedger``, pure) driven by generated pulls, and ``SyncFacet._wants_resync``
-over a real store: ids survive a cancelled look-up, and a pass from the start of the feed that
-a disconnect cut short is made again by the next pull."""
+(``syncplan.ResyncLedger``, pure) driven by generated pulls; ``SyncFacet._wants_resync`` over
+a real store (ids survive a cancelled look-up, and a pass from the start of the feed that a
+disconnect or a restart cut short is made again); and the case end to end, on a real server,
+as the simulation found it (seed 330,233 of the races mix)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from pleach_client.runtime import SessionRuntime
 from pleach_client.syncplan import RESYNC_DUE, ResyncLedger, resync_ids, resync_text
+from tests.test_sync_e2e import Cluster, chat, cluster  # noqa: F401 - a fixture, by name
 
 # -- the decision, on generated pulls ------------------------------------------------------
 
@@ -208,3 +210,51 @@ async def test_a_resync_that_a_disconnect_or_a_restart_cut_short_is_made_again(
     sync._resync = ResyncLedger()  # ... cut short again, by a crash this time
     assert await sync._wants_resync() is True
     assert await sync._wants_resync() is False
+
+
+# -- end to end: real runtimes, a real server ----------------------------------------------
+
+
+async def test_a_device_gets_a_forks_messages_back_though_a_disconnect_cut_its_resync(
+    cluster: Cluster,  # noqa: F811 - the fixture imported above
+) -> None:
+    """The tablet deleted a session offline (its messages purged there), while two other
+    devices renamed it at once: the server keeps the loser as a conflict fork that shares the
+    session's messages. Back online, the tablet takes the fork, lacks its first messages and
+    decides to read the feed again from the start, and the connection drops in that instant
+    (seed 330,233 of the races mix). The next connection makes the pass, and the tablet ends
+    with the fork's whole transcript."""
+    laptop, phone, tablet = [await cluster.device(n) for n in ("laptop", "phone", "tablet")]
+    session = await laptop.create_session(title="trip")
+    await chat(laptop, session.id, "u1")
+    await cluster.online(laptop, phone, tablet)
+    for rt in (laptop, phone, tablet):
+        await rt.sync.disconnect()
+    await tablet.delete_session(session.id)
+    await laptop.sessions.rename(session.id, "laptop's")
+    await phone.sessions.rename(session.id, "phone's")
+    await cluster.online(laptop)
+    await cluster.online(phone)
+    await cluster.settle(laptop, phone)
+    forks = [s for s in await laptop.sessions.list() if s.forked_from == session.id]
+    assert len(forks) == 1, "the concurrent renames left no conflict fork"
+    fork = forks[0]
+    want = [m.id for m in await laptop.sessions.messages(fork.id)]
+    assert len(want) >= 2
+
+    decided = tablet.sync._wants_resync
+    cuts = 0
+
+    async def cut_once() -> bool:
+        nonlocal cuts
+        wants = await decided()
+        if wants and cuts == 0:
+            cuts += 1
+            raise ConnectionError("offline in the instant the resync was decided")
+        return wants
+
+    tablet.sync._wants_resync = cut_once  # type: ignore[method-assign]
+    await cluster.online(tablet)
+    assert cuts == 1, "the tablet never lacked the fork's messages: the case was not built"
+    held = [m.id for m in await tablet.sessions.messages(fork.id)]
+    assert held == want, f"the tablet lacks {sorted(set(want) - set(held))}"
