@@ -43,6 +43,7 @@ from shared.records import (
 
 from .cache import RecordCache
 from .store.base import CommitReceipt, Rerunnable, StorageAdapter, TxReader, WriteBatch
+from .syncplan import stored_ids
 from .transcript import Transcript
 
 _R = TypeVar("_R", bound=Record)
@@ -692,13 +693,7 @@ class RemoteView:
 
 def previous_ids(stored: str | None) -> list[str]:
     """The ids a device wrote under before its current one, from their meta value."""
-    if not stored:
-        return []
-    try:
-        ids = msgspec.json.decode(stored, type=list[str])
-    except msgspec.DecodeError:
-        return []
-    return ids[:MAX_PREVIOUS_IDS]
+    return stored_ids(stored, MAX_PREVIOUS_IDS)
 
 
 async def purge_keep(

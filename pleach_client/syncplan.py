@@ -405,15 +405,21 @@ feed, which reads only what the device holds) and a page's further ids wait for 
 that counts them again."""
 
 
-def resync_ids(text: str | None) -> set[str]:
-    """The ids stored under ``RESYNC_DUE`` (none for a missing or unreadable value)."""
+def stored_ids(text: str | None, limit: int) -> list[str]:
+    """A list of ids kept in a meta value as JSON, at most ``limit`` of them: none for a
+    missing or unreadable value (a file's meta is read, never trusted to parse)."""
     if not text:
-        return set()
+        return []
     try:
         ids = msgspec.json.decode(text, type=list[str])
     except msgspec.DecodeError:  # (ValidationError is one)
-        return set()
-    return set(ids[:MAX_RESYNC_IDS])
+        return []
+    return ids[:limit]
+
+
+def resync_ids(text: str | None) -> set[str]:
+    """The ids stored under ``RESYNC_DUE`` (none for a missing or unreadable value)."""
+    return set(stored_ids(text, MAX_RESYNC_IDS))
 
 
 def resync_text(ids: set[str]) -> str:
@@ -497,5 +503,6 @@ __all__ = [
     "resync_ids",
     "resync_text",
     "settle",
+    "stored_ids",
     "unsettled",
 ]

@@ -1242,24 +1242,24 @@ async def text_rows(
     from shared.records import encode_record
 
     t = (tenant.org_id, tenant.user_id)
-    for x in sessions:
-        await conn.execute(
-            f"INSERT INTO {s}.sessions (id, org_id, user_id, updated_at, body) "
-            "VALUES ($1, $2, $3, $4, $5)",
-            x.id, *t, x.updated_at, encode_record(x),
-        )  # fmt: skip
-    for m in messages:
-        await conn.execute(
-            f"INSERT INTO {s}.records (kind, id, org_id, user_id, session_id, body) "
-            "VALUES ('Message', $1, $2, $3, $4, $5)",
-            m.id, *t, m.session_id, encode_record(m),
-        )  # fmt: skip
-    for number, e in enumerate(events, start=1):
-        await conn.execute(
-            f"INSERT INTO {s}.events (id, session_id, sequence_number, org_id, user_id, "
-            "row_hash, body) VALUES ($1, $2, $3, $4, $5, $6, $7)",
-            e.id, e.session_id, number, *t, e.row_hash, encode_record(e),
-        )  # fmt: skip
+    await conn.executemany(
+        f"INSERT INTO {s}.sessions (id, org_id, user_id, updated_at, body) "
+        "VALUES ($1, $2, $3, $4, $5)",
+        [(x.id, *t, x.updated_at, encode_record(x)) for x in sessions],
+    )
+    await conn.executemany(
+        f"INSERT INTO {s}.records (kind, id, org_id, user_id, session_id, body) "
+        "VALUES ('Message', $1, $2, $3, $4, $5)",
+        [(m.id, *t, m.session_id, encode_record(m)) for m in messages],
+    )
+    await conn.executemany(
+        f"INSERT INTO {s}.events (id, session_id, sequence_number, org_id, user_id, "
+        "row_hash, body) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        [
+            (e.id, e.session_id, number, *t, e.row_hash, encode_record(e))
+            for number, e in enumerate(events, start=1)
+        ],
+    )
     cursors = []
     for kind, record in feed:
         row = [*t, kind, record.id, *([encode_record(record)] if feed_bodies else [])]
