@@ -615,8 +615,9 @@ class DeviceCore:
                 self.clock.advance(stored)
 
     async def _check_generation(self) -> None:
-        """Outside a write: a cheap look whether another process wrote (caches dropped)."""
-        generation = await self.store.get_meta(GENERATION)
+        """Outside a write: a cheap look whether another process wrote (caches dropped). It
+        need not wait for a write of this process in progress: that one keeps the caches."""
+        generation = await self.store.peek_meta(GENERATION)
         if generation != self._generation:
             self._forget()
             self._generation = generation

@@ -518,6 +518,15 @@ class StoreConformance:
         assert await store.get_meta("unknown") is None
         with pytest.raises(StorageError):
             await store.set_meta("cursor", 3)  # type: ignore[arg-type]
+
+    async def test_peek_meta_reads_what_is_committed(self, store: StorageAdapter) -> None:
+        assert await store.peek_meta("cursor") is None
+        await store.set_meta("cursor", "1")
+        assert await store.peek_meta("cursor") == "1"
+        await commit(store, make_message(), meta={"cursor": "2", "hlc": "h"})
+        assert await store.peek_meta("cursor") == "2"
+        assert await store.peek_meta("hlc") == "h"
+        assert await store.peek_meta("unknown") is None
         assert await store.get_meta("cursor") == "2"
 
     async def test_meta_inside_commit(self, store: StorageAdapter) -> None:

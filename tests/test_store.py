@@ -993,3 +993,72 @@ async def test_a_record_that_came_as_bytes_is_stored_as_those_bytes(tmp_path: Pa
     async with SQLiteAdapter(tmp_path / "d.db") as store:
         await store.commit(batch)
         assert await store.get_messages([pulled[0].id, made.id]) == [pulled[0], made]
+
+
+# -- peek_meta: the committed value, on the caller's thread ----------------------------------
+
+
+async def test_a_peek_sees_another_connections_commit_at_once(db_path: Path) -> None:
+    """The look whether another process wrote: a commit of another connection (as another
+    process) is seen by the next peek, with no hop to the store's thread."""
+    async with SQLiteAdapter(db_path) as store:
+        await store.set_meta("generation", "g1")
+        hops = _count_hops(store)
+        assert await store.peek_meta("generation") == "g1"
+        other = sqlite3.connect(db_path, isolation_level=None)
+        try:
+            other.execute("UPDATE sync_state SET value = 'g2' WHERE key = 'generation'")
+        finally:
+            other.close()
+        assert await store.peek_meta("generation") == "g2"
+        assert await store.peek_meta("unknown") is None
+        assert hops[0] == 0
+
+
+async def test_a_peek_does_not_wait_for_a_write_in_progress(db_path: Path) -> None:
+    """A plan holding the store's write lock: ``get_meta`` waits for it, a peek does not, and
+    reads what is committed (not what the plan is about to write)."""
+    async with SQLiteAdapter(db_path) as store:
+        await store.set_meta("n", "1")
+        planning, release = asyncio.Event(), asyncio.Event()
+
+        async def plan(tx: Any) -> WriteBatch:
+            planning.set()
+            await release.wait()
+            return WriteBatch(meta={"n": "2"})
+
+        writing = asyncio.ensure_future(store.transact(plan))
+        await planning.wait()
+        waiting = asyncio.ensure_future(store.get_meta("n"))
+        async with asyncio.timeout(30):  # a guard: a peek that waited would hang here
+            assert await store.peek_meta("n") == "1"
+        assert not waiting.done() and not writing.done()
+        release.set()
+        await writing
+        assert await waiting == "2"
+        assert await store.peek_meta("n") == "2"
+
+
+async def test_a_peek_that_fails_reads_on_the_connection(db_path: Path) -> None:
+    """Any error of the peek connection (here: closed under it) falls back to ``get_meta``."""
+    async with SQLiteAdapter(db_path) as store:
+        await store.set_meta("n", "7")
+        assert await store.peek_meta("n") == "7"
+        assert store._peek is not None
+        store._peek.close()
+        hops = _count_hops(store)
+        assert await store.peek_meta("n") == "7"
+        assert hops[0] == 1
+
+
+async def test_closing_closes_the_peek_connection_too(db_path: Path) -> None:
+    """The peek connection is closed with the store: the last connection to close removes
+    the WAL, so no ``-wal`` file is left behind, and a peek after close raises as reads do."""
+    store = SQLiteAdapter(db_path)
+    async with store:
+        await store.set_meta("n", "1")
+        assert await store.peek_meta("n") == "1"
+    assert store._peek is None
+    assert not Path(f"{db_path}-wal").exists()
+    with pytest.raises(InvalidState):
+        await store.peek_meta("n")

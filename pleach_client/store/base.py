@@ -244,6 +244,12 @@ class StorageAdapter(Protocol):
 
     # -- sync state -----------------------------------------------------------------------
     async def get_meta(self, key: str) -> str | None: ...
+    async def peek_meta(self, key: str) -> str | None:
+        """``get_meta`` of what is committed, as cheaply as the store can: it need not wait
+        for a write of this store in progress (and may not see it). For a look whether
+        another process wrote; a decision that must hold reads the key under the lock."""
+        ...
+
     async def set_meta(self, key: str, value: str) -> None: ...
 
     # -- reads ----------------------------------------------------------------------------

@@ -379,6 +379,9 @@ class MemoryAdapter(AsyncResource):
         self._check_open()
         return self._meta.get(key)
 
+    async def peek_meta(self, key: str) -> str | None:
+        return await self.get_meta(key)  # (no other process shares this store)
+
     async def set_meta(self, key: str, value: str) -> None:
         self._check_open()
         if not isinstance(value, str):

@@ -1116,6 +1116,9 @@ class PostgresAdapter(AsyncResource):
         rows = await self._fetch("get meta", self._sql.get_meta, key)
         return str(rows[0][0]) if rows else None
 
+    async def peek_meta(self, key: str) -> str | None:
+        return await self.get_meta(key)  # (a query on the pool: nothing cheaper to do)
+
     async def set_meta(self, key: str, value: str) -> None:
         if not isinstance(value, str):
             raise StorageError(f"meta {key!r} must be a string, not {type(value).__name__}")

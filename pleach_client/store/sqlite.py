@@ -921,6 +921,8 @@ class SQLiteAdapter(AsyncResource):
         self._checkpointer: aiosqlite.Connection | None = None
         self._checkpoints = Every(CHECKPOINT_EVERY, self._checkpoint)
         """A side checkpoint every ``CHECKPOINT_EVERY`` commits (``close`` waits for it)."""
+        self._peek: sqlite3.Connection | None = None
+        """``peek_meta``'s read-only connection, made on the caller's thread at first use."""
 
     def __repr__(self) -> str:
         return f"<SQLiteAdapter {self.path!r} {self._state.value}>"
@@ -1013,6 +1015,7 @@ class SQLiteAdapter(AsyncResource):
                 return
             self._conn = None
             self._state = _State.CLOSED
+            self._close_peek()
             self._closing = asyncio.ensure_future(self._shutdown(conn))
         await asyncio.shield(self._closing)
 
@@ -1157,6 +1160,31 @@ class SQLiteAdapter(AsyncResource):
         async with self._reading("get meta") as conn:
             rows = await _fetch(conn, QUERIES["get_meta"], (key,))
         return str(rows[0][0]) if rows else None
+
+    async def peek_meta(self, key: str) -> str | None:
+        """``get_meta`` of what is committed, read at once on the caller's thread: no hop to
+        the connection's thread and no wait for a write of this store in progress (whose
+        value it does not see yet). A read-only connection of its own (``_peek``), which
+        never waits for a lock (busy timeout 0): a WAL reader waits for none but in rare
+        moments (a recovery), and then, as on any error, the key is read by ``get_meta``."""
+        if self._state is _State.OPEN:
+            try:
+                if self._peek is None:
+                    self._peek = _peek_connection(self.path)
+                rows = self._peek.execute(QUERIES["get_meta"], (key,)).fetchall()
+            except sqlite3.Error as exc:  # (and another thread's call: ProgrammingError)
+                log.debug("peek of %r failed, read on the connection instead: %s", key, exc)
+            else:
+                return str(rows[0][0]) if rows else None
+        return await self.get_meta(key)
+
+    def _close_peek(self) -> None:
+        peek, self._peek = self._peek, None
+        if peek is not None:
+            try:
+                peek.close()
+            except sqlite3.Error as exc:  # made on another thread: its finalizer closes it
+                log.debug("peek connection of %r not closed here: %s", self.path, exc)
 
     async def set_meta(self, key: str, value: str) -> None:
         if not isinstance(value, str):
@@ -1365,6 +1393,17 @@ class SQLiteAdapter(AsyncResource):
                 "DELETE FROM dead_letters WHERE client_seq = ?", (client_seq,)
             )
             return cursor.rowcount > 0
+
+
+def _peek_connection(path: str) -> sqlite3.Connection:
+    """A connection that only reads and never waits for a lock (``peek_meta``)."""
+    conn = sqlite3.connect(path, timeout=0, isolation_level=None)
+    try:
+        conn.execute("PRAGMA query_only = ON")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
 
 
 def _probe(path: str) -> None:
