@@ -39,7 +39,14 @@ def uuid7(now_ms: int | None = None) -> str:
     value |= rand_a << 64
     value |= 0b10 << 62
     value |= rand_b
-    return str(uuid.UUID(int=value))
+    return _text(value)
+
+
+def _text(value: int) -> str:
+    """The canonical text of the 128-bit ``value`` (``str(uuid.UUID(int=value))``, in a
+    third of its time: a turn makes about ten ids)."""
+    h = f"{value:032x}"
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 def uuid7_time_ms(value: str) -> int:

@@ -126,3 +126,8 @@ def test_neighbours_made_in_one_millisecond_are_not_predictable() -> None:
     assert all(step > 0 for step in steps)
     assert len(set(steps)) > 190  # random steps, almost never equal
     assert min(steps) > 1 or steps.count(1) < 2
+
+
+@given(st.integers(min_value=0, max_value=(1 << 128) - 1))
+def test_the_text_of_any_128_bit_value_is_the_uuid_modules(value: int) -> None:
+    assert ids._text(value) == str(uuid.UUID(int=value))
