@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import random
 import re
 import sqlite3
 from collections import Counter
@@ -918,7 +919,7 @@ def _increment(calls: list[str], reads_session: bool = False) -> Rerunnable:
     return Rerunnable(plan)
 
 
-async def test_a_rerunnable_plan_on_an_unchanged_file_commits_in_one_hop(db_path: Path) -> None:
+async def test_a_rerunnable_plan_on_an_unchanged_file_commits_in_place(db_path: Path) -> None:
     calls: list[str] = []
     async with SQLiteAdapter(db_path) as store:
         await store.transact(_increment(calls))  # the first: nothing seen yet, under the lock
@@ -926,7 +927,7 @@ async def test_a_rerunnable_plan_on_an_unchanged_file_commits_in_one_hop(db_path
         for expected in range(2, 6):
             hops[0], calls[:] = 0, []
             receipt = await store.transact(_increment(calls))
-            assert (hops[0], calls, len(receipt.client_seqs)) == (1, ["plan"], 1)
+            assert (hops[0], calls, len(receipt.client_seqs)) == (0, ["plan"], 1)
             assert await store.get_meta("n") == str(expected)
         # A plan that reads more than the meta keys runs again under the lock (two hops).
         hops[0], calls[:] = 0, []
@@ -1040,25 +1041,171 @@ async def test_a_peek_does_not_wait_for_a_write_in_progress(db_path: Path) -> No
 
 
 async def test_a_peek_that_fails_reads_on_the_connection(db_path: Path) -> None:
-    """Any error of the peek connection (here: closed under it) falls back to ``get_meta``."""
+    """Any error of the caller's connection (here: closed under it) falls back to
+    ``get_meta``."""
     async with SQLiteAdapter(db_path) as store:
         await store.set_meta("n", "7")
         assert await store.peek_meta("n") == "7"
-        assert store._peek is not None
-        store._peek.close()
+        assert store._local is not None
+        store._local.close()
         hops = _count_hops(store)
         assert await store.peek_meta("n") == "7"
         assert hops[0] == 1
 
 
-async def test_closing_closes_the_peek_connection_too(db_path: Path) -> None:
-    """The peek connection is closed with the store: the last connection to close removes
+async def test_closing_closes_the_callers_connection_too(db_path: Path) -> None:
+    """The caller's connection is closed with the store: the last connection to close removes
     the WAL, so no ``-wal`` file is left behind, and a peek after close raises as reads do."""
     store = SQLiteAdapter(db_path)
     async with store:
         await store.set_meta("n", "1")
         assert await store.peek_meta("n") == "1"
-    assert store._peek is None
+    assert store._local is None
     assert not Path(f"{db_path}-wal").exists()
     with pytest.raises(InvalidState):
         await store.peek_meta("n")
+
+
+# -- small batches written on the caller's thread (``_write_in_place``) ----------------------
+
+
+def _dump(path: Path) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row of the file's tables (the outbox without its clock column)."""
+    conn = raw(path)
+    try:
+        out: dict[str, list[tuple[Any, ...]]] = {}
+        for table in ("sessions", "messages", "checkpoints", "events", "audit", "sync_state"):
+            out[table] = sorted(conn.execute(f"SELECT * FROM {table}").fetchall())
+        out["outbox"] = conn.execute(
+            "SELECT client_seq, record_id, kind, body, attempts FROM outbox ORDER BY client_seq"
+        ).fetchall()
+        return out
+    finally:
+        conn.close()
+
+
+def _planned(records: list[Record], n: int) -> Rerunnable:
+    async def plan(tx: Any) -> WriteBatch:
+        count = int(await tx.get_meta("n") or 0)
+        return WriteBatch(records=records, meta={"n": str(count + n), "last": str(n)})
+
+    return Rerunnable(plan)
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_batches_written_in_place_leave_the_file_as_the_thread_does(
+    tmp_path: Path, seed: int
+) -> None:
+    """Generated runs of batches (one to 80 records of every kind, some past the in-place
+    bounds) committed by a store that writes small ones in place and by one that writes all
+    on its connection's thread (``synchronous=FULL``): both files hold the same rows."""
+    rng = random.Random(seed)
+    runs: list[list[Record]] = []
+    for _ in range(30):
+        session = make_session()
+        size = rng.choice([1, 3, 9, 20, 70, 80])
+        kinds = [make_message, make_event, make_checkpoint, make_audit]
+        runs.append(
+            [session] + [rng.choice(kinds)(session_id=session.id) for _ in range(size - 1)]  # type: ignore[operator]
+        )
+    in_place = sqlite_module.SQLiteAdapter(tmp_path / "a.db")
+    on_thread = sqlite_module.SQLiteAdapter(tmp_path / "b.db", synchronous="FULL")
+    async with in_place, on_thread:
+        hops = _count_hops(in_place)
+        first = True
+        for n, records in enumerate(runs, start=1):
+            for store in (in_place, on_thread):
+                await store.transact(_planned(records, n))
+            small = len(records) <= sqlite_module.IN_PLACE_MAX_RECORDS
+            if not first:
+                assert hops[0] == (0 if small else 1), (n, len(records), hops)
+            first, hops[0] = False, 0
+    assert _dump(tmp_path / "a.db") == _dump(tmp_path / "b.db")
+
+
+async def test_a_write_lock_of_another_process_is_waited_for_on_the_thread(
+    db_path: Path,
+) -> None:
+    """In place, nothing waits for a lock: with another process's write lock held, the
+    batch goes to the connection's thread, which waits (``busy_timeout_ms``) while the
+    caller's thread goes on; once the lock is released, it is written."""
+    calls: list[str] = []
+    async with SQLiteAdapter(db_path) as store:
+        await store.transact(_increment(calls))
+        conn = store._conn
+        assert conn is not None
+        handed = asyncio.Event()
+        execute = conn._execute
+
+        async def watched(fn: Any, *args: Any, **kwargs: Any) -> Any:
+            handed.set()
+            return await execute(fn, *args, **kwargs)
+
+        conn._execute = watched  # type: ignore[method-assign]
+        other = raw(db_path)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            writing = asyncio.ensure_future(store.transact(_increment(calls)))
+            await handed.wait()  # tried in place, refused at once: handed to the thread
+            assert await store.peek_meta("n") == "1"  # and the caller's thread goes on
+            assert not writing.done()
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        await writing
+        assert await store.get_meta("n") == "2"
+        assert await store.outbox_count() == 2
+
+
+async def test_a_failure_in_place_rolls_back_and_the_store_goes_on(db_path: Path) -> None:
+    """A batch that fails in place (an event number past SQLite's INTEGER, at its insert,
+    after the session row was written in the transaction) raises ``StorageError`` with
+    nothing written; the next batch is written in place as usual."""
+    calls: list[str] = []
+    async with SQLiteAdapter(db_path) as store:
+        await store.transact(_increment(calls))
+        session = make_session()
+        bad = make_event(session_id=session.id, sequence_number=2**63)
+        hops = _count_hops(store)
+        with pytest.raises(StorageError) as info:
+            await store.transact(_planned([session, bad], 5))
+        assert info.value.retryable is False and hops[0] == 0
+        assert await store.get_session(session.id) is None
+        assert await store.get_meta("n") == "1" and await store.outbox_count() == 1
+        hops[0] = 0
+        await store.transact(_increment(calls))
+        await store.transact(_increment(calls))
+        assert await store.get_meta("n") == "3" and await store.outbox_count() == 3
+        assert store._local is not None and not store._local.in_transaction
+
+
+async def test_a_wal_left_behind_sends_batches_to_the_thread(db_path: Path) -> None:
+    """A reader of another process holding an old snapshot keeps the side checkpoints from
+    copying the WAL back: once they fall behind, batches are written on the connection's
+    thread (where SQLite's own checkpoint may run), and in place again once they catch up."""
+    calls: list[str] = []
+    async with SQLiteAdapter(db_path) as store:
+        await store.transact(_increment(calls))
+        reader = raw(db_path)
+        try:
+            reader.execute("BEGIN")
+            reader.execute("SELECT count(*) FROM outbox").fetchall()  # holds its snapshot
+            for _ in range(600):
+                await store.transact(_increment(calls))
+                if store._wal_behind:
+                    break
+                await store._checkpoints.wait()
+            assert store._wal_behind
+            hops = _count_hops(store)
+            await store.transact(_increment(calls))
+            assert hops[0] == 1
+        finally:
+            reader.execute("ROLLBACK")
+            reader.close()
+        for _ in range(sqlite_module.CHECKPOINT_EVERY):
+            await store.transact(_increment(calls))
+        await store._checkpoints.wait()
+        assert not store._wal_behind
+        hops[0] = 0
+        await store.transact(_increment(calls))
+        assert hops[0] == 0

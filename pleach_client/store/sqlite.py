@@ -612,6 +612,12 @@ AUTOCHECKPOINT_PAGES: Final = 4000
 """SQLite's own checkpoint, kept as a safety net for side checkpoints that cannot keep up (a
 reader of another process holding an old snapshot): the WAL stays under about 16 MB."""
 
+IN_PLACE_MAX_RECORDS: Final = 64
+IN_PLACE_MAX_BYTES: Final = 256 * 1024
+"""A ``Rerunnable`` plan's batch of at most this many records and body bytes (a turn's: nine
+records, a few KiB) is written on the caller's thread (``SQLiteAdapter._write_in_place``):
+its SQLite work (about 0.25 ms) is less than a hop to the connection's thread and back."""
+
 RECLAIM_PAGES: Final = 64
 """Free pages (256 KiB at 4 KiB each) after which an outbox removal gives them back to the OS.
 The outbox of a 1,000-turn conversation is about 150 pages since schema 4 (its record index
@@ -680,7 +686,18 @@ def _write_if_unchanged(
     """A ``Rerunnable`` plan's batch in one hop: ``BEGIN IMMEDIATE``, and when ``sync_state``
     is still ``seen`` (what the plan decided on) the batch and ``COMMIT``; else ``ROLLBACK``
     and None (another connection wrote since: the caller plans again under the lock)."""
-    if _begin_reading_meta(raw) != seen:
+    return _write_if_seen(raw, _begin_reading_meta(raw), seen, batch, *encoded)
+
+
+def _write_if_seen(
+    raw: sqlite3.Connection,
+    meta: dict[str, str] | None,
+    seen: dict[str, str],
+    batch: WriteBatch,
+    *encoded: Any,
+) -> CommitReceipt | None:
+    """``_write_if_unchanged`` after its ``BEGIN IMMEDIATE``, which read ``meta``."""
+    if meta != seen:
         raw.execute("ROLLBACK")
         return None
     groups, outbox, queued_groups, queued_outbox = encoded
@@ -921,8 +938,12 @@ class SQLiteAdapter(AsyncResource):
         self._checkpointer: aiosqlite.Connection | None = None
         self._checkpoints = Every(CHECKPOINT_EVERY, self._checkpoint)
         """A side checkpoint every ``CHECKPOINT_EVERY`` commits (``close`` waits for it)."""
-        self._peek: sqlite3.Connection | None = None
-        """``peek_meta``'s read-only connection, made on the caller's thread at first use."""
+        self._local: sqlite3.Connection | None = None
+        """A connection of the caller's (the event loop's) thread, made at first use: for
+        ``peek_meta`` and for small batches written in place (``_write_in_place``)."""
+        self._wal_behind = False
+        """The last side checkpoint left much of the WAL behind: batches go to the connection's
+        thread, where SQLite's own checkpoint may run, never on the caller's."""
 
     def __repr__(self) -> str:
         return f"<SQLiteAdapter {self.path!r} {self._state.value}>"
@@ -1015,7 +1036,7 @@ class SQLiteAdapter(AsyncResource):
                 return
             self._conn = None
             self._state = _State.CLOSED
-            self._close_peek()
+            self._close_local()
             self._closing = asyncio.ensure_future(self._shutdown(conn))
         await asyncio.shield(self._closing)
 
@@ -1034,7 +1055,11 @@ class SQLiteAdapter(AsyncResource):
         try:
             if self._checkpointer is None:
                 self._checkpointer = await aiosqlite.connect(self.path, isolation_level=None)
-            await self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            rows = await self._checkpointer.execute_fetchall("PRAGMA wal_checkpoint(PASSIVE)")
+            _, frames, copied = next(iter(rows), (0, 0, 0))
+            # A reader's old snapshot (another process's) keeps frames from being copied:
+            # past half the safety net, writes go where SQLite's own checkpoint may run.
+            self._wal_behind = int(frames) - int(copied) > AUTOCHECKPOINT_PAGES // 2
         except _DB_ERRORS as exc:  # best effort: SQLite's own checkpoint still runs
             log.info("side checkpoint of %r failed: %s", self.path, exc)
 
@@ -1127,16 +1152,57 @@ class SQLiteAdapter(AsyncResource):
             return None
         if batch is None:
             return None
-        raw: sqlite3.Connection = conn._conn
+        encoded = _encoded(batch)
+        receipt: CommitReceipt | None
         try:
-            receipt: CommitReceipt | None = await conn._execute(  # type: ignore[no-untyped-call]
-                _write_if_unchanged, raw, seen, batch, *_encoded(batch)
-            )
+            done, receipt = self._write_in_place(seen, batch, encoded)
+            if not done:
+                raw: sqlite3.Connection = conn._conn
+                receipt = await conn._execute(  # type: ignore[no-untyped-call]
+                    _write_if_unchanged, raw, seen, batch, *encoded
+                )
         except _DB_ERRORS as exc:
             raise _storage_error("commit", exc) from exc
         if receipt is not None:
             self._seen = {**seen, **batch.meta}
         return receipt
+
+    def _write_in_place(
+        self, seen: dict[str, str], batch: WriteBatch, encoded: tuple[Any, ...]
+    ) -> tuple[bool, CommitReceipt | None]:
+        """``_write_if_unchanged`` on the caller's thread (``_local``), for a small batch of
+        new rows (a turn's): no hop to the connection's thread, whose handoff costs more than
+        the batch's SQLite work. ``(False, None)`` when it is not done here: a large batch, or
+        one that purges, moves or renumbers rows (those go to the connection's thread, so the
+        caller's thread is never held for long), ``synchronous=FULL`` (a commit's fsync),
+        a WAL the side checkpoints left behind, or the write lock held by another process
+        (no wait here: the connection's thread waits for it). Errors once the transaction
+        is open are raised (rolled back, nothing written), as on the connection's thread."""
+        if (
+            self.synchronous != "NORMAL"
+            or self._wal_behind
+            or batch.purge_sessions
+            or batch.purge_checkpoints_for
+            or batch.rechained_audit
+            or batch.canonical
+            or batch.renumber_outbox
+            or len(batch.records) + len(batch.queued) > IN_PLACE_MAX_RECORDS
+        ):
+            return False, None
+        groups, _, queued_groups, _ = encoded
+        size = sum(len(row[-1]) for rows in groups.values() for row in rows)
+        size += sum(len(row[-1]) for rows in queued_groups.values() for row in rows)
+        if size > IN_PLACE_MAX_BYTES:
+            return False, None
+        local = self._local_connection()
+        if local is None:
+            return False, None
+        try:
+            meta = _begin_reading_meta(local)  # (in a transaction already: raises)
+        except sqlite3.Error as exc:  # (busy: another process writes; or another thread)
+            log.debug("batch not written in place on %r: %s", self.path, exc)
+            return False, None
+        return True, _write_if_seen(local, meta, seen, batch, *encoded)
 
     async def gdpr_soft_delete(self, subject_key: str) -> int:
         """Clear ``subject_key``, ``request_id`` and ``detail`` of the subject's audit rows and
@@ -1164,27 +1230,41 @@ class SQLiteAdapter(AsyncResource):
     async def peek_meta(self, key: str) -> str | None:
         """``get_meta`` of what is committed, read at once on the caller's thread: no hop to
         the connection's thread and no wait for a write of this store in progress (whose
-        value it does not see yet). A read-only connection of its own (``_peek``), which
-        never waits for a lock (busy timeout 0): a WAL reader waits for none but in rare
-        moments (a recovery), and then, as on any error, the key is read by ``get_meta``."""
-        if self._state is _State.OPEN:
+        value it does not see yet). On the caller's own connection (``_local``), which never
+        waits for a lock (busy timeout 0): a WAL reader waits for none but in rare moments (a
+        recovery), and then, as on any error, the key is read by ``get_meta``."""
+        local = self._local_connection()
+        if local is not None:
             try:
-                if self._peek is None:
-                    self._peek = _peek_connection(self.path)
-                rows = self._peek.execute(QUERIES["get_meta"], (key,)).fetchall()
+                if local.in_transaction:  # (never between two calls: it ends in its call)
+                    raise sqlite3.OperationalError("a write of this store is in progress")
+                rows = local.execute(QUERIES["get_meta"], (key,)).fetchall()
             except sqlite3.Error as exc:  # (and another thread's call: ProgrammingError)
                 log.debug("peek of %r failed, read on the connection instead: %s", key, exc)
             else:
                 return str(rows[0][0]) if rows else None
         return await self.get_meta(key)
 
-    def _close_peek(self) -> None:
-        peek, self._peek = self._peek, None
-        if peek is not None:
+    def _local_connection(self) -> sqlite3.Connection | None:
+        """``_local``, made now if need be; None when the store is not open or it cannot be
+        made (the caller then uses the connection's thread)."""
+        if self._state is not _State.OPEN:
+            return None
+        if self._local is None:
             try:
-                peek.close()
+                self._local = _local_connection(self.path, self.synchronous)
+            except sqlite3.Error as exc:
+                log.debug("no connection on the caller's thread for %r: %s", self.path, exc)
+                return None
+        return self._local
+
+    def _close_local(self) -> None:
+        local, self._local = self._local, None
+        if local is not None:
+            try:
+                local.close()
             except sqlite3.Error as exc:  # made on another thread: its finalizer closes it
-                log.debug("peek connection of %r not closed here: %s", self.path, exc)
+                log.debug("local connection of %r not closed here: %s", self.path, exc)
 
     async def set_meta(self, key: str, value: str) -> None:
         if not isinstance(value, str):
@@ -1395,11 +1475,16 @@ class SQLiteAdapter(AsyncResource):
             return cursor.rowcount > 0
 
 
-def _peek_connection(path: str) -> sqlite3.Connection:
-    """A connection that only reads and never waits for a lock (``peek_meta``)."""
+def _local_connection(path: str, synchronous: Synchronous) -> sqlite3.Connection:
+    """A connection of the caller's thread (``SQLiteAdapter._local``): it never waits for a
+    lock (busy timeout 0: the caller then uses the connection's thread, which waits) and
+    never checkpoints the WAL itself (``wal_autocheckpoint = 0``: the side checkpoints do,
+    and the connection's own when they fall behind), so nothing it runs blocks its thread
+    for longer than its own statements."""
     conn = sqlite3.connect(path, timeout=0, isolation_level=None)
     try:
-        conn.execute("PRAGMA query_only = ON")
+        conn.execute(f"PRAGMA synchronous = {synchronous}")
+        conn.execute("PRAGMA wal_autocheckpoint = 0")
     except BaseException:
         conn.close()
         raise

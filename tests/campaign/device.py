@@ -41,7 +41,14 @@ from pathlib import Path
 
 from pleach_client.providers.scripted import ScriptedProvider
 from pleach_client.runtime import SessionRuntime
-from pleach_client.store.base import CommitReceipt, OutboxEntry, Plan, TxReader, WriteBatch
+from pleach_client.store.base import (
+    CommitReceipt,
+    OutboxEntry,
+    Plan,
+    Rerunnable,
+    TxReader,
+    WriteBatch,
+)
 from pleach_client.store.sqlite import SQLiteAdapter
 from pleach_client.stream import MessageAdded
 
@@ -100,11 +107,15 @@ class KillPoints(SQLiteAdapter):
             batch = await plan(tx)
             if batch is not None:
                 point = "apply" if "cursor" in batch.meta else "turn" if self.in_turn else "write"
-                kind.append(point)
-                self.passing(point, "in")  # the write lock is held; nothing written yet
+                kind[:] = [point]  # (a rerunnable plan may be called twice)
+                self.passing(point, "in")  # nothing written yet
             return batch
 
-        receipt = await super().transact(marked)
+        # A plan that may run before the write lock keeps its mark: a turn's commit is then
+        # written as it is outside the campaign (in place, on the caller's thread).
+        receipt = await super().transact(
+            Rerunnable(marked) if isinstance(plan, Rerunnable) else marked
+        )
         if kind:
             self.passing(kind[0], "after")
         return receipt
