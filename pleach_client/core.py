@@ -42,7 +42,14 @@ from shared.records import (
 )
 
 from .cache import RecordCache
-from .store.base import CommitReceipt, Rerunnable, StorageAdapter, TxReader, WriteBatch
+from .store.base import (
+    CommitReceipt,
+    InPlace,
+    Rerunnable,
+    StorageAdapter,
+    TxReader,
+    WriteBatch,
+)
 from .syncplan import stored_ids
 from .transcript import Transcript
 
@@ -513,12 +520,14 @@ class DeviceCore:
         return previous_ids(await self.store.get_meta(PREVIOUS_IDS))
 
     async def transact_remote(
-        self, plan: Callable[[TxReader, RemoteView], Any]
+        self, plan: Callable[[TxReader, RemoteView], Any], *, small: bool = False
     ) -> tuple[CommitReceipt, Any]:
         """Run a sync plan in one transaction with a view of the core's heads.
 
         ``plan(tx, view)`` returns ``(batch | None, outcome)``; on success the core adopts what
-        the view recorded (rows taken, new heads) and the outcome is returned.
+        the view recorded (rows taken, new heads) and the outcome is returned. ``small``: it
+        reads and writes little (a live page): the store may run it on the caller's thread
+        (``InPlace``).
         """
         view = RemoteView(self)
         outcome: Any = None
@@ -536,7 +545,7 @@ class DeviceCore:
             return batch
 
         try:
-            receipt = await self.store.transact(run)
+            receipt = await self.store.transact(InPlace(run) if small else run)
         except BaseException:
             self._forget()
             raise

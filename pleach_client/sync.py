@@ -105,6 +105,11 @@ PUSHES_IN_FLIGHT = 4
 """How many pushes a flush sends before it waits for the first one's ack (``pipeline``): the
 device reads and encodes the next while the server applies the one before. Each is at most a
 batch and half a frame."""
+IN_PLACE_PAGE = 64
+"""A page of at most this many changes (a live one: a turn is nine) is applied on the loop's
+thread, its reads and writes included (``InPlace``): each of its few store calls would cost
+a hop to the store's thread. A larger page (a catch-up's) is written on that thread while
+the loop decodes the next."""
 HEALTH_MIN_INTERVAL_S = 1.0
 """A device tells the server its health at most this often..."""
 HEALTH_HEARTBEAT_S = 30.0
@@ -1192,7 +1197,8 @@ class SyncFacet:
             )
             return batch, True
 
-        _, taken = await self._rt.core.transact_remote(plan)
+        small = len(echo.events) <= IN_PLACE_PAGE
+        _, taken = await self._rt.core.transact_remote(plan, small=small)
         if taken:
             self._cursor = echo.to_cursor
             self._poke()
@@ -1264,6 +1270,9 @@ class SyncFacet:
                 if answer.more:
                     ahead_from = answer.to_cursor
                     ahead = asyncio.ensure_future(self._ask_page(link, ahead_from))
+                    # The request goes out now: a small page's apply runs in place and may
+                    # not give the loop a turn before it is done.
+                    await asyncio.sleep(0)
                 if answer.changes or answer.to_cursor > cursor:
                     applied += await self._apply(answer.changes, answer.to_cursor, answer.bodies)
                     self._report_download(start, answer.to_cursor)
@@ -1341,7 +1350,10 @@ class SyncFacet:
             missing[:] = lacking
             return batch, len(changes)
 
-        _, applied = await rt.core.transact_remote(plan)
+        # A live page (a turn or two) is read and written in place (``InPlace``); a page of a
+        # catch-up goes to the store's thread while the next page is decoded here.
+        small = len(changes) <= IN_PLACE_PAGE
+        _, applied = await rt.core.transact_remote(plan, small=small)
         if written:
             self._cursor = written[0]
         if reused and reused[0]:

@@ -20,7 +20,7 @@ pytest.register_assert_rewrite("tests.store_conformance")
 
 from pleach_client.store import MemoryAdapter, SQLiteAdapter, StorageAdapter  # noqa: E402
 from pleach_client.store import sqlite as sqlite_module  # noqa: E402
-from pleach_client.store.base import Rerunnable, WriteBatch  # noqa: E402
+from pleach_client.store.base import InPlace, Plan, Rerunnable, WriteBatch  # noqa: E402
 from pleach_client.store.sqlite import QUERIES, SCHEMA_VERSION  # noqa: E402
 from shared.errors import InvalidState, StorageError  # noqa: E402
 from shared.records import Record, encode_record  # noqa: E402
@@ -1075,7 +1075,7 @@ def _dump(path: Path) -> dict[str, list[tuple[Any, ...]]]:
     try:
         out: dict[str, list[tuple[Any, ...]]] = {}
         for table in ("sessions", "messages", "checkpoints", "events", "audit", "sync_state"):
-            out[table] = sorted(conn.execute(f"SELECT * FROM {table}").fetchall())
+            out[table] = sorted(conn.execute(f"SELECT * FROM {table}").fetchall(), key=repr)
         out["outbox"] = conn.execute(
             "SELECT client_seq, record_id, kind, body, attempts FROM outbox ORDER BY client_seq"
         ).fetchall()
@@ -1209,3 +1209,144 @@ async def test_a_wal_left_behind_sends_batches_to_the_thread(db_path: Path) -> N
         hops[0] = 0
         await store.transact(_increment(calls))
         assert hops[0] == 0
+
+
+# -- InPlace plans: reads and writes on the caller's thread ----------------------------------
+
+
+def _reading_plan(session_id: str, seen: list[Any]) -> Plan:
+    """A plan that reads what a page's apply reads (meta, a session row, events, which
+    messages are held, audit rows) and writes a message and a meta key from what it read."""
+
+    async def plan(tx: Any) -> WriteBatch:
+        n = int(await tx.get_meta("n") or 0)
+        row = await tx.get_session(session_id)
+        events = await tx.list_events(session_id)
+        missing = await tx.missing_messages(["m-held", "m-absent"])
+        audit = await tx.audit_rows(["a-1"])
+        seen[:] = [n, row, events, missing, audit]
+        return WriteBatch(
+            records=[make_message(session_id=session_id)], meta={"n": str(n + len(events))}
+        )
+
+    return plan
+
+
+def _held_records(session_id: str) -> list[Record]:
+    return [
+        make_session(id=session_id),
+        make_message(id="m-held", session_id=session_id),
+        make_event(session_id=session_id, sequence_number=1),
+        make_event(session_id=session_id, sequence_number=2),
+        make_audit(id="a-1", session_id=session_id),
+    ]
+
+
+async def _held_state(
+    store: SQLiteAdapter, session_id: str, records: list[Record] | None = None
+) -> None:
+    held = records if records is not None else _held_records(session_id)
+    await commit(store, *held, meta={"n": "5"})
+
+
+async def test_an_in_place_plan_reads_and_writes_as_one_on_the_thread(tmp_path: Path) -> None:
+    """The same plan, marked ``InPlace`` on one store and not on another (same rows): it
+    reads the same, writes the same, and makes no hop in place."""
+    sid = "s-in-place"
+    seen_here: list[Any] = []
+    seen_there: list[Any] = []
+    async with SQLiteAdapter(tmp_path / "a.db") as here, SQLiteAdapter(tmp_path / "b.db") as there:
+        held = _held_records(sid)
+        for store in (here, there):
+            await _held_state(store, sid, held)
+        hops = _count_hops(here)
+        await here.transact(InPlace(_reading_plan(sid, seen_here)))
+        assert hops[0] == 0
+        await there.transact(_reading_plan(sid, seen_there))
+    assert seen_here == seen_there
+    assert seen_here[0] == 5 and seen_here[3] == ["m-absent"] and len(seen_here[2]) == 2
+    here_rows, there_rows = _dump(tmp_path / "a.db"), _dump(tmp_path / "b.db")
+    # (the message each plan made has its own id and stamp; all else is the same)
+    assert len(here_rows["messages"]) == len(there_rows["messages"]) == 2
+    for rows in (here_rows, there_rows):
+        del rows["messages"], rows["outbox"]
+    assert here_rows == there_rows
+
+
+async def test_an_in_place_plan_that_fails_leaves_nothing_and_the_store_goes_on(
+    db_path: Path,
+) -> None:
+    async with SQLiteAdapter(db_path) as store:
+        await _held_state(store, "s-1")
+
+        async def failing(tx: Any) -> WriteBatch:
+            await tx.get_session("s-1")
+            raise ValueError("a plan's own error")
+
+        with pytest.raises(ValueError, match="own error"):
+            await store.transact(InPlace(failing))
+        assert store._local is not None and not store._local.in_transaction
+        await store.transact(InPlace(_reading_plan("s-1", [])))
+        assert await store.get_meta("n") == "7"
+        assert await store.outbox_count() == 6
+
+
+async def test_an_in_place_transaction_is_never_seen_before_its_commit(db_path: Path) -> None:
+    """A plan that waits on something else (here an event) leaves its transaction open on
+    the caller's connection while other tasks run: a peek meanwhile does not read on that
+    connection but on the store's, after the lock (the plan's write, once committed).
+    Cancelled, the plan leaves nothing."""
+    async with SQLiteAdapter(db_path) as store:
+        await store.set_meta("n", "1")
+        planning, release = asyncio.Event(), asyncio.Event()
+
+        async def plan(tx: Any) -> WriteBatch:
+            planning.set()
+            await release.wait()
+            return WriteBatch(meta={"n": "2"})
+
+        writing = asyncio.ensure_future(store.transact(InPlace(plan)))
+        await planning.wait()
+        assert store._local is not None and store._local.in_transaction
+        peeking = asyncio.ensure_future(store.peek_meta("n"))  # runs before the plan goes on
+        release.set()
+        await writing
+        assert await peeking == "2"
+
+        # Cancelled while it waits: rolled back, nothing written, the store goes on.
+        planning.clear()
+        release.clear()
+        writing = asyncio.ensure_future(store.transact(InPlace(plan)))
+        await planning.wait()
+        writing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await writing
+        assert not store._local.in_transaction
+        await store.set_meta("n", "3")
+        assert await store.peek_meta("n") == "3"
+
+
+async def test_an_in_place_plan_waits_for_another_process_on_the_thread(db_path: Path) -> None:
+    async with SQLiteAdapter(db_path) as store:
+        await _held_state(store, "s-1")
+        other = raw(db_path)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            conn = store._conn
+            assert conn is not None
+            handed = asyncio.Event()
+            execute = conn._execute
+
+            async def watched(fn: Any, *args: Any, **kwargs: Any) -> Any:
+                handed.set()
+                return await execute(fn, *args, **kwargs)
+
+            conn._execute = watched  # type: ignore[method-assign]
+            writing = asyncio.ensure_future(store.transact(InPlace(_reading_plan("s-1", []))))
+            await handed.wait()
+            assert not writing.done()
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        await writing
+        assert await store.get_meta("n") == "7"

@@ -164,6 +164,19 @@ class Rerunnable:
         return self.plan(tx)
 
 
+class InPlace:
+    """A plan that reads and writes little (a live page of a few changes): a store may run
+    it, its reads and its writes, on the caller's thread (``SQLiteAdapter``), where a hop to
+    a connection's thread would cost more than the work. It runs under the write lock as any
+    plan; a store may ignore the mark."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+
+    def __call__(self, tx: TxReader) -> Awaitable[WriteBatch | None]:
+        return self.plan(tx)
+
+
 class NotInSnapshot(Exception):
     """A ``Rerunnable`` plan, run before the write lock, read something the store's snapshot
     of its meta keys does not hold: the store runs it again under the lock."""

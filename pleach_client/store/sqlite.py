@@ -51,6 +51,7 @@ from .base import (
     CommitReceipt,
     DeadLetter,
     EventPlace,
+    InPlace,
     NotInSnapshot,
     OutboxEntry,
     Plan,
@@ -251,7 +252,11 @@ def _select_in(raw: sqlite3.Connection, sql: str, keys: Sequence[object]) -> lis
 _MARKS: Final = {n: ", ".join("?" * n) for n in _IN_SIZES}
 
 
-async def _fetch_in(conn: aiosqlite.Connection, sql: str, keys: Sequence[object]) -> list[Any]:
+async def _fetch_in(
+    conn: aiosqlite.Connection | sqlite3.Connection, sql: str, keys: Sequence[object]
+) -> list[Any]:
+    if isinstance(conn, sqlite3.Connection):  # the caller's own (``InPlace``): no hop
+        return _select_in(conn, sql, keys)
     raw: sqlite3.Connection = conn._conn
     rows: list[Any] = await conn._execute(_select_in, raw, sql, keys)  # type: ignore[no-untyped-call]
     return rows
@@ -500,8 +505,10 @@ def _encode_batch(
 
 
 async def _fetch(
-    conn: aiosqlite.Connection, sql: str, params: Sequence[Any] = ()
+    conn: aiosqlite.Connection | sqlite3.Connection, sql: str, params: Sequence[Any] = ()
 ) -> list[sqlite3.Row]:
+    if isinstance(conn, sqlite3.Connection):  # the caller's own (``InPlace``): no hop
+        return conn.execute(sql, params).fetchall()
     return list(await conn.execute_fetchall(sql, params))
 
 
@@ -793,11 +800,14 @@ def _renumber_outbox(raw: sqlite3.Connection) -> None:
 
 
 class _Reader:
-    """``TxReader`` on the connection that holds the write transaction. ``meta``: the
-    ``sync_state`` rows read with its ``BEGIN`` (the plan writes them only in its batch, after
-    its last read), or None to read each key."""
+    """``TxReader`` on the connection that holds the write transaction: the store's own (each
+    read a hop to its thread) or the caller's (``InPlace``: read where it is asked). ``meta``:
+    the ``sync_state`` rows read with its ``BEGIN`` (the plan writes them only in its batch,
+    after its last read), or None to read each key."""
 
-    def __init__(self, conn: aiosqlite.Connection, meta: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, conn: aiosqlite.Connection | sqlite3.Connection, meta: dict[str, str] | None = None
+    ) -> None:
         self._conn = conn
         self._meta = meta
 
@@ -1128,6 +1138,8 @@ class SQLiteAdapter(AsyncResource):
             receipt: CommitReceipt | None = None
             if seen is not None and isinstance(plan, Rerunnable):
                 receipt = await self._transact_as_seen(conn, plan, seen)
+            if receipt is None and isinstance(plan, InPlace):
+                receipt = await self._transact_in_place(plan)
             if receipt is None:
                 async with _immediate(conn, "commit", read_meta=True) as meta:
                     batch = await plan(_Reader(conn, meta))
@@ -1165,6 +1177,41 @@ class SQLiteAdapter(AsyncResource):
             raise _storage_error("commit", exc) from exc
         if receipt is not None:
             self._seen = {**seen, **batch.meta}
+        return receipt
+
+    async def _transact_in_place(self, plan: InPlace) -> CommitReceipt | None:
+        """An ``InPlace`` plan's transaction on the caller's thread (``_local``): ``BEGIN
+        IMMEDIATE`` with ``sync_state``, the plan's reads, its batch and the ``COMMIT``, with
+        no hop. None when it is not run here (then the caller runs it on the connection's
+        thread; nothing was read or written): ``synchronous=FULL``, a WAL the side
+        checkpoints left behind, another process's write lock (never waited for here).
+        Any error once the transaction is open rolls it back and is raised, as there."""
+        if self.synchronous != "NORMAL" or self._wal_behind:
+            return None
+        local = self._local_connection()
+        if local is None:
+            return None
+        try:
+            meta = _begin_reading_meta(local)  # (in a transaction already: raises)
+        except sqlite3.Error as exc:  # (busy: another process writes; or another thread)
+            log.debug("plan not run in place on %r: %s", self.path, exc)
+            return None
+        try:
+            batch = await plan(_Reader(local, meta))
+            if batch is None:
+                local.execute("ROLLBACK")
+                self._seen = meta
+                return CommitReceipt(client_seqs=[], records=0)
+            groups, outbox, queued_groups, queued_outbox = _encoded(batch)
+            receipt = _write_batch_now(
+                local, batch, groups, outbox, queued_groups, queued_outbox, True
+            )
+        except BaseException as exc:
+            _rollback_now(local, exc)
+            if isinstance(exc, _DB_ERRORS):
+                raise _storage_error("commit", exc) from exc
+            raise
+        self._seen = None if meta is None else {**meta, **batch.meta}
         return receipt
 
     def _write_in_place(
@@ -1475,6 +1522,15 @@ class SQLiteAdapter(AsyncResource):
             return cursor.rowcount > 0
 
 
+def _rollback_now(raw: sqlite3.Connection, cause: BaseException) -> None:
+    """``_rollback`` on the caller's thread."""
+    try:
+        if raw.in_transaction:
+            raw.execute("ROLLBACK")
+    except sqlite3.Error as exc:
+        cause.add_note(f"rollback also failed: {exc}")
+
+
 def _local_connection(path: str, synchronous: Synchronous) -> sqlite3.Connection:
     """A connection of the caller's thread (``SQLiteAdapter._local``): it never waits for a
     lock (busy timeout 0: the caller then uses the connection's thread, which waits) and
@@ -1483,6 +1539,7 @@ def _local_connection(path: str, synchronous: Synchronous) -> sqlite3.Connection
     for longer than its own statements."""
     conn = sqlite3.connect(path, timeout=0, isolation_level=None)
     try:
+        conn.create_function("pleach_key", 1, _sql_key, deterministic=True)  # (as the store's)
         conn.execute(f"PRAGMA synchronous = {synchronous}")
         conn.execute("PRAGMA wal_autocheckpoint = 0")
     except BaseException:

@@ -43,6 +43,7 @@ from pleach_client.providers.scripted import ScriptedProvider
 from pleach_client.runtime import SessionRuntime
 from pleach_client.store.base import (
     CommitReceipt,
+    InPlace,
     OutboxEntry,
     Plan,
     Rerunnable,
@@ -111,11 +112,14 @@ class KillPoints(SQLiteAdapter):
                 self.passing(point, "in")  # nothing written yet
             return batch
 
-        # A plan that may run before the write lock keeps its mark: a turn's commit is then
-        # written as it is outside the campaign (in place, on the caller's thread).
-        receipt = await super().transact(
-            Rerunnable(marked) if isinstance(plan, Rerunnable) else marked
-        )
+        # A plan keeps its mark: a turn's commit and a live page's apply are then written as
+        # they are outside the campaign (in place, on the caller's thread).
+        kept: Plan = marked
+        if isinstance(plan, Rerunnable):
+            kept = Rerunnable(marked)
+        elif isinstance(plan, InPlace):
+            kept = InPlace(marked)
+        receipt = await super().transact(kept)
         if kind:
             self.passing(kind[0], "after")
         return receipt
