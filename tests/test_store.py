@@ -1181,8 +1181,9 @@ async def test_a_failure_in_place_rolls_back_and_the_store_goes_on(db_path: Path
 
 async def test_a_wal_left_behind_sends_batches_to_the_thread(db_path: Path) -> None:
     """A reader of another process holding an old snapshot keeps the side checkpoints from
-    copying the WAL back: once they fall behind, batches are written on the connection's
-    thread (where SQLite's own checkpoint may run), and in place again once they catch up."""
+    copying the WAL back: once it holds more than half of ``AUTOCHECKPOINT_PAGES``, batches
+    are written on the connection's thread (where SQLite's own checkpoint may run), and in
+    place again once a writer has started the WAL over."""
     calls: list[str] = []
     async with SQLiteAdapter(db_path) as store:
         await store.transact(_increment(calls))
@@ -1190,25 +1191,43 @@ async def test_a_wal_left_behind_sends_batches_to_the_thread(db_path: Path) -> N
         try:
             reader.execute("BEGIN")
             reader.execute("SELECT count(*) FROM outbox").fetchall()  # holds its snapshot
-            for _ in range(600):
+            for _ in range(2000):
                 await store.transact(_increment(calls))
-                if store._wal_behind:
-                    break
                 await store._checkpoints.wait()
-            assert store._wal_behind
+                if store._wal_long:
+                    break
+            assert store._wal_long
             hops = _count_hops(store)
             await store.transact(_increment(calls))
             assert hops[0] == 1
         finally:
             reader.execute("ROLLBACK")
             reader.close()
-        for _ in range(sqlite_module.CHECKPOINT_EVERY):
+        for _ in range(100):  # each checkpoint awaited: the next write starts the WAL over
             await store.transact(_increment(calls))
-        await store._checkpoints.wait()
-        assert not store._wal_behind
+            await store._checkpoints.wait()
+            if not store._wal_long:
+                break
+        assert not store._wal_long
         hops[0] = 0
         await store.transact(_increment(calls))
         assert hops[0] == 0
+
+
+async def test_steady_commits_in_place_keep_the_wal_bounded(db_path: Path) -> None:
+    """Batches committed back to back, each in place, with no other process: the side
+    checkpoints run under the store's lock, so the commit after each starts the WAL over and
+    its file stays small. (With checkpoints running beside the commits, none began on a WAL
+    copied back to its end, no writer started it over, and it grew to 33,000 pages in a
+    1,000-turn conversation; this loop took it to 24,000.)"""
+    async with SQLiteAdapter(db_path) as store:
+        session = make_session()
+        body = "x" * 24_000  # about six pages a commit, as a long session's row
+        for n in range(1500):
+            message = make_message(session_id=session.id, content=[{"type": "text", "text": body}])
+            await store.transact(_planned([session, message], n))
+        wal_pages = Path(f"{db_path}-wal").stat().st_size // 4096
+    assert wal_pages < sqlite_module.AUTOCHECKPOINT_PAGES // 2, wal_pages
 
 
 # -- InPlace plans: reads and writes on the caller's thread ----------------------------------

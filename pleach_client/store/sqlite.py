@@ -610,11 +610,14 @@ def _delete_queued(raw: sqlite3.Connection, client_seqs: list[int]) -> None:
 
 CHECKPOINT_EVERY: Final = 8
 """Batch commits (``transact``: every turn's) between two checkpoints of the WAL, each run on a
-connection of its own beside the writer's (``PRAGMA wal_checkpoint(PASSIVE)``: it copies
-what no reader still needs, and never waits for a lock), so that no commit waits for one.
-SQLite's own checkpoint runs inside the commit that takes the WAL past
-``AUTOCHECKPOINT_PAGES``: at its default of 1,000 pages, a 1,000-turn conversation (about 40
-pages a turn) made every 24th turn 25-30 ms where the others took 4-5 ms."""
+connection of its own beside the writer's (``PRAGMA wal_checkpoint(PASSIVE)``: it copies what
+no reader still needs, and takes no write lock, so other processes' commits never wait for
+it). It runs under the store's own lock: this process's next commit waits for it (a few
+pages a commit: about a millisecond) and then starts the WAL over, which no commit does
+while a checkpoint runs beside it. SQLite's own checkpoint runs inside the commit that takes
+the WAL past ``AUTOCHECKPOINT_PAGES``: at its default of 1,000 pages, a 1,000-turn
+conversation (about 40 pages a turn) made every 24th turn 25-30 ms where the others took
+4-5 ms."""
 AUTOCHECKPOINT_PAGES: Final = 4000
 """SQLite's own checkpoint, kept as a safety net for side checkpoints that cannot keep up (a
 reader of another process holding an old snapshot): the WAL stays under about 16 MB."""
@@ -951,9 +954,10 @@ class SQLiteAdapter(AsyncResource):
         self._local: sqlite3.Connection | None = None
         """A connection of the caller's (the event loop's) thread, made at first use: for
         ``peek_meta`` and for small batches written in place (``_write_in_place``)."""
-        self._wal_behind = False
-        """The last side checkpoint left much of the WAL behind: batches go to the connection's
-        thread, where SQLite's own checkpoint may run, never on the caller's."""
+        self._wal_long = False
+        """The WAL held more than half of ``AUTOCHECKPOINT_PAGES`` at the last side checkpoint:
+        batches go to the connection's thread, whose commits run SQLite's own checkpoint and
+        then start the WAL over, never on the caller's (see ``_checkpoint``)."""
 
     def __repr__(self) -> str:
         return f"<SQLiteAdapter {self.path!r} {self._state.value}>"
@@ -1051,8 +1055,10 @@ class SQLiteAdapter(AsyncResource):
         await asyncio.shield(self._closing)
 
     async def _shutdown(self, conn: aiosqlite.Connection) -> None:
-        async with self._lock:  # let the transaction in progress finish
-            await self._checkpoints.wait()  # never raises: it logs what fails
+        async with self._lock:  # let the transaction in progress finish (none starts after)
+            pass
+        await self._checkpoints.wait()  # (it takes the lock) never raises: it logs what fails
+        async with self._lock:
             checkpointer, self._checkpointer = self._checkpointer, None
             try:
                 if checkpointer is not None:
@@ -1065,11 +1071,21 @@ class SQLiteAdapter(AsyncResource):
         try:
             if self._checkpointer is None:
                 self._checkpointer = await aiosqlite.connect(self.path, isolation_level=None)
-            rows = await self._checkpointer.execute_fetchall("PRAGMA wal_checkpoint(PASSIVE)")
-            _, frames, copied = next(iter(rows), (0, 0, 0))
-            # A reader's old snapshot (another process's) keeps frames from being copied:
-            # past half the safety net, writes go where SQLite's own checkpoint may run.
-            self._wal_behind = int(frames) - int(copied) > AUTOCHECKPOINT_PAGES // 2
+            # Under this store's lock: a checkpoint copies the WAL back, but only a writer
+            # starts it over, and only when its transaction begins on a WAL copied back to its
+            # end. With this process's commits held meanwhile (other processes are not: a
+            # PASSIVE checkpoint takes no write lock), the next one starts it over; with them
+            # running beside it, under steady writes, none did, and the WAL grew for ever
+            # (33,000 pages after 1,000 turns, each read of a page in it the slower).
+            async with self._lock:
+                if self._checkpointer is None:  # (closed meanwhile)
+                    return
+                rows = await self._checkpointer.execute_fetchall("PRAGMA wal_checkpoint(PASSIVE)")
+            frames = int(next(iter(rows), (0, 0, 0))[1])
+            # A reader's old snapshot (another process's) keeps frames from being copied, and
+            # the WAL from starting over: past half the safety net, commits go to the
+            # connection's thread, whose own checkpoint at AUTOCHECKPOINT_PAGES runs there.
+            self._wal_long = frames > AUTOCHECKPOINT_PAGES // 2
         except _DB_ERRORS as exc:  # best effort: SQLite's own checkpoint still runs
             log.info("side checkpoint of %r failed: %s", self.path, exc)
 
@@ -1132,38 +1148,50 @@ class SQLiteAdapter(AsyncResource):
     async def transact(self, plan: Plan) -> CommitReceipt:
         """Call ``plan`` under the write lock (``BEGIN IMMEDIATE``: other processes wait, up
         to ``busy_timeout_ms``) with a reader on the same transaction, then write its batch."""
+        receipt, in_place = await self._transact(plan)
+        if in_place:
+            # Written with no hop, so with no turn of the loop: give it one, or a loop of
+            # commits would hold it (the side checkpoints, a sync loop, a UI wait on it).
+            await asyncio.sleep(0)
+        return receipt
+
+    async def _transact(self, plan: Plan) -> tuple[CommitReceipt, bool]:
+        """``transact``, and whether it was done on the caller's thread."""
         async with self._lock:
             conn = self._require_open()
             seen, self._seen = self._seen, None  # (known again only once this one commits)
             receipt: CommitReceipt | None = None
+            in_place = False
             if seen is not None and isinstance(plan, Rerunnable):
-                receipt = await self._transact_as_seen(conn, plan, seen)
+                receipt, in_place = await self._transact_as_seen(conn, plan, seen)
             if receipt is None and isinstance(plan, InPlace):
                 receipt = await self._transact_in_place(plan)
+                in_place = receipt is not None
             if receipt is None:
                 async with _immediate(conn, "commit", read_meta=True) as meta:
                     batch = await plan(_Reader(conn, meta))
                     if batch is None:
                         self._seen = meta
-                        return CommitReceipt(client_seqs=[], records=0)
+                        return CommitReceipt(client_seqs=[], records=0), False
                     receipt = await _write_batch(conn, batch, commit=True)
                 self._seen = None if meta is None else {**meta, **batch.meta}
             self._checkpoints.tick()
-            return receipt
+            return receipt, in_place
 
     async def _transact_as_seen(
         self, conn: aiosqlite.Connection, plan: Rerunnable, seen: dict[str, str]
-    ) -> CommitReceipt | None:
-        """``plan`` on the meta keys ``seen`` after the last commit, its batch written in one
-        hop if nothing changed them since (``_write_if_unchanged``); None when the plan must
-        run under the lock (it read more than those keys, decided nothing, or another
-        connection wrote). The lock is held, so no other call of this store runs between."""
+    ) -> tuple[CommitReceipt | None, bool]:
+        """``plan`` on the meta keys ``seen`` after the last commit, its batch written in place
+        or in one hop if nothing changed them since (``_write_if_unchanged``), and whether it
+        was in place; None when the plan must run under the lock (it read more than those
+        keys, decided nothing, or another connection wrote). The lock is held, so no other
+        call of this store runs between."""
         try:
             batch = await plan(cast(TxReader, _SnapshotReader(seen)))
         except NotInSnapshot:
-            return None
+            return None, False
         if batch is None:
-            return None
+            return None, False
         encoded = _encoded(batch)
         receipt: CommitReceipt | None
         try:
@@ -1177,7 +1205,7 @@ class SQLiteAdapter(AsyncResource):
             raise _storage_error("commit", exc) from exc
         if receipt is not None:
             self._seen = {**seen, **batch.meta}
-        return receipt
+        return receipt, done
 
     async def _transact_in_place(self, plan: InPlace) -> CommitReceipt | None:
         """An ``InPlace`` plan's transaction on the caller's thread (``_local``): ``BEGIN
@@ -1186,7 +1214,7 @@ class SQLiteAdapter(AsyncResource):
         thread; nothing was read or written): ``synchronous=FULL``, a WAL the side
         checkpoints left behind, another process's write lock (never waited for here).
         Any error once the transaction is open rolls it back and is raised, as there."""
-        if self.synchronous != "NORMAL" or self._wal_behind:
+        if self.synchronous != "NORMAL" or self._wal_long:
             return None
         local = self._local_connection()
         if local is None:
@@ -1227,7 +1255,7 @@ class SQLiteAdapter(AsyncResource):
         is open are raised (rolled back, nothing written), as on the connection's thread."""
         if (
             self.synchronous != "NORMAL"
-            or self._wal_behind
+            or self._wal_long
             or batch.purge_sessions
             or batch.purge_checkpoints_for
             or batch.rechained_audit
