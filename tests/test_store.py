@@ -1016,17 +1016,24 @@ async def test_a_peek_sees_another_connections_commit_at_once(db_path: Path) -> 
         assert hops[0] == 0
 
 
+def _held_plan() -> tuple[Plan, asyncio.Event, asyncio.Event]:
+    """A plan that sets ``n`` to 2 once ``release`` is set; ``planning`` is set as it waits."""
+    planning, release = asyncio.Event(), asyncio.Event()
+
+    async def plan(tx: Any) -> WriteBatch:
+        planning.set()
+        await release.wait()
+        return WriteBatch(meta={"n": "2"})
+
+    return plan, planning, release
+
+
 async def test_a_peek_does_not_wait_for_a_write_in_progress(db_path: Path) -> None:
     """A plan holding the store's write lock: ``get_meta`` waits for it, a peek does not, and
     reads what is committed (not what the plan is about to write)."""
     async with SQLiteAdapter(db_path) as store:
         await store.set_meta("n", "1")
-        planning, release = asyncio.Event(), asyncio.Event()
-
-        async def plan(tx: Any) -> WriteBatch:
-            planning.set()
-            await release.wait()
-            return WriteBatch(meta={"n": "2"})
+        plan, planning, release = _held_plan()
 
         writing = asyncio.ensure_future(store.transact(plan))
         await planning.wait()
@@ -1067,6 +1074,21 @@ async def test_closing_closes_the_callers_connection_too(db_path: Path) -> None:
 
 
 # -- small batches written on the caller's thread (``_write_in_place``) ----------------------
+
+
+def _watch_hops(store: SQLiteAdapter) -> asyncio.Event:
+    """An event set when the store's connection next hands work to its thread."""
+    conn = store._conn
+    assert conn is not None
+    handed = asyncio.Event()
+    execute = conn._execute
+
+    async def watched(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        handed.set()
+        return await execute(fn, *args, **kwargs)
+
+    conn._execute = watched  # type: ignore[method-assign]
+    return handed
 
 
 def _dump(path: Path) -> dict[str, list[tuple[Any, ...]]]:
@@ -1132,16 +1154,7 @@ async def test_a_write_lock_of_another_process_is_waited_for_on_the_thread(
     calls: list[str] = []
     async with SQLiteAdapter(db_path) as store:
         await store.transact(_increment(calls))
-        conn = store._conn
-        assert conn is not None
-        handed = asyncio.Event()
-        execute = conn._execute
-
-        async def watched(fn: Any, *args: Any, **kwargs: Any) -> Any:
-            handed.set()
-            return await execute(fn, *args, **kwargs)
-
-        conn._execute = watched  # type: ignore[method-assign]
+        handed = _watch_hops(store)
         other = raw(db_path)
         try:
             other.execute("BEGIN IMMEDIATE")
@@ -1317,12 +1330,7 @@ async def test_an_in_place_transaction_is_never_seen_before_its_commit(db_path: 
     Cancelled, the plan leaves nothing."""
     async with SQLiteAdapter(db_path) as store:
         await store.set_meta("n", "1")
-        planning, release = asyncio.Event(), asyncio.Event()
-
-        async def plan(tx: Any) -> WriteBatch:
-            planning.set()
-            await release.wait()
-            return WriteBatch(meta={"n": "2"})
+        plan, planning, release = _held_plan()
 
         writing = asyncio.ensure_future(store.transact(InPlace(plan)))
         await planning.wait()
@@ -1351,16 +1359,7 @@ async def test_an_in_place_plan_waits_for_another_process_on_the_thread(db_path:
         other = raw(db_path)
         try:
             other.execute("BEGIN IMMEDIATE")
-            conn = store._conn
-            assert conn is not None
-            handed = asyncio.Event()
-            execute = conn._execute
-
-            async def watched(fn: Any, *args: Any, **kwargs: Any) -> Any:
-                handed.set()
-                return await execute(fn, *args, **kwargs)
-
-            conn._execute = watched  # type: ignore[method-assign]
+            handed = _watch_hops(store)
             writing = asyncio.ensure_future(store.transact(InPlace(_reading_plan("s-1", []))))
             await handed.wait()
             assert not writing.done()

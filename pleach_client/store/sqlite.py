@@ -1211,8 +1211,8 @@ class SQLiteAdapter(AsyncResource):
         """An ``InPlace`` plan's transaction on the caller's thread (``_local``): ``BEGIN
         IMMEDIATE`` with ``sync_state``, the plan's reads, its batch and the ``COMMIT``, with
         no hop. None when it is not run here (then the caller runs it on the connection's
-        thread; nothing was read or written): ``synchronous=FULL``, a WAL the side
-        checkpoints left behind, another process's write lock (never waited for here).
+        thread; nothing was read or written): ``synchronous=FULL``, a long WAL
+        (``_wal_long``), another process's write lock (never waited for here).
         Any error once the transaction is open rolls it back and is raised, as there."""
         if self.synchronous != "NORMAL" or self._wal_long:
             return None
@@ -1250,7 +1250,7 @@ class SQLiteAdapter(AsyncResource):
         the batch's SQLite work. ``(False, None)`` when it is not done here: a large batch, or
         one that purges, moves or renumbers rows (those go to the connection's thread, so the
         caller's thread is never held for long), ``synchronous=FULL`` (a commit's fsync),
-        a WAL the side checkpoints left behind, or the write lock held by another process
+        a long WAL (``_wal_long``), or the write lock held by another process
         (no wait here: the connection's thread waits for it). Errors once the transaction
         is open are raised (rolled back, nothing written), as on the connection's thread."""
         if (
