@@ -1214,16 +1214,10 @@ class SQLiteAdapter(AsyncResource):
         thread; nothing was read or written): ``synchronous=FULL``, a long WAL
         (``_wal_long``), another process's write lock (never waited for here).
         Any error once the transaction is open rolls it back and is raised, as there."""
-        if self.synchronous != "NORMAL" or self._wal_long:
+        begun = self._begin_in_place()
+        if begun is None:
             return None
-        local = self._local_connection()
-        if local is None:
-            return None
-        try:
-            meta = _begin_reading_meta(local)  # (in a transaction already: raises)
-        except sqlite3.Error as exc:  # (busy: another process writes; or another thread)
-            log.debug("plan not run in place on %r: %s", self.path, exc)
-            return None
+        local, meta = begun
         try:
             batch = await plan(_Reader(local, meta))
             if batch is None:
@@ -1254,9 +1248,7 @@ class SQLiteAdapter(AsyncResource):
         (no wait here: the connection's thread waits for it). Errors once the transaction
         is open are raised (rolled back, nothing written), as on the connection's thread."""
         if (
-            self.synchronous != "NORMAL"
-            or self._wal_long
-            or batch.purge_sessions
+            batch.purge_sessions
             or batch.purge_checkpoints_for
             or batch.rechained_audit
             or batch.canonical
@@ -1269,15 +1261,27 @@ class SQLiteAdapter(AsyncResource):
         size += sum(len(row[-1]) for rows in queued_groups.values() for row in rows)
         if size > IN_PLACE_MAX_BYTES:
             return False, None
+        begun = self._begin_in_place()
+        if begun is None:
+            return False, None
+        local, meta = begun
+        return True, _write_if_seen(local, meta, seen, batch, *encoded)
+
+    def _begin_in_place(self) -> tuple[sqlite3.Connection, dict[str, str] | None] | None:
+        """``BEGIN IMMEDIATE`` and ``sync_state`` on the caller's connection (``_local``), or
+        None when a transaction may not be done there: ``synchronous=FULL`` (a commit's
+        fsync), a long WAL (``_wal_long``), no connection there, or the write lock held by
+        another process (never waited for here: the connection's thread waits for it)."""
+        if self.synchronous != "NORMAL" or self._wal_long:
+            return None
         local = self._local_connection()
         if local is None:
-            return False, None
+            return None
         try:
-            meta = _begin_reading_meta(local)  # (in a transaction already: raises)
+            return local, _begin_reading_meta(local)  # (in a transaction already: raises)
         except sqlite3.Error as exc:  # (busy: another process writes; or another thread)
-            log.debug("batch not written in place on %r: %s", self.path, exc)
-            return False, None
-        return True, _write_if_seen(local, meta, seen, batch, *encoded)
+            log.debug("no transaction in place on %r: %s", self.path, exc)
+            return None
 
     async def gdpr_soft_delete(self, subject_key: str) -> int:
         """Clear ``subject_key``, ``request_id`` and ``detail`` of the subject's audit rows and
@@ -1309,15 +1313,14 @@ class SQLiteAdapter(AsyncResource):
         waits for a lock (busy timeout 0): a WAL reader waits for none but in rare moments (a
         recovery), and then, as on any error, the key is read by ``get_meta``."""
         local = self._local_connection()
-        if local is not None:
-            try:
-                if local.in_transaction:  # (never between two calls: it ends in its call)
-                    raise sqlite3.OperationalError("a write of this store is in progress")
+        try:
+            # (An ``InPlace`` plan waiting on something else holds a transaction open there:
+            # then the key is read on the store's connection, after the lock.)
+            if local is not None and not local.in_transaction:
                 rows = local.execute(QUERIES["get_meta"], (key,)).fetchall()
-            except sqlite3.Error as exc:  # (and another thread's call: ProgrammingError)
-                log.debug("peek of %r failed, read on the connection instead: %s", key, exc)
-            else:
                 return str(rows[0][0]) if rows else None
+        except sqlite3.Error as exc:  # (and another thread's call: ProgrammingError)
+            log.debug("peek of %r failed, read on the connection instead: %s", key, exc)
         return await self.get_meta(key)
 
     def _local_connection(self) -> sqlite3.Connection | None:
