@@ -270,8 +270,9 @@ class SessionsFacet:
         # Only the types the fold reads are decoded: a long session's log is mostly
         # message and checkpoint events, which the fold skips; of the ones it counts (a turn's
         # turn.complete...) only the type and payload.
-        tallies = await rt.store.event_payloads(session_id, TALLIED_EVENTS)
-        events = await rt.store.list_events(session_id, types=HYDRATED_EVENTS - TALLIED_EVENTS)
+        tallies, events = await rt.store.hydration_log(
+            session_id, TALLIED_EVENTS, HYDRATED_EVENTS - TALLIED_EVENTS
+        )
         hydrated = hydrate(events, tallies)
         layers.append("events")
         handle = SessionHandle(id=session_id, record=row, hydrated=hydrated, layers=layers)
@@ -427,7 +428,7 @@ TALLIED_EVENTS: Final = frozenset(
     }
 )
 """The types ``hydrate`` counts by type and payload alone: one a turn at least, so a resume
-reads only those two fields of them (``StorageAdapter.event_payloads``)."""
+reads only those two fields of them (``StorageAdapter.hydration_log``)."""
 HYDRATED_EVENTS: Final = TALLIED_EVENTS | INTERRUPT_EVENTS | JOB_EVENTS | SUBAGENT_EVENTS
 """The event types ``hydrate`` reads; it skips every other."""
 

@@ -121,6 +121,36 @@ async def test_each_store_returns_the_tallies(tmp_path: Path) -> None:
                 assert await store.event_payloads("s", set()) == []
 
 
+async def test_each_store_reads_what_resume_folds_in_one_read(tmp_path: Path) -> None:
+    """``hydration_log`` gives what ``event_payloads`` and ``list_events(types=...)`` give
+    apart, for any split of the types (disjoint, overlapping, empty), in each store."""
+    rng = random.Random(11)
+    for seed in range(4):
+        numbered = [
+            msgspec.structs.replace(e, sequence_number=n) for n, e in enumerate(_log(seed), start=1)
+        ]
+        async with (
+            MemoryAdapter() as memory,
+            SQLiteAdapter(tmp_path / f"log-{seed}.db") as sqlite,
+        ):
+            for store in (memory, sqlite):
+                await store.commit(WriteBatch(records=list(numbered)))
+            splits = [(TALLIED_EVENTS, HYDRATED_EVENTS - TALLIED_EVENTS), (set(), set())]
+            splits += [
+                (
+                    set(rng.sample(TYPES, rng.randint(0, 8))),
+                    set(rng.sample(TYPES, rng.randint(0, 8))),
+                )
+                for _ in range(6)
+            ]
+            for tallied, whole in splits:
+                for store in (memory, sqlite):
+                    tallies, events = await store.hydration_log("s", tallied, whole)
+                    assert tallies == await store.event_payloads("s", tallied)
+                    assert events == await store.list_events("s", types=whole)
+                    assert events == [e for e in numbered if e.type in whole]
+
+
 def test_a_map_form_body_reads_as_its_type_and_payload() -> None:
     from pleach_client.store.base import decode_payloads
     from shared import compact

@@ -270,6 +270,35 @@ async def test_failed_migration_changes_nothing(db_path: Path) -> None:
 # -- corruption and integrity -------------------------------------------------------------
 
 
+async def test_a_corrupt_message_among_many_is_named(db_path: Path) -> None:
+    """A transcript is decoded in one loop; a bad row in it (garbage, or a well-formed body
+    of another kind) still fails the read with that row's id, wherever it lies."""
+    session = make_session()
+    messages = [make_message(session_id=session.id) for _ in range(40)]
+    async with SQLiteAdapter(db_path) as store:
+        await commit(store, session, *messages)
+    ids = [m.id for m in messages]
+    for at, damage in (
+        (0, "x'c1ff00'"),
+        (17, "(SELECT body FROM sessions LIMIT 1)"),
+        (39, "x'90'"),
+    ):
+        conn = raw(db_path)
+        original = conn.execute(
+            "SELECT body FROM messages WHERE id = ?", (key(ids[at]),)
+        ).fetchone()
+        conn.execute(f"UPDATE messages SET body = {damage} WHERE id = ?", (key(ids[at]),))
+        conn.close()
+        async with SQLiteAdapter(db_path) as store:
+            with pytest.raises(StorageError, match=rf"messages \(id '{ids[at]}'\)"):
+                await store.get_messages(ids)
+        conn = raw(db_path)
+        conn.execute("UPDATE messages SET body = ? WHERE id = ?", (original[0], key(ids[at])))
+        conn.close()
+    async with SQLiteAdapter(db_path) as store:
+        assert await store.get_messages(ids) == messages
+
+
 async def test_corrupt_rows_raise_storage_error_naming_table_and_id(db_path: Path) -> None:
     session, message = make_session(), make_message()
     async with SQLiteAdapter(db_path) as store:

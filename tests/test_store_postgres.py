@@ -821,3 +821,9 @@ async def test_rows_written_before_schema_2_are_read_by_their_bodies(schema: str
         assert await rt.store.child_checkpoints(session.id, newest.id) == []
         tallied = await rt.store.event_payloads(session.id, {"turn.complete"})
         assert [t for t, _ in tallied] == ["turn.complete"] * 4
+        tallies, whole = await rt.store.hydration_log(
+            session.id, {"turn.complete"}, {"checkpoint.created"}
+        )
+        assert tallies == tallied
+        assert whole == await rt.store.list_events(session.id, types={"checkpoint.created"})
+        assert len(whole) == 4

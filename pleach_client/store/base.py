@@ -299,6 +299,15 @@ class StorageAdapter(Protocol):
         two fields are decoded (``decode_payloads``)."""
         ...
 
+    async def hydration_log(
+        self, session_id: str, tallied: Collection[str], whole: Collection[str]
+    ) -> tuple[list[tuple[str, dict[str, Any]]], list[Event]]:
+        """What a resume folds, from ONE read of the session's log: ``(type, payload)`` of its
+        events of ``tallied`` (only those two fields decoded) and its events of ``whole``
+        decoded whole, each in chain order (``decode_log``). The same as ``event_payloads``
+        and ``list_events(types=...)`` would give, in one scan of the events instead of two."""
+        ...
+
     async def get_event(self, event_id: str) -> Event | None: ...
     async def list_audit(
         self, *, session_id: str | None = None, client_id: str | None = None
@@ -391,15 +400,32 @@ def decode_payloads(
     """``(type, payload)`` of the stored event rows ``(key, body)`` of ``types``: a compact
     body's type and payload are read without the rest (``compact.event_payload``); any other
     body is decoded whole."""
-    out = []
+    return decode_log(rows, types, (), decode)[0]
+
+
+def decode_log(
+    rows: Iterable[Any],
+    tallied: Collection[str],
+    whole: Collection[str],
+    decode: Callable[[Any, bytes], Event],
+) -> tuple[list[tuple[str, dict[str, Any]]], list[Event]]:
+    """The stored event rows ``(key, body)`` as ``hydration_log`` gives them: ``(type,
+    payload)`` of those of ``tallied`` (a compact body's two fields read without the rest,
+    ``compact.event_payload``) and those of ``whole`` decoded whole; a row of a type in both
+    is in both, and any other body (the map form) is decoded whole first."""
+    tallies: list[tuple[str, dict[str, Any]]] = []
+    events: list[Event] = []
     for key, body in rows:
         head = compact.event_payload(body)
+        event = None
         if head is None:
             event = decode(key, body)
             head = (event.type, event.payload)
-        if head[0] in types:
-            out.append(head)
-    return out
+        if head[0] in tallied:
+            tallies.append(head)
+        if head[0] in whole:
+            events.append(event if event is not None else decode(key, body))
+    return tallies, events
 
 
 def decode_children(

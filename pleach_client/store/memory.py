@@ -44,6 +44,7 @@ from .base import (
     WriteBatch,
     decode_children,
     decode_events,
+    decode_log,
     decode_payloads,
     marked_canonical,
 )
@@ -465,6 +466,13 @@ class MemoryAdapter(AsyncResource):
         self._check_open()
         rows = [(key, row.body) for key, row in self._events.group(session_id)]
         return decode_payloads(rows, types, lambda _, body: _decode(_EVENT, body))
+
+    async def hydration_log(
+        self, session_id: str, tallied: Collection[str], whole: Collection[str]
+    ) -> tuple[list[tuple[str, dict[str, Any]]], list[Event]]:
+        self._check_open()
+        rows = [(key, row.body) for key, row in self._events.group(session_id)]
+        return decode_log(rows, tallied, whole, lambda _, body: _decode(_EVENT, body))
 
     async def get_event(self, event_id: str) -> Event | None:
         self._check_open()

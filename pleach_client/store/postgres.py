@@ -71,6 +71,7 @@ from .base import (
     WriteBatch,
     decode_children,
     decode_events,
+    decode_log,
     decode_payloads,
     event_place_of,
     fixed_plan,
@@ -1196,6 +1197,17 @@ class PostgresAdapter(AsyncResource):
             "read events", self._sql.list_events_of_types, session_id, 0, sorted(types)
         )
         return decode_payloads(rows, types, lambda key, body: _decode(Event, "events", key, body))
+
+    async def hydration_log(
+        self, session_id: str, tallied: Collection[str], whole: Collection[str]
+    ) -> tuple[list[tuple[str, dict[str, Any]]], list[Event]]:
+        types = sorted({*tallied, *whole})
+        rows = await self._fetch(
+            "read events", self._sql.list_events_of_types, session_id, 0, types
+        )
+        return decode_log(
+            rows, tallied, whole, lambda key, body: _decode(Event, "events", key, body)
+        )
 
     async def get_event(self, event_id: str) -> Event | None:
         return await self._one(Event, "events", self._sql.get_event, event_id)
