@@ -302,11 +302,12 @@ async def test_a_batch_lookup_reads_each_key_through_an_index(db_path: Path, nam
         assert columns - {"org_id", "user_id", "tid"}, f"{name}: {line}"
 
 
-async def test_a_push_is_four_hops_whatever_its_size(db_path: Path) -> None:
-    """A push speaks to the writer connection's thread four times, however many changes it
-    carries: BEGIN with the device's last_seq, every lookup with the tenant's head, every
-    write with the head after it, COMMIT. (Each hop is a thread handoff that costs more than
-    the SQLite work of a small push.)"""
+async def test_a_push_is_three_hops_whatever_its_size(db_path: Path) -> None:
+    """A push speaks to the writer connection's thread three times, however many changes it
+    carries: BEGIN with the device's last_seq, the batch's keys and every lookup with the
+    tenant's head; every write with the head after it; COMMIT. A batch resent whole (a lost
+    ack) writes nothing: two. (Each hop is a thread handoff that costs more than the SQLite
+    work of a small push.)"""
     clock = HybridClock("server-x")
     async with SQLiteServerStore(db_path, synchronous="NORMAL") as store:
         writer = store._writer
@@ -326,11 +327,17 @@ async def test_a_push_is_four_hops_whatever_its_size(db_path: Path) -> None:
             session = dev.session()
             records = [session, *(dev.message(session.id) for _ in range(size))]
             records += [dev.event(session.id), dev.audit(session.id)]
+            changes = dev.changes(*records)
             hops = 0
-            result = await store.push(dev.tenant, dev.client_id, dev.changes(*records), clock)
+            result = await store.push(dev.tenant, dev.client_id, changes, clock)
             assert {r.status for r in result.results} == {"applied"}
             counts.append(hops)
-        assert counts == [4, 4]
+            hops = 0  # the same batch again (a lost ack): every change a duplicate
+            again = await store.push(dev.tenant, dev.client_id, changes, clock)
+            assert {r.status for r in again.results} == {"duplicate"}
+            assert again.head_cursor == result.head_cursor
+            counts.append(hops)
+        assert counts == [3, 2, 3, 2]
 
 
 async def test_the_servers_wal_is_checkpointed_beside_the_writer(db_path: Path) -> None:

@@ -868,6 +868,9 @@ class _PostgresTx:
         """A tenant whose lock was asked for and not yet taken: the next call takes it first
         (``get_last_seq`` in the same round trip as its read)."""
 
+    def keys_read(self, last_seq: int) -> BatchKeys | None:
+        return None  # (the lookups take one round trip of their own: ``load``)
+
     async def lock_tenant(self, tenant: Tenant) -> None:
         # Held until COMMIT / ROLLBACK; see "Cursor visibility" in the module docstring. A
         # push asks for its device's last_seq next, which takes the lock with it.

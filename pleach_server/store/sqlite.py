@@ -63,6 +63,7 @@ from .apply import (
     Snapshot,
     StoreTx,
     apply_push,
+    batch_keys,
     claimed_concurrently,
     content_to_delete,
 )
@@ -695,6 +696,64 @@ def _fetch_each_and_head(
     return _fetch_each(raw, lookups), int(raw.execute(_HEAD_SQL, head).fetchone()[0])
 
 
+def _twice(tenant: Tenant) -> tuple[str, str, str, str]:
+    return (tenant.org_id, tenant.user_id, tenant.org_id, tenant.user_id)
+
+
+def _lookups(tenant: Tenant, keys: BatchKeys) -> list[tuple[str, tuple[Any, ...]]]:
+    """The statements that read what ``keys`` lists, each with its parameters; one per kind
+    of key the batch has (``_snapshot`` reads their answers in this order)."""
+    t = (tenant.org_id, tenant.user_id)
+    return [
+        (sql, (*t, _json(wanted)))
+        for sql, wanted in (
+            (_RECORD_OWNERS_SQL, [(_KIND_NUMBERS[k], i) for k, i in keys.records]),
+            (_EVENT_OWNERS_SQL, keys.events),
+            (_SESSION_OWNERS_SQL, keys.session_owners),
+            (_SESSIONS_SQL, keys.sessions),
+            (_CHAIN_TAILS_SQL, keys.chains),
+            (_AUDIT_TAILS_SQL, keys.audit_chains),
+        )
+        if wanted
+    ]
+
+
+def _snapshot(tenant: Tenant, keys: BatchKeys, each: list[list[Any]]) -> Snapshot:
+    """What the answers of ``_lookups(tenant, keys)`` found, as ``BatchTx.load`` gives it."""
+    answers = iter(each)
+    found = Snapshot()
+    # Every lookup reads the tenant's own rows only: whatever it finds is the tenant's.
+    if keys.records:
+        for kind, record_id in next(answers):
+            found.record_owners[(KINDS[kind], record_id)] = tenant
+    if keys.events:
+        for (event_id,) in next(answers):
+            found.event_owners[event_id] = tenant
+    if keys.session_owners:
+        for (session_id,) in next(answers):
+            found.session_owners[session_id] = tenant
+    if keys.sessions:
+        for session_id, body in next(answers):
+            found.sessions[session_id] = decode_session(session_id, body)
+    if keys.chains:
+        for session_id, number, body in next(answers):
+            found.chain_tails[session_id] = (int(number), _row_hash(session_id, body))
+    if keys.audit_chains:
+        for chain, number, row_hash in next(answers):
+            found.audit_tails[chain] = (int(number), _digest_text(row_hash))
+    return found
+
+
+class _Read(msgspec.Struct):
+    """What a push reads with its ``BEGIN``, in that hop (``_read_first``): the device's
+    ``last_seq``, the batch's keys after it, their rows (``_lookups``) and the tenant's head."""
+
+    last_seq: int
+    keys: BatchKeys
+    answers: list[list[Any]]
+    head: int
+
+
 class _SQLiteTx:
     """``BatchTx`` over the writer connection, inside the push's ``BEGIN IMMEDIATE``.
 
@@ -704,11 +763,17 @@ class _SQLiteTx:
     ``BEGIN IMMEDIATE``, so ``head_cursor`` answers from it.
     """
 
-    def __init__(self, conn: aiosqlite.Connection, last_seq: int | None = None) -> None:
+    def __init__(self, conn: aiosqlite.Connection, read: _Read | None = None) -> None:
         self._conn = conn
-        self._head: int | None = None
-        self._last_seq = last_seq
+        self._read = read
+        """What the push read with its ``BEGIN`` (``_read_first``), None: nothing."""
+        self._head: int | None = None if read is None else read.head
+        self._last_seq = None if read is None else read.last_seq
         """The pushing device's ``last_seq``, read with the ``BEGIN`` (None: not read)."""
+
+    def keys_read(self, last_seq: int) -> BatchKeys | None:
+        read = self._read
+        return read.keys if read is not None and read.last_seq == last_seq else None
 
     async def lock_tenant(self, tenant: Tenant) -> None:
         # BEGIN IMMEDIATE already holds the only write lock of the database file.
@@ -722,43 +787,14 @@ class _SQLiteTx:
         return int(row[0]) if row is not None else 0
 
     async def load(self, tenant: Tenant, keys: BatchKeys) -> Snapshot:
-        t = (tenant.org_id, tenant.user_id)
-        lookups = [
-            (sql, (*t, _json(wanted)))
-            for sql, wanted in (
-                (_RECORD_OWNERS_SQL, [(_KIND_NUMBERS[k], i) for k, i in keys.records]),
-                (_EVENT_OWNERS_SQL, keys.events),
-                (_SESSION_OWNERS_SQL, keys.session_owners),
-                (_SESSIONS_SQL, keys.sessions),
-                (_CHAIN_TAILS_SQL, keys.chains),
-                (_AUDIT_TAILS_SQL, keys.audit_chains),
-            )
-            if wanted
-        ]
+        read = self._read
+        if read is not None and keys is read.keys:  # read with the BEGIN, head and all
+            return _snapshot(tenant, keys, read.answers)
         # Every lookup of the batch, and the head, in one hop to the connection's thread.
-        each, self._head = await _on_thread(self._conn, _fetch_each_and_head, lookups, t + t)
-        answers = iter(each)
-        found = Snapshot()
-        # Every lookup reads the tenant's own rows only: whatever it finds is the tenant's.
-        if keys.records:
-            for kind, record_id in next(answers):
-                found.record_owners[(KINDS[kind], record_id)] = tenant
-        if keys.events:
-            for (event_id,) in next(answers):
-                found.event_owners[event_id] = tenant
-        if keys.session_owners:
-            for (session_id,) in next(answers):
-                found.session_owners[session_id] = tenant
-        if keys.sessions:
-            for session_id, body in next(answers):
-                found.sessions[session_id] = decode_session(session_id, body)
-        if keys.chains:
-            for session_id, number, body in next(answers):
-                found.chain_tails[session_id] = (int(number), _row_hash(session_id, body))
-        if keys.audit_chains:
-            for chain, number, row_hash in next(answers):
-                found.audit_tails[chain] = (int(number), _digest_text(row_hash))
-        return found
+        each, self._head = await _on_thread(
+            self._conn, _fetch_each_and_head, _lookups(tenant, keys), _twice(tenant)
+        )
+        return _snapshot(tenant, keys, each)
 
     async def write(self, tenant: Tenant, client_id: str, writes: BatchWrites) -> list[int]:
         t = (tenant.org_id, tenant.user_id)
@@ -1075,12 +1111,25 @@ class SQLiteServerStore(AsyncResource):
         skipped: Collection[int] = (),
         bodies: Collection[bytes] = (),
     ) -> PushResult:
-        read: list[int] = []
+        read: list[_Read] = []
 
-        def last_seq(raw: sqlite3.Connection) -> None:
+        def read_first(raw: sqlite3.Connection) -> None:
+            # Right after the BEGIN, in its hop: everything the rules will look up (the
+            # keys are pure work on the changes, done here rather than in a hop of their own).
             raw.execute(_ADD_TENANT_SQL, (tenant.org_id, tenant.user_id))
             row = raw.execute(_LAST_SEQ_SQL, (tenant.org_id, tenant.user_id, client_id)).fetchone()
-            read.append(int(row[0]) if row is not None else 0)
+            last_seq = int(row[0]) if row is not None else 0
+            keys = batch_keys(
+                changes,
+                last_seq,
+                tenant,
+                client_id,
+                aliases,
+                audit=chains,
+                skipped=frozenset(skipped),
+            )
+            answers, head = _fetch_each_and_head(raw, _lookups(tenant, keys), _twice(tenant))
+            read.append(_Read(last_seq, keys, answers, head))
 
         async def body(conn: aiosqlite.Connection) -> PushResult:
             result = await apply_push(
@@ -1101,7 +1150,7 @@ class SQLiteServerStore(AsyncResource):
                 result.feed, result.previous_head = [], None  # read the page back instead
             return result
 
-        return await self._write(body, first=last_seq)
+        return await self._write(body, first=read_first)
 
     async def _retain(self, conn: aiosqlite.Connection, tenant: Tenant, keep: int) -> None:
         row = await _fetchone(conn, _RETAIN_SQL, (tenant.org_id, tenant.user_id, keep))
