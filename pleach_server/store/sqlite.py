@@ -745,7 +745,7 @@ def _snapshot(tenant: Tenant, keys: BatchKeys, each: list[list[Any]]) -> Snapsho
 
 
 class _Read(msgspec.Struct):
-    """What a push reads with its ``BEGIN``, in that hop (``_read_first``): the device's
+    """What a push reads with its ``BEGIN``, in that hop (``push``'s ``read_first``): the device's
     ``last_seq``, the batch's keys after it, their rows (``_lookups``) and the tenant's head."""
 
     last_seq: int
@@ -757,16 +757,18 @@ class _Read(msgspec.Struct):
 class _SQLiteTx:
     """``BatchTx`` over the writer connection, inside the push's ``BEGIN IMMEDIATE``.
 
-    A push is a few hops to aiosqlite's thread, whatever the size of the batch: every lookup
-    in one, every write in one. The tenant's head is read in those same hops (before the
-    writes with the lookups, after them with the writes): nothing else writes inside this
-    ``BEGIN IMMEDIATE``, so ``head_cursor`` answers from it.
+    A push is three hops to aiosqlite's thread, whatever the size of the batch: every lookup
+    with the ``BEGIN`` (``read``, made by ``push``), every write in one, the ``COMMIT``. The
+    tenant's head is read in those same hops (before the writes with the lookups, after them
+    with the writes): nothing else writes inside this ``BEGIN IMMEDIATE``, so
+    ``head_cursor`` answers from it. ``load`` reads in a hop of its own only when the keys
+    it is asked for are not the ones read with the ``BEGIN``.
     """
 
     def __init__(self, conn: aiosqlite.Connection, read: _Read | None = None) -> None:
         self._conn = conn
         self._read = read
-        """What the push read with its ``BEGIN`` (``_read_first``), None: nothing."""
+        """What the push read with its ``BEGIN`` (``push``'s ``read_first``), None: nothing."""
         self._head: int | None = None if read is None else read.head
         self._last_seq = None if read is None else read.last_seq
         """The pushing device's ``last_seq``, read with the ``BEGIN`` (None: not read)."""
