@@ -14,7 +14,7 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
-from typing import Any, Final, TypeVar, cast
+from typing import Any, Final, TypeVar
 
 import msgspec
 
@@ -734,14 +734,14 @@ class SessionRuntime(LegacySurface):
     def get_active_session(self) -> SessionHandle | None:
         return self.core.active
 
-    async def execute_message(
+    def execute_message(
         self,
         session_id: str,
         content: str,
         *,
         abort: asyncio.Event | None = None,
         file_references: Sequence[FileRef] = (),
-    ) -> AsyncIterator[StreamEvent]:
+    ) -> AsyncGenerator[StreamEvent, None]:
         """Run one turn, yielding stream events as they happen.
 
         Set ``abort`` (or cancel the consuming task, or ``aclose()`` the generator) to abort:
@@ -749,15 +749,9 @@ class SessionRuntime(LegacySurface):
         early: ``async with contextlib.aclosing(rt.execute_message(...)) as events``.
         ``file_references``: files the model sees with the message (``pleach_client.files``).
         """
-        turn_events = cast(
-            AsyncGenerator[StreamEvent, None],
-            run_turn(self, session_id, content, abort, files=file_references),
-        )
-        # (``_stream`` inline: one generator fewer for each of the turn's events to pass.)
-        async with self.core.turn_lock(session_id), contextlib.aclosing(turn_events) as turn:
-            async for event in turn:
-                self.emit(event)
-                yield event
+        # The turn itself (``run_turn``: the session's turn lock, each event emitted): no
+        # generator of its own here, which every streamed chunk would pass through.
+        return run_turn(self, session_id, content, abort, files=file_references)
 
     async def resume_turn(
         self, session_id: str, *, abort: asyncio.Event | None = None
@@ -777,23 +771,10 @@ class SessionRuntime(LegacySurface):
             )
         async with self.core.turn_lock(session_id):
             resume: Resume = await load_resume(self, session_id)
-            events = self._stream(run_turn(self, session_id, None, abort, resume))
+            events = run_turn(self, session_id, None, abort, resume, locked=True)
             async with contextlib.aclosing(events) as turn:
                 async for event in turn:
                     yield event
-
-    async def _stream(
-        self, events: AsyncIterator[StreamEvent]
-    ) -> AsyncGenerator[StreamEvent, None]:
-        """A turn's events, each delivered to subscribers as it passes; closing this closes
-        the turn (an abort, committed before the close returns)."""
-        turn = cast(AsyncGenerator[StreamEvent, None], events)
-        try:
-            async for event in turn:
-                self.emit(event)
-                yield event
-        finally:
-            await turn.aclose()
 
     async def resolve_interrupt(
         self, interrupt_id: str, decision: Decision, *, wait: float | None = None

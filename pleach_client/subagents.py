@@ -29,9 +29,9 @@ import asyncio
 import builtins
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -47,7 +47,6 @@ from .payloads import read_payload
 from .receipts import SubagentResult
 from .stream import (
     MessageComplete,
-    StreamEvent,
     SubagentCompleted,
     SubagentStarted,
     TurnComplete,
@@ -566,13 +565,9 @@ class SubagentManager:
         rt = self._rt
         text = ""
         done: TurnComplete | None = None
-        events = cast(
-            AsyncGenerator[StreamEvent, None],
-            run_turn(rt, child.id, child.prompt, child.abort, lineage=lineage),
-        )
-        async with rt.core.turn_lock(child.id), contextlib.aclosing(events) as turn:
+        events = run_turn(rt, child.id, child.prompt, child.abort, lineage=lineage)
+        async with contextlib.aclosing(events) as turn:  # (the turn locks and emits)
             async for event in turn:
-                rt.emit(event)
                 if isinstance(event, MessageComplete):
                     said = _text(event.content)
                     text = said or text

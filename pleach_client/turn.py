@@ -18,10 +18,11 @@ from the store and ``run_turn(resume=...)`` goes on from the wait.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -217,51 +218,62 @@ async def run_turn(
     *,
     files: Sequence[FileRef] = (),
     lineage: Lineage | None = None,
-) -> AsyncIterator[StreamEvent]:
+    locked: bool = False,
+) -> AsyncGenerator[StreamEvent, None]:
     """One turn: ``content`` from the user (with ``files``, ``pleach_client.files``), or
     (``resume``) a turn that waited for decisions.
+
+    It holds the session's turn lock from its first step to its end (``locked``: the caller
+    holds it already), and delivers each event to the runtime's subscribers and bus
+    (``rt.emit``) as it yields it. Closing it closes the turn: an abort, committed before the
+    close returns. (The one generator between a caller and ``_run_turn``: each layer costs
+    every streamed chunk, about 0.5 µs.)
 
     The turn is one span (``pleach.turn``) with a child for each model and tool call.
     ``lineage``: a subagent's turn (``pleach_client.subagents``): its span hangs under the
     subagent's, its audit rows name the parent turn, and its budget is its own."""
-    span = rt.spans.start(
-        "pleach.turn",
-        kind="turn",
-        parent=lineage.span if lineage is not None else None,
-        attributes={
-            "pleach.subagent_depth": lineage.depth if lineage is not None else 0,
-            "pleach.session_id": session_id,
-            "pleach.org_id": rt.org_id,
-            "pleach.user_id": rt.user_id,
-            "pleach.resumed": resume is not None,
-        },
-    )
-    inner = _run_turn(rt, session_id, content, abort, resume, span, files, lineage)
-    try:
-        async for ev in inner:
-            if isinstance(ev, TurnComplete):
-                done: dict[str, str | int | float | bool | None] = {
-                    "pleach.turn_id": ev.turn_id,
-                    "pleach.outcome": ev.outcome,
-                    "gen_ai.usage.input_tokens": ev.input_tokens,
-                    "gen_ai.usage.output_tokens": ev.output_tokens,
-                    "pleach.cost_usd": ev.cost_usd,
-                    "pleach.provider_calls": ev.provider_calls,
-                }
-                span.set(**done)
-                if ev.outcome not in ("ok", "user-aborted"):
-                    span.error(ev.outcome)
-            yield ev
-    except (GeneratorExit, asyncio.CancelledError):
-        span.set(**{"pleach.outcome": "user-aborted"})
-        raise
-    except BaseException as exc:
-        span.error(exc)
-        raise
-    finally:
-        # Closing the inner turn runs its abort accounting when the consumer stopped early.
-        await inner.aclose()
-        span.end()
+    lock = contextlib.nullcontext() if locked else rt.core.turn_lock(session_id)
+    async with lock:
+        span = rt.spans.start(
+            "pleach.turn",
+            kind="turn",
+            parent=lineage.span if lineage is not None else None,
+            attributes={
+                "pleach.subagent_depth": lineage.depth if lineage is not None else 0,
+                "pleach.session_id": session_id,
+                "pleach.org_id": rt.org_id,
+                "pleach.user_id": rt.user_id,
+                "pleach.resumed": resume is not None,
+            },
+        )
+        inner = _run_turn(rt, session_id, content, abort, resume, span, files, lineage)
+        emit = rt.emit
+        try:
+            async for ev in inner:
+                if isinstance(ev, TurnComplete):
+                    done: dict[str, str | int | float | bool | None] = {
+                        "pleach.turn_id": ev.turn_id,
+                        "pleach.outcome": ev.outcome,
+                        "gen_ai.usage.input_tokens": ev.input_tokens,
+                        "gen_ai.usage.output_tokens": ev.output_tokens,
+                        "pleach.cost_usd": ev.cost_usd,
+                        "pleach.provider_calls": ev.provider_calls,
+                    }
+                    span.set(**done)
+                    if ev.outcome not in ("ok", "user-aborted"):
+                        span.error(ev.outcome)
+                emit(ev)
+                yield ev
+        except (GeneratorExit, asyncio.CancelledError):
+            span.set(**{"pleach.outcome": "user-aborted"})
+            raise
+        except BaseException as exc:
+            span.error(exc)
+            raise
+        finally:
+            # Closing the inner turn runs its abort accounting when the consumer stopped early.
+            await inner.aclose()
+            span.end()
 
 
 async def _expanded(

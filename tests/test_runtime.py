@@ -68,6 +68,33 @@ async def test_default_runtime_is_in_memory() -> None:
         assert (await run(rt, handle.id, "hi"))[-1].type == "turn.complete"
 
 
+async def test_turns_on_one_session_take_turns(runtime: SessionRuntime) -> None:
+    """Two turns started at once on one session run one after the other (the session's turn
+    lock, held by the turn itself from its first step to its end), and each event reaches
+    the bus as it is yielded; a turn on another session does not wait for them."""
+    first, other = await runtime.create_session(), await runtime.create_session()
+    seen: list[tuple[str, str]] = []
+    runtime.events.on("*", lambda ev: seen.append(("bus", ev.type)))
+    yielded: dict[str, list[tuple[float, str]]] = {"a": [], "b": [], "c": []}
+
+    async def consume(label: str, session_id: str) -> None:
+        async for ev in runtime.execute_message(session_id, f"turn {label}"):
+            assert seen[-1] == ("bus", ev.type)  # emitted before it was yielded
+            yielded[label].append((asyncio.get_running_loop().time(), ev.type))
+            await asyncio.sleep(0)  # let the other consumers try to interleave
+
+    await asyncio.gather(consume("a", first.id), consume("b", first.id), consume("c", other.id))
+    a, b = yielded["a"], yielded["b"]
+    assert a[-1][1] == b[-1][1] == "turn.complete"
+    one, two = (a, b) if a[0][0] <= b[0][0] else (b, a)
+    assert one[-1][0] <= two[0][0]  # the second began after the first completed
+    transcript = await runtime.sessions.messages(first.id)
+    assert [m.role for m in transcript] == ["user", "assistant", "user", "assistant"]
+    assert yielded["c"][-1][1] == "turn.complete"
+    c_start = yielded["c"][0][0]
+    assert c_start < one[-1][0]  # the other session's turn ran meanwhile
+
+
 async def test_turn_streams_and_commits(
     runtime: SessionRuntime, scripted: ScriptedProvider
 ) -> None:
