@@ -51,7 +51,7 @@ from .stream import (
     SubagentStarted,
     TurnComplete,
 )
-from .turn import MAX_MESSAGE_BYTES, run_turn
+from .turn import MAX_MESSAGE_BYTES, run_turn, set_turn_outcome
 
 if TYPE_CHECKING:
     from .runtime import SessionRuntime
@@ -532,16 +532,14 @@ class SubagentManager:
                 system=child.system,
             )
             result = await self._turn(child, lineage)
-            done: dict[str, str | int | float | bool | None] = {
-                "pleach.turn_id": result.turn_id,
-                "pleach.outcome": result.outcome,
-                "gen_ai.usage.input_tokens": result.input_tokens,
-                "gen_ai.usage.output_tokens": result.output_tokens,
-                "pleach.cost_usd": result.cost_usd,
-            }
-            span.set(**done)
-            if result.outcome not in ("ok", "user-aborted"):
-                span.error(result.outcome)
+            set_turn_outcome(
+                span,
+                result.turn_id,
+                result.outcome,
+                result.input_tokens,
+                result.output_tokens,
+                result.cost_usd,
+            )
         except BaseException as exc:
             if span is not None:
                 span.error(exc)

@@ -251,17 +251,15 @@ async def run_turn(
         try:
             async for ev in inner:
                 if isinstance(ev, TurnComplete):
-                    done: dict[str, str | int | float | bool | None] = {
-                        "pleach.turn_id": ev.turn_id,
-                        "pleach.outcome": ev.outcome,
-                        "gen_ai.usage.input_tokens": ev.input_tokens,
-                        "gen_ai.usage.output_tokens": ev.output_tokens,
-                        "pleach.cost_usd": ev.cost_usd,
-                        "pleach.provider_calls": ev.provider_calls,
-                    }
-                    span.set(**done)
-                    if ev.outcome not in ("ok", "user-aborted"):
-                        span.error(ev.outcome)
+                    set_turn_outcome(
+                        span,
+                        ev.turn_id,
+                        ev.outcome,
+                        ev.input_tokens,
+                        ev.output_tokens,
+                        ev.cost_usd,
+                        **{"pleach.provider_calls": ev.provider_calls},
+                    )
                 emit(ev)
                 yield ev
         except (GeneratorExit, asyncio.CancelledError):
@@ -274,6 +272,29 @@ async def run_turn(
             # Closing the inner turn runs its abort accounting when the consumer stopped early.
             await inner.aclose()
             span.end()
+
+
+def set_turn_outcome(
+    span: SpanHandle,
+    turn_id: str,
+    outcome: str,
+    input_tokens: int,
+    output_tokens: int,
+    cost_usd: float | None,
+    **more: str | int | float | bool | None,
+) -> None:
+    """A finished turn's attributes on its span (a turn's, or a subagent's around its turn),
+    and an error for any outcome but ``ok`` and ``user-aborted``."""
+    done: dict[str, str | int | float | bool | None] = {
+        "pleach.turn_id": turn_id,
+        "pleach.outcome": outcome,
+        "gen_ai.usage.input_tokens": input_tokens,
+        "gen_ai.usage.output_tokens": output_tokens,
+        "pleach.cost_usd": cost_usd,
+    }
+    span.set(**done, **more)
+    if outcome not in ("ok", "user-aborted"):
+        span.error(outcome)
 
 
 async def _expanded(

@@ -152,7 +152,7 @@ async def test_each_store_reads_what_resume_folds_in_one_read(tmp_path: Path) ->
 
 
 def test_a_map_form_body_reads_as_its_type_and_payload() -> None:
-    from pleach_client.store.base import decode_payloads
+    from pleach_client.store.base import decode_log
     from shared import compact
     from shared.records import encode_record
 
@@ -164,7 +164,7 @@ def test_a_map_form_body_reads_as_its_type_and_payload() -> None:
         assert isinstance(record, Event)
         return record
 
-    got = decode_payloads(rows, TALLIED_EVENTS, decode)
+    got, _ = decode_log(rows, TALLIED_EVENTS, (), decode)
     assert got == [(e.type, e.payload) for e in events if e.type in TALLIED_EVENTS]
 
 

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import random
 import re
 import sqlite3
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,19 @@ def raw(path: Path) -> sqlite3.Connection:
 
 
 key, unkey = sqlite_module._key, sqlite_module._id
+
+
+@contextlib.contextmanager
+def locked_elsewhere(path: Path) -> Iterator[None]:
+    """Another process's write lock on the file (``BEGIN IMMEDIATE`` on a plain connection),
+    held while inside, then rolled back."""
+    other = raw(path)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        yield
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
 
 
 def test_durability_flags() -> None:
@@ -457,16 +471,11 @@ async def test_constraint_violation_is_a_storage_error(sqlite_store: SQLiteAdapt
 async def test_locked_database_is_a_retryable_storage_error(db_path: Path) -> None:
     session = make_session()
     async with SQLiteAdapter(db_path, busy_timeout_ms=0) as store:
-        other = raw(db_path)
-        other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
-        try:
+        with locked_elsewhere(db_path):  # another process holds the write lock
             with pytest.raises(StorageError, match="locked") as info:
                 await commit(store, session)
             assert info.value.retryable is True
             assert await store.outbox_count() == 0  # reads still work under WAL
-        finally:
-            other.execute("ROLLBACK")
-            other.close()
         assert (await commit(store, session)).client_seqs == [1]
 
 
@@ -1184,16 +1193,11 @@ async def test_a_write_lock_of_another_process_is_waited_for_on_the_thread(
     async with SQLiteAdapter(db_path) as store:
         await store.transact(_increment(calls))
         handed = _watch_hops(store)
-        other = raw(db_path)
-        try:
-            other.execute("BEGIN IMMEDIATE")
+        with locked_elsewhere(db_path):
             writing = asyncio.ensure_future(store.transact(_increment(calls)))
             await handed.wait()  # tried in place, refused at once: handed to the thread
             assert await store.peek_meta("n") == "1"  # and the caller's thread goes on
             assert not writing.done()
-        finally:
-            other.execute("ROLLBACK")
-            other.close()
         await writing
         assert await store.get_meta("n") == "2"
         assert await store.outbox_count() == 2
@@ -1385,15 +1389,10 @@ async def test_an_in_place_transaction_is_never_seen_before_its_commit(db_path: 
 async def test_an_in_place_plan_waits_for_another_process_on_the_thread(db_path: Path) -> None:
     async with SQLiteAdapter(db_path) as store:
         await _held_state(store, "s-1")
-        other = raw(db_path)
-        try:
-            other.execute("BEGIN IMMEDIATE")
+        with locked_elsewhere(db_path):
             handed = _watch_hops(store)
             writing = asyncio.ensure_future(store.transact(InPlace(_reading_plan("s-1", []))))
             await handed.wait()
             assert not writing.done()
-        finally:
-            other.execute("ROLLBACK")
-            other.close()
         await writing
         assert await store.get_meta("n") == "7"

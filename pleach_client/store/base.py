@@ -296,7 +296,7 @@ class StorageAdapter(Protocol):
         self, session_id: str, types: Collection[str]
     ) -> list[tuple[str, dict[str, Any]]]:
         """``(type, payload)`` of the session's events of ``types``, in chain order: only those
-        two fields are decoded (``decode_payloads``)."""
+        two fields are decoded (``hydration_log`` with nothing read whole)."""
         ...
 
     async def hydration_log(
@@ -392,15 +392,6 @@ def decode_events(
             if event.type in types:
                 out.append(event)
     return out
-
-
-def decode_payloads(
-    rows: Iterable[Any], types: Collection[str], decode: Callable[[Any, bytes], Event]
-) -> list[tuple[str, dict[str, Any]]]:
-    """``(type, payload)`` of the stored event rows ``(key, body)`` of ``types``: a compact
-    body's type and payload are read without the rest (``compact.event_payload``); any other
-    body is decoded whole."""
-    return decode_log(rows, types, (), decode)[0]
 
 
 def decode_log(

@@ -45,7 +45,6 @@ from .base import (
     decode_children,
     decode_events,
     decode_log,
-    decode_payloads,
     marked_canonical,
 )
 
@@ -463,9 +462,7 @@ class MemoryAdapter(AsyncResource):
         self, session_id: str, types: Collection[str]
     ) -> list[tuple[str, dict[str, Any]]]:
         """``(type, payload)`` of the session's events of ``types``, in chain order."""
-        self._check_open()
-        rows = [(key, row.body) for key, row in self._events.group(session_id)]
-        return decode_payloads(rows, types, lambda _, body: _decode(_EVENT, body))
+        return (await self.hydration_log(session_id, types, ()))[0]
 
     async def hydration_log(
         self, session_id: str, tallied: Collection[str], whole: Collection[str]

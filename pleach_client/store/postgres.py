@@ -72,7 +72,6 @@ from .base import (
     decode_children,
     decode_events,
     decode_log,
-    decode_payloads,
     event_place_of,
     fixed_plan,
     marked_canonical,
@@ -1193,10 +1192,7 @@ class PostgresAdapter(AsyncResource):
         self, session_id: str, types: Collection[str]
     ) -> list[tuple[str, dict[str, Any]]]:
         """``(type, payload)`` of the session's events of ``types``, in chain order."""
-        rows = await self._fetch(
-            "read events", self._sql.list_events_of_types, session_id, 0, sorted(types)
-        )
-        return decode_payloads(rows, types, lambda key, body: _decode(Event, "events", key, body))
+        return (await self.hydration_log(session_id, types, ()))[0]
 
     async def hydration_log(
         self, session_id: str, tallied: Collection[str], whole: Collection[str]

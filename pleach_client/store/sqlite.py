@@ -61,7 +61,6 @@ from .base import (
     decode_children,
     decode_events,
     decode_log,
-    decode_payloads,
     event_place_of,
     fixed_plan,
     marked_canonical,
@@ -462,6 +461,13 @@ def _decode_all(decoder: _Body[_T], table: str, rows: Sequence[Any]) -> list[_T]
     except (msgspec.DecodeError, msgspec.ValidationError, TypeError):
         pass
     return [_decode(decoder, table, key, body) for key, body in rows]
+
+
+def _messages_in_order(keys: Sequence[str | bytes], rows: Sequence[Any]) -> list[Message]:
+    """The message rows ``(key, body)`` read for ``keys``, decoded in the order of ``keys``
+    (an unknown key skipped; a key asked twice decoded twice: each place its own copy)."""
+    bodies: dict[str | bytes, bytes] = dict(rows)
+    return _decode_all(_MESSAGE, "messages", [(key, bodies[key]) for key in keys if key in bodies])
 
 
 def _encode_batch(
@@ -931,11 +937,7 @@ class _Reader:
         if not message_ids:
             return []
         keys = _keys(message_ids)
-        rows = await _fetch_in(self._conn, QUERIES["get_messages"], keys)
-        bodies: dict[str | bytes, bytes] = {row_id: body for row_id, body in rows}
-        return _decode_all(
-            _MESSAGE, "messages", [(key, bodies[key]) for key in keys if key in bodies]
-        )
+        return _messages_in_order(keys, await _fetch_in(self._conn, QUERIES["get_messages"], keys))
 
     async def list_artifact_updates(self, artifact_id: str) -> list[ArtifactUpdate]:
         key = (_key(artifact_id),)
@@ -1413,10 +1415,7 @@ class SQLiteAdapter(AsyncResource):
         keys = _keys(message_ids)
         async with self._reading("read messages") as conn:
             rows = await _fetch_in(conn, QUERIES["get_messages"], keys)
-        bodies: dict[str | bytes, bytes] = dict(rows)
-        # Decoding per position: a repeated id gets its own copy.
-        found = [(key, bodies[key]) for key in keys if key in bodies]
-        return _decode_all(_MESSAGE, "messages", found)
+        return _messages_in_order(keys, rows)  # (decoded once the lock is let go)
 
     async def get_checkpoint(self, checkpoint_id: str) -> Checkpoint | None:
         return await self._one(_CHECKPOINT, "checkpoints", "get_checkpoint", checkpoint_id)
@@ -1455,11 +1454,7 @@ class SQLiteAdapter(AsyncResource):
     ) -> list[tuple[str, dict[str, Any]]]:
         """``(type, payload)`` of the session's events of ``types``, by sequence number, then
         id; only those two fields are decoded."""
-        async with self._reading("read events") as conn:
-            wanted = msgspec.json.encode(sorted(types)).decode()
-            query = QUERIES["list_events_of_types"]
-            rows = await _fetch(conn, query, (_key(session_id), 0, wanted))
-        return decode_payloads(rows, types, lambda key, body: _decode(_EVENT, "events", key, body))
+        return (await self.hydration_log(session_id, types, ()))[0]
 
     async def hydration_log(
         self, session_id: str, tallied: Collection[str], whole: Collection[str]
