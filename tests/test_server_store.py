@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import aiosqlite
 import msgspec
@@ -302,42 +303,110 @@ async def test_a_batch_lookup_reads_each_key_through_an_index(db_path: Path, nam
         assert columns - {"org_id", "user_id", "tid"}, f"{name}: {line}"
 
 
-async def test_a_push_is_three_hops_whatever_its_size(db_path: Path) -> None:
-    """A push speaks to the writer connection's thread three times, however many changes it
-    carries: BEGIN with the device's last_seq, the batch's keys and every lookup with the
-    tenant's head; every write with the head after it; COMMIT. A batch resent whole (a lost
-    ack) writes nothing: two. (Each hop is a thread handoff that costs more than the SQLite
-    work of a small push.)"""
+def count_hops(store: SQLiteServerStore) -> list[int]:
+    """A one-item list counting every call run on the writer connection's thread from now on
+    (reset it by assigning to its item)."""
+    writer = store._writer
+    assert writer is not None
+    hops = [0]
+    execute = writer._execute
+
+    async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        hops[0] += 1
+        return await execute(fn, *args, **kwargs)
+
+    writer._execute = counted  # type: ignore[method-assign]
+    return hops
+
+
+@pytest.mark.parametrize("synchronous", ["NORMAL", "FULL"])
+async def test_a_small_push_is_one_hop_and_a_large_one_three(
+    db_path: Path, synchronous: Literal["NORMAL", "FULL"]
+) -> None:
+    """A push of at most ``IN_PLACE_MAX_CHANGES`` changes runs its BEGIN, lookups and writes
+    on the caller's thread and speaks to the writer connection's thread once, for its COMMIT
+    (whose fsync must not hold the event loop); a batch resent whole (a lost ack) writes
+    nothing and commits in place: no hop. A larger push speaks to the thread three times,
+    however many changes it carries: BEGIN with the device's last_seq, the batch's keys and
+    every lookup with the tenant's head; every write with the head after it; COMMIT (two when
+    resent). Each hop is a thread handoff that costs more than the SQLite work of a small
+    push. What the in-place push wrote is committed: the reader sees it."""
     clock = HybridClock("server-x")
-    async with SQLiteServerStore(db_path, synchronous="NORMAL") as store:
-        writer = store._writer
-        assert writer is not None
-        hops = 0
-        execute = writer._execute
-
-        async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
-            nonlocal hops
-            hops += 1
-            return await execute(fn, *args, **kwargs)
-
-        writer._execute = counted  # type: ignore[method-assign]
+    big = server_sqlite.IN_PLACE_MAX_CHANGES + 1
+    async with SQLiteServerStore(db_path, synchronous=synchronous) as store:
+        hops = count_hops(store)
         counts = []
-        for size in (1, 200):
+        for size in (1, big - 4, big - 3):  # 1 + size + 2 changes: 4, 64 and 65
             dev = Device(new_tenant())
             session = dev.session()
             records = [session, *(dev.message(session.id) for _ in range(size))]
             records += [dev.event(session.id), dev.audit(session.id)]
             changes = dev.changes(*records)
-            hops = 0
+            hops[0] = 0
             result = await store.push(dev.tenant, dev.client_id, changes, clock)
             assert {r.status for r in result.results} == {"applied"}
-            counts.append(hops)
-            hops = 0  # the same batch again (a lost ack): every change a duplicate
+            counts.append(hops[0])
+            pulled = await store.pull(dev.tenant, 0, 1000)
+            assert [c.record for c in pulled.changes][-1] == records[-1]
+            assert len(pulled.changes) == len(records)
+            hops[0] = 0  # the same batch again (a lost ack): every change a duplicate
             again = await store.push(dev.tenant, dev.client_id, changes, clock)
             assert {r.status for r in again.results} == {"duplicate"}
             assert again.head_cursor == result.head_cursor
-            counts.append(hops)
-        assert counts == [3, 2, 3, 2]
+            counts.append(hops[0])
+        assert counts == [1, 0, 1, 0, 3, 2]
+
+
+async def test_a_push_waits_for_another_process_write_lock_off_the_event_loop(
+    db_path: Path,
+) -> None:
+    """A small push never waits on the caller's thread: with another process's write lock on
+    the file, its BEGIN in place is refused at once (busy timeout 0 for that one statement),
+    and the transaction is begun on the writer's thread, which waits for the lock while the
+    event loop runs on; the push is applied once the lock goes, and the next runs in place."""
+    clock = HybridClock("server-x")
+    async with SQLiteServerStore(db_path, busy_timeout_ms=60_000) as store:
+        writer = store._writer
+        assert writer is not None
+        statements: list[str] = []
+        writer._conn.set_trace_callback(statements.append)
+        on_thread = asyncio.Event()
+        execute = writer._execute
+
+        async def watched(fn: Any, *args: Any, **kwargs: Any) -> Any:
+            on_thread.set()
+            return await execute(fn, *args, **kwargs)
+
+        writer._execute = watched  # type: ignore[method-assign]
+        dev = Device(new_tenant())
+        session = dev.session()
+        other = sqlite3.connect(db_path, isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            task = asyncio.create_task(
+                store.push(dev.tenant, dev.client_id, dev.changes(session), clock)
+            )
+            await on_thread.wait()  # refused in place; this line runs while the push waits
+            assert not task.done()
+            assert statements[:3] == [
+                "PRAGMA busy_timeout = 0",
+                "BEGIN IMMEDIATE",
+                "PRAGMA busy_timeout = 60000",
+            ]
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        result = await task
+        assert [r.status for r in result.results] == ["applied"]
+        assert [c.record for c in (await store.pull(dev.tenant, 0, 10)).changes] == [session]
+        writer._execute = execute  # type: ignore[method-assign]
+        hops = count_hops(store)
+        statements.clear()
+        message = dev.message(session.id)
+        result = await store.push(dev.tenant, dev.client_id, dev.changes(message), clock)
+        assert [r.status for r in result.results] == ["applied"]
+        assert hops[0] == 1  # its COMMIT
+        assert statements[:2] == ["PRAGMA busy_timeout = 0", "BEGIN IMMEDIATE"]
 
 
 async def test_the_servers_wal_is_checkpointed_beside_the_writer(db_path: Path) -> None:

@@ -5,8 +5,10 @@ One file, WAL mode, two connections: a writer (every push and compaction runs in
 between callers) and a reader (pulls and lookups, each in one read transaction, so they never
 see a push that has not committed). The push rules live in ``apply.py``; this module only
 speaks SQL: a push batch is a handful of statements whatever its size (``_SQLiteTx``, one
-``execute_fetchall`` per lookup and one ``executemany`` per table written). ``sqlite3`` errors
-are translated to ``StorageUnavailable`` (3009, retryable).
+``execute_fetchall`` per lookup and one ``executemany`` per table written); a small push runs
+them on the event loop's thread, on the writer's own connection, and only its ``COMMIT`` (the
+fsync) on aiosqlite's (``SQLiteServerStore._write``). ``sqlite3`` errors are translated to
+``StorageUnavailable`` (3009, retryable).
 
 Schema (versioned by ``PRAGMA user_version``, migrated at ``open()``):
 
@@ -626,12 +628,17 @@ def _place(row: AuditRow) -> tuple[str, int, bytes | str, bytes | str]:
 _R = TypeVar("_R")
 
 
-async def _on_thread(conn: aiosqlite.Connection, fn: Callable[..., _R], *args: Any) -> _R:
+async def _on_thread(
+    conn: aiosqlite.Connection | sqlite3.Connection, fn: Callable[..., _R], *args: Any
+) -> _R:
     """``fn(raw, *args)`` on the connection's own thread, where aiosqlite runs its statements
     in order: a push's lookups, or its writes, are one hop instead of one per statement (each
     hop is a thread handoff that costs more than the SQLite work). aiosqlite has no public
     name for this; ``_execute`` and ``_conn`` are pinned with it (aiosqlite < 0.23), as the
-    device's store does."""
+    device's store does. ``conn`` a plain ``sqlite3`` connection (a push in place,
+    ``SQLiteServerStore._write``): ``fn`` runs at once, on the caller's thread."""
+    if isinstance(conn, sqlite3.Connection):
+        return fn(conn, *args)
     raw: sqlite3.Connection = conn._conn
     result: _R = await conn._execute(fn, raw, *args)  # type: ignore[no-untyped-call]
     return result
@@ -757,16 +764,26 @@ class _Read(msgspec.Struct):
 class _SQLiteTx:
     """``BatchTx`` over the writer connection, inside the push's ``BEGIN IMMEDIATE``.
 
-    A push is three hops to aiosqlite's thread, whatever the size of the batch: every lookup
-    with the ``BEGIN`` (``read``, made by ``push``), every write in one, the ``COMMIT``. The
-    tenant's head is read in those same hops (before the writes with the lookups, after them
-    with the writes): nothing else writes inside this ``BEGIN IMMEDIATE``, so
+    A large push is three hops to aiosqlite's thread, whatever the size of the batch: every
+    lookup with the ``BEGIN`` (``read``, made by ``push``), every write in one, the
+    ``COMMIT``. A small one (``IN_PLACE_MAX_CHANGES``) runs its ``BEGIN``, lookups and writes
+    on the caller's thread (``raw``: the same connection, no hop) and only its ``COMMIT`` on
+    aiosqlite's, whose fsync never holds the event loop. The tenant's head is read with the
+    lookups and with the writes: nothing else writes inside this ``BEGIN IMMEDIATE``, so
     ``head_cursor`` answers from it. ``load`` reads in a hop of its own only when the keys
-    it is asked for are not the ones read with the ``BEGIN``.
+    it is asked for are not the ones read with the ``BEGIN``. A deleted session's content is
+    deleted on aiosqlite's thread in either case (a cascade can be large).
     """
 
-    def __init__(self, conn: aiosqlite.Connection, read: _Read | None = None) -> None:
+    def __init__(
+        self,
+        conn: aiosqlite.Connection,
+        read: _Read | None = None,
+        raw: sqlite3.Connection | None = None,
+    ) -> None:
         self._conn = conn
+        self._run: aiosqlite.Connection | sqlite3.Connection = conn if raw is None else raw
+        """Where the lookups and the writes run: the connection's thread, or in place."""
         self._read = read
         """What the push read with its ``BEGIN`` (``push``'s ``read_first``), None: nothing."""
         self._head: int | None = None if read is None else read.head
@@ -794,7 +811,7 @@ class _SQLiteTx:
             return _snapshot(tenant, keys, read.answers)
         # Every lookup of the batch, and the head, in one hop to the connection's thread.
         each, self._head = await _on_thread(
-            self._conn, _fetch_each_and_head, _lookups(tenant, keys), _twice(tenant)
+            self._run, _fetch_each_and_head, _lookups(tenant, keys), _twice(tenant)
         )
         return _snapshot(tenant, keys, each)
 
@@ -843,8 +860,9 @@ class _SQLiteTx:
             places=[(*t, *_place(r)) for r in writes.records if isinstance(r, AuditRow)],
             head=None if writes.deleted_sessions else t + t,
         )
-        # Every statement of the batch in one hop to the connection's thread (see _on_thread).
-        cursors, self._head = await _on_thread(self._conn, _write_rows, rows)
+        # Every statement of the batch in one hop to the connection's thread (see _on_thread),
+        # or in place.
+        cursors, self._head = await _on_thread(self._run, _write_rows, rows)
         if writes.deleted_sessions:
             await self._delete_content(tenant)
         return cursors
@@ -907,6 +925,13 @@ async def _compact(conn: aiosqlite.Connection, tenant: Tenant, keep_after_cursor
     await conn.execute(_SET_FLOOR_SQL, (tenant.org_id, tenant.user_id, new_floor))
     return dropped
 
+
+IN_PLACE_MAX_CHANGES: Final = 64
+IN_PLACE_MAX_BYTES: Final = 256 * 1024
+"""A push of at most this many changes (and bytes of bodies, when the device sent them) runs
+its ``BEGIN``, lookups and writes on the event loop's thread (``SQLiteServerStore._write``):
+the SQLite work of a turn's push is smaller than the hops it would take. A larger one goes to
+aiosqlite's thread, so that no push holds every other connection for long."""
 
 CHECKPOINT_EVERY = 16
 """Write transactions between two checkpoints of the WAL, each run on a connection of its own
@@ -1005,7 +1030,9 @@ class SQLiteServerStore(AsyncResource):
         # later crashes against a closed event loop: find out first, with plain sqlite3.
         await asyncio.to_thread(_probe, str(self.path))
         # isolation_level=None: we issue BEGIN / COMMIT ourselves, sqlite3 never does.
-        conn = await aiosqlite.connect(self.path, isolation_level=None)
+        # check_same_thread=False: a small push runs on the writer's connection in place
+        # (``_write``), under the write lock, while aiosqlite's thread is idle.
+        conn = await aiosqlite.connect(self.path, isolation_level=None, check_same_thread=False)
         try:
             await conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}")
             await conn.create_function("pleach_key", 1, _sql_key, deterministic=True)
@@ -1045,18 +1072,32 @@ class SQLiteServerStore(AsyncResource):
 
     async def _write(
         self,
-        body: Callable[[aiosqlite.Connection], Awaitable[T]],
+        body: Callable[[aiosqlite.Connection, sqlite3.Connection | None], Awaitable[T]],
         *,
         first: Callable[[sqlite3.Connection], None] | None = None,
+        in_place: bool = False,
     ) -> T:
-        """Run ``body`` in one ``BEGIN IMMEDIATE`` transaction; roll back if it raises.
-        ``first(raw)`` runs right after the ``BEGIN``, in its hop (a push's first read)."""
+        """Run ``body(conn, raw)`` in one ``BEGIN IMMEDIATE`` transaction; roll back if it
+        raises. ``first(raw)`` runs right after the ``BEGIN``, in its hop (a push's first read).
+
+        ``in_place``: the ``BEGIN`` and ``first`` run on the caller's thread, on the writer's
+        own ``sqlite3`` connection (``raw``, given to ``body``: what it runs there costs no
+        hop), and only a ``COMMIT`` that wrote something goes to aiosqlite's thread, so that
+        its fsync never holds the event loop. The ``BEGIN`` there never waits: when another
+        process holds the write lock, the transaction is begun on aiosqlite's thread instead,
+        which waits for it (``busy_timeout_ms``), and ``raw`` is None."""
         async with self._write_lock:
             conn = self._require(self._writer)
-            await _begin(conn, "BEGIN IMMEDIATE", first)
+            written = conn._conn.total_changes  # rows changed by this connection so far
+            raw = self._begin_in_place(conn, first) if in_place else None
+            if raw is None:
+                await _begin(conn, "BEGIN IMMEDIATE", first)
             try:
-                result = await body(conn)
-                await conn.execute("COMMIT")
+                result = await body(conn, raw)
+                if raw is not None and raw.total_changes == written:
+                    raw.execute("COMMIT")  # nothing written: nothing to sync
+                else:
+                    await conn.execute("COMMIT")
             except BaseException as exc:
                 await asyncio.shield(_rollback(conn))
                 if isinstance(exc, sqlite3.Error):
@@ -1064,6 +1105,34 @@ class SQLiteServerStore(AsyncResource):
                 raise
             self._checkpoints.tick()
             return result
+
+    def _begin_in_place(
+        self, conn: aiosqlite.Connection, first: Callable[[sqlite3.Connection], None] | None
+    ) -> sqlite3.Connection | None:
+        """``BEGIN IMMEDIATE`` and ``first`` on the caller's thread (``_write``), on the writer's
+        ``sqlite3`` connection, idle under the write lock; None when the write lock is another
+        process's (not waited for here) or a transaction is open (``_begin`` mends it)."""
+        raw: sqlite3.Connection = conn._conn
+        try:
+            raw.execute("PRAGMA busy_timeout = 0")
+            try:
+                raw.execute("BEGIN IMMEDIATE")
+            finally:
+                raw.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}")
+        except sqlite3.OperationalError as exc:
+            log.debug("push not begun in place on %s: %s", self.path, exc)
+            return None
+        except sqlite3.Error as exc:
+            raise StorageUnavailable(f"cannot start a transaction: {exc}") from exc
+        try:
+            if first is not None:
+                first(raw)
+        except BaseException as exc:
+            raw.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.Error):
+                raise StorageUnavailable(f"cannot start a transaction: {exc}") from exc
+            raise
+        return raw
 
     async def _read(self, body: Callable[[aiosqlite.Connection], Awaitable[T]]) -> T:
         """Run ``body`` in one read transaction (one consistent snapshot) on the reader."""
@@ -1133,9 +1202,9 @@ class SQLiteServerStore(AsyncResource):
             answers, head = _fetch_each_and_head(raw, _lookups(tenant, keys), _twice(tenant))
             read.append(_Read(last_seq, keys, answers, head))
 
-        async def body(conn: aiosqlite.Connection) -> PushResult:
+        async def body(conn: aiosqlite.Connection, raw: sqlite3.Connection | None) -> PushResult:
             result = await apply_push(
-                _SQLiteTx(conn, read[-1] if read else None),
+                _SQLiteTx(conn, read[-1] if read else None, raw),
                 tenant,
                 client_id,
                 changes,
@@ -1152,7 +1221,9 @@ class SQLiteServerStore(AsyncResource):
                 result.feed, result.previous_head = [], None  # read the page back instead
             return result
 
-        return await self._write(body, first=read_first)
+        small = len(changes) + len(skipped) <= IN_PLACE_MAX_CHANGES
+        in_place = small and sum(map(len, bodies)) <= IN_PLACE_MAX_BYTES
+        return await self._write(body, first=read_first, in_place=in_place)
 
     async def _retain(self, conn: aiosqlite.Connection, tenant: Tenant, keep: int) -> None:
         row = await _fetchone(conn, _RETAIN_SQL, (tenant.org_id, tenant.user_id, keep))
@@ -1197,7 +1268,7 @@ class SQLiteServerStore(AsyncResource):
     ) -> None:
         t = (tenant.org_id, tenant.user_id)
 
-        async def body(conn: aiosqlite.Connection) -> None:
+        async def body(conn: aiosqlite.Connection, raw: sqlite3.Connection | None) -> None:
             await conn.execute(_PUT_HEALTH_SQL, (*t, client_id, seen_at, health))
             await conn.execute(_TRIM_DEVICES_SQL, (*t, *t, MAX_DEVICES_PER_TENANT))
 
@@ -1211,7 +1282,7 @@ class SQLiteServerStore(AsyncResource):
         ]
 
     async def compact_feed(self, tenant: Tenant, keep_after_cursor: int) -> int:
-        return await self._write(lambda conn: _compact(conn, tenant, keep_after_cursor))
+        return await self._write(lambda conn, _: _compact(conn, tenant, keep_after_cursor))
 
 
 _NO_BUDGET = 1 << 62
