@@ -1098,6 +1098,53 @@ async def test_a_peek_that_fails_reads_on_the_connection(db_path: Path) -> None:
         assert hops[0] == 1
 
 
+async def test_the_flushs_outbox_read_is_made_in_place(db_path: Path) -> None:
+    """``outbox_pending``, which a flush calls right after a turn's commit, reads on the
+    caller's connection with no hop, and gives what the store's connection gives: the same
+    entries, in order, after ``after``, at most ``limit``."""
+    async with SQLiteAdapter(db_path) as store:
+        records = one_of_each()
+        await commit(store, *records)
+        hops = _count_hops(store)
+        pending = await store.outbox_pending()
+        tail = await store.outbox_pending(2, after=pending[1].client_seq)
+        assert hops[0] == 0
+        assert [e.record for e in pending] == records
+        assert [e.client_seq for e in tail] == [e.client_seq for e in pending[2:4]]
+        assert store._local is not None
+        store._local.close()  # any error there: read on the store's connection
+        assert await store.outbox_pending() == pending
+        assert hops[0] == 1
+
+
+async def test_an_outbox_read_waits_for_a_write_in_progress(db_path: Path) -> None:
+    """With a write of this store in progress, the outbox is read after it, on the store's
+    connection, as every read but a peek is: the read gives what that write left."""
+    async with SQLiteAdapter(db_path) as store:
+        first, second = make_session(), make_session()
+        await commit(store, first)
+        planning, release = asyncio.Event(), asyncio.Event()
+
+        async def plan(tx: Any) -> WriteBatch:
+            planning.set()
+            await release.wait()
+            return WriteBatch(records=[second])
+
+        writing = asyncio.ensure_future(store.transact(plan))
+        await planning.wait()
+        hops = _count_hops(store)
+        reading = asyncio.ensure_future(store.outbox_pending())
+        try:
+            await asyncio.sleep(0)  # one turn of the loop: a read in place would be done now
+            read_early = reading.done()
+        finally:
+            release.set()
+            await writing
+        assert not read_early
+        assert [e.record for e in await reading] == [first, second]
+        assert hops[0] >= 1
+
+
 async def test_closing_closes_the_callers_connection_too(db_path: Path) -> None:
     """The caller's connection is closed with the store: the last connection to close removes
     the WAL, so no ``-wal`` file is left behind, and a peek after close raises as reads do."""

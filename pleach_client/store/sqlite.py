@@ -1347,16 +1347,10 @@ class SQLiteAdapter(AsyncResource):
         value it does not see yet). On the caller's own connection (``_local``), which never
         waits for a lock (busy timeout 0): a WAL reader waits for none but in rare moments (a
         recovery), and then, as on any error, the key is read by ``get_meta``."""
-        local = self._local_connection()
-        try:
-            # (An ``InPlace`` plan waiting on something else holds a transaction open there:
-            # then the key is read on the store's connection, after the lock.)
-            if local is not None and not local.in_transaction:
-                rows = local.execute(QUERIES["get_meta"], (key,)).fetchall()
-                return str(rows[0][0]) if rows else None
-        except sqlite3.Error as exc:  # (and another thread's call: ProgrammingError)
-            log.debug("peek of %r failed, read on the connection instead: %s", key, exc)
-        return await self.get_meta(key)
+        rows = self._read_now(QUERIES["get_meta"], (key,), beside_writes=True)
+        if rows is None:
+            return await self.get_meta(key)
+        return str(rows[0][0]) if rows else None
 
     def _local_connection(self) -> sqlite3.Connection | None:
         """``_local``, made now if need be; None when the store is not open or it cannot be
@@ -1492,10 +1486,38 @@ class SQLiteAdapter(AsyncResource):
     # -- outbox ---------------------------------------------------------------------------
 
     async def outbox_pending(self, limit: int = 500, *, after: int = 0) -> list[OutboxEntry]:
-        """Oldest first, by client_seq; those after ``after``."""
-        async with self._reading("read outbox") as conn:
-            rows = await _fetch(conn, QUERIES["outbox_pending"], (after, max(limit, 0)))
+        """Oldest first, by client_seq; those after ``after``. Read in place (``_read_now``)
+        when it can be: a flush reads here right after a turn's commit, on the live path."""
+        params = (after, max(limit, 0))
+        rows = self._read_now(QUERIES["outbox_pending"], params)
+        if rows is None:
+            async with self._reading("read outbox") as conn:
+                rows = await _fetch(conn, QUERIES["outbox_pending"], params)
         return outbox_entries(rows, lambda seq, body: _decode(_RECORD, "outbox", seq, body))
+
+    def _read_now(
+        self, sql: str, params: Sequence[Any], *, beside_writes: bool = False
+    ) -> list[Any] | None:
+        """``sql``'s rows read at once on the caller's thread, on its own connection
+        (``_local``), with no hop; None when they cannot be: a write of this store in progress
+        (``_lock`` held: a read waits for it, as under ``_reading``; ``beside_writes``: read
+        what is committed anyway), a transaction open there (an ``InPlace`` plan waiting on
+        something else), or any error (the busy timeout there is 0: a WAL read waits for
+        nothing but in rare moments, a recovery). The caller then reads on the connection's
+        thread."""
+        if self._lock.locked() and not beside_writes:
+            return None
+        local = self._local_connection()
+        if local is None:
+            return None
+        try:
+            if local.in_transaction:
+                return None
+            rows: list[Any] = local.execute(sql, params).fetchall()
+        except sqlite3.Error as exc:  # (and another thread's call: ProgrammingError)
+            log.debug("read in place on %r failed, read on the connection: %s", self.path, exc)
+            return None
+        return rows
 
     async def outbox_count(self) -> int:
         return await self._count("outbox_count")
