@@ -205,6 +205,7 @@ class CheckpointsFacet:
                 pending_tool_calls=[],
                 artifacts=copy.artifact_ids,
                 resolved={},
+                kept_from=None,
             ),
             forked_from=session_id,
             forked_at_checkpoint=checkpoint_id or source.head_checkpoint_id,

@@ -38,6 +38,13 @@ class SessionState(msgspec.Struct, kw_only=True, omit_defaults=True):
     never saw the resolve (its vector's entry for that device at or below the number) does not
     take that content: the server keeps the version as a fork. Cleared in every session made
     from another one (a fork's vector counts anew)."""
+    kept_from: str | None = None
+    """Set by the server on a session it keeps beside a delete
+    (``shared.merge.kept_beside_delete``): the deleted session whose content it names by
+    id. A device that took it may write a version naming that content after the resolving
+    device gave it copies of its own, so while it lives the server keeps all of that
+    session's content, as for a live conflict fork. A conflict fork of it keeps the mark; a
+    user's fork (which holds copies) does not."""
 
 
 class Session(msgspec.Struct, kw_only=True, tag=True, tag_field="record_kind"):

@@ -42,6 +42,7 @@ from shared.records import (
     Change,
     Event,
     FeedChange,
+    Message,
     Record,
     RecordKind,
     Session,
@@ -1724,11 +1725,12 @@ class ServerStoreConformance:
         assert kept.forked_from == v1.id and not kept.deleted
         assert kept.state.message_ids == [copied.id] and kept.state.resolved == {}
         assert kept.conflict_id is None and kept.client_id == server_clock.client_id
+        assert kept.state.kept_from == v1.id
         rows = await stored_rows(tenant)
-        assert ("Message", copied.id) in rows and ("Message", unnamed.id) not in rows
-        assert ("Session", kept.id) in rows
-        feed_ids = {c.record.id for c in await pull_all(server_store, tenant)}
-        assert copied.id in feed_ids and unnamed.id not in feed_ids
+        assert ("Message", copied.id) in rows and ("Session", kept.id) in rows
+        # While the kept session lives, none of its deleted origin's content goes: a device
+        # that took it may still name any of it (SessionState.kept_from).
+        assert ("Message", unnamed.id) in rows
         (announced,) = [
             c.record
             for c in feed
@@ -1750,6 +1752,14 @@ class ServerStoreConformance:
         assert statuses(late) == ["superseded"]
         after = [c.record for c in await pull_all(server_store, tenant)]
         assert {r.id for r in after if isinstance(r, Session)} == {v1.id, kept.id}
+        # The kept session deleted: what it spared goes with the sweep.
+        await server_store.push(
+            tenant, laptop.client_id, laptop.changes(tombstone(laptop, kept)), server_clock
+        )
+        rows = await stored_rows(tenant)
+        assert ("Message", copied.id) not in rows and ("Message", unnamed.id) not in rows
+        feed_ids = {c.record.id for c in await pull_all(server_store, tenant)}
+        assert copied.id not in feed_ids and unnamed.id not in feed_ids
 
     async def test_a_resolved_version_pushed_after_the_delete_is_kept_as_a_fork(
         self, server_store: ServerStore, server_clock: HybridClock, stored_rows: StoredRows
@@ -1762,6 +1772,74 @@ class ServerStoreConformance:
         await self._resolved_and_deleted(
             server_store, server_clock, stored_rows, delete_first=False
         )
+
+    async def test_a_kept_session_spares_its_deleted_origins_content_while_it_lives(
+        self, server_store: ServerStore, server_clock: HybridClock, stored_rows: StoredRows
+    ) -> None:
+        """The server keeps the phone's resolved version beside the laptop's delete: the kept
+        session names a message filed under the deleted session. The tablet takes it and
+        writes a turn on it; the phone, meanwhile, gives it copies of its own (``_own_kept``),
+        so the stored row no longer names the original, and a delete of another session
+        sweeps. The tablet's version, written before it heard of the copies, names the
+        original and wins: the original must still be held. (Seed 8,700,030 of the races mix
+        lost it: the sweep took it.) Once the kept session goes, so does the original."""
+        tenant = new_tenant()
+        laptop, phone, tablet = Device(tenant), Device(tenant), Device(tenant)
+        v1 = laptop.session()
+        await server_store.push(tenant, laptop.client_id, laptop.changes(v1), server_clock)
+        original = phone.message(v1.id, "moved in by the resolve")
+        resolved = phone.edit(v1, message_ids=[original.id])
+        mark = {phone.client_id: v1.vv.get(phone.client_id, 0)}
+        resolved = msgspec.structs.replace(
+            resolved, state=msgspec.structs.replace(resolved.state, resolved=mark)
+        )
+        await server_store.push(
+            tenant, phone.client_id, phone.changes(original, resolved), server_clock
+        )
+        await server_store.push(
+            tenant, laptop.client_id, laptop.changes(tombstone(laptop, v1)), server_clock
+        )
+        (kept,) = [
+            c.record
+            for c in await pull_all(server_store, tenant)
+            if isinstance(c.record, Session) and c.record.id != v1.id
+        ]
+        assert kept.state.kept_from == v1.id and kept.state.message_ids == [original.id]
+
+        turn = tablet.message(kept.id, "a turn in the kept session")
+        by_tablet = tablet.edit(kept, message_ids=[original.id, turn.id])
+        copy = phone.message(kept.id, "moved in by the resolve")
+        by_phone = phone.edit(kept, message_ids=[copy.id])
+        await server_store.push(
+            tenant, phone.client_id, phone.changes(copy, by_phone), server_clock
+        )
+        other = laptop.session()
+        await server_store.push(tenant, laptop.client_id, laptop.changes(other), server_clock)
+        await server_store.push(
+            tenant, laptop.client_id, laptop.changes(tombstone(laptop, other)), server_clock
+        )
+        assert ("Message", original.id) in await stored_rows(tenant)
+        result = await server_store.push(
+            tenant, tablet.client_id, tablet.changes(turn, by_tablet), server_clock
+        )
+        assert statuses(result) == ["applied", "resolved"]
+        assert result.results[1].conflict is not None  # both versions live on
+        feed = await pull_all(server_store, tenant)
+        held = {c.record.id for c in feed if isinstance(c.record, Message)}
+        latest: dict[str, Session] = {}
+        for change in feed:
+            if isinstance(change.record, Session):
+                latest[change.record.id] = change.record
+        live = [s for s in latest.values() if not s.deleted]
+        assert any(original.id in s.state.message_ids for s in live)
+        for session in live:
+            assert set(session.state.message_ids) <= held, session.id
+
+        # The kept session and its conflict fork deleted: the next sweep takes the original.
+        for session in live:
+            gone = tombstone(laptop, session)
+            await server_store.push(tenant, laptop.client_id, laptop.changes(gone), server_clock)
+        assert ("Message", original.id) not in await stored_rows(tenant)
 
     async def test_delete_within_one_batch_and_before_the_session_row(
         self, server_store: ServerStore, server_clock: HybridClock, stored_rows: StoredRows

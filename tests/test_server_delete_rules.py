@@ -66,6 +66,13 @@ def test_a_live_conflict_fork_spares_all_of_its_deleted_origins_content() -> Non
     assert {i for _, i in content_to_delete([gone, user_fork], candidates)} == {
         r.id for r in candidates
     }
+    # A session the server kept beside the delete shares it the same way.
+    kept = msgspec.structs.replace(
+        dev.session(), forked_from=gone.id, state=SessionState(kept_from=gone.id)
+    )
+    assert content_to_delete([gone, kept], candidates) == []
+    kept_gone = msgspec.structs.replace(kept, deleted=True)
+    assert len(content_to_delete([gone, kept_gone], candidates)) == len(candidates)
     # Once the conflict fork is deleted too, the origin's content goes with the next sweep.
     both_gone = msgspec.structs.replace(conflict_fork, deleted=True)
     assert {i for _, i in content_to_delete([gone, both_gone], candidates)} == {

@@ -748,10 +748,11 @@ def content_to_delete(
     shares these with its origin), a checkpoint on the parent chain of its
     ``head_checkpoint_id`` or ``forked_at_checkpoint`` (a conflict fork keeps the loser's head,
     a checkpoint of the origin). And while a live conflict fork of a deleted session exists,
-    none of that session's content goes: the fork shares it by id, and a version of the fork
-    that a device wrote before it learned of a later change (a resolve gave the fork copies of
-    its own, say) may still name any of it, and arrive after this deletion. Once those live
-    sessions are deleted too, the next deletion takes what they kept.
+    or a live session kept beside its delete (``SessionState.kept_from``), none of that
+    session's content goes: the fork shares it by id, and a version of the fork that a device
+    wrote before it learned of a later change (a resolve gave the fork copies of its own, say)
+    may still name any of it, and arrive after this deletion. Once those live sessions are
+    deleted too, the next deletion takes what they kept.
     """
     candidates = list(candidates)
     deleted: set[str] = set()
@@ -768,6 +769,8 @@ def content_to_delete(
             heads.extend(c for c in (session.head_checkpoint_id, session.forked_at_checkpoint) if c)
             if session.conflict_id is not None and session.forked_from is not None:
                 shared.add(session.forked_from)
+            if session.state.kept_from is not None:
+                shared.add(session.state.kept_from)
     parents = {r.id: r.parent_id for r in candidates if isinstance(r, Checkpoint)}
     checkpoints: set[str] = set()
     for head in heads:
@@ -1020,6 +1023,9 @@ class _Batch:
         already knows the fork, and keeps the content it names."""
         now = self.clock.now()
         fork = self._fork(live, now, None, None)
+        fork = msgspec.structs.replace(
+            fork, state=msgspec.structs.replace(fork.state, kept_from=live.id)
+        )
         if live is pushed:
             # The kept session names only messages stored here: a resolve's copies that came
             # in pushes after the delete drained, and a device that took this session and
