@@ -257,6 +257,31 @@ async def test_deleting_a_session_keeps_what_its_conflict_fork_shares(tmp_path: 
         assert kept is not None  # the fork's head and its parents stay
 
 
+async def test_a_users_fork_of_a_kept_session_does_not_carry_its_mark(tmp_path: Path) -> None:
+    """A session the server kept beside a delete names its deleted origin
+    (``SessionState.kept_from``), and the server spares that origin's content while it
+    lives. A user's fork holds copies: it must not carry the mark on, or the origin's
+    content would stay on the server as long as the fork does."""
+    async with SessionRuntime(SQLiteAdapter(tmp_path / "d.db"), ScriptedProvider()) as rt:
+        session = await rt.create_session()
+        await turn(rt, session.id, "one")
+        row = await rt.store.get_session(session.id)
+        assert row is not None
+        kept = msgspec.structs.replace(
+            row, state=msgspec.structs.replace(row.state, kept_from="deleted-origin")
+        )
+        # Written under the runtime (as a pulled page would be), read by a fresh one.
+        await rt.store.commit(WriteBatch(records=[kept], outbox=False))
+    async with SessionRuntime(SQLiteAdapter(tmp_path / "d.db"), ScriptedProvider()) as rt:
+        await turn(rt, session.id, "two")  # a device's later version keeps the mark
+        again = await rt.store.get_session(session.id)
+        assert again is not None and again.state.kept_from == "deleted-origin"
+        fork = await rt.checkpoints.fork(session.id)
+        fork_row = await rt.store.get_session(fork.session_id)
+        assert fork_row is not None and fork_row.state.kept_from is None
+        assert await user_texts(rt, fork.session_id) == ["one", "two"]
+
+
 async def test_a_device_that_lacks_what_a_fork_refers_to_resyncs_once(tmp_path: Path) -> None:
     from shared.clock import HybridClock
     from shared.records import Change
