@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, Final, NoReturn
 
 import msgspec
 
@@ -472,6 +472,12 @@ def _json(value: Any) -> None:
     _out(msgspec.json.encode(value).decode())
 
 
+_KEPT_WHY: Final = (
+    " (a conflict was resolved into it on one device while another deleted it: the delete won,"
+    " and what the resolve moved was kept here)"
+)
+
+
 async def _sessions(args: argparse.Namespace) -> int:
     async with _runtime(args) as rt:
         if args.action == "list":
@@ -485,6 +491,8 @@ async def _sessions(args: argparse.Namespace) -> int:
                     _out("no sessions")
                 for s in rows:
                     fork = f" fork of {s.forked_from}" if s.forked_from else ""
+                    if s.state.kept_from:
+                        fork = f" kept beside the delete of {s.state.kept_from}" + _KEPT_WHY
                     _out(
                         f"{s.id}  {s.provider}/{s.model}  {len(s.state.message_ids)} messages  "
                         f"{s.title or '(untitled)'}{fork}"
@@ -504,7 +512,8 @@ async def _sessions(args: argparse.Namespace) -> int:
                     _text(s.title, "bold") if s.title else _text("(untitled)", "dim"),
                 ]
                 if forks:
-                    cells.append(_text(s.forked_from or "", "yellow"))
+                    kept = " (kept beside its delete)" if s.state.kept_from else ""
+                    cells.append(_text((s.forked_from or "") + kept, "yellow"))
                 table.add_row(*cells)
             console.print(table)
         elif args.action == "show":

@@ -67,6 +67,35 @@ def test_offline_chat_sessions_and_events(tmp_path: Path) -> None:
     assert code == 2 and "no session" in err and "Traceback" not in err
 
 
+def test_sessions_list_says_which_session_was_kept_beside_a_delete(tmp_path: Path) -> None:
+    """A session the server kept beside a delete (``SessionState.kept_from``) reappears as a
+    new session; the listing says why, and names the deleted one."""
+    import msgspec
+
+    from pleach_client.providers.scripted import ScriptedProvider
+    from pleach_client.store.base import WriteBatch
+
+    db = tmp_path / "d.db"
+
+    async def make() -> str:
+        async with SessionRuntime(SQLiteAdapter(db), ScriptedProvider()) as rt:
+            plain = await rt.create_session(title="plain")
+            kept = await rt.create_session(title="kept")
+            row = await rt.store.get_session(kept.id)
+            assert row is not None
+            state = msgspec.structs.replace(row.state, kept_from=plain.id)
+            marked = msgspec.structs.replace(row, forked_from=plain.id, state=state)
+            await rt.store.commit(WriteBatch(records=[marked], outbox=False))
+            await rt.delete_session(plain.id)
+            return plain.id
+
+    deleted = asyncio.run(make())
+    code, out, err = pleach("--db", str(db), "sessions", "list")
+    assert code == 0, err
+    (line,) = out.strip().splitlines()
+    assert f"kept beside the delete of {deleted}" in line and "the delete won" in line
+
+
 def test_demo_converges() -> None:
     code, out, err = pleach("demo")
     assert code == 0, out + err
