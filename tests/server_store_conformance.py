@@ -1808,6 +1808,10 @@ class ServerStoreConformance:
 
         turn = tablet.message(kept.id, "a turn in the kept session")
         by_tablet = tablet.edit(kept, message_ids=[original.id, turn.id])
+        # The tablet runs an older release, which does not know the mark: its version drops it.
+        by_tablet = msgspec.structs.replace(
+            by_tablet, state=msgspec.structs.replace(by_tablet.state, kept_from=None)
+        )
         copy = phone.message(kept.id, "moved in by the resolve")
         by_phone = phone.edit(kept, message_ids=[copy.id])
         await server_store.push(
@@ -1834,6 +1838,15 @@ class ServerStoreConformance:
         assert any(original.id in s.state.message_ids for s in live)
         for session in live:
             assert set(session.state.message_ids) <= held, session.id
+            # The server keeps the mark on what the tablet wrote (and on its conflict fork).
+            assert session.state.kept_from == v1.id, session.id
+        # So another sweep still spares what the tablet's version names.
+        again = laptop.session()
+        await server_store.push(tenant, laptop.client_id, laptop.changes(again), server_clock)
+        await server_store.push(
+            tenant, laptop.client_id, laptop.changes(tombstone(laptop, again)), server_clock
+        )
+        assert ("Message", original.id) in await stored_rows(tenant)
 
         # The kept session and its conflict fork deleted: the next sweep takes the original.
         for session in live:

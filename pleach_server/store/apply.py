@@ -923,20 +923,22 @@ class _Batch:
             return self._applied(seq, pushed)
         if pushed.deleted or current.deleted:
             return await self._deleted(seq, pushed, current)
-        resolution = resolve_conflicts(local=pushed, remote=current)
+        marked = _with_mark(pushed, current)
+        resolution = resolve_conflicts(local=marked, remote=current)
         if not resolution.concurrent:
             if resolution.order is not Order.DOMINATES:
                 return ChangeResult(client_seq=seq, status="superseded")
-            stored = msgspec.structs.replace(pushed, vv=resolution.merged_vv)
+            stored = msgspec.structs.replace(marked, vv=resolution.merged_vv)
             await self.tx.put_session(stored)
-            return self._applied(seq, stored, as_pushed=stored.vv == pushed.vv)
+            same = marked is pushed and stored.vv == pushed.vv
+            return self._applied(seq, stored, as_pushed=same)
 
         # Concurrent: the HLC winner keeps the id under a vector above both versions; the
         # loser lives on as a new session, so nothing written on either device is lost.
         now = self.clock.now()
         conflict_id = uuid7()
         pushed_won = resolution.winner == "local"
-        winner, loser = (pushed, current) if pushed_won else (current, pushed)
+        winner, loser = (marked, current) if pushed_won else (current, marked)
         winner_row = msgspec.structs.replace(
             winner,
             vv=vv_bump(resolution.merged_vv, self.server_id),
@@ -1082,6 +1084,19 @@ class _Batch:
         await self.tx.put_session(row)
         await self.tx.delete_content(row.id)
         return self._applied(seq, row, status=status, as_pushed=False)
+
+
+def _with_mark(pushed: Session, stored: Session) -> Session:
+    """``pushed``, a live version of a session stored live, with the stored row's
+    ``state.kept_from`` when it has none: a device that does not know the mark (an older
+    release) drops it when it writes the session, and must not lift what it protects
+    (``content_to_delete``). Only a session the server kept beside a delete gets the mark, and
+    nothing on a device removes it."""
+    mark = stored.state.kept_from
+    if mark is None or pushed.state.kept_from is not None:
+        return pushed
+    state = msgspec.structs.replace(pushed.state, kept_from=mark)
+    return msgspec.structs.replace(pushed, state=state)
 
 
 def _numbered(changes: list[Change], skipped: frozenset[int]) -> list[tuple[int, Change | None]]:
