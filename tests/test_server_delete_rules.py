@@ -80,6 +80,41 @@ def test_a_live_conflict_fork_spares_all_of_its_deleted_origins_content() -> Non
     }
 
 
+def test_a_live_fork_spares_every_deleted_session_up_its_line() -> None:
+    """A conflict fork of a conflict fork, or a kept session of a kept one, may name content
+    filed under any deleted session up its line: all of it stays while the last one lives,
+    and goes with the next sweep once it is deleted. A live session in the line stops the
+    walk (its own content is not swept), and a line that loops ends."""
+    dev = Device(new_tenant())
+
+    def session(**fields: object) -> Session:
+        return msgspec.structs.replace(dev.session(), **{"state": SessionState(), **fields})
+
+    root = session(deleted=True)
+    middle = session(deleted=True, forked_from=root.id, conflict_id="c1")
+    leaf = session(forked_from=middle.id, conflict_id="c2")
+    kept_gone = session(deleted=True, forked_from=middle.id)
+    kept_again = session(forked_from=kept_gone.id, state=SessionState(kept_from=kept_gone.id))
+    other = session(deleted=True)
+    beside = dev.message(kept_gone.id)
+    own = dev.message(other.id)
+    candidates: list[Record] = [dev.message(root.id), dev.message(middle.id), beside, own]
+    line = [root, middle, kept_gone, other]
+    # The conflict fork's line is middle and root; kept_gone is beside it, not up it.
+    doomed = content_to_delete([*line, leaf], candidates)
+    assert sorted(doomed) == sorted([("Message", beside.id), ("Message", own.id)])
+    # The kept session's line: kept_gone, then middle, then root.
+    assert content_to_delete([*line, kept_again], candidates) == [("Message", own.id)]
+    leaf_gone = msgspec.structs.replace(leaf, deleted=True)
+    assert len(content_to_delete([*line, leaf_gone], candidates)) == len(candidates)
+    # A loop in the line (a hostile peer's forked_from) ends.
+    a = session(deleted=True, forked_from="b", id="a")
+    b = session(deleted=True, forked_from="a", id="b")
+    fork = session(forked_from="a", conflict_id="c3")
+    looped: list[Record] = [dev.message("a"), dev.message("b")]
+    assert content_to_delete([a, b, fork], looped) == []
+
+
 def test_content_to_delete_spares_the_checkpoint_lineage_of_a_live_head() -> None:
     dev = Device(new_tenant())
     gone, fork = dev.session(), dev.session()

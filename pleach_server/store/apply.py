@@ -749,18 +749,22 @@ def content_to_delete(
     ``head_checkpoint_id`` or ``forked_at_checkpoint`` (a conflict fork keeps the loser's head,
     a checkpoint of the origin). And while a live conflict fork of a deleted session exists,
     or a live session kept beside its delete (``SessionState.kept_from``), none of that
-    session's content goes: the fork shares it by id, and a version of the fork that a device
-    wrote before it learned of a later change (a resolve gave the fork copies of its own, say)
-    may still name any of it, and arrive after this deletion. Once those live sessions are
-    deleted too, the next deletion takes what they kept.
+    session's content goes, nor that of the deleted sessions it was forked from in turn: the
+    fork shares it by id, and a version of the fork that a device wrote before it learned of
+    a later change (a resolve gave the fork copies of its own, say) may still name any of it,
+    and arrive after this deletion. Once those live sessions are deleted too, the next
+    deletion takes what they kept.
     """
     candidates = list(candidates)
     deleted: set[str] = set()
     messages: set[str] = set()
     artifacts: set[str] = set()
     heads: list[str] = []
-    shared: set[str] = set()  # deleted sessions a live conflict fork was made from
+    shared: set[str] = set()  # deleted sessions whose content a live session may name by id
+    origins: dict[str, str | None] = {}
+    sharing: list[str] = []  # what live conflict forks and kept sessions were made from
     for session in sessions:
+        origins[session.id] = session.forked_from
         if session.deleted:
             deleted.add(session.id)
         else:
@@ -768,9 +772,16 @@ def content_to_delete(
             artifacts.update(session.state.artifacts)
             heads.extend(c for c in (session.head_checkpoint_id, session.forked_at_checkpoint) if c)
             if session.conflict_id is not None and session.forked_from is not None:
-                shared.add(session.forked_from)
+                sharing.append(session.forked_from)
             if session.state.kept_from is not None:
-                shared.add(session.state.kept_from)
+                sharing.append(session.state.kept_from)
+    for start in sharing:
+        # Up the deleted sessions it came from: a conflict fork of a conflict fork (or a kept
+        # session of a kept one) may name content filed under either.
+        up: str | None = start
+        while up is not None and up in deleted and up not in shared:
+            shared.add(up)
+            up = origins.get(up)
     parents = {r.id: r.parent_id for r in candidates if isinstance(r, Checkpoint)}
     checkpoints: set[str] = set()
     for head in heads:
