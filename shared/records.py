@@ -43,8 +43,9 @@ class SessionState(msgspec.Struct, kw_only=True, omit_defaults=True):
     (``shared.merge.kept_beside_delete``): the deleted session whose content it names by
     id. A device that took it may write a version naming that content after the resolving
     device gave it copies of its own, so while it lives the server keeps all of that
-    session's content, as for a live conflict fork. A conflict fork of it keeps the mark; a
-    user's fork (which holds copies) does not."""
+    session's content (and that of the deleted sessions up its line), as for a live conflict
+    fork. A conflict fork of it keeps the mark; a user's fork (which holds copies) does not;
+    a version that drops it (a device of an older release) is stored with it."""
 
 
 class Session(msgspec.Struct, kw_only=True, tag=True, tag_field="record_kind"):

@@ -1036,21 +1036,17 @@ class _Batch:
         already knows the fork, and keeps the content it names."""
         now = self.clock.now()
         fork = self._fork(live, now, None, None)
-        fork = msgspec.structs.replace(
-            fork, state=msgspec.structs.replace(fork.state, kept_from=live.id)
-        )
+        named = live.state.message_ids
         if live is pushed:
             # The kept session names only messages stored here: a resolve's copies that came
             # in pushes after the delete drained, and a device that took this session and
             # wrote it before the resolving device gave it copies (``_own_kept`` there) would
             # otherwise carry names no one can read. (A stored version's copies were stored.)
-            named = live.state.message_ids
             held = await self._held_ids(self.tenant, "Message", named)
-            if len(held) != len(set(named)):
-                state = msgspec.structs.replace(
-                    fork.state, message_ids=[m for m in named if m in held]
-                )
-                fork = msgspec.structs.replace(fork, state=state)
+            named = [m for m in named if m in held]
+        # Marked with what it was kept from: while it lives, ``content_to_delete`` spares that.
+        state = msgspec.structs.replace(fork.state, message_ids=named, kept_from=live.id)
+        fork = msgspec.structs.replace(fork, state=state)
         await self.tx.put_session(fork)
         self.as_pushed = False
         self.feed.append(fork)
