@@ -532,6 +532,7 @@ def _body_type(kind: _Kind) -> type[msgspec.Struct]:
         tag=kind.index,
         tag_field="record_kind",  # any name but a field's (not "type"): the tag has no key
         forbid_unknown_fields=True,  # values beyond the last field: refused, not dropped
+        gc=False,
     )
 
 

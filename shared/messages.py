@@ -174,7 +174,7 @@ class Welcome(msgspec.Struct, kw_only=True, tag="welcome"):
     request_id: int = 0
 
 
-class ChangeBody(msgspec.Struct, array_like=True):
+class ChangeBody(msgspec.Struct, array_like=True, gc=False):
     """(Version 6) One outbox entry as ``[client_seq, record]``, the record as one msgpack
     value in its stored bytes (see ``shared.compact``)."""
 
@@ -187,7 +187,7 @@ def change_bodies(changes: list[Change], bodies: list[bytes]) -> list[ChangeBody
     return [ChangeBody(c.client_seq, msgspec.Raw(b)) for c, b in zip(changes, bodies, strict=True)]
 
 
-class FeedBody(msgspec.Struct, array_like=True):
+class FeedBody(msgspec.Struct, array_like=True, gc=False):
     """(Version 6) One feed entry as ``[cursor, record]``, the record in its stored bytes."""
 
     cursor: int
@@ -210,7 +210,7 @@ class Push(msgspec.Struct, kw_only=True, tag="push"):
     """(Version 6) The changes as their records' bytes, instead of ``changes``."""
 
 
-class ChangeResult(msgspec.Struct, kw_only=True):
+class ChangeResult(msgspec.Struct, kw_only=True, gc=False):
     client_seq: int
     status: Status
     code: int | None = None
