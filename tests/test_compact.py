@@ -584,6 +584,27 @@ def test_the_caches_stay_bounded() -> None:
     assert not any(key.startswith(node) for key in compact._node_tails)
 
 
+def test_learned_uuids_are_read_by_lookup_and_stay_bounded() -> None:
+    """``learn_uuids``: the texts a reader knows are what the next decode finds (the records
+    decode as without them), and the cache keeps its bound: emptied first when the pairs would
+    pass it, and more pairs than the bound are not taken at all."""
+    compact._clear_caches()
+    limit = compact._CACHE_LIMIT
+    records = [make_message(id=id_) for id_ in _fresh_ids(50)]
+    bodies = [compact.encode(record) for record in records]
+    compact._clear_caches()
+    pairs = [(uuid.UUID(r.id).bytes, r.id) for r in records]
+    compact.learn_uuids(pairs)
+    assert {key: compact._uuid_texts[key] for key, _ in pairs} == dict(pairs)
+    assert [compact.decode(body) for body in bodies] == records
+    compact.learn_uuids([(uuid.UUID(i).bytes, i) for i in _fresh_ids(limit - 10)])
+    assert len(compact._uuid_texts) <= limit  # emptied first: 50 and more, plus limit - 10
+    too_many = [(uuid.UUID(i).bytes, i) for i in _fresh_ids(limit + 1)]
+    compact.learn_uuids(too_many)
+    assert too_many[0][0] not in compact._uuid_texts and len(compact._uuid_texts) <= limit
+    assert [compact.decode(body) for body in bodies] == records
+
+
 # A session's message ids as turns change them: grown by a few, a turn rolled back (cut), an
 # id replaced (a conflict swap), a non-UUID item, or a list of another session.
 ID_LIST_STEPS = st.lists(

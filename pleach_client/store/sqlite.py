@@ -463,11 +463,26 @@ def _decode_all(decoder: _Body[_T], table: str, rows: Sequence[Any]) -> list[_T]
     return [_decode(decoder, table, key, body) for key, body in rows]
 
 
-def _messages_in_order(keys: Sequence[str | bytes], rows: Sequence[Any]) -> list[Message]:
-    """The message rows ``(key, body)`` read for ``keys``, decoded in the order of ``keys``
-    (an unknown key skipped; a key asked twice decoded twice: each place its own copy)."""
+_LEARNED_PART: Final = 2048
+"""Messages decoded a part at a time, their ids told to the decode cache first
+(``compact.learn_uuids``): well inside the cache's bound, however long the transcript."""
+
+
+def _messages_in_order(
+    keys: Sequence[str | bytes], ids: Sequence[str], rows: Sequence[Any]
+) -> list[Message]:
+    """The message rows ``(key, body)`` read for ``keys`` (the keys of ``ids``), decoded in
+    the order of ``keys`` (an unknown key skipped; a key asked twice decoded twice: each place
+    its own copy). A key of bytes is a canonical UUID's (``_key``) and its id is that UUID's
+    text, so each part's ids are told to the decode cache before its bodies are decoded."""
     bodies: dict[str | bytes, bytes] = dict(rows)
-    return _decode_all(_MESSAGE, "messages", [(key, bodies[key]) for key in keys if key in bodies])
+    found = [(key, text) for key, text in zip(keys, ids, strict=True) if key in bodies]
+    messages: list[Message] = []
+    for at in range(0, len(found), _LEARNED_PART):
+        part = found[at : at + _LEARNED_PART]
+        compact.learn_uuids([pair for pair in part if type(pair[0]) is bytes])  # type: ignore[misc]
+        messages += _decode_all(_MESSAGE, "messages", [(key, bodies[key]) for key, _ in part])
+    return messages
 
 
 def _encode_batch(
@@ -937,7 +952,8 @@ class _Reader:
         if not message_ids:
             return []
         keys = _keys(message_ids)
-        return _messages_in_order(keys, await _fetch_in(self._conn, QUERIES["get_messages"], keys))
+        rows = await _fetch_in(self._conn, QUERIES["get_messages"], keys)
+        return _messages_in_order(keys, message_ids, rows)
 
     async def list_artifact_updates(self, artifact_id: str) -> list[ArtifactUpdate]:
         key = (_key(artifact_id),)
@@ -1409,7 +1425,7 @@ class SQLiteAdapter(AsyncResource):
         keys = _keys(message_ids)
         async with self._reading("read messages") as conn:
             rows = await _fetch_in(conn, QUERIES["get_messages"], keys)
-        return _messages_in_order(keys, rows)  # (decoded once the lock is let go)
+        return _messages_in_order(keys, message_ids, rows)  # (decoded once the lock is let go)
 
     async def get_checkpoint(self, checkpoint_id: str) -> Checkpoint | None:
         return await self._one(_CHECKPOINT, "checkpoints", "get_checkpoint", checkpoint_id)
