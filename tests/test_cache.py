@@ -61,6 +61,9 @@ def test_metrics_count_hits_misses_and_evictions() -> None:
     assert m.hit_ratio == 0.75
     cache.put("huge", 4, 5000)  # over the whole budget: not kept, nothing evicted
     assert cache.get("huge") is None and len(cache) == 2
+    empty: RecordCache[int] = RecordCache()
+    assert empty.get_many(iter(["x", "y", "x"])) == ({}, ["x", "y", "x"])  # any iterable
+    assert empty.metrics_snapshot().misses == 3
 
 
 async def test_the_runtime_reads_messages_through_the_cache(tmp_path: object) -> None:
