@@ -69,9 +69,9 @@ class RecordCache(Generic[V]):
     def get_many(self, keys: Iterable[str]) -> tuple[dict[str, V], list[str]]:
         """``(found, missing)``: what the cache holds of ``keys``, and the rest in order."""
         if not self._items:  # (a fresh runtime's first read of a long transcript)
-            missing = list(keys)
-            self._misses += len(missing)
-            return {}, missing
+            every = list(keys)
+            self._misses += len(every)
+            return {}, every
         found: dict[str, V] = {}
         missing: list[str] = []
         for key in keys:

@@ -288,9 +288,10 @@ class SessionsFacet:
         return await self._rt.store.list_sessions(include_deleted=include_deleted)
 
     async def messages(self, session_id: str) -> builtins.list[Message]:
-        """The session's current transcript, in order."""
+        """The session's current transcript, in order. Kept for the session's next turn
+        (``DeviceCore.transcript``), which then reads no message again."""
         session = await self._core.session(session_id)
-        return await self._rt.core.messages(session.state.message_ids)
+        return await self._core.history(session)
 
     async def save(self, session: Session) -> Session:
         """Persist an explicit change to a session row (title, tools, state...).

@@ -13,7 +13,6 @@ mutate them. ``extend_api`` never does; a merge of two same-role messages makes 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from shared.records import Message
@@ -67,27 +66,48 @@ def has_file_blocks(messages: Iterable[Message]) -> bool:
     return any(b.get("type") == FILE_BLOCK for m in messages for b in m.content)
 
 
-@dataclass(frozen=True)
 class Transcript:
     """A session's messages (ids, records) and their API form. Treat as immutable.
 
-    ``has_files``: some message refers to an attached file, so a request built from it needs
-    ``rt.files.expand`` (kept incrementally: a session without files never pays a scan)."""
+    ``api`` and ``has_files`` (some message refers to an attached file, so a request built
+    from it needs ``rt.files.expand``) are made when first asked for, then kept: a transcript
+    read to be shown (``sessions.messages``) costs no conversion, and the turn that follows
+    converts it once, or only its own messages when it extends a transcript that has its API
+    form (a session without files never pays a scan)."""
 
-    ids: list[str]
-    messages: list[Message]
-    api: list[dict[str, Any]]
-    has_files: bool = False
+    __slots__ = ("_api", "_has_files", "ids", "messages")
+
+    def __init__(
+        self,
+        ids: list[str],
+        messages: list[Message],
+        api: list[dict[str, Any]] | None = None,
+        has_files: bool | None = None,
+    ) -> None:
+        self.ids = ids
+        self.messages = messages
+        self._api = api
+        self._has_files = has_files
 
     @classmethod
     def of(cls, ids: list[str], messages: list[Message]) -> Transcript:
-        return cls(list(ids), list(messages), to_api_messages(messages), has_file_blocks(messages))
+        return cls(list(ids), list(messages))
+
+    @property
+    def api(self) -> list[dict[str, Any]]:
+        if self._api is None:
+            self._api = to_api_messages(self.messages)
+        return self._api
+
+    @property
+    def has_files(self) -> bool:
+        if self._has_files is None:
+            self._has_files = has_file_blocks(self.messages)
+        return self._has_files
 
     def extended(self, messages: list[Message]) -> Transcript:
-        """This transcript with ``messages`` appended (only they are converted)."""
-        return Transcript(
-            self.ids + [m.id for m in messages],
-            self.messages + messages,
-            extend_api(list(self.api), messages),
-            self.has_files or has_file_blocks(messages),
-        )
+        """This transcript with ``messages`` appended (only they are converted, when this
+        one's API form is made; else the new one makes its own when asked)."""
+        api = None if self._api is None else extend_api(list(self._api), messages)
+        files = None if self._has_files is None else self._has_files or has_file_blocks(messages)
+        return Transcript(self.ids + [m.id for m in messages], self.messages + messages, api, files)

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pleach_client.cache import RecordCache
+from shared.records import Message
 
 ops = st.lists(
     st.tuples(
@@ -67,7 +68,7 @@ def test_metrics_count_hits_misses_and_evictions() -> None:
 
 
 async def test_the_runtime_reads_messages_through_the_cache(tmp_path: object) -> None:
-    """Resume and message listing read the store only for what the cache lacks; a delete
+    """A read of messages by id reads the store only for what the cache lacks; a delete
     clears it; None turns it off."""
     from pathlib import Path
 
@@ -83,12 +84,16 @@ async def test_the_runtime_reads_messages_through_the_cache(tmp_path: object) ->
             async for _ in rt.execute_message(session.id, text):
                 pass
         first = await rt.sessions.messages(session.id)
+        assert len(first) == 6
+        ids = [m.id for m in first]
+        # Read by id: what the cache lacks from the store, then from the cache.
         before = rt.cache.metrics_snapshot()
-        again = await rt.sessions.messages(session.id)
+        assert await rt.core.messages(ids) == first
+        read = rt.cache.metrics_snapshot()
+        assert read.misses - before.misses == 6 and read.entries == 6 and read.bytes > 0
+        assert await rt.core.messages(ids) == first
         after = rt.cache.metrics_snapshot()
-        assert again == first and len(first) == 6
-        assert after.hits - before.hits == 6 and after.misses == before.misses
-        assert after.entries == 6 and after.bytes > 0
+        assert after.hits - read.hits == 6 and after.misses == read.misses
         await rt.delete_session(session.id)
         assert rt.cache.metrics_snapshot().entries == 0
     async with SessionRuntime(SQLiteAdapter(db), ScriptedProvider(), cache=RecordCache(4)) as rt:
@@ -100,7 +105,8 @@ async def test_the_runtime_reads_messages_through_the_cache(tmp_path: object) ->
                 pass
         rt.cache.clear()
         evicted = rt.cache.metrics_snapshot().evictions
-        transcript = await rt.sessions.messages(session.id)
+        ids = (await rt.core.session(session.id)).state.message_ids
+        transcript = await rt.core.messages(ids)
         assert [m.content[0]["text"] for m in transcript[::2]] == ["one", "two", "three"]
         assert len(rt.cache) == 4 and rt.cache.metrics_snapshot().evictions == evicted
         kept, missing = rt.cache.get_many([m.id for m in transcript])
@@ -111,3 +117,43 @@ async def test_the_runtime_reads_messages_through_the_cache(tmp_path: object) ->
         async for _ in rt.execute_message(other.id, "hi"):
             pass
         assert len(await rt.sessions.messages(other.id)) == 2
+
+
+async def test_a_listed_transcript_is_kept_for_the_next_turn(tmp_path: object) -> None:
+    """A fresh runtime that resumes a session and lists its messages (an app opening it)
+    reads them once: the next turn reads no message from the store, and its request holds the
+    whole conversation. Listing again reads nothing either."""
+    from pathlib import Path
+
+    from pleach_client.providers.scripted import ScriptedProvider
+    from pleach_client.runtime import SessionRuntime
+    from pleach_client.store.sqlite import SQLiteAdapter
+
+    db = Path(str(tmp_path)) / "d.db"
+    async with SessionRuntime(SQLiteAdapter(db), ScriptedProvider()) as rt:
+        session = await rt.create_session()
+        for text in ("one", "two", "three"):
+            async for _ in rt.execute_message(session.id, text):
+                pass
+    provider = ScriptedProvider()
+    # A record cache smaller than the transcript, as a long session's is (1,000 by default).
+    async with SessionRuntime(SQLiteAdapter(db), provider, cache=RecordCache(4)) as rt:
+        asked: list[int] = []
+        read = rt.store.get_messages
+
+        async def counted(ids: list[str]) -> list[Message]:
+            asked.append(len(ids))
+            return await read(ids)
+
+        rt.store.get_messages = counted  # type: ignore[method-assign]
+        await rt.sessions.resume(session.id)
+        listed = await rt.sessions.messages(session.id)
+        assert len(listed) == 6 and asked == [6]
+        assert await rt.sessions.messages(session.id) == listed and asked == [6]
+        async for _ in rt.execute_message(session.id, "four"):
+            pass
+        assert asked == [6]
+        sent = provider.requests[-1].messages
+        assert [m["content"][0]["text"] for m in sent[::2]] == ["one", "two", "three", "four"]
+        after = await rt.sessions.messages(session.id)
+        assert after[:6] == listed and len(after) == 8 and asked == [6]
