@@ -132,7 +132,6 @@ def test_records_are_not_tracked_by_the_collector_however_they_are_made() -> Non
     """Every kind (and what a record holds) is ``gc=False``: made, decoded from either form
     and converted, none is tracked, so a long read adds nothing to the collector's work. A kind
     added without it fails here."""
-
     for record in _samples():
         for made in (
             record,
