@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import sqlite3
@@ -463,6 +464,7 @@ def _decode_all(decoder: _Body[_T], table: str, rows: Sequence[Any]) -> list[_T]
     return [_decode(decoder, table, key, body) for key, body in rows]
 
 
+_ABSENT: Final = object()
 _LEARNED_PART: Final = 2048
 """Messages decoded a part at a time, their ids told to the decode cache first
 (``compact.learn_uuids``): well inside the cache's bound, however long the transcript."""
@@ -474,14 +476,22 @@ def _messages_in_order(
     """The message rows ``(key, body)`` read for ``keys`` (the keys of ``ids``), decoded in
     the order of ``keys`` (an unknown key skipped; a key asked twice decoded twice: each place
     its own copy). A key of bytes is a canonical UUID's (``_key``) and its id is that UUID's
-    text, so each part's ids are told to the decode cache before its bodies are decoded."""
-    bodies: dict[str | bytes, bytes] = dict(rows)
-    found = [(key, text) for key, text in zip(keys, ids, strict=True) if key in bodies]
+    text, so each part's ids are told to the decode cache before its bodies are decoded. The
+    common case (every key held, every id a UUID) runs in C loops: a pass in Python per
+    message cost about 0.3 µs of the 3-4 µs a message takes."""
+    bodies: dict[str | bytes, object] = dict(rows)
+    picked = list(map(bodies.get, keys, itertools.repeat(_ABSENT, len(keys))))
+    if _ABSENT in picked:  # unknown keys: left out (a body that is no bytes is read, and told)
+        held = [at for at, body in enumerate(picked) if body is not _ABSENT]
+        keys, ids = [keys[at] for at in held], [ids[at] for at in held]
+        picked = [picked[at] for at in held]
+    uuid_keys = set(map(type, keys)) == {bytes}
     messages: list[Message] = []
-    for at in range(0, len(found), _LEARNED_PART):
-        part = found[at : at + _LEARNED_PART]
-        compact.learn_uuids([pair for pair in part if type(pair[0]) is bytes])  # type: ignore[misc]
-        messages += _decode_all(_MESSAGE, "messages", [(key, bodies[key]) for key, _ in part])
+    for at in range(0, len(picked), _LEARNED_PART):
+        part = slice(at, at + _LEARNED_PART)
+        pairs = cast(list[tuple[bytes, str]], list(zip(keys[part], ids[part], strict=True)))
+        compact.learn_uuids(pairs if uuid_keys else [p for p in pairs if type(p[0]) is bytes])
+        messages += _decode_all(_MESSAGE, "messages", list(zip(keys[part], picked[part])))  # noqa: B905
     return messages
 
 
