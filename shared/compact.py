@@ -673,7 +673,7 @@ def event_payload(
     if fields is None:
         head = _read_head(_EVENT_PAYLOAD, _EVENT_INDEX, data)
         return None if head is None else (head.type, head.payload)
-    keys = tuple(dict.fromkeys(fields))  # (a key named twice is read once)
+    keys = tuple(fields)
     head = _read_head(_fields_decoder(keys), _EVENT_INDEX, data)
     if head is None:
         return None
