@@ -271,7 +271,7 @@ class SessionsFacet:
         # message and checkpoint events, which the fold skips; of the ones it counts (a turn's
         # turn.complete...) only the type and payload.
         tallies, events = await rt.store.hydration_log(
-            session_id, TALLIED_EVENTS, HYDRATED_EVENTS - TALLIED_EVENTS, TALLIED_FIELDS
+            session_id, TALLIED_EVENTS, HYDRATED_EVENTS - TALLIED_EVENTS
         )
         hydrated = hydrate(events, tallies)
         layers.append("events")
@@ -430,11 +430,6 @@ TALLIED_EVENTS: Final = frozenset(
 )
 """The types ``hydrate`` counts by type and payload alone: one a turn at least, so a resume
 reads only those two fields of them (``StorageAdapter.hydration_log``)."""
-TALLIED_FIELDS: Final = ("outcome", "conflict_id")
-"""The payload keys ``hydrate`` reads of the tallied events (a turn's outcome, a conflict's
-id): a resume reads only these, the rest of each payload (a turn's ids) is skipped undecoded.
-A tally that reads another key names it here; ``test_hydrate`` checks a fold of the whole
-payloads gives the same."""
 HYDRATED_EVENTS: Final = TALLIED_EVENTS | INTERRUPT_EVENTS | JOB_EVENTS | SUBAGENT_EVENTS
 """The event types ``hydrate`` reads; it skips every other."""
 

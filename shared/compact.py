@@ -30,7 +30,6 @@ and that the typed and the generic reads agree on valid, mistyped and corrupt bo
 
 from __future__ import annotations
 
-import functools
 import re
 import struct
 from collections.abc import Iterable, Sequence
@@ -643,50 +642,12 @@ def _payload_decoder() -> msgspec.msgpack.Decoder[Any]:
 _EVENT_PAYLOAD: Final = _payload_decoder()
 
 
-@functools.lru_cache(maxsize=8)
-def _fields_decoder(fields: tuple[str, ...]) -> msgspec.msgpack.Decoder[Any]:
-    """``_payload_decoder`` that reads only the payload's keys of ``fields`` (through the ext
-    hook), each left ``UNSET`` when absent: the other keys are skipped, their values never
-    decoded. Fields are named by place and renamed to the keys, so any key text will do."""
-    names = _BY_INDEX[_EVENT_INDEX].names
-    at = names.index("type")
-    payload = msgspec.defstruct(
-        "EventPayloadFields",
-        [(f"f{i}", Any, msgspec.UNSET) for i in range(len(fields))],
-        rename={f"f{i}": name for i, name in enumerate(fields)},
-        gc=False,
-    )
-    head_fields: list[tuple[str, Any] | tuple[str, Any, Any]] = [("kind", int)]
-    head_fields += [(f"_{name}", msgspec.Raw) for name in names[:at]]
-    head_fields += [("type", str), ("payload", payload, msgspec.field(default_factory=payload))]
-    head = msgspec.defstruct("EventFieldsHead", head_fields, array_like=True)
-    return msgspec.msgpack.Decoder(head, ext_hook=_unext)
-
-
-def event_payload(
-    data: bytes, fields: Sequence[str] | None = None
-) -> tuple[str, dict[str, Any]] | None:
+def event_payload(data: bytes) -> tuple[str, dict[str, Any]] | None:
     """The ``type`` and ``payload`` of the Event in compact ``data``, read without decoding
     the rest; None when ``data`` is not a compact Event body (the caller then decodes it
-    whole, which tells). ``fields``: only those keys of the payload (``only_fields``), the
-    others skipped undecoded (a fold that counts turns reads an outcome, not a turn's ids)."""
-    if fields is None:
-        head = _read_head(_EVENT_PAYLOAD, _EVENT_INDEX, data)
-        return None if head is None else (head.type, head.payload)
-    keys = tuple(fields)
-    head = _read_head(_fields_decoder(keys), _EVENT_INDEX, data)
-    if head is None:
-        return None
-    values = msgspec.structs.astuple(head.payload)
-    return head.type, {k: v for k, v in zip(keys, values) if v is not msgspec.UNSET}  # noqa: B905
-
-
-def only_fields(payload: dict[str, Any], fields: Sequence[str] | None) -> dict[str, Any]:
-    """``payload`` limited to the keys of ``fields`` (all of it when None), in their order:
-    what ``event_payload`` gives of a payload it reads with ``fields``."""
-    if fields is None:
-        return payload
-    return {key: payload[key] for key in fields if key in payload}
+    whole, which tells)."""
+    head = _read_head(_EVENT_PAYLOAD, _EVENT_INDEX, data)
+    return None if head is None else (head.type, head.payload)
 
 
 def _place_decoder() -> msgspec.msgpack.Decoder[Any]:

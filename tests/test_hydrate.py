@@ -17,11 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pleach_client.runtime import HYDRATED_EVENTS, TALLIED_EVENTS, TALLIED_FIELDS, hydrate
+from pleach_client.runtime import HYDRATED_EVENTS, TALLIED_EVENTS, hydrate
 from pleach_client.store.base import WriteBatch
 from pleach_client.store.memory import MemoryAdapter
 from pleach_client.store.sqlite import SQLiteAdapter
-from shared import compact
 from shared.records import Event
 from tests.factories import log_event
 
@@ -61,9 +60,6 @@ TYPES = [
 IDS = ["a", "b", "c"]
 PAYLOADS = st.one_of(
     st.fixed_dictionaries({"outcome": st.sampled_from(["ok", "user-aborted", "error"])}),
-    st.fixed_dictionaries(  # a turn's end as the runtime writes it: its id beside the outcome
-        {"turn_id": st.uuids().map(str), "outcome": st.sampled_from(["ok", "user-aborted"])}
-    ),
     st.fixed_dictionaries({"conflict_id": st.sampled_from(IDS)}),
     st.fixed_dictionaries(
         {"job_id": st.sampled_from(IDS), "name": st.just("j"), "progress": st.floats(0, 1)}
@@ -104,9 +100,6 @@ def test_the_tallies_and_the_rest_fold_like_the_whole_log(events: list[Event]) -
     tallies = [(e.type, e.payload) for e in events if e.type in TALLIED_EVENTS]
     rest = [e for e in events if e.type in HYDRATED_EVENTS - TALLIED_EVENTS]
     assert hydrate(rest, tallies) == hydrate(events)
-    # Of each payload only the keys the fold reads, as a resume reads them.
-    limited = [(kind, compact.only_fields(payload, TALLIED_FIELDS)) for kind, payload in tallies]
-    assert hydrate(rest, limited) == hydrate(events)
 
 
 async def test_each_store_returns_the_tallies(tmp_path: Path) -> None:
@@ -126,12 +119,6 @@ async def test_each_store_returns_the_tallies(tmp_path: Path) -> None:
                     (e.type, e.payload) for e in numbered if e.type == "custom.note"
                 ]
                 assert await store.event_payloads("s", set()) == []
-                assert await store.event_payloads("s", TALLIED_EVENTS, TALLIED_FIELDS) == [
-                    (kind, compact.only_fields(payload, TALLIED_FIELDS)) for kind, payload in wanted
-                ]
-                assert await store.event_payloads("s", TALLIED_EVENTS, ()) == [
-                    (kind, {}) for kind, _ in wanted
-                ]
 
 
 async def test_each_store_reads_what_resume_folds_in_one_read(tmp_path: Path) -> None:
@@ -162,10 +149,6 @@ async def test_each_store_reads_what_resume_folds_in_one_read(tmp_path: Path) ->
                     assert tallies == await store.event_payloads("s", tallied)
                     assert events == await store.list_events("s", types=whole)
                     assert events == [e for e in numbered if e.type in whole]
-                    fields = rng.sample(["outcome", "conflict_id", "job_id", "turn_id", "?"], 2)
-                    limited, again = await store.hydration_log("s", tallied, whole, fields)
-                    assert again == events
-                    assert limited == [(k, compact.only_fields(p, fields)) for k, p in tallies]
 
 
 def test_a_map_form_body_reads_as_its_type_and_payload() -> None:
@@ -183,12 +166,6 @@ def test_a_map_form_body_reads_as_its_type_and_payload() -> None:
 
     got, _ = decode_log(rows, TALLIED_EVENTS, (), decode)
     assert got == [(e.type, e.payload) for e in events if e.type in TALLIED_EVENTS]
-    got, _ = decode_log(rows, TALLIED_EVENTS, (), decode, TALLIED_FIELDS)
-    assert got == [
-        (e.type, compact.only_fields(e.payload, TALLIED_FIELDS))
-        for e in events
-        if e.type in TALLIED_EVENTS
-    ]
 
 
 async def test_each_store_returns_the_selection(tmp_path: Path) -> None:
@@ -211,7 +188,6 @@ def _log(seed: int) -> list[Event]:
     types = TYPES
     payloads: list[dict[str, Any]] = [
         {"outcome": "user-aborted"},
-        {"turn_id": "0190b6a0-0000-7000-8000-000000000001", "outcome": "ok", "x": [1, {"y": 2}]},
         {"conflict_id": "a"},
         {"job_id": "a", "name": "j"},
         {"interrupt_id": "b", "tool_call_id": "c"},

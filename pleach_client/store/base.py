@@ -10,7 +10,7 @@ run against one conformance suite.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from types import TracebackType
 from typing import Any, NamedTuple, Protocol, Self, runtime_checkable
 
@@ -293,25 +293,19 @@ class StorageAdapter(Protocol):
         ...
 
     async def event_payloads(
-        self, session_id: str, types: Collection[str], fields: Sequence[str] | None = None
+        self, session_id: str, types: Collection[str]
     ) -> list[tuple[str, dict[str, Any]]]:
         """``(type, payload)`` of the session's events of ``types``, in chain order: only those
-        two fields are decoded (``hydration_log`` with nothing read whole). ``fields``: only
-        those keys of each payload are read (``compact.only_fields``), the rest skipped."""
+        two fields are decoded (``hydration_log`` with nothing read whole)."""
         ...
 
     async def hydration_log(
-        self,
-        session_id: str,
-        tallied: Collection[str],
-        whole: Collection[str],
-        fields: Sequence[str] | None = None,
+        self, session_id: str, tallied: Collection[str], whole: Collection[str]
     ) -> tuple[list[tuple[str, dict[str, Any]]], list[Event]]:
         """What a resume folds, from ONE read of the session's log: ``(type, payload)`` of its
-        events of ``tallied`` (only those two fields decoded; of the payload only the keys of
-        ``fields`` when given) and its events of ``whole`` decoded whole, each in chain order
-        (``decode_log``). The same as ``event_payloads`` and ``list_events(types=...)`` would
-        give, in one scan of the events instead of two."""
+        events of ``tallied`` (only those two fields decoded) and its events of ``whole``
+        decoded whole, each in chain order (``decode_log``). The same as ``event_payloads``
+        and ``list_events(types=...)`` would give, in one scan of the events instead of two."""
         ...
 
     async def get_event(self, event_id: str) -> Event | None: ...
@@ -405,21 +399,19 @@ def decode_log(
     tallied: Collection[str],
     whole: Collection[str],
     decode: Callable[[Any, bytes], Event],
-    fields: Sequence[str] | None = None,
 ) -> tuple[list[tuple[str, dict[str, Any]]], list[Event]]:
     """The stored event rows ``(key, body)`` as ``hydration_log`` gives them: ``(type,
     payload)`` of those of ``tallied`` (a compact body's two fields read without the rest,
-    ``compact.event_payload``, of the payload only the keys of ``fields`` when given) and those
-    of ``whole`` decoded whole; a row of a type in both is in both, and any other body (the
-    map form) is decoded whole first."""
+    ``compact.event_payload``) and those of ``whole`` decoded whole; a row of a type in both
+    is in both, and any other body (the map form) is decoded whole first."""
     tallies: list[tuple[str, dict[str, Any]]] = []
     events: list[Event] = []
     for key, body in rows:
-        head = compact.event_payload(body, fields)
+        head = compact.event_payload(body)
         event = None
         if head is None:
             event = decode(key, body)
-            head = (event.type, compact.only_fields(event.payload, fields))
+            head = (event.type, event.payload)
         if head[0] in tallied:
             tallies.append(head)
         if head[0] in whole:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from enum import Enum
 from functools import partial
@@ -459,21 +459,17 @@ class MemoryAdapter(AsyncResource):
         ]
 
     async def event_payloads(
-        self, session_id: str, types: Collection[str], fields: Sequence[str] | None = None
+        self, session_id: str, types: Collection[str]
     ) -> list[tuple[str, dict[str, Any]]]:
         """``(type, payload)`` of the session's events of ``types``, in chain order."""
-        return (await self.hydration_log(session_id, types, (), fields))[0]
+        return (await self.hydration_log(session_id, types, ()))[0]
 
     async def hydration_log(
-        self,
-        session_id: str,
-        tallied: Collection[str],
-        whole: Collection[str],
-        fields: Sequence[str] | None = None,
+        self, session_id: str, tallied: Collection[str], whole: Collection[str]
     ) -> tuple[list[tuple[str, dict[str, Any]]], list[Event]]:
         self._check_open()
         rows = [(key, row.body) for key, row in self._events.group(session_id)]
-        return decode_log(rows, tallied, whole, lambda _, body: _decode(_EVENT, body), fields)
+        return decode_log(rows, tallied, whole, lambda _, body: _decode(_EVENT, body))
 
     async def get_event(self, event_id: str) -> Event | None:
         self._check_open()

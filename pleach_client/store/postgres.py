@@ -40,7 +40,7 @@ import hashlib
 import re
 import time
 import warnings
-from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from enum import Enum
 from functools import partial
 from typing import Any, Final, TypeVar
@@ -1189,24 +1189,20 @@ class PostgresAdapter(AsyncResource):
         return decode_events(rows, types, lambda key, body: _decode(Event, "events", key, body))
 
     async def event_payloads(
-        self, session_id: str, types: Collection[str], fields: Sequence[str] | None = None
+        self, session_id: str, types: Collection[str]
     ) -> list[tuple[str, dict[str, Any]]]:
         """``(type, payload)`` of the session's events of ``types``, in chain order."""
-        return (await self.hydration_log(session_id, types, (), fields))[0]
+        return (await self.hydration_log(session_id, types, ()))[0]
 
     async def hydration_log(
-        self,
-        session_id: str,
-        tallied: Collection[str],
-        whole: Collection[str],
-        fields: Sequence[str] | None = None,
+        self, session_id: str, tallied: Collection[str], whole: Collection[str]
     ) -> tuple[list[tuple[str, dict[str, Any]]], list[Event]]:
         types = sorted({*tallied, *whole})
         rows = await self._fetch(
             "read events", self._sql.list_events_of_types, session_id, 0, types
         )
         return decode_log(
-            rows, tallied, whole, lambda key, body: _decode(Event, "events", key, body), fields
+            rows, tallied, whole, lambda key, body: _decode(Event, "events", key, body)
         )
 
     async def get_event(self, event_id: str) -> Event | None:

@@ -1470,25 +1470,21 @@ class SQLiteAdapter(AsyncResource):
         return decode_events(rows, types, lambda key, body: _decode(_EVENT, "events", key, body))
 
     async def event_payloads(
-        self, session_id: str, types: Collection[str], fields: Sequence[str] | None = None
+        self, session_id: str, types: Collection[str]
     ) -> list[tuple[str, dict[str, Any]]]:
         """``(type, payload)`` of the session's events of ``types``, by sequence number, then
         id; only those two fields are decoded."""
-        return (await self.hydration_log(session_id, types, (), fields))[0]
+        return (await self.hydration_log(session_id, types, ()))[0]
 
     async def hydration_log(
-        self,
-        session_id: str,
-        tallied: Collection[str],
-        whole: Collection[str],
-        fields: Sequence[str] | None = None,
+        self, session_id: str, tallied: Collection[str], whole: Collection[str]
     ) -> tuple[list[tuple[str, dict[str, Any]]], list[Event]]:
         async with self._reading("read events") as conn:
             wanted = msgspec.json.encode(sorted({*tallied, *whole})).decode()
             query = QUERIES["list_events_of_types"]
             rows = await _fetch(conn, query, (_key(session_id), 0, wanted))
         return decode_log(
-            rows, tallied, whole, lambda key, body: _decode(_EVENT, "events", key, body), fields
+            rows, tallied, whole, lambda key, body: _decode(_EVENT, "events", key, body)
         )
 
     async def get_event(self, event_id: str) -> Event | None:
