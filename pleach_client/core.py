@@ -233,7 +233,10 @@ class DeviceCore:
             return cached
         history = await self.messages(session.state.message_ids)
         transcript = Transcript.of(session.state.message_ids, history)
-        self._remember(session.id, transcript)
+        if len(history) == len(session.state.message_ids):
+            # Only whole: a row may name messages not here yet (a later page of a pull), and
+            # a transcript kept without them would be given again while its ids match.
+            self._remember(session.id, transcript)
         return transcript
 
     async def messages(self, message_ids: list[str]) -> list[Message]:

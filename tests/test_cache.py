@@ -157,3 +157,51 @@ async def test_a_listed_transcript_is_kept_for_the_next_turn(tmp_path: object) -
         assert [m["content"][0]["text"] for m in sent[::2]] == ["one", "two", "three", "four"]
         after = await rt.sessions.messages(session.id)
         assert after[:6] == listed and len(after) == 8 and asked == [6]
+
+
+async def test_a_transcript_missing_messages_is_read_again_once_they_are_here(
+    tmp_path: object,
+) -> None:
+    """A session row can name messages the device does not hold yet (a pull's later page, a
+    sync on hold): its transcript is then read without them, and not kept, so the listing
+    and the next turn's request hold them as soon as they are here. (A transcript kept with
+    holes was returned again while its ids matched the row, found by the seeded simulation,
+    races seed 10,570,959.)"""
+    from pathlib import Path
+
+    import msgspec
+
+    from pleach_client.providers.scripted import ScriptedProvider
+    from pleach_client.runtime import SessionRuntime
+    from pleach_client.store.base import WriteBatch
+    from pleach_client.store.sqlite import SQLiteAdapter
+    from tests.factories import make_message
+
+    db = Path(str(tmp_path)) / "d.db"
+    provider = ScriptedProvider()
+    async with (
+        SessionRuntime(SQLiteAdapter(db), provider) as rt,
+        SessionRuntime(SQLiteAdapter(db), ScriptedProvider()) as other,
+    ):
+        session = await rt.create_session()
+        async for _ in rt.execute_message(session.id, "one"):
+            pass
+        row = await other.core.session(session.id)
+        late = make_message(
+            session_id=session.id,
+            org_id=row.org_id,
+            user_id=row.user_id,
+            role="assistant",
+            content=[{"type": "text", "text": "late"}],
+        )
+        state = msgspec.structs.replace(row.state, message_ids=[*row.state.message_ids, late.id])
+        await other.sessions.save(msgspec.structs.replace(row, state=state))  # names it
+        listed = await rt.sessions.messages(session.id)
+        assert [m.content[0]["text"] for m in listed] == ["one", "You said: one"]
+        await other.store.commit(WriteBatch(records=[late]))  # here now
+        listed = await rt.sessions.messages(session.id)
+        assert [m.content[0]["text"] for m in listed] == ["one", "You said: one", "late"]
+        async for _ in rt.execute_message(session.id, "two"):
+            pass
+        sent = [[b["text"] for b in m["content"]] for m in provider.requests[-1].messages]
+        assert sent == [["one"], ["You said: one", "late"], ["two"]]
