@@ -288,7 +288,8 @@ class SessionsFacet:
         return await self._rt.store.list_sessions(include_deleted=include_deleted)
 
     async def messages(self, session_id: str) -> builtins.list[Message]:
-        """The session's current transcript, in order. Kept for the session's next turn
+        """The session's current transcript, in order (a message the row names but this
+        device does not hold yet is left out). Kept, when whole, for the session's next turn
         (``DeviceCore.transcript``), which then reads no message again."""
         session = await self._core.session(session_id)
         return await self._core.history(session)
