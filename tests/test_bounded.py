@@ -76,11 +76,15 @@ async def test_large_records_push_in_frames_under_the_limit_and_pull_in_byte_pag
 ) -> None:
     """Eight messages of 600 KB each: one 200-row batch would be a 5 MB frame, over the
     server's 4 MiB limit (3005 for ever, before); now each frame stays under it. A second
-    device pulls them in pages of at most 1 MiB of records."""
+    device pulls them in pages of at most 1 MiB of records. (No rate limits: the turns'
+    9.6 MB, the scripted replies echoing each message, are more than the byte rate's burst,
+    and a fast machine pushes them within it: 3008 for the last frames.)"""
     big = ["z" * 600_000 + f" {i}" for i in range(8)]
     async with (
         SQLiteServerStore(tmp_path / "server.db", synchronous="NORMAL") as store,
-        SyncServer(store, port=0, secret=SECRET, rate_limit_per_s=None) as srv,
+        SyncServer(
+            store, port=0, secret=SECRET, rate_limit_per_s=None, rate_limit_bytes_per_s=None
+        ) as srv,
     ):
         token = issue_token(SECRET, ALICE, 3600)
         async with runtime(tmp_path / "a.db") as a:
