@@ -245,14 +245,18 @@ def as_decision(value: object) -> ApprovalDecision:
     return decision
 
 
-def interrupt_states(events: Iterable[Event]) -> dict[str, Interrupt]:
+def interrupt_states(
+    events: Iterable[Event], start: dict[str, Interrupt] | None = None
+) -> dict[str, Interrupt]:
     """Fold a session's log, in chain order, into its interrupts by id (module docstring).
 
     Events of other types are skipped; a malformed interrupt event (a peer's junk) is logged
     and skipped alone. A decision for an interrupt that is not (yet) in the log is skipped:
     decisions are only ever made after their request, so in a whole log it cannot happen.
+    ``start``: what the log before ``events`` folded to (taken over and changed): the states
+    are all the fold carries from one event to the next.
     """
-    out: dict[str, Interrupt] = {}
+    out: dict[str, Interrupt] = {} if start is None else start
     for event in events:
         if event.type == REQUESTED:
             if event.id in out:

@@ -187,13 +187,14 @@ def queued_payload(
     return payload
 
 
-def job_states(events: Iterable[Event]) -> dict[str, Job]:
+def job_states(events: Iterable[Event], start: dict[str, Job] | None = None) -> dict[str, Job]:
     """Fold a session's log, in chain order, into its jobs by id (module docstring).
 
     Events of other types are skipped; a malformed job event (a peer's junk) is logged and
-    skipped alone, as is an event for a job that is not (yet) in the log.
+    skipped alone, as is an event for a job that is not (yet) in the log. ``start``: what the
+    log before ``events`` folded to (taken over and changed).
     """
-    out: dict[str, Job] = {}
+    out: dict[str, Job] = {} if start is None else start
     for event in events:
         kind = event.type
         if kind not in JOB_EVENTS:

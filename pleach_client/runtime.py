@@ -14,14 +14,14 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
-from typing import Any, Final, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
 from shared.clock import wall_clock_ms
 from shared.errors import InvalidState, NotFound, PleachError, ProviderError, SessionLocked
 from shared.ids import uuid7
-from shared.records import Checkpoint, Event, Message, Session, SessionState
+from shared.records import Checkpoint, Message, Session, SessionState
 from shared.tracing import Spans
 
 from .artifacts import ArtifactsFacet
@@ -38,8 +38,8 @@ from .facets import (
     rebuild_message_ids,
 )
 from .files import FileRef, FilesFacet
-from .interrupts import INTERRUPT_EVENTS, InterruptConfig, interrupt_states
-from .jobs import JOB_EVENTS, job_states
+from .hydration import hydrate, load_hydration
+from .interrupts import InterruptConfig
 from .legacy import LegacySurface, TenantFacet, deprecated
 from .plugins import ObserverRouter, Plugin, PluginManager, custom_event
 from .prompts import PromptsFacet
@@ -58,7 +58,7 @@ from .stream import (
     StreamEventBase,
     StreamManager,
 )
-from .subagents import SUBAGENT_EVENTS, SubagentManager, subagent_runs
+from .subagents import SubagentManager
 from .tasks import JobHandler, TasksFacet
 from .tools import Tool, ToolRegistry, default_registry
 from .turn import Resume, load_resume, run_turn
@@ -267,13 +267,12 @@ class SessionsFacet:
             result = await core.write([(session_id, existing(forward))])
             row = result.sessions.get(session_id, row)
             layers.append("checkpoint")
-        # Only the types the fold reads are decoded: a long session's log is mostly
-        # message and checkpoint events, which the fold skips; of the ones it counts (a turn's
-        # turn.complete...) only the type and payload.
-        tallies, events = await rt.store.hydration_log(
-            session_id, TALLIED_EVENTS, HYDRATED_EVENTS - TALLIED_EVENTS
-        )
-        hydrated = hydrate(events, tallies)
+        # The log's fold, kept by the store between resumes: read as it is when the log has
+        # not changed since, folded on over the events after it when the log only grew
+        # (``load_hydration``). A log read reads only the types the fold uses (a long
+        # session's log is mostly message and checkpoint events); of the ones it counts (a
+        # turn's turn.complete...) only the type and payload.
+        hydrated, _ = await load_hydration(rt.store, session_id)
         layers.append("events")
         handle = SessionHandle(id=session_id, record=row, hydrated=hydrated, layers=layers)
         core.active = handle
@@ -417,72 +416,6 @@ def _lineage_overlay(
         if ids[: len(row.state.message_ids)] == row.state.message_ids:
             return cp.id, ids
     return None
-
-
-TALLIED_EVENTS: Final = frozenset(
-    {
-        "turn.complete",
-        "error",
-        "tool.completed",
-        "tool.failed",
-        "checkpoint.rollback",
-        "sync.conflict",
-    }
-)
-"""The types ``hydrate`` counts by type and payload alone: one a turn at least, so a resume
-reads only those two fields of them (``StorageAdapter.hydration_log``)."""
-HYDRATED_EVENTS: Final = TALLIED_EVENTS | INTERRUPT_EVENTS | JOB_EVENTS | SUBAGENT_EVENTS
-"""The event types ``hydrate`` reads; it skips every other."""
-
-
-def hydrate(
-    events: list[Event], tallies: list[tuple[str, dict[str, Any]]] | None = None
-) -> dict[str, Any]:
-    """Fold the event log into transient card-lifecycle state (never stored on the row).
-
-    ``tallies``: the ``(type, payload)`` of the log's events of ``TALLIED_EVENTS``, in log
-    order, when ``events`` leaves those out (as resume reads them); by default they are taken
-    from ``events``.
-
-    ``interrupts`` lists the session's interrupts (``Interrupt`` as plain data): the
-    resolved ones with their decision, who made it and how, and any still waiting. ``jobs``
-    lists its background jobs (``Job``) and ``subagents`` the subagents it started
-    (``SubagentRun``), whichever device ran them.
-    """
-    state: dict[str, Any] = {
-        "turns": 0,
-        "aborted_turns": 0,
-        "errors": 0,
-        "tool_calls": 0,
-        "tool_failures": 0,
-        "last_outcome": None,
-        "rollbacks": 0,
-        "conflicts": [],
-    }
-    if tallies is None:
-        tallies = [(ev.type, ev.payload) for ev in events if ev.type in TALLIED_EVENTS]
-    for kind, payload in tallies:
-        match kind:
-            case "turn.complete":
-                state["turns"] += 1
-                state["last_outcome"] = payload.get("outcome")
-                if payload.get("outcome") == "user-aborted":
-                    state["aborted_turns"] += 1
-            case "error":
-                state["errors"] += 1
-            case "tool.completed":
-                state["tool_calls"] += 1
-            case "tool.failed":
-                state["tool_calls"] += 1
-                state["tool_failures"] += 1
-            case "checkpoint.rollback":
-                state["rollbacks"] += 1
-            case "sync.conflict":
-                state["conflicts"].append(payload.get("conflict_id"))
-    state["interrupts"] = [msgspec.to_builtins(i) for i in interrupt_states(events).values()]
-    state["jobs"] = [msgspec.to_builtins(j) for j in job_states(events).values()]
-    state["subagents"] = [msgspec.to_builtins(r) for r in subagent_runs(events).values()]
-    return state
 
 
 class EventBus:

@@ -179,9 +179,12 @@ class _Completed(msgspec.Struct, kw_only=True):
     cost_usd: float | None = None
 
 
-def subagent_runs(events: Iterable[Event]) -> dict[str, SubagentRun]:
-    """Fold a parent session's log into its subagents by id (malformed events skipped)."""
-    out: dict[str, SubagentRun] = {}
+def subagent_runs(
+    events: Iterable[Event], start: dict[str, SubagentRun] | None = None
+) -> dict[str, SubagentRun]:
+    """Fold a parent session's log into its subagents by id (malformed events skipped).
+    ``start``: what the log before ``events`` folded to (taken over and changed)."""
+    out: dict[str, SubagentRun] = {} if start is None else start
     for event in events:
         if event.type == STARTED:
             started = read_payload(event, _Started)

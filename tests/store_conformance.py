@@ -14,7 +14,7 @@ import pytest
 
 from pleach_client.apply import _place_audit
 from pleach_client.store import StorageAdapter, WriteBatch
-from pleach_client.store.base import CommitReceipt, TxReader
+from pleach_client.store.base import CommitReceipt, KeptHydration, TxReader
 from shared.errors import InvalidState, StorageError
 from shared.hashchain import GENESIS, chain_audit, chain_event
 from shared.ids import uuid7
@@ -795,6 +795,55 @@ class StoreConformance:
 
         await asyncio.gather(*(store.transact(bump) for _ in range(20)))
         assert await store.get_meta("n") == "20"
+
+    async def test_the_key_of_a_log_and_of_its_beginning(self, store: StorageAdapter) -> None:
+        session = make_session()
+        assert await store.hydration_key(session.id) == (0, 0, "")
+        events, prev = [], GENESIS
+        for n in (1, 2, 4):  # a gap: 3 arrives later
+            events.append(chain_event(make_event(session_id=session.id), prev, n))
+            prev = events[-1].row_hash
+        await commit(store, session, *events)
+        assert await store.hydration_key(session.id) == (3, 4, events[2].row_hash)
+        assert await store.hydration_key(session.id, upto=2) == (2, 2, events[1].row_hash)
+        assert await store.hydration_key(session.id, upto=3) == (2, 2, events[1].row_hash)
+        assert await store.hydration_key(session.id, upto=0) == (0, 0, "")
+        late = chain_event(make_event(session_id=session.id), events[1].row_hash, 3)
+        await commit(store, late)
+        # The last event is the same, the log is not: the count tells.
+        assert await store.hydration_key(session.id) == (4, 4, events[2].row_hash)
+        assert await store.hydration_key("another") == (0, 0, "")
+
+    async def test_the_log_read_from_a_place_on(self, store: StorageAdapter) -> None:
+        session = make_session()
+        events = [
+            make_event(
+                session_id=session.id, type="turn.complete", payload={"n": n}, sequence_number=n
+            )
+            for n in range(1, 6)
+        ]
+        await commit(store, session, *events)
+        tallies, whole = await store.hydration_log(
+            session.id, {"turn.complete"}, {"turn.complete"}, from_sequence=4
+        )
+        assert tallies == [("turn.complete", {"n": 4}), ("turn.complete", {"n": 5})]
+        assert whole == events[3:]
+
+    async def test_a_kept_fold_reads_back_and_is_replaced(self, store: StorageAdapter) -> None:
+        session = make_session()
+        assert await store.kept_hydration(session.id) is None
+        first = KeptHydration((3, 4, "a" * 64), 1, b"\x01\x02")
+        await store.keep_hydration(session.id, first)
+        assert await store.kept_hydration(session.id) == first
+        second = KeptHydration((5, 6, "b" * 64), 2, b"\x03")
+        await store.keep_hydration(session.id, second)
+        assert await store.kept_hydration(session.id) == second
+        assert await store.kept_hydration("another") is None
+        # A cache: no outbox row, nothing synced.
+        assert await store.outbox_count() == 0
+        # Kept through a purge, as the log it was folded from is.
+        await commit(store, session, purge_sessions=[session.id])
+        assert await store.kept_hydration(session.id) == second
 
     async def test_purge_sessions_removes_contents_keeps_tombstone_log_and_ledger(
         self, store: StorageAdapter

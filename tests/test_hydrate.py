@@ -8,6 +8,7 @@ stored log read back through each store gives the same selection.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 from typing import Any
@@ -17,10 +18,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pleach_client.runtime import HYDRATED_EVENTS, TALLIED_EVENTS, hydrate
-from pleach_client.store.base import WriteBatch
+from pleach_client.hydration import (
+    HYDRATED_EVENTS,
+    HYDRATION_VERSION,
+    TALLIED_EVENTS,
+    LogFold,
+    fold_log,
+    hydrate,
+    hydrated,
+    load_hydration,
+    next_step,
+)
+from pleach_client.store.base import KeptHydration, WriteBatch
 from pleach_client.store.memory import MemoryAdapter
 from pleach_client.store.sqlite import SQLiteAdapter
+from shared.errors import StorageError
+from shared.hashchain import chain_event
 from shared.records import Event
 from tests.factories import log_event
 
@@ -218,3 +231,255 @@ def test_event_payload_refuses_what_decode_refuses() -> None:
     assert compact.event_payload(b"\x92\x01\x02") is None  # another kind
     assert compact.event_payload(b"\x81\xa1a\x01") is None  # the map form
     assert compact.event_payload(b"") is None
+
+
+# -- the fold kept between resumes -----------------------------------------------------------
+
+
+@st.composite
+def rich_logs(draw: st.DrawFn) -> list[Event]:
+    """Logs whose interrupt, job and subagent events are well formed and refer to earlier
+    ones (or to none), with the tallied types among them: each fold has state to carry."""
+    events: list[Event] = []
+    asked: list[str] = []
+    jobs: list[str] = []
+    subagents = ["sa-1", "sa-2"]
+
+    def earlier(ids: list[str]) -> str:
+        return draw(st.sampled_from([*ids, "unknown"]))
+
+    for n in range(draw(st.integers(0, 30))):
+        kind = draw(
+            st.sampled_from(
+                [
+                    "interrupt.requested",
+                    "interrupt.decided",
+                    "interrupt.resolved",
+                    "job.queued",
+                    "job.started",
+                    "job.progress",
+                    "job.completed",
+                    "job.failed",
+                    "job.cancel_requested",
+                    "job.cancelled",
+                    "subagent.started",
+                    "subagent.completed",
+                    "turn.complete",
+                    "sync.conflict",
+                    "tool.failed",
+                    "message.added",
+                ]
+            )
+        )
+        decision = draw(
+            st.sampled_from(
+                [
+                    {"kind": "approve"},
+                    {"kind": "reject", "reason": "no"},
+                    {"kind": "edit", "input": {"x": 1}},
+                ]
+            )
+        )
+        payload: dict[str, Any] = {}
+        match kind:
+            case "interrupt.requested":
+                payload = {
+                    "turn_id": "t",
+                    "tool_call": {"id": f"call-{n}", "name": "tool", "input": {"n": n}},
+                    "decisions": ["approve", "reject"],
+                }
+            case "interrupt.decided":
+                payload = {"interrupt_id": earlier(asked), "decision": decision}
+            case "interrupt.resolved":
+                payload = {
+                    "interrupt_id": earlier(asked),
+                    "decision": decision,
+                    "decided_by": "d2",
+                    "source": draw(st.sampled_from(["user", "timeout"])),
+                }
+            case "job.queued":
+                payload = {"name": "job", "input": {"n": n}}
+            case "job.started":
+                payload = {"job_id": earlier(jobs), "attempt": draw(st.integers(1, 3))}
+            case "job.progress":
+                payload = {"job_id": earlier(jobs), "progress": 0.5, "message": "half"}
+            case "job.completed":
+                payload = {"job_id": earlier(jobs), "result": {"ok": n}}
+            case "job.failed":
+                payload = {"job_id": earlier(jobs), "error": "boom"}
+            case "job.cancel_requested" | "job.cancelled":
+                payload = {"job_id": earlier(jobs), "reason": "enough"}
+            case "subagent.started":
+                payload = {"subagent_id": draw(st.sampled_from(subagents)), "title": "sub"}
+            case "subagent.completed":
+                payload = {
+                    "subagent_id": draw(st.sampled_from(subagents)),
+                    "turn_id": "t",
+                    "outcome": "ok",
+                    "cost_usd": 0.25,
+                }
+            case "turn.complete":
+                payload = {"outcome": draw(st.sampled_from(["ok", "user-aborted"]))}
+            case "sync.conflict":
+                payload = {"conflict_id": f"conflict-{n}"}
+        event = log_event(draw(st.sampled_from(["d1", "d2"])), kind, payload, n)
+        if kind == "interrupt.requested":
+            asked.append(event.id)
+        elif kind == "job.queued":
+            jobs.append(event.id)
+        events.append(event)
+    return events
+
+
+_FOLDS = msgspec.msgpack.Decoder(LogFold)
+
+
+@settings(max_examples=300, deadline=None)
+@given(rich_logs(), st.data())
+def test_a_log_folded_in_two_parts_through_its_kept_bytes_folds_as_whole(
+    events: list[Event], data: st.DataObject
+) -> None:
+    at = data.draw(st.integers(0, len(events)))
+    first = fold_log(events[:at])
+    kept = _FOLDS.decode(msgspec.msgpack.encode(first))
+    assert kept == first  # the kept bytes give the fold back
+    assert hydrated(fold_log(events[at:], start=kept)) == hydrate(events)
+
+
+def test_the_generated_logs_carry_state_across_a_split() -> None:
+    """The property above is not empty: the generator makes interrupts, jobs and subagents
+    that later events change."""
+    whole = hydrate([])
+    seen = {"interrupts": False, "jobs": False, "subagents": False}
+
+    @settings(max_examples=200, deadline=None)
+    @given(rich_logs())
+    def look(events: list[Event]) -> None:
+        state = hydrate(events)
+        for name in seen:
+            if any(
+                item.get("status") not in (None, "pending", "queued", "running")
+                for item in state[name]
+            ):
+                seen[name] = True
+
+    look()
+    assert whole["turns"] == 0 and all(seen.values()), seen
+
+
+def test_the_next_step_of_a_kept_fold() -> None:
+    log = (5, 9, "h9")
+    assert next_step(None, log) == "whole"
+    assert next_step((0, 0, ""), log) == "whole"  # nothing was folded
+    assert next_step(log, log) == "kept"
+    assert next_step((3, 7, "h7"), log) == "tail"  # a beginning of it, maybe: checked next
+    assert next_step((5, 7, "h7"), log) == "whole"  # as many events: not a beginning
+    assert next_step((3, 9, "x"), log) == "whole"  # ends at the same place: rebased
+    assert next_step((6, 12, "h12"), log) == "whole"  # longer: another log
+    assert next_step((0, 0, ""), (0, 0, "")) == "whole"
+
+
+def _chained(events: list[Event], prev: str = "", first: int = 1) -> list[Event]:
+    out = []
+    for n, event in enumerate(events, start=first):
+        out.append(chain_event(event, prev, n))
+        prev = out[-1].row_hash
+    return out
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+async def test_a_resume_folds_only_what_it_did_not_fold_before(tmp_path: Path, kind: str) -> None:
+    """The first fold reads the whole log and keeps it; a resume of the same log reads the kept
+    fold; after more events it folds those on; and each time the state is the whole log's."""
+    store = MemoryAdapter() if kind == "memory" else SQLiteAdapter(tmp_path / "d.db")
+    log = _log(3)[:120]
+    log[79] = log_event("d1", "turn.complete", {"outcome": "ok"}, 79)  # the kept fold's last
+    events = _chained(log)
+    async with store:
+        await store.commit(WriteBatch(records=events[:80]))
+        assert await load_hydration(store, "s") == (hydrate(events[:80]), "whole")
+        assert await load_hydration(store, "s") == (hydrate(events[:80]), "kept")
+        await store.commit(WriteBatch(records=events[80:]))
+        assert await load_hydration(store, "s") == (hydrate(events), "tail")
+        assert await load_hydration(store, "s") == (hydrate(events), "kept")
+        kept = await store.kept_hydration("s")
+        assert kept is not None and kept.key == await store.hydration_key("s")
+        assert kept.version == HYDRATION_VERSION
+
+
+@settings(max_examples=150, deadline=None)
+@given(rich_logs(), st.data())
+def test_a_store_s_log_grown_after_its_fold_was_kept_resumes_as_whole(
+    events: list[Event], data: st.DataObject
+) -> None:
+    """Any log, kept folded at any place, then grown: the next fold folds the rest on."""
+    at = data.draw(st.integers(0, len(events)))
+    events = _chained(events)
+
+    async def run() -> None:
+        async with MemoryAdapter() as store:
+            await store.commit(WriteBatch(records=events[:at]))
+            await load_hydration(store, "s")
+            await store.commit(WriteBatch(records=events[at:]))
+            state, step = await load_hydration(store, "s")
+            assert state == hydrate(events)
+            assert step == ("whole" if at == 0 else "kept" if at == len(events) else "tail")
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+async def test_a_kept_fold_that_cannot_be_used_is_folded_again(tmp_path: Path, kind: str) -> None:
+    store = MemoryAdapter() if kind == "memory" else SQLiteAdapter(tmp_path / "d.db")
+    events = _chained(_log(4)[:60])
+    want = hydrate(events)
+    async with store:
+        await store.commit(WriteBatch(records=events))
+        await load_hydration(store, "s")
+        kept = await store.kept_hydration("s")
+        assert kept is not None
+        key = kept.key
+        for bad in (
+            KeptHydration(key, kept.version, b"\xc1 not msgpack"),  # a corrupt row
+            KeptHydration(key, kept.version, msgspec.msgpack.encode({"turns": "many"})),
+            KeptHydration(key, HYDRATION_VERSION + 1, kept.body),  # another version's fold
+            # A fold of a log that ended elsewhere at that place (a rebased tail): the key
+            # of the log up to there does not match it.
+            KeptHydration((key[0] - 5, key[1] - 5, "0" * 64), kept.version, kept.body),
+        ):
+            await store.keep_hydration("s", bad)
+            assert await load_hydration(store, "s") == (want, "whole")
+            assert await store.kept_hydration("s") == kept  # folded again, and kept
+
+
+async def test_a_log_that_changes_while_it_is_read_is_read_again_and_not_kept(
+    tmp_path: Path,
+) -> None:
+    events = _chained(_log(5)[:50])
+
+    class Busy(SQLiteAdapter):
+        """Another writer appends an event while the fold reads the log."""
+
+        async def hydration_log(self, *args: Any, **kwargs: Any) -> Any:
+            got = await super().hydration_log(*args, **kwargs)
+            if len(await self.list_events("s")) < len(events):
+                await self.commit(WriteBatch(records=events[-1:]))
+            return got
+
+    async with Busy(tmp_path / "d.db") as store:
+        await store.commit(WriteBatch(records=events[:-1]))
+        assert await load_hydration(store, "s") == (hydrate(events), "whole")
+        assert await store.kept_hydration("s") is None
+
+
+async def test_a_fold_not_kept_still_gives_the_state(tmp_path: Path) -> None:
+    events = _chained(_log(6)[:30])
+
+    class Full(SQLiteAdapter):
+        async def keep_hydration(self, session_id: str, kept: KeptHydration) -> None:
+            raise StorageError("keep hydration failed: database or disk is full")
+
+    async with Full(tmp_path / "d.db") as store:
+        await store.commit(WriteBatch(records=events))
+        assert await load_hydration(store, "s") == (hydrate(events), "whole")
+        assert await load_hydration(store, "s") == (hydrate(events), "whole")

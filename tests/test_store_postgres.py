@@ -69,6 +69,7 @@ TABLES = {
     "dead_letters",
     "devices",
     "events",
+    "hydrations",
     "messages",
     "outbox",
     "schema_migrations",
@@ -579,6 +580,8 @@ PLAN_ARGS: dict[str, tuple[Any, ...]] = {
     "child_checkpoints": ("s-3", "id-2"),
     "get_event": ("id-3",),
     "event_head": ("s-3",),
+    "hydration_key": ("s-3", 2**63 - 1),
+    "kept_hydration": ("s-3",),
     "list_events": ("s-3", 0, 5),
     "list_events_of_types": ("s-3", 0, ["turn.complete"]),
     "list_audit": (),
@@ -606,6 +609,7 @@ PLAN_ARGS: dict[str, tuple[Any, ...]] = {
     "put_audit": (["id-1"], ["c-1"], ["s-1"], [1], [None], [b"\x00"]),
     "put_artifacts": (["id-1"], ["a-1"], ["s-1"], ["h"], [b"\x00"]),
     "put_meta": (["cursor"], ["9"]),
+    "keep_hydration": ("s-1", 3, 5, "h", 1, b"\x00"),
     "enqueue": (41, 0.0, [41], ["id-1"], ["Message"]),
     "rechain_audit": (["id-1"], ["c-2"], [1], [b"\x00"]),
     "event_bodies": (["id-1", "id-2"],),
@@ -788,11 +792,12 @@ async def test_rows_written_before_schema_2_are_read_by_their_bodies(schema: str
             async for _ in rt.execute_message(session.id, text):
                 pass
         before = await rt.store.list_checkpoints(session.id)
-    # The same rows as schema 1 wrote them: the columns gone, version 2 not applied.
+    # The same rows as schema 1 wrote them: the columns gone, versions 2 and 3 not applied.
     async with admin() as conn:
         await conn.execute(f"ALTER TABLE {schema}.checkpoints DROP COLUMN parent_id")
         await conn.execute(f"ALTER TABLE {schema}.events DROP COLUMN type")
-        await conn.execute(f"DELETE FROM {schema}.schema_migrations WHERE version = 2")
+        await conn.execute(f"DROP TABLE {schema}.hydrations")
+        await conn.execute(f"DELETE FROM {schema}.schema_migrations WHERE version >= 2")
     async with SessionRuntime(adapter(schema, key), ScriptedProvider()) as rt:
         assert isinstance(rt.store, PostgresAdapter) and rt.store.migrated_from == 1
         async for _ in rt.execute_message(session.id, "four"):

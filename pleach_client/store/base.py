@@ -202,6 +202,22 @@ class EventPlace(NamedTuple):
     canonical: bool
 
 
+HydrationKey = tuple[int, int, str]
+"""``(events, sequence_number, row_hash)`` of a session's log (``hydration_key``): how many
+events it holds, and its last one's place. Two reads that give the same key read the same log:
+the last event's hash covers every event before it (``shared.hashchain``), and the count any
+event that arrived below the last one since."""
+
+
+class KeptHydration(NamedTuple):
+    """A session's folded log as a store keeps it (``DeviceCore.hydration``): the key of the
+    log it was folded from, the fold's version, and its state as msgpack."""
+
+    key: HydrationKey
+    version: int
+    body: bytes
+
+
 class OutboxEntry(msgspec.Struct, kw_only=True):
     client_seq: int
     record: Record
@@ -300,12 +316,34 @@ class StorageAdapter(Protocol):
         ...
 
     async def hydration_log(
-        self, session_id: str, tallied: Collection[str], whole: Collection[str]
+        self,
+        session_id: str,
+        tallied: Collection[str],
+        whole: Collection[str],
+        *,
+        from_sequence: int = 0,
     ) -> tuple[list[tuple[str, dict[str, Any]]], list[Event]]:
-        """What a resume folds, from ONE read of the session's log: ``(type, payload)`` of its
-        events of ``tallied`` (only those two fields decoded) and its events of ``whole``
-        decoded whole, each in chain order (``decode_log``). The same as ``event_payloads``
-        and ``list_events(types=...)`` would give, in one scan of the events instead of two."""
+        """What a resume folds, from ONE read of the session's log (its events with
+        ``sequence_number >= from_sequence``): ``(type, payload)`` of its events of
+        ``tallied`` (only those two fields decoded) and its events of ``whole`` decoded whole,
+        each in chain order (``decode_log``). The same as ``event_payloads`` and
+        ``list_events(types=...)`` would give, in one scan of the events instead of two."""
+        ...
+
+    async def hydration_key(self, session_id: str, *, upto: int | None = None) -> HydrationKey:
+        """The key of the session's log as it stands (``HydrationKey``), or of its events
+        with ``sequence_number <= upto``; ``(0, 0, "")`` when there is no such event."""
+        ...
+
+    async def kept_hydration(self, session_id: str) -> KeptHydration | None:
+        """What ``keep_hydration`` last kept for the session, or None."""
+        ...
+
+    async def keep_hydration(self, session_id: str, kept: KeptHydration) -> None:
+        """Keep the session's folded log, replacing what was kept: a cache of the runtime's
+        (``DeviceCore.hydration`` checks its key before it uses it), written in a small
+        transaction of its own, never synced (no outbox row) and kept through a purge, as the
+        log is."""
         ...
 
     async def get_event(self, event_id: str) -> Event | None: ...

@@ -17,7 +17,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from enum import Enum
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 
@@ -39,6 +39,8 @@ from .base import (
     CommitReceipt,
     DeadLetter,
     EventPlace,
+    HydrationKey,
+    KeptHydration,
     OutboxEntry,
     Plan,
     WriteBatch,
@@ -161,6 +163,7 @@ class MemoryAdapter(AsyncResource):
         self._outbox: dict[int, _OutboxRow] = {}
         self._dead: dict[int, _DeadRow] = {}
         self._meta: dict[str, str] = {}
+        self._hydrations: dict[str, KeptHydration] = {}
         self._last_seq = 0
         self._write_lock = asyncio.Lock()
 
@@ -465,11 +468,41 @@ class MemoryAdapter(AsyncResource):
         return (await self.hydration_log(session_id, types, ()))[0]
 
     async def hydration_log(
-        self, session_id: str, tallied: Collection[str], whole: Collection[str]
+        self,
+        session_id: str,
+        tallied: Collection[str],
+        whole: Collection[str],
+        *,
+        from_sequence: int = 0,
     ) -> tuple[list[tuple[str, dict[str, Any]]], list[Event]]:
         self._check_open()
-        rows = [(key, row.body) for key, row in self._events.group(session_id)]
+        rows = [
+            (key, row.body)
+            for key, row in self._events.group(session_id)
+            if cast(int, row.order) >= from_sequence
+        ]
         return decode_log(rows, tallied, whole, lambda _, body: _decode(_EVENT, body))
+
+    async def hydration_key(self, session_id: str, *, upto: int | None = None) -> HydrationKey:
+        self._check_open()
+        rows = [
+            row
+            for _, row in self._events.group(session_id)
+            if upto is None or cast(int, row.order) <= upto
+        ]
+        if not rows:
+            return (0, 0, "")
+        head = _decode(_EVENT, rows[-1].body)
+        return (len(rows), head.sequence_number, head.row_hash)
+
+    async def kept_hydration(self, session_id: str) -> KeptHydration | None:
+        self._check_open()
+        return self._hydrations.get(session_id)
+
+    async def keep_hydration(self, session_id: str, kept: KeptHydration) -> None:
+        self._check_open()
+        async with self._write_lock:
+            self._hydrations[session_id] = KeptHydration(kept.key, kept.version, bytes(kept.body))
 
     async def get_event(self, event_id: str) -> Event | None:
         self._check_open()

@@ -66,6 +66,8 @@ from .base import (
     CommitReceipt,
     DeadLetter,
     EventPlace,
+    HydrationKey,
+    KeptHydration,
     OutboxEntry,
     Plan,
     WriteBatch,
@@ -192,6 +194,19 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     (
         'ALTER TABLE {s}.checkpoints ADD COLUMN parent_id text COLLATE "C"',
         'ALTER TABLE {s}.events ADD COLUMN type text COLLATE "C"',
+    ),
+    # 3: a session's folded log, kept under the key of the log it was folded from
+    # (``DeviceCore.hydration``), as the SQLite store keeps it. A cache: never synced.
+    (
+        """CREATE TABLE {s}.hydrations (
+            device text COLLATE "C" NOT NULL,
+            session_id text COLLATE "C" NOT NULL,
+            events bigint NOT NULL,
+            sequence_number bigint NOT NULL,
+            row_hash text NOT NULL,
+            version integer NOT NULL,
+            body bytea NOT NULL,
+            PRIMARY KEY (device, session_id))""",
     ),
 )
 SCHEMA_VERSION: Final = len(_MIGRATIONS)
@@ -555,6 +570,25 @@ class _Sql:
         self.event_head = (
             f"SELECT id, body FROM {s}.events WHERE device = $1 AND session_id = $2 "
             "ORDER BY sequence_number DESC, id DESC LIMIT 1"
+        )
+        # The size and the last event of the log's events up to $3, in one snapshot.
+        self.hydration_key = (
+            f"SELECT c.n, h.id, h.body FROM (SELECT count(*) AS n FROM {s}.events "
+            "WHERE device = $1 AND session_id = $2 AND sequence_number <= $3) AS c "
+            f"LEFT JOIN LATERAL (SELECT id, body FROM {s}.events WHERE device = $1 "
+            "AND session_id = $2 AND sequence_number <= $3 "
+            "ORDER BY sequence_number DESC, id DESC LIMIT 1) AS h ON true"
+        )
+        self.kept_hydration = (
+            "SELECT events, sequence_number, row_hash, version, body "
+            f"FROM {s}.hydrations WHERE device = $1 AND session_id = $2"
+        )
+        self.keep_hydration = (
+            f"INSERT INTO {s}.hydrations "
+            "(device, session_id, events, sequence_number, row_hash, version, body) "
+            "VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (device, session_id) DO UPDATE "
+            "SET events = excluded.events, sequence_number = excluded.sequence_number, "
+            "row_hash = excluded.row_hash, version = excluded.version, body = excluded.body"
         )
         self.list_events = (
             f"SELECT id, body FROM {s}.events WHERE device = $1 AND session_id = $2 "
@@ -1195,15 +1229,54 @@ class PostgresAdapter(AsyncResource):
         return (await self.hydration_log(session_id, types, ()))[0]
 
     async def hydration_log(
-        self, session_id: str, tallied: Collection[str], whole: Collection[str]
+        self,
+        session_id: str,
+        tallied: Collection[str],
+        whole: Collection[str],
+        *,
+        from_sequence: int = 0,
     ) -> tuple[list[tuple[str, dict[str, Any]]], list[Event]]:
         types = sorted({*tallied, *whole})
         rows = await self._fetch(
-            "read events", self._sql.list_events_of_types, session_id, 0, types
+            "read events", self._sql.list_events_of_types, session_id, from_sequence, types
         )
         return decode_log(
             rows, tallied, whole, lambda key, body: _decode(Event, "events", key, body)
         )
+
+    async def hydration_key(self, session_id: str, *, upto: int | None = None) -> HydrationKey:
+        last = 2**63 - 1 if upto is None else upto
+        rows = await self._fetch("read events", self._sql.hydration_key, session_id, last)
+        count, key, body = rows[0]
+        if not count or key is None:
+            return (0, 0, "")
+        place = event_place_of(body, partial(_decode, Event, "events", key, body))
+        return (int(count), place.sequence_number, place.row_hash)
+
+    async def kept_hydration(self, session_id: str) -> KeptHydration | None:
+        rows = await self._fetch("read hydrations", self._sql.kept_hydration, session_id)
+        if not rows:
+            return None
+        events, sequence_number, row_hash, version, body = rows[0]
+        return KeptHydration((int(events), int(sequence_number), row_hash), version, bytes(body))
+
+    async def keep_hydration(self, session_id: str, kept: KeptHydration) -> None:
+        self._require_open()
+        (events, sequence_number, row_hash), version, body = kept
+
+        async def put(conn: Any, _: int) -> None:
+            await conn.execute(
+                self._sql.keep_hydration,
+                self.device_key,
+                session_id,
+                events,
+                sequence_number,
+                row_hash,
+                version,
+                body,
+            )
+
+        await self._write("keep hydration", put)
 
     async def get_event(self, event_id: str) -> Event | None:
         return await self._one(Event, "events", self._sql.get_event, event_id)

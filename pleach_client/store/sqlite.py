@@ -52,7 +52,9 @@ from .base import (
     CommitReceipt,
     DeadLetter,
     EventPlace,
+    HydrationKey,
     InPlace,
+    KeptHydration,
     NotInSnapshot,
     OutboxEntry,
     Plan,
@@ -179,6 +181,18 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         "artifact_id = pleach_key(artifact_id), session_id = pleach_key(session_id)",
         "UPDATE outbox SET record_id = pleach_key(record_id)",
         "UPDATE dead_letters SET record_id = pleach_key(record_id)",
+    ),
+    # 6: a session's folded log, kept under the key of the log it was folded from
+    # (``DeviceCore.hydration``): a resume whose log has not changed since reads one row
+    # instead of the log. A cache: never synced, never in the outbox.
+    (
+        """CREATE TABLE hydrations (
+            session_id TEXT PRIMARY KEY NOT NULL,
+            events INTEGER NOT NULL,
+            sequence_number INTEGER NOT NULL,
+            row_hash TEXT NOT NULL,
+            version INTEGER NOT NULL,
+            body BLOB NOT NULL)""",
     ),
 )
 SCHEMA_VERSION: Final = len(_MIGRATIONS)
@@ -307,6 +321,14 @@ _ENQUEUE = (
     "VALUES (?, ?, ?, ?, 0, ?)"
 )
 _REDACT_AUDIT = "UPDATE audit SET subject_key = NULL, body = ? WHERE id = ?"
+_LAST_SEQUENCE: Final = 2**63 - 1
+"""Above every sequence number: ``hydration_key`` of the whole log."""
+_KEEP_HYDRATION = (
+    "INSERT INTO hydrations (session_id, events, sequence_number, row_hash, version, body) "
+    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (session_id) DO UPDATE SET events = excluded.events, "
+    "sequence_number = excluded.sequence_number, row_hash = excluded.row_hash, "
+    "version = excluded.version, body = excluded.body"
+)
 
 # The outbox refers to every record by kind and id (``body`` is NULL); the flush reads the
 # record where it is stored. Rows written before that rule still carry a copy (``body``).
@@ -348,6 +370,15 @@ QUERIES: Final[dict[str, str]] = {
     "event_head": (
         "SELECT id, body FROM events WHERE session_id = ? "
         "ORDER BY sequence_number DESC, id DESC LIMIT 1"
+    ),
+    "count_events": "SELECT count(*) FROM events WHERE session_id = ? AND sequence_number <= ?",
+    "event_head_upto": (
+        "SELECT id, body FROM events WHERE session_id = ? AND sequence_number <= ? "
+        "ORDER BY sequence_number DESC, id DESC LIMIT 1"
+    ),
+    "kept_hydration": (
+        "SELECT events, sequence_number, row_hash, version, body FROM hydrations "
+        "WHERE session_id = ?"
     ),
     "list_events": (  # LIMIT -1: all of them
         "SELECT id, body FROM events WHERE session_id = ? AND sequence_number >= ? "
@@ -1478,15 +1509,46 @@ class SQLiteAdapter(AsyncResource):
         return (await self.hydration_log(session_id, types, ()))[0]
 
     async def hydration_log(
-        self, session_id: str, tallied: Collection[str], whole: Collection[str]
+        self,
+        session_id: str,
+        tallied: Collection[str],
+        whole: Collection[str],
+        *,
+        from_sequence: int = 0,
     ) -> tuple[list[tuple[str, dict[str, Any]]], list[Event]]:
         async with self._reading("read events") as conn:
             wanted = msgspec.json.encode(sorted({*tallied, *whole})).decode()
             query = QUERIES["list_events_of_types"]
-            rows = await _fetch(conn, query, (_key(session_id), 0, wanted))
+            rows = await _fetch(conn, query, (_key(session_id), from_sequence, wanted))
         return decode_log(
             rows, tallied, whole, lambda key, body: _decode(_EVENT, "events", key, body)
         )
+
+    async def hydration_key(self, session_id: str, *, upto: int | None = None) -> HydrationKey:
+        params = (_key(session_id), _LAST_SEQUENCE if upto is None else upto)
+        async with self._reading("read events") as conn:
+            count = await _fetch(conn, QUERIES["count_events"], params)
+            head = await _fetch(conn, QUERIES["event_head_upto"], params)
+        if not head:
+            return (0, 0, "")
+        place = event_place_of(head[0][1], partial(_decode, _EVENT, "events", *head[0]))
+        return (int(count[0][0]), place.sequence_number, place.row_hash)
+
+    async def kept_hydration(self, session_id: str) -> KeptHydration | None:
+        async with self._reading("read hydrations") as conn:
+            rows = await _fetch(conn, QUERIES["kept_hydration"], (_key(session_id),))
+        if not rows:
+            return None
+        events, sequence_number, row_hash, version, body = rows[0]
+        return KeptHydration((events, sequence_number, row_hash), version, bytes(body))
+
+    async def keep_hydration(self, session_id: str, kept: KeptHydration) -> None:
+        (events, sequence_number, row_hash), version, body = kept
+        async with self._transaction("keep hydration") as conn:
+            await conn.execute(
+                _KEEP_HYDRATION,
+                (_key(session_id), events, sequence_number, row_hash, version, body),
+            )
 
     async def get_event(self, event_id: str) -> Event | None:
         return await self._one(_EVENT, "events", "get_event", event_id)
