@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pleach_client.hydration import hydrate
 from pleach_client.providers.scripted import ScriptedProvider, ScriptedReply, echo_reply
 from pleach_client.runtime import SessionRuntime
 from pleach_client.store.sqlite import SQLiteAdapter
@@ -459,6 +460,15 @@ class World:
             token = f" e{index}"
             await rt.artifacts.append(artifact_id, token)  # NotFound: not here yet
             self.ledger.artifact_tokens[artifact_id].append(token.strip())
+        elif kind == "resume":
+            # A resume folds the log on from the fold an earlier one kept (or whole): it is
+            # the whole log's fold, unless a page changed the log meanwhile.
+            sid = await self._session(dev, op.pick)
+            before = await rt.store.hydration_key(sid)
+            handle = await rt.sessions.resume(sid)
+            events = await rt.store.list_events(sid)
+            if await rt.store.hydration_key(sid) == before and handle.hydrated != hydrate(events):
+                raise AssertionError(f"hydration-differs: session {sid} resumed otherwise")
         elif kind == "offline":
             await dev.disconnect()
         elif kind == "online":

@@ -9,6 +9,8 @@
 - every event chain verifies on every device, and every device's audit chain verifies on
   every device; every event a device holds is canonical (placed by the server, whether the
   device learned its place from a page or from its push's ack);
+- a resume's fold of each session's log (read on from the fold an earlier resume kept, when
+  the log still begins with that one) is the whole log's fold;
 - nothing pending, nothing dead-lettered;
 - every artifact reads the same everywhere and holds every piece of text appended to it;
 - every conflict fork on the server is announced by a ``sync.conflict`` event in some log;
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from pleach_client.hydration import hydrate, load_hydration
 from shared.errors import NotFound
 from shared.records import AuditRow, Checkpoint, Event, Message, Session
 
@@ -166,6 +169,14 @@ async def device_view(world: World, index: int, problems: list[str]) -> View:
             )
         view.announced.update(_announced(events))
         view.kept.update(_kept(events))
+        # A resume's fold, read on from what an earlier resume kept (or whole), is the whole
+        # log's fold (the runtime keeps it between resumes: ``pleach_client.hydration``).
+        state, step = await load_hydration(rt.store, sid)
+        if state != hydrate(events):
+            problems.append(
+                f"hydration-differs: {dev.name} session {sid}: the resume's fold ({step}) is "
+                "not the whole log's"
+            )
         report = await rt.events.verify_chain(sid)
         if not report.ok:
             problems.append(

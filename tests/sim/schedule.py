@@ -50,6 +50,7 @@ OP_WEIGHTS: tuple[tuple[str, int], ...] = (
     ("backup", 2),
     ("restore", 2),
     ("clone", 1),
+    ("resume", 3),
 )
 
 # The ops drawn between the steps of a "races" schedule (``_race_ops``): edits, more conflicts
@@ -70,6 +71,7 @@ RACE_NOISE: tuple[tuple[str, int], ...] = (
     ("net_hold_live", 1),
     ("crash", 1),
     ("server_restart", 1),
+    ("resume", 2),
 )
 
 MIXES: tuple[str, ...] = ("all", "races")
