@@ -236,6 +236,15 @@ def test_event_payload_refuses_what_decode_refuses() -> None:
 # -- the fold kept between resumes -----------------------------------------------------------
 
 
+RICH_TYPES = [t for t in TYPES if t.split(".")[0] in ("interrupt", "job", "subagent")] + [
+    "turn.complete",
+    "sync.conflict",
+    "tool.failed",
+    "message.added",
+]
+"""The types ``rich_logs`` draws: each one the fold carries state for, and one it skips."""
+
+
 @st.composite
 def rich_logs(draw: st.DrawFn) -> list[Event]:
     """Logs whose interrupt, job and subagent events are well formed and refer to earlier
@@ -249,28 +258,7 @@ def rich_logs(draw: st.DrawFn) -> list[Event]:
         return draw(st.sampled_from([*ids, "unknown"]))
 
     for n in range(draw(st.integers(0, 30))):
-        kind = draw(
-            st.sampled_from(
-                [
-                    "interrupt.requested",
-                    "interrupt.decided",
-                    "interrupt.resolved",
-                    "job.queued",
-                    "job.started",
-                    "job.progress",
-                    "job.completed",
-                    "job.failed",
-                    "job.cancel_requested",
-                    "job.cancelled",
-                    "subagent.started",
-                    "subagent.completed",
-                    "turn.complete",
-                    "sync.conflict",
-                    "tool.failed",
-                    "message.added",
-                ]
-            )
-        )
+        kind = draw(st.sampled_from(RICH_TYPES))
         decision = draw(
             st.sampled_from(
                 [
