@@ -622,7 +622,8 @@ def _twin_annotation(annotation: Any) -> tuple[Any, str | None] | None:
 def _ext_text(ext: Ext) -> str:
     """The text an ext 1, 2 or 3 stands for, as the ext hook gives it (and its errors, for
     malformed bytes); ``_NotText`` for an ext of any other code."""
-    code, data = ext.code, cast(bytes, ext.data)  # (bytes, as msgspec decodes an ext)
+    code = ext.code
+    data: bytes = ext.data  # type: ignore[assignment]  # (bytes, as msgspec decodes an ext)
     if code == _EXT_UUID:
         text = _uuid_texts.get(data)
         return _new_uuid_text(data) if text is None else text
@@ -674,8 +675,11 @@ def _twin(kind: _Kind) -> tuple[type[msgspec.Struct], Callable[[Any], Record]] |
             arguments.append(f"{f.name}=t.{f.name}")
             continue
         lines.append(f"    v{at} = t.{f.name}")
-        if fix == _TEXT:
-            lines.append(f"    if v{at}.__class__ is Ext: v{at} = text(v{at})")
+        if fix == _TEXT:  # a known id by a lookup here, anything else by ``_ext_text``
+            lines.append(f"    if v{at}.__class__ is Ext:")
+            lines.append(
+                f"        v{at} = (known(v{at}.data) if v{at}.code == 1 else None) or text(v{at})"
+            )
         else:
             lines.append(f"    if v{at} is not None: v{at} = texts(v{at})")
         arguments.append(f"{f.name}=v{at}")
@@ -691,7 +695,13 @@ def _twin(kind: _Kind) -> tuple[type[msgspec.Struct], Callable[[Any], Record]] |
         gc=False,
     )
     source = "\n".join(lines)
-    scope: dict[str, Any] = {"Ext": Ext, "text": _ext_text, "texts": _ext_texts, "cls": kind.cls}
+    scope: dict[str, Any] = {
+        "Ext": Ext,
+        "known": _uuid_texts.get,  # (the caches are emptied in place, never replaced)
+        "text": _ext_text,
+        "texts": _ext_texts,
+        "cls": kind.cls,
+    }
     exec(compile(source, f"<compact twin of {kind.cls.__name__}>", "exec"), scope)
     make = scope["make"]
     make.source = source
@@ -892,7 +902,10 @@ def uuid_bytes(value: str) -> bytes | None:
     and the bounded cache by which ``encode`` packs ids (a store keying its rows by them
     converts exactly the ids a body holds as ext 1)."""
     ext = _uuid_exts.get(value) or (_new_uuid_ext(value) if len(value) == 36 else None)
-    return None if ext is None else cast(bytes, ext.data)  # (made from bytes, above)
+    if ext is None:
+        return None
+    data: bytes = ext.data  # type: ignore[assignment]  # (made from bytes; no ``cast`` call)
+    return data
 
 
 def digest_bytes(value: str) -> bytes | None:
