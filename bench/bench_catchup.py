@@ -17,7 +17,9 @@
   ``SELECT``-ing the same rows (session row, checkpoints, events, messages), no decoding. The
   first resume after the pull folds the whole log and keeps the fold (a row of the file);
   the later ones find the log unchanged and read that row (``pleach_client.hydration``). The
-  figure is their median; the first one is printed on a row of its own.
+  figure is their median; the first one is printed on a row of its own, and so is the
+  median of three resumes each in a new Python process (the imports before not counted), as
+  an app opening a session meets it.
 
 Run ``python -m bench.bench_catchup [--quick]``.
 """
@@ -156,6 +158,41 @@ async def resume_once(path: Path, session_id: str) -> tuple[float, int, int]:
     return seconds, events, len(messages)
 
 
+_FRESH_RESUME = """
+import asyncio, sys, time
+from pleach_client.providers.scripted import ScriptedProvider
+from pleach_client.runtime import SessionRuntime
+from pleach_client.store.sqlite import SQLiteAdapter
+
+async def main(path, session_id):
+    started = time.perf_counter()
+    async with SessionRuntime(SQLiteAdapter(path), ScriptedProvider()) as rt:
+        await rt.sessions.resume(session_id)
+        await rt.sessions.messages(session_id)
+        print(time.perf_counter() - started)
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+async def fresh_process_resume(path: Path, session_id: str) -> float:
+    """``resume_once`` in a new Python process, as an app opening a session meets it: the
+    runtime made, opened, the session resumed and its transcript read (the imports before
+    are not counted: ``bench_startup`` has them). Returns seconds."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _FRESH_RESUME,
+        str(path),
+        session_id,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"the fresh-process resume failed ({proc.returncode})")
+    return float(out.decode().strip())
+
+
 def raw_resume(path: Path, session_id: str) -> float:
     started = time.perf_counter()
     conn = sqlite3.connect(path)
@@ -211,6 +248,7 @@ async def _run(history: int, long_turns: int, reps: int) -> tuple[list[Row], lis
         for _ in range(reps):
             resumes.append(await resume_once(device, long_id))
             raws.append(await asyncio.to_thread(raw_resume, device, long_id))
+        fresh = [await fresh_process_resume(device, long_id) for _ in range(FRESH_REPS)]
     events, messages = resumes[0][1], resumes[0][2]
     rows = [
         Row(
@@ -226,6 +264,13 @@ async def _run(history: int, long_turns: int, reps: int) -> tuple[list[Row], lis
             f"resume: fresh runtime, {events:,}-event session, {messages:,} messages "
             f"(median of {reps})",
             statistics.median(r[0] for r in resumes) * 1e3,
+            "ms",
+            "raw sqlite3 SELECT",
+            statistics.median(raws) * 1e3,
+        ),
+        Row(
+            f"  resume in a fresh process, as an app opens it (median of {FRESH_REPS})",
+            statistics.median(fresh) * 1e3,
             "ms",
             "raw sqlite3 SELECT",
             statistics.median(raws) * 1e3,
@@ -247,6 +292,8 @@ async def _run(history: int, long_turns: int, reps: int) -> tuple[list[Row], lis
     return rows, notes
 
 
+FRESH_REPS = 3
+"""Resumes each in a new Python process (imports not counted)."""
 RESUME_REPS = 9
 """Resumes timed, each beside one of the floor's reads: the median of each side is reported
 (the floor's SELECTs moved between 15 and 30 ms from one run to the next with three)."""

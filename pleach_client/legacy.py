@@ -69,8 +69,10 @@ class LegacySurface:
         events: EventsFacet
         plugins: PluginManager
         safety: SafetyFacet
-        sync: SyncFacet
         tenant: TenantFacet
+
+        @property
+        def sync(self) -> SyncFacet: ...
 
     async def rollback_to_checkpoint(self, session_id: str, checkpoint_id: str) -> RollbackReceipt:
         """Deprecated: ``rt.checkpoints.rollback``."""

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
@@ -62,6 +62,9 @@ from .subagents import SubagentManager
 from .tasks import JobHandler, TasksFacet
 from .tools import Tool, ToolRegistry, default_registry
 from .turn import Resume, load_resume, run_turn
+
+if TYPE_CHECKING:
+    from .sync import SyncFacet
 
 log = logging.getLogger("pleach.runtime")
 
@@ -596,10 +599,20 @@ class SessionRuntime(LegacySurface):
         self.plugins = PluginManager(self, plugins, meta_tool_names=meta_tool_names)
         self.plugins.install()
         self._opened = False
-        from .sync import SyncFacet  # sync builds on the runtime; imported late on purpose
+        self._sync: SyncFacet | None = None
 
-        self.sync = SyncFacet(self)
-        self.core.on_local_write(self.sync.notify_local_write)
+    @property
+    def sync(self) -> SyncFacet:
+        """``rt.sync`` (``pleach_client.sync``), made when first asked for: a runtime that
+        never syncs never imports the sync client and its WebSocket stack (about 35 ms of a
+        process's start). Nothing is lost before: a connection's first round flushes whatever
+        is queued."""
+        if self._sync is None:
+            from .sync import SyncFacet  # sync builds on the runtime; imported late on purpose
+
+            self._sync = SyncFacet(self)
+            self.core.on_local_write(self._sync.notify_local_write)
+        return self._sync
 
     @property
     def client_id(self) -> str:
@@ -638,7 +651,8 @@ class SessionRuntime(LegacySurface):
         try:
             await asyncio.shield(self.interrupts.close())
             await asyncio.shield(self.tasks.close())
-            await asyncio.shield(self.sync.disconnect())
+            if self._sync is not None:
+                await asyncio.shield(self._sync.disconnect())
         finally:
             await asyncio.shield(self.store.close())
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 import uuid
 from typing import Any
 
@@ -578,3 +580,39 @@ async def test_a_tool_registered_after_create_is_named_and_can_be_enabled(
         assert "late" in [t.name for t in provider.requests[-1].tools]
         with pytest.raises(NotFound):
             await rt.sessions.set_tools(session_id, ["never-registered"])
+
+
+_OFFLINE_APP = """
+import asyncio, sys
+from pleach_client.runtime import SessionRuntime
+from pleach_client.providers.scripted import ScriptedProvider
+from pleach_client.store.sqlite import SQLiteAdapter
+
+async def main():
+    async with SessionRuntime(SQLiteAdapter(sys.argv[1]), ScriptedProvider()) as rt:
+        handle = await rt.create_session(title="offline")
+        async for _ in rt.execute_message(handle.id, "hello"):
+            pass
+        await rt.sessions.resume(handle.id)
+        print("pleach_client.sync" in sys.modules, "websockets" in sys.modules)
+        await rt.sync.status()  # asked for: made then
+        print("pleach_client.sync" in sys.modules, (await rt.sync.status()).pending)
+
+asyncio.run(main())
+"""
+
+
+def test_a_runtime_that_never_syncs_never_imports_the_sync_client(tmp_path: Any) -> None:
+    """An app that works offline does not pay for the sync client and its WebSocket stack at
+    start; ``rt.sync`` is made when first asked for, and sees what was queued before."""
+    out = subprocess.run(
+        [sys.executable, "-c", _OFFLINE_APP, str(tmp_path / "d.db")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    before, after = out.stdout.splitlines()
+    assert before == "False False"
+    first, pending = after.split()
+    assert first == "True" and int(pending) > 0
