@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Collection
 from typing import Any
 
 import msgspec
@@ -66,9 +67,16 @@ def _observe_page(view: RemoteView, changes: list[FeedChange]) -> None:
 
 
 async def plan_page(
-    tx: TxReader, view: RemoteView, changes: list[FeedChange], emitted: list[Any]
+    tx: TxReader,
+    view: RemoteView,
+    changes: list[FeedChange],
+    emitted: list[Any],
+    wanted: Collection[str] = (),
 ) -> WriteBatch:
-    """The writes for one page of remote changes, decided from the rows under the lock."""
+    """The writes for one page of remote changes, decided from the rows under the lock.
+    ``wanted``: ids of content a pass from the start of the feed looks for (``ResyncLedger``):
+    kept through the delete cascade of this page, since a later version of a session may name
+    them again (the page's own versions may not, as at this place in the feed)."""
     records: list[Record] = []
     queued: list[Record] = []
     purge: list[str] = []
@@ -139,6 +147,8 @@ async def plan_page(
     # for now: it may belong to a fork this device has not seen yet, and the tombstone's
     # return through the feed sweeps what no fork uses.
     kept = set(await purge_keep(tx, purge, view.rows.values())) if purge else set()
+    if purge and wanted:
+        kept |= set(wanted)
     held = await _held_messages(tx, view.client_id, contents)
     for record in contents:
         if getattr(record, "session_id", None) in purge:

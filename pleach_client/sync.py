@@ -1318,9 +1318,12 @@ class SyncFacet:
         rows as they are under the lock), so a turn committing meanwhile is never
         overwritten and a page that a pull already overtook is a no-op. ``bodies``: the
         page's records as the bytes they came in (protocol 6), in order with ``changes``: a
-        record stored as it came is stored in them, not encoded again.
+        record stored as it came is stored in them, not encoded again. The ids a pass from the
+        start of the feed under way looks for are kept through the page's delete cascade
+        (``plan_page``'s ``wanted``).
         """
         rt = self._rt
+        wanted = set(self._resync.passing)
         known = None
         if bodies and list(map(_CURSOR, bodies)) == list(map(_CURSOR, changes)):
             # (Paired by place as well as by order: each pair is one entry of the page.)
@@ -1337,7 +1340,7 @@ class SyncFacet:
             written[:] = [cursor]
             if to_cursor <= cursor and changes:
                 return None, 0  # already applied (a live page that a pull overtook)
-            batch = await plan_page(tx, view, changes, emitted)
+            batch = await plan_page(tx, view, changes, emitted, wanted)
             batch.bodies = known
             reused[:] = [view.identity_reused]
             written[:] = [max(to_cursor, cursor)]

@@ -10,11 +10,14 @@ import asyncio
 import random
 from typing import Any
 
+import msgspec
 import pytest
 
 from pleach_client.runtime import SessionRuntime
 from pleach_client.syncplan import RESYNC_DUE, ResyncLedger, resync_ids, resync_text
-from tests.test_sync_e2e import Cluster, chat, cluster  # noqa: F401 - a fixture, by name
+from shared.clock import HybridClock
+from shared.records import Change
+from tests.test_sync_e2e import ALICE, Cluster, chat, cluster  # noqa: F401 - a fixture, by name
 
 # -- the decision, on generated pulls ------------------------------------------------------
 
@@ -258,3 +261,68 @@ async def test_a_device_gets_a_forks_messages_back_though_a_disconnect_cut_its_r
     assert cuts == 1, "the tablet never lacked the fork's messages: the case was not built"
     held = [m.id for m in await tablet.sessions.messages(fork.id)]
     assert held == want, f"the tablet lacks {sorted(set(want) - set(held))}"
+
+
+async def test_a_pass_keeps_what_it_looks_for_though_the_fork_names_it_no_longer(
+    cluster: Cluster,  # noqa: F811 - the fixture imported above
+) -> None:
+    """The laptop deleted a session offline (its messages purged there) while the server got
+    a fork that shares them. Back online, the laptop takes the fork, lacks its messages and
+    decides on a pass from the start of the feed; before the pass reads the feed, the fork's
+    newest version names none of them (a rollback on another device). The pass met the
+    session's tombstone with nothing naming the messages, swept them again, and counted the
+    pass as made; when a later version named them again (a resolve), the laptop never asked
+    for them (seed 10,741,194 of the races mix: `missing-message-record`). A pass keeps what
+    it looks for through the delete cascade."""
+    laptop = await cluster.device("laptop")
+    session = await laptop.create_session(title="trip")
+    await chat(laptop, session.id, "shared by a fork")
+    await cluster.online(laptop)
+    await laptop.sync.disconnect()
+    row = await laptop.store.get_session(session.id)
+    assert row is not None and row.state.message_ids
+    shared = list(row.state.message_ids)
+    await laptop.delete_session(session.id)
+    assert await laptop.store.get_messages(shared) == []
+
+    store = cluster.store
+    assert store is not None
+    clock = HybridClock("srv")
+
+    async def fork_version(n: int, message_ids: list[str]) -> None:
+        version = msgspec.structs.replace(
+            row,
+            id="fork-of-deleted",
+            client_id="phone",
+            vv={"phone": n},
+            hlc=clock.now(),
+            updated_at=clock.now(),
+            state=msgspec.structs.replace(row.state, message_ids=message_ids),
+            forked_from=session.id,
+            conflict_id="c-1",
+            conflict_loser_side="remote",
+        )
+        await store.push(ALICE, "phone", [Change(client_seq=n, record=version)], clock)
+
+    await fork_version(1, shared)
+    decided = laptop.sync._wants_resync
+    rolled_back = 0
+
+    async def then_a_rollback() -> bool:
+        nonlocal rolled_back
+        wants = await decided()
+        if wants and not rolled_back:
+            rolled_back += 1
+            await fork_version(2, [])  # the fork's newest version names none of them
+        return wants
+
+    laptop.sync._wants_resync = then_a_rollback  # type: ignore[method-assign]
+    await cluster.online(laptop)
+    assert rolled_back == 1, "the laptop never lacked the fork's messages: no case was built"
+    await laptop.sync.disconnect()
+    await fork_version(3, shared)  # named again (as a resolve would)
+    await cluster.online(laptop)
+    row = await laptop.store.get_session("fork-of-deleted")
+    assert row is not None and row.state.message_ids == shared
+    held = [m.id for m in await laptop.sessions.messages("fork-of-deleted")]
+    assert held == shared, f"the laptop lacks {sorted(set(shared) - set(held))}"
