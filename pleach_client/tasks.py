@@ -707,17 +707,18 @@ class TasksFacet:
     async def _shielded(self, write: Awaitable[JobUpdateReceipt]) -> JobUpdateReceipt:
         """A handler's write, finished even when its task is cancelled meanwhile (``close``
         waits for it before the store closes)."""
-        task = asyncio.ensure_future(write)
+        task = asyncio.ensure_future(self._noted(write))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
-        task.add_done_callback(self._note_outcome)
         return await asyncio.shield(task)
 
-    def _note_outcome(self, task: asyncio.Future[JobUpdateReceipt]) -> None:
-        """Keep a run's latest write for its span (also one that ends after a cancel)."""
-        if not task.cancelled() and task.exception() is None:
-            receipt = task.result()
-            self._outcomes[receipt.job_id] = receipt
+    async def _noted(self, write: Awaitable[JobUpdateReceipt]) -> JobUpdateReceipt:
+        """``write``, its receipt kept as the run's latest write for its span before the task
+        is done: a done-callback ran a loop turn later, and a close that cancelled the run in
+        between ended its span without the outcome (a failed job's span said "started")."""
+        receipt = await write
+        self._outcomes[receipt.job_id] = receipt
+        return receipt
 
     async def _dispatch(self, job: Job) -> None:
         """POST the job to the host, retrying what may pass (``dispatch.plan_answer``)."""
