@@ -210,7 +210,7 @@ event that arrived below the last one since."""
 
 
 class KeptHydration(NamedTuple):
-    """A session's folded log as a store keeps it (``DeviceCore.hydration``): the key of the
+    """A session's folded log as a store keeps it (``hydration.load_hydration``): the key of the
     log it was folded from, the fold's version, and its state as msgpack."""
 
     key: HydrationKey
@@ -341,7 +341,7 @@ class StorageAdapter(Protocol):
 
     async def keep_hydration(self, session_id: str, kept: KeptHydration) -> None:
         """Keep the session's folded log, replacing what was kept: a cache of the runtime's
-        (``DeviceCore.hydration`` checks its key before it uses it), written in a small
+        (``hydration.load_hydration`` checks its key before it uses it), written in a small
         transaction of its own, never synced (no outbox row) and kept through a purge, as the
         log is."""
         ...

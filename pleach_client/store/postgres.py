@@ -196,7 +196,7 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         'ALTER TABLE {s}.events ADD COLUMN type text COLLATE "C"',
     ),
     # 3: a session's folded log, kept under the key of the log it was folded from
-    # (``DeviceCore.hydration``), as the SQLite store keeps it. A cache: never synced.
+    # (``hydration.load_hydration``), as the SQLite store keeps it. A cache: never synced.
     (
         """CREATE TABLE {s}.hydrations (
             device text COLLATE "C" NOT NULL,

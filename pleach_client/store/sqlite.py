@@ -183,7 +183,7 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         "UPDATE dead_letters SET record_id = pleach_key(record_id)",
     ),
     # 6: a session's folded log, kept under the key of the log it was folded from
-    # (``DeviceCore.hydration``): a resume whose log has not changed since reads one row
+    # (``hydration.load_hydration``): a resume whose log has not changed since reads one row
     # instead of the log. A cache: never synced, never in the outbox.
     (
         """CREATE TABLE hydrations (
@@ -322,7 +322,7 @@ _ENQUEUE = (
 )
 _REDACT_AUDIT = "UPDATE audit SET subject_key = NULL, body = ? WHERE id = ?"
 _LAST_SEQUENCE: Final = 2**63 - 1
-"""Above every sequence number: ``hydration_key`` of the whole log."""
+"""Above every sequence number: ``event_head`` and ``hydration_key`` of the whole log."""
 _KEEP_HYDRATION = (
     "INSERT INTO hydrations (session_id, events, sequence_number, row_hash, version, body) "
     "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (session_id) DO UPDATE SET events = excluded.events, "
@@ -367,13 +367,15 @@ QUERIES: Final[dict[str, str]] = {
         "AND (parent_id = ?2 OR parent_id IS NULL) ORDER BY hlc, id"
     ),
     "get_event": "SELECT id, body FROM events WHERE id = ?",
+    # ?2: the last sequence number looked at (``_LAST_SEQUENCE``: the whole log).
     "event_head": (
-        "SELECT id, body FROM events WHERE session_id = ? "
+        "SELECT id, body FROM events WHERE session_id = ?1 AND sequence_number <= ?2 "
         "ORDER BY sequence_number DESC, id DESC LIMIT 1"
     ),
-    "count_events": "SELECT count(*) FROM events WHERE session_id = ? AND sequence_number <= ?",
-    "event_head_upto": (
-        "SELECT id, body FROM events WHERE session_id = ? AND sequence_number <= ? "
+    # The log's size up to ?2 beside its last event there, in one statement.
+    "hydration_key": (
+        "SELECT (SELECT count(*) FROM events WHERE session_id = ?1 AND sequence_number <= ?2), "
+        "id, body FROM events WHERE session_id = ?1 AND sequence_number <= ?2 "
         "ORDER BY sequence_number DESC, id DESC LIMIT 1"
     ),
     "kept_hydration": (
@@ -946,7 +948,7 @@ class _Reader:
         return _decode(_SESSION, "sessions", rows[0][0], rows[0][1]) if rows else None
 
     async def event_head(self, session_id: str) -> tuple[int, str]:
-        rows = await _fetch(self._conn, QUERIES["event_head"], (_key(session_id),))
+        rows = await _fetch(self._conn, QUERIES["event_head"], (_key(session_id), _LAST_SEQUENCE))
         if not rows:
             return (0, "")
         event = _decode(_EVENT, "events", rows[0][0], rows[0][1])
@@ -1527,12 +1529,12 @@ class SQLiteAdapter(AsyncResource):
     async def hydration_key(self, session_id: str, *, upto: int | None = None) -> HydrationKey:
         params = (_key(session_id), _LAST_SEQUENCE if upto is None else upto)
         async with self._reading("read events") as conn:
-            count = await _fetch(conn, QUERIES["count_events"], params)
-            head = await _fetch(conn, QUERIES["event_head_upto"], params)
-        if not head:
+            rows = await _fetch(conn, QUERIES["hydration_key"], params)
+        if not rows:
             return (0, 0, "")
-        place = event_place_of(head[0][1], partial(_decode, _EVENT, "events", *head[0]))
-        return (int(count[0][0]), place.sequence_number, place.row_hash)
+        count, key, body = rows[0]
+        place = event_place_of(body, partial(_decode, _EVENT, "events", key, body))
+        return (int(count), place.sequence_number, place.row_hash)
 
     async def kept_hydration(self, session_id: str) -> KeptHydration | None:
         async with self._reading("read hydrations") as conn:
