@@ -199,6 +199,7 @@ def raw_resume(path: Path, session_id: str) -> float:
     key = uuid.UUID(session_id).bytes  # how the device file keeps a UUID id (schema 5)
     try:
         rows = conn.execute("SELECT body FROM sessions WHERE id = ?", (key,)).fetchall()
+        conn.execute("SELECT part, ids FROM session_ids WHERE session_id = ?", (key,)).fetchall()
         conn.execute(
             "SELECT id, body FROM checkpoints WHERE session_id = ? ORDER BY hlc, id", (key,)
         ).fetchall()

@@ -41,10 +41,13 @@ from pleach_client.store.base import CommitReceipt, Plan, StorageAdapter, TxRead
 from pleach_client.store.memory import MemoryAdapter
 from pleach_client.store.sqlite import (
     _ENQUEUE,
+    _PUT_ID_BLOCK,
     _PUT_META,
+    _PUT_SESSION,
     SQLiteAdapter,
     _encode_batch,
     create_schema,
+    id_blocks,
 )
 from shared.messages import FrameCodec, Push
 from shared.records import Change, Record, Session, encode_record
@@ -239,14 +242,33 @@ def raw_rows(batches: Sequence[WriteBatch]) -> list[RawTurn]:
     out: list[RawTurn] = []
     seq = 0
     now = time.time()
+    held: dict[Any, bytes] = {}
     for batch in batches:
         groups, outbox = _encode_batch(batch.records)
+        if _PUT_SESSION in groups:
+            groups = {**groups, **_session_rows(groups.pop(_PUT_SESSION), held)}
         enqueue = []
         for record_id, kind, body in outbox:
             seq += 1
             enqueue.append((seq, record_id, kind, body, now))
         out.append((groups, enqueue, list(batch.meta.items())))
     return out
+
+
+def _session_rows(
+    rows: Sequence[tuple[Any, ...]], held: dict[Any, bytes]
+) -> dict[str, list[tuple[Any, ...]]]:
+    """``_encode_batch``'s session rows as the store writes them (schema 7): the row, and of a
+    long session's message ids the blocks that differ from those written before (``held``)."""
+    sessions, blocks = [], []
+    for key, updated_at, deleted, ids, block, body in rows:
+        count = None if ids is None else len(ids) // 16
+        sessions.append((key, updated_at, deleted, body, count, None if ids is None else 1))
+        if ids is not None:
+            changed = id_blocks(ids, held.get(key, b""), block)
+            blocks += [(key, part, data) for part, data in changed]
+            held[key] = ids
+    return {_PUT_SESSION: sessions, _PUT_ID_BLOCK: blocks}
 
 
 def raw_replay(path: Path, rows: Sequence[RawTurn]) -> list[float]:

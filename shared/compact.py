@@ -57,6 +57,8 @@ __all__ = [
     "event_payload",
     "event_place",
     "event_type",
+    "id_list_bytes",
+    "id_list_texts",
     "is_compact",
     "packed",
     "uuid_bytes",
@@ -920,6 +922,25 @@ def uuids_bytes(values: Sequence[str]) -> bytes | None:
     UUID, else None: ``uuid_bytes`` of a whole list at once, by C loops (a store keying a
     transcript's rows converts its ids in about a fifth of the time of one by one)."""
     return _uuid_list_bytes(values if type(values) is list else list(values))
+
+
+def id_list_bytes(values: list[str]) -> bytes | None:
+    """``uuids_bytes`` of a list that ``encode`` packs as one ext (a session's message ids),
+    by way of the same cache: a list that extends one converted before converts only its new
+    tail. None when any item is not a canonical UUID."""
+    ext = _uuid_list(values) if values else None
+    if ext is None:
+        return b"" if not values else None
+    data: bytes = ext.data  # type: ignore[assignment]  # (made from bytes; no ``cast`` call)
+    return data
+
+
+def id_list_texts(data: bytes) -> list[str]:
+    """The UUID texts of ``data``, 16 bytes each (``id_list_bytes`` reversed), as ``decode``
+    reads an id list: a long list that extends one read before converts only its new tail.
+    Each call gives a new list. ``msgspec.DecodeError`` when ``data`` is not whole UUIDs."""
+    texts: list[str] = _unext(_EXT_UUIDS, memoryview(data))
+    return texts
 
 
 def learn_uuids(pairs: Sequence[tuple[bytes, str]]) -> None:

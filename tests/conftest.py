@@ -12,13 +12,17 @@ from pleach_client.runtime import SessionRuntime
 from pleach_client.store.base import StorageAdapter
 from pleach_client.store.memory import MemoryAdapter
 from pleach_client.store.sqlite import SQLiteAdapter
+from tests.factories import small_id_blocks
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "sqlite", "sqlite-blocks"])
 def adapter(request: pytest.FixtureRequest, tmp_path: Path) -> StorageAdapter:
-    """A fresh (unopened) local store of each kind: the runtime opens it."""
+    """A fresh (unopened) local store of each kind: the runtime opens it. ``sqlite-blocks``:
+    SQLite with every session's ids in small blocks (``small_id_blocks``)."""
     if request.param == "memory":
         return MemoryAdapter()
+    if request.param == "sqlite-blocks":
+        return small_id_blocks(SQLiteAdapter(tmp_path / "device.db"))
     return SQLiteAdapter(tmp_path / "device.db")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pleach_client.store.sqlite import IdLayout, SQLiteAdapter
 from shared.clock import HybridClock
 from shared.ids import uuid7
 from shared.records import (
@@ -37,6 +38,7 @@ __all__ = [
     "make_event",
     "make_message",
     "make_session",
+    "small_id_blocks",
 ]
 
 ORG = "org"
@@ -140,3 +142,11 @@ def make_artifact_update(**overrides: Any) -> ArtifactUpdate:
     fields.update(artifact_id=uuid7(), session_id=uuid7(), update=b"\x00\x00")
     fields.update(overrides)
     return ArtifactUpdate(**fields)
+
+
+def small_id_blocks(adapter: SQLiteAdapter) -> SQLiteAdapter:
+    """``adapter``, keeping every session's message ids in blocks of two ids (schema 7; by
+    default only a long session's, in blocks of 128): every read and write of a session row
+    takes that path. Before it is opened, for a new file."""
+    adapter._id_layout = IdLayout(inline=0, block=2)
+    return adapter

@@ -9,12 +9,16 @@ import gc
 import random
 import re
 import sqlite3
+import tempfile
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 # The suite lives outside a test module: ask pytest to rewrite its asserts too.
 pytest.register_assert_rewrite("tests.store_conformance")
@@ -23,14 +27,17 @@ from pleach_client.store import MemoryAdapter, SQLiteAdapter, StorageAdapter  # 
 from pleach_client.store import sqlite as sqlite_module  # noqa: E402
 from pleach_client.store.base import InPlace, Plan, Rerunnable, WriteBatch  # noqa: E402
 from pleach_client.store.sqlite import QUERIES, SCHEMA_VERSION  # noqa: E402
+from shared import compact  # noqa: E402
 from shared.errors import InvalidState, StorageError  # noqa: E402
-from shared.records import Record, encode_record  # noqa: E402
+from shared.ids import uuid7  # noqa: E402
+from shared.records import Record, SessionState, encode_record  # noqa: E402
 from tests.factories import (  # noqa: E402
     make_audit,
     make_checkpoint,
     make_event,
     make_message,
     make_session,
+    small_id_blocks,
 )
 from tests.store_conformance import (  # noqa: E402
     StoreConformance,
@@ -52,13 +59,16 @@ TABLES = {
 }
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "sqlite", "sqlite-blocks"])
 async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[StorageAdapter]:
+    """Each store; ``sqlite-blocks``: every session's message ids in small blocks."""
     adapter: StorageAdapter
     if request.param == "memory":
         adapter = MemoryAdapter()
     else:
         adapter = SQLiteAdapter(tmp_path / "x.db")
+        if request.param == "sqlite-blocks":
+            small_id_blocks(adapter)
     await adapter.open()
     try:
         yield adapter
@@ -485,7 +495,8 @@ async def test_locked_database_is_a_retryable_storage_error(db_path: Path) -> No
 # The outbox and dead letters are read whole, in rowid (client_seq) order: no index needed.
 # The outbox is read in client_seq (rowid) order from its start: a scan of the rowid b-tree
 # that stops at LIMIT, which is the access wanted.
-WHOLE_TABLE_READS = {"SCAN outbox", "SCAN o", "SCAN dead_letters"}
+# (``q``: the outbox's rows up to its LIMIT, which its sessions' id blocks are joined to.)
+WHOLE_TABLE_READS = {"SCAN outbox", "SCAN o", "SCAN q", "SCAN dead_letters"}
 
 
 def _plan_problems(conn: sqlite3.Connection, sql: str) -> list[str]:
@@ -860,7 +871,8 @@ def _as_schema_4(source: Path, path: Path) -> None:
     conn.execute("PRAGMA user_version = 4")
     conn.execute("ATTACH DATABASE ? AS new", (str(source),))
     for table in TABLES:
-        columns = [row[1] for row in conn.execute(f"PRAGMA new.table_info({table})")]
+        old = {row[1] for row in conn.execute(f"PRAGMA main.table_info({table})")}
+        columns = [r[1] for r in conn.execute(f"PRAGMA new.table_info({table})") if r[1] in old]
         keys = KEY_COLUMNS.get(table, ())
         read = ", ".join(f"pleach_text({c})" if c in keys else c for c in columns)
         conn.execute(
@@ -902,7 +914,7 @@ async def test_a_schema_4_file_migrates_its_ids_to_keys(db_path: Path, tmp_path:
     assert conn.execute("SELECT count(*) FROM events").fetchone()[0] == 2
     conn.close()
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 6
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 7
         for record in history:
             assert await read_back(store, record) == record
         session = history[0]
@@ -1015,7 +1027,6 @@ async def test_a_record_that_came_as_bytes_is_stored_as_those_bytes(tmp_path: Pa
     """A pulled page's records (protocol 6) are written in the bytes they came in: the very
     same objects reach the statements, none is encoded again; a record made anew is encoded.
     The file then reads them back as the records they are."""
-    from shared import compact
     from shared.compact import Bodies
 
     session = make_session()
@@ -1443,3 +1454,217 @@ async def test_an_in_place_plan_waits_for_another_process_on_the_thread(db_path:
             assert not writing.done()
         await writing
         assert await store.get_meta("n") == "7"
+
+
+# -- a long session's message ids in blocks (schema 7) ---------------------------------------
+
+
+def _blocks(path: Path, session_id: str) -> list[tuple[int, int]]:
+    """``(part, ids)`` of each stored block of the session, in order."""
+    conn = raw(path)
+    try:
+        rows = conn.execute(
+            "SELECT part, length(ids) / 16 FROM session_ids WHERE session_id = ? ORDER BY part",
+            (key(session_id),),
+        ).fetchall()
+    finally:
+        conn.close()
+    return [(int(part), int(n)) for part, n in rows]
+
+
+def _row_ids(path: Path, session_id: str) -> tuple[int | None, int]:
+    """The row's ``ids_count`` and how many ids its body holds."""
+    conn = raw(path)
+    try:
+        count, body = conn.execute(
+            "SELECT ids_count, body FROM sessions WHERE id = ?", (key(session_id),)
+        ).fetchone()
+    finally:
+        conn.close()
+    return count, len(compact.decode(body).state.message_ids)  # type: ignore[union-attr]
+
+
+async def test_a_long_sessions_ids_live_in_blocks_and_a_turn_rewrites_one(db_path: Path) -> None:
+    """300 ids: the body holds none, three blocks hold them; two more (a turn) change the last
+    block only, and a session of few ids keeps them in its body."""
+    session = make_session(state=SessionState(message_ids=[uuid7() for _ in range(300)]))
+    short = make_session(state=SessionState(message_ids=[uuid7() for _ in range(5)]))
+    written: list[list[tuple[Any, ...]]] = []
+    writer = sqlite_module._write_batch_now
+
+    def recorded(raw_conn: sqlite3.Connection, *args: Any) -> Any:
+        kept: list[tuple[Any, ...]] = []
+        written.append(kept)
+        raw_conn.set_trace_callback(lambda sql: kept.append((sql,)))
+        try:
+            return writer(raw_conn, *args)
+        finally:
+            raw_conn.set_trace_callback(None)
+
+    async with SQLiteAdapter(db_path) as store:
+        await commit(store, session, short)
+        assert _row_ids(db_path, session.id) == (300, 0)
+        assert _blocks(db_path, session.id) == [(0, 128), (1, 128), (2, 44)]
+        assert _row_ids(db_path, short.id) == (None, 5) and _blocks(db_path, short.id) == []
+        longer = msgspec.structs.replace(
+            session,
+            state=SessionState(message_ids=[*session.state.message_ids, uuid7(), uuid7()]),
+        )
+        sqlite_module._write_batch_now = recorded  # type: ignore[assignment]
+        try:
+            await commit(store, longer)
+        finally:
+            sqlite_module._write_batch_now = writer  # type: ignore[assignment]
+        assert (await store.get_session(session.id)) == longer
+        listed = {s.id: s for s in await store.list_sessions()}
+        assert listed == {session.id: longer, short.id: short}
+    assert _blocks(db_path, session.id) == [(0, 128), (1, 128), (2, 46)]
+    statements = [sql for batch in written for (sql,) in batch]
+    block_writes = [sql for sql in statements if "INTO session_ids" in sql]
+    assert len(block_writes) == 1, statements  # the last block, not the 302 ids
+    async with SQLiteAdapter(db_path) as again:  # another process: no cache of its own
+        assert await again.get_session(session.id) == longer
+        queued = [e.record for e in await again.outbox_pending()]
+        assert queued[-1] == longer  # a push sends the whole row, its ids joined
+
+
+_BLOCK_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(
+            ["append", "truncate", "replace", "edit", "texts", "fail", "again", "back", "forget"]
+        ),
+        st.integers(min_value=0, max_value=12),
+        st.sampled_from([0, 1]),
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=_BLOCK_OPS)
+def test_a_sessions_ids_read_back_as_written_whatever_the_edits(ops: list[Any]) -> None:
+    """Generated edits of one session's ids (appended, cut, replaced, one changed, ids that
+    are no UUIDs, a write that rolls back and the same list again, the list before the last
+    write again, a forgotten cache), each
+    through one of two stores on the same file, each with a cache of its own (two
+    processes): each store reads back exactly the last committed list, and the file holds
+    no block past it."""
+    asyncio.run(_edits_read_back(ops))
+
+
+async def _edits_read_back(ops: list[Any]) -> None:
+    with pytest.MonkeyPatch.context() as patch, tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "x.db"
+        session = make_session()
+        ids: list[str] = []
+        tried: list[str] = []
+        before: list[str] = []
+        stores = (SQLiteAdapter(path), SQLiteAdapter(path))
+        for each in stores:
+            each._id_layout = sqlite_module.IdLayout(inline=3, block=2)
+        caches: tuple[dict[object, Any], dict[object, Any]] = ({}, {})
+        async with stores[0], stores[1]:
+            await commit(stores[0], session)
+            for op, n, which in ops:
+                store = stores[which]
+                patch.setattr(sqlite_module, "_id_blocks", caches[which])
+                new = list(ids)
+                if op == "append":
+                    new += [uuid7() for _ in range(n)]
+                elif op == "truncate":
+                    new = new[: len(new) - n] if n <= len(new) else []
+                elif op == "replace":
+                    new = [uuid7() for _ in range(n)]
+                elif op == "edit" and new:
+                    new[n % len(new)] = uuid7()
+                elif op == "texts":
+                    new = [*new, f"not-a-uuid-{n}"]
+                elif op == "again":
+                    new = list(tried)
+                elif op == "back":
+                    new = list(before)
+                elif op == "forget":
+                    caches[which].clear()
+                row = msgspec.structs.replace(session, state=SessionState(message_ids=new))
+                if op == "fail":  # the session row written, then a row refused: rolled back
+                    tried = [*new, uuid7()]
+                    row = msgspec.structs.replace(session, state=SessionState(message_ids=tried))
+                    bad = make_message(session_id=None)  # type: ignore[arg-type]
+                    with pytest.raises(StorageError):
+                        await commit(store, row, bad)
+                    row = msgspec.structs.replace(session, state=SessionState(message_ids=ids))
+                else:
+                    await commit(store, row)
+                    before, ids = ids, new
+                for reader in stores:
+                    got = await reader.get_session(session.id)
+                    assert got is not None and got.state.message_ids == ids, (op, n, which)
+            count, _ = _row_ids(path, session.id)
+            blocks = _blocks(path, session.id)
+            if count is None:
+                assert blocks == []
+            else:
+                assert count == len(ids) and sum(n for _, n in blocks) == len(ids)
+                assert [part for part, _ in blocks] == list(range(len(blocks)))
+
+
+async def test_a_missing_or_cut_block_is_a_corrupt_row_and_the_next_version_mends_it(
+    db_path: Path,
+) -> None:
+    session = make_session(state=SessionState(message_ids=[uuid7() for _ in range(300)]))
+    async with SQLiteAdapter(db_path) as store:
+        await commit(store, session)
+        conn = raw(db_path)
+        conn.execute("DELETE FROM session_ids WHERE part = 1")
+        conn.close()
+        with pytest.raises(StorageError, match=r"corrupt row in sessions.*id blocks hold 172"):
+            await store.get_session(session.id)
+        sqlite_module._id_blocks.clear()  # (as another process: it reads the blocks)
+        newer = msgspec.structs.replace(
+            session, state=SessionState(message_ids=[*session.state.message_ids, uuid7()])
+        )
+        await commit(store, newer)
+        assert await store.get_session(session.id) == newer
+        assert _blocks(db_path, session.id) == [(0, 128), (1, 128), (2, 45)]
+        conn = raw(db_path)
+        conn.execute("UPDATE session_ids SET ids = x'00' WHERE part = 2")
+        conn.close()
+        with pytest.raises(StorageError, match="corrupt row in sessions"):
+            await store.list_sessions()
+
+
+async def test_a_session_written_before_its_blocks_reads_as_it_was_and_moves_on_its_next_write(
+    db_path: Path,
+) -> None:
+    """A row that holds its ids in its body (written before schema 7, or short) reads as it
+    is; its next version of many ids goes to blocks, and a shorter one back to the body."""
+    session = make_session(state=SessionState(message_ids=[uuid7() for _ in range(300)]))
+    inline = SQLiteAdapter(db_path)
+    inline._id_layout = sqlite_module.IdLayout(inline=10**6)
+    async with inline:
+        await commit(inline, session)
+    assert _row_ids(db_path, session.id) == (None, 300)
+    async with SQLiteAdapter(db_path) as store:
+        assert await store.get_session(session.id) == session
+        grown = msgspec.structs.replace(
+            session, state=SessionState(message_ids=[*session.state.message_ids, uuid7()])
+        )
+        await commit(store, grown)
+        assert _row_ids(db_path, session.id) == (301, 0)
+        cut = msgspec.structs.replace(
+            session, state=SessionState(message_ids=grown.state.message_ids[:7])
+        )
+        await commit(store, cut)
+        assert await store.get_session(session.id) == cut
+    assert _row_ids(db_path, session.id) == (None, 7) and _blocks(db_path, session.id) == []
+
+
+def test_id_blocks_are_those_that_differ() -> None:
+    size = 16 * sqlite_module.ID_LAYOUT.block
+    old = bytes(range(256)) * (size * 2 // 256) + b"x" * 32
+    assert sqlite_module.id_blocks(old + b"y" * 32, old) == [(2, b"x" * 32 + b"y" * 32)]
+    assert sqlite_module.id_blocks(old, old) == []
+    changed = b"z" * 16 + old[16:]
+    assert sqlite_module.id_blocks(changed, old) == [(0, changed[:size])]
+    assert [p for p, _ in sqlite_module.id_blocks(old[: size + 16], old)] == [1]

@@ -29,7 +29,7 @@ import warnings
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from enum import Enum
 from functools import partial
-from typing import Any, Final, Generic, Literal, TypeVar, cast
+from typing import Any, Final, Generic, Literal, NamedTuple, TypeVar, cast
 
 import aiosqlite
 import msgspec
@@ -70,7 +70,15 @@ from .base import (
     outbox_entries,
 )
 
-__all__ = ["SCHEMA_VERSION", "SQLiteAdapter", "Synchronous", "create_schema"]
+__all__ = [
+    "ID_LAYOUT",
+    "SCHEMA_VERSION",
+    "IdLayout",
+    "SQLiteAdapter",
+    "Synchronous",
+    "create_schema",
+    "id_blocks",
+]
 
 log = logging.getLogger("pleach.store")
 
@@ -194,6 +202,21 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
             version INTEGER NOT NULL,
             body BLOB NOT NULL)""",
     ),
+    # 7: a long session's message ids in blocks (``IdLayout``) beside its row
+    # (``session_ids``), so that a turn rewrites the block it appends to instead of every id
+    # the session holds (a row of 2,000 ids was 32 KB written again at each turn). The row's
+    # body then holds no ids and ``ids_count`` says how many its blocks hold; ``ids_mark``
+    # is drawn anew at each write of the blocks (``_put_sessions``). Rows written before,
+    # and any session of few ids, keep them in the body (``ids_count`` NULL).
+    (
+        "ALTER TABLE sessions ADD COLUMN ids_count INTEGER",
+        "ALTER TABLE sessions ADD COLUMN ids_mark INTEGER",
+        """CREATE TABLE session_ids (
+            session_id TEXT NOT NULL,
+            part INTEGER NOT NULL,
+            ids BLOB NOT NULL,
+            PRIMARY KEY (session_id, part))""",
+    ),
 )
 SCHEMA_VERSION: Final = len(_MIGRATIONS)
 
@@ -280,10 +303,18 @@ async def _fetch_in(
 # Immutable kinds: "ON CONFLICT DO NOTHING" rather than "INSERT OR IGNORE", which would also
 # silently skip a row that breaks a NOT NULL constraint.
 _PUT_SESSION = (
-    "INSERT INTO sessions (id, updated_at, deleted, body) VALUES (?, ?, ?, ?) "
-    "ON CONFLICT (id) DO UPDATE SET updated_at = excluded.updated_at, "
-    "deleted = excluded.deleted, body = excluded.body"
+    "INSERT INTO sessions (id, updated_at, deleted, body, ids_count, ids_mark) "
+    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET updated_at = excluded.updated_at, "
+    "deleted = excluded.deleted, body = excluded.body, ids_count = excluded.ids_count, "
+    "ids_mark = excluded.ids_mark"
 )
+_SESSION_IDS_HELD = "SELECT ids_count, ids_mark FROM sessions WHERE id = ?"
+_READ_ID_BLOCKS = "SELECT part, ids FROM session_ids WHERE session_id = ?"
+_PUT_ID_BLOCK = (
+    "INSERT INTO session_ids (session_id, part, ids) VALUES (?, ?, ?) "
+    "ON CONFLICT (session_id, part) DO UPDATE SET ids = excluded.ids"
+)
+_DROP_ID_BLOCKS = "DELETE FROM session_ids WHERE session_id = ? AND part >= ?"
 _PUT_MESSAGE = (
     "INSERT INTO messages (id, session_id, hlc, body) VALUES (?, ?, '', ?) "
     "ON CONFLICT (id) DO NOTHING"
@@ -349,12 +380,17 @@ _OUTBOX_JOINS = " ".join(
 )
 
 # Every read, named so the tests can check each one's query plan uses an index.
+# A session row with its id blocks (schema 7), one row a block, in one statement (one read
+# of the file: a row and its blocks always agree); ``_sessions_of`` joins them.
+_SESSION_ROWS = (
+    "SELECT s.id, s.body, s.ids_count, b.part, b.ids FROM sessions s "
+    "LEFT JOIN session_ids b ON s.ids_count IS NOT NULL AND b.session_id = s.id"
+)
+
 QUERIES: Final[dict[str, str]] = {
-    "get_session": "SELECT id, body FROM sessions WHERE id = ?",
-    "list_sessions": (
-        "SELECT id, body FROM sessions WHERE deleted = 0 ORDER BY updated_at DESC, id DESC"
-    ),
-    "list_sessions_all": "SELECT id, body FROM sessions ORDER BY updated_at DESC, id DESC",
+    "get_session": f"{_SESSION_ROWS} WHERE s.id = ?",
+    "list_sessions": (f"{_SESSION_ROWS} WHERE s.deleted = 0 ORDER BY s.updated_at DESC, s.id DESC"),
+    "list_sessions_all": f"{_SESSION_ROWS} ORDER BY s.updated_at DESC, s.id DESC",
     # {keys}: a list of bound keys (``_select_in``: any number of ids in one round trip).
     "get_messages": "SELECT id, body FROM messages WHERE id IN ({keys})",
     "audit_rows": "SELECT id, body FROM audit WHERE id IN ({keys})",
@@ -408,13 +444,17 @@ QUERIES: Final[dict[str, str]] = {
         "SELECT id, body FROM artifact_updates WHERE artifact_id = ? ORDER BY hlc, id"
     ),
     "get_meta": "SELECT value FROM sync_state WHERE key = ?",
+    # A session's row with its id blocks (``_entries_of`` joins them and puts the rows in
+    # client_seq order), all in one read.
     "outbox_pending": (
+        "SELECT q.*, b.part, b.ids FROM ("
         f"SELECT o.client_seq, {_OUTBOX_BODY}, "
         "o.attempts, o.created_at, o.last_error_code, o.last_error_message, "
         "o.body IS NULL AND o.kind = 'Session' AND EXISTS (SELECT 1 FROM outbox l "
         "WHERE l.kind = 'Session' AND l.record_id = o.record_id AND l.body IS NULL "
-        "AND l.client_seq > o.client_seq) "
+        "AND l.client_seq > o.client_seq), t0.ids_count, t0.id AS session_key "
         f"FROM outbox o {_OUTBOX_JOINS} WHERE o.client_seq > ? ORDER BY o.client_seq LIMIT ?"
+        ") q LEFT JOIN session_ids b ON q.ids_count IS NOT NULL AND b.session_id = q.session_key"
     ),
     "outbox_count": "SELECT count(*) FROM outbox",
     "session_queued": "SELECT 1 FROM outbox WHERE kind = 'Session' AND record_id = ? LIMIT 1",
@@ -529,18 +569,204 @@ def _messages_in_order(
     return messages
 
 
+# -- a session's id blocks (schema 7) --------------------------------------------------------
+
+
+class IdLayout(NamedTuple):
+    """Where a store keeps a session's message ids (schema 7): a session of at most
+    ``inline`` ids keeps them in its row's body, a longer one in blocks of ``block`` ids.
+    One layout for a file's life (a block's size is not stored); only tests change it."""
+
+    inline: int = 128
+    block: int = 128
+    """16 bytes an id: 2 KB, a row that fits in a page."""
+
+
+ID_LAYOUT: Final = IdLayout()
+_ID_BLOCKS_BUDGET: Final = 8 << 20
+"""Bytes of ``_id_blocks`` at most; past it, the cache is emptied."""
+_id_blocks: dict[object, tuple[int, bytes]] = {}
+"""Session key -> (``ids_mark``, the ids its blocks held when that mark was written), for the
+blocks last written by this process. A mark is drawn at random at each write of a session's
+blocks, in the transaction that writes them, so the stored mark equal to an entry's means the
+stored blocks are its bytes, whichever connection or process reads it (another's write, a
+rollback, a file copied or restored: another mark, or the same blocks). Dict reads and writes
+are atomic under the GIL."""
+_id_blocks_held = 0
+
+
+def _new_mark() -> int:
+    return int.from_bytes(os.urandom(8), "big") >> 1  # (a positive 63-bit SQLite integer)
+
+
+def _remember_blocks(key: object, mark: int | None, data: bytes | None) -> None:
+    global _id_blocks_held
+    known = _id_blocks.pop(key, None)
+    if known is not None:
+        _id_blocks_held -= len(known[1])
+    if mark is None or data is None:
+        return
+    if _id_blocks_held + len(data) > _ID_BLOCKS_BUDGET:
+        _id_blocks.clear()
+        _id_blocks_held = 0
+    _id_blocks[key] = (mark, data)
+    _id_blocks_held += len(data)
+
+
+def _stored_blocks(raw: sqlite3.Connection, key: object, count: int, mark: int) -> bytes | None:
+    """The ids a session's blocks hold (``count`` ids, under ``mark``), from the cache or the
+    file; None when the blocks do not hold ``count`` ids in order (then all are rewritten)."""
+    known = _id_blocks.get(key)
+    if known is not None and known[0] == mark:
+        return known[1]
+    found = sorted(raw.execute(_READ_ID_BLOCKS, (key,)).fetchall())
+    if [part for part, _ in found] != list(range(len(found))):
+        return None
+    data = b"".join(ids if isinstance(ids, bytes) else b"" for _, ids in found)
+    return data if len(data) == 16 * count else None
+
+
+def id_blocks(data: bytes, stored: bytes, block: int = ID_LAYOUT.block) -> list[tuple[int, bytes]]:
+    """The blocks ``(part, ids)`` of ``block`` ids to write for a session whose message ids
+    are ``data`` (16 bytes each) where its blocks hold ``stored``: those that differ (after
+    a turn, the one it appended to, or a new one). Blocks past ``data``'s are the caller's to
+    drop."""
+    size = 16 * block
+    first = len(stored) // size if data.startswith(stored) else 0
+    return [
+        (part, data[part * size : (part + 1) * size])
+        for part in range(first, -(-len(data) // size))
+        if data[part * size : (part + 1) * size] != stored[part * size : (part + 1) * size]
+    ]
+
+
+def _put_sessions(raw: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) -> None:
+    """Session rows ``(key, updated_at, deleted, ids, block, body)`` (``_encode_batch``):
+    ``ids`` the 16-byte ids of a long session's message ids, written to its blocks of
+    ``block`` ids (only the blocks that differ from the stored ones), or None (they are in
+    the body: any blocks are dropped)."""
+    for key, updated_at, deleted, data, block, body in rows:
+        size = 16 * block
+        held = raw.execute(_SESSION_IDS_HELD, (key,)).fetchone()
+        held_count, held_mark = held if held is not None else (None, None)
+        mark: int | None = None
+        if data is not None:
+            mark = _new_mark()
+            stored = (
+                b""
+                if held_count is None
+                else _stored_blocks(raw, key, int(held_count), int(held_mark or 0))
+            )
+            old_parts = -(-len(stored) // size) if stored is not None else 0
+            if stored is None:
+                raw.execute(_DROP_ID_BLOCKS, (key, 0))
+                stored = b""
+            changed = id_blocks(data, stored, block)
+            raw.executemany(_PUT_ID_BLOCK, [(key, part, ids) for part, ids in changed])
+            parts = -(-len(data) // size)
+            if parts < old_parts:
+                raw.execute(_DROP_ID_BLOCKS, (key, parts))
+        elif held_count is not None:
+            raw.execute(_DROP_ID_BLOCKS, (key, 0))
+        count = None if data is None else len(data) // 16
+        raw.execute(_PUT_SESSION, (key, updated_at, deleted, body, count, mark))
+        _remember_blocks(key, mark, data)
+
+
+def _without_ids(session: Session) -> Session:
+    state = msgspec.structs.replace(session.state, message_ids=[])
+    return msgspec.structs.replace(session, state=state)
+
+
+def _with_ids(session: Session, key: object, count: int, blocks: list[tuple[int, Any]]) -> Session:
+    """``session`` (its row's body) with the message ids of its ``blocks`` ``(part, ids)``;
+    ``StorageError`` (a corrupt row) when they do not hold ``count`` ids in order, or the body
+    holds ids too."""
+    blocks.sort(key=lambda block: block[0])
+    data = b"".join(ids if isinstance(ids, bytes) else b"" for _, ids in blocks)
+    problem = None
+    if [part for part, _ in blocks] != list(range(len(blocks))) or len(data) != 16 * count:
+        problem = f"its id blocks hold {len(data) // 16} ids, not {count}"
+    elif session.state.message_ids:
+        problem = "its body holds message ids beside its id blocks"
+    if problem is not None:
+        raise StorageError(f"corrupt row in sessions (id {_id(key)!r}): {problem}")
+    try:
+        session.state.message_ids = compact.id_list_texts(data)
+    except msgspec.DecodeError as exc:  # (a length checked above: not reached)
+        raise StorageError(f"corrupt row in sessions (id {_id(key)!r}): {exc}") from exc
+    return session
+
+
+def _sessions_of(rows: Sequence[Any]) -> list[Session]:
+    """The sessions of ``_SESSION_ROWS``'s rows ``(key, body, ids_count, part, ids)``, in
+    their order: a session's rows come together (one row a block)."""
+    out: list[Session] = []
+    at = 0
+    while at < len(rows):
+        key, body, count = rows[at][0], rows[at][1], rows[at][2]
+        end = at + 1
+        while end < len(rows) and rows[end][0] == key:
+            end += 1
+        session = _decode(_SESSION, "sessions", key, body)
+        if count is not None:
+            blocks = [(part, ids) for *_, part, ids in rows[at:end] if part is not None]
+            session = _with_ids(session, key, int(count), blocks)
+        out.append(session)
+        at = end
+    return out
+
+
+def _first(row: Sequence[Any]) -> Any:
+    return row[0]
+
+
+def _entries_of(rows: Sequence[Any]) -> list[tuple[Any, ...]]:
+    """``outbox_pending``'s rows as ``outbox_entries`` takes them: a long session's row, its
+    blocks joined, as the whole body it stands for (what a push sends)."""
+    out: list[tuple[Any, ...]] = []
+    whole: dict[tuple[object, int], bytes] = {}  # (a session queued at each turn: once)
+    rows = sorted(rows, key=_first)  # in client_seq order (the join's rows: in no set order)
+    at = 0
+    while at < len(rows):
+        row = rows[at]
+        end = at + 1
+        while end < len(rows) and rows[end][0] == row[0]:
+            end += 1
+        count, key = row[7], row[8]
+        body = row[1]
+        if count is not None and isinstance(body, bytes):
+            made = whole.get((key, int(count)))
+            if made is None:
+                session = _decode(_SESSION, "sessions", key, body)
+                blocks = [(r[9], r[10]) for r in rows[at:end] if r[9] is not None]
+                made = compact.encode(_with_ids(session, key, int(count), blocks))
+                whole[(key, int(count))] = made
+            body = made
+        out.append((row[0], body, *row[2:7]))
+        at = end
+    return out
+
+
 def _encode_batch(
-    records: Sequence[Record], bodies: compact.Bodies | None = None
+    records: Sequence[Record], bodies: compact.Bodies | None = None, layout: IdLayout = ID_LAYOUT
 ) -> tuple[dict[str, list[tuple[Any, ...]]], list[tuple[str | bytes, str, bytes | None]]]:
     """Rows per insert statement (in order of first appearance) and the outbox rows.
-    ``bodies``: bytes some records arrived in (``WriteBatch.bodies``), stored as they are."""
+    ``bodies``: bytes some records arrived in (``WriteBatch.bodies``), stored as they are;
+    ``layout``: where sessions keep their message ids."""
     groups: dict[str, list[tuple[Any, ...]]] = {}
     outbox: list[tuple[str | bytes, str, bytes | None]] = []
     key: str | bytes
     encode = compact.encode if bodies is None else bodies.of
     for record in records:
+        ids: bytes | None = None
         try:
-            body = encode(record)
+            if isinstance(record, Session) and len(record.state.message_ids) > layout.inline:
+                ids = compact.id_list_bytes(record.state.message_ids)
+                if ids is not None:
+                    body = compact.encode(_without_ids(record))
+            if ids is None:
+                body = encode(record)
         except (TypeError, OverflowError, msgspec.EncodeError) as exc:
             name = getattr(record, "id", "?")
             raise StorageError(
@@ -551,7 +777,8 @@ def _encode_batch(
         match record:
             case Session():
                 key = _key(record.id)
-                sql, row = _PUT_SESSION, (key, record.updated_at, record.deleted, body)
+                sql = _PUT_SESSION
+                row = (key, record.updated_at, record.deleted, ids, layout.block, body)
             case Message():
                 key = _key(record.id)
                 sql, row = _PUT_MESSAGE, (key, _key(record.session_id), body)
@@ -793,7 +1020,7 @@ _PURGE_SESSION = (
 
 
 async def _write_batch(
-    conn: aiosqlite.Connection, batch: WriteBatch, *, commit: bool = False
+    conn: aiosqlite.Connection, batch: WriteBatch, layout: IdLayout, *, commit: bool = False
 ) -> CommitReceipt:
     """Write ``batch`` inside the open transaction, in ONE hop to the connection's thread:
     every statement of a batch runs there back to back (a turn's commit was about ten awaited
@@ -803,14 +1030,17 @@ async def _write_batch(
     # name for that, so this uses its ``_execute`` and ``_conn`` (pinned: aiosqlite < 0.23).
     raw: sqlite3.Connection = conn._conn
     receipt: CommitReceipt = await conn._execute(  # type: ignore[no-untyped-call]
-        _write_batch_now, raw, batch, *_encoded(batch), commit
+        _write_batch_now, raw, batch, *_encoded(batch, layout), commit
     )
     return receipt
 
 
-def _encoded(batch: WriteBatch) -> tuple[Any, ...]:
+def _encoded(batch: WriteBatch, layout: IdLayout) -> tuple[Any, ...]:
     """``_write_batch_now``'s rows of ``batch``, encoded on the caller's thread."""
-    return (*_encode_batch(batch.records, batch.bodies), *_encode_batch(batch.queued))
+    return (
+        *_encode_batch(batch.records, batch.bodies, layout),
+        *_encode_batch(batch.queued, None, layout),
+    )
 
 
 def _write_if_unchanged(
@@ -856,10 +1086,11 @@ def _write_batch_now(
     for session_id in batch.purge_sessions:
         for statement in _PURGE_SESSION:
             raw.execute(statement, (_key(session_id), keep))
-    for sql, rows in groups.items():
-        raw.executemany(sql, rows)
-    for sql, rows in queued_groups.items():
-        raw.executemany(sql, rows)
+    for sql, rows in [*groups.items(), *queued_groups.items()]:
+        if sql is _PUT_SESSION:
+            _put_sessions(raw, rows)
+        else:
+            raw.executemany(sql, rows)
     if batch.purge_checkpoints_for:
         purge = [(_key(session_id),) for session_id in batch.purge_checkpoints_for]
         for statement in _PURGE_CHECKPOINTS:
@@ -945,7 +1176,7 @@ class _Reader:
 
     async def get_session(self, session_id: str) -> Session | None:
         rows = await _fetch(self._conn, QUERIES["get_session"], (_key(session_id),))
-        return _decode(_SESSION, "sessions", rows[0][0], rows[0][1]) if rows else None
+        return _sessions_of(rows)[0] if rows else None
 
     async def event_head(self, session_id: str) -> tuple[int, str]:
         rows = await _fetch(self._conn, QUERIES["event_head"], (_key(session_id), _LAST_SEQUENCE))
@@ -978,8 +1209,7 @@ class _Reader:
         ]
 
     async def list_sessions(self) -> list[Session]:
-        rows = await _fetch(self._conn, QUERIES["list_sessions"])
-        return [_decode(_SESSION, "sessions", row_id, body) for row_id, body in rows]
+        return _sessions_of(await _fetch(self._conn, QUERIES["list_sessions"]))
 
     async def list_checkpoints(self, session_id: str) -> list[Checkpoint]:
         rows = await _fetch(self._conn, QUERIES["list_checkpoints"], (_key(session_id),))
@@ -1008,7 +1238,7 @@ class _Reader:
         return bool(await _fetch(self._conn, QUERIES["session_queued"], (_key(session_id),)))
 
     async def queued_records(self) -> list[Record]:
-        rows = await _fetch(self._conn, QUERIES["outbox_pending"], (0, -1))
+        rows = _entries_of(await _fetch(self._conn, QUERIES["outbox_pending"], (0, -1)))
         return [_decode(_RECORD, "outbox", row[0], row[1]) for row in rows]
 
     async def audit_rows(self, row_ids: list[str]) -> list[AuditRow]:
@@ -1077,6 +1307,7 @@ class SQLiteAdapter(AsyncResource):
         """A connection of the caller's (the event loop's) thread, made at first use: for
         ``peek_meta`` and for small batches written in place (``_write_in_place``)."""
         self._wal_long = False
+        self._id_layout = ID_LAYOUT  # (where sessions keep their message ids: ``IdLayout``)
         """The WAL held more than half of ``AUTOCHECKPOINT_PAGES`` at the last side checkpoint:
         batches go to the connection's thread, whose commits run SQLite's own checkpoint and
         then start the WAL over, never on the caller's (see ``_checkpoint``)."""
@@ -1268,7 +1499,7 @@ class SQLiteAdapter(AsyncResource):
                     if batch is None:
                         self._seen = meta
                         return CommitReceipt(client_seqs=[], records=0), False
-                    receipt = await _write_batch(conn, batch, commit=True)
+                    receipt = await _write_batch(conn, batch, self._id_layout, commit=True)
                 self._seen = None if meta is None else {**meta, **batch.meta}
             self._checkpoints.tick()
             return receipt, in_place
@@ -1287,7 +1518,7 @@ class SQLiteAdapter(AsyncResource):
             return None, False
         if batch is None:
             return None, False
-        encoded = _encoded(batch)
+        encoded = _encoded(batch, self._id_layout)
         receipt: CommitReceipt | None
         try:
             done, receipt = self._write_in_place(seen, batch, encoded)
@@ -1319,7 +1550,7 @@ class SQLiteAdapter(AsyncResource):
                 local.execute("ROLLBACK")
                 self._seen = meta
                 return CommitReceipt(client_seqs=[], records=0)
-            groups, outbox, queued_groups, queued_outbox = _encoded(batch)
+            groups, outbox, queued_groups, queued_outbox = _encoded(batch, self._id_layout)
             receipt = _write_batch_now(
                 local, batch, groups, outbox, queued_groups, queued_outbox, True
             )
@@ -1455,12 +1686,16 @@ class SQLiteAdapter(AsyncResource):
         return _decode_all(decoder, table, rows)
 
     async def get_session(self, session_id: str) -> Session | None:
-        return await self._one(_SESSION, "sessions", "get_session", session_id)
+        async with self._reading("read sessions") as conn:
+            rows = await _fetch(conn, QUERIES["get_session"], (_key(session_id),))
+        return _sessions_of(rows)[0] if rows else None
 
     async def list_sessions(self, *, include_deleted: bool = False) -> list[Session]:
         """Sessions newest first (by ``updated_at``, then id, both descending)."""
         query = "list_sessions_all" if include_deleted else "list_sessions"
-        return await self._many(_SESSION, "sessions", query, ())
+        async with self._reading("read sessions") as conn:
+            rows = await _fetch(conn, QUERIES[query])
+        return _sessions_of(rows)
 
     async def get_messages(self, message_ids: list[str]) -> list[Message]:
         """Messages in the order of ``message_ids``; unknown ids are skipped."""
@@ -1584,7 +1819,9 @@ class SQLiteAdapter(AsyncResource):
         if rows is None:
             async with self._reading("read outbox") as conn:
                 rows = await _fetch(conn, QUERIES["outbox_pending"], params)
-        return outbox_entries(rows, lambda seq, body: _decode(_RECORD, "outbox", seq, body))
+        return outbox_entries(
+            _entries_of(rows), lambda seq, body: _decode(_RECORD, "outbox", seq, body)
+        )
 
     def _read_now(
         self, sql: str, params: Sequence[Any], *, beside_writes: bool = False
@@ -1653,13 +1890,16 @@ class SQLiteAdapter(AsyncResource):
         """Move one entry to dead_letters, keeping its attempts count (count the rejecting
         attempt with ``outbox_mark_attempt`` first if it should show); unknown seq: no-op."""
         async with self._transaction("outbox dead letter") as conn:
+            # The body as a push sends it (a long session's blocks joined: ``_entries_of``).
+            rows = _entries_of(await _fetch(conn, QUERIES["outbox_pending"], (client_seq - 1, 1)))
+            body = rows[0][1] if rows and rows[0][0] == client_seq else None
             await conn.execute(
                 "INSERT INTO dead_letters "
                 "(client_seq, record_id, kind, body, code, message, attempts, failed_at) "
-                f"SELECT o.client_seq, o.record_id, o.kind, {_OUTBOX_BODY}, "
+                f"SELECT o.client_seq, o.record_id, o.kind, COALESCE(?, {_OUTBOX_BODY}), "
                 f"?, ?, o.attempts, ? FROM outbox o {_OUTBOX_JOINS} "
                 "WHERE o.client_seq = ?",
-                (code, message, time.time(), client_seq),
+                (body, code, message, time.time(), client_seq),
             )
             await conn.execute("DELETE FROM outbox WHERE client_seq = ?", (client_seq,))
 

@@ -41,6 +41,7 @@ from pleach_server.store import ServerStore, SQLiteServerStore, Tenant
 from shared.errors import NotFound
 from shared.ids import uuid7
 from shared.records import Event
+from tests.factories import small_id_blocks
 
 from .invariants import Ledger, check
 from .network import Proxy
@@ -318,8 +319,11 @@ class Device:
 
     async def open(self) -> SessionRuntime:
         world = self.world
+        store = SQLiteAdapter(self.path)
+        if world.schedule.small_id_blocks:
+            small_id_blocks(store)
         rt = SessionRuntime(
-            SQLiteAdapter(self.path),
+            store,
             ScriptedProvider(default_reply=self._reply),
             user_id=world.tenant.user_id,
             org_id=world.tenant.org_id,

@@ -110,6 +110,14 @@ class Schedule:
     mix: str = "all"
     """The op weights it was drawn with (``MIXES``)."""
 
+    @property
+    def small_id_blocks(self) -> bool:
+        """Whether the devices' SQLite stores keep every session's message ids in blocks of
+        two (``tests.factories.small_id_blocks``): every other seed, so that the blocks' path
+        (written by long sessions only, with the defaults) meets every schedule's races. Of
+        the seed, not of its draw: the ops of a seed stay what they were."""
+        return self.seed % 2 == 0
+
     def batch_of(self, device: int) -> int | None:
         return self.batches[device] if device < len(self.batches) else None
 
@@ -121,6 +129,7 @@ class Schedule:
         lines = [
             f"seed {self.seed}{mix}: {self.devices} devices, clock offsets (ms) "
             f"{list(self.skews_ms)}, push batches {list(self.batches)}, {len(self.ops)} ops"
+            + (", ids in small blocks" if self.small_id_blocks else "")
         ]
         lines.extend(f"  {i:3d}. {op}" for i, op in enumerate(self.ops))
         return "\n".join(lines)
