@@ -55,6 +55,15 @@ highest both sides speak):
   fields. A server sends ``bodies`` only to a device at version 6 or later; a device sends
   them only to such a server.
 
+- **7**: a session body in a frame's ``bodies`` may carry its message ids as a reference to the
+  list this connection carried last for that session, followed by the new ids (ext 5 in
+  place of ext 4; ``shared.idrefs``). Each direction of a connection keeps the lists it
+  carried, by one rule on both sides; the receiver makes each body whole before reading it,
+  so a store keeps, and a page forwards, the body as it would have come whole. A turn of a
+  2,000-message session then sends its session row in about 150 bytes instead of 32 KB. A
+  reference the receiver cannot resolve is a fatal 3004: the connection ends, and the lists
+  start empty on the next one.
+
 A version 1 peer reads version 2 frames unchanged (it ignores the new fields), which is why the
 server fills them whatever version it agreed.
 """
@@ -72,7 +81,7 @@ from .records import Change, FeedChange
 
 MIN_PROTOCOL = 1
 """The oldest protocol version this code speaks."""
-MAX_PROTOCOL = 6
+MAX_PROTOCOL = 7
 """The newest protocol version this code speaks."""
 PROTOCOL_VERSION = MAX_PROTOCOL
 """The newest version (a ``Hello`` naming only it negotiates exactly it)."""

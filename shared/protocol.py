@@ -33,6 +33,7 @@ from .errors import (
     ProtocolVersion,
     SyncError,
 )
+from .idrefs import ID_REFS_SINCE, IdLists
 from .messages import (
     COMPACT_SINCE,
     DEFAULT_MAX_FRAME_BYTES,
@@ -40,6 +41,7 @@ from .messages import (
     MAX_PROTOCOL,
     MIN_PROTOCOL,
     SKIPPED_SINCE,
+    ChangeBody,
     ChangeResult,
     Changes,
     ClientFrame,
@@ -84,6 +86,10 @@ class State(enum.Enum):
     CLOSING = "closing"
 
 
+def _raw(body: bytes | msgspec.Raw) -> msgspec.Raw:
+    return body if isinstance(body, msgspec.Raw) else msgspec.Raw(body)
+
+
 def negotiate(offered: tuple[int, int], supported: tuple[int, int]) -> int | None:
     """The highest version in both inclusive ranges ``(lowest, highest)``, or ``None``."""
     low = max(offered[0], supported[0])
@@ -99,6 +105,10 @@ class _Protocol:
         self.close_reason: SyncError | None = None
         self.ignored_frames = 0  # optional frames of unknown type, skipped
         self._out: list[bytes] = []
+        # (Version 7) The session id lists each direction has carried (``shared.idrefs``).
+        self.sent_ids = IdLists()
+        self.received_ids = IdLists()
+        self.version: int | None = None
 
     def data_to_send(self) -> list[bytes]:
         """Encoded frames to write, in order, since the last call."""
@@ -140,7 +150,8 @@ class _Protocol:
         try:
             frame = self.codec.decode(data)
             if isinstance(frame, Push | Changes) and frame.bodies:
-                return self._unpacked(frame)
+                grown = self._grown(frame)
+                return None if grown is None else self._unpacked(grown)
             return frame
         except msgspec.ValidationError as exc:
             envelope = self.codec.peek(data)
@@ -165,6 +176,30 @@ class _Protocol:
         except msgspec.DecodeError as exc:
             self.fail(MalformedFrame(f"malformed frame: {exc}"), fatal=False)
         return None
+
+    def _grown(self, frame: Push | Changes) -> Push | Changes | None:
+        """(Version 7) ``frame`` with its session bodies' id list references made whole
+        (``IdLists.grow``); None, and a fatal 3004, for a reference this side cannot resolve:
+        the two sides' lists no longer agree, so the connection ends (the device connects
+        again, with empty lists)."""
+        if (self.version or 0) < ID_REFS_SINCE:
+            return frame
+        grow = self.received_ids.grow
+        try:
+            if isinstance(frame, Push):
+                pushed = [
+                    b if (body := grow(b.body)) is b.body else ChangeBody(b.client_seq, _raw(body))
+                    for b in frame.bodies
+                ]
+                return msgspec.structs.replace(frame, bodies=pushed)
+            paged = [
+                b if (body := grow(b.body)) is b.body else FeedBody(b.cursor, _raw(body))
+                for b in frame.bodies
+            ]
+            return msgspec.structs.replace(frame, bodies=paged)
+        except msgspec.DecodeError as exc:
+            self.fail(MalformedFrame(f"malformed frame: {exc}"), request_id=frame.request_id)
+            return None
 
     def _unpacked(self, frame: Push | Changes) -> Push | Changes | None:
         """``frame`` with its ``bodies`` (version 6) decoded into ``changes``; None (and a
@@ -251,7 +286,21 @@ class ServerProtocol(_Protocol):
         request gets its answer. Use it for frames refused before decoding (rate limits).
         """
         envelope = self.codec.peek(data) if len(data) <= self.max_frame_bytes else None
+        if envelope is not None and envelope.type == "push" and self.state is State.OPEN:
+            self._carried(data)
         self.fail(error, fatal=False, request_id=envelope.request_id if envelope else 0)
+
+    def _carried(self, data: bytes) -> None:
+        """(Version 7) The id lists of a push refused unread, taken as the device sent them
+        (its lists changed as it sent the push: this side's must too)."""
+        if (self.version or 0) < ID_REFS_SINCE:
+            return
+        try:
+            frame = self.codec.decode(data)
+        except msgspec.DecodeError:
+            return  # (a frame that does not decode changed nobody's lists)
+        if isinstance(frame, Push) and frame.bodies:
+            self._grown(frame)
 
     def send_welcome(self, welcome: Welcome) -> None:
         """Answer the accepted ``Hello``; fills in the agreed ``protocol`` and the request id."""
@@ -300,6 +349,12 @@ class ServerProtocol(_Protocol):
         self._require_open()
         if bodies is not None and (self.version or 0) < COMPACT_SINCE:
             raise InvalidState(f"record bodies need protocol {COMPACT_SINCE}")
+        if bodies and (self.version or 0) >= ID_REFS_SINCE:
+            shrink = self.sent_ids.shrink
+            bodies = [
+                b if (body := shrink(b.body)) is b.body else FeedBody(b.cursor, _raw(body))
+                for b in bodies
+            ]
         self._send(
             Changes(
                 from_cursor=from_cursor,
@@ -456,6 +511,8 @@ class ClientProtocol(_Protocol):
         if bodies is not None and len(bodies) != len(changes):
             raise ValueError(f"{len(bodies)} bodies for {len(changes)} changes")
         if bodies is not None and (self.version or 0) >= COMPACT_SINCE:
+            if (self.version or 0) >= ID_REFS_SINCE:
+                bodies = [bytes(self.sent_ids.shrink(body)) for body in bodies]
             packed = change_bodies(changes, bodies)
             return self._request(
                 lambda rid: Push(

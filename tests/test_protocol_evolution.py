@@ -112,11 +112,12 @@ def test_negotiate_picks_the_highest_common_version(
         (Hello(protocol=1, client_id="d"), 1),  # a version 1 device: only ``protocol``
         (Hello(protocol=2, client_id="d"), 2),
         (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=2), 2),
-        (Hello(protocol=1, client_id="d", max_protocol=9), 6),
+        (Hello(protocol=1, client_id="d", max_protocol=9), 7),
         (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=3), 3),
         (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=4), 4),
         (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=5), 5),
         (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=6), 6),
+        (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=7), 7),
         (Hello(protocol=2, client_id="d", min_protocol=1, max_protocol=1), 1),
     ],
 )
@@ -130,18 +131,18 @@ def test_server_agrees_the_highest_common_version(hello: Hello, version: int) ->
     assert isinstance(frame, Welcome) and frame.protocol == version
 
 
-def test_the_server_range_is_one_to_six() -> None:
-    assert (MIN_PROTOCOL, MAX_PROTOCOL) == (1, 6)
-    assert ServerProtocol().supported == (1, 6)
+def test_the_server_range_is_one_to_seven() -> None:
+    assert (MIN_PROTOCOL, MAX_PROTOCOL) == (1, 7)
+    assert ServerProtocol().supported == (1, 7)
 
 
 @pytest.mark.parametrize(
     ("hello", "device_range"),
     [
-        (Hello(protocol=7, client_id="d", request_id=7), "7..7"),
-        (Hello(protocol=7, client_id="d", min_protocol=7, max_protocol=8, request_id=7), "7..8"),
+        (Hello(protocol=8, client_id="d", request_id=7), "8..8"),
+        (Hello(protocol=8, client_id="d", min_protocol=8, max_protocol=9, request_id=7), "8..9"),
         (Hello(protocol=0, client_id="d", request_id=7), "0..0"),
-        (Hello(protocol=1, client_id="d", min_protocol=7, max_protocol=6, request_id=7), "7..6"),
+        (Hello(protocol=1, client_id="d", min_protocol=8, max_protocol=7, request_id=7), "8..7"),
     ],
 )
 def test_no_common_version_is_a_3003_naming_both_ranges(hello: Hello, device_range: str) -> None:
@@ -152,7 +153,7 @@ def test_no_common_version_is_a_3003_naming_both_ranges(hello: Hello, device_ran
     assert err.code == ErrorCode.PROTOCOL_VERSION
     assert err.request_id == 7  # it answers the Hello
     assert f"device speaks {device_range}" in err.message
-    assert "server speaks 1..6" in err.message
+    assert "server speaks 1..7" in err.message
     assert server.state is State.CLOSING
     assert isinstance(server.close_reason, ProtocolVersion)
 

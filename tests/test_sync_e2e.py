@@ -24,6 +24,7 @@ from pleach_server.store import ServerStore, SQLiteServerStore, Tenant
 from shared.clock import HybridClock
 from shared.errors import CursorTooOld, ErrorCode
 from shared.ids import uuid7
+from shared.messages import MAX_PROTOCOL
 from shared.records import Message
 from tests.server_factories import rewrite_page, rewrite_push
 
@@ -648,7 +649,7 @@ async def test_records_keep_their_bytes_from_device_to_server_to_device(cluster:
     session = await laptop.create_session()
     await chat(laptop, session.id, "as its bytes")
     await cluster.online(laptop, phone, old)
-    assert (await laptop.sync.status()).protocol == 6
+    assert (await laptop.sync.status()).protocol == MAX_PROTOCOL == 7
     assert (await old.sync.status()).protocol == 5
     laptop_bodies = _stored_bodies(cluster.tmp / "laptop.db", "messages")
     phone_bodies = _stored_bodies(cluster.tmp / "phone.db", "messages")

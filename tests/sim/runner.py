@@ -7,8 +7,12 @@ import contextlib
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+
+import pytest
+
+from shared import idrefs
 
 from .harness import (
     Backend,
@@ -25,6 +29,16 @@ PG_DSN = os.environ.get("PLEACH_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5
 BACKENDS = ("sqlite", "postgres", "process")
 
 
+@contextlib.contextmanager
+def _short_id_lists() -> Iterator[None]:
+    """Protocol 7's id list references for every session of a few ids (``MIN_IDS`` 2, not 64:
+    the simulation's sessions are short), on both sides of every connection: only where the
+    server runs in this process, since both sides must keep lists by the same rule."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(idrefs, "MIN_IDS", 2)
+        yield
+
+
 @contextlib.asynccontextmanager
 async def backends(name: str, workdir: Path) -> AsyncIterator[Callable[[], Backend]]:
     """A factory of backends for a run of schedules.
@@ -33,7 +47,8 @@ async def backends(name: str, workdir: Path) -> AsyncIterator[Callable[[], Backe
     gets one fresh schema for the run, dropped after; the server process is one for the run.
     """
     if name == "sqlite":
-        yield sqlite_backend
+        with _short_id_lists():
+            yield sqlite_backend
     elif name == "postgres":
         import asyncpg  # type: ignore[import-untyped]
 
@@ -41,7 +56,8 @@ async def backends(name: str, workdir: Path) -> AsyncIterator[Callable[[], Backe
 
         schema = f"pleach_sim_{uuid7().replace('-', '')}"
         try:
-            yield lambda: postgres_backend(PG_DSN, schema)
+            with _short_id_lists():
+                yield lambda: postgres_backend(PG_DSN, schema)
         finally:
             conn = await asyncpg.connect(PG_DSN, timeout=10)
             try:
