@@ -38,9 +38,21 @@ from websockets.exceptions import ConnectionClosed
 from pleach_server.auth import issue_token
 from pleach_server.server import SyncServer
 from pleach_server.store import SQLiteServerStore, Tenant
-from shared import compact
+from shared import compact, idrefs
 from shared.errors import ErrorCode
-from shared.messages import Changes, Error, FrameCodec, Hello, Pull, Push, Welcome, unpacked
+from shared.ids import uuid7
+from shared.messages import (
+    Changes,
+    Error,
+    FeedBody,
+    FrameCodec,
+    Hello,
+    Pull,
+    Push,
+    Welcome,
+    unpacked,
+)
+from shared.records import SessionState
 from tests.server_factories import Device, new_tenant
 
 SECRET = b"fuzz-secret"
@@ -100,6 +112,7 @@ def _seeds(dev: Device) -> list[dict[str, Any]]:
         Push(changes=dev.changes(session), skipped=[dev.next_seq - 3], request_id=4),
         Pull(cursor=0, limit=50, request_id=3),
         Hello(protocol=1, client_id=dev.client_id, min_protocol=1, max_protocol=6, request_id=1),
+        Hello(protocol=1, client_id=dev.client_id, min_protocol=1, max_protocol=7, request_id=1),
     ]
     # Protocol 6: the records as their compact bytes, inline (each one msgpack value).
     bodies = [
@@ -107,7 +120,23 @@ def _seeds(dev: Device) -> list[dict[str, Any]]:
         for c in dev.changes(*records)
     ]
     pushed = {"type": "push", "changes": [], "request_id": 5, "bodies": bodies}
-    return [msgspec.to_builtins(f) for f in frames] + [pushed]
+    # Protocol 7: a long session whole, then its next version as a reference to that list.
+    ids = [uuid7() for _ in range(idrefs.MIN_IDS)]
+    lists = idrefs.IdLists()
+    versions = [
+        msgspec.structs.replace(session, state=SessionState(message_ids=ids)),
+        msgspec.structs.replace(session, state=SessionState(message_ids=[*ids, uuid7()])),
+    ]
+    long_pushes = [
+        {
+            "type": "push",
+            "changes": [],
+            "request_id": 6 + i,
+            "bodies": [[c.client_seq, msgspec.msgpack.decode(lists.shrink(compact.encode(v)))]],
+        }
+        for i, (c, v) in enumerate(zip(dev.changes(*versions), versions, strict=True))
+    ]
+    return [msgspec.to_builtins(f) for f in frames] + [pushed, *long_pushes]
 
 
 def _weird(rng: random.Random, depth: int = 0) -> Any:
@@ -221,8 +250,15 @@ def frames(seed: int, seeds: list[dict[str, Any]]) -> Any:
 # -- running -----------------------------------------------------------------------------------
 
 
-async def _drain(ws: ClientConnection, codec: FrameCodec, report: FuzzReport, mine: Tenant) -> None:
-    """Read what the server answered so far (without waiting long) and check it."""
+async def _drain(
+    ws: ClientConnection,
+    codec: FrameCodec,
+    report: FuzzReport,
+    mine: Tenant,
+    received: idrefs.IdLists,
+) -> None:
+    """Read what the server answered so far (without waiting long) and check it.
+    ``received``: the connection's id lists (protocol 7 pages refer to them)."""
     while True:
         try:
             async with asyncio.timeout(0.001 if report.frames % 200 else 0.05):
@@ -244,7 +280,10 @@ async def _drain(ws: ClientConnection, codec: FrameCodec, report: FuzzReport, mi
             report.errors[frame.code] += 1
         if isinstance(frame, Changes):
             try:
-                frame = unpacked(frame)  # protocol 6: the records as their stored bytes
+                grown = [
+                    FeedBody(b.cursor, msgspec.Raw(received.grow(b.body))) for b in frame.bodies
+                ]
+                frame = unpacked(msgspec.structs.replace(frame, bodies=grown))  # protocol 6, 7
             except (msgspec.DecodeError, RecursionError) as exc:
                 report.problems.append(f"the server sent a record that does not decode: {exc}")
                 continue
@@ -285,18 +324,20 @@ async def run_fuzz(count: int, seed: int, workdir: Path) -> FuzzReport:
             headers = {"Authorization": f"Bearer {issue_token(SECRET, fuzzer.tenant, 3600)}"}
             stream = frames(seed, _seeds(fuzzer))
             hello = codec.encode(Hello(protocol=2, client_id=fuzzer.client_id, max_protocol=2))
+            hello7 = codec.encode(Hello(protocol=2, client_id=fuzzer.client_id, max_protocol=7))
             while report.frames < count:
                 report.connections += 1
                 try:
                     async with connect(
                         srv.url, additional_headers=headers, proxy=None, max_size=None
                     ) as ws:
+                        received = idrefs.IdLists()
                         if report.connections % 3:
-                            await ws.send(hello)
+                            await ws.send(hello if report.connections % 3 == 1 else hello7)
                         while report.frames < count:
                             await ws.send(next(stream))
                             report.frames += 1
-                            await _drain(ws, codec, report, fuzzer.tenant)
+                            await _drain(ws, codec, report, fuzzer.tenant, received)
                 except ConnectionClosed as exc:
                     code = exc.rcvd.code if exc.rcvd is not None else 1006
                     report.closes[code] += 1
