@@ -105,9 +105,14 @@ class _Protocol:
         self.close_reason: SyncError | None = None
         self.ignored_frames = 0  # optional frames of unknown type, skipped
         self._out: list[bytes] = []
-        # (Version 7) The session id lists each direction has carried (``shared.idrefs``).
+        # (Version 7) The session id lists each direction has carried (``shared.idrefs``):
+        # pushes and answers in one, live pages in another, since a live page may reach the
+        # device behind answers sent after it (the protocol lets a server hold live pages
+        # back); each stream keeps its own order.
         self.sent_ids = IdLists()
         self.received_ids = IdLists()
+        self.sent_live_ids = IdLists()
+        self.received_live_ids = IdLists()
         self.version: int | None = None
 
     def data_to_send(self) -> list[bytes]:
@@ -184,7 +189,8 @@ class _Protocol:
         again, with empty lists)."""
         if (self.version or 0) < ID_REFS_SINCE:
             return frame
-        grow = self.received_ids.grow
+        live = isinstance(frame, Changes) and frame.live
+        grow = (self.received_live_ids if live else self.received_ids).grow
         try:
             if isinstance(frame, Push):
                 pushed = [
@@ -350,7 +356,7 @@ class ServerProtocol(_Protocol):
         if bodies is not None and (self.version or 0) < COMPACT_SINCE:
             raise InvalidState(f"record bodies need protocol {COMPACT_SINCE}")
         if bodies and (self.version or 0) >= ID_REFS_SINCE:
-            shrink = self.sent_ids.shrink
+            shrink = (self.sent_live_ids if live else self.sent_ids).shrink
             bodies = [
                 b if (body := shrink(b.body)) is b.body else FeedBody(b.cursor, _raw(body))
                 for b in bodies

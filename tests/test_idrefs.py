@@ -168,6 +168,34 @@ def test_a_push_and_a_page_carry_a_long_lists_new_ids_only() -> None:
     assert pages[0] > 32_000 and pages[1] < 400
 
 
+def test_live_pages_held_behind_answers_still_resolve() -> None:
+    """The protocol lets live pages reach the device behind answers sent after them (the
+    simulation's proxy does so): live pages and answers keep lists of their own, each in its
+    own order, so every page resolves however the two streams interleave."""
+    client, server = _open_pair()
+    session_id = uuid7()
+    ids = [uuid7() for _ in range(100)]
+    versions = [_session(session_id, ids[: 70 + 10 * i]) for i in range(4)]
+    frames: dict[str, list[bytes]] = {"live": [], "answer": []}
+    for i, version in enumerate(versions):
+        body = [FeedBody(i + 1, msgspec.Raw(compact.encode(version)))]
+        for kind in ("live", "answer"):
+            if kind == "answer":
+                client.send_pull(i)
+                client.data_to_send()
+            server.send_changes(i, i + 1, [], live=kind == "live", request_id=i + 2, bodies=body)
+            (data,) = server.data_to_send()
+            frames[kind].append(data)
+    assert len(frames["live"][-1]) < 600 and len(frames["answer"][-1]) < 600
+    for data in [*frames["answer"], *frames["live"]]:  # every live page held behind
+        client.receive_data(data)
+    events = client.take_events()
+    assert len(events) == 8 and client.state is State.OPEN
+    pages = [e.changes if isinstance(e, Live) else e.frame for e in events]  # type: ignore[union-attr]
+    got = [p.changes[0].record for p in pages]  # type: ignore[union-attr]
+    assert got == versions + versions
+
+
 def test_a_push_refused_unread_still_moves_the_servers_lists() -> None:
     """A rate limit refuses a push before reading it; the device's lists moved as it sent
     it, and the server's move too, so the next push's reference resolves."""
@@ -281,7 +309,8 @@ async def test_a_long_conversation_continues_on_another_device_with_small_frames
             key = compact.packed(session.id)
             assert key in link.protocol.sent_ids._held
             phone_link = phone.sync._link
-            assert phone_link is not None and key in phone_link.protocol.received_ids._held
+            assert phone_link is not None
+            assert key in phone_link.protocol.received_live_ids._held  # the pages came live
             await laptop.sync.disconnect()
             await chat(laptop, session.id, "after a reconnect")
             await cluster.online(laptop, phone)
