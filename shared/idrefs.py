@@ -5,8 +5,11 @@ of 16 bytes an id in its compact body), and every turn sends a new version of it
 messages, 32 KB on the wire each turn for two new ids, compressed again by each side. From
 protocol 7 each direction of a connection keeps the lists it has carried (``IdLists``): the
 sender's of what it sent, the receiver's of what it read, the same on both sides since both
-see the same frames in the same order. A session body whose list extends the one the
-connection carried last for that session travels with its list as ext 5, a reference:
+see the same frames in the same order. (A server may hold live pages back behind answers sent
+after them, so a connection keeps one set for its pushes and answers and another for its
+live pages: ``shared.protocol``. Each stream keeps its own order.) A session body whose list
+extends the one the connection carried last for that session travels with its list as ext 5,
+a reference:
 
     ext 5 = digest (8 bytes) + the count of ids referred to (4 bytes, big-endian) + new ids
 

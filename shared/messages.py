@@ -59,7 +59,9 @@ highest both sides speak):
   list this connection carried last for that session, followed by the new ids (ext 5 in
   place of ext 4; ``shared.idrefs``). Each direction of a connection keeps the lists it
   carried, by one rule on both sides; the receiver makes each body whole before reading it,
-  so a store keeps, and a page forwards, the body as it would have come whole. A turn of a
+  so a store keeps, and a page forwards, the body as it would have come whole. Live pages
+  keep lists of their own, apart from pushes and answers (a server may send live pages
+  behind answers sent after them). A turn of a
   2,000-message session then sends its session row in about 150 bytes instead of 32 KB. A
   reference the receiver cannot resolve is a fatal 3004: the connection ends, and the lists
   start empty on the next one.
