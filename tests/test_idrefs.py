@@ -115,8 +115,10 @@ def test_a_reference_not_held_as_named_is_refused() -> None:
     assert receiver.grow(wire) == second  # the refusal took nothing: the true one still reads
 
 
-def _open_pair() -> tuple[ClientProtocol, ServerProtocol]:
-    client = ClientProtocol("dev-a", 0)
+def _open_pair(max_protocol: int = MAX_PROTOCOL) -> tuple[ClientProtocol, ServerProtocol]:
+    """A device's protocol and a server's, past Hello and Welcome (``max_protocol``: the
+    device's newest)."""
+    client = ClientProtocol("dev-a", 0, max_protocol=max_protocol)
     server = ServerProtocol()
     for data in client.data_to_send():
         server.receive_data(data)
@@ -124,8 +126,9 @@ def _open_pair() -> tuple[ClientProtocol, ServerProtocol]:
     server.send_welcome(Welcome(server_id="s", head_cursor=0, last_seq=0, server_hlc="h"))
     for data in server.data_to_send():
         client.receive_data(data)
-    client.take_events()
-    assert client.version == server.version == MAX_PROTOCOL >= idrefs.ID_REFS_SINCE
+    (welcome,) = client.take_events()
+    assert isinstance(welcome, Answer)
+    assert client.version == server.version == max_protocol
     return client, server
 
 
@@ -141,6 +144,7 @@ def test_a_push_and_a_page_carry_a_long_lists_new_ids_only() -> None:
     """Device to server and server to device: the second version of a 2,000-message session
     goes in a few hundred bytes, and each side reads the body the other stored."""
     client, server = _open_pair()
+    assert MAX_PROTOCOL >= idrefs.ID_REFS_SINCE
     session_id = uuid7()
     ids = [uuid7() for _ in range(2000)]
     first, second = _session(session_id, ids), _session(session_id, [*ids, uuid7(), uuid7()])
@@ -232,15 +236,7 @@ def test_a_reference_the_server_cannot_resolve_ends_the_connection() -> None:
 
 
 def test_a_device_of_protocol_6_gets_whole_lists() -> None:
-    client = ClientProtocol("dev-a", 0, max_protocol=6)
-    server = ServerProtocol()
-    for data in client.data_to_send():
-        server.receive_data(data)
-    server.events_received()
-    server.send_welcome(Welcome(server_id="s", head_cursor=0, last_seq=0, server_hlc="h"))
-    for data in server.data_to_send():
-        client.receive_data(data)
-    assert isinstance(client.take_events()[0], Answer) and client.version == 6
+    client, server = _open_pair(max_protocol=6)
     session_id = uuid7()
     ids = [uuid7() for _ in range(100)]
     for seq, version in enumerate((ids, [*ids, uuid7()]), start=1):
