@@ -35,7 +35,6 @@ Pure: no I/O.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from typing import Any, Final
 
 import msgspec
@@ -98,7 +97,8 @@ class IdLists:
     __slots__ = ("_bytes", "_held", "max_bytes")
 
     def __init__(self, max_bytes: int = MAX_HELD_BYTES) -> None:
-        self._held: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()
+        # In the order last carried (a dict keeps insertion order; ``_remember`` inserts anew).
+        self._held: dict[bytes, tuple[bytes, bytes]] = {}
         self._bytes = 0
         self.max_bytes = max_bytes
 
@@ -204,8 +204,8 @@ class IdLists:
         self._held[key] = (blob, digest)
         self._bytes += len(blob)
         while self._bytes > self.max_bytes:
-            _, (dropped, _) = self._held.popitem(last=False)
-            self._bytes -= len(dropped)
+            oldest = next(iter(self._held))
+            self._bytes -= len(self._held.pop(oldest)[0])
 
     def _forget(self, key: bytes) -> None:
         held = self._held.pop(key, None)

@@ -108,12 +108,36 @@ class _Protocol:
         # (Version 7) The session id lists each direction has carried (``shared.idrefs``):
         # pushes and answers in one, live pages in another, since a live page may reach the
         # device behind answers sent after it (the protocol lets a server hold live pages
-        # back); each stream keeps its own order.
-        self.sent_ids = IdLists()
-        self.received_ids = IdLists()
-        self.sent_live_ids = IdLists()
-        self.received_live_ids = IdLists()
+        # back); each stream keeps its own order. Made when first used (an idle connection
+        # holds none).
+        self._id_lists: dict[str, IdLists] = {}
         self.version: int | None = None
+
+    def _lists(self, name: str) -> IdLists:
+        lists = self._id_lists.get(name)
+        if lists is None:
+            lists = self._id_lists[name] = IdLists()
+        return lists
+
+    @property
+    def sent_ids(self) -> IdLists:
+        """The lists this side sent in pushes and answers."""
+        return self._lists("sent")
+
+    @property
+    def received_ids(self) -> IdLists:
+        """The lists this side read in pushes and answers."""
+        return self._lists("received")
+
+    @property
+    def sent_live_ids(self) -> IdLists:
+        """The lists this side sent in live pages (a server)."""
+        return self._lists("sent live")
+
+    @property
+    def received_live_ids(self) -> IdLists:
+        """The lists this side read in live pages (a device)."""
+        return self._lists("received live")
 
     def data_to_send(self) -> list[bytes]:
         """Encoded frames to write, in order, since the last call."""
