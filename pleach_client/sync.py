@@ -35,6 +35,7 @@ from shared.errors import (
     StorageUnavailable,
     SyncError,
 )
+from shared.idrefs import ID_REFS_SINCE, unresolved
 from shared.merge import Resolution, resolve_conflicts
 from shared.messages import (
     AS_PUSHED_SINCE,
@@ -186,6 +187,12 @@ class SyncFacet:
         self.max_protocol = max_protocol
         """The newest protocol version this device offers (a lower one pins it, e.g. while
         a fleet of servers is upgraded; the server picks the newest both speak)."""
+        self._id_refs_failed = False
+        """A connection ended because this device's id lists and the server's disagreed
+        (protocol 7, ``shared.idrefs``): from then on this runtime offers protocol 6 at most,
+        which sends every session row whole. A safety net: nothing is lost either way (the
+        connection ends and what it carried is sent again), but a pair whose lists kept
+        disagreeing would otherwise reconnect for ever."""
         self.pipeline = max(1, pipeline)
         self.live_grace = live_grace
         self.batch_size = batch_size
@@ -595,6 +602,13 @@ class SyncFacet:
                 return  # nothing was sent; the rows stay queued until connect() with a token
             except SyncError as exc:
                 self._error(exc.message, int(exc.code))
+                if exc.code == ErrorCode.MALFORMED_FRAME and unresolved(exc.message):
+                    self._id_refs_failed = True
+                    log.warning(
+                        "sync: the server's id lists and this device's disagreed; this runtime "
+                        "now sends every session row whole (protocol %d)",
+                        ID_REFS_SINCE - 1,
+                    )
             except PleachError as exc:  # a refused page (bad chain), a store failure...
                 self._error(f"{type(exc).__name__}: {exc}")
             finally:
@@ -626,7 +640,11 @@ class SyncFacet:
                 rt.client_id,
                 cursor,
                 max_frame_bytes=self.max_frame_bytes,
-                max_protocol=self.max_protocol,
+                max_protocol=(
+                    min(self.max_protocol, ID_REFS_SINCE - 1)
+                    if self._id_refs_failed
+                    else self.max_protocol
+                ),
                 previous_client_ids=await rt.core.previous_client_ids(),
             )
             link = Link(ws, protocol)

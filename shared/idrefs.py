@@ -39,7 +39,7 @@ from typing import Any, Final
 
 import msgspec
 
-__all__ = ["ID_REFS_SINCE", "MAX_HELD_BYTES", "MIN_IDS", "IdLists"]
+__all__ = ["ID_REFS_SINCE", "MAX_HELD_BYTES", "MIN_IDS", "UNRESOLVED", "IdLists", "unresolved"]
 
 ID_REFS_SINCE: Final = 7
 """The protocol version from which session bodies may carry id list references."""
@@ -48,6 +48,9 @@ MIN_IDS: Final = 64
 MAX_HELD_BYTES: Final = 256 * 1024
 """Bytes of id lists a direction of a connection keeps at most (the same rule on both sides:
 the least recently carried go first)."""
+
+UNRESOLVED: Final = "an id list reference that does not resolve"
+"""In the message of the error (3004) that ends a connection whose sides' lists disagree."""
 
 _EXT_IDS: Final = 4
 _EXT_REF: Final = 5
@@ -71,6 +74,11 @@ def _ext(code: int, data: memoryview) -> msgspec.msgpack.Ext:
 
 
 _VALUE: Final = msgspec.msgpack.Decoder(ext_hook=_ext)
+
+
+def unresolved(message: str) -> bool:
+    """Whether an error's ``message`` says the two sides' id lists disagreed (``UNRESOLVED``)."""
+    return UNRESOLVED in message
 
 
 def _digest(data: bytes) -> bytes:
@@ -154,8 +162,8 @@ class IdLists:
         digest, count = data[:_DIGEST], int.from_bytes(data[_DIGEST:head], "big")
         if held is None or held[1] != digest or len(held[0]) != 16 * count:
             raise msgspec.DecodeError(
-                "a session body refers to an id list this connection has not carried "
-                f"({count} ids): the two sides' lists differ"
+                f"{UNRESOLVED}: a session body refers to an id list this connection has not "
+                f"carried ({count} ids); the two sides' lists differ"
             )
         tail = data[head:]
         blob = held[0] + tail

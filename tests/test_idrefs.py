@@ -314,3 +314,38 @@ async def test_a_long_conversation_continues_on_another_device_with_small_frames
         finally:
             await stack.aclose()
             await cluster.stop_server()
+
+
+async def test_lists_that_disagree_end_the_connection_and_the_device_goes_on_whole(
+    tmp_path: Path,
+) -> None:
+    """A device whose lists no longer match the server's (here, its live lists forgotten as
+    though by a bug) refuses the next reference (3004), reconnects, and from then on offers
+    protocol 6: every row goes whole, and nothing is lost or stuck."""
+    async with AsyncExitStack() as stack:
+        cluster = Cluster(tmp_path, stack)
+        await cluster.start_server()
+        try:
+            laptop, phone = await cluster.device("laptop"), await cluster.device("phone")
+            session = await laptop.create_session(title="long")
+            for i in range(MIN_IDS // 2 + 1):
+                await chat(laptop, session.id, f"offline {i}")
+            await cluster.online(laptop, phone)
+            await chat(laptop, session.id, "the first live page carries the list whole")
+            await cluster.settle(laptop, phone)
+            link = phone.sync._link
+            assert link is not None and link.protocol.version == MAX_PROTOCOL
+            assert len(link.protocol.received_live_ids) == 1
+            link.protocol.received_live_ids._held.clear()  # the phone's lists now disagree
+            await chat(laptop, session.id, "this page refers to the list")
+            await cluster.settle(laptop, phone)
+            assert phone.sync._id_refs_failed
+            assert (await phone.sync.status()).protocol == 6
+            assert await snapshot(phone, session.id) == await snapshot(laptop, session.id)
+            await chat(laptop, session.id, "and on, whole")
+            await cluster.settle(laptop, phone)
+            assert await snapshot(phone, session.id) == await snapshot(laptop, session.id)
+            assert (await laptop.sync.status()).protocol == MAX_PROTOCOL
+        finally:
+            await stack.aclose()
+            await cluster.stop_server()
