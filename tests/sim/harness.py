@@ -303,6 +303,14 @@ class Device:
         self.replies: deque[ScriptedReply] = deque()
         self.conflicts: list[tuple[str, str]] = []  # (session id, conflict id) seen here
         self.applied = asyncio.Event()  # set whenever remote changes are applied here
+        self.id_lists_disagreed = False  # a runtime of it fell back from protocol 7
+
+    def note_id_lists(self) -> None:
+        """Remember whether the runtime open now saw its id lists disagree with the server's
+        (protocol 7): its safety net would hide it from every other check."""
+        facet = self.rt._sync if self.rt is not None else None
+        if facet is not None and facet._id_refs_failed:
+            self.id_lists_disagreed = True
 
     def wall(self) -> int:
         return int(time.time() * 1000) + self.skew_ms
@@ -355,6 +363,7 @@ class Device:
         self.online = False
 
     async def close(self) -> None:
+        self.note_id_lists()
         rt, self.rt = self.rt, None
         if rt is not None:
             await rt.close()

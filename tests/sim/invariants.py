@@ -391,6 +391,13 @@ async def check(world: World, feed: list[Any]) -> list[str]:
     for view in [*views, server]:
         _kept_missing(view, problems)
     _unannounced(server, problems)
+    for dev in world.devices:
+        dev.note_id_lists()
+        if dev.id_lists_disagreed:
+            problems.append(
+                f"id-lists-disagreed: {dev.name}'s protocol 7 id lists disagreed with the "
+                "server's (a 3004 ended a connection; it then sent rows whole)"
+            )
     if len(problems) > MAX_PROBLEMS:
         problems = [*problems[:MAX_PROBLEMS], f"more: {len(problems) - MAX_PROBLEMS} more"]
     return problems
