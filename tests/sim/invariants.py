@@ -380,6 +380,18 @@ def _lost_messages(world: World, views: list[View], problems: list[str]) -> None
                 break
 
 
+def _id_lists_disagreed(dev: Any) -> bool:
+    """Whether a runtime of ``dev`` saw its protocol 7 id lists disagree with the server's
+    (the simulation's devices remember it across reopens; another harness's device is asked
+    of the runtime it holds)."""
+    note = getattr(dev, "note_id_lists", None)
+    if note is not None:
+        note()
+        return bool(dev.id_lists_disagreed)
+    facet = getattr(dev.rt, "_sync", None)
+    return bool(facet is not None and facet._id_refs_failed)
+
+
 async def check(world: World, feed: list[Any]) -> list[str]:
     problems: list[str] = []
     views = [await device_view(world, i, problems) for i in range(len(world.devices))]
@@ -392,8 +404,7 @@ async def check(world: World, feed: list[Any]) -> list[str]:
         _kept_missing(view, problems)
     _unannounced(server, problems)
     for dev in world.devices:
-        dev.note_id_lists()
-        if dev.id_lists_disagreed:
+        if _id_lists_disagreed(dev):
             problems.append(
                 f"id-lists-disagreed: {dev.name}'s protocol 7 id lists disagreed with the "
                 "server's (a 3004 ended a connection; it then sent rows whole)"
