@@ -1398,7 +1398,16 @@ class SyncFacet:
         short (a disconnect, a cancel, a crash) is made again by the next pull; a complete
         pass that could not find them (the server lost them too) is not repeated. The look-up
         and the ids kept stored are one transaction."""
-        self._resync.end_of_feed()
+        passing = sorted(self._resync.passing)
+        unfound: list[str] = []
+        if passing:  # (a complete pass: which of its ids it did not bring)
+
+            async def lookup(tx: TxReader, view: RemoteView) -> tuple[None, None]:
+                unfound[:] = await tx.missing_messages(passing)
+                return None, None
+
+            await self._rt.core.transact_remote(lookup)
+        self._resync.end_of_feed(unfound)
         if not self._resync.maybe_stored:
             return False
         keep: set[str] = set()

@@ -15,7 +15,7 @@ tests drive them directly (unit and property tests).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
@@ -438,10 +438,14 @@ class ResyncLedger:
     pull the device looks up those not ``done`` (``due``) and keeps stored only those it still
     lacks: when some are, the pull reads the feed again from cursor 0, once for those ids
     (``start_pass``). They are done only when that pass reaches the end of the
-    feed (``end_of_feed``); a pass cut short (a disconnect, a cancel, a crash) leaves them
-    stored and not done, so the next pull starts the pass again. A complete pass that still
-    did not bring them (the server lost them too) is not repeated. Pure: the sync loop reads
-    and writes the stored ids, in the same transaction as the look-up.
+    feed (``end_of_feed``) without bringing them: a pass cut short (a disconnect, a cancel, a
+    crash) leaves them stored and not done, so the next pull starts the pass again, and a
+    complete pass that still did not bring them (the server lost them too) is not repeated.
+    Ids a pass brought are not done: a later page may sweep them again (a tombstone of the
+    session they are filed under, while no live session names them), and a later version
+    naming them again then gets a pass of its own (each such pass needs new changes in the
+    feed, so they cannot repeat without end). Pure: the sync loop reads and writes the stored
+    ids, in the same transaction as the look-up.
     """
 
     done: set[str] = field(default_factory=set)
@@ -462,12 +466,15 @@ class ResyncLedger:
         """A new pull: a pass that an earlier pull left unfinished is no longer under way."""
         self.passing = set()
 
-    def end_of_feed(self) -> None:
-        """The pull reached the end of the feed: a pass under way is complete."""
+    def end_of_feed(self, unfound: Collection[str] | None = None) -> None:
+        """The pull reached the end of the feed: a pass under way is complete. ``unfound``:
+        those of its ids this device still lacks (None: all of them), done from now on; the
+        ones it brought may be asked for again if they go missing again."""
         if self.passing:
-            if len(self.done) + len(self.passing) > MAX_RESYNC_IDS:
+            done = self.passing if unfound is None else self.passing & set(unfound)
+            if len(self.done) + len(done) > MAX_RESYNC_IDS:
                 self.done.clear()
-            self.done |= self.passing
+            self.done |= done
             self.passing = set()
 
     def due(self, stored: set[str]) -> set[str]:

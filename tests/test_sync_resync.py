@@ -26,9 +26,10 @@ class _Model:
     """A device's view of messages during pulls: ``server`` holds some ids, the device
     ``held`` some, and ``stored`` are the ids kept under ``RESYNC_DUE``. A page notes ids a
     taken session names and the device lacks (stored with the page); a pass from the start of
-    the feed brings every id the server holds, or some of them when it is cut short; a crash
-    forgets what the ledger held in memory. The ledger decides; the model plays the reads
-    and writes as ``SyncFacet`` does."""
+    the feed brings every id the server holds, or some of them when it is cut short; a page
+    may sweep held ids again (a tombstone of the session they are filed under, while no live
+    session names them: seed 11,000,540); a crash forgets what the ledger held in memory. The
+    ledger decides; the model plays the reads and writes as ``SyncFacet`` does."""
 
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
@@ -41,6 +42,8 @@ class _Model:
         self.completed: dict[str, int] = {}
         self.looks = 0
         self.pages = True
+        self.sweeps = True
+        self.named: set[str] = set()  # ids the sessions name now (a sweep: none names them)
         self.reconnected = False
 
     def page(self) -> None:
@@ -48,7 +51,14 @@ class _Model:
         with it (they are then held, as an applied page stores them)."""
         if not self.pages:
             return
+        # (Not what a pass under way looks for: ``plan_page`` keeps it through the cascade.)
+        sweepable = sorted(self.held - self.ledger.passing)
+        if self.sweeps and sweepable and self.rng.random() < 0.2:
+            for m in self.rng.sample(sweepable, self.rng.randint(1, len(sweepable))):
+                self.held.discard(m)
+                self.named.discard(m)
         named = self.rng.sample(self.universe, self.rng.randint(0, len(self.universe)))
+        self.named |= set(named)
         for m in named:
             if m in self.server and self.rng.random() < 0.5:
                 self.held.add(m)
@@ -76,7 +86,8 @@ class _Model:
                 return False
             for m in self.ledger.passing:
                 self.completed[m] = self.completed.get(m, 0) + 1
-            self.ledger.end_of_feed()
+            # (``SyncFacet`` looks up which of the pass's ids it still lacks.)
+            self.ledger.end_of_feed({m for m in self.ledger.passing if m not in self.held})
             if not self.ledger.maybe_stored:
                 assert not self.stored, "ids stored that no look will read"
                 return True
@@ -109,19 +120,21 @@ class _Model:
 def test_generated_pulls_end_holding_every_message_the_server_holds(cut_at: float) -> None:
     """Whatever pulls were cut short on the way (disconnects, cancels, crashes), two pulls
     that reach their end leave the device holding every noted message that the server
-    holds and nothing stored; in one process an id gets one complete pass at most, however
-    often pages name it; and a pull that finds nothing lacking does not look (no
+    holds and nothing stored, also when pages swept ids that a pass had brought (and named
+    them again); in one process an id gets one complete pass at most in those two pulls,
+    however often pages name it; and a pull that finds nothing lacking does not look (no
     transaction) once the device holds everything."""
     for seed in range(400):
         model = _Model(random.Random(seed * 7 + int(cut_at * 10)))
         for _ in range(model.rng.randint(1, 12)):
             model.pull(cut_at)
         model.completed.clear()
+        model.sweeps = False
         assert model.pull(0.0) and model.pull(0.0), f"seed {seed}: a quiet pull did not end"
         looks = model.looks
         model.pages = False
         assert model.pull(0.0) and model.looks == looks, f"seed {seed}: a quiet pull looked"
-        lost = (model.noted_ever & model.server) - model.held
+        lost = (model.noted_ever & model.named & model.server) - model.held
         assert not lost, f"seed {seed} (cut_at {cut_at}): lacks {sorted(lost)} the server holds"
         assert not model.ledger.passing and not model.stored, seed
         again = {m: n for m, n in model.completed.items() if n > 1}
@@ -143,6 +156,20 @@ def test_a_pass_cut_short_is_made_again_and_a_complete_one_is_not() -> None:
     assert ledger.done == {"m-2"} and ledger.due({"m-2"}) == set()
     assert ledger.wants_look(["m-2"]) is False  # done: a later page starts no pass
     assert ledger.wants_look(["m-2", "m-3"]) is True
+
+
+def test_ids_a_pass_brought_may_get_a_pass_again_if_they_go_missing_again() -> None:
+    """Seed 11,000,540: a pass brought a conflict fork's first messages; a later tombstone of
+    the session they are filed under swept them (no live session named them then), and a
+    later version of the fork named them again. Only ids a complete pass did not bring are
+    done: those it brought get a pass of their own when they are lacking again."""
+    ledger = ResyncLedger()
+    ledger.start_pass({"brought", "lost"})
+    ledger.end_of_feed(unfound={"lost"})  # the pass brought one; the server lacks the other
+    assert ledger.done == {"lost"} and not ledger.passing
+    assert ledger.wants_look(["brought"]) is True  # swept since, named again: a pass is due
+    assert ledger.due({"brought", "lost"}) == {"brought"}
+    assert ledger.wants_look(["lost"]) is False  # the server did not have it: not again
 
 
 def test_stored_ids_are_bounded_and_junk_reads_as_none(monkeypatch: pytest.MonkeyPatch) -> None:
