@@ -19,6 +19,7 @@ before ``Welcome``) by order. It sorts what it receives into ``Answer``, ``Live`
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
@@ -86,10 +87,6 @@ class State(enum.Enum):
     CLOSING = "closing"
 
 
-def _raw(body: bytes | msgspec.Raw) -> msgspec.Raw:
-    return body if isinstance(body, msgspec.Raw) else msgspec.Raw(body)
-
-
 def negotiate(offered: tuple[int, int], supported: tuple[int, int]) -> int | None:
     """The highest version in both inclusive ranges ``(lowest, highest)``, or ``None``."""
     low = max(offered[0], supported[0])
@@ -108,36 +105,29 @@ class _Protocol:
         # (Version 7) The session id lists each direction has carried (``shared.idrefs``):
         # pushes and answers in one, live pages in another, since a live page may reach the
         # device behind answers sent after it (the protocol lets a server hold live pages
-        # back); each stream keeps its own order. Made when first used (an idle connection
-        # holds none).
-        self._id_lists: dict[str, IdLists] = {}
+        # back); each stream keeps its own order. Each made when first used (an idle
+        # connection holds none).
         self.version: int | None = None
 
-    def _lists(self, name: str) -> IdLists:
-        lists = self._id_lists.get(name)
-        if lists is None:
-            lists = self._id_lists[name] = IdLists()
-        return lists
-
-    @property
+    @functools.cached_property
     def sent_ids(self) -> IdLists:
         """The lists this side sent in pushes and answers."""
-        return self._lists("sent")
+        return IdLists()
 
-    @property
+    @functools.cached_property
     def received_ids(self) -> IdLists:
         """The lists this side read in pushes and answers."""
-        return self._lists("received")
+        return IdLists()
 
-    @property
+    @functools.cached_property
     def sent_live_ids(self) -> IdLists:
         """The lists this side sent in live pages (a server)."""
-        return self._lists("sent live")
+        return IdLists()
 
-    @property
+    @functools.cached_property
     def received_live_ids(self) -> IdLists:
         """The lists this side read in live pages (a device)."""
-        return self._lists("received live")
+        return IdLists()
 
     def data_to_send(self) -> list[bytes]:
         """Encoded frames to write, in order, since the last call."""
@@ -218,12 +208,14 @@ class _Protocol:
         try:
             if isinstance(frame, Push):
                 pushed = [
-                    b if (body := grow(b.body)) is b.body else ChangeBody(b.client_seq, _raw(body))
+                    b
+                    if (body := grow(b.body)) is b.body
+                    else ChangeBody(b.client_seq, msgspec.Raw(body))
                     for b in frame.bodies
                 ]
                 return msgspec.structs.replace(frame, bodies=pushed)
             paged = [
-                b if (body := grow(b.body)) is b.body else FeedBody(b.cursor, _raw(body))
+                b if (body := grow(b.body)) is b.body else FeedBody(b.cursor, msgspec.Raw(body))
                 for b in frame.bodies
             ]
             return msgspec.structs.replace(frame, bodies=paged)
@@ -382,7 +374,7 @@ class ServerProtocol(_Protocol):
         if bodies and (self.version or 0) >= ID_REFS_SINCE:
             shrink = (self.sent_live_ids if live else self.sent_ids).shrink
             bodies = [
-                b if (body := shrink(b.body)) is b.body else FeedBody(b.cursor, _raw(body))
+                b if (body := shrink(b.body)) is b.body else FeedBody(b.cursor, msgspec.Raw(body))
                 for b in bodies
             ]
         self._send(

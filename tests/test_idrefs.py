@@ -8,7 +8,9 @@ protocol's seams (a push refused unread, a reconnect), then end to end over a re
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pleach_client.runtime import SessionRuntime
 from shared import compact, idrefs
 from shared.errors import ErrorCode, RateLimited
 from shared.idrefs import MIN_IDS, IdLists
@@ -260,13 +263,12 @@ def test_other_kinds_pass_untouched() -> None:
     assert len(lists) == 0
 
 
-async def test_a_long_conversation_continues_on_another_device_with_small_frames(
+@contextlib.asynccontextmanager
+async def _long_session_online(
     tmp_path: Path,
-) -> None:
-    """End to end over a real server: a session of more than ``MIN_IDS`` messages written
-    offline reaches the phone whole; each further turn's push then names its session's list
-    by reference (a few hundred bytes, not every id again), the server keeps the whole row,
-    and the phone, live, holds exactly what the laptop holds, after a reconnect too."""
+) -> AsyncIterator[tuple[Cluster, SessionRuntime, SessionRuntime, str]]:
+    """A real server, a laptop that wrote a session of more than ``MIN_IDS`` messages offline
+    and a phone, both online and settled: ``(cluster, laptop, phone, session id)``."""
     async with AsyncExitStack() as stack:
         cluster = Cluster(tmp_path, stack)
         await cluster.start_server()
@@ -276,44 +278,55 @@ async def test_a_long_conversation_continues_on_another_device_with_small_frames
             for i in range(MIN_IDS // 2 + 1):
                 await chat(laptop, session.id, f"offline {i}")
             await cluster.online(laptop, phone)
-            link = laptop.sync._link
-            assert link is not None and link.protocol.version == MAX_PROTOCOL
-            sent: list[bytes] = []
-            send = link.ws.send
-
-            async def recorded(data: Any) -> None:
-                sent.append(bytes(data))
-                await send(data)
-
-            link.ws.send = recorded  # type: ignore[method-assign]
-            for i in range(3):
-                await chat(laptop, session.id, f"online {i}")
-                await cluster.settle(laptop, phone)
-            assert await snapshot(phone, session.id) == await snapshot(laptop, session.id)
-            row = await laptop.store.get_session(session.id)
-            assert row is not None and len(row.state.message_ids) == 2 * (MIN_IDS // 2 + 4)
-            assert cluster.store is not None
-            stored = [
-                e.record
-                for e in (await cluster.store.pull(ALICE, 0, 10_000)).changes
-                if e.record.id == session.id
-            ]
-            assert stored[-1] == row  # the server keeps the whole row
-            listed = compact.uuids_bytes(row.state.message_ids[:MIN_IDS])
-            assert listed is not None and listed in compact.encode(row)
-            assert len(sent) >= 3 and not any(listed in data for data in sent)  # sent once
-            key = compact.packed(session.id)
-            assert key in link.protocol.sent_ids._held
-            phone_link = phone.sync._link
-            assert phone_link is not None
-            assert key in phone_link.protocol.received_live_ids._held  # the pages came live
-            await laptop.sync.disconnect()
-            await chat(laptop, session.id, "after a reconnect")
-            await cluster.online(laptop, phone)
-            assert await snapshot(phone, session.id) == await snapshot(laptop, session.id)
+            yield cluster, laptop, phone, session.id
         finally:
             await stack.aclose()
             await cluster.stop_server()
+
+
+async def test_a_long_conversation_continues_on_another_device_with_small_frames(
+    tmp_path: Path,
+) -> None:
+    """End to end over a real server: a session of more than ``MIN_IDS`` messages written
+    offline reaches the phone whole; each further turn's push then names its session's list
+    by reference (a few hundred bytes, not every id again), the server keeps the whole row,
+    and the phone, live, holds exactly what the laptop holds, after a reconnect too."""
+    async with _long_session_online(tmp_path) as (cluster, laptop, phone, session_id):
+        link = laptop.sync._link
+        assert link is not None and link.protocol.version == MAX_PROTOCOL
+        sent: list[bytes] = []
+        send = link.ws.send
+
+        async def recorded(data: Any) -> None:
+            sent.append(bytes(data))
+            await send(data)
+
+        link.ws.send = recorded  # type: ignore[method-assign]
+        for i in range(3):
+            await chat(laptop, session_id, f"online {i}")
+            await cluster.settle(laptop, phone)
+        assert await snapshot(phone, session_id) == await snapshot(laptop, session_id)
+        row = await laptop.store.get_session(session_id)
+        assert row is not None and len(row.state.message_ids) == 2 * (MIN_IDS // 2 + 4)
+        assert cluster.store is not None
+        stored = [
+            e.record
+            for e in (await cluster.store.pull(ALICE, 0, 10_000)).changes
+            if e.record.id == session_id
+        ]
+        assert stored[-1] == row  # the server keeps the whole row
+        listed = compact.uuids_bytes(row.state.message_ids[:MIN_IDS])
+        assert listed is not None and listed in compact.encode(row)
+        assert len(sent) >= 3 and not any(listed in data for data in sent)  # sent once
+        key = compact.packed(session_id)
+        assert key in link.protocol.sent_ids._held
+        phone_link = phone.sync._link
+        assert phone_link is not None
+        assert key in phone_link.protocol.received_live_ids._held  # the pages came live
+        await laptop.sync.disconnect()
+        await chat(laptop, session_id, "after a reconnect")
+        await cluster.online(laptop, phone)
+        assert await snapshot(phone, session_id) == await snapshot(laptop, session_id)
 
 
 async def test_lists_that_disagree_end_the_connection_and_the_device_goes_on_whole(
@@ -322,30 +335,19 @@ async def test_lists_that_disagree_end_the_connection_and_the_device_goes_on_who
     """A device whose lists no longer match the server's (here, its live lists forgotten as
     though by a bug) refuses the next reference (3004), reconnects, and from then on offers
     protocol 6: every row goes whole, and nothing is lost or stuck."""
-    async with AsyncExitStack() as stack:
-        cluster = Cluster(tmp_path, stack)
-        await cluster.start_server()
-        try:
-            laptop, phone = await cluster.device("laptop"), await cluster.device("phone")
-            session = await laptop.create_session(title="long")
-            for i in range(MIN_IDS // 2 + 1):
-                await chat(laptop, session.id, f"offline {i}")
-            await cluster.online(laptop, phone)
-            await chat(laptop, session.id, "the first live page carries the list whole")
-            await cluster.settle(laptop, phone)
-            link = phone.sync._link
-            assert link is not None and link.protocol.version == MAX_PROTOCOL
-            assert len(link.protocol.received_live_ids) == 1
-            link.protocol.received_live_ids._held.clear()  # the phone's lists now disagree
-            await chat(laptop, session.id, "this page refers to the list")
-            await cluster.settle(laptop, phone)
-            assert phone.sync._id_refs_failed
-            assert (await phone.sync.status()).protocol == 6
-            assert await snapshot(phone, session.id) == await snapshot(laptop, session.id)
-            await chat(laptop, session.id, "and on, whole")
-            await cluster.settle(laptop, phone)
-            assert await snapshot(phone, session.id) == await snapshot(laptop, session.id)
-            assert (await laptop.sync.status()).protocol == MAX_PROTOCOL
-        finally:
-            await stack.aclose()
-            await cluster.stop_server()
+    async with _long_session_online(tmp_path) as (cluster, laptop, phone, session_id):
+        await chat(laptop, session_id, "the first live page carries the list whole")
+        await cluster.settle(laptop, phone)
+        link = phone.sync._link
+        assert link is not None and link.protocol.version == MAX_PROTOCOL
+        assert len(link.protocol.received_live_ids) == 1
+        link.protocol.received_live_ids._held.clear()  # the phone's lists now disagree
+        await chat(laptop, session_id, "this page refers to the list")
+        await cluster.settle(laptop, phone)
+        assert phone.sync._id_refs_failed
+        assert (await phone.sync.status()).protocol == 6
+        assert await snapshot(phone, session_id) == await snapshot(laptop, session_id)
+        await chat(laptop, session_id, "and on, whole")
+        await cluster.settle(laptop, phone)
+        assert await snapshot(phone, session_id) == await snapshot(laptop, session_id)
+        assert (await laptop.sync.status()).protocol == MAX_PROTOCOL

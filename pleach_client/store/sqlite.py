@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import operator
 import os
 import sqlite3
 import time
@@ -702,23 +703,18 @@ def _sessions_of(rows: Sequence[Any]) -> list[Session]:
     """The sessions of ``_SESSION_ROWS``'s rows ``(key, body, ids_count, part, ids)``, in
     their order: a session's rows come together (one row a block)."""
     out: list[Session] = []
-    at = 0
-    while at < len(rows):
-        key, body, count = rows[at][0], rows[at][1], rows[at][2]
-        end = at + 1
-        while end < len(rows) and rows[end][0] == key:
-            end += 1
+    for key, group in itertools.groupby(rows, _FIRST):
+        session_rows = list(group)
+        _, body, count, *_ = session_rows[0]
         session = _decode(_SESSION, "sessions", key, body)
         if count is not None:
-            blocks = [(part, ids) for *_, part, ids in rows[at:end] if part is not None]
+            blocks = [(part, ids) for *_, part, ids in session_rows if part is not None]
             session = _with_ids(session, key, int(count), blocks)
         out.append(session)
-        at = end
     return out
 
 
-def _first(row: Sequence[Any]) -> Any:
-    return row[0]
+_FIRST: Final = operator.itemgetter(0)
 
 
 def _entries_of(rows: Sequence[Any]) -> list[tuple[Any, ...]]:
@@ -726,25 +722,20 @@ def _entries_of(rows: Sequence[Any]) -> list[tuple[Any, ...]]:
     blocks joined, as the whole body it stands for (what a push sends)."""
     out: list[tuple[Any, ...]] = []
     whole: dict[tuple[object, int], bytes] = {}  # (a session queued at each turn: once)
-    rows = sorted(rows, key=_first)  # in client_seq order (the join's rows: in no set order)
-    at = 0
-    while at < len(rows):
-        row = rows[at]
-        end = at + 1
-        while end < len(rows) and rows[end][0] == row[0]:
-            end += 1
-        count, key = row[7], row[8]
-        body = row[1]
+    # In client_seq order (the join's rows come in no set order), one group an entry.
+    for _, group in itertools.groupby(sorted(rows, key=_FIRST), _FIRST):
+        entry_rows = list(group)
+        row = entry_rows[0]
+        count, key, body = row[7], row[8], row[1]
         if count is not None and isinstance(body, bytes):
             made = whole.get((key, int(count)))
             if made is None:
                 session = _decode(_SESSION, "sessions", key, body)
-                blocks = [(r[9], r[10]) for r in rows[at:end] if r[9] is not None]
+                blocks = [(r[9], r[10]) for r in entry_rows if r[9] is not None]
                 made = compact.encode(_with_ids(session, key, int(count), blocks))
                 whole[(key, int(count))] = made
             body = made
         out.append((row[0], body, *row[2:7]))
-        at = end
     return out
 
 
