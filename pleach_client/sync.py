@@ -14,8 +14,8 @@ import contextlib
 import logging
 import random
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal
@@ -68,6 +68,7 @@ from shared.records import (
 from .apply import missing_content, plan_page
 from .core import RemoteView, SessionChange
 from .facets import Copy, copy_into
+from .hydration import load_hydration
 from .link import Link
 from .receipts import (
     FailedEntry,
@@ -78,12 +79,14 @@ from .receipts import (
 )
 from .store.base import OutboxEntry, TxReader, WriteBatch
 from .syncplan import (
+    FOLD_AFTER_PULL_EVENTS,
     RESYNC_DUE,
     Echo,
     ResyncLedger,
     Sent,
     echo_lands,
     echo_of,
+    logs_to_fold,
     resync_ids,
     resync_text,
     settle,
@@ -194,6 +197,10 @@ class SyncFacet:
         connection ends and what it carried is sent again), but a pair whose lists kept
         disagreeing would otherwise reconnect for ever."""
         self.pipeline = max(1, pipeline)
+        self.fold_after_pull_events = FOLD_AFTER_PULL_EVENTS
+        """A pull that brings a session this many events or more folds its log at the feed's
+        end and keeps the fold, so that the session's first resume after it reads one row
+        (``syncplan.logs_to_fold``); 0 turns it off."""
         self.live_grace = live_grace
         self.batch_size = batch_size
         self.pull_limit = pull_limit
@@ -1265,6 +1272,7 @@ class SyncFacet:
         )
         ahead: asyncio.Task[Frame] | None = None
         ahead_from = 0
+        grown: Counter[str] = Counter()  # events this pull brought, by session
         try:
             while True:
                 if ahead is None:
@@ -1293,6 +1301,7 @@ class SyncFacet:
                     await asyncio.sleep(0)
                 if answer.changes or answer.to_cursor > cursor:
                     applied += await self._apply(answer.changes, answer.to_cursor, answer.bodies)
+                    grown.update(_event_sessions(answer.changes))
                     self._report_download(start, answer.to_cursor)
                 if self._link is not link:
                     return applied  # the device took a new id: the new link pulls on
@@ -1304,6 +1313,7 @@ class SyncFacet:
                     self._cursor = 0
                     continue
                 if not answer.more:
+                    await self._keep_folds(grown)
                     return applied
         except BaseException as exc:
             span.error(exc)
@@ -1316,6 +1326,22 @@ class SyncFacet:
             self._poke()
             span.set(**{"pleach.applied": applied, "pleach.to_cursor": self._cursor})
             span.end()
+
+    async def _keep_folds(self, grown: Counter[str]) -> None:
+        """Fold the logs this pull grew by ``fold_after_pull_events`` or more and keep the folds
+        (``load_hydration``), at the feed's end: a session's first resume after a long pull then
+        reads its fold instead of its whole log. A fold that fails is logged and left to that
+        resume, which folds the log itself; the pull stands either way."""
+        for session_id in logs_to_fold(grown, self.fold_after_pull_events):
+            try:
+                await load_hydration(self._rt.store, session_id)
+            except PleachError as exc:
+                log.warning(
+                    "sync: the log of session %s was not folded after the pull (its next "
+                    "resume folds it): %s",
+                    session_id,
+                    exc,
+                )
 
     async def _ask_page(self, link: Link, cursor: int) -> Frame:
         return await link.request(
@@ -1538,6 +1564,11 @@ def _tenant_mismatch(welcome: Welcome, org_id: str, user_id: str) -> str | None:
         "pending changes stay queued. Use a token for this device's user, or open the "
         "runtime with the token's user_id/org_id."
     )
+
+
+def _event_sessions(changes: list[FeedChange]) -> Iterator[str]:
+    """The session of each event a page carries."""
+    return (c.record.session_id for c in changes if isinstance(c.record, Event))
 
 
 def _retrieved(task: asyncio.Task[Any]) -> None:

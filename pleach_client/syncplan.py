@@ -7,6 +7,8 @@
   as pushed (protocol 5), the device takes its cursor past them without pulling them back.
 - ``ResyncLedger``: whether a pull reads the feed again from the start, for messages a taken
   session names and this device lacks, and when such a pass counts as made.
+- ``logs_to_fold``: which sessions' logs a pull folds and keeps the fold of, so that the first
+  resume after it reads one row instead of the whole log.
 
 ``pleach_client.sync`` loads what these need, calls them, and writes what they return; the
 tests drive them directly (unit and property tests).
@@ -15,10 +17,10 @@ tests drive them directly (unit and property tests).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from typing import Final, Protocol
 
 import msgspec
 
@@ -86,6 +88,22 @@ class Settlement:
         own, would take for lost numbers: the device drops the pushes in flight and resends
         from its oldest queued change."""
         return not self.keep and not self.rekey and self.rechain is None
+
+
+FOLD_AFTER_PULL_EVENTS: Final = 1_000
+"""A pull that brought a session at least this many events folds its log at the feed's end and
+keeps the fold (``logs_to_fold``): about 1 ms a thousand events, paid by the pull rather than
+by the first resume of the session after it. A log that grew by less is folded on from its
+kept fold when it is next resumed (or whole, which costs little at that size)."""
+
+
+def logs_to_fold(grown: Mapping[str, int], at_least: int = FOLD_AFTER_PULL_EVENTS) -> list[str]:
+    """The sessions whose logs a pull folds and keeps, given the events it brought each
+    (``grown``): those with ``at_least`` events or more (none when ``at_least`` is 0 or
+    less: folding is off), in id order."""
+    if at_least <= 0:
+        return []
+    return sorted(session_id for session_id, n in grown.items() if n >= at_least)
 
 
 def unsettled(oldest_queued: int | None, server_seq: int, unsure_through: int) -> bool:

@@ -4,6 +4,7 @@ SQLite files, real websockets. Waits are on conditions (``wait_until_synced``, e
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
@@ -13,6 +14,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from pleach_client.hydration import hydrate, load_hydration
 from pleach_client.providers.scripted import ScriptedProvider
 from pleach_client.runtime import SessionRuntime
 from pleach_client.store.base import WriteBatch
@@ -22,7 +24,7 @@ from pleach_server.auth import issue_token
 from pleach_server.server import SyncServer
 from pleach_server.store import ServerStore, SQLiteServerStore, Tenant
 from shared.clock import HybridClock
-from shared.errors import CursorTooOld, ErrorCode
+from shared.errors import CursorTooOld, ErrorCode, StorageError
 from shared.ids import uuid7
 from shared.messages import MAX_PROTOCOL
 from shared.records import Message
@@ -668,3 +670,68 @@ async def test_records_keep_their_bytes_from_device_to_server_to_device(cluster:
     assert await snapshot(laptop, session.id) == expected == await snapshot(phone, session.id)
     await old.sync.disconnect()
     assert (await old.sync.status()).protocol is None  # no connection open
+
+
+async def test_a_pull_keeps_the_fold_of_the_long_logs_it_brought(cluster: Cluster) -> None:
+    """A new device pulling a session whose log the pull grows by ``fold_after_pull_events``
+    or more folds it at the feed's end and keeps the fold: that session's first resume reads
+    it (step "kept") and it is the whole log's; a session the pull grew by less is left to
+    its resume, which folds it whole (and keeps it then)."""
+    laptop = await cluster.device("laptop")
+    long, short = await laptop.create_session(), await laptop.create_session()
+    for i in range(4):
+        await chat(laptop, long.id, f"long {i}")
+    await chat(laptop, short.id, "short")
+    await laptop.sync.sync_once(cluster.url, cluster.token())
+    phone = await cluster.device("phone")
+    long_log = len(await laptop.store.list_events(long.id))
+    short_log = len(await laptop.store.list_events(short.id))
+    assert short_log < long_log
+    phone.sync.fold_after_pull_events = long_log  # (about a thousand events by default)
+    await phone.sync.sync_once(cluster.url, cluster.token())
+    kept = await phone.store.kept_hydration(long.id)
+    assert kept is not None and kept.key == await phone.store.hydration_key(long.id)
+    assert await phone.store.kept_hydration(short.id) is None
+    for session_id, step in ((long.id, "kept"), (short.id, "whole")):
+        events = await phone.store.list_events(session_id)
+        assert await load_hydration(phone.store, session_id) == (hydrate(events), step)
+    resumed = await phone.sessions.resume(long.id)
+    assert resumed.hydrated["turns"] == 4
+
+
+async def test_a_fold_that_fails_after_a_pull_leaves_the_pull_standing(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store that cannot read the log to fold it (a corrupt row, a full disk): the pull has
+    applied every page and moved its cursor all the same; the failure is a warning, and the
+    session's resume folds its log when it can."""
+    laptop = await cluster.device("laptop")
+    session = await laptop.create_session()
+    for i in range(2):
+        await chat(laptop, session.id, f"turn {i}")
+    await laptop.sync.sync_once(cluster.url, cluster.token())
+
+    class Unreadable(SQLiteAdapter):
+        failing = True
+
+        async def hydration_log(self, *args: Any, **kwargs: Any) -> Any:
+            if self.failing:
+                raise StorageError("read events failed: database disk image is malformed")
+            return await super().hydration_log(*args, **kwargs)
+
+    store = Unreadable(cluster.tmp / "phone.db")
+    phone = SessionRuntime(
+        store, ScriptedProvider(), user_id=ALICE.user_id, org_id=ALICE.org_id, client_id="phone"
+    )
+    await cluster.stack.enter_async_context(phone)
+    phone.sync.fold_after_pull_events = 1
+    with caplog.at_level(logging.WARNING, logger="pleach.sync"):
+        receipt = await phone.sync.sync_once(cluster.url, cluster.token())
+    assert receipt.outcome == "none-pending"
+    assert int(await store.get_meta("cursor") or 0) == await cluster.store.head_cursor(ALICE)  # type: ignore[union-attr]
+    assert len(await phone.sessions.messages(session.id)) == 4
+    assert "was not folded after the pull" in caplog.text
+    assert await store.kept_hydration(session.id) is None
+    store.failing = False
+    events = await store.list_events(session.id)
+    assert await load_hydration(store, session.id) == (hydrate(events), "whole")

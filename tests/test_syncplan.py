@@ -2,8 +2,9 @@
 
 ``settle`` (a PushAck against the entries sent), ``decide_session`` (a remote session version
 against the local row), ``rebase`` (canonical events placed, the provisional tail moved
-after them) and ``echo_of`` / ``echo_lands`` (a push's own rows taken from its ack), each with
-examples and Hypothesis properties.
+after them), ``echo_of`` / ``echo_lands`` (a push's own rows taken from its ack) and
+``logs_to_fold`` (the logs a pull folds and keeps), each with examples and Hypothesis
+properties.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pleach_client.syncplan import (
+    FOLD_AFTER_PULL_EVENTS,
     Decision,
     Sent,
     decide_session,
     echo_lands,
     echo_of,
     lands_in_place,
+    logs_to_fold,
     rebase,
     settle,
     unsettled,
@@ -547,3 +550,24 @@ def test_taking_an_echo_leaves_the_log_a_pull_back_would(
     pulled = {e.id: e for e in [*held, *mine]}
     pulled.update((e.id, e) for e in slow.out)
     assert taken == pulled
+
+
+# -- logs_to_fold -----------------------------------------------------------------------------
+
+
+@given(st.dictionaries(st.text(max_size=4), st.integers(0, 50), max_size=12), st.integers(-2, 40))
+def test_a_pull_folds_the_logs_it_grew_by_the_threshold_or_more(
+    grown: dict[str, int], at_least: int
+) -> None:
+    folded = logs_to_fold(grown, at_least)
+    assert folded == sorted(folded)  # in id order: the same pull folds in the same order
+    if at_least <= 0:
+        assert folded == []  # folding is off
+        return
+    assert set(folded) == {session for session, n in grown.items() if n >= at_least}
+
+
+def test_the_default_threshold_leaves_short_logs_to_their_resume() -> None:
+    assert logs_to_fold({"long": FOLD_AFTER_PULL_EVENTS, "short": FOLD_AFTER_PULL_EVENTS - 1}) == [
+        "long"
+    ]

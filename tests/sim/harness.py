@@ -345,6 +345,8 @@ class Device:
                 setattr(sync, attr, value)
         if self.batch is not None:
             sync.batch_size = self.batch
+        if world.schedule.folds_after_pulls:
+            sync.fold_after_pull_events = 1
         rt.events.on("sync.conflict", self._on_conflict)
         rt.events.on("sync.applied", lambda _: self.applied.set())
         self.rt = rt

@@ -118,6 +118,15 @@ class Schedule:
         the seed, not of its draw: the ops of a seed stay what they were."""
         return self.seed % 2 == 0
 
+    @property
+    def folds_after_pulls(self) -> bool:
+        """Whether the devices fold, at the end of each pull, the log of every session it
+        brought an event (``SyncFacet.fold_after_pull_events`` = 1; the default is a thousand
+        events, which no schedule reaches): every other pair of seeds, apart from the blocks'
+        parity, so that folds kept by pulls meet every schedule's races and the checker's
+        resume reads them (``hydration-differs``)."""
+        return (self.seed // 2) % 2 == 1
+
     def batch_of(self, device: int) -> int | None:
         return self.batches[device] if device < len(self.batches) else None
 
@@ -130,6 +139,7 @@ class Schedule:
             f"seed {self.seed}{mix}: {self.devices} devices, clock offsets (ms) "
             f"{list(self.skews_ms)}, push batches {list(self.batches)}, {len(self.ops)} ops"
             + (", ids in small blocks" if self.small_id_blocks else "")
+            + (", logs folded after pulls" if self.folds_after_pulls else "")
         ]
         lines.extend(f"  {i:3d}. {op}" for i, op in enumerate(self.ops))
         return "\n".join(lines)
