@@ -15,9 +15,11 @@
   long session (``sessions.resume``: row, checkpoints, the log's fold, hydration) and reads its
   transcript (``sessions.messages``). Baseline: plain ``sqlite3`` opening the file and
   ``SELECT``-ing the same rows (session row, checkpoints, events, messages), no decoding. The
-  first resume after the pull folds the whole log and keeps the fold (a row of the file);
-  the later ones find the log unchanged and read that row (``pleach_client.hydration``). The
-  figure is their median; the first one is printed on a row of its own, and so is the
+  pull itself folded the long session's log and kept the fold (a row of the file: a pull
+  does so for each log it grew by a thousand events or more, ``SyncFacet._keep_folds``, in
+  the catch-up's time), so every resume finds the log unchanged and reads that row
+  (``pleach_client.hydration``). The figure is their median; the first one is printed on a
+  row of its own, and so is the
   median of three resumes each in a new Python process (the imports before not counted), as
   an app opening a session meets it.
 
@@ -276,10 +278,10 @@ async def _run(history: int, long_turns: int, reps: int) -> tuple[list[Row], lis
             "raw sqlite3 SELECT",
             statistics.median(raws) * 1e3,
         ),
-        # The first resume after the pull folds the whole log (and keeps the fold, which
-        # the later ones read: ``pleach_client.hydration``).
+        # The first resume after the pull: it reads the fold the pull kept (before pulls
+        # kept folds, it folded the whole log: 3.1-3.9x).
         Row(
-            "  resume, the first after the pull (the log folded whole)",
+            "  resume, the first after the pull (its fold kept by the pull)",
             resumes[0][0] * 1e3,
             "ms",
             "raw sqlite3 SELECT",
