@@ -15,8 +15,9 @@ Every figure is printed beside a baseline measured in the same run on the same m
   session, checked against B's store). Baseline: a raw ``websockets`` relay that forwards
   A's message (one turn's encoded ``Push``) to B. Medians and p95 over the rounds. Then the
   same at turn 1,000 of a session (300 with ``--quick``), against a relay of that turn's
-  ``Push``: the session's row carries every message id, so what each turn sends grows with
-  the session.
+  ``Push`` as A sends it at protocol 7 on a connection that carried the turns before: the
+  session's row names every message id, and the frame carries only the new ones, with a
+  reference to the list carried before (``shared.idrefs``).
 
 Run ``python -m bench.bench_sync [--quick]``; bounded (well under a minute, loopback only).
 """
@@ -50,6 +51,7 @@ from pleach_client.sync import _push_of
 from pleach_server.auth import issue_token
 from pleach_server.server import SyncServer
 from pleach_server.store import SQLiteServerStore, Tenant
+from shared.idrefs import IdLists
 from shared.ids import uuid7
 from shared.messages import FrameCodec, Push, change_bodies
 
@@ -75,12 +77,15 @@ def new_tenant(label: str) -> Tenant:
 
 
 async def outbox_payloads(
-    rt: SessionRuntime, skip: int = 0, *, as_bodies: bool = True
+    rt: SessionRuntime, skip: int = 0, *, as_bodies: bool = True, ids: IdLists | None = None
 ) -> list[bytes]:
     """The ``Push`` frames a flush would send for the pending outbox (after ``skip`` rows), cut
-    and made as the flush makes them (``_push_of``, to a server at the current protocol: a
-    record several numbers refer to goes once, the others are ``skipped``; each record as its
-    stored bytes). ``as_bodies=False``: as records, the frames a version 5 device sends."""
+    and made as the flush makes them (``_push_of``: a record several numbers refer to goes
+    once, the others are ``skipped``; each record as its stored bytes, as at protocol 6).
+    ``ids``: the id lists a protocol 7 connection has carried (``shared.idrefs``), taken
+    further by these frames: a long session's ids go as a reference to what it carried, as
+    ``ClientProtocol.send_push`` sends them. ``as_bodies=False``: as records, the frames a
+    version 5 device sends."""
     codec = FrameCodec()
     pending = (await rt.store.outbox_pending(limit=1_000_000))[skip:]
     size, budget = rt.sync.batch_size, rt.sync.max_frame_bytes // 2
@@ -92,6 +97,8 @@ async def outbox_payloads(
         if bodies is None:
             frames.append(codec.encode(Push(changes=changes, skipped=skipped)))
         else:  # protocol 6: each record as its stored bytes
+            if ids is not None:  # protocol 7: a long list as a reference
+                bodies = [bytes(ids.shrink(body)) for body in bodies]
             packed = change_bodies(changes, bodies)
             frames.append(codec.encode(Push(changes=[], skipped=skipped, bodies=packed)))
         pending = pending[len(changes) + len(skipped) :]
@@ -303,9 +310,10 @@ async def fanout(
 ) -> tuple[list[float], float, bytes, bytes]:
     """A commits a turn, B applies it: seconds per round (after one warm-up round), the mean
     seconds the server spent in ``store.push`` per round, and one turn's encoded ``Push``
-    (the baseline's payload), and the same as a version 5 device sends it (records).
-    ``prefill``: turns A's session holds before the rounds (its
-    session row carries every message id, so each turn's push grows with the session)."""
+    as A sends it (the baseline's payload: at protocol 7, on a connection that carried the
+    turns before, so a long session's ids go as a reference), and the same as a version 5
+    device sends it (records, every id). ``prefill``: turns A's session holds before the
+    rounds (its session row names every message, so a whole row grows with the session)."""
     label = f"fan{prefill}"
     tenant = new_tenant(label)
     token = issue_token(SECRET, tenant, 3600)
@@ -314,9 +322,11 @@ async def fanout(
         b = await stack.enter_async_context(device(tmp / f"{label}-b.db", tenant, f"{label}-b"))
         session_id = (await a.create_session(title="fan-out")).id
         await turns(a, session_id, 0, prefill)
+        carried = IdLists()  # what a protocol 7 connection carried of the pushes before
+        await outbox_payloads(a, ids=carried)
         before = await a.store.outbox_count()
         await turns(a, session_id, prefill, 1)
-        payload = (await outbox_payloads(a, skip=before))[0]
+        payload = (await outbox_payloads(a, skip=before, ids=carried))[0]
         map_payload = (await outbox_payloads(a, skip=before, as_bodies=False))[0]
         for rt in (a, b):  # A first: B then pulls A's session when it connects
             await rt.sync.connect(server.url, token)
