@@ -137,14 +137,22 @@ async def test_every_live_page_is_the_feed_page_a_pull_returns(tmp_path: Path, s
 async def test_the_others_hear_of_a_push_before_its_pusher_is_acknowledged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A push's live page goes to the other devices before the pusher's ack is queued: the
-    change reaching another device is the latency that counts, and it never waits for the
-    pusher's socket."""
-    from pleach_server.connection import ConnectionContext
+    """A push's live page is queued for the other devices, and written to them, before the
+    pusher's ack is queued: the change reaching another device is the latency that counts,
+    and it never waits for the pusher's socket (nor for the ack's encoding and write)."""
+    from pleach_server.connection import Connection, ConnectionContext
     from shared.protocol import ServerProtocol
 
     order: list[str] = []
     fan_out, send_push_ack = ConnectionContext.fan_out, ServerProtocol.send_push_ack
+    take = Connection._take
+
+    def taking(self: Any, kind: str) -> int:
+        if kind == "changes_live":
+            order.append("page written")
+        return take(self, kind)
+
+    monkeypatch.setattr(Connection, "_take", taking)
 
     async def fanning(self: Any, *args: Any, **kwargs: Any) -> Any:
         order.append("fan-out")
@@ -169,4 +177,4 @@ async def test_the_others_hear_of_a_push_before_its_pusher_is_acknowledged(
             await pusher.send(Push(changes=laptop.changes(session), request_id=10 + i))
             async with asyncio.timeout(TIMEOUT):
                 await watcher.live_until({session.id})
-    assert order == ["fan-out", "ack"] * 3
+    assert order == ["fan-out", "page written", "ack"] * 3
