@@ -3,8 +3,10 @@
 - ``catch-up``: the server holds H changes (100,000; 10,000 with ``--quick``) of one user. They
   are real device records: one device runs turns offline (``ScriptedProvider``, one session of
   T turns plus sessions of 25 turns until H is reached), and its outbox goes to the server's
-  ``SQLiteServerStore.push`` in batches of 1,000 changes (the call the server makes for a
-  ``Push`` frame; only the WebSocket hop is skipped, to fill the server fast). Then a new device
+  ``SQLiteServerStore.push`` in batches of 1,000 changes, made as the device's flush makes a
+  ``Push`` (``_push_of``: a session row once, at its last number, after its messages) (the
+  call the server makes for a ``Push`` frame; only the WebSocket hop is skipped, to fill the
+  server fast). Then a new device
   of the same user runs ``sync.sync_once`` against a real ``SyncServer`` on loopback: it pulls
   and applies the whole feed. Baseline: the very rows that device committed (captured), bulk
   inserted with plain ``sqlite3`` into a fresh file of the same schema, ``executemany`` per
@@ -47,12 +49,12 @@ from pleach_client.providers.scripted import ScriptedProvider, ScriptedReply
 from pleach_client.runtime import SessionRuntime
 from pleach_client.store.base import WriteBatch
 from pleach_client.store.sqlite import _ENQUEUE, _PUT_META, SQLiteAdapter, create_schema
+from pleach_client.sync import _push_of
 from pleach_server.auth import issue_token
 from pleach_server.server import SyncServer
 from pleach_server.store import SQLiteServerStore, Tenant
 from shared.clock import HybridClock
 from shared.ids import uuid7
-from shared.records import Change
 
 __all__ = ["main", "run"]
 
@@ -81,10 +83,16 @@ async def fill(
         async def push_pending() -> int:
             pending = await rt.store.outbox_pending(limit=1_000_000)
             for i in range(0, len(pending), PUSH_BATCH):
-                chunk = pending[i : i + PUSH_BATCH]
-                changes = [Change(client_seq=e.client_seq, record=e.record) for e in chunk]
-                result = await store.push(tenant, rt.client_id, changes, clock)
-                # older versions of a session row in the same batch are "superseded"
+                # As the device's flush makes a push (``_push_of``): each record as its stored
+                # bytes, a session row once, at its last number, after the messages it names
+                # (its earlier numbers ``skipped``), so the feed holds it after them.
+                changes, skipped, bodies = _push_of(
+                    pending[i : i + PUSH_BATCH], 1 << 40, skipping=True, as_bodies=True
+                )
+                result = await store.push(
+                    tenant, rt.client_id, changes, clock, skipped=skipped, bodies=bodies or ()
+                )
+                # (a skipped number is acknowledged as "superseded")
                 bad = [r for r in result.results if r.status not in ("applied", "superseded")]
                 assert not bad, bad[:3]
             await rt.store.outbox_remove([e.client_seq for e in pending])
