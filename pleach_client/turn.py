@@ -227,7 +227,7 @@ async def run_turn(
     holds it already), and delivers each event to the runtime's subscribers and bus
     (``rt.emit``) as it yields it. Closing it closes the turn: an abort, committed before the
     close returns. (The one generator between a caller and ``_run_turn``: each layer costs
-    every streamed chunk, about 0.5 µs.)
+    every streamed chunk, about 0.15 µs here, measured bare.)
 
     The turn is one span (``pleach.turn``) with a child for each model and tool call.
     ``lineage``: a subagent's turn (``pleach_client.subagents``): its span hangs under the

@@ -150,3 +150,18 @@ def small_id_blocks(adapter: SQLiteAdapter) -> SQLiteAdapter:
     takes that path. Before it is opened, for a new file."""
     adapter._id_layout = IdLayout(inline=0, block=2)
     return adapter
+
+
+def count_hops(conn: Any) -> list[int]:
+    """A one-item list counting every call an aiosqlite connection (a store's ``_conn`` or
+    ``_writer``) hands to its thread from now on (reset it by assigning to its item)."""
+    assert conn is not None
+    hops = [0]
+    execute = conn._execute
+
+    async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        hops[0] += 1
+        return await execute(fn, *args, **kwargs)
+
+    conn._execute = counted
+    return hops

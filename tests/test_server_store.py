@@ -22,6 +22,7 @@ from shared.clock import HybridClock
 from shared.compact import uuid_bytes, uuid_text
 from shared.errors import CursorTooOld, ErrorCode, InvalidState, StorageError, StorageUnavailable
 from shared.records import Event, Session
+from tests.factories import count_hops
 from tests.server_factories import Device, new_tenant
 from tests.server_store_conformance import (
     MakeStore,
@@ -303,22 +304,6 @@ async def test_a_batch_lookup_reads_each_key_through_an_index(db_path: Path, nam
         assert columns - {"org_id", "user_id", "tid"}, f"{name}: {line}"
 
 
-def count_hops(store: SQLiteServerStore) -> list[int]:
-    """A one-item list counting every call run on the writer connection's thread from now on
-    (reset it by assigning to its item)."""
-    writer = store._writer
-    assert writer is not None
-    hops = [0]
-    execute = writer._execute
-
-    async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        hops[0] += 1
-        return await execute(fn, *args, **kwargs)
-
-    writer._execute = counted  # type: ignore[method-assign]
-    return hops
-
-
 @pytest.mark.parametrize("synchronous", ["NORMAL", "FULL"])
 async def test_a_small_push_is_one_hop_and_a_large_one_three(
     db_path: Path, synchronous: Literal["NORMAL", "FULL"]
@@ -334,7 +319,7 @@ async def test_a_small_push_is_one_hop_and_a_large_one_three(
     clock = HybridClock("server-x")
     big = server_sqlite.IN_PLACE_MAX_CHANGES + 1
     async with SQLiteServerStore(db_path, synchronous=synchronous) as store:
-        hops = count_hops(store)
+        hops = count_hops(store._writer)
         counts = []
         for size in (1, big - 4, big - 3):  # 1 + size + 2 changes: 4, 64 and 65
             dev = Device(new_tenant())
@@ -400,7 +385,7 @@ async def test_a_push_waits_for_another_process_write_lock_off_the_event_loop(
         assert [r.status for r in result.results] == ["applied"]
         assert [c.record for c in (await store.pull(dev.tenant, 0, 10)).changes] == [session]
         writer._execute = execute  # type: ignore[method-assign]
-        hops = count_hops(store)
+        hops = count_hops(store._writer)
         statements.clear()
         message = dev.message(session.id)
         result = await store.push(dev.tenant, dev.client_id, dev.changes(message), clock)

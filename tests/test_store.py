@@ -32,6 +32,7 @@ from shared.errors import InvalidState, StorageError  # noqa: E402
 from shared.ids import uuid7  # noqa: E402
 from shared.records import Record, SessionState, encode_record  # noqa: E402
 from tests.factories import (  # noqa: E402
+    count_hops,
     make_audit,
     make_checkpoint,
     make_event,
@@ -939,22 +940,6 @@ async def test_a_schema_4_file_migrates_its_ids_to_keys(db_path: Path, tmp_path:
 # -- a rerunnable plan: planned on the meta the store saw last, written in one hop ---------
 
 
-def _count_hops(store: SQLiteAdapter) -> list[int]:
-    """How many times the store's connection hands work to its thread (one cell, reset by
-    the caller)."""
-    conn = store._conn
-    assert conn is not None
-    hops = [0]
-    execute = conn._execute
-
-    async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        hops[0] += 1
-        return await execute(fn, *args, **kwargs)
-
-    conn._execute = counted  # type: ignore[method-assign]
-    return hops
-
-
 def _increment(calls: list[str], reads_session: bool = False) -> Rerunnable:
     """A counter in ``sync_state`` taken one up, and a message written beside it: a
     read-modify-write that loses an update if it is ever planned on stale meta."""
@@ -973,7 +958,7 @@ async def test_a_rerunnable_plan_on_an_unchanged_file_commits_in_place(db_path: 
     calls: list[str] = []
     async with SQLiteAdapter(db_path) as store:
         await store.transact(_increment(calls))  # the first: nothing seen yet, under the lock
-        hops = _count_hops(store)
+        hops = count_hops(store._conn)
         for expected in range(2, 6):
             hops[0], calls[:] = 0, []
             receipt = await store.transact(_increment(calls))
@@ -1053,7 +1038,7 @@ async def test_a_peek_sees_another_connections_commit_at_once(db_path: Path) -> 
     process) is seen by the next peek, with no hop to the store's thread."""
     async with SQLiteAdapter(db_path) as store:
         await store.set_meta("generation", "g1")
-        hops = _count_hops(store)
+        hops = count_hops(store._conn)
         assert await store.peek_meta("generation") == "g1"
         other = sqlite3.connect(db_path, isolation_level=None)
         try:
@@ -1104,7 +1089,7 @@ async def test_a_peek_that_fails_reads_on_the_connection(db_path: Path) -> None:
         assert await store.peek_meta("n") == "7"
         assert store._local is not None
         store._local.close()
-        hops = _count_hops(store)
+        hops = count_hops(store._conn)
         assert await store.peek_meta("n") == "7"
         assert hops[0] == 1
 
@@ -1116,7 +1101,7 @@ async def test_the_flushs_outbox_read_is_made_in_place(db_path: Path) -> None:
     async with SQLiteAdapter(db_path) as store:
         records = one_of_each()
         await commit(store, *records)
-        hops = _count_hops(store)
+        hops = count_hops(store._conn)
         pending = await store.outbox_pending()
         tail = await store.outbox_pending(2, after=pending[1].client_seq)
         assert hops[0] == 0
@@ -1143,7 +1128,7 @@ async def test_an_outbox_read_waits_for_a_write_in_progress(db_path: Path) -> No
 
         writing = asyncio.ensure_future(store.transact(plan))
         await planning.wait()
-        hops = _count_hops(store)
+        hops = count_hops(store._conn)
         reading = asyncio.ensure_future(store.outbox_pending())
         try:
             await asyncio.sleep(0)  # one turn of the loop: a read in place would be done now
@@ -1229,7 +1214,7 @@ async def test_batches_written_in_place_leave_the_file_as_the_thread_does(
     in_place = sqlite_module.SQLiteAdapter(tmp_path / "a.db")
     on_thread = sqlite_module.SQLiteAdapter(tmp_path / "b.db", synchronous="FULL")
     async with in_place, on_thread:
-        hops = _count_hops(in_place)
+        hops = count_hops(in_place._conn)
         first = True
         for n, records in enumerate(runs, start=1):
             for store in (in_place, on_thread):
@@ -1270,7 +1255,7 @@ async def test_a_failure_in_place_rolls_back_and_the_store_goes_on(db_path: Path
         await store.transact(_increment(calls))
         session = make_session()
         bad = make_event(session_id=session.id, sequence_number=2**63)
-        hops = _count_hops(store)
+        hops = count_hops(store._conn)
         with pytest.raises(StorageError) as info:
             await store.transact(_planned([session, bad], 5))
         assert info.value.retryable is False and hops[0] == 0
@@ -1301,7 +1286,7 @@ async def test_a_wal_left_behind_sends_batches_to_the_thread(db_path: Path) -> N
                 if store._wal_long:
                     break
             assert store._wal_long
-            hops = _count_hops(store)
+            hops = count_hops(store._conn)
             await store.transact(_increment(calls))
             assert hops[0] == 1
         finally:
@@ -1382,7 +1367,7 @@ async def test_an_in_place_plan_reads_and_writes_as_one_on_the_thread(tmp_path: 
         held = _held_records(sid)
         for store in (here, there):
             await _held_state(store, sid, held)
-        hops = _count_hops(here)
+        hops = count_hops(here._conn)
         await here.transact(InPlace(_reading_plan(sid, seen_here)))
         assert hops[0] == 0
         await there.transact(_reading_plan(sid, seen_there))
