@@ -38,7 +38,15 @@ from shared.compact import KINDS
 from shared.errors import CursorTooOld, ErrorCode, InvalidState, StorageError, StorageUnavailable
 from shared.hashchain import chain_audit, verify_chain
 from shared.ids import uuid7
-from shared.records import CASCADE_KINDS, Event, Message, Record, Session, record_kind
+from shared.records import (
+    CASCADE_KINDS,
+    Change,
+    Event,
+    Message,
+    Record,
+    Session,
+    record_kind,
+)
 from tests.server_factories import Device, new_tenant
 from tests.server_store_conformance import (
     FaultyTx,
@@ -818,6 +826,58 @@ async def test_a_push_waiting_on_the_tenant_lock_reads_the_last_seq_committed_be
     assert len(page.changes) == 3  # each change once in the feed
 
 
+async def test_a_push_waiting_on_the_tenant_lock_reads_the_rows_committed_before_it(
+    pg_schema: str,
+) -> None:
+    """The laptop's edit of a session is held open after its writes (tenant lock taken);
+    the phone, which saw the session before that edit, pushes its own edit of it and waits
+    on the lock. Its lookups go with the lock in one round trip (migration 11), and must
+    still be read after the lock, on a snapshot of their own: the phone's push finds the
+    laptop's version and resolves the conflict (a fork keeps the loser). Lookups on the
+    snapshot from before the wait would find the version before the laptop's edit, take the
+    phone's as its successor and drop the laptop's edit."""
+    tenant = new_tenant()
+    laptop, phone = Device(tenant), Device(tenant)
+    v1 = laptop.session(title="v1", message_ids=["m1"])
+    allocated, release = asyncio.Event(), asyncio.Event()
+
+    async def hold() -> None:
+        allocated.set()
+        await release.wait()
+
+    holding = [False]
+
+    def wrap(tx: StoreTx) -> StoreTx:
+        return Hooked(tx, after_cursors=hold if holding[0] and not allocated.is_set() else None)
+
+    clock = HybridClock(f"server-{uuid7()}")
+    async with pg_store(pg_schema, wrap) as store, admin() as conn:
+        assert statuses(await store.push(tenant, laptop.client_id, laptop.changes(v1), clock)) == [
+            "applied"
+        ]
+        on_laptop = laptop.edit(v1, title="laptop", message_ids=["m1", "l2"])
+        phone.clock.observe(on_laptop.updated_at)  # the phone writes later: it wins LWW
+        on_phone = phone.edit(v1, title="phone", message_ids=["m1", "p2"])
+        holding[0] = True
+        first = asyncio.create_task(
+            store.push(tenant, laptop.client_id, laptop.changes(on_laptop), clock)
+        )
+        await allocated.wait()
+        second = asyncio.create_task(
+            store.push(tenant, phone.client_id, phone.changes(on_phone), clock)
+        )
+        await wait_for_one_on_the_tenant_lock(conn, store, "the phone's push to wait on the lock")
+        release.set()
+        assert statuses(await first) == ["applied"]
+        resolved = await second
+        assert statuses(resolved) == ["resolved"]
+        receipt = resolved.results[0].conflict
+        assert receipt is not None and receipt.session_id == v1.id
+        feed = [c.record for c in (await store.pull(tenant, 0, 100)).changes]
+    titles = sorted(r.title for r in feed if isinstance(r, Session))
+    assert titles == ["laptop", "phone"]  # the laptop's edit survives, as the fork
+
+
 async def test_a_delete_racing_many_pushers_leaves_no_content(
     pg_schema: str, stored_rows: StoredRows
 ) -> None:
@@ -1383,13 +1443,14 @@ async def test_schema_5_migrates_to_a_feed_that_refers_to_its_records() -> None:
             assert [c[0] for c in columns] == ["cursor", "kind", "record_id", "tid"]
 
 
-async def test_a_push_is_three_statements_whatever_its_size(pg_schema: str) -> None:
-    """Between BEGIN and COMMIT a push is three statements, however many changes it carries:
-    the tenant lock with the device's last_seq (one function call, migration 7), every
-    lookup with the tenant's head (``load``),
-    and every write (``write``: the tables, the feed rows and the notice to the other
-    processes). Each is a round trip to the database; the head after the feed rows is their
-    last cursor, not another query."""
+async def test_a_push_is_two_statements_whatever_its_size(pg_schema: str) -> None:
+    """Between BEGIN and COMMIT a push is two statements, however many changes it carries:
+    the tenant lock with the device's last_seq and every lookup of the batch with the
+    tenant's head (one function call, migration 11: the lookups of the batch as it is after
+    the last_seq the push expects), and every write (``write``: the tables, the feed rows and
+    the notice to the other processes). Each is a round trip to the database; the head after
+    the feed rows is their last cursor, not another query. A push whose device's last_seq is
+    not the one it expects (a resend after a lost ack) reads its lookups again: three."""
     clock = HybridClock("server-x")
     async with pg_store(pg_schema, pool_min=1, pool_max=1) as store:
         statements: list[str] = []
@@ -1407,7 +1468,16 @@ async def test_a_push_is_three_statements_whatever_its_size(pg_schema: str) -> N
             assert result.head_cursor == max(r.cursor or 0 for r in result.results)
             verbs = [q.split()[0].upper().rstrip(";") for q in statements]
             counts.append(verbs.index("COMMIT") - verbs.index("BEGIN") - 1)
-        assert counts[1:] == [3, 3]
+        assert counts[1:] == [2, 2]
+        # The last device sends its first change again with a new one (its ack was lost):
+        # its last_seq is past what the push expects, so the lookups are read once more.
+        again = dev.changes(dev.message(session.id))
+        statements.clear()
+        first = Change(client_seq=1, record=records[0])
+        result = await store.push(dev.tenant, dev.client_id, [first, *again], clock)
+        assert [r.status for r in result.results] == ["duplicate", "applied"]
+        verbs = [q.split()[0].upper().rstrip(";") for q in statements]
+        assert verbs.index("COMMIT") - verbs.index("BEGIN") - 1 == 3
 
 
 async def test_keys_are_converted_alike_in_python_and_in_sql(pg_schema: str) -> None:

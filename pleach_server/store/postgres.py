@@ -51,6 +51,10 @@ statement from its org and user ids.
 - ``lock_tenant_last_seq(lock_key, org, user, client)``: a push's tenant lock and its device's
   ``last_seq`` in one round trip (a plpgsql function: its read takes its own snapshot, after
   the lock).
+- ``lock_last_seq_load(lock_key, org, user, client, <load's lookups>)``: the same, with every
+  lookup of the batch as it is after the ``last_seq`` the push expects (migration 11; each
+  read on its own snapshot, after the lock). A push is then two statements: this and
+  ``write``.
 - ``<table>_tenant``: extended statistics on ``(org_id, user_id)`` of the tables that keep
   the two (``clients``, ``meta``, ``devices``), so that the plans of a large tenant's lookups
   are those of a small one's (migration 8; the others name the tenant by number since 10).
@@ -89,6 +93,7 @@ from .apply import (
     Snapshot,
     StoreTx,
     apply_push,
+    batch_keys,
     claimed_concurrently,
     content_to_delete,
 )
@@ -219,6 +224,52 @@ _NUMBERED_TABLES = ("sessions", "records", "events", "feed", "audit_places")
 
 Step = str | Callable[[Any, str], Awaitable[None]]
 """A migration step: a statement, or a function run on the connection and schema (a backfill)."""
+
+
+async def _lock_last_seq_load_step(conn: Any, s: str) -> None:
+    """Migration 11: ``lock_last_seq_load``, made from this build's ``_Sql.load`` (a later
+    change of that statement adds a version that runs this step again)."""
+    await conn.execute(_lock_last_seq_load_function(s))
+
+
+def _lock_last_seq_load_function(s: str) -> str:
+    """``CREATE OR REPLACE FUNCTION {s}.lock_last_seq_load``: the tenant lock, then (each on a
+    snapshot of its own, after the lock) the device's last_seq as a row of its own (``what``
+    7) and the rows of ``_Sql.load`` for the lookups given."""
+    load = _Sql(s).load
+    for number, name in reversed(list(enumerate(_LOAD_ARGS, start=1))):
+        load = load.replace(f"${number}", name)
+    return f"""CREATE OR REPLACE FUNCTION {s}.lock_last_seq_load(
+            lock_key bigint, p_org text, p_usr text, p_client text, p_kinds smallint[],
+            p_ids bytea[], p_events bytea[], p_owners bytea[], p_sessions bytea[],
+            p_chains bytea[], p_audits text[]
+        ) RETURNS TABLE (
+            what integer, kind smallint, key bytea, body bytea, number bigint, row_hash text
+        ) LANGUAGE plpgsql VOLATILE AS $$
+        #variable_conflict use_column
+        BEGIN
+            PERFORM pg_advisory_xact_lock(lock_key);
+            RETURN QUERY SELECT 7, NULL::smallint, NULL::bytea, NULL::bytea,
+                (SELECT c.last_seq FROM {s}.clients AS c WHERE c.org_id = p_org
+                 AND c.user_id = p_usr AND c.client_id = p_client)::bigint, NULL::text;
+            RETURN QUERY SELECT l.a::integer, l.b::smallint, l.c::bytea, l.d::bytea,
+                l.e::bigint, l.f::text FROM ({load}) AS l (a, b, c, d, e, f);
+        END
+        $$"""
+
+
+_LOAD_ARGS: Final = (
+    "p_org",
+    "p_usr",
+    "p_kinds",
+    "p_ids",
+    "p_events",
+    "p_owners",
+    "p_sessions",
+    "p_chains",
+    "p_audits",
+)
+"""``_Sql.load``'s parameters ($1 to $9), as ``lock_last_seq_load`` names them."""
 
 # One tuple of statements per schema version; never edit a shipped version, append a new one.
 # ``{s}`` is the schema name (validated by _SCHEMA_RE, so it needs no quoting).
@@ -413,6 +464,11 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         "ALTER TABLE {s}.audit_places ADD PRIMARY KEY (tid, client_id, sequence_number, id)",
         "ANALYZE {s}.tenants, " + ", ".join(f"{{s}}.{t}" for t in _NUMBERED_TABLES),
     ),
+    # 11: a push takes the tenant lock, reads the device's last_seq and makes every lookup of
+    # its batch in one round trip (``lock_last_seq_load``, on the keys of the batch as it
+    # would be after the last_seq the push expects; see ``_PostgresTx``). As in version 7,
+    # each statement of the function runs on a fresh snapshot, taken after the lock.
+    (_lock_last_seq_load_step,),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -846,6 +902,35 @@ class _Sql:
         )
         self.lock_tenant = "SELECT pg_advisory_xact_lock($1)"
         self.lock_tenant_last_seq = f"SELECT {s}.lock_tenant_last_seq($1, $2, $3, $4)"
+        self.lock_last_seq_load = (
+            f"SELECT * FROM {s}.lock_last_seq_load($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
+        )
+
+
+def _lookups(keys: BatchKeys) -> tuple[dict[bytes, str], tuple[list[Any], ...]]:
+    """``_Sql.load``'s lookup arrays ($3 to $9) for ``keys``, and each key's id (to name what
+    the rows found)."""
+    kinds, ids = zip(*keys.records, strict=True) if keys.records else ((), ())
+    named: dict[bytes, str] = {}
+
+    def keyed(values: Collection[str]) -> list[bytes]:
+        out = []
+        for value in values:
+            key = _pg_key(value)
+            named[key] = value
+            out.append(key)
+        return out
+
+    lookups = (
+        [_KIND_NUMBERS[kind] for kind in kinds],
+        keyed(ids),
+        keyed(keys.events),
+        keyed(keys.session_owners),
+        keyed(keys.sessions),
+        keyed(keys.chains),
+        list(keys.audit_chains),  # device ids: kept as their text
+    )
+    return named, lookups
 
 
 class _PostgresTx:
@@ -855,7 +940,14 @@ class _PostgresTx:
     keys and rows travel as arrays.
     """
 
-    def __init__(self, conn: Any, sql: _Sql, schema: str, server_id: str) -> None:
+    def __init__(
+        self,
+        conn: Any,
+        sql: _Sql,
+        schema: str,
+        server_id: str,
+        expected: tuple[int, BatchKeys] | None = None,
+    ) -> None:
         self._conn = conn
         self._sql = sql
         self._schema = schema
@@ -867,9 +959,18 @@ class _PostgresTx:
         self._unlocked: Tenant | None = None
         """A tenant whose lock was asked for and not yet taken: the next call takes it first
         (``get_last_seq`` in the same round trip as its read)."""
+        self._expected = expected
+        """The device's ``last_seq`` the push expects (the number before its first) and the
+        ``batch_keys`` after it: the lock, the read of ``last_seq`` and these lookups go in
+        one round trip (``lock_last_seq_load``). When ``last_seq`` is another (a resend after
+        a lost ack, a gap), the rows read are dropped and ``load`` reads the right ones."""
+        self._loaded: tuple[BatchKeys, Snapshot] | None = None
+        """The expected keys and what they read, once ``last_seq`` proved the expected one."""
 
     def keys_read(self, last_seq: int) -> BatchKeys | None:
-        return None  # (the lookups take one round trip of their own: ``load``)
+        # The lookups of the expected keys were read with the lock (``get_last_seq``) when
+        # last_seq is the one expected; else they take a round trip of their own (``load``).
+        return self._loaded[0] if self._loaded is not None else None
 
     async def lock_tenant(self, tenant: Tenant) -> None:
         # Held until COMMIT / ROLLBACK; see "Cursor visibility" in the module docstring. A
@@ -887,6 +988,17 @@ class _PostgresTx:
         if self._unlocked == tenant:
             self._unlocked = None
             key = tenant_lock_key(self._schema, tenant)
+            if self._expected is not None:
+                expected, keys = self._expected
+                named, lookups = _lookups(keys)
+                if any(lookups):
+                    rows = await self._conn.fetch(self._sql.lock_last_seq_load, key, *t, *lookups)
+                    seq = next((r[4] for r in rows if r[0] == 7), None)
+                    last_seq = int(seq) if seq is not None else 0
+                    if last_seq == expected:
+                        found = self._snapshot(tenant, [r for r in rows if r[0] != 7], named)
+                        self._loaded = (keys, found)
+                    return last_seq
             value = await self._conn.fetchval(self._sql.lock_tenant_last_seq, key, *t)
         else:
             await self._take_lock()
@@ -894,32 +1006,21 @@ class _PostgresTx:
         return int(value) if value is not None else 0
 
     async def load(self, tenant: Tenant, keys: BatchKeys) -> Snapshot:
-        """Every lookup of the batch in one round trip (``_Sql.load``)."""
+        """Every lookup of the batch in one round trip (``_Sql.load``); none when they were read
+        with the lock (``get_last_seq``)."""
+        if self._loaded is not None and keys is self._loaded[0]:
+            return self._loaded[1]
         await self._take_lock()
-        found = Snapshot()
-        kinds, ids = zip(*keys.records, strict=True) if keys.records else ((), ())
-        named: dict[bytes, str] = {}  # key -> id, to name what the rows found
-
-        def keyed(values: Collection[str]) -> list[bytes]:
-            out = []
-            for value in values:
-                key = _pg_key(value)
-                named[key] = value
-                out.append(key)
-            return out
-
-        lookups = (
-            [_KIND_NUMBERS[kind] for kind in kinds],
-            keyed(ids),
-            keyed(keys.events),
-            keyed(keys.session_owners),
-            keyed(keys.sessions),
-            keyed(keys.chains),
-            list(keys.audit_chains),  # device ids: kept as their text
-        )
+        named, lookups = _lookups(keys)
         if not any(lookups):
-            return found
+            return Snapshot()
         rows = await self._conn.fetch(self._sql.load, tenant.org_id, tenant.user_id, *lookups)
+        return self._snapshot(tenant, rows, named)
+
+    def _snapshot(self, tenant: Tenant, rows: list[Any], named: dict[bytes, str]) -> Snapshot:
+        """What the rows of ``_Sql.load`` found (``named``: each key's id); the tenant's head
+        (``what`` 6) is kept for ``head_cursor``."""
+        found = Snapshot()
         for what, kind, key, body, number, row_hash in rows:
             if what == 5:
                 # (a device id, as its UTF-8: the column holds the other lookups' keys)
@@ -1274,9 +1375,17 @@ class PostgresServerStore(AsyncResource):
         skipped: Collection[int] = (),
         bodies: Collection[bytes] = (),
     ) -> PushResult:
+        # The device's last_seq the push expects: the number before its first. The lookups
+        # of the batch after it are read with the tenant lock, in one round trip.
+        numbers = [*(c.client_seq for c in changes), *skipped]
+        expected = min(numbers) - 1 if numbers else 0
+        keys = batch_keys(
+            changes, expected, tenant, client_id, aliases, audit=chains, skipped=frozenset(skipped)
+        )
+
         async def body(conn: Any) -> PushResult:
             result = await apply_push(
-                _PostgresTx(conn, self._sql, self.schema, clock.client_id),
+                _PostgresTx(conn, self._sql, self.schema, clock.client_id, (expected, keys)),
                 tenant,
                 client_id,
                 changes,
