@@ -24,6 +24,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -92,6 +93,20 @@ def negotiate(offered: tuple[int, int], supported: tuple[int, int]) -> int | Non
     low = max(offered[0], supported[0])
     high = min(offered[1], supported[1])
     return high if low <= high else None
+
+
+_Bodied = TypeVar("_Bodied", ChangeBody, FeedBody)
+
+
+def _rebodied(bodies: list[_Bodied], change: Callable[[Any], Any]) -> list[_Bodied]:
+    """``bodies`` with each body passed through ``change`` (an ``IdLists``' ``grow`` or
+    ``shrink``): an item whose body comes back unchanged is kept as it is."""
+    return [
+        b
+        if (body := change(b.body)) is b.body
+        else msgspec.structs.replace(b, body=msgspec.Raw(body))
+        for b in bodies
+    ]
 
 
 class _Protocol:
@@ -206,19 +221,7 @@ class _Protocol:
         live = isinstance(frame, Changes) and frame.live
         grow = (self.received_live_ids if live else self.received_ids).grow
         try:
-            if isinstance(frame, Push):
-                pushed = [
-                    b
-                    if (body := grow(b.body)) is b.body
-                    else ChangeBody(b.client_seq, msgspec.Raw(body))
-                    for b in frame.bodies
-                ]
-                return msgspec.structs.replace(frame, bodies=pushed)
-            paged = [
-                b if (body := grow(b.body)) is b.body else FeedBody(b.cursor, msgspec.Raw(body))
-                for b in frame.bodies
-            ]
-            return msgspec.structs.replace(frame, bodies=paged)
+            return msgspec.structs.replace(frame, bodies=_rebodied(frame.bodies, grow))
         except msgspec.DecodeError as exc:
             self.fail(MalformedFrame(f"malformed frame: {exc}"), request_id=frame.request_id)
             return None
@@ -372,11 +375,7 @@ class ServerProtocol(_Protocol):
         if bodies is not None and (self.version or 0) < COMPACT_SINCE:
             raise InvalidState(f"record bodies need protocol {COMPACT_SINCE}")
         if bodies and (self.version or 0) >= ID_REFS_SINCE:
-            shrink = (self.sent_live_ids if live else self.sent_ids).shrink
-            bodies = [
-                b if (body := shrink(b.body)) is b.body else FeedBody(b.cursor, msgspec.Raw(body))
-                for b in bodies
-            ]
+            bodies = _rebodied(bodies, (self.sent_live_ids if live else self.sent_ids).shrink)
         self._send(
             Changes(
                 from_cursor=from_cursor,
