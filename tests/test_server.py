@@ -192,8 +192,12 @@ async def test_hello_welcome_push_ack_and_last_seq(srv: SyncServer) -> None:
         assert (welcome.last_seq, welcome.head_cursor) == (2, 2)
 
 
-async def test_frames_are_compressed_with_small_windows(srv: SyncServer) -> None:
-    """permessage-deflate is on, with 1 KiB windows (memory per idle connection)."""
+async def test_frames_are_compressed_each_alone_and_the_devices_in_a_small_window(
+    srv: SyncServer,
+) -> None:
+    """permessage-deflate is on: the server deflates each frame alone (it holds no compressor
+    while a connection is idle), and a device's frames keep their context in a 4 KiB window
+    (the server's inflate holds it per connection)."""
     dev = Device(new_tenant())
     headers = {"Authorization": f"Bearer {token_for(dev.tenant)}"}
     async with connect(srv.url, additional_headers=headers, proxy=None) as ws:  # deflate offered
@@ -201,10 +205,15 @@ async def test_frames_are_compressed_with_small_windows(srv: SyncServer) -> None
         await client.hello(dev.client_id)
         (extension,) = ws.protocol.extensions
         assert extension.name == "permessage-deflate"
-        assert (extension.local_max_window_bits, extension.remote_max_window_bits) == (10, 10)
+        assert extension.remote_no_context_takeover  # what the server sends
+        assert not extension.local_no_context_takeover  # what this device sends
+        assert extension.local_max_window_bits == 12
         session = dev.session(title="x" * 5000)
         ack = await client.push(dev.changes(session))
         assert [r.status for r in ack.results] == ["applied"]
+        # The page that brings it back, deflated alone, comes whole.
+        page = await client.pull(0)
+        assert [c.record.title for c in page.changes] == ["x" * 5000]
 
 
 async def test_pull_pages(srv: SyncServer) -> None:
