@@ -1461,7 +1461,8 @@ class PostgresServerStore(AsyncResource):
                 transaction=False,
             )
         except (StorageError, StorageUnavailable, InvalidState) as exc:
-            # (A role that does not own the tables may not analyze them: autovacuum will.)
+            # (A role that does not own the tables is not refused: PostgreSQL skips each with
+            # a warning of its own, and autovacuum analyzes them in its time.)
             log.warning("the tables were not analyzed at feed cursor %d: %s", head, exc)
         else:
             log.info("tables analyzed at feed cursor %d (their plans are made again)", head)
