@@ -735,3 +735,26 @@ async def test_a_fold_that_fails_after_a_pull_leaves_the_pull_standing(
     store.failing = False
     events = await store.list_events(session.id)
     assert await load_hydration(store, session.id) == (hydrate(events), "whole")
+
+
+async def test_a_device_deflates_in_a_small_kept_window_and_the_server_each_frame_alone(
+    cluster: Cluster,
+) -> None:
+    """The device's connection negotiates permessage-deflate: the device keeps its context in
+    the 4 KiB window the server allows, at level 1; the server deflates each frame alone. A
+    long conversation still syncs whole through it."""
+    laptop = await cluster.device("laptop")
+    phone = await cluster.device("phone")
+    session = await laptop.create_session(title="deflated")
+    for i in range(30):
+        await chat(laptop, session.id, f"turn {i}: " + "words repeat in a long reply " * 40)
+    await cluster.online(laptop, phone)
+    link = laptop.sync._link
+    assert link is not None
+    (extension,) = link.ws.protocol.extensions
+    assert extension.name == "permessage-deflate"
+    assert extension.remote_no_context_takeover  # the server's frames, each alone
+    assert not extension.local_no_context_takeover  # the device's, context kept
+    assert extension.local_max_window_bits == 12
+    assert extension.compress_settings == {"level": 1, "memLevel": 8}
+    assert await snapshot(laptop, session.id) == await snapshot(phone, session.id)
