@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import sys
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import msgspec
 import pytest
 from websockets.asyncio.client import connect
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from pleach_server.auth import issue_token
 from pleach_server.connection import FLOOD_CLOSE_AFTER
@@ -63,10 +64,10 @@ async def open_client(
     if token is None:
         assert tenant is not None
         token = token_for(tenant)
+    kwargs.setdefault("compression", None)  # (frames as they are on the wire, unless asked)
     async with connect(
         srv.url,
         additional_headers={"Authorization": f"Bearer {token}"},
-        compression=None,
         proxy=None,
         open_timeout=TIMEOUT,
         close_timeout=2,
@@ -432,6 +433,35 @@ async def test_frame_over_max_frame_bytes_gets_3005_then_1009(
             await client.send_raw(os.urandom(200 * 1024))  # over twice: websockets refuses
             closed = await client.closed()
             assert closed.rcvd is not None and closed.rcvd.code == 1009
+        await assert_still_served(bystander, other)
+
+
+async def test_a_deflated_frame_is_held_to_the_limits_as_it_inflates(
+    make_server: ServerFactory,
+) -> None:
+    """Frames of zeros, a few KiB on the wire once deflated (a zip bomb): one that inflates to
+    between the frame limit and twice it gets 3005 and a close (1009), as a frame that large
+    uncompressed; one that inflates to 256 times the limit is refused while it inflates
+    (websockets inflates at most twice the limit), and the other devices are served on."""
+    srv = await make_server(max_frame_bytes=64 * 1024)
+    dev, other = Device(new_tenant()), Device(new_tenant())
+    big = b"\x00" * (16 * 1024 * 1024)
+    assert len(zlib.compress(big)) < 20 * 1024  # what such a frame weighs on the wire
+    async with device(srv, other) as bystander:
+        async with open_client(srv, dev.tenant, compression="deflate") as client:
+            await client.hello(dev.client_id)
+            await client.send_raw(bytes(100 * 1024))  # between the limit and twice it
+            err = await client.error()
+            assert err.code == ErrorCode.FRAME_TOO_LARGE
+            closed = await client.closed()
+            assert closed.rcvd is not None and closed.rcvd.code == 1009
+        async with open_client(srv, dev.tenant, compression="deflate") as client:
+            await client.hello(dev.client_id)
+            assert [e.name for e in client.ws.protocol.extensions] == ["permessage-deflate"]
+            await client.send_raw(big)
+            with pytest.raises(ConnectionClosed) as refused:
+                await client.recv()  # no 3005 first: refused before the frame was whole
+            assert refused.value.rcvd is not None and refused.value.rcvd.code == 1009
         await assert_still_served(bystander, other)
 
 
