@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from pleach_client import sync as sync_module
 from pleach_client.hydration import hydrate, load_hydration
 from pleach_client.providers.scripted import ScriptedProvider
 from pleach_client.runtime import SessionRuntime
@@ -758,3 +759,36 @@ async def test_a_device_deflates_in_a_small_kept_window_and_the_server_each_fram
     assert extension.local_max_window_bits == 12
     assert extension.compress_settings == {"level": 1, "memLevel": 8}
     assert await snapshot(laptop, session.id) == await snapshot(phone, session.id)
+
+
+async def test_a_page_of_a_catch_up_is_applied_in_place(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pulled page of up to ``IN_PLACE_PAGE`` changes (here about 300, the whole history in
+    one page) is read and written on the loop's thread, its transaction never a hop: the
+    store's thread and the loop would contend for the GIL (the write beside the next page's
+    decode took twice its time). A page past the mark is applied on the store's thread, and
+    both devices end with the laptop's rows."""
+    laptop = await cluster.device("laptop")
+    session = await laptop.create_session(title="long")
+    for i in range(33):
+        await chat(laptop, session.id, f"turn {i}")
+    await cluster.online(laptop)
+    in_place: dict[str, list[int]] = {}
+    for name, mark in (("phone", sync_module.IN_PLACE_PAGE), ("tablet", 16)):
+        monkeypatch.setattr(sync_module, "IN_PLACE_PAGE", mark)
+        rt = await cluster.device(name)
+        done = in_place[name] = []
+        real = rt.store._transact_in_place
+
+        async def recorded(plan: Any, done: list[int] = done, real: Any = real) -> Any:
+            receipt = await real(plan)
+            if receipt is not None:
+                done.append(receipt.records)
+            return receipt
+
+        monkeypatch.setattr(rt.store, "_transact_in_place", recorded)
+        await cluster.online(rt)
+        assert await snapshot(rt, session.id) == await snapshot(laptop, session.id)
+    assert max(in_place["phone"]) >= 250  # the whole history (266 records), one page, in place
+    assert max(in_place["tablet"], default=0) <= 16  # the pages past the mark: on the thread
