@@ -502,16 +502,24 @@ def _result(fn: Any, data: bytes) -> tuple[Any, Any]:
         return type(exc), str(exc)
 
 
+def _same(a: tuple[Any, Any] | None, b: tuple[Any, Any] | None) -> bool:
+    """Two results alike: errors by type and message, records by the bytes of their fields (a
+    float field may hold a NaN, which ``==`` finds equal to no NaN, itself included)."""
+    if a is None or b is None or a[0] != "ok" or b[0] != "ok":
+        return a == b
+    return type(a[1]) is type(b[1]) and msgspec.msgpack.encode(a[1]) == msgspec.msgpack.encode(b[1])
+
+
 @settings(max_examples=400)
 @given(records() | odd_records().filter(lambda r: _outcome(compact.encode, r)[0] == "ok"))
 def test_the_typed_decode_reads_what_the_generic_one_reads(record: Record) -> None:
     data = compact.encode(record)
     expected = _result(compact._decode_values, data)
-    assert _result(compact.decode, data) == expected
+    assert _same(_result(compact.decode, data), expected)
     if expected[0] == "ok":  # and read by the typed path itself, not by falling back
         body = compact._BODY_DECODER.decode(data)
         fields = msgspec.structs.asdict(body)
-        assert msgspec.convert(fields, compact._BODY_TYPES[type(body)]) == expected[1]
+        assert _same(("ok", msgspec.convert(fields, compact._BODY_TYPES[type(body)])), expected)
 
 
 # decode first reads a body of a kind with a twin (every kind but Session and AuditRow) into
@@ -536,7 +544,7 @@ def test_the_twin_reads_what_the_generic_decode_reads(record: Record) -> None:
     expected = _result(compact._decode_values, data)
     # Every valid body of a kind with a twin is read by it (the fast path is the path taken),
     # and alike; one that decodes to no valid record (an odd value encoded) is refused.
-    assert read == (expected if expected[0] == "ok" else None)
+    assert _same(read, expected if expected[0] == "ok" else None)
 
 
 def test_each_twin_hands_every_field_to_its_record() -> None:
@@ -574,8 +582,9 @@ def mistyped_bodies(draw: st.DrawFn) -> bytes:
 @given(mistyped_bodies())
 def test_a_mistyped_body_reads_or_is_refused_as_by_the_generic_decode(data: bytes) -> None:
     expected = _result(compact._decode_values, data)
-    assert _result(compact.decode, data) == expected
-    assert _twin_result(data) in (None, expected)
+    assert _same(_result(compact.decode, data), expected)
+    read = _twin_result(data)
+    assert read is None or _same(read, expected)
 
 
 @settings(max_examples=400)
@@ -590,8 +599,9 @@ def test_a_corrupt_body_reads_or_is_refused_as_by_the_generic_decode(
     if data.draw(st.booleans()):
         del body[data.draw(st.integers(1, len(body))) :]  # cut short
     expected = _result(compact._decode_values, bytes(body))
-    assert _result(compact.decode, bytes(body)) == expected
-    assert _twin_result(bytes(body)) in (None, expected)
+    assert _same(_result(compact.decode, bytes(body)), expected)
+    read = _twin_result(bytes(body))
+    assert read is None or _same(read, expected)
 
 
 def test_defaults_filled_in_are_not_shared_between_records() -> None:
