@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiosqlite
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -799,6 +800,41 @@ async def test_the_wal_is_checkpointed_beside_the_writer(db_path: Path) -> None:
         assert store._checkpoints.running is None
         autocheckpoint = await store._require_open().execute_fetchall("PRAGMA wal_autocheckpoint")
         assert list(autocheckpoint) == [(sqlite_module.AUTOCHECKPOINT_PAGES,)]
+
+
+async def test_a_side_checkpoint_copies_first_beside_the_commits_then_under_the_lock(
+    db_path: Path,
+) -> None:
+    """The side checkpoint runs twice: first beside this process's commits (it copies and
+    syncs what the WAL holds), then under the store's lock, which holds them for the little
+    they wrote meanwhile only, so that the next commit starts the WAL over. Alone (nothing
+    written between), the second finds everything copied."""
+    every = sqlite_module.CHECKPOINT_EVERY
+    async with SQLiteAdapter(db_path) as store:
+        for _ in range(every - 1):
+            await commit(store, make_message(session_id="s-1"))
+        # The checkpointer's connection, made as the store makes it, watched.
+        checkpointer = await aiosqlite.connect(db_path, isolation_level=None)
+        store._checkpointer = checkpointer
+        locked: list[bool] = []
+        results: list[tuple[int, int, int]] = []
+        fetchall = checkpointer.execute_fetchall
+
+        async def recorded(sql: str, *args: Any) -> Any:
+            locked.append(store._lock.locked())
+            rows = await fetchall(sql, *args)
+            results.append(tuple(next(iter(rows))))
+            return rows
+
+        checkpointer.execute_fetchall = recorded  # type: ignore[method-assign]
+        await commit(store, make_message(session_id="s-1"))  # starts the side checkpoint
+        side = store._checkpoints.running
+        assert side is not None
+        await side
+    assert locked == [False, True]
+    (_, log_first, copied_first), (_, log_second, copied_second) = results
+    assert copied_first == log_first > 0  # the first copied the WAL whole
+    assert (log_second, copied_second) == (log_first, copied_first)  # the second: nothing new
 
 
 async def test_close_waits_for_a_side_checkpoint(db_path: Path) -> None:
