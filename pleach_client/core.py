@@ -523,14 +523,14 @@ class DeviceCore:
         return previous_ids(await self.store.get_meta(PREVIOUS_IDS))
 
     async def transact_remote(
-        self, plan: Callable[[TxReader, RemoteView], Any], *, small: bool = False
+        self, plan: Callable[[TxReader, RemoteView], Any], *, in_place: bool = False
     ) -> tuple[CommitReceipt, Any]:
         """Run a sync plan in one transaction with a view of the core's heads.
 
         ``plan(tx, view)`` returns ``(batch | None, outcome)``; on success the core adopts what
-        the view recorded (rows taken, new heads) and the outcome is returned. ``small``: it
-        reads and writes little (a live page): the store may run it on the caller's thread
-        (``InPlace``).
+        the view recorded (rows taken, new heads) and the outcome is returned. ``in_place``: the
+        store may run it, its reads and its write, on the caller's thread (``InPlace``: a page
+        of up to ``sync.IN_PLACE_PAGE`` changes).
         """
         view = RemoteView(self)
         outcome: Any = None
@@ -548,7 +548,7 @@ class DeviceCore:
             return batch
 
         try:
-            receipt = await self.store.transact(InPlace(run) if small else run)
+            receipt = await self.store.transact(InPlace(run) if in_place else run)
         except BaseException:
             self._forget()
             raise

@@ -1230,8 +1230,8 @@ class SyncFacet:
             )
             return batch, True
 
-        small = len(echo.events) <= IN_PLACE_PAGE
-        _, taken = await self._rt.core.transact_remote(plan, small=small)
+        in_place = len(echo.events) <= IN_PLACE_PAGE
+        _, taken = await self._rt.core.transact_remote(plan, in_place=in_place)
         if taken:
             self._cursor = echo.to_cursor
             self._poke()
@@ -1304,7 +1304,7 @@ class SyncFacet:
                 if answer.more:
                     ahead_from = answer.to_cursor
                     ahead = asyncio.ensure_future(self._ask_page(link, ahead_from))
-                    # The request goes out now: a small page's apply runs in place and may
+                    # The request goes out now: a page's apply runs in place and may
                     # not give the loop a turn before it is done.
                     await asyncio.sleep(0)
                 if answer.changes or answer.to_cursor > cursor:
@@ -1407,8 +1407,8 @@ class SyncFacet:
 
         # A page (a live one, or a pull's) is read and written in place (``InPlace``): see
         # ``IN_PLACE_PAGE``.
-        small = len(changes) <= IN_PLACE_PAGE
-        _, applied = await rt.core.transact_remote(plan, small=small)
+        in_place = len(changes) <= IN_PLACE_PAGE
+        _, applied = await rt.core.transact_remote(plan, in_place=in_place)
         if written:
             self._cursor = written[0]
         if reused and reused[0]:

@@ -165,10 +165,10 @@ class Rerunnable:
 
 
 class InPlace:
-    """A plan that reads and writes little (a live page of a few changes): a store may run
-    it, its reads and its writes, on the caller's thread (``SQLiteAdapter``), where a hop to
-    a connection's thread would cost more than the work. It runs under the write lock as any
-    plan; a store may ignore the mark."""
+    """A plan a store may run, its reads and its writes, on the caller's thread
+    (``SQLiteAdapter``): a live page, where a hop to a connection's thread would cost more than
+    the work, and a pulled page, whose work on that thread would contend with the caller's for
+    the GIL. It runs under the write lock as any plan; a store may ignore the mark."""
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan

@@ -219,6 +219,8 @@ _TENANT_TABLES = (
     "audit_places",
 )
 """Every table whose rows belonged to a tenant (``org_id``, ``user_id``) before version 10."""
+_ANALYZED_TABLES: Final = ("tenants", *_TENANT_TABLES)
+"""The tables the store analyzes itself while the database is young (``ANALYZE_AT``)."""
 _NUMBERED_TABLES = ("sessions", "records", "events", "feed", "audit_places")
 """The tables that name a tenant by its number (``tid``) since version 10."""
 
@@ -905,6 +907,8 @@ class _Sql:
         self.lock_last_seq_load = (
             f"SELECT * FROM {s}.lock_last_seq_load($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
         )
+        # The store's own statistics of a young database (``ANALYZE_AT``).
+        self.analyze = "ANALYZE " + ", ".join(f"{s}.{table}" for table in _ANALYZED_TABLES)
 
 
 def _lookups(keys: BatchKeys) -> tuple[dict[bytes, str], tuple[list[Any], ...]]:
@@ -1183,7 +1187,6 @@ minute later. Measured before this: one device's pushes of nine changes, on a ne
 from 4 ms to 20 ms over their first 2,400, each reading ``records`` nine times. ``ANALYZE``
 invalidates the plans of every connection, and the next ones use the indexes; from a thousand
 rows on, larger tables only make them more so."""
-_ANALYZED_TABLES: Final = ("tenants", *_TENANT_TABLES)
 
 
 def analyze_due(seen_from: int, head: int, done: Collection[int]) -> list[int]:
@@ -1453,11 +1456,10 @@ class PostgresServerStore(AsyncResource):
             await asyncio.gather(self._analyzing, return_exceptions=True)
 
     async def _analyze(self, head: int) -> None:
-        tables = ", ".join(f"{self.schema}.{table}" for table in _ANALYZED_TABLES)
         try:
             await self._run(
                 "cannot analyze the tables",
-                lambda conn: conn.execute(f"ANALYZE {tables}"),
+                lambda conn: conn.execute(self._sql.analyze),
                 transaction=False,
             )
         except (StorageError, StorageUnavailable, InvalidState) as exc:
