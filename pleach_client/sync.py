@@ -226,6 +226,10 @@ class SyncFacet:
         self._last_synced_at: float | None = None
         self._dirty = asyncio.Event()
         self._behind = asyncio.Event()
+        self._wake = asyncio.Event()
+        """Set with ``_dirty`` and ``_behind``, and when the connection's reader ends: the one
+        event the loop waits on (``_wait_for_work``), so that a commit or a live page reaches
+        it in one step of the event loop."""
         self._changed = asyncio.Condition()
         self._live: deque[Changes] = deque()
         self._flush_lock = asyncio.Lock()
@@ -561,6 +565,7 @@ class SyncFacet:
     def notify_local_write(self) -> None:
         """Called by the runtime after every local commit: wakes the flusher."""
         self._dirty.set()
+        self._wake.set()
 
     # -- the background loop -----------------------------------------------------------------
     def _set_state(self, state: SyncState) -> None:
@@ -666,6 +671,7 @@ class SyncFacet:
             welcome_future = link.expect(protocol.hello_request_id)
             await link.flush_out()
             reader = asyncio.create_task(self._reader(link), name="pleach-sync-reader")
+            reader.add_done_callback(lambda _: self._wake.set())
             try:
                 async with asyncio.timeout(self.request_timeout):
                     welcome = await welcome_future
@@ -696,11 +702,6 @@ class SyncFacet:
                     raise ConnectionError("connection closed by the server")
                 await self._catch_up(link)
                 while True:
-                    waits = [
-                        asyncio.ensure_future(self._dirty.wait()),
-                        asyncio.ensure_future(self._behind.wait()),
-                        reader,
-                    ]
                     # Behind the head with nothing queued: the page is on its way live (our own
                     # push comes back that way); if it has not come within the grace, pull.
                     behind = self._cursor < self._head_cursor and not self._live
@@ -710,16 +711,9 @@ class SyncFacet:
                         self._health_wait(),
                     ]
                     timeout = min((t for t in timeouts if t is not None), default=None)
-                    try:
-                        # Rows a push could not place (rate limited, store down) are retried
-                        # after a growing delay, not only at the next local write.
-                        done, _ = await asyncio.wait(
-                            waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-                        )
-                    finally:
-                        for w in waits[:2]:
-                            w.cancel()
-                    if not done:
+                    # Rows a push could not place (rate limited, store down) are retried after
+                    # a growing delay, not only at the next local write.
+                    if not await self._wait_for_work(timeout):
                         self._dirty.set()
                         if behind:
                             self._pull_due = True
@@ -735,6 +729,18 @@ class SyncFacet:
                     await reap(reader, ConnectionClosed)
                 finally:
                     link.fail_all(ConnectionError("connection closed"))
+
+    async def _wait_for_work(self, timeout: float | None) -> bool:
+        """Wait until a local commit, a live page or the reader's end (``_wake``), for at most
+        ``timeout`` seconds; whether one came."""
+        if not self._wake.is_set():
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
+            except TimeoutError:
+                return False
+        self._wake.clear()
+        return True
 
     async def _catch_up(self, link: Link) -> None:
         # A live page alone (no local write since a flush that left nothing queued) needs no
@@ -880,6 +886,7 @@ class SyncFacet:
                         self._head_cursor = max(self._head_cursor, frame.to_cursor)
                         self._live.append(frame)
                         self._behind.set()
+                        self._wake.set()
                     case Answer(request_id=request_id, frame=frame):
                         link.answer(request_id, frame)
                     case Notice(frame=frame):
@@ -1419,6 +1426,7 @@ class SyncFacet:
         if self._resync.wants_look(missing):
             self._pull_due = True  # for a live page: the loop pulls, and resyncs, next
             self._behind.set()
+            self._wake.set()
         for event in emitted:
             rt.emit(event)
         self._poke()

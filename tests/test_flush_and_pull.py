@@ -646,3 +646,20 @@ async def test_a_flush_at_protocol_6_sends_the_outbox_as_its_stored_bytes(tmp_pa
         first = sum(len(e.body) + 10 for e in entries[:3] if not e.again_later)
         cut, cut_skipped, cut_bodies = _push_of(entries, first, True, True)
         assert cut_bodies is not None and 0 < len(cut) + len(cut_skipped) < len(entries)
+
+
+async def test_the_sync_loop_waits_on_one_event_for_any_work(tmp_path: Path) -> None:
+    """A local commit wakes the loop's one wait (``_wait_for_work``) at once and is taken
+    once; with nothing to do, the wait ends at its timeout and says so. A live page and the
+    reader's end set the same event (the end-to-end tests cover them)."""
+    async with device(tmp_path / "laptop.db", "laptop") as rt:
+        sync = rt.sync
+        assert not await sync._wait_for_work(0)
+        session = await rt.create_session(title="s")  # a local commit
+        assert session.id
+        waiting = asyncio.ensure_future(sync._wait_for_work(None))
+        assert await asyncio.wait_for(waiting, TIMEOUT)
+        assert not sync._wake.is_set()  # taken: the next wait waits
+        assert not await sync._wait_for_work(0)
+        sync.notify_local_write()
+        assert await sync._wait_for_work(None)

@@ -1177,6 +1177,36 @@ async def test_an_outbox_read_waits_for_a_write_in_progress(db_path: Path) -> No
         assert hops[0] >= 1
 
 
+async def test_an_outbox_read_goes_on_beside_a_read_in_progress(db_path: Path) -> None:
+    """A read of this store in progress (an app's, say, as a turn ends) holds its lock, but
+    writes nothing: the flush's outbox read is made in place beside it, with no hop and no
+    wait, and gives what a read after it gives."""
+    async with SQLiteAdapter(db_path) as store:
+        records = one_of_each()
+        await commit(store, *records)
+        reading, release = asyncio.Event(), asyncio.Event()
+
+        async def slow_read() -> None:
+            async with store._reading("a slow read"):
+                reading.set()
+                await release.wait()
+
+        held = asyncio.ensure_future(slow_read())
+        await reading.wait()
+        hops = count_hops(store._conn)
+        outbox = asyncio.ensure_future(store.outbox_pending())
+        try:
+            await asyncio.sleep(0)  # one turn of the loop: a read in place is done now
+            read_early, locked = outbox.done(), store._lock.locked()
+        finally:
+            release.set()
+            await held
+        assert locked and read_early and hops[0] == 0
+        pending = await outbox
+        assert [e.record for e in pending] == records
+        assert await store.outbox_pending() == pending
+
+
 async def test_closing_closes_the_callers_connection_too(db_path: Path) -> None:
     """The caller's connection is closed with the store: the last connection to close removes
     the WAL, so no ``-wal`` file is left behind, and a peek after close raises as reads do."""

@@ -1300,10 +1300,13 @@ class SQLiteAdapter(AsyncResource):
         """A connection of the caller's (the event loop's) thread, made at first use: for
         ``peek_meta`` and for small batches written in place (``_write_in_place``)."""
         self._wal_long = False
-        self._id_layout = ID_LAYOUT  # (where sessions keep their message ids: ``IdLayout``)
         """The WAL held more than half of ``AUTOCHECKPOINT_PAGES`` at the last side checkpoint:
         batches go to the connection's thread, whose commits run SQLite's own checkpoint and
         then start the WAL over, never on the caller's (see ``_checkpoint``)."""
+        self._id_layout = ID_LAYOUT  # (where sessions keep their message ids: ``IdLayout``)
+        self._lock_reads = False
+        """The lock is held for a read (``_reading``), not a write: a read in place
+        (``_read_now``) need not wait for it."""
 
     def __repr__(self) -> str:
         return f"<SQLiteAdapter {self.path!r} {self._state.value}>"
@@ -1428,10 +1431,13 @@ class SQLiteAdapter(AsyncResource):
         # Reads wait for the lock too, so they never see a transaction in progress.
         async with self._lock:
             conn = self._require_open()
+            self._lock_reads = True
             try:
                 yield conn
             except _DB_ERRORS as exc:
                 raise _storage_error(action, exc) from exc
+            finally:
+                self._lock_reads = False
 
     # -- diagnostics ----------------------------------------------------------------------
 
@@ -1824,12 +1830,14 @@ class SQLiteAdapter(AsyncResource):
     ) -> list[Any] | None:
         """``sql``'s rows read at once on the caller's thread, on its own connection
         (``_local``), with no hop; None when they cannot be: a write of this store in progress
-        (``_lock`` held: a read waits for it, as under ``_reading``; ``beside_writes``: read
-        what is committed anyway), a transaction open there (an ``InPlace`` plan waiting on
-        something else), or any error (the busy timeout there is 0: a WAL read waits for
-        nothing but in rare moments, a recovery). The caller then reads on the connection's
-        thread."""
-        if self._lock.locked() and not beside_writes:
+        (``_lock`` held for anything but a read: a read waits for it, as under ``_reading``;
+        ``beside_writes``: read what is committed anyway), a transaction open there (an
+        ``InPlace`` plan waiting on something else), or any error (the busy timeout there is
+        0: a WAL read waits for nothing but in rare moments, a recovery). The caller then
+        reads on the connection's thread. A read holding the lock (an app's, say, right after
+        a turn, as the flush reads the turn's outbox rows) is no reason to wait: the two read
+        on connections of their own."""
+        if self._lock.locked() and not (beside_writes or self._lock_reads):
             return None
         local = self._local_connection()
         if local is None:
