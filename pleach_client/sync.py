@@ -231,6 +231,8 @@ class SyncFacet:
         event the loop waits on (``_wait_for_work``), so that a commit or a live page reaches
         it in one step of the event loop."""
         self._changed = asyncio.Condition()
+        self._watchers = 0
+        """Callers waiting on ``_changed`` (or about to): with none, ``_poke`` makes no task."""
         self._live: deque[Changes] = deque()
         self._flush_lock = asyncio.Lock()
         self._progress: ProgressCallback | None = None
@@ -316,6 +318,18 @@ class SyncFacet:
             protocol=self._link.protocol.version if self._link is not None else None,
         )
 
+    async def wait_for(self, predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
+        """Wait until ``predicate()`` holds, looked at again at each change of the sync loop's
+        state (connecting, connected, an error, a page applied...); False when ``timeout``
+        passes first. ``rt.sync.wait_for(lambda: rt.sync.connected)``, say."""
+        try:
+            with self._watching():
+                async with asyncio.timeout(timeout), self._changed:
+                    await self._changed.wait_for(predicate)
+        except TimeoutError:
+            return False
+        return True
+
     async def wait_until_synced(self, timeout: float = 30.0) -> bool:
         """Wait until connected, the outbox is empty and the cursor reached the head.
 
@@ -330,12 +344,13 @@ class SyncFacet:
             return int(await self._rt.store.get_meta("cursor") or 0) >= self._head_cursor
 
         try:
-            async with asyncio.timeout(timeout):
-                while True:
-                    async with self._changed:
-                        if await synced():
-                            return True
-                        await self._changed.wait()
+            with self._watching():
+                async with asyncio.timeout(timeout):
+                    while True:
+                        async with self._changed:
+                            if await synced():
+                                return True
+                            await self._changed.wait()
         except TimeoutError:
             return False
 
@@ -396,15 +411,12 @@ class SyncFacet:
         self._progress = on_progress
         await self.connect(url, token, auto=False)
         try:
-            try:
-                async with asyncio.timeout(timeout), self._changed:
-                    await self._changed.wait_for(
-                        lambda: (
-                            self._state in ("connected", "needs-auth") or self._failures > failures
-                        )
-                    )
-            except TimeoutError:
-                raise SyncError(f"no answer from {url} within {timeout:g} s") from None
+            answered = await self.wait_for(
+                lambda: self._state in ("connected", "needs-auth") or self._failures > failures,
+                timeout,
+            )
+            if not answered:
+                raise SyncError(f"no answer from {url} within {timeout:g} s")
             if self._state == "needs-auth":
                 raise SyncError(self._last_error or "unauthorized")
             if self._state != "connected":
@@ -415,9 +427,8 @@ class SyncFacet:
                     break
                 # The device took a new client id during the flush (its file was restored or
                 # copied): the loop reconnects as the new id; flush again there.
-                async with asyncio.timeout(timeout):
-                    async with self._changed:
-                        await self._changed.wait_for(lambda: self._link is not None)
+                if not await self.wait_for(lambda: self._link is not None, timeout):
+                    raise TimeoutError(f"no connection as the new id within {timeout:g} s")
                 receipt = await self.flush_outbox()
             if receipt.pending_after and await self._unsettled():
                 log.warning(
@@ -572,7 +583,20 @@ class SyncFacet:
         self._state = state
         self._poke()
 
+    @contextlib.contextmanager
+    def _watching(self) -> Iterator[None]:
+        """Around a wait on ``_changed``: from its first look at the state, the loop's pokes
+        notify it (a poke before that changed what it then looks at)."""
+        self._watchers += 1
+        try:
+            yield
+        finally:
+            self._watchers -= 1
+
     def _poke(self) -> None:
+        if not self._watchers:
+            return  # nobody waits: no task to notify nobody (a live page makes two or three)
+
         async def notify() -> None:
             async with self._changed:
                 self._changed.notify_all()

@@ -663,3 +663,25 @@ async def test_the_sync_loop_waits_on_one_event_for_any_work(tmp_path: Path) -> 
         assert not await sync._wait_for_work(0)
         sync.notify_local_write()
         assert await sync._wait_for_work(None)
+
+
+async def test_state_changes_notify_only_while_someone_waits(tmp_path: Path) -> None:
+    """The loop pokes its state condition at every page and state change: a task each while
+    a caller waits on it (``wait_for``, ``wait_until_synced``), none when nobody does."""
+    async with device(tmp_path / "laptop.db", "laptop") as rt:
+        sync = rt.sync
+        before = len(asyncio.all_tasks())
+        sync._poke()
+        assert len(asyncio.all_tasks()) == before
+        with sync._watching():
+            sync._poke()
+            assert len(asyncio.all_tasks()) == before + 1
+        assert not await sync.wait_for(lambda: sync.connected, 0)
+        flag: list[bool] = []
+        waiting = asyncio.ensure_future(sync.wait_for(lambda: bool(flag), TIMEOUT))
+        await asyncio.sleep(0)  # one turn of the loop: the wait has begun
+        assert sync._watchers == 1 and not waiting.done()
+        flag.append(True)
+        sync._poke()
+        assert await waiting
+        assert sync._watchers == 0

@@ -324,8 +324,7 @@ async def test_two_copies_that_both_move_the_same_queued_audit_rows_leave_no_hol
         async with runtime(path) as rt:
             audit_ids |= {row.id for row in await rt.store.list_audit()}
             await rt.sync.connect(srv.url, token, auto=False)
-            async with asyncio.timeout(TIMEOUT), rt.sync._changed:
-                await rt.sync._changed.wait_for(lambda rt=rt: rt.sync.connected)
+            assert await rt.sync.wait_for(lambda rt=rt: rt.sync.connected, TIMEOUT)
             await rt.sync.flush_outbox()
             await rt.sync.disconnect()
             assert rt.client_id != shared_id, path.name  # it took a new id
@@ -373,8 +372,7 @@ async def test_a_pull_by_hand_after_a_failed_push_settles_the_push_first(
 
         await phone.sessions.rename(session_id, "from the phone")
         await phone.sync.connect(srv.url, token, auto=False)
-        async with asyncio.timeout(TIMEOUT), phone.sync._changed:
-            await phone.sync._changed.wait_for(lambda: phone.sync.connected)
+        assert await phone.sync.wait_for(lambda: phone.sync.connected, TIMEOUT)
         store.fail_for, store.between = frozenset({phone_id}), laptop_edits
         receipt = await phone.sync.flush_outbox()
         assert receipt.pending_after > 0 and store.between is None  # committed, then 3009
@@ -442,10 +440,9 @@ async def test_a_clock_ahead_keeps_changes_queued_until_it_is_right(tmp_path: Pa
             session_id = (await rt.create_session(title="fast clock")).id
             await say(rt, session_id, "written with a fast clock")
             await rt.sync.connect(srv.url, issue_token(SECRET, ALICE, 3600))
-            async with asyncio.timeout(TIMEOUT), rt.sync._changed:  # woken by state changes
-                await rt.sync._changed.wait_for(
-                    lambda: rt.sync._last_error_code == ErrorCode.CLOCK_SKEW
-                )
+            assert await rt.sync.wait_for(
+                lambda: rt.sync._last_error_code == ErrorCode.CLOCK_SKEW, TIMEOUT
+            )
             status = await rt.sync.status()
             assert "in the future" in (status.last_error or "")
             assert status.pending > 0 and status.dead_letters == 0
@@ -475,8 +472,7 @@ async def test_an_open_connection_ends_when_its_token_expires(
         await rt.sync.connect(srv.url, issue_token(SECRET, ALICE, 3))
         await synced(rt)
         assert rt.sync._state != "needs-auth"  # the connection is open, its token still good
-        async with asyncio.timeout(TIMEOUT), rt.sync._changed:  # woken by every state change
-            await rt.sync._changed.wait_for(lambda: rt.sync._state == "needs-auth")
+        assert await rt.sync.wait_for(lambda: rt.sync._state == "needs-auth", TIMEOUT)
         session_id = (await rt.create_session(title="after expiry")).id
         status = await rt.sync.status()
         assert "token expired" in (status.last_error or "")

@@ -461,13 +461,7 @@ async def test_bad_tokens_need_auth_and_tenants_are_isolated(cluster: Cluster) -
 
 async def _until(rt: SessionRuntime, predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
     """Wait on the sync facet's state-change condition until ``predicate`` holds."""
-    try:
-        async with asyncio.timeout(timeout):
-            async with rt.sync._changed:
-                await rt.sync._changed.wait_for(predicate)
-    except TimeoutError:
-        return False
-    return True
+    return await rt.sync.wait_for(predicate, timeout)
 
 
 async def test_artifacts_merge_concurrent_offline_edits(cluster: Cluster) -> None:
