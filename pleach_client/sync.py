@@ -225,11 +225,11 @@ class SyncFacet:
         self._last_error_code: int | None = None
         self._last_synced_at: float | None = None
         self._dirty = asyncio.Event()
-        self._behind = asyncio.Event()
+        """A local commit since the last flush (or a timer's wake: flush whatever is queued)."""
         self._wake = asyncio.Event()
-        """Set with ``_dirty`` and ``_behind``, and when the connection's reader ends: the one
-        event the loop waits on (``_wait_for_work``), so that a commit or a live page reaches
-        it in one step of the event loop."""
+        """Set by a local commit, a live page (or a page that wants a pull) and the end of the
+        connection's reader: the one event the loop waits on (``_wait_for_work``), so that
+        each reaches it in one step of the event loop."""
         self._changed = asyncio.Condition()
         self._watchers = 0
         """Callers waiting on ``_changed`` (or about to): with none, ``_poke`` makes no task."""
@@ -773,7 +773,6 @@ class SyncFacet:
         # wakes on its timers sets ``_dirty`` (another process's rows on this file go then).
         flush = self._dirty.is_set() or self._queued_after_flush
         self._dirty.clear()
-        self._behind.clear()
         if flush:
             async with self._flush_lock:
                 receipt = await self._flush()
@@ -909,7 +908,6 @@ class SyncFacet:
                     case Live(changes=frame):
                         self._head_cursor = max(self._head_cursor, frame.to_cursor)
                         self._live.append(frame)
-                        self._behind.set()
                         self._wake.set()
                     case Answer(request_id=request_id, frame=frame):
                         link.answer(request_id, frame)
@@ -1449,7 +1447,6 @@ class SyncFacet:
             )
         if self._resync.wants_look(missing):
             self._pull_due = True  # for a live page: the loop pulls, and resyncs, next
-            self._behind.set()
             self._wake.set()
         for event in emitted:
             rt.emit(event)
