@@ -307,12 +307,24 @@ async def missing_content(tx: TxReader, view: RemoteView, batch: WriteBatch) -> 
         if row.deleted:
             continue
         before = view.before.get(row.id)
-        known = set(before.state.message_ids) if before is not None else set()
-        wanted.update(m for m in row.state.message_ids if m not in known)
+        wanted.update(new_ids(row.state.message_ids, before.state.message_ids if before else []))
     if not wanted:
         return []
     wanted -= {r.id for r in batch.records if isinstance(r, Message)}
     return await tx.missing_messages(sorted(wanted))
+
+
+def new_ids(ids: list[str], known: list[str]) -> list[str]:
+    """The ids of ``ids`` that ``known`` lacks. A row's list mostly extends the one it had (a
+    turn appends its messages): then its tail, the prefix compared in one C loop, where a set
+    of the known ids and a look at each id cost about 0.1 ms at 2,000. Any other list (a
+    rollback, a merge) is looked at id by id. (A tail id that is also among the known ones
+    is given too: its message is stored, so no lookup finds it lacking.)"""
+    size = len(known)
+    if len(ids) >= size and ids[:size] == known:
+        return ids[size:]
+    held = set(known)
+    return [m for m in ids if m not in held]
 
 
 def _receipt(event: Event) -> ConflictReceipt | None:
@@ -400,4 +412,4 @@ def kept_event(event: Event, receipt: KeptReceipt) -> SyncDeleteKept:
     )
 
 
-__all__ = ["conflict_event", "kept_event", "missing_content", "plan_page"]
+__all__ = ["conflict_event", "kept_event", "missing_content", "new_ids", "plan_page"]

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pleach_client.apply import new_ids
 from pleach_client.syncplan import (
     FOLD_AFTER_PULL_EVENTS,
     Decision,
@@ -571,3 +572,30 @@ def test_the_default_threshold_leaves_short_logs_to_their_resume() -> None:
     assert logs_to_fold({"long": FOLD_AFTER_PULL_EVENTS, "short": FOLD_AFTER_PULL_EVENTS - 1}) == [
         "long"
     ]
+
+
+# -- the ids a taken row adds (``apply.new_ids``) --------------------------------------------
+
+_IDS = st.lists(st.sampled_from([f"m-{i}" for i in range(12)]), max_size=10)
+
+
+@given(known=_IDS, ids=_IDS, extend=st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_new_ids_are_the_ids_the_known_list_lacks(
+    known: list[str], ids: list[str], extend: bool
+) -> None:
+    """Whatever the two lists (one extending the other, as a turn appends, or not), the ids
+    given are ids of the row, and every id of the row that the known list lacks is given."""
+    if extend:
+        ids = known + ids
+    got = new_ids(ids, known)
+    assert set(got) <= set(ids)
+    assert set(ids) - set(known) <= set(got)
+    if extend:
+        assert got == ids[len(known) :]  # the tail alone, in order
+
+
+def test_new_ids_of_a_list_that_is_not_an_extension() -> None:
+    assert new_ids(["a", "c", "d"], ["a", "b", "c"]) == ["d"]  # a rollback, then a turn
+    assert new_ids(["a"], ["a", "b"]) == []  # truncated
+    assert new_ids(["a", "b", "c"], ["a", "b"]) == ["c"]
