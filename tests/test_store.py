@@ -1177,6 +1177,35 @@ async def test_an_outbox_read_waits_for_a_write_in_progress(db_path: Path) -> No
         assert hops[0] >= 1
 
 
+async def test_a_long_session_queued_is_decoded_once_by_the_outbox_read(
+    db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session whose ids are in blocks is put back together for the outbox (the whole body
+    a push sends): the session made then is the entry's record, not decoded again from that
+    body; and it is the session as stored, queued once per commit."""
+    async with small_id_blocks(SQLiteAdapter(db_path)) as store:
+        session = make_session(state=SessionState(message_ids=[uuid7() for _ in range(5)]))
+        await commit(store, session)
+        grown = msgspec.structs.replace(
+            session, state=SessionState(message_ids=[*session.state.message_ids, uuid7()])
+        )
+        await commit(store, grown)
+        decoded: list[str] = []
+        decode = sqlite_module._decode
+
+        def counted(body_type: Any, table: str, key: Any, body: bytes) -> Any:
+            decoded.append(table)
+            return decode(body_type, table, key, body)
+
+        monkeypatch.setattr(sqlite_module, "_decode", counted)
+        pending = await store.outbox_pending()
+        # Both entries refer to the stored row, its newest version: one object.
+        assert [e.record for e in pending] == [grown, grown]
+        assert pending[0].record is pending[1].record
+        assert compact.decode(pending[1].body) == grown  # the whole body a push sends
+        assert decoded == ["sessions"]  # the row once, from its own body, never again
+
+
 async def test_an_outbox_read_goes_on_beside_a_read_in_progress(db_path: Path) -> None:
     """A read of this store in progress (an app's, say, as a turn ends) holds its lock, but
     writes nothing: the flush's outbox read is made in place beside it, with no hop and no

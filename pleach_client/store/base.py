@@ -10,7 +10,7 @@ run against one conformance suite.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Collection, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from types import TracebackType
 from typing import Any, NamedTuple, Protocol, Self, runtime_checkable
 
@@ -475,12 +475,14 @@ def decode_children(
 
 
 def outbox_entries(
-    rows: Iterable[Any], decode: Callable[[int, bytes], Record]
+    rows: Iterable[Any],
+    decode: Callable[[int, bytes], Record],
+    known: Mapping[bytes, Record] | None = None,
 ) -> list[OutboxEntry]:
     """Outbox rows ``(client_seq, body, attempts, created_at, code, message, again_later)``
     as entries. A session queued once per turn refers to one stored row: each body is decoded
-    once."""
-    decoded: dict[bytes, Record] = {}
+    once, and not at all when ``known`` holds the record it was made from."""
+    decoded: dict[bytes, Record] = dict(known or {})
     out = []
     for seq, body, attempts, created_at, code, message, later in rows:
         record = decoded.get(body)

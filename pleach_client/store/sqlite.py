@@ -717,9 +717,13 @@ def _sessions_of(rows: Sequence[Any]) -> list[Session]:
 _FIRST: Final = operator.itemgetter(0)
 
 
-def _entries_of(rows: Sequence[Any]) -> list[tuple[Any, ...]]:
+def _entries_of(
+    rows: Sequence[Any], built: dict[bytes, Record] | None = None
+) -> list[tuple[Any, ...]]:
     """``outbox_pending``'s rows as ``outbox_entries`` takes them: a long session's row, its
-    blocks joined, as the whole body it stands for (what a push sends)."""
+    blocks joined, as the whole body it stands for (what a push sends). ``built``: each such
+    body is also put there with the session it was made from, so that it is not decoded again
+    (``outbox_entries``' ``known``)."""
     out: list[tuple[Any, ...]] = []
     whole: dict[tuple[object, int], bytes] = {}  # (a session queued at each turn: once)
     # In client_seq order (the join's rows come in no set order), one group an entry.
@@ -732,8 +736,11 @@ def _entries_of(rows: Sequence[Any]) -> list[tuple[Any, ...]]:
             if made is None:
                 session = _decode(_SESSION, "sessions", key, body)
                 blocks = [(r[9], r[10]) for r in entry_rows if r[9] is not None]
-                made = compact.encode(_with_ids(session, key, int(count), blocks))
+                session = _with_ids(session, key, int(count), blocks)
+                made = compact.encode(session)
                 whole[(key, int(count))] = made
+                if built is not None:
+                    built[made] = session
             body = made
         out.append((row[0], body, *row[2:7]))
     return out
@@ -1821,8 +1828,10 @@ class SQLiteAdapter(AsyncResource):
         if rows is None:
             async with self._reading("read outbox") as conn:
                 rows = await _fetch(conn, QUERIES["outbox_pending"], params)
+        built: dict[bytes, Record] = {}
+        entries = _entries_of(rows, built)
         return outbox_entries(
-            _entries_of(rows), lambda seq, body: _decode(_RECORD, "outbox", seq, body)
+            entries, lambda seq, body: _decode(_RECORD, "outbox", seq, body), known=built
         )
 
     def _read_now(
