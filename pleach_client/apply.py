@@ -317,7 +317,7 @@ async def missing_content(tx: TxReader, view: RemoteView, batch: WriteBatch) -> 
 def new_ids(ids: list[str], known: list[str]) -> list[str]:
     """The ids of ``ids`` that ``known`` lacks. A row's list mostly extends the one it had (a
     turn appends its messages): then its tail, the prefix compared in one C loop, where a set
-    of the known ids and a look at each id cost about 0.1 ms at 2,000. Any other list (a
+    of the known ids and a look at each id cost about 55 µs at 2,000. Any other list (a
     rollback, a merge) is looked at id by id. (A tail id that is also among the known ones
     is given too: its message is stored, so no lookup finds it lacking.)"""
     size = len(known)
