@@ -224,7 +224,7 @@ class SyncFacet:
         self._last_error: str | None = None
         self._last_error_code: int | None = None
         self._last_synced_at: float | None = None
-        self._dirty = asyncio.Event()
+        self._dirty = False
         """A local commit since the last flush (or a timer's wake: flush whatever is queued)."""
         self._wake = asyncio.Event()
         """Set by a local commit, a live page (or a page that wants a pull) and the end of the
@@ -575,7 +575,7 @@ class SyncFacet:
 
     def notify_local_write(self) -> None:
         """Called by the runtime after every local commit: wakes the flusher."""
-        self._dirty.set()
+        self._dirty = True
         self._wake.set()
 
     # -- the background loop -----------------------------------------------------------------
@@ -738,7 +738,7 @@ class SyncFacet:
                     # Rows a push could not place (rate limited, store down) are retried after
                     # a growing delay, not only at the next local write.
                     if not await self._wait_for_work(timeout):
-                        self._dirty.set()
+                        self._dirty = True
                         if behind:
                             self._pull_due = True
                     if reader.done():
@@ -771,8 +771,7 @@ class SyncFacet:
         # flush: its outbox read would sit between the page and its apply. Anything queued,
         # unsure or refused keeps every round flushing until it is settled, and a loop that
         # wakes on its timers sets ``_dirty`` (another process's rows on this file go then).
-        flush = self._dirty.is_set() or self._queued_after_flush
-        self._dirty.clear()
+        flush, self._dirty = self._dirty or self._queued_after_flush, False
         if flush:
             async with self._flush_lock:
                 receipt = await self._flush()

@@ -717,15 +717,14 @@ def _sessions_of(rows: Sequence[Any]) -> list[Session]:
 _FIRST: Final = operator.itemgetter(0)
 
 
-def _entries_of(
-    rows: Sequence[Any], built: dict[bytes, Record] | None = None
-) -> list[tuple[Any, ...]]:
+def _entries_of(rows: Sequence[Any]) -> tuple[list[tuple[Any, ...]], dict[bytes, Record]]:
     """``outbox_pending``'s rows as ``outbox_entries`` takes them: a long session's row, its
-    blocks joined, as the whole body it stands for (what a push sends). ``built``: each such
-    body is also put there with the session it was made from, so that it is not decoded again
-    (``outbox_entries``' ``known``)."""
+    blocks joined, as the whole body it stands for (what a push sends); and each such body
+    with the session it was made from, so that it is not decoded again (``outbox_entries``'
+    ``known``)."""
     out: list[tuple[Any, ...]] = []
-    whole: dict[tuple[object, int], bytes] = {}  # (a session queued at each turn: once)
+    # (key, count) -> (whole body, session): a session queued at each turn is made once.
+    whole: dict[tuple[object, int], tuple[bytes, Session]] = {}
     # In client_seq order (the join's rows come in no set order), one group an entry.
     for _, group in itertools.groupby(sorted(rows, key=_FIRST), _FIRST):
         entry_rows = list(group)
@@ -737,13 +736,18 @@ def _entries_of(
                 session = _decode(_SESSION, "sessions", key, body)
                 blocks = [(r[9], r[10]) for r in entry_rows if r[9] is not None]
                 session = _with_ids(session, key, int(count), blocks)
-                made = compact.encode(session)
-                whole[(key, int(count))] = made
-                if built is not None:
-                    built[made] = session
-            body = made
+                made = whole[(key, int(count))] = (compact.encode(session), session)
+            body = made[0]
         out.append((row[0], body, *row[2:7]))
-    return out
+    return out, dict(whole.values())
+
+
+def _outbox_entries(rows: Sequence[Any]) -> list[OutboxEntry]:
+    """``outbox_pending``'s rows as entries (``_entries_of``, then ``outbox_entries``)."""
+    entries, built = _entries_of(rows)
+    return outbox_entries(
+        entries, lambda seq, body: _decode(_RECORD, "outbox", seq, body), known=built
+    )
 
 
 def _encode_batch(
@@ -1238,8 +1242,8 @@ class _Reader:
         return bool(await _fetch(self._conn, QUERIES["session_queued"], (_key(session_id),)))
 
     async def queued_records(self) -> list[Record]:
-        rows = _entries_of(await _fetch(self._conn, QUERIES["outbox_pending"], (0, -1)))
-        return [_decode(_RECORD, "outbox", row[0], row[1]) for row in rows]
+        rows = await _fetch(self._conn, QUERIES["outbox_pending"], (0, -1))
+        return [entry.record for entry in _outbox_entries(rows)]
 
     async def audit_rows(self, row_ids: list[str]) -> list[AuditRow]:
         if not row_ids:
@@ -1828,11 +1832,7 @@ class SQLiteAdapter(AsyncResource):
         if rows is None:
             async with self._reading("read outbox") as conn:
                 rows = await _fetch(conn, QUERIES["outbox_pending"], params)
-        built: dict[bytes, Record] = {}
-        entries = _entries_of(rows, built)
-        return outbox_entries(
-            entries, lambda seq, body: _decode(_RECORD, "outbox", seq, body), known=built
-        )
+        return _outbox_entries(rows)
 
     def _read_now(
         self, sql: str, params: Sequence[Any], *, beside_writes: bool = False
@@ -1904,7 +1904,9 @@ class SQLiteAdapter(AsyncResource):
         attempt with ``outbox_mark_attempt`` first if it should show); unknown seq: no-op."""
         async with self._transaction("outbox dead letter") as conn:
             # The body as a push sends it (a long session's blocks joined: ``_entries_of``).
-            rows = _entries_of(await _fetch(conn, QUERIES["outbox_pending"], (client_seq - 1, 1)))
+            rows, _ = _entries_of(
+                await _fetch(conn, QUERIES["outbox_pending"], (client_seq - 1, 1))
+            )
             body = rows[0][1] if rows and rows[0][0] == client_seq else None
             await conn.execute(
                 "INSERT INTO dead_letters "
