@@ -35,11 +35,23 @@ Pure: no I/O.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import msgspec
 
-__all__ = ["ID_REFS_SINCE", "MAX_HELD_BYTES", "MIN_IDS", "UNRESOLVED", "IdLists", "unresolved"]
+__all__ = [
+    "ID_LAYOUT",
+    "ID_REFS_SINCE",
+    "MAX_HELD_BYTES",
+    "MIN_IDS",
+    "UNRESOLVED",
+    "IdLayout",
+    "IdLists",
+    "id_blocks",
+    "ids_apart",
+    "ids_joined",
+    "unresolved",
+]
 
 ID_REFS_SINCE: Final = 7
 """The protocol version from which session bodies may carry id list references."""
@@ -121,7 +133,7 @@ class IdLists:
         """``body`` as it goes on this connection: a session's list that extends the one
         carried last for that session as a reference (new bytes), anything else as it is
         (the very object given)."""
-        parts = self._parts(body)
+        parts = _parts(body)
         if parts is None:
             return body
         values, state, key, ids = parts
@@ -138,13 +150,13 @@ class IdLists:
         count = len(known) // 16
         ref = msgspec.msgpack.Ext(_EXT_REF, digest + count.to_bytes(_COUNT, "big") + tail)
         self._remember(key, blob, _digest(digest + tail))
-        return self._with_ids(values, state, ref)
+        return _with_ids(values, state, ref)
 
     def grow(self, body: Body) -> Body:
         """``body`` as the sender had it: a reference made whole again (new bytes), anything
         else as it is (the very object given). Raises ``msgspec.DecodeError`` for a reference
         to a list this side does not hold as named."""
-        parts = self._parts(body)
+        parts = _parts(body)
         if parts is None:
             return body
         values, state, key, ids = parts
@@ -168,35 +180,9 @@ class IdLists:
         tail = data[head:]
         blob = held[0] + tail
         self._remember(key, blob, _digest(digest + tail))
-        return self._with_ids(values, state, msgspec.msgpack.Ext(_EXT_IDS, blob))
+        return _with_ids(values, state, msgspec.msgpack.Ext(_EXT_IDS, blob))
 
     # -- the rule both sides follow ----------------------------------------------------------
-
-    def _parts(
-        self, body: Body
-    ) -> tuple[list[msgspec.Raw], dict[str, msgspec.Raw], bytes, Any] | None:
-        """A compact session body's values, its state map, its id's packed bytes and its
-        list (decoded: an Ext, a list, or None when the state holds none); None for any other
-        body, and for one these parts do not read from (it travels as it is: the record's
-        decode then says what is wrong with it)."""
-        if _kind(body) != _SESSION_KIND:
-            return None
-        try:
-            values = _VALUES.decode(body)
-            if len(values) <= _STATE:
-                return values, {}, bytes(values[1]), None
-            state = _STATE_MAP.decode(values[_STATE])
-            ids = state.get(_IDS_KEY)
-            return values, state, bytes(values[1]), None if ids is None else _VALUE.decode(ids)
-        except (msgspec.DecodeError, msgspec.ValidationError, IndexError):
-            return None
-
-    def _with_ids(
-        self, values: list[msgspec.Raw], state: dict[str, msgspec.Raw], ids: msgspec.msgpack.Ext
-    ) -> bytes:
-        state[_IDS_KEY] = msgspec.Raw(_ENCODER.encode(ids))
-        values[_STATE] = msgspec.Raw(_ENCODER.encode(state))
-        return _ENCODER.encode(values)
 
     def _remember_whole(self, key: bytes, blob: bytes) -> None:
         """A list sent whole: its digest is of its bytes (computed only when it is kept)."""
@@ -219,3 +205,89 @@ class IdLists:
         held = self._held.pop(key, None)
         if held is not None:
             self._bytes -= len(held[0])
+
+
+def _parts(body: Body) -> tuple[list[msgspec.Raw], dict[str, msgspec.Raw], bytes, Any] | None:
+    """A compact session body's values, its state map, its id's packed bytes and its list
+    (decoded: an Ext, a list, or None when the state holds none); None for any other body,
+    and for one these parts do not read from (it travels as it is: the record's decode then
+    says what is wrong with it)."""
+    if _kind(body) != _SESSION_KIND:
+        return None
+    try:
+        values = _VALUES.decode(body)
+        if len(values) <= _STATE:
+            return values, {}, bytes(values[1]), None
+        state = _STATE_MAP.decode(values[_STATE])
+        ids = state.get(_IDS_KEY)
+        return values, state, bytes(values[1]), None if ids is None else _VALUE.decode(ids)
+    except (msgspec.DecodeError, msgspec.ValidationError, IndexError):
+        return None
+
+
+def _with_ids(values: list[msgspec.Raw], state: dict[str, msgspec.Raw], ids: Any) -> bytes:
+    """The body of ``values`` with ``ids`` (an Ext, or a list) as its state's list, in the
+    place the state had it."""
+    state[_IDS_KEY] = msgspec.Raw(_ENCODER.encode(ids))
+    values[_STATE] = msgspec.Raw(_ENCODER.encode(state))
+    return _ENCODER.encode(values)
+
+
+# -- a long list kept apart from its body (the stores' id blocks) ---------------------------
+
+
+class IdLayout(NamedTuple):
+    """Where a store keeps a session's message ids: a session of at most ``inline`` ids
+    keeps them in its row's body, a longer one in blocks of ``block`` ids beside it, so that
+    a turn writes the block it appended to, not every id the session has. One layout for a
+    file's life (a block's size is not stored); only tests change it."""
+
+    inline: int = 128
+    block: int = 128
+    """16 bytes an id: 2 KB, a row that fits in a page."""
+
+
+ID_LAYOUT: Final = IdLayout()
+
+
+def ids_apart(body: Body, least: int) -> tuple[bytes, bytes] | None:
+    """A compact session body whose list is an ext 4 of at least ``least`` ids, as the body
+    with an empty list in its place and the list's bytes (16 an id); None for any other body
+    (it is kept whole). ``ids_joined`` puts the two back together, byte for byte."""
+    parts = _parts(body)
+    if parts is None:
+        return None
+    values, state, _, ids = parts
+    if type(ids) is not msgspec.msgpack.Ext or ids.code != _EXT_IDS:
+        return None
+    blob: bytes = ids.data  # type: ignore[assignment]  # (bytes, from ``_ext``)
+    if len(blob) < 16 * least or len(blob) % 16:
+        return None
+    return _with_ids(values, state, []), blob
+
+
+def ids_joined(body: Body, blob: bytes) -> bytes | None:
+    """``body`` (a session body kept apart from its list: ``ids_apart``) with the list
+    ``blob`` (16 bytes an id) back in its place; None when ``body`` is no session body whose
+    state holds an empty list."""
+    parts = _parts(body)
+    if parts is None or len(blob) % 16:
+        return None
+    values, state, _, ids = parts
+    if ids != []:
+        return None
+    return _with_ids(values, state, msgspec.msgpack.Ext(_EXT_IDS, bytes(blob)))
+
+
+def id_blocks(data: bytes, stored: bytes, block: int = ID_LAYOUT.block) -> list[tuple[int, bytes]]:
+    """The blocks ``(part, ids)`` of ``block`` ids to write for a session whose message ids
+    are ``data`` (16 bytes each) where its blocks hold ``stored``: those that differ (after
+    a turn, the one it appended to, or a new one). Blocks past ``data``'s are the caller's to
+    drop."""
+    size = 16 * block
+    first = len(stored) // size if data.startswith(stored) else 0
+    return [
+        (part, data[part * size : (part + 1) * size])
+        for part in range(first, -(-len(data) // size))
+        if data[part * size : (part + 1) * size] != stored[part * size : (part + 1) * size]
+    ]

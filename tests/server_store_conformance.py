@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Final, Protocol
 
 import msgspec
 import pytest
@@ -35,6 +35,7 @@ from shared import compact
 from shared.clock import HybridClock, Order, vv_compare, wall_clock_ms
 from shared.errors import CursorTooOld, ErrorCode, StorageUnavailable
 from shared.hashchain import GENESIS, chain_audit, chain_event, verify_chain
+from shared.idrefs import IdLayout
 from shared.ids import uuid7
 from shared.records import (
     CASCADE_KINDS,
@@ -51,6 +52,10 @@ from shared.records import (
     record_kind,
 )
 from tests.server_factories import DAY_MS, Device, new_tenant
+
+SMALL_BLOCKS: Final = IdLayout(inline=2, block=3)
+"""A store (``_id_layout``) that keeps every session of more than two ids in blocks of three:
+the whole suite takes the path of a long session's row at every read and write."""
 
 TxWrapper = Callable[[StoreTx], StoreTx]
 StoredRows = Callable[[Tenant], Awaitable[set[tuple[str, str]]]]
@@ -801,6 +806,100 @@ class ServerStoreConformance:
         assert fork.id == receipt.fork_session_id and fork.title == "laptop"
         assert fork.state.message_ids == ["l1"]
         assert fork.conflict_loser_side == "local" and fork.forked_from == v1.id
+
+    # -- long sessions (their message ids kept in blocks beside the row) ------------------------
+
+    async def test_a_long_sessions_ids_survive_every_change_of_its_list(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        """A session of more ids than a row keeps in its body (128, or what a test sets)
+        reads back whole after each kind of change to its list: a turn's append, a new block,
+        a rollback to fewer ids (blocks dropped) and to a short list (kept in the body again),
+        a list changed in the middle (a merge), and a list that grows again. A pull serves the
+        very bytes pushed, a decoding pull the very version, and the next push's merge reads
+        the whole list (a stale version is superseded, not taken as new)."""
+        dev = Device(new_tenant())
+        ids = [uuid7() for _ in range(400)]
+        lists = [ids[:300], ids[:302], ids[:390], ids[:140], ids[:40], ids[:2], ids[:1]]
+        middle = [*ids[:100], *reversed(ids[100:200]), *ids[200:260]]
+        lists += [middle, [*middle, *ids[260:262]], ids[:400], ids[:129], ids[:0], ids[:300]]
+        versions = [dev.session(title="long", message_ids=lists[0])]
+        for later in lists[1:]:
+            versions.append(dev.edit(versions[-1], message_ids=later))
+        cursor = 0
+        for version in versions:
+            sent = compact.encode(version)
+            result = await server_store.push(
+                dev.tenant, dev.client_id, dev.changes(version), server_clock, bodies=[sent]
+            )
+            assert statuses(result) == ["applied"]
+            raw = await server_store.pull(dev.tenant, cursor, 100, raw=True)
+            assert [bytes(b.body) for b in raw.bodies] == [sent]
+            decoded = await server_store.pull(dev.tenant, cursor, 100)
+            assert [c.record for c in decoded.changes] == [version]
+            assert [c.record for c in await pull_all(server_store, dev.tenant)] == [version]
+            cursor = raw.to_cursor
+        # The merge reads the stored list whole: the last version read back dominates an
+        # earlier one, which is superseded.
+        stale = await server_store.push(
+            dev.tenant, dev.client_id, dev.changes(versions[3]), server_clock
+        )
+        assert statuses(stale) == ["superseded"]
+
+    async def test_a_long_sessions_ids_are_kept_by_a_conflict_and_a_delete(
+        self, server_store: ServerStore, server_clock: HybridClock
+    ) -> None:
+        """Two devices write a long session at once: the loser's whole list is the fork's,
+        the winner's the session's."""
+        tenant = new_tenant()
+        laptop, phone = Device(tenant), Device(tenant)
+        v1 = laptop.session(title="v1")
+        messages = [laptop.message(v1.id, f"m{i}") for i in range(300)]
+        shared_ids = [m.id for m in messages[:200]]
+        first = await server_store.push(
+            tenant, laptop.client_id, laptop.changes(v1, *messages), server_clock
+        )
+        assert set(statuses(first)) == {"applied"}
+        on_phone = phone.edit(v1, title="phone", message_ids=[*shared_ids, messages[250].id])
+        await server_store.push(tenant, phone.client_id, phone.changes(on_phone), server_clock)
+        laptop.clock.observe(on_phone.updated_at)  # the laptop writes later: it wins LWW
+        on_laptop = laptop.edit(v1, title="laptop", message_ids=[m.id for m in messages])
+        result = await server_store.push(
+            tenant, laptop.client_id, laptop.changes(on_laptop), server_clock
+        )
+        receipt = result.results[0].conflict
+        assert result.results[0].status == "resolved" and receipt is not None
+        sessions = {
+            c.record.id: c.record
+            for c in await pull_all(server_store, tenant)
+            if isinstance(c.record, Session)
+        }
+        assert sessions[v1.id].state.message_ids == [m.id for m in messages]
+        fork = sessions[receipt.fork_session_id]
+        assert fork.state.message_ids == [*shared_ids, messages[250].id]
+
+        # A user's fork sharing 201 of a long session's messages: deleting the session
+        # leaves those (read from the fork's stored list) and takes the others.
+        dev = Device(new_tenant())
+        origin = dev.session(title="origin")
+        messages = [dev.message(origin.id, f"m{i}") for i in range(300)]
+        origin = dev.edit(origin, message_ids=[m.id for m in messages])
+        fork = dev.session(
+            title="fork", message_ids=[m.id for m in messages[:200]] + [messages[250].id]
+        )
+        fork = msgspec.structs.replace(fork, forked_from=origin.id)
+        await server_store.push(
+            dev.tenant, dev.client_id, dev.changes(*messages, origin, fork), server_clock
+        )
+        gone = tombstone(dev, origin)
+        deleted = await server_store.push(
+            dev.tenant, dev.client_id, dev.changes(gone), server_clock
+        )
+        assert statuses(deleted) == ["applied"]
+        left = {c.record.id for c in await pull_all(server_store, dev.tenant)}
+        kept = {m.id for m in messages[:200]} | {messages[250].id}
+        assert kept <= left
+        assert not ({m.id for m in messages} - kept) & left
 
     # -- events ----------------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pleach_client.runtime import SessionRuntime
+from pleach_server.store.base import session_row
 from shared import compact, idrefs
 from shared.errors import ErrorCode, RateLimited
 from shared.idrefs import MIN_IDS, IdLists
@@ -261,6 +262,87 @@ def test_other_kinds_pass_untouched() -> None:
     junk = bytes(rng.getrandbits(8) for _ in range(40))
     assert lists.shrink(junk) is junk and lists.grow(b"\xdc\x00") == b"\xdc\x00"
     assert len(lists) == 0
+
+
+# -- a long list kept apart from its body (the server stores' id blocks) --------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    count=st.integers(min_value=0, max_value=300),
+    least=st.integers(min_value=1, max_value=200),
+    title=st.text(max_size=20),
+)
+def test_a_body_apart_from_its_ids_joins_back_byte_for_byte(
+    count: int, least: int, title: str
+) -> None:
+    ids = [uuid7() for _ in range(count)]
+    session = _session(uuid7(), ids, title)
+    body = compact.encode(session)
+    apart = idrefs.ids_apart(body, least)
+    if count < max(least, 2):  # (one id is no list ext: it stays in the body)
+        assert apart is None
+        return
+    assert apart is not None
+    rest, blob = apart
+    assert len(blob) == 16 * count and len(rest) < len(body) - 16 * count + 8
+    assert compact.decode(rest) == msgspec.structs.replace(session, state=SessionState())
+    assert idrefs.ids_joined(rest, blob) == body
+    assert compact.id_list_texts(blob) == ids
+
+
+def test_bodies_that_are_not_apart_are_not_joined() -> None:
+    session = _session(uuid7(), [uuid7() for _ in range(5)])
+    body = compact.encode(session)
+    assert idrefs.ids_joined(body, b"") is None  # its list is in it
+    assert idrefs.ids_joined(compact.encode(make_message()), b"") is None
+    assert idrefs.ids_joined(idrefs.ids_apart(body, 1)[0], b"x" * 15) is None  # type: ignore[index]
+    texts = _session(uuid7(), ["not-a-uuid", "nor-this"])
+    assert idrefs.ids_apart(compact.encode(texts), 1) is None
+
+
+_LISTS = st.lists(st.integers(min_value=0, max_value=60), max_size=70)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    before=st.one_of(st.none(), _LISTS),
+    after=_LISTS,
+    inline=st.integers(min_value=0, max_value=8),
+    block=st.integers(min_value=1, max_value=9),
+)
+def test_a_session_rows_blocks_written_over_the_stored_ones_hold_its_ids(
+    before: list[int] | None, after: list[int], inline: int, block: int
+) -> None:
+    """``session_row``: whatever the stored blocks held (or nothing known of them), the
+    blocks it writes, over them, less those it drops, hold the new list exactly; and the row's
+    body with them is the version's body."""
+    pool = [uuid7() for _ in range(61)]
+    layout = idrefs.IdLayout(inline, block)
+    session_id = uuid7()
+    size = 16 * block
+    blocks: dict[int, bytes] = {}
+    stored: bytes | None = None
+    if before is not None:
+        old = session_row(
+            compact.encode(_session(session_id, [pool[i] for i in before])), b"", layout
+        )
+        blocks = dict(old.puts)
+        stored = b"".join(blocks[p] for p in sorted(blocks)) if old.ids_count is not None else b""
+    body = compact.encode(_session(session_id, [pool[i] for i in after]))
+    row = session_row(body, stored, layout)
+    if row.drop_from is not None:
+        blocks = {p: ids for p, ids in blocks.items() if p < row.drop_from}
+    blocks.update(row.puts)
+    if row.ids_count is None:
+        assert row.body == body and not blocks
+        return
+    data = b"".join(blocks[p] for p in sorted(blocks))
+    assert sorted(blocks) == list(range(len(blocks)))
+    assert all(len(ids) == size for p, ids in blocks.items() if p < len(blocks) - 1)
+    assert len(data) == 16 * row.ids_count and idrefs.ids_joined(row.body, data) == body
+    if stored is not None and data.startswith(stored) and len(stored) % size == 0:
+        assert all(p >= len(stored) // size for p, _ in row.puts)  # appended: new blocks only
 
 
 @contextlib.asynccontextmanager

@@ -21,10 +21,12 @@ from shared import compact
 from shared.clock import HybridClock
 from shared.compact import uuid_bytes, uuid_text
 from shared.errors import CursorTooOld, ErrorCode, InvalidState, StorageError, StorageUnavailable
+from shared.ids import uuid7
 from shared.records import Event, Session
 from tests.factories import count_hops
 from tests.server_factories import Device, new_tenant
 from tests.server_store_conformance import (
+    SMALL_BLOCKS,
     MakeStore,
     ServerStoreConformance,
     StoredRows,
@@ -89,6 +91,26 @@ def stored_rows(db_path: Path) -> StoredRows:
 
 class TestSQLiteServerStore(ServerStoreConformance):
     pass
+
+
+class TestSQLiteServerStoreInIdBlocks(ServerStoreConformance):
+    @pytest.fixture
+    def make_store(self, db_path: Path) -> MakeStore:
+        def make(tx_wrapper: TxWrapper | None = None) -> ServerStore:
+            store = (
+                SQLiteServerStore(db_path)
+                if tx_wrapper is None
+                else _WrappedStore(db_path, tx_wrapper)
+            )
+            store._id_layout = SMALL_BLOCKS
+            return store
+
+        return make
+
+    @pytest.fixture
+    async def server_store(self, make_store: MakeStore) -> AsyncIterator[ServerStore]:
+        async with make_store() as store:
+            yield store
 
 
 # -- SQLite only -------------------------------------------------------------------------------
@@ -259,7 +281,7 @@ async def test_schema_3_files_migrate_to_tenant_scoped_ids(db_path: Path) -> Non
         assert [r.status for r in theirs.results] == ["applied"]
         assert (await store.pull(alice.tenant, 0, 10)).changes == feed
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 8
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 9
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
@@ -471,7 +493,7 @@ async def test_schema_4_files_migrate_with_every_audit_row_placed(db_path: Path)
         )
         assert [r.status for r in after.results] == ["applied"]
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 8
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 9
         assert conn.execute("SELECT count(*) FROM audit_places").fetchone()[0] == 4
         # Migration 6 kept every record, now in a rowid table (bodies pack into its pages).
         assert conn.execute("SELECT count(*) FROM records").fetchone()[0] == 4
@@ -532,7 +554,7 @@ async def test_schema_6_files_migrate_to_a_feed_that_refers_to_its_records(db_pa
         later = await store.push(dev.tenant, dev.client_id, dev.changes(dev.message(v1.id)), clock)
         assert later.cursors == [6]  # not 5: that cursor was handed out before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 8
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 9
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         columns = [row[1] for row in conn.execute("PRAGMA table_info(feed)")]
         assert columns == ["cursor", "tid", "kind", "record_id"]
@@ -646,7 +668,7 @@ async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Pat
         assert isinstance(last.record, Event)
         assert (last.record.sequence_number, last.record.prev_hash) == (2, event.row_hash)
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 8
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 9
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert conn.execute("SELECT count(*) FROM tenants").fetchone()[0] == 2
         kept = dict(conn.execute("SELECT typeof(id), count(*) FROM records GROUP BY 1"))
@@ -708,7 +730,84 @@ def test_pleach_server_migrate_says_what_it_did(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr
         return done.stdout.strip()
 
-    assert migrate(old).endswith(f"schema version 7 -> {SCHEMA_VERSION} (1 migration(s) applied)")
+    assert migrate(old).endswith(
+        f"schema version 7 -> {SCHEMA_VERSION} ({SCHEMA_VERSION - 7} migration(s) applied)"
+    )
     assert migrate(old).endswith("(0 migration(s) applied)")
     fresh = migrate(tmp_path / "new.db")
     assert fresh.endswith(f"0 -> {SCHEMA_VERSION} ({SCHEMA_VERSION} migration(s) applied)")
+
+
+# -- a long session's ids in blocks --------------------------------------------------------
+
+
+async def test_a_turn_of_a_long_session_writes_one_block_not_its_whole_list(
+    db_path: Path,
+) -> None:
+    """At 2,000 ids a session's row holds none of them: they are in 16 blocks of 128 beside
+    it. A turn (two more ids) writes the row and the one block it appended to; a new block
+    when the last is full; a rollback drops the blocks past the list; a list changed in its
+    middle rewrites from the first block that differs."""
+    clock = HybridClock("server")
+    dev = Device(new_tenant())
+    ids = [uuid7() for _ in range(2_100)]
+    async with SQLiteServerStore(db_path) as store:
+        assert store._writer is not None
+        statements: list[str] = []
+        store._writer._conn.set_trace_callback(statements.append)
+
+        async def push(session: Session) -> list[str]:
+            statements.clear()
+            result = await store.push(dev.tenant, dev.client_id, dev.changes(session), clock)
+            assert [r.status for r in result.results] == ["applied"]
+            feed = await pull_all(store, dev.tenant)
+            assert [c.record for c in feed] == [session]
+            writes = ("INSERT OR REPLACE INTO session_ids", "DELETE FROM session_ids")
+            return [x for x in statements if x.startswith(writes)]
+
+        def stored() -> tuple[int, list[tuple[int, int]]]:
+            with sqlite3.connect(db_path) as conn:
+                (size,) = conn.execute("SELECT length(body) FROM sessions").fetchone()
+                blocks = conn.execute("SELECT part, length(ids) FROM session_ids ORDER BY part")
+                return size, blocks.fetchall()
+
+        session = dev.session(message_ids=ids[:2_000])
+        assert len(await push(session)) == 16  # every block, once
+        size, blocks = stored()
+        assert size < 1_000 and blocks == [(p, 2048) for p in range(15)] + [(15, 80 * 16)]
+        session = dev.edit(session, message_ids=ids[:2_002])
+        written = await push(session)
+        assert len(written) == 1 and "INSERT" in written[0]
+        assert stored()[1][-1] == (15, 82 * 16)
+        session = dev.edit(session, message_ids=ids[:2_050])
+        assert len(await push(session)) == 2  # the last block filled, a new one begun
+        session = dev.edit(session, message_ids=ids[:300])
+        written = await push(session)
+        assert len(written) == 2 and "DELETE" in written[0]  # blocks 3-16 dropped, 2 cut
+        assert stored()[1] == [(0, 2048), (1, 2048), (2, 44 * 16)]
+        session = dev.edit(session, message_ids=[*ids[:200], *reversed(ids[200:300])])
+        assert len(await push(session)) == 2  # from the block that differs on
+        session = dev.edit(session, message_ids=ids[:100])
+        written = await push(session)
+        assert len(written) == 1 and "DELETE" in written[0]
+        assert stored()[1] == []  # short again: the ids are in the row's body
+
+
+async def test_a_long_sessions_blocks_that_do_not_hold_its_ids_are_a_storage_error(
+    db_path: Path,
+) -> None:
+    """A block lost or cut (a damaged file) is a corrupt row, said as such by a pull and by
+    the next push's read of the row; nothing is served or merged from a partial list."""
+    clock = HybridClock("server")
+    dev = Device(new_tenant())
+    session = dev.session(message_ids=[uuid7() for _ in range(300)])
+    async with SQLiteServerStore(db_path) as store:
+        await store.push(dev.tenant, dev.client_id, dev.changes(session), clock)
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("DELETE FROM session_ids WHERE part = 1")
+    async with SQLiteServerStore(db_path) as store:
+        with pytest.raises(StorageError, match="corrupt feed entry"):
+            await store.pull(dev.tenant, 0, 10)
+        later = dev.edit(session, title="later")
+        with pytest.raises(StorageError, match="corrupt session row"):
+            await store.push(dev.tenant, dev.client_id, dev.changes(later), clock)

@@ -51,6 +51,7 @@ from shared.records import (
 )
 from tests.server_factories import Device, new_tenant
 from tests.server_store_conformance import (
+    SMALL_BLOCKS,
     FaultyTx,
     InjectedFault,
     MakeStore,
@@ -212,6 +213,22 @@ class TestPostgresServerStore(ServerStoreConformance):
     pass
 
 
+class TestPostgresServerStoreInIdBlocks(ServerStoreConformance):
+    @pytest.fixture
+    def make_store(self, pg_schema: str) -> MakeStore:
+        def make(tx_wrapper: TxWrapper | None = None) -> ServerStore:
+            store = pg_store(pg_schema, tx_wrapper)
+            store._id_layout = SMALL_BLOCKS
+            return store
+
+        return make
+
+    @pytest.fixture
+    async def server_store(self, make_store: MakeStore) -> AsyncIterator[ServerStore]:
+        async with make_store() as store:
+            yield store
+
+
 # -- helpers -----------------------------------------------------------------------------------
 
 
@@ -310,6 +327,7 @@ async def test_migrate_creates_a_fresh_schema() -> None:
         assert {r[0] for r in tables} == {
             "schema_migrations",
             "sessions",
+            "session_ids",
             "records",
             "events",
             "feed",
@@ -382,6 +400,12 @@ def explain_queries(store: PostgresServerStore) -> dict[str, tuple[str, tuple[An
                 [_pg_key("session-7")],
                 "schema",
                 "server-1",
+                [],  # how many ids each session's blocks hold
+                [_pg_key("session-7")],  # a block written...
+                [2],
+                [b"\x00" * 32],
+                [_pg_key("session-7")],  # ...and those past it dropped
+                [3],
             ),
         ),
         "drop_cursors": (sql.drop_cursors, ([10, 20],)),
@@ -423,6 +447,12 @@ async def test_per_tenant_queries_are_index_scans() -> None:
                 FROM generate_series(1, 5000) AS i"""
             )
             await conn.execute(
+                f"""INSERT INTO {s}.session_ids (tid, id, part, ids)
+                SELECT {tid(s, "'org-' || (i % 500)", "'user-' || (i % 500)")},
+                       {s}.pleach_key('session-' || i), p, '\\x00'::bytea
+                FROM generate_series(1, 5000) AS i, generate_series(0, 2) AS p"""
+            )
+            await conn.execute(
                 f"""INSERT INTO {s}.events
                     (id, session_id, sequence_number, tid, row_hash, body)
                 SELECT {s}.pleach_key('event-' || i), {s}.pleach_key('session-' || (i % 5000)),
@@ -448,7 +478,8 @@ async def test_per_tenant_queries_are_index_scans() -> None:
                 FROM generate_series(1, 20000) AS i"""
             )
             await conn.execute(
-                f"ANALYZE {s}.feed, {s}.clients, {s}.sessions, {s}.events, {s}.records, "
+                f"ANALYZE {s}.feed, {s}.clients, {s}.sessions, {s}.session_ids, {s}.events, "
+                f"{s}.records, "
                 f"{s}.meta, {s}.audit_places, {s}.tenants"
             )
             report = []
@@ -1565,6 +1596,7 @@ async def test_schema_8_migrates_ids_to_keys_and_kinds_to_numbers() -> None:
             ("records", "kind"): "smallint",
             ("records", "session_id"): "bytea",
             ("sessions", "id"): "bytea",
+            ("session_ids", "id"): "bytea",
         }
 
 
@@ -1639,3 +1671,30 @@ def test_analyze_is_due_once_at_each_cursor_the_feed_passes_in_this_process() ->
     assert analyze_due(first, first * 100, set()) == list(ANALYZE_AT[1:])
     assert analyze_due(0, max(ANALYZE_AT), set()) == list(ANALYZE_AT)
     assert analyze_due(max(ANALYZE_AT), 10 * max(ANALYZE_AT), set()) == []
+
+
+async def test_a_turn_of_a_long_session_writes_one_block_not_its_whole_list() -> None:
+    """At 2,000 ids a session's row holds none of them: they are in 16 blocks of 128 beside
+    it. A turn (two more ids) writes a new version of the row and of the one block it
+    appended to, and of no other (each row's ``xmin``: the transaction that wrote it)."""
+    clock = HybridClock("server-x")
+    dev = Device(new_tenant())
+    ids = [uuid7() for _ in range(2_002)]
+    async with scratch_schema() as s, pg_store(s) as store:
+
+        async def written() -> tuple[int, dict[int, str]]:
+            async with admin() as conn:
+                size = await conn.fetchval(f"SELECT octet_length(body) FROM {s}.sessions")
+                rows = await conn.fetch(f"SELECT part, xmin::text FROM {s}.session_ids")
+            return int(size), {int(r[0]): str(r[1]) for r in rows}
+
+        session = dev.session(message_ids=ids[:2_000])
+        await store.push(dev.tenant, dev.client_id, dev.changes(session), clock)
+        size, before = await written()
+        assert size < 1_000 and sorted(before) == list(range(16))
+        session = dev.edit(session, message_ids=ids)
+        result = await store.push(dev.tenant, dev.client_id, dev.changes(session), clock)
+        assert [r.status for r in result.results] == ["applied"]
+        _, after = await written()
+        assert [p for p in after if after[p] != before[p]] == [15]
+        assert [c.record for c in await pull_all(store, dev.tenant)] == [session]

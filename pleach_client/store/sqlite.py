@@ -30,7 +30,7 @@ import warnings
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from enum import Enum
 from functools import partial
-from typing import Any, Final, Generic, Literal, NamedTuple, TypeVar, cast
+from typing import Any, Final, Generic, Literal, TypeVar, cast
 
 import aiosqlite
 import msgspec
@@ -38,6 +38,7 @@ import msgspec
 from shared import compact
 from shared.aio import Every
 from shared.errors import InvalidState, StorageError
+from shared.idrefs import ID_LAYOUT, IdLayout, id_blocks
 from shared.records import (
     ArtifactUpdate,
     AuditRow,
@@ -573,17 +574,6 @@ def _messages_in_order(
 # -- a session's id blocks (schema 7) --------------------------------------------------------
 
 
-class IdLayout(NamedTuple):
-    """Where a store keeps a session's message ids (schema 7): a session of at most
-    ``inline`` ids keeps them in its row's body, a longer one in blocks of ``block`` ids.
-    One layout for a file's life (a block's size is not stored); only tests change it."""
-
-    inline: int = 128
-    block: int = 128
-    """16 bytes an id: 2 KB, a row that fits in a page."""
-
-
-ID_LAYOUT: Final = IdLayout()
 _ID_BLOCKS_BUDGET: Final = 8 << 20
 """Bytes of ``_id_blocks`` at most; past it, the cache is emptied."""
 _id_blocks: dict[object, tuple[int, bytes]] = {}
@@ -625,20 +615,6 @@ def _stored_blocks(raw: sqlite3.Connection, key: object, count: int, mark: int) 
         return None
     data = b"".join(ids if isinstance(ids, bytes) else b"" for _, ids in found)
     return data if len(data) == 16 * count else None
-
-
-def id_blocks(data: bytes, stored: bytes, block: int = ID_LAYOUT.block) -> list[tuple[int, bytes]]:
-    """The blocks ``(part, ids)`` of ``block`` ids to write for a session whose message ids
-    are ``data`` (16 bytes each) where its blocks hold ``stored``: those that differ (after
-    a turn, the one it appended to, or a new one). Blocks past ``data``'s are the caller's to
-    drop."""
-    size = 16 * block
-    first = len(stored) // size if data.startswith(stored) else 0
-    return [
-        (part, data[part * size : (part + 1) * size])
-        for part in range(first, -(-len(data) // size))
-        if data[part * size : (part + 1) * size] != stored[part * size : (part + 1) * size]
-    ]
 
 
 def _put_sessions(raw: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) -> None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from types import TracebackType
-from typing import Protocol, Self, runtime_checkable
+from typing import NamedTuple, Protocol, Self, runtime_checkable
 
 import msgspec
 
 from shared import compact
 from shared.clock import HybridClock
 from shared.errors import StorageError
+from shared.idrefs import ID_LAYOUT, IdLayout, id_blocks, ids_apart, ids_joined
 from shared.messages import ChangeResult, FeedBody
 from shared.records import Change, FeedChange, Record, Session
 
@@ -254,3 +255,80 @@ def decode_stored(kind: str, record_id: str, body: bytes) -> Record:
         return decode_body(body)
     except msgspec.DecodeError as exc:
         raise StorageError(f"corrupt {kind} row {record_id!r}") from exc
+
+
+# -- a long session's message ids in blocks -------------------------------------------------
+# A session of more message ids than ``IdLayout.inline`` keeps them in blocks of
+# ``IdLayout.block`` ids beside its row (``session_ids``), so that a turn writes the block it
+# appended to, not every id the session has: the row was rewritten whole at each turn
+# (320 KB at 20,000 ids). A pull puts the list back in its place, byte for byte.
+
+
+class SessionRow(NamedTuple):
+    """How a session's new version is written (``session_row``)."""
+
+    body: bytes
+    """The row's body: the version's, or, when its ids are in blocks, the version's with an
+    empty list in their place."""
+    ids_count: int | None
+    """How many ids its blocks hold; None: they are in the body."""
+    puts: list[tuple[int, bytes]]
+    """The blocks ``(part, ids)`` to write (insert or replace)."""
+    drop_from: int | None
+    """Drop the session's blocks from this part on (None: none to drop)."""
+
+
+def session_row(body: bytes, stored: bytes | None, layout: IdLayout = ID_LAYOUT) -> SessionRow:
+    """How a session's version ``body`` is stored, where its blocks hold ``stored`` (16 bytes
+    an id; ``b""``: it has none; None: not read in this transaction, then every block is
+    written and any past them dropped). Pure."""
+    inline, block = layout
+    apart = ids_apart(body, inline + 1)
+    if apart is None:
+        return SessionRow(body, None, [], None if stored == b"" else 0)
+    rest, data = apart
+    size = 16 * block
+    parts = -(-len(data) // size)
+    if stored is None:
+        return SessionRow(rest, len(data) // 16, id_blocks(data, b"", block), parts)
+    more = -(-len(stored) // size) > parts
+    return SessionRow(
+        rest, len(data) // 16, id_blocks(data, stored, block), parts if more else None
+    )
+
+
+def joined_blocks(blocks: Iterable[tuple[int, bytes]]) -> bytes | None:
+    """The ids of a session's blocks ``(part, ids)`` (in any order) joined; None when their
+    parts are not 0, 1, 2... (a block is missing)."""
+    ordered = sorted(blocks)
+    if [part for part, _ in ordered] != list(range(len(ordered))):
+        return None
+    return b"".join(bytes(ids) for _, ids in ordered)
+
+
+def stored_session(session_id: str, body: bytes, count: int | None, ids: bytes | None) -> Session:
+    """A stored session row, its message ids from its blocks (``ids``, joined) when ``count``
+    says it has them; ``StorageError`` when it is corrupt."""
+    session = decode_session(session_id, body)
+    if count is None:
+        return session
+    if ids is None or len(ids) != 16 * count or session.state.message_ids:
+        held = 0 if ids is None else len(ids) // 16
+        raise StorageError(
+            f"corrupt session row {session_id!r}: its id blocks hold {held} ids, not {count}"
+        )
+    session.state.message_ids = compact.id_list_texts(ids)
+    return session
+
+
+def stored_body(
+    cursor: int, body: bytes | None, count: int | None, ids: bytes | None
+) -> bytes | None:
+    """A feed entry's body as it travels: a session row's with its blocks' ids (``ids``)
+    back in place when ``count`` says it has them; ``StorageError`` when they do not fit."""
+    if body is None or count is None:
+        return body
+    whole = None if ids is None or len(ids) != 16 * count else ids_joined(body, ids)
+    if whole is None:
+        raise _corrupt(cursor)
+    return whole

@@ -66,6 +66,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import operator
 import re
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any, Final, TypeVar
@@ -77,6 +78,7 @@ import msgspec
 from shared.clock import HybridClock
 from shared.compact import KINDS, uuid_bytes, uuid_text
 from shared.errors import CursorTooOld, InvalidState, StorageError, StorageUnavailable
+from shared.idrefs import ID_LAYOUT, IdLayout
 from shared.ids import uuid7
 from shared.records import (
     CASCADE_KINDS,
@@ -104,9 +106,11 @@ from .base import (
     PushResult,
     Tenant,
     decode_body,
-    decode_session,
     decode_stored,
     feed_page,
+    session_row,
+    stored_body,
+    stored_session,
 )
 
 __all__ = [
@@ -167,6 +171,8 @@ def _place(row: AuditRow) -> tuple[str, int, str, str]:
 
 _KIND_NUMBERS: Final = {name: number for number, name in enumerate(KINDS)}
 _SESSION_KIND: Final = _KIND_NUMBERS["Session"]
+_CURSOR: Final = operator.itemgetter(1)
+"""A pull's row's cursor (``_Sql.pull``)."""
 _EVENT_KIND: Final = _KIND_NUMBERS["Event"]
 _LONG_MARK: Final = b"\xff\xff"
 _MARK: Final = b"\xff"
@@ -219,7 +225,7 @@ _TENANT_TABLES = (
     "audit_places",
 )
 """Every table whose rows belonged to a tenant (``org_id``, ``user_id``) before version 10."""
-_ANALYZED_TABLES: Final = ("tenants", *_TENANT_TABLES)
+_ANALYZED_TABLES: Final = ("tenants", *_TENANT_TABLES, "session_ids")
 """The tables the store analyzes itself while the database is young (``ANALYZE_AT``)."""
 _NUMBERED_TABLES = ("sessions", "records", "events", "feed", "audit_places")
 """The tables that name a tenant by its number (``tid``) since version 10."""
@@ -471,6 +477,17 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
     # would be after the last_seq the push expects; see ``_PostgresTx``). As in version 7,
     # each statement of the function runs on a fresh snapshot, taken after the lock.
     (_lock_last_seq_load_step,),
+    # 12: a long session's message ids in blocks beside its row (``base.session_row``): the
+    # row was rewritten whole at each turn, every id the session had (320 KB at 20,000). A
+    # block (2 KB) is kept in its row as it is (``PLAIN``): neither compressed (ids do not
+    # compress) nor moved out to the TOAST table. ``lock_last_seq_load`` reads the blocks.
+    (
+        "ALTER TABLE {s}.sessions ADD COLUMN ids_count integer",
+        "CREATE TABLE {s}.session_ids (tid integer NOT NULL, id bytea NOT NULL, "
+        "part integer NOT NULL, ids bytea NOT NULL, PRIMARY KEY (tid, id, part))",
+        "ALTER TABLE {s}.session_ids ALTER COLUMN ids SET STORAGE PLAIN",
+        _lock_last_seq_load_step,
+    ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -664,7 +681,15 @@ def _record_owner(s: str, kind: str, key: str, tid: str | None = None) -> str:
 
 
 def _get_session(s: str, key: str, tid: str | None = None) -> str:
-    return f"SELECT body FROM {s}.sessions WHERE tid = {tid or _tid(s)} AND id = {key}"
+    return f"SELECT body, ids_count FROM {s}.sessions WHERE tid = {tid or _tid(s)} AND id = {key}"
+
+
+def _session_ids(s: str, key: str, tid: str) -> str:
+    """The ids of a session's blocks, joined in order (NULL: it has none)."""
+    return (
+        f"SELECT string_agg(b.ids, ''::bytea ORDER BY b.part) AS ids FROM {s}.session_ids AS b "
+        f"WHERE b.tid = {tid} AND b.id = {key}"
+    )
 
 
 def _last_event(s: str, key: str, tid: str | None = None) -> str:
@@ -736,8 +761,9 @@ class _Sql:
         self.last_event = _last_event(s, "$3")
         self.audit_tail = _audit_tail(s, "$3")
         # Each branch is tagged by its first column (0 record owners, 1 event owners, 2
-        # session owners, 3 sessions, 4 chain tails, 5 audit chain tails, 6 the tenant's head
-        # cursor, always one row); an empty key array returns nothing.
+        # session owners, 3 sessions with the count of ids in their blocks, 4 chain tails, 5
+        # audit chain tails, 6 the tenant's head cursor, always one row, 8 the ids of the
+        # sessions' blocks); an empty key array returns nothing.
         # The tenant's number is read once (``tt``, materialized) and each lookup takes it
         # from there (an InitPlan over one row, no index probe): eight probes of ``tenants``
         # a push were 0.17 ms of its time.
@@ -754,9 +780,12 @@ class _Sql:
             "UNION ALL SELECT 2, NULL, k.id, NULL, NULL, NULL "
             "FROM unnest($6::bytea[]) AS k (id) "
             f"CROSS JOIN LATERAL ({_session_owner(s, 'k.id', t)}) AS o "
-            "UNION ALL SELECT 3, NULL, k.id, o.body, NULL, NULL "
+            "UNION ALL SELECT 3, NULL, k.id, o.body, o.ids_count, NULL "
             "FROM unnest($7::bytea[]) AS k (id) "
             f"CROSS JOIN LATERAL ({_get_session(s, 'k.id', t)} LIMIT 1) AS o "
+            "UNION ALL SELECT 8, NULL, k.id, o.ids, NULL, NULL "
+            "FROM unnest($7::bytea[]) AS k (id) "
+            f"CROSS JOIN LATERAL ({_session_ids(s, 'k.id', t)}) AS o WHERE o.ids IS NOT NULL "
             "UNION ALL SELECT 4, NULL, k.id, NULL, o.sequence_number, o.row_hash "
             "FROM unnest($8::bytea[]) AS k (id) "
             f"CROSS JOIN LATERAL ({_last_event(s, 'k.id', t)}) AS o "
@@ -790,10 +819,21 @@ class _Sql:
             "SELECT tt.tid, u.* FROM tt, unnest($7::bytea[], $8::bytea[], $9::bigint[], "
             "$10::text[], $11::bytea[]) AS u ON CONFLICT DO NOTHING RETURNING 1), "
             "x AS ("
-            f"INSERT INTO {s}.sessions (tid, id, updated_at, body) "
-            "SELECT tt.tid, u.* FROM tt, unnest($12::bytea[], $13::text[], $14::bytea[]) AS u "
-            "ON CONFLICT (tid, id) DO UPDATE SET "
-            "updated_at = excluded.updated_at, body = excluded.body RETURNING 1), "
+            f"INSERT INTO {s}.sessions (tid, id, updated_at, body, ids_count) "
+            "SELECT tt.tid, u.* FROM tt, unnest($12::bytea[], $13::text[], $14::bytea[], "
+            "$26::integer[]) AS u "
+            "ON CONFLICT (tid, id) DO UPDATE SET updated_at = excluded.updated_at, "
+            "body = excluded.body, ids_count = excluded.ids_count RETURNING 1), "
+            # The sessions' id blocks ($26: how many ids each session's hold, NULL for
+            # none): those that changed written ($27 sessions, $28 parts, $29 ids), those
+            # past a list dropped ($30 sessions, $31 from which part on); never the same
+            # block in both (``session_row``), as the two see the table as it was before.
+            f"bp AS (INSERT INTO {s}.session_ids (tid, id, part, ids) "
+            "SELECT tt.tid, u.* FROM tt, unnest($27::bytea[], $28::integer[], $29::bytea[]) AS u "
+            "ON CONFLICT (tid, id, part) DO UPDATE SET ids = excluded.ids), "
+            f"bd AS (DELETE FROM {s}.session_ids AS b "
+            "USING tt, unnest($30::bytea[], $31::integer[]) AS k (id, part) "
+            "WHERE b.tid = tt.tid AND b.id = k.id AND b.part >= k.part), "
             "c AS ("
             f"INSERT INTO {s}.clients (org_id, user_id, client_id, last_seq) "
             "SELECT $1, $2, $15, $16::bigint WHERE $16::bigint IS NOT NULL "
@@ -852,20 +892,24 @@ class _Sql:
         # only its header), so the page knows there is more. ``within``: inside the budget
         # (the first entry always is); a missing row reads as a NULL body within it.
         self.pull = (
-            "SELECT fl.floor, f.cursor, CASE WHEN f.within THEN f.body END, f.within "
+            "SELECT fl.floor, f.cursor, CASE WHEN f.within THEN f.body END, f.within, "
+            "f.ids_count, CASE WHEN f.within AND f.ids_count IS NOT NULL THEN ("
+            f"{_session_ids(s, 'f.record_id', 'f.tid')}) END "
             "FROM (SELECT COALESCE(("
             f"SELECT feed_floor FROM {s}.meta WHERE org_id = $1 AND user_id = $2), 0) AS floor"
             ") AS fl LEFT JOIN LATERAL ("
-            "SELECT cursor, body, (ROW_NUMBER() OVER w = 1 "
-            "OR SUM(octet_length(body)) OVER w <= $5) AS within FROM ("
-            "SELECT p.cursor, CASE p.kind "
-            f"WHEN {_SESSION_KIND} THEN (SELECT x.body FROM {s}.sessions AS x "
-            "WHERE x.tid = p.tid AND x.id = p.record_id) "
+            "SELECT cursor, tid, record_id, body, ids_count, (ROW_NUMBER() OVER w = 1 "
+            "OR SUM(octet_length(body) + 16 * COALESCE(ids_count, 0)) OVER w <= $5) AS within "
+            "FROM (SELECT p.cursor, p.tid, p.record_id, x.ids_count, CASE p.kind "
+            f"WHEN {_SESSION_KIND} THEN x.body "
             f"WHEN {_EVENT_KIND} THEN (SELECT e.body FROM {s}.events AS e "
             "WHERE e.tid = p.tid AND e.id = p.record_id) "
             f"ELSE (SELECT r.body FROM {s}.records AS r WHERE r.tid = p.tid "
             "AND r.kind = p.kind AND r.id = p.record_id) END AS body "
-            f"FROM {s}.feed AS p WHERE p.tid = {_tid(s)} AND p.cursor > $3 "
+            f"FROM {s}.feed AS p LEFT JOIN LATERAL (SELECT x.body, x.ids_count "
+            f"FROM {s}.sessions AS x WHERE p.kind = {_SESSION_KIND} AND x.tid = p.tid "
+            "AND x.id = p.record_id LIMIT 1) AS x ON true "
+            f"WHERE p.tid = {_tid(s)} AND p.cursor > $3 "
             "ORDER BY p.cursor LIMIT $4) AS page "
             "WINDOW w AS (ORDER BY cursor ROWS UNBOUNDED PRECEDING)) AS f ON true"
         )
@@ -888,7 +932,11 @@ class _Sql:
         # Deleting a session's content: the tenant's session rows, the records of the kinds
         # deleted with a session filed under its deleted ones, then the chosen records and
         # their feed entries (sessions_tenant, records_tenant, records' key, feed_record).
-        self.tenant_sessions = f"SELECT id, body FROM {s}.sessions WHERE tid = {_tid(s)}"
+        self.tenant_sessions = (
+            f"SELECT x.id, x.body, x.ids_count, o.ids FROM {s}.sessions AS x "
+            f"CROSS JOIN LATERAL ({_session_ids(s, 'x.id', 'x.tid')}) AS o "
+            f"WHERE x.tid = {_tid(s)}"
+        )
         self.cascade_candidates = (
             f"SELECT kind, id, body FROM {s}.records WHERE tid = {_tid(s)} "
             "AND session_id = ANY($3::bytea[]) AND kind = ANY($4::smallint[])"
@@ -951,9 +999,13 @@ class _PostgresTx:
         schema: str,
         server_id: str,
         expected: tuple[int, BatchKeys] | None = None,
+        layout: IdLayout = ID_LAYOUT,
     ) -> None:
         self._conn = conn
         self._sql = sql
+        self._layout = layout
+        self._held_ids: dict[str, bytes] = {}
+        """The ids in the blocks of each session read in this transaction (``b""``: none)."""
         self._schema = schema
         self._server_id = server_id
         """Named in the notice of new cursors (``_Sql.write``): this server process."""
@@ -1000,7 +1052,9 @@ class _PostgresTx:
                     seq = next((r[4] for r in rows if r[0] == 7), None)
                     last_seq = int(seq) if seq is not None else 0
                     if last_seq == expected:
-                        found = self._snapshot(tenant, [r for r in rows if r[0] != 7], named)
+                        found = self._snapshot(
+                            tenant, [r for r in rows if r[0] != 7], named, keys.sessions
+                        )
                         self._loaded = (keys, found)
                     return last_seq
             value = await self._conn.fetchval(self._sql.lock_tenant_last_seq, key, *t)
@@ -1019,12 +1073,17 @@ class _PostgresTx:
         if not any(lookups):
             return Snapshot()
         rows = await self._conn.fetch(self._sql.load, tenant.org_id, tenant.user_id, *lookups)
-        return self._snapshot(tenant, rows, named)
+        return self._snapshot(tenant, rows, named, keys.sessions)
 
-    def _snapshot(self, tenant: Tenant, rows: list[Any], named: dict[bytes, str]) -> Snapshot:
-        """What the rows of ``_Sql.load`` found (``named``: each key's id); the tenant's head
-        (``what`` 6) is kept for ``head_cursor``."""
+    def _snapshot(
+        self, tenant: Tenant, rows: list[Any], named: dict[bytes, str], sessions: Collection[str]
+    ) -> Snapshot:
+        """What the rows of ``_Sql.load`` found (``named``: each key's id; ``sessions``: the
+        ids of the sessions read); the tenant's head (``what`` 6) is kept for
+        ``head_cursor``, the ids in each session's blocks (``what`` 8) for ``write``."""
         found = Snapshot()
+        bodies: dict[str, tuple[bytes, int | None]] = {}
+        blocks: dict[str, bytes] = {}
         for what, kind, key, body, number, row_hash in rows:
             if what == 5:
                 # (a device id, as its UTF-8: the column holds the other lookups' keys)
@@ -1041,9 +1100,16 @@ class _PostgresTx:
             elif what == 2:
                 found.session_owners[record_id] = tenant
             elif what == 3:
-                found.sessions[record_id] = decode_session(record_id, body)
+                bodies[record_id] = (body, None if number is None else int(number))
+            elif what == 8:
+                blocks[record_id] = bytes(body)
             else:
                 found.chain_tails[record_id] = (int(number), str(row_hash))
+        for session_id, (body, count) in bodies.items():
+            ids = blocks.get(session_id)
+            found.sessions[session_id] = stored_session(session_id, body, count, ids)
+        for session_id in sessions:
+            self._held_ids[session_id] = blocks.get(session_id, b"")
         return found
 
     async def write(self, tenant: Tenant, client_id: str, writes: BatchWrites) -> list[int]:
@@ -1080,6 +1146,21 @@ class _PostgresTx:
                 ):
                     place_column.append(place_value)
         versioned = [i for i, r in enumerate(feed) if kind_of(r).merge == "versioned"]
+        laid = [
+            session_row(writes.bodies.of(x), self._held_ids.pop(x.id, None), self._layout)
+            for x in sessions
+        ]
+        # The blocks to write (sessions, parts, ids) and to drop (sessions, from which part).
+        blocks: tuple[list[bytes], list[int], list[bytes]] = ([], [], [])
+        drops: tuple[list[bytes], list[int]] = ([], [])
+        for x, stored in zip(sessions, laid, strict=True):
+            for part, ids in stored.puts:
+                blocks[0].append(_pg_key(x.id))
+                blocks[1].append(part)
+                blocks[2].append(ids)
+            if stored.drop_from is not None:
+                drops[0].append(_pg_key(x.id))
+                drops[1].append(stored.drop_from)
         cursors: list[int] = []
         if records[0] or events or sessions or feed or writes.last_seq is not None:
             taken = await conn.fetchrow(
@@ -1094,7 +1175,7 @@ class _PostgresTx:
                 [writes.bodies.of(e) for e in events],
                 [_pg_key(x.id) for x in sessions],
                 [x.updated_at for x in sessions],
-                [writes.bodies.of(x) for x in sessions],
+                [stored.body for stored in laid],
                 client_id,
                 writes.last_seq,
                 *places,
@@ -1103,6 +1184,9 @@ class _PostgresTx:
                 [_pg_key(feed[i].id) for i in versioned],
                 self._schema,
                 self._server_id,
+                [stored.ids_count for stored in laid],
+                *blocks,
+                *drops,
             )
             assert taken is not None
             if taken[0] != len(writes.records):
@@ -1134,7 +1218,10 @@ class _PostgresTx:
         """Delete the content of the tenant's deleted sessions (``BatchTx.write``)."""
         conn, sql, t = self._conn, self._sql, (tenant.org_id, tenant.user_id)
         rows = await conn.fetch(sql.tenant_sessions, *t)
-        sessions = [decode_session(_pg_id(key), body) for key, body in rows]
+        sessions = [
+            stored_session(_pg_id(key), body, count, None if ids is None else bytes(ids))
+            for key, body, count, ids in rows
+        ]
         deleted = [_pg_key(x.id) for x in sessions if x.deleted]
         cascade = [_KIND_NUMBERS[kind] for kind in CASCADE_KINDS]
         rows = await conn.fetch(sql.cascade_candidates, *t, deleted, cascade)
@@ -1253,6 +1340,7 @@ class PostgresServerStore(AsyncResource):
         self.idle_in_transaction_timeout_ms = idle_in_transaction_timeout_ms
         self.migrated: MigrateResult | None = None
         self._sql = _Sql(self.schema)
+        self._id_layout = ID_LAYOUT  # (where sessions keep their message ids: ``IdLayout``)
         self._pool: Any = None
         self._seen_from: int | None = None  # the feed's head at this process's first push
         self._analyzed: set[int] = set()  # the ``ANALYZE_AT`` cursors done
@@ -1417,7 +1505,14 @@ class PostgresServerStore(AsyncResource):
 
         async def body(conn: Any) -> PushResult:
             result = await apply_push(
-                _PostgresTx(conn, self._sql, self.schema, clock.client_id, (expected, keys)),
+                _PostgresTx(
+                    conn,
+                    self._sql,
+                    self.schema,
+                    clock.client_id,
+                    (expected, keys),
+                    self._id_layout,
+                ),
                 tenant,
                 client_id,
                 changes,
@@ -1499,8 +1594,12 @@ class PostgresServerStore(AsyncResource):
             raise CursorTooOld(
                 f"cursor {cursor} predates the retained feed (floor {floor}): resync"
             )
-        entries = sorted((int(r[1]), r[2], r[3]) for r in rows if r[1] is not None)
-        taken = [(c, b) for c, b, within in entries[:limit] if within]
+        entries = sorted((r for r in rows if r[1] is not None), key=_CURSOR)
+        taken = [
+            (int(c), b if n is None else stored_body(int(c), b, n, None if i is None else bytes(i)))
+            for _, c, b, within, n, i in entries[:limit]
+            if within
+        ]
         return feed_page(taken, cursor, len(entries) > len(taken), raw=raw)
 
     async def head_cursor(self, tenant: Tenant) -> int:

@@ -35,7 +35,9 @@ converts its keys in SQL and answers with the keys as it was given them.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import operator
 import os
 import sqlite3
 from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
@@ -49,11 +51,13 @@ from shared.aio import Every
 from shared.clock import HybridClock
 from shared.compact import KINDS
 from shared.errors import CursorTooOld, InvalidState, StorageError, StorageUnavailable
+from shared.idrefs import ID_LAYOUT, IdLayout
 from shared.records import (
     CASCADE_KINDS,
     AuditRow,
     Change,
     Event,
+    Session,
     kind_of,
     record_kind,
 )
@@ -76,9 +80,12 @@ from .base import (
     PushResult,
     Tenant,
     decode_body,
-    decode_session,
     decode_stored,
     feed_page,
+    joined_blocks,
+    session_row,
+    stored_body,
+    stored_session,
 )
 
 __all__ = ["DEFAULT_MAX_PULL_LIMIT", "SQLiteServerStore"]
@@ -420,6 +427,18 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         "DROP TABLE audit_places",
         "ALTER TABLE audit_places_8 RENAME TO audit_places",
     ),
+    # 9: a long session's message ids in blocks beside its row (``base.session_row``): the
+    # row was rewritten whole at each turn, every id the session had (320 KB at 20,000).
+    (
+        "ALTER TABLE sessions ADD COLUMN ids_count INTEGER",
+        """CREATE TABLE session_ids (
+            tid INTEGER NOT NULL,
+            id BLOB NOT NULL,
+            part INTEGER NOT NULL,
+            ids BLOB NOT NULL,
+            PRIMARY KEY (tid, id, part)
+        ) WITHOUT ROWID""",
+    ),
 )
 _PUT_HEALTH_SQL = (
     "INSERT INTO devices (org_id, user_id, client_id, seen_at, health) VALUES (?, ?, ?, ?, ?) "
@@ -477,9 +496,11 @@ _SESSION_OWNERS_SQL = f"""
             WHERE e.tid = {_TENANT_12} AND e.session_id = pleach_key(k.value))
         OR EXISTS (SELECT 1 FROM records AS r
             WHERE r.tid = {_TENANT_12} AND r.session_id = pleach_key(k.value))"""
+# (A row a block, the blocks of a session after its row: ``_sessions_of``.)
 _SESSIONS_SQL = f"""
-    SELECT k.value, s.body FROM json_each(?3) AS k
-    CROSS JOIN sessions AS s ON s.tid = {_TENANT_12} AND s.id = pleach_key(k.value)"""
+    SELECT k.value, s.body, s.ids_count, b.part, b.ids FROM json_each(?3) AS k
+    CROSS JOIN sessions AS s ON s.tid = {_TENANT_12} AND s.id = pleach_key(k.value)
+    LEFT JOIN session_ids AS b ON s.ids_count IS NOT NULL AND b.tid = s.tid AND b.id = s.id"""
 _CHAIN_TAILS_SQL = f"""
     SELECT k.value, e.sequence_number, e.body FROM json_each(?3) AS k
     CROSS JOIN events AS e ON e.rowid = (
@@ -508,9 +529,14 @@ _INSERT_EVENT_SQL = (
     f"VALUES (?, ?, ?, {_TENANT}, ?) ON CONFLICT DO NOTHING"
 )
 _PUT_SESSION_SQL = (
-    f"INSERT INTO sessions (id, tid, updated_at, body) VALUES (?, {_TENANT}, ?, ?) "
-    "ON CONFLICT (tid, id) DO UPDATE SET updated_at = excluded.updated_at, body = excluded.body"
+    f"INSERT INTO sessions (id, tid, updated_at, body, ids_count) VALUES (?, {_TENANT}, ?, ?, ?) "
+    "ON CONFLICT (tid, id) DO UPDATE SET updated_at = excluded.updated_at, "
+    "body = excluded.body, ids_count = excluded.ids_count"
 )
+_PUT_ID_BLOCK_SQL = (
+    f"INSERT OR REPLACE INTO session_ids (tid, id, part, ids) VALUES ({_TENANT}, ?, ?, ?)"
+)
+_DROP_ID_BLOCKS_SQL = f"DELETE FROM session_ids WHERE tid = {_TENANT} AND id = ? AND part >= ?"
 _APPEND_FEED_SQL = f"INSERT INTO feed (tid, kind, record_id) VALUES ({_TENANT}, ?, ?)"
 # The entries a session's new entry supersedes (see migration 7): through feed_record.
 _SUPERSEDED_SQL = (
@@ -518,7 +544,10 @@ _SUPERSEDED_SQL = (
 )
 # Deleting a session's content: the tenant's session rows, the records of the kinds deleted
 # with a session filed under its deleted ones, then the chosen records and their feed entries.
-_TENANT_SESSIONS_SQL = f"SELECT id, body FROM sessions WHERE tid = {_TENANT}"
+_TENANT_SESSIONS_SQL = f"""
+    SELECT s.id, s.body, s.ids_count, b.part, b.ids FROM sessions AS s
+    LEFT JOIN session_ids AS b ON s.ids_count IS NOT NULL AND b.tid = s.tid AND b.id = s.id
+    WHERE s.tid = {_TENANT}"""
 _CASCADE_CANDIDATES_SQL = """
     SELECT r.kind, r.id, r.body FROM json_each(?1) AS k
     CROSS JOIN records AS r INDEXED BY records_tenant
@@ -656,6 +685,10 @@ class _Rows(msgspec.Struct):
     records: list[tuple[Any, ...]]
     events: list[tuple[Any, ...]]
     sessions: list[tuple[Any, ...]]
+    id_blocks: list[tuple[Any, ...]]
+    """``_PUT_ID_BLOCK_SQL``'s rows: the sessions' blocks that changed."""
+    id_drops: list[tuple[Any, ...]]
+    """``_DROP_ID_BLOCKS_SQL``'s rows: blocks past a session's ids."""
     feed: list[tuple[Any, ...]]
     versioned: dict[tuple[int, bytes | str], int]
     """Versioned records (sessions) in ``feed``: (kind, id) -> the index of its last entry."""
@@ -676,6 +709,10 @@ def _write_rows(raw: sqlite3.Connection, rows: _Rows) -> tuple[list[int], int | 
             raise claimed_concurrently("an event id")
     if rows.sessions:
         raw.executemany(_PUT_SESSION_SQL, rows.sessions)
+    if rows.id_drops:
+        raw.executemany(_DROP_ID_BLOCKS_SQL, rows.id_drops)
+    if rows.id_blocks:
+        raw.executemany(_PUT_ID_BLOCK_SQL, rows.id_blocks)
     cursors: list[int] = []
     if rows.feed:
         raw.executemany(_APPEND_FEED_SQL, rows.feed)
@@ -725,8 +762,31 @@ def _lookups(tenant: Tenant, keys: BatchKeys) -> list[tuple[str, tuple[Any, ...]
     ]
 
 
-def _snapshot(tenant: Tenant, keys: BatchKeys, each: list[list[Any]]) -> Snapshot:
-    """What the answers of ``_lookups(tenant, keys)`` found, as ``BatchTx.load`` gives it."""
+def _sessions_of(rows: Iterable[Any], held: dict[str, bytes]) -> list[tuple[str, Session]]:
+    """The sessions of rows ``(id, body, ids_count, part, ids)`` (``_SESSIONS_SQL``: a row a
+    block, a session's rows together), each with the ids its blocks hold in ``held`` (``b""``
+    for none)."""
+    out: list[tuple[str, Session]] = []
+    for session_id, group in itertools.groupby(rows, _FIRST):
+        session_rows = list(group)
+        _, body, count, *_ = session_rows[0]
+        name = session_id if type(session_id) is str else _id_text(session_id)
+        ids = None
+        if count is not None:
+            ids = joined_blocks((part, b) for *_, part, b in session_rows if part is not None)
+        out.append((name, stored_session(name, body, count, ids)))
+        held[name] = ids or b""
+    return out
+
+
+_FIRST: Final = operator.itemgetter(0)
+
+
+def _snapshot(
+    tenant: Tenant, keys: BatchKeys, each: list[list[Any]], held: dict[str, bytes]
+) -> Snapshot:
+    """What the answers of ``_lookups(tenant, keys)`` found, as ``BatchTx.load`` gives it;
+    the ids in the blocks of each session it read go into ``held``."""
     answers = iter(each)
     found = Snapshot()
     # Every lookup reads the tenant's own rows only: whatever it finds is the tenant's.
@@ -740,8 +800,9 @@ def _snapshot(tenant: Tenant, keys: BatchKeys, each: list[list[Any]]) -> Snapsho
         for (session_id,) in next(answers):
             found.session_owners[session_id] = tenant
     if keys.sessions:
-        for session_id, body in next(answers):
-            found.sessions[session_id] = decode_session(session_id, body)
+        found.sessions.update(_sessions_of(next(answers), held))
+        for session_id in keys.sessions:
+            held.setdefault(session_id, b"")  # (no row: no blocks)
     if keys.chains:
         for session_id, number, body in next(answers):
             found.chain_tails[session_id] = (int(number), _row_hash(session_id, body))
@@ -780,8 +841,10 @@ class _SQLiteTx:
         conn: aiosqlite.Connection,
         read: _Read | None = None,
         raw: sqlite3.Connection | None = None,
+        layout: IdLayout = ID_LAYOUT,
     ) -> None:
         self._conn = conn
+        self._layout = layout
         self._run: aiosqlite.Connection | sqlite3.Connection = conn if raw is None else raw
         """Where the lookups and the writes run: the connection's thread, or in place."""
         self._read = read
@@ -789,6 +852,8 @@ class _SQLiteTx:
         self._head: int | None = None if read is None else read.head
         self._last_seq = None if read is None else read.last_seq
         """The pushing device's ``last_seq``, read with the ``BEGIN`` (None: not read)."""
+        self._held_ids: dict[str, bytes] = {}
+        """The ids in the blocks of each session read in this transaction (``b""``: none)."""
 
     def keys_read(self, last_seq: int) -> BatchKeys | None:
         read = self._read
@@ -808,12 +873,12 @@ class _SQLiteTx:
     async def load(self, tenant: Tenant, keys: BatchKeys) -> Snapshot:
         read = self._read
         if read is not None and keys is read.keys:  # read with the BEGIN, head and all
-            return _snapshot(tenant, keys, read.answers)
+            return _snapshot(tenant, keys, read.answers, self._held_ids)
         # Every lookup of the batch, and the head, in one hop to the connection's thread.
         each, self._head = await _on_thread(
             self._run, _fetch_each_and_head, _lookups(tenant, keys), _twice(tenant)
         )
-        return _snapshot(tenant, keys, each)
+        return _snapshot(tenant, keys, each, self._held_ids)
 
     async def write(self, tenant: Tenant, client_id: str, writes: BatchWrites) -> list[int]:
         t = (tenant.org_id, tenant.user_id)
@@ -847,9 +912,9 @@ class _SQLiteTx:
                 )
                 for e in writes.events
             ],
-            sessions=[
-                (_key(s.id), s.org_id, s.user_id, s.updated_at, body(s)) for s in writes.sessions
-            ],
+            sessions=[],
+            id_blocks=[],
+            id_drops=[],
             feed=[(*t, _KIND_NUMBERS[record_kind(r)], _key(r.id)) for r in writes.feed],
             versioned={
                 (_KIND_NUMBERS[record_kind(r)], _key(r.id)): i
@@ -860,6 +925,13 @@ class _SQLiteTx:
             places=[(*t, *_place(r)) for r in writes.records if isinstance(r, AuditRow)],
             head=None if writes.deleted_sessions else t + t,
         )
+        for s in writes.sessions:
+            key, stored = _key(s.id), session_row(body(s), self._held_ids.get(s.id), self._layout)
+            rows.sessions.append((key, *t, s.updated_at, stored.body, stored.ids_count))
+            if stored.drop_from is not None:
+                rows.id_drops.append((*t, key, stored.drop_from))
+            rows.id_blocks += [(*t, key, part, ids) for part, ids in stored.puts]
+            self._held_ids.pop(s.id, None)  # (written: not known any more)
         # Every statement of the batch in one hop to the connection's thread (see _on_thread),
         # or in place.
         cursors, self._head = await _on_thread(self._run, _write_rows, rows)
@@ -875,10 +947,8 @@ class _SQLiteTx:
     async def _delete_content(self, tenant: Tenant) -> None:
         """Delete the content of the tenant's deleted sessions (``BatchTx.write``)."""
         conn, t = self._conn, (tenant.org_id, tenant.user_id)
-        sessions = [
-            decode_session(_id_text(i), b)
-            for i, b in await _fetchall(conn, _TENANT_SESSIONS_SQL, t)
-        ]
+        rows = await _fetchall(conn, _TENANT_SESSIONS_SQL, t)
+        sessions = [session for _, session in _sessions_of(rows, {})]
         deleted = [x.id for x in sessions if x.deleted]
         kinds = [_KIND_NUMBERS[kind] for kind in CASCADE_KINDS]
         rows = await _fetchall(conn, _CASCADE_CANDIDATES_SQL, (_json(deleted), *t, _json(kinds)))
@@ -977,6 +1047,7 @@ class SQLiteServerStore(AsyncResource):
         self._read_lock = asyncio.Lock()
         self._checkpointer: aiosqlite.Connection | None = None
         self._checkpoints = Every(CHECKPOINT_EVERY, self._checkpoint)
+        self._id_layout = ID_LAYOUT  # (where sessions keep their message ids: ``IdLayout``)
         """A side checkpoint every ``CHECKPOINT_EVERY`` commits (``close`` waits for it)."""
 
     def __repr__(self) -> str:
@@ -1204,7 +1275,7 @@ class SQLiteServerStore(AsyncResource):
 
         async def body(conn: aiosqlite.Connection, raw: sqlite3.Connection | None) -> PushResult:
             result = await apply_push(
-                _SQLiteTx(conn, read[-1] if read else None, raw),
+                _SQLiteTx(conn, read[-1] if read else None, raw, self._id_layout),
                 tenant,
                 client_id,
                 changes,
@@ -1255,7 +1326,23 @@ class SQLiteServerStore(AsyncResource):
             rows = await _fetchall(
                 conn, _PULL_SQL, (budget, tenant.org_id, tenant.user_id, cursor, limit + 1)
             )
-            taken = [(int(c), b) for c, b, within in rows[:limit] if within]
+            page = [row for row in rows[:limit] if row[2]]
+            blocks: dict[Any, list[tuple[int, bytes]]] = {}
+            keys = [key for *_, count, key in page if count is not None]
+            if keys:
+                t = (tenant.org_id, tenant.user_id)
+                found = await _fetchall(conn, _PAGE_ID_BLOCKS_SQL, (*t, _json(map(_id_text, keys))))
+                for key, part, ids in found:
+                    blocks.setdefault(key, []).append((part, ids))
+            taken = [
+                (
+                    int(c),
+                    b
+                    if count is None
+                    else stored_body(int(c), b, count, joined_blocks(blocks.get(key, ()))),
+                )
+                for c, b, _, count, key in page
+            ]
             return feed_page(taken, cursor, len(rows) > len(taken), raw=raw)
 
         return await self._read(body)
@@ -1289,25 +1376,34 @@ _NO_BUDGET = 1 << 62
 
 # A page of the feed (at most ?5 entries after cursor ?4), each entry's body read from the
 # row it refers to, through that table's key; ``within``: the entry is inside the byte budget
-# (the first always is). A missing row reads as a NULL body, within the budget.
+# (the first always is). A missing row reads as a NULL body, within the budget. A session
+# whose ids are in blocks also answers their count and its key (its blocks are read next,
+# in the same transaction: ``_PAGE_ID_BLOCKS_SQL``), and is counted with its ids.
 _PULL_SQL = f"""
-    SELECT cursor, body, n = 1 OR total <= ?1 AS within FROM (
-        SELECT cursor, body, SUM(length(body)) OVER w AS total, ROW_NUMBER() OVER w AS n
+    SELECT cursor, body, n = 1 OR total <= ?1 AS within, ids_count, record_id FROM (
+        SELECT cursor, body, ids_count, record_id,
+            SUM(length(body) + 16 * COALESCE(ids_count, 0)) OVER w AS total,
+            ROW_NUMBER() OVER w AS n
         FROM (
-            SELECT f.cursor, CASE f.kind
-                WHEN {_SESSION_KIND} THEN (SELECT s.body FROM sessions AS s
-                    WHERE s.tid = f.tid AND s.id = f.record_id)
+            SELECT f.cursor, f.record_id, CASE f.kind
+                WHEN {_SESSION_KIND} THEN s.body
                 WHEN {_EVENT_KIND} THEN (SELECT e.body FROM events AS e
                     WHERE e.tid = f.tid AND e.id = f.record_id)
                 ELSE (SELECT r.body FROM records AS r
                     WHERE r.tid = f.tid AND r.kind = f.kind AND r.id = f.record_id)
-                END AS body
+                END AS body, s.ids_count
             FROM feed AS f
+            LEFT JOIN sessions AS s ON f.kind = {_SESSION_KIND}
+                AND s.tid = f.tid AND s.id = f.record_id
             WHERE f.tid = (SELECT tid FROM tenants WHERE org_id = ?2 AND user_id = ?3)
                 AND f.cursor > ?4
             ORDER BY f.cursor LIMIT ?5)
         WINDOW w AS (ORDER BY cursor ROWS UNBOUNDED PRECEDING))
     ORDER BY cursor"""
+# The blocks of the page's sessions kept in blocks (their ids as one JSON array).
+_PAGE_ID_BLOCKS_SQL = f"""
+    SELECT b.id, b.part, b.ids FROM json_each(?3) AS k
+    CROSS JOIN session_ids AS b ON b.tid = {_TENANT_12} AND b.id = pleach_key(k.value)"""
 
 
 def _begin_now(

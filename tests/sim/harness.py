@@ -42,6 +42,7 @@ from shared.errors import NotFound
 from shared.ids import uuid7
 from shared.records import Event
 from tests.factories import small_id_blocks
+from tests.server_store_conformance import SMALL_BLOCKS
 
 from .invariants import Ledger, check
 from .network import Proxy
@@ -102,6 +103,9 @@ class EmbeddedBackend(Backend):
         self.store: ServerStore | None = None
         self.server: SyncServer | None = None
         self.restarts = 0
+        self.small_id_blocks = False
+        """Whether the next schedule's store keeps its sessions' ids in small blocks (set
+        before ``begin``, from ``Schedule.server_id_blocks``; restarts keep it)."""
 
     def upstream(self) -> tuple[str, int]:
         # While restarting there is no server: port 0 refuses, so the device retries later and
@@ -111,6 +115,8 @@ class EmbeddedBackend(Backend):
     async def _start(self) -> None:
         assert self._workdir is not None
         store = self._make_store(self._workdir)
+        if self.small_id_blocks:
+            store._id_layout = SMALL_BLOCKS  # type: ignore[attr-defined]
         await store.open()
         server = SyncServer(store, port=0, secret=SECRET.encode())
         try:
@@ -616,6 +622,8 @@ class World:
 
     # -- phases ------------------------------------------------------------------------------
     async def start(self) -> None:
+        if isinstance(self.backend, EmbeddedBackend):
+            self.backend.small_id_blocks = self.schedule.server_id_blocks
         await self.backend.begin(self.workdir)
 
         async def up(dev: Device) -> None:

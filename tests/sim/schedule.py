@@ -119,6 +119,14 @@ class Schedule:
         return self.seed % 2 == 0
 
     @property
+    def server_id_blocks(self) -> bool:
+        """Whether the server store keeps every session of more than two message ids in
+        blocks of three (``tests.server_store_conformance.SMALL_BLOCKS``; with the defaults
+        only a session of more than 128 ids): every other four seeds, apart from the two
+        parities above. The embedded backends only (a server process keeps its defaults)."""
+        return (self.seed // 4) % 2 == 1
+
+    @property
     def folds_after_pulls(self) -> bool:
         """Whether the devices fold, at the end of each pull, the log of every session it
         brought an event (``SyncFacet.fold_after_pull_events`` = 1; the default is a thousand
@@ -140,6 +148,7 @@ class Schedule:
             f"{list(self.skews_ms)}, push batches {list(self.batches)}, {len(self.ops)} ops"
             + (", ids in small blocks" if self.small_id_blocks else "")
             + (", logs folded after pulls" if self.folds_after_pulls else "")
+            + (", server ids in small blocks" if self.server_id_blocks else "")
         ]
         lines.extend(f"  {i:3d}. {op}" for i, op in enumerate(self.ops))
         return "\n".join(lines)
