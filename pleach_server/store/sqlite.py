@@ -500,7 +500,7 @@ _SESSION_OWNERS_SQL = f"""
 _SESSIONS_SQL = f"""
     SELECT k.value, s.body, s.ids_count, b.part, b.ids FROM json_each(?3) AS k
     CROSS JOIN sessions AS s ON s.tid = {_TENANT_12} AND s.id = pleach_key(k.value)
-    LEFT JOIN session_ids AS b ON s.ids_count IS NOT NULL AND b.tid = s.tid AND b.id = s.id"""
+    LEFT JOIN session_ids AS b ON b.tid = s.tid AND b.id = s.id"""
 _CHAIN_TAILS_SQL = f"""
     SELECT k.value, e.sequence_number, e.body FROM json_each(?3) AS k
     CROSS JOIN events AS e ON e.rowid = (
@@ -765,17 +765,17 @@ def _lookups(tenant: Tenant, keys: BatchKeys) -> list[tuple[str, tuple[Any, ...]
 def _sessions_of(rows: Iterable[Any], held: dict[str, bytes]) -> list[tuple[str, Session]]:
     """The sessions of rows ``(id, body, ids_count, part, ids)`` (``_SESSIONS_SQL``: a row a
     block, a session's rows together), each with the ids its blocks hold in ``held`` (``b""``
-    for none)."""
+    for none; left out when they are not in order, so that a write drops them all)."""
     out: list[tuple[str, Session]] = []
     for session_id, group in itertools.groupby(rows, _FIRST):
         session_rows = list(group)
         _, body, count, *_ = session_rows[0]
         name = session_id if type(session_id) is str else _id_text(session_id)
-        ids = None
-        if count is not None:
-            ids = joined_blocks((part, b) for *_, part, b in session_rows if part is not None)
-        out.append((name, stored_session(name, body, count, ids)))
-        held[name] = ids or b""
+        blocks = [(part, b) for *_, part, b in session_rows if part is not None]
+        ids = joined_blocks(blocks)
+        out.append((name, stored_session(name, body, count, ids if count is not None else None)))
+        if ids is not None:
+            held[name] = ids
     return out
 
 
@@ -802,7 +802,8 @@ def _snapshot(
     if keys.sessions:
         found.sessions.update(_sessions_of(next(answers), held))
         for session_id in keys.sessions:
-            held.setdefault(session_id, b"")  # (no row: no blocks)
+            if session_id not in found.sessions:
+                held[session_id] = b""  # (no row: no blocks)
     if keys.chains:
         for session_id, number, body in next(answers):
             found.chain_tails[session_id] = (int(number), _row_hash(session_id, body))
