@@ -940,8 +940,10 @@ class _Batch:
             if resolution.order is not Order.DOMINATES:
                 return ChangeResult(client_seq=seq, status="superseded")
             stored = msgspec.structs.replace(marked, vv=resolution.merged_vv)
-            await self.tx.put_session(stored)
             same = marked is pushed and stored.vv == pushed.vv
+            if same:
+                stored = pushed  # the very version pushed: stored in the bytes it came in
+            await self.tx.put_session(stored)
             return self._applied(seq, stored, as_pushed=same)
 
         # Concurrent: the HLC winner keeps the id under a vector above both versions; the

@@ -1317,24 +1317,14 @@ class SQLiteServerStore(AsyncResource):
         budget = max_bytes if max_bytes is not None else _NO_BUDGET
 
         async def body(conn: aiosqlite.Connection) -> PullResult:
-            floor = await _floor(conn, tenant)
+            # The floor, the page and its sessions' blocks in one hop to the reader's thread.
+            params = (budget, tenant.org_id, tenant.user_id, cursor, limit + 1)
+            floor, rows, blocks = await _on_thread(conn, _page_now, params, limit)
             if 0 < cursor < floor:  # cursor 0: a full resync, always complete
                 raise CursorTooOld(
                     f"cursor {cursor} predates the retained feed (floor {floor}): resync"
                 )
-            # The running size is summed over the page in cursor order; entries past the
-            # budget are left for the next page, so the page knows there is more.
-            rows = await _fetchall(
-                conn, _PULL_SQL, (budget, tenant.org_id, tenant.user_id, cursor, limit + 1)
-            )
             page = [row for row in rows[:limit] if row[2]]
-            blocks: dict[Any, list[tuple[int, bytes]]] = {}
-            keys = [key for *_, count, key in page if count is not None]
-            if keys:
-                t = (tenant.org_id, tenant.user_id)
-                found = await _fetchall(conn, _PAGE_ID_BLOCKS_SQL, (*t, _json(map(_id_text, keys))))
-                for key, part, ids in found:
-                    blocks.setdefault(key, []).append((part, ids))
             taken = [
                 (
                     int(c),
@@ -1405,6 +1395,24 @@ _PULL_SQL = f"""
 _PAGE_ID_BLOCKS_SQL = f"""
     SELECT b.id, b.part, b.ids FROM json_each(?3) AS k
     CROSS JOIN session_ids AS b ON b.tid = {_TENANT_12} AND b.id = pleach_key(k.value)"""
+
+
+def _page_now(
+    raw: sqlite3.Connection, params: tuple[Any, ...], limit: int
+) -> tuple[int, list[Any], dict[Any, list[tuple[int, bytes]]]]:
+    """A pull's reads (``_PULL_SQL``'s ``params``): the tenant's floor, the page's rows (at
+    most ``limit`` + 1), and the blocks of the sessions among the first ``limit`` that keep
+    their ids in blocks, by session key."""
+    t = params[1:3]
+    floor = raw.execute(_FLOOR_SQL, t).fetchone()
+    rows = raw.execute(_PULL_SQL, params).fetchall()
+    keys = [key for _, _, within, count, key in rows[:limit] if within and count is not None]
+    blocks: dict[Any, list[tuple[int, bytes]]] = {}
+    if keys:
+        found = raw.execute(_PAGE_ID_BLOCKS_SQL, (*t, _json(map(_id_text, keys))))
+        for key, part, ids in found:
+            blocks.setdefault(key, []).append((part, ids))
+    return (int(floor[0]) if floor is not None else 0), rows, blocks
 
 
 def _begin_now(
