@@ -3,6 +3,7 @@
 Runs ``bench_local`` (device turns, storage, codec), ``bench_conversation`` (one 1,000-turn
 conversation against plain sqlite3), ``bench_sync`` (sync throughput, live fan-out),
 ``bench_live`` (live latency with 100 devices writing, SQLite and PostgreSQL servers),
+``bench_long_session`` (a turn's push and pull on the server as a session grows),
 ``bench_server_mem`` (server memory per idle connection), ``bench_catchup`` (a new device
 catching up, resume of a long session), ``bench_codec`` (the storage codec per record) and
 ``bench_push`` (server push throughput, SQLite vs
@@ -37,6 +38,7 @@ from bench import (
     bench_conversation,
     bench_live,
     bench_local,
+    bench_long_session,
     bench_server_mem,
     bench_startup,
     bench_sync,
@@ -53,6 +55,7 @@ SECTIONS: list[tuple[str, Any]] = [
     ("bench_catchup", bench_catchup),
     ("bench_codec", bench_codec),
     ("bench_startup", bench_startup),
+    ("bench_long_session", bench_long_session),
 ]
 PUSH_QUICK_ARGS = ["--batches", "20", "--devices", "4"]
 PG_CONNECT_TIMEOUT = 3.0
