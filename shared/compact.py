@@ -506,7 +506,8 @@ def _id_list(data: memoryview) -> list[str]:
     """``_uuid_list_texts`` of a long list, by way of ``_id_lists``: a session's message ids
     come again and again, a turn's few more each time (the server reads a session row as
     pushed and as stored, each device as pulled), so a list that extends one decoded before,
-    byte for byte, converts only its new tail. Each call gives a new list."""
+    byte for byte, converts only its new tail, and one that the list decoded before extends
+    converts none. Each call gives a new list."""
     global _id_lists_held
     raw = data.tobytes()
     key = raw[:16]
@@ -514,6 +515,10 @@ def _id_list(data: memoryview) -> list[str]:
     if known is not None and raw.startswith(known[0]):
         size = len(known[0])
         texts = [*known[1], *_uuid_list_texts(data[size:])] if len(raw) > size else [*known[1]]
+    elif known is not None and known[0].startswith(raw):
+        # A list the one kept extends (the row as stored, read after the version pushed
+        # was decoded; another device's older copy): its head, and the longer one is kept.
+        return list(known[1][: len(raw) // 16])
     else:
         texts = _uuid_list_texts(data)
     count = len(texts)

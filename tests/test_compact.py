@@ -810,6 +810,27 @@ def test_long_id_lists_decode_alike_through_their_cache(
         assert held == compact._id_lists_held <= compact._ID_LISTS_BUDGET
 
 
+def test_a_list_that_the_kept_one_extends_converts_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server reads a session's row as pushed (a turn's two more ids), then, at the next
+    turn, as stored: the list kept extends that one, which is its head; nothing is converted,
+    and the longer list stays kept for the next push."""
+    compact._clear_caches()
+    ids = [str(uuid.uuid4()) for _ in range(300)]
+    assert compact._unext(4, memoryview(compact.uuids_bytes(ids) or b"")) == ids
+    converted: list[int] = []
+    convert = compact._uuid_list_texts
+    monkeypatch.setattr(
+        compact, "_uuid_list_texts", lambda data: converted.append(len(data)) or convert(data)
+    )
+    head = compact._unext(4, memoryview(compact.uuids_bytes(ids[:298]) or b""))
+    assert head == ids[:298] and converted == []
+    assert compact._unext(4, memoryview(compact.uuids_bytes(ids) or b"")) == ids
+    assert converted == []  # the longer list was still kept
+    compact._clear_caches()
+
+
 def test_the_id_list_cache_keeps_to_its_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """Lists past the budget empty the cache; one longer than the budget is never kept."""
     monkeypatch.setattr(compact, "_ID_LISTS_BUDGET", 200)
