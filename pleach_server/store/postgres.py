@@ -1153,14 +1153,14 @@ class _PostgresTx:
         # The blocks to write (sessions, parts, ids) and to drop (sessions, from which part).
         blocks: tuple[list[bytes], list[int], list[bytes]] = ([], [], [])
         drops: tuple[list[bytes], list[int]] = ([], [])
-        for x, stored in zip(sessions, laid, strict=True):
-            for part, ids in stored.puts:
+        for x, lay in zip(sessions, laid, strict=True):
+            for part, ids in lay.puts:
                 blocks[0].append(_pg_key(x.id))
                 blocks[1].append(part)
                 blocks[2].append(ids)
-            if stored.drop_from is not None:
+            if lay.drop_from is not None:
                 drops[0].append(_pg_key(x.id))
-                drops[1].append(stored.drop_from)
+                drops[1].append(lay.drop_from)
         cursors: list[int] = []
         if records[0] or events or sessions or feed or writes.last_seq is not None:
             taken = await conn.fetchrow(
@@ -1175,7 +1175,7 @@ class _PostgresTx:
                 [writes.bodies.of(e) for e in events],
                 [_pg_key(x.id) for x in sessions],
                 [x.updated_at for x in sessions],
-                [stored.body for stored in laid],
+                [lay.body for lay in laid],
                 client_id,
                 writes.last_seq,
                 *places,
@@ -1184,7 +1184,7 @@ class _PostgresTx:
                 [_pg_key(feed[i].id) for i in versioned],
                 self._schema,
                 self._server_id,
-                [stored.ids_count for stored in laid],
+                [lay.ids_count for lay in laid],
                 *blocks,
                 *drops,
             )

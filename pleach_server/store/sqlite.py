@@ -927,12 +927,14 @@ class _SQLiteTx:
             head=None if writes.deleted_sessions else t + t,
         )
         for s in writes.sessions:
-            key, stored = _key(s.id), session_row(body(s), self._held_ids.get(s.id), self._layout)
-            rows.sessions.append((key, *t, s.updated_at, stored.body, stored.ids_count))
-            if stored.drop_from is not None:
-                rows.id_drops.append((*t, key, stored.drop_from))
-            rows.id_blocks += [(*t, key, part, ids) for part, ids in stored.puts]
-            self._held_ids.pop(s.id, None)  # (written: not known any more)
+            key, laid = (
+                _key(s.id),
+                session_row(body(s), self._held_ids.pop(s.id, None), self._layout),
+            )
+            rows.sessions.append((key, *t, s.updated_at, laid.body, laid.ids_count))
+            if laid.drop_from is not None:
+                rows.id_drops.append((*t, key, laid.drop_from))
+            rows.id_blocks += [(*t, key, part, ids) for part, ids in laid.puts]
         # Every statement of the batch in one hop to the connection's thread (see _on_thread),
         # or in place.
         cursors, self._head = await _on_thread(self._run, _write_rows, rows)
@@ -1048,8 +1050,8 @@ class SQLiteServerStore(AsyncResource):
         self._read_lock = asyncio.Lock()
         self._checkpointer: aiosqlite.Connection | None = None
         self._checkpoints = Every(CHECKPOINT_EVERY, self._checkpoint)
-        self._id_layout = ID_LAYOUT  # (where sessions keep their message ids: ``IdLayout``)
         """A side checkpoint every ``CHECKPOINT_EVERY`` commits (``close`` waits for it)."""
+        self._id_layout = ID_LAYOUT  # (where sessions keep their message ids: ``IdLayout``)
 
     def __repr__(self) -> str:
         state = "open" if self._writer is not None else "closed"
