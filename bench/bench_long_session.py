@@ -151,18 +151,14 @@ async def _pg_rows(dsn: str, turns: int) -> list[Row]:
     if why is not None:
         print(f"bench_long_session: PostgreSQL rows skipped: {why}")
         return []
-    import asyncpg  # type: ignore[import-untyped]
+    from bench.bench_push import drop_schema
 
     schema = f"pleach_bench_{uuid7().replace('-', '')}"
     try:
         async with PostgresServerStore(dsn, schema=schema, pool_max=2) as store:
             return await _rows("PostgreSQL", store, turns)
     finally:
-        conn = await asyncpg.connect(dsn, timeout=10)
-        try:
-            await conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
-        finally:
-            await conn.close()
+        await drop_schema(dsn, schema)
 
 
 async def _run(quick: bool, dsn: str) -> list[Row]:
