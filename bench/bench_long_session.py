@@ -139,7 +139,15 @@ async def _rows(label: str, store: ServerStore, turns: int) -> list[Row]:
                 short[0],
             )
         )
-        rows.append(Row(f"{label}:   the pull of its page", pull, "us", "new session", short[1]))
+        rows.append(
+            Row(
+                f"{label}:   the pull of its page, at {length:,}",
+                pull,
+                "us",
+                "new session",
+                short[1],
+            )
+        )
     return rows
 
 
