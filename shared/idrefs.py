@@ -72,6 +72,7 @@ _SESSION_KIND: Final = 0
 _STATE: Final = 12
 """A compact session body's values: the kind, then its fields (``state`` the 12th)."""
 _IDS_KEY: Final = "message_ids"
+_EMPTY_LIST: Final = 0x90
 
 Body = bytes | msgspec.Raw
 """A record's packed bytes, as a frame holds them (``msgspec.Raw``) or not."""
@@ -276,7 +277,43 @@ def ids_joined(body: Body, blob: bytes) -> bytes | None:
     values, state, _, ids = parts
     if ids != []:
         return None
+    at = _empty_list_at(body, values, state)
+    if at is not None:  # (one copy of the list, where encoding the parts again made three)
+        return b"".join((body[:at], _ext_head(_EXT_IDS, len(blob)), blob, body[at + 1 :]))
     return _with_ids(values, state, msgspec.msgpack.Ext(_EXT_IDS, bytes(blob)))
+
+
+def _empty_list_at(
+    body: Body, values: list[msgspec.Raw], state: dict[str, msgspec.Raw]
+) -> int | None:
+    """The offset in ``body`` of its state's list, an empty one (one byte), found from the
+    lengths of what comes before it, as ``ids_apart`` encodes the parts; None when the bytes
+    there are not that list under its key (a body encoded another way)."""
+    data = memoryview(body)
+    at = len(data) - sum(map(len, values))  # (the values' array header)
+    at += sum(map(len, values[:_STATE]))
+    keys = {key: _ENCODER.encode(key) for key in state}
+    at += len(values[_STATE]) - sum(len(keys[key]) + len(raw) for key, raw in state.items())
+    for key, raw in state.items():
+        at += len(keys[key])
+        if key == _IDS_KEY:
+            head = data[at - len(keys[key]) : at] == keys[key]
+            placed = head and at < len(data) and data[at] == _EMPTY_LIST
+            return at if placed else None
+        at += len(raw)
+    return None
+
+
+def _ext_head(code: int, size: int) -> bytes:
+    """The msgpack header of an ext of ``size`` bytes, as msgspec writes it."""
+    fixed = {1: 0xD4, 2: 0xD5, 4: 0xD6, 8: 0xD7, 16: 0xD8}.get(size)
+    if fixed is not None:
+        return bytes((fixed, code))
+    if size < 1 << 8:
+        return bytes((0xC7, size, code))
+    if size < 1 << 16:
+        return b"\xc8" + size.to_bytes(2, "big") + bytes((code,))
+    return b"\xc9" + size.to_bytes(4, "big") + bytes((code,))
 
 
 def id_blocks(data: bytes, stored: bytes, block: int = ID_LAYOUT.block) -> list[tuple[int, bytes]]:

@@ -291,6 +291,23 @@ def test_a_body_apart_from_its_ids_joins_back_byte_for_byte(
     assert compact.id_list_texts(blob) == ids
 
 
+def test_a_list_is_put_back_in_place_at_every_size_or_else_by_encoding() -> None:
+    """``ids_joined`` writes the list's ext at its offset (one copy of it) with the header
+    msgspec writes for its size (ext 8, 16 and 32); a body whose parts are encoded another
+    way (a key as a longer string) is joined by encoding the parts again, to the same
+    record."""
+    for count in (2, 15, 16, 4_095, 4_096, 5_000):
+        session = _session(uuid7(), [uuid7() for _ in range(count)])
+        body = compact.encode(session)
+        apart = idrefs.ids_apart(body, 1)
+        assert apart is not None
+        rest, blob = apart
+        assert idrefs.ids_joined(rest, blob) == body
+        odd = rest.replace(b"\xabmessage_ids", b"\xd9\x0bmessage_ids")
+        assert odd != rest and compact.decode(odd) == compact.decode(rest)
+        assert idrefs.ids_joined(odd, blob) == body  # (its parts encoded again, as msgspec does)
+
+
 def test_bodies_that_are_not_apart_are_not_joined() -> None:
     session = _session(uuid7(), [uuid7() for _ in range(5)])
     body = compact.encode(session)
