@@ -16,6 +16,7 @@ import pytest
 from pleach_server.store import ServerStore, SQLiteServerStore, Tenant
 from pleach_server.store import sqlite as server_sqlite
 from pleach_server.store.apply import StoreTx
+from pleach_server.store.base import APART, decode_session, feed_body, feed_change
 from pleach_server.store.sqlite import SCHEMA_VERSION
 from shared import compact
 from shared.clock import HybridClock
@@ -811,3 +812,55 @@ async def test_a_long_sessions_blocks_that_do_not_hold_its_ids_are_a_storage_err
         later = dev.edit(session, title="later")
         with pytest.raises(StorageError, match="corrupt session row"):
             await store.push(dev.tenant, dev.client_id, dev.changes(later), clock)
+
+
+async def test_a_row_kept_apart_reads_as_corrupt_to_a_reader_that_knows_no_blocks(
+    db_path: Path,
+) -> None:
+    """A server process of the build before schema 9 (and 12) reads a session row by its
+    body alone: a row whose ids are in blocks must never read to it as a session naming no
+    message (its devices would take that version). Its body starts with ``APART``, a byte
+    msgpack never uses: the old reads (a pull's, decoding or not, and a push's merge) find
+    it corrupt, a coded error the device retries once the old process is gone."""
+    clock = HybridClock("server")
+    dev = Device(new_tenant())
+    session = dev.session(message_ids=[uuid7() for _ in range(300)])
+    async with SQLiteServerStore(db_path) as store:
+        await store.push(dev.tenant, dev.client_id, dev.changes(session), clock)
+    with sqlite3.connect(db_path) as conn:
+        body, count = conn.execute("SELECT body, ids_count FROM sessions").fetchone()
+    assert count == 300 and body[:1] == APART
+    with pytest.raises(StorageError):
+        decode_session(session.id, body)
+    with pytest.raises(StorageError):
+        feed_body(1, body)
+    with pytest.raises(StorageError):
+        feed_change(1, body)
+
+
+async def test_a_version_written_whole_over_a_row_kept_apart_is_read_whole(
+    db_path: Path,
+) -> None:
+    """A process of the build before writes a long session's next version whole, over a row
+    kept apart, leaving its ``ids_count`` and blocks: the row reads as that whole version (a
+    body without ``APART`` is whole), and the next version written here moves its ids back
+    to blocks, over the blocks that were left."""
+    clock = HybridClock("server")
+    dev = Device(new_tenant())
+    ids = [uuid7() for _ in range(400)]
+    v1 = dev.session(message_ids=ids[:300])
+    async with SQLiteServerStore(db_path) as store:
+        await store.push(dev.tenant, dev.client_id, dev.changes(v1), clock)
+    v2 = dev.edit(v1, message_ids=ids[:301])
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("UPDATE sessions SET body = ?", (compact.encode(v2),))  # (as it did)
+    async with SQLiteServerStore(db_path) as store:
+        assert [c.record for c in await pull_all(store, dev.tenant)] == [v2]
+        v3 = dev.edit(v2, message_ids=[*ids[:100], *ids[200:400]])
+        result = await store.push(dev.tenant, dev.client_id, dev.changes(v3), clock)
+        assert [r.status for r in result.results] == ["applied"]
+        assert [c.record for c in await pull_all(store, dev.tenant)] == [v3]
+    with sqlite3.connect(db_path) as conn:
+        body, count = conn.execute("SELECT body, ids_count FROM sessions").fetchone()
+        blocks = conn.execute("SELECT part FROM session_ids ORDER BY part").fetchall()
+    assert body[:1] == APART and count == 300 and blocks == [(0,), (1,), (2,)]

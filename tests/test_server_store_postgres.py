@@ -22,7 +22,7 @@ import pytest
 
 from pleach_server.store import ServerStore
 from pleach_server.store.apply import StoreTx
-from pleach_server.store.base import Tenant
+from pleach_server.store.base import APART, Tenant
 from pleach_server.store.postgres import (
     ANALYZE_AT,
     NOTIFY_CHANNEL,
@@ -1692,6 +1692,9 @@ async def test_a_turn_of_a_long_session_writes_one_block_not_its_whole_list() ->
         await store.push(dev.tenant, dev.client_id, dev.changes(session), clock)
         size, before = await written()
         assert size < 1_000 and sorted(before) == list(range(16))
+        async with admin() as conn:
+            body = await conn.fetchval(f"SELECT body FROM {s}.sessions")
+        assert bytes(body[:1]) == APART  # (a reader that knows no blocks finds it corrupt)
         session = dev.edit(session, message_ids=ids)
         result = await store.push(dev.tenant, dev.client_id, dev.changes(session), clock)
         assert [r.status for r in result.results] == ["applied"]

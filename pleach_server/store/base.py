@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from types import TracebackType
-from typing import NamedTuple, Protocol, Self, runtime_checkable
+from typing import Final, NamedTuple, Protocol, Self, runtime_checkable
 
 import msgspec
 
@@ -264,12 +264,20 @@ def decode_stored(kind: str, record_id: str, body: bytes) -> Record:
 # (320 KB at 20,000 ids). A pull puts the list back in its place, byte for byte.
 
 
+APART: Final = b"\xc1"
+"""The first byte of a session row's body whose ids are in blocks, before the body kept
+apart from them: msgpack never uses it, so a reader that knows nothing of blocks (a server
+process of the build before schema 9 and 12) finds the row corrupt, a coded error its
+device retries, and never serves or merges the session as if it named no message. A body
+without it is whole, whatever ``ids_count`` says (such a process wrote the version)."""
+
+
 class SessionRow(NamedTuple):
     """How a session's new version is written (``session_row``)."""
 
     body: bytes
-    """The row's body: the version's, or, when its ids are in blocks, the version's with an
-    empty list in their place."""
+    """The row's body: the version's, or, when its ids are in blocks, ``APART`` and the
+    version's with an empty list in their place."""
     ids_count: int | None
     """How many ids its blocks hold; None: they are in the body."""
     puts: list[tuple[int, bytes]]
@@ -287,6 +295,7 @@ def session_row(body: bytes, stored: bytes | None, layout: IdLayout = ID_LAYOUT)
     if apart is None:
         return SessionRow(body, None, [], None if stored == b"" else 0)
     rest, data = apart
+    rest = APART + rest
     size = 16 * block
     parts = -(-len(data) // size)
     if stored is None:
@@ -309,9 +318,9 @@ def joined_blocks(blocks: Iterable[tuple[int, bytes]]) -> bytes | None:
 def stored_session(session_id: str, body: bytes, count: int | None, ids: bytes | None) -> Session:
     """A stored session row, its message ids from its blocks (``ids``, joined) when ``count``
     says it has them; ``StorageError`` when it is corrupt."""
-    session = decode_session(session_id, body)
-    if count is None:
-        return session
+    if count is None or body[:1] != APART:
+        return decode_session(session_id, body)
+    session = decode_session(session_id, body[1:])
     if ids is None or len(ids) != 16 * count or session.state.message_ids:
         held = 0 if ids is None else len(ids) // 16
         raise StorageError(
@@ -325,10 +334,12 @@ def stored_body(
     cursor: int, body: bytes | None, count: int | None, ids: bytes | None
 ) -> bytes | None:
     """A feed entry's body as it travels: a session row's with its blocks' ids (``ids``)
-    back in place when ``count`` says it has them; ``StorageError`` when they do not fit."""
-    if body is None or count is None:
+    back in place when ``count`` says it has them and the body is kept apart (``APART``);
+    ``StorageError`` when they do not fit."""
+    if body is None or count is None or body[:1] != APART:
         return body
-    whole = None if ids is None or len(ids) != 16 * count else ids_joined(body, ids)
+    fits = ids is not None and len(ids) == 16 * count
+    whole = ids_joined(body[1:], ids) if fits and ids is not None else None
     if whole is None:
         raise _corrupt(cursor)
     return whole
