@@ -17,7 +17,7 @@ each test works in fresh tenants, so stores on a shared database stay independen
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Final, Protocol
 
 import msgspec
@@ -2071,3 +2071,22 @@ __all__ = [
     "statuses",
     "tombstone",
 ]
+
+
+class ServerStoreConformanceInIdBlocks(ServerStoreConformance):
+    """The whole suite again with every session of more than two ids kept in blocks of three
+    (``SMALL_BLOCKS``): a backend's subclass takes its module's ``make_store`` as it is."""
+
+    @pytest.fixture
+    def make_store(self, make_store: MakeStore) -> MakeStore:
+        def make(tx_wrapper: TxWrapper | None = None) -> ServerStore:
+            store = make_store(tx_wrapper)
+            store._id_layout = SMALL_BLOCKS  # type: ignore[attr-defined]
+            return store
+
+        return make
+
+    @pytest.fixture
+    async def server_store(self, make_store: MakeStore) -> AsyncIterator[ServerStore]:
+        async with make_store() as store:
+            yield store

@@ -27,9 +27,9 @@ from shared.records import Event, Session
 from tests.factories import count_hops
 from tests.server_factories import Device, new_tenant
 from tests.server_store_conformance import (
-    SMALL_BLOCKS,
     MakeStore,
     ServerStoreConformance,
+    ServerStoreConformanceInIdBlocks,
     StoredRows,
     TxWrapper,
     pull_all,
@@ -94,24 +94,8 @@ class TestSQLiteServerStore(ServerStoreConformance):
     pass
 
 
-class TestSQLiteServerStoreInIdBlocks(ServerStoreConformance):
-    @pytest.fixture
-    def make_store(self, db_path: Path) -> MakeStore:
-        def make(tx_wrapper: TxWrapper | None = None) -> ServerStore:
-            store = (
-                SQLiteServerStore(db_path)
-                if tx_wrapper is None
-                else _WrappedStore(db_path, tx_wrapper)
-            )
-            store._id_layout = SMALL_BLOCKS
-            return store
-
-        return make
-
-    @pytest.fixture
-    async def server_store(self, make_store: MakeStore) -> AsyncIterator[ServerStore]:
-        async with make_store() as store:
-            yield store
+class TestSQLiteServerStoreInIdBlocks(ServerStoreConformanceInIdBlocks):
+    pass
 
 
 # -- SQLite only -------------------------------------------------------------------------------
@@ -794,16 +778,25 @@ async def test_a_turn_of_a_long_session_writes_one_block_not_its_whole_list(
         assert stored()[1] == []  # short again: the ids are in the row's body
 
 
+async def _long_session_stored(
+    db_path: Path, ids: list[str] | None = None
+) -> tuple[HybridClock, Device, Session]:
+    """A server file at ``db_path`` holding one device's session of ``ids`` (300 new ones by
+    default), kept in blocks: the server's clock, the device and the session."""
+    clock = HybridClock("server")
+    dev = Device(new_tenant())
+    session = dev.session(message_ids=ids or [uuid7() for _ in range(300)])
+    async with SQLiteServerStore(db_path) as store:
+        await store.push(dev.tenant, dev.client_id, dev.changes(session), clock)
+    return clock, dev, session
+
+
 async def test_a_long_sessions_blocks_that_do_not_hold_its_ids_are_a_storage_error(
     db_path: Path,
 ) -> None:
     """A block lost or cut (a damaged file) is a corrupt row, said as such by a pull and by
     the next push's read of the row; nothing is served or merged from a partial list."""
-    clock = HybridClock("server")
-    dev = Device(new_tenant())
-    session = dev.session(message_ids=[uuid7() for _ in range(300)])
-    async with SQLiteServerStore(db_path) as store:
-        await store.push(dev.tenant, dev.client_id, dev.changes(session), clock)
+    clock, dev, session = await _long_session_stored(db_path)
     with sqlite3.connect(db_path) as conn:
         conn.execute("DELETE FROM session_ids WHERE part = 1")
     async with SQLiteServerStore(db_path) as store:
@@ -822,11 +815,7 @@ async def test_a_row_kept_apart_reads_as_corrupt_to_a_reader_that_knows_no_block
     message (its devices would take that version). Its body starts with ``APART``, a byte
     msgpack never uses: the old reads (a pull's, decoding or not, and a push's merge) find
     it corrupt, a coded error the device retries once the old process is gone."""
-    clock = HybridClock("server")
-    dev = Device(new_tenant())
-    session = dev.session(message_ids=[uuid7() for _ in range(300)])
-    async with SQLiteServerStore(db_path) as store:
-        await store.push(dev.tenant, dev.client_id, dev.changes(session), clock)
+    *_, session = await _long_session_stored(db_path)
     with sqlite3.connect(db_path) as conn:
         body, count = conn.execute("SELECT body, ids_count FROM sessions").fetchone()
     assert count == 300 and body[:1] == APART
@@ -845,12 +834,8 @@ async def test_a_version_written_whole_over_a_row_kept_apart_is_read_whole(
     kept apart, leaving its ``ids_count`` and blocks: the row reads as that whole version (a
     body without ``APART`` is whole), and the next version written here moves its ids back
     to blocks, over the blocks that were left."""
-    clock = HybridClock("server")
-    dev = Device(new_tenant())
     ids = [uuid7() for _ in range(400)]
-    v1 = dev.session(message_ids=ids[:300])
-    async with SQLiteServerStore(db_path) as store:
-        await store.push(dev.tenant, dev.client_id, dev.changes(v1), clock)
+    clock, dev, v1 = await _long_session_stored(db_path, ids[:300])
     v2 = dev.edit(v1, message_ids=ids[:301])
     with sqlite3.connect(db_path) as conn:
         conn.execute("UPDATE sessions SET body = ?", (compact.encode(v2),))  # (as it did)

@@ -51,11 +51,11 @@ from shared.records import (
 )
 from tests.server_factories import Device, new_tenant
 from tests.server_store_conformance import (
-    SMALL_BLOCKS,
     FaultyTx,
     InjectedFault,
     MakeStore,
     ServerStoreConformance,
+    ServerStoreConformanceInIdBlocks,
     StoredRows,
     TxWrapper,
     pull_all,
@@ -213,20 +213,8 @@ class TestPostgresServerStore(ServerStoreConformance):
     pass
 
 
-class TestPostgresServerStoreInIdBlocks(ServerStoreConformance):
-    @pytest.fixture
-    def make_store(self, pg_schema: str) -> MakeStore:
-        def make(tx_wrapper: TxWrapper | None = None) -> ServerStore:
-            store = pg_store(pg_schema, tx_wrapper)
-            store._id_layout = SMALL_BLOCKS
-            return store
-
-        return make
-
-    @pytest.fixture
-    async def server_store(self, make_store: MakeStore) -> AsyncIterator[ServerStore]:
-        async with make_store() as store:
-            yield store
+class TestPostgresServerStoreInIdBlocks(ServerStoreConformanceInIdBlocks):
+    pass
 
 
 # -- helpers -----------------------------------------------------------------------------------

@@ -295,15 +295,12 @@ def session_row(body: bytes, stored: bytes | None, layout: IdLayout = ID_LAYOUT)
     if apart is None:
         return SessionRow(body, None, [], None if stored == b"" else 0)
     rest, data = apart
-    rest = APART + rest
     size = 16 * block
     parts = -(-len(data) // size)
-    if stored is None:
-        return SessionRow(rest, len(data) // 16, id_blocks(data, b"", block), parts)
-    more = -(-len(stored) // size) > parts
-    return SessionRow(
-        rest, len(data) // 16, id_blocks(data, stored, block), parts if more else None
-    )
+    # Unknown blocks: every block is written, and any past them dropped.
+    drop = stored is None or -(-len(stored) // size) > parts
+    puts = id_blocks(data, stored or b"", block)
+    return SessionRow(APART + rest, len(data) // 16, puts, parts if drop else None)
 
 
 def joined_blocks(blocks: Iterable[tuple[int, bytes]]) -> bytes | None:
@@ -338,8 +335,7 @@ def stored_body(
     ``StorageError`` when they do not fit."""
     if body is None or count is None or body[:1] != APART:
         return body
-    fits = ids is not None and len(ids) == 16 * count
-    whole = ids_joined(body[1:], ids) if fits and ids is not None else None
+    whole = None if ids is None or len(ids) != 16 * count else ids_joined(body[1:], ids)
     if whole is None:
         raise _corrupt(cursor)
     return whole

@@ -1596,7 +1596,7 @@ class PostgresServerStore(AsyncResource):
             )
         entries = sorted((r for r in rows if r[1] is not None), key=_CURSOR)
         taken = [
-            (int(c), b if n is None else stored_body(int(c), b, n, None if i is None else bytes(i)))
+            (int(c), stored_body(int(c), b, n, None if i is None else bytes(i)))
             for _, c, b, within, n, i in entries[:limit]
             if within
         ]

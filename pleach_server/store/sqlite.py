@@ -1331,7 +1331,7 @@ class SQLiteServerStore(AsyncResource):
                 (
                     int(c),
                     b
-                    if count is None
+                    if count is None  # (taken as it is: a catch-up reads many such rows)
                     else stored_body(int(c), b, count, joined_blocks(blocks.get(key, ()))),
                 )
                 for c, b, _, count, key in page
