@@ -57,8 +57,10 @@ __all__ = [
     "event_payload",
     "event_place",
     "event_type",
+    "explicit",
     "id_list_bytes",
     "id_list_texts",
+    "implied_client",
     "is_compact",
     "packed",
     "uuid_bytes",
@@ -81,6 +83,7 @@ _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12
 _NODE_TEXT, _NODE_UUID = 0, 1
 _NODEFAULT: Final = object()
 _K = TypeVar("_K")
+_B = TypeVar("_B", bytes, msgspec.Raw)
 _V = TypeVar("_V")
 
 Ext = msgspec.msgpack.Ext
@@ -103,6 +106,9 @@ class _Kind:
             else:
                 defaults.append(_NODEFAULT)
         self.defaults = defaults
+        self.client_at = self.names.index("client_id")
+        self.hlc_at = self.names.index("hlc")
+        """Where the record's device and its stamp are among its values (``implied_client``)."""
         self.convert_first = tuple(
             i
             for i, (f, default) in enumerate(zip(info, defaults, strict=True))
@@ -340,7 +346,25 @@ def encode(record: Record) -> bytes:
     end = len(values)
     while end and values[end - 1] == defaults[end - 1]:
         end -= 1
+    client = values[kind.client_at]
+    if type(client) is str and implied_client(values[kind.hlc_at]) == client:
+        values[kind.client_at] = None  # the stamp's node names the device (protocol 8)
     return _ENCODER.encode([kind.index, *map(_pack, values[:end])])
+
+
+def implied_client(hlc: Any) -> str | None:
+    """The device a record's ``hlc`` stamp names (its node: what follows the stamp's second
+    dash, as ``shared.clock`` reads it), or None when ``hlc`` is no text with two dashes.
+
+    A record's ``client_id`` that equals it is written as nil, and read back as it: the one
+    rule both ways. Every record a device stamps itself has it (the stamp's node is the
+    device's id), so its id is not written twice, about 17 bytes a record for a UUID (more
+    for a longer id). A record whose ``client_id`` differs from its stamp's node (a stamp
+    taken from another device, an id changed since) keeps both as they are."""
+    if type(hlc) is not str:
+        return None
+    parts = hlc.split("-", 2)
+    return parts[2] if len(parts) == 3 else None
 
 
 class Bodies:
@@ -657,6 +681,25 @@ def _ext_texts(value: Any) -> list[str]:
     return cast(list[str], value)
 
 
+def _implied_or_refused(hlc: Any) -> str:
+    """The device a nil ``client_id`` stands for (``implied_client``); ``_NotText`` when the
+    stamp names none (the twin refuses the body, and the typed path says why)."""
+    client = implied_client(hlc)
+    if client is None:
+        raise _NotText
+    return client
+
+
+def _with_client(fields: dict[str, Any]) -> dict[str, Any]:
+    """A body's fields with a nil ``client_id`` read as the device its stamp names (left nil
+    when it names none: the record's validation refuses it)."""
+    if fields.get("client_id", "") is None:
+        client = implied_client(fields.get("hlc"))
+        if client is not None:
+            fields["client_id"] = client
+    return fields
+
+
 def _twin(kind: _Kind) -> tuple[type[msgspec.Struct], Callable[[Any], Record]] | None:
     """A kind's twin and its ``make`` function (the twin's values to the record), or None
     when one of its fields has no native twin (a Session: its state holds packed id lists).
@@ -673,6 +716,8 @@ def _twin(kind: _Kind) -> tuple[type[msgspec.Struct], Callable[[Any], Record]] |
         if twin is None:
             return None
         annotation, fix = twin
+        if f.encode_name == "client_id":  # nil: the stamp's node (``implied_client``)
+            annotation = annotation | None
         if f.default_factory is not msgspec.NODEFAULT:
             default = msgspec.field(default_factory=f.default_factory)
         else:
@@ -690,6 +735,8 @@ def _twin(kind: _Kind) -> tuple[type[msgspec.Struct], Callable[[Any], Record]] |
         else:
             lines.append(f"    if v{at} is not None: v{at} = texts(v{at})")
         arguments.append(f"{f.name}=v{at}")
+    client, hlc = f"v{kind.client_at}", f"v{kind.hlc_at}"
+    lines.append(f"    if {client} is None: {client} = implied({hlc})")
     lines.append(f"    return cls({', '.join(arguments)})")
     cls = msgspec.defstruct(
         f"{kind.cls.__name__}Twin",
@@ -707,6 +754,7 @@ def _twin(kind: _Kind) -> tuple[type[msgspec.Struct], Callable[[Any], Record]] |
         "known": _uuid_texts.get,  # (the caches are emptied in place, never replaced)
         "text": _ext_text,
         "texts": _ext_texts,
+        "implied": _implied_or_refused,
         "cls": kind.cls,
     }
     exec(compile(source, f"<compact twin of {kind.cls.__name__}>", "exec"), scope)
@@ -753,7 +801,7 @@ def decode(data: bytes | memoryview) -> Record:
     try:
         body = _BODY_DECODER.decode(data)
         # A dict of the fields, then convert: a little cheaper than from_attributes=True.
-        record: Record = _convert(_asdict(body), _BODY_TYPES[type(body)])
+        record: Record = _convert(_with_client(_asdict(body)), _BODY_TYPES[type(body)])
     except (msgspec.DecodeError, msgspec.ValidationError):
         return _decode_values(data)  # refused: what reading it value by value gives, error and all
     return record
@@ -773,7 +821,7 @@ def _decode_values(data: bytes | memoryview) -> Record:
     # those left out) as for a map-form body. zip stops at the values on purpose; strict=False
     # would cost 0.6 µs a record (keywords take a slow path through zip on 3.11).
     fields = dict(zip(kind.names, raw[1:]))  # noqa: B905
-    record: Record = msgspec.convert(fields, kind.cls)
+    record: Record = msgspec.convert(_with_client(fields), kind.cls)
     return record
 
 
@@ -902,6 +950,37 @@ def canonical_body(data: bytes) -> bytes | None:
     if data[:2] == bytes((_FIXARRAY + _EVENT_FIELDS + 1, _EVENT_INDEX)) and data[-1:] == _TRUE:
         return data
     return None
+
+
+_VALUES: Final = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_NIL: Final = msgspec.Raw(b"\xc0")
+_HLC_VALUE: Final = msgspec.msgpack.Decoder(ext_hook=_unext)
+
+
+def explicit(data: _B) -> _B | bytes:
+    """``data`` with its ``client_id`` written out where it is implied (nil: the device its
+    stamp names, ``implied_client``), as a peer before protocol 8 reads it: the same bytes
+    this codec wrote before it implied any, every other value's bytes as they are. Any other
+    body (the map form, one that names its device, one that does not decode: the receiver
+    refuses it as it would have) is ``data`` itself."""
+    if not is_compact(memoryview(data)):
+        return data
+    try:
+        values = _VALUES.decode(data)
+        index = msgspec.msgpack.decode(values[0]) if values else None
+        if type(index) is not int or not 0 <= index < len(_BY_INDEX):
+            return data
+        kind = _BY_INDEX[index]
+        at = kind.client_at + 1
+        if len(values) <= kind.hlc_at + 1 or values[at] != _NIL:
+            return data
+        client = implied_client(_HLC_VALUE.decode(values[kind.hlc_at + 1]))
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return data
+    if client is None:
+        return data
+    values[at] = msgspec.Raw(_ENCODER.encode(_pack(client)))
+    return _ENCODER.encode(values)
 
 
 def uuid_bytes(value: str) -> bytes | None:

@@ -66,6 +66,15 @@ highest both sides speak):
   reference the receiver cannot resolve is a fatal 3004: the connection ends, and the lists
   start empty on the next one.
 
+- **8**: a record in a frame's ``bodies`` may leave out its device: a ``client_id`` equal to
+  the node of the record's own ``hlc`` stamp is written as nil, and read back as that node
+  (``shared.compact.implied_client``). Every record a device stamps itself is such a record,
+  so a record no longer names its device twice (about 17 bytes a record, the device's id as
+  a UUID; more for a longer id); the stores keep the bodies as they came, so the saving is
+  on disk too. A body sent to a peer before version 8 has its ``client_id`` written out
+  again (``shared.compact.explicit``: the bytes the codec wrote before, every other value's
+  as it is), on each side's way out, so a peer before version 8 never reads a nil id.
+
 A version 1 peer reads version 2 frames unchanged (it ignores the new fields), which is why the
 server fills them whatever version it agreed.
 """
@@ -83,7 +92,7 @@ from .records import Change, FeedChange
 
 MIN_PROTOCOL = 1
 """The oldest protocol version this code speaks."""
-MAX_PROTOCOL = 7
+MAX_PROTOCOL = 8
 """The newest protocol version this code speaks."""
 PROTOCOL_VERSION = MAX_PROTOCOL
 """The newest version (a ``Hello`` naming only it negotiates exactly it)."""
@@ -96,6 +105,9 @@ AS_PUSHED_SINCE = 5
 push's live page from the device that pushed it."""
 COMPACT_SINCE = 6
 """The version from which records may travel as their stored bytes (``bodies``)."""
+IMPLIED_SINCE = 8
+"""The version from which a body may leave its device implied by its stamp (nil
+``client_id``; ``shared.compact.explicit`` writes it out for a peer before it)."""
 MAX_SKIPPED = 10_000
 """The most ``skipped`` numbers one ``Push`` may name."""
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from . import compact
 from .errors import (
     FrameTooLarge,
     InvalidState,
@@ -40,6 +41,7 @@ from .messages import (
     COMPACT_SINCE,
     DEFAULT_MAX_FRAME_BYTES,
     FRAME_TAGS,
+    IMPLIED_SINCE,
     MAX_PROTOCOL,
     MIN_PROTOCOL,
     SKIPPED_SINCE,
@@ -374,6 +376,8 @@ class ServerProtocol(_Protocol):
         self._require_open()
         if bodies is not None and (self.version or 0) < COMPACT_SINCE:
             raise InvalidState(f"record bodies need protocol {COMPACT_SINCE}")
+        if bodies and (self.version or 0) < IMPLIED_SINCE:
+            bodies = _rebodied(bodies, compact.explicit)
         if bodies and (self.version or 0) >= ID_REFS_SINCE:
             bodies = _rebodied(bodies, (self.sent_live_ids if live else self.sent_ids).shrink)
         self._send(
@@ -532,6 +536,8 @@ class ClientProtocol(_Protocol):
         if bodies is not None and len(bodies) != len(changes):
             raise ValueError(f"{len(bodies)} bodies for {len(changes)} changes")
         if bodies is not None and (self.version or 0) >= COMPACT_SINCE:
+            if (self.version or 0) < IMPLIED_SINCE:
+                bodies = [bytes(compact.explicit(body)) for body in bodies]
             if (self.version or 0) >= ID_REFS_SINCE:
                 bodies = [bytes(self.sent_ids.shrink(body)) for body in bodies]
             packed = change_bodies(changes, bodies)

@@ -66,7 +66,10 @@ JSON = st.recursive(
 
 @st.composite
 def records(draw: st.DrawFn) -> Record:
-    base = {"id": draw(TEXT), "client_id": draw(TEXT), "hlc": draw(STAMPS)}
+    hlc = draw(STAMPS)
+    # Most records name the device their stamp names (protocol 8 then leaves it implied).
+    client = draw(st.one_of(st.just(hlc.split("-", 2)[2]), TEXT))
+    base = {"id": draw(TEXT), "client_id": client, "hlc": hlc}
     kind = draw(st.sampled_from(["session", "message", "checkpoint", "event", "audit", "artifact"]))
     if kind == "session":
         ids = draw(st.one_of(st.lists(UUIDS, max_size=40), st.lists(TEXT, max_size=5)))
@@ -299,7 +302,10 @@ def _o_pack(value: Any) -> Any:
     return value
 
 
-def old_encode(record: Record) -> bytes:
+def old_encode(record: Record, implied: bool = True) -> bytes:
+    """The plain spec of the compact form. ``implied`` (protocol 8): a ``client_id`` equal to
+    its ``hlc``'s node (what follows the stamp's second dash) is nil; without it, the form
+    before protocol 8."""
     index = compact.KINDS.index(type(record).__name__)
     _, names, defaults = _O_KINDS[index]
     fields = msgspec.to_builtins(record, builtin_types=(bytes,))
@@ -307,7 +313,14 @@ def old_encode(record: Record) -> bytes:
     end = len(values)
     while end and values[end - 1] == defaults[end - 1]:
         end -= 1
+    if implied and _o_node(fields["hlc"]) == fields["client_id"]:
+        values[names.index("client_id")] = None
     return msgspec.msgpack.encode([index, *(_o_pack(v) for v in values[:end])])
+
+
+def _o_node(hlc: Any) -> str | None:
+    parts = hlc.split("-", 2) if isinstance(hlc, str) else []
+    return parts[2] if len(parts) == 3 else None
 
 
 def _o_uuid_text(h: str) -> str:
@@ -347,7 +360,10 @@ def old_decode(data: bytes) -> Record:
     values = raw[1:]
     if len(values) > len(names):
         raise msgspec.ValidationError(f"{len(values)} values for {len(names)} fields")
-    record: Record = msgspec.convert(dict(zip(names, values, strict=False)), cls)
+    fields = dict(zip(names, values, strict=False))
+    if fields.get("client_id", "") is None and _o_node(fields.get("hlc")) is not None:
+        fields["client_id"] = _o_node(fields["hlc"])
+    record: Record = msgspec.convert(fields, cls)
     return record
 
 
@@ -370,6 +386,34 @@ def test_encode_writes_the_old_bytes_and_decode_reads_them_alike(record: Record)
     assert compact.encode(record) == data
     assert compact.encode(record) == data  # again, now from warm caches
     assert compact.decode(data) == old_decode(data)
+
+
+@settings(max_examples=300)
+@given(records())
+def test_a_body_for_a_peer_before_protocol_8_names_its_device(record: Record) -> None:
+    # explicit gives the bytes of the form before protocol 8, whatever the record's device
+    # and stamp; a body already explicit (or in the map form) comes back as the very object.
+    data = compact.encode(record)
+    before = old_encode(record, implied=False)
+    assert compact.explicit(data) == before
+    assert compact.explicit(msgspec.Raw(data)) in (before, msgspec.Raw(before))
+    assert compact.explicit(before) is before
+    assert compact.decode(before) == compact.decode(data) == record
+    implied = compact.implied_client(record.hlc) == record.client_id
+    assert (before != data) is implied and len(before) >= len(data)
+    mapped = encode_record(record)
+    assert compact.explicit(mapped) is mapped
+
+
+def test_a_nil_device_with_a_stamp_that_names_none_is_refused() -> None:
+    # A nil client_id stands for the device its stamp names; a stamp without two dashes
+    # names none, and the body is refused, by every path (the twin, typed and generic).
+    for record in (make_event(hlc="nodash"), make_audit(hlc="no-node")):
+        values = msgspec.msgpack.decode(compact.encode(record))
+        names = [f.name for f in msgspec.structs.fields(type(record))]
+        values[names.index("client_id") + 1] = None
+        with pytest.raises(msgspec.ValidationError):
+            compact.decode(msgspec.msgpack.encode(values))
 
 
 class Color(enum.Enum):
@@ -518,7 +562,7 @@ def test_the_typed_decode_reads_what_the_generic_one_reads(record: Record) -> No
     assert _same(_result(compact.decode, data), expected)
     if expected[0] == "ok":  # and read by the typed path itself, not by falling back
         body = compact._BODY_DECODER.decode(data)
-        fields = msgspec.structs.asdict(body)
+        fields = compact._with_client(msgspec.structs.asdict(body))
         assert _same(("ok", msgspec.convert(fields, compact._BODY_TYPES[type(body)])), expected)
 
 

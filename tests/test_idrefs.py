@@ -245,9 +245,11 @@ def test_a_device_of_protocol_6_gets_whole_lists() -> None:
     ids = [uuid7() for _ in range(100)]
     for seq, version in enumerate((ids, [*ids, uuid7()]), start=1):
         record = _session(session_id, version)
-        body = compact.encode(record)
+        stored = compact.encode(record)
+        body = compact.explicit(stored)  # and its device named: a peer before protocol 8
+        assert body != stored and record.client_id.encode() in body
         assert body in _push(client, [record], seq)
-        server.send_changes(0, seq, [], live=True, bodies=[FeedBody(seq, msgspec.Raw(body))])
+        server.send_changes(0, seq, [], live=True, bodies=[FeedBody(seq, msgspec.Raw(stored))])
         assert body in b"".join(server.data_to_send())
     assert len(client.sent_ids) == len(server.sent_ids) == 0
 

@@ -24,6 +24,7 @@ from pleach_client.stream import StreamEventBase
 from pleach_server.auth import issue_token
 from pleach_server.server import SyncServer
 from pleach_server.store import ServerStore, SQLiteServerStore, Tenant
+from shared import compact
 from shared.clock import HybridClock
 from shared.errors import CursorTooOld, ErrorCode, StorageError
 from shared.ids import uuid7
@@ -639,17 +640,23 @@ def _stored_bodies(path: Path, table: str) -> dict[str, bytes]:
 async def test_records_keep_their_bytes_from_device_to_server_to_device(cluster: Cluster) -> None:
     """Protocol 6 end to end: a message travels as the bytes the laptop stored, the server
     keeps them, and the phone stores them again, byte for byte; a device pinned to protocol 5
-    (the map form) in the same account reads the same history and its turn reaches both."""
+    (the map form) in the same account reads the same history and its turn reaches both.
+    A device pinned to protocol 7 gets each body with its device written out (the bytes a
+    build before protocol 8 wrote: ``compact.explicit``), and its own go as it stored them,
+    which every device reads alike."""
     assert cluster.store is not None
-    laptop, phone, old = [await cluster.device(n) for n in ("laptop", "phone", "old")]
+    laptop, phone, old, mid = [await cluster.device(n) for n in ("laptop", "phone", "old", "mid")]
     old.sync.max_protocol = 5
+    mid.sync.max_protocol = 7
     session = await laptop.create_session()
     await chat(laptop, session.id, "as its bytes")
-    await cluster.online(laptop, phone, old)
-    assert (await laptop.sync.status()).protocol == MAX_PROTOCOL == 7
+    await cluster.online(laptop, phone, old, mid)
+    assert (await laptop.sync.status()).protocol == MAX_PROTOCOL == 8
     assert (await old.sync.status()).protocol == 5
+    assert (await mid.sync.status()).protocol == 7
     laptop_bodies = _stored_bodies(cluster.tmp / "laptop.db", "messages")
     phone_bodies = _stored_bodies(cluster.tmp / "phone.db", "messages")
+    mid_bodies = _stored_bodies(cluster.tmp / "mid.db", "messages")
     page = await cluster.store.pull(ALICE, 0, 1000, raw=True)
     server_bodies = {
         entry.record.id: bytes(body.body)
@@ -658,11 +665,17 @@ async def test_records_keep_their_bytes_from_device_to_server_to_device(cluster:
     assert len(laptop_bodies) == 2
     for message_id, body in laptop_bodies.items():
         assert server_bodies[message_id] == body == phone_bodies[message_id]
+        # The laptop's bodies leave its device implied by their stamps; protocol 7 names it.
+        assert mid_bodies[message_id] == compact.explicit(body) != body
+        assert compact.decode(mid_bodies[message_id]) == compact.decode(body)
     await chat(old, session.id, "from the old device")
-    await cluster.settle(old, laptop, phone)
+    await cluster.settle(old, mid, laptop, phone)
+    await chat(mid, session.id, "from the device at 7")
+    await cluster.settle(mid, old, laptop, phone)
     expected = await snapshot(old, session.id)
-    assert len(expected["messages"]) == 4
-    assert await snapshot(laptop, session.id) == expected == await snapshot(phone, session.id)
+    assert len(expected["messages"]) == 6
+    for device in (laptop, phone, mid):
+        assert await snapshot(device, session.id) == expected
     await old.sync.disconnect()
     assert (await old.sync.status()).protocol is None  # no connection open
 
