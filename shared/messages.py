@@ -66,14 +66,16 @@ highest both sides speak):
   reference the receiver cannot resolve is a fatal 3004: the connection ends, and the lists
   start empty on the next one.
 
-- **8**: a record in a frame's ``bodies`` may leave out its device: a ``client_id`` equal to
-  the node of the record's own ``hlc`` stamp is written as nil, and read back as that node
-  (``shared.compact.implied_client``). Every record a device stamps itself is such a record,
-  so a record no longer names its device twice (about 17 bytes a record, the device's id as
-  a UUID; more for a longer id); the stores keep the bodies as they came, so the saving is
-  on disk too. A body sent to a peer before version 8 has its ``client_id`` written out
-  again (``shared.compact.explicit``: the bytes the codec wrote before, every other value's
-  as it is), on each side's way out, so a peer before version 8 never reads a nil id.
+- **8**: a record in a frame's ``bodies`` may leave out what it would say twice. A
+  ``client_id`` equal to the node of the record's own ``hlc`` stamp is written as nil, and
+  read back as that node (``shared.compact.implied_client``): every record a device stamps
+  itself is such a record (about 17 bytes a record, the device's id as a UUID; more for a
+  longer id). An audit row's ``usage`` and ``outcome`` are arrays of their fields in order,
+  trailing defaults left out, as a record's own (about 110 bytes a row: no field names). The
+  stores keep the bodies as they came, so the saving is on disk too. A body sent to a peer
+  before version 8 is written in the form before (``shared.compact.explicit``: the bytes the
+  codec wrote before, every other value's as it is), on each side's way out, so such a
+  peer never reads either.
 
 A version 1 peer reads version 2 frames unchanged (it ignores the new fields), which is why the
 server fills them whatever version it agreed.
@@ -107,7 +109,8 @@ COMPACT_SINCE = 6
 """The version from which records may travel as their stored bytes (``bodies``)."""
 IMPLIED_SINCE = 8
 """The version from which a body may leave its device implied by its stamp (nil
-``client_id``; ``shared.compact.explicit`` writes it out for a peer before it)."""
+``client_id``) and hold an audit row's usage and outcome as arrays
+(``shared.compact.explicit`` writes the form before for a peer before it)."""
 MAX_SKIPPED = 10_000
 """The most ``skipped`` numbers one ``Push`` may name."""
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024

@@ -668,6 +668,13 @@ async def test_records_keep_their_bytes_from_device_to_server_to_device(cluster:
         # The laptop's bodies leave its device implied by their stamps; protocol 7 names it.
         assert mid_bodies[message_id] == compact.explicit(body) != body
         assert compact.decode(mid_bodies[message_id]) == compact.decode(body)
+    # So do its audit rows, whose usage and outcome go as arrays from protocol 8.
+    laptop_audit = _stored_bodies(cluster.tmp / "laptop.db", "audit")
+    mid_audit = _stored_bodies(cluster.tmp / "mid.db", "audit")
+    assert len(laptop_audit) == 1 and mid_audit.keys() == laptop_audit.keys()
+    for row_id, body in laptop_audit.items():
+        assert mid_audit[row_id] == compact.explicit(body) != body
+        assert b"input_tokens" in mid_audit[row_id] and b"input_tokens" not in body
     await chat(old, session.id, "from the old device")
     await cluster.settle(old, mid, laptop, phone)
     await chat(mid, session.id, "from the device at 7")

@@ -353,6 +353,9 @@ class Device:
             sync.batch_size = self.batch
         if world.schedule.folds_after_pulls:
             sync.fold_after_pull_events = 1
+        pinned = world.schedule.protocol_of(self.index)
+        if pinned is not None:
+            sync.max_protocol = pinned
         rt.events.on("sync.conflict", self._on_conflict)
         rt.events.on("sync.applied", lambda _: self.applied.set())
         self.rt = rt

@@ -135,6 +135,16 @@ class Schedule:
         resume reads them (``hydration-differs``)."""
         return (self.seed // 2) % 2 == 1
 
+    def protocol_of(self, device: int) -> int | None:
+        """The newest protocol version ``device`` offers (None: the newest this code speaks).
+        Every other eight seeds the last device stays before protocol 8 (at 7, or at 6 every
+        other time), so that a fleet of mixed versions meets every schedule's races: its
+        bodies travel in the form before 8 both ways (``shared.compact.explicit``), beside
+        devices that write their device implied and audit usage as arrays."""
+        if (self.seed // 8) % 2 == 0 or device != self.devices - 1:
+            return None
+        return 7 if (self.seed // 16) % 2 == 0 else 6
+
     def batch_of(self, device: int) -> int | None:
         return self.batches[device] if device < len(self.batches) else None
 
@@ -149,6 +159,11 @@ class Schedule:
             + (", ids in small blocks" if self.small_id_blocks else "")
             + (", logs folded after pulls" if self.folds_after_pulls else "")
             + (", server ids in small blocks" if self.server_id_blocks else "")
+            + "".join(
+                f", dev{i} at protocol {v}"
+                for i in range(self.devices)
+                if (v := self.protocol_of(i)) is not None
+            )
         ]
         lines.extend(f"  {i:3d}. {op}" for i, op in enumerate(self.ops))
         return "\n".join(lines)
