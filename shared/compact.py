@@ -11,9 +11,11 @@ about 60 characters. This form keeps the same values in less than half the bytes
   digests as ext 2 (32 bytes), HLC stamps (``<13 digits>-<6 digits>-<node>``) as ext 3 (wall
   and counter as integers, the node as a UUID or text), wherever they occur in the record;
 - since protocol 8 (``shared.messages``), a ``client_id`` equal to its record's stamp's node
-  as nil (``implied_client``), and an audit row's ``usage`` and ``outcome`` as arrays of their
-  fields, trailing defaults left out (``_ARRAY_STRUCTS``); ``explicit`` gives the bytes of the
-  form before, for a peer before protocol 8. ``decode`` reads both forms.
+  as nil (``implied_client``); an audit row's ``usage`` and ``outcome`` as arrays of their
+  fields, trailing defaults left out (``_ARRAY_STRUCTS``); an event's ``type`` and payload
+  keys in ``WORDS`` as their indexes, and every field of an event written, trailing defaults
+  too (``canonical_body``). ``explicit`` gives the bytes of the form before, for a peer before
+  protocol 8. ``decode`` reads both forms.
 
 Only strings whose text comes back exactly are converted, so decoding gives back an equal
 record. ``decode`` also reads the map form (a body written by ``encode_record``), so stores may
@@ -39,6 +41,7 @@ and corrupt bodies.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import struct
 import types
@@ -116,6 +119,19 @@ class _Kind:
             if isinstance(f.type, type) and f.type in _ARRAY_STRUCTS
         )
         """The fields written as arrays (``_ARRAY_STRUCTS``): index, Struct, its defaults."""
+        self.words = (
+            (self.names.index("type"), self.names.index("payload")) if name == "Event" else None
+        )
+        """Where an event's type and payload are (``WORDS``); None for any other kind."""
+        self.whole = name == "Event"
+        """Whether a body writes every field, trailing defaults too (protocol 8): an event,
+        so that marking it canonical changes one byte and its row keeps its size
+        (``canonical_body``)."""
+        self.packed_defaults = [
+            None if d is _NODEFAULT else msgspec.Raw(msgspec.msgpack.encode(d)) for d in defaults
+        ]
+        """Each field's default as its packed bytes (``explicit``: the form before trimmed
+        them); None for a field without one."""
         self.client_at = self.names.index("client_id")
         self.hlc_at = self.names.index("hlc")
         """Where the record's device and its stamp are among its values (``implied_client``)."""
@@ -133,6 +149,108 @@ _ARRAY_STRUCTS: Final[frozenset[type]] = frozenset({Usage, Outcome})
 fields in declaration order, trailing defaults left out, as a record's own. An audit row's
 usage and outcome are then about a hundred bytes fewer: no field names. A session's state
 stays a map (``shared.idrefs`` and the stores read its id list by its key)."""
+
+
+WORDS: Final[tuple[str, ...]] = (
+    # event types
+    "session.created",
+    "session.saved",
+    "session.tools",
+    "session.deleted",
+    "message.added",
+    "message.complete",
+    "turn.complete",
+    "turn.suspended",
+    "turn.stopped",
+    "checkpoint.created",
+    "checkpoint.rollback",
+    "tool.started",
+    "tool.completed",
+    "tool.failed",
+    "interrupt.requested",
+    "interrupt.resolved",
+    "artifact.created",
+    "job.queued",
+    "job.started",
+    "job.progress",
+    "job.completed",
+    "job.failed",
+    "job.cancelled",
+    "job.cancel_requested",
+    "subagent.started",
+    "subagent.completed",
+    # payload keys
+    "message_id",
+    "role",
+    "turn_id",
+    "stop_reason",
+    "checkpoint_id",
+    "reason",
+    "outcome",
+    "title",
+    "tools",
+    "tool_use_id",
+    "tool_call_id",
+    "name",
+    "input",
+    "output",
+    "is_error",
+    "error",
+    "code",
+    "message",
+    "job_id",
+    "artifact_id",
+    "interrupt_id",
+    "subagent_id",
+    "parent_turn_id",
+    "parent_session_id",
+    "session_id",
+    "status",
+    "kind",
+    "provider",
+    "model",
+    "to_checkpoint",
+    "forked_from",
+    "description",
+    "data",
+    "source",
+    "stopped_by",
+)
+"""Words an event says again and again (protocol 8): its ``type`` and its payload's keys. An
+event's compact body writes a type in this table as its index, and a payload key in it as its
+index (a key of a JSON object is text, so an integer key is never the payload's own). Append
+only: an index, once written, names its word forever."""
+_WORD_INDEX: Final = {word: i for i, word in enumerate(WORDS)}
+
+
+def _word(index: Any) -> str:
+    """The word at ``index`` in ``WORDS``; ``_NotText`` for any other index."""
+    if type(index) is not int or not 0 <= index < len(WORDS):
+        raise _NotText
+    return WORDS[index]
+
+
+def _words_keyed(payload: dict[Any, Any]) -> dict[Any, Any]:
+    """``payload`` with its keys in ``WORDS`` as their indexes (itself when it has none).
+    ``TypeError`` for a key that is not text: it would read back as a word (a payload is a
+    JSON object, whose keys are text; such a key was refused on reading before, too)."""
+    index = _WORD_INDEX
+    if not _STR.issuperset(map(type, payload)):
+        raise TypeError("an event payload's keys must be text")
+    if not any(key in index for key in payload):
+        return payload
+    return {index.get(key, key) if type(key) is str else key: v for key, v in payload.items()}
+
+
+def _keys_read(payload: dict[Any, Any]) -> dict[Any, Any]:
+    """``payload`` with its integer keys as the words they stand for (itself when it has
+    none, or when it is no dict); ``_NotText`` for an index ``WORDS`` does not have."""
+    if payload.__class__ is not dict:
+        return payload
+    for key in payload:
+        if key.__class__ is int:
+            return {_word(k) if k.__class__ is int else k: v for k, v in payload.items()}
+    return payload
 
 
 def _struct_defaults(cls: type) -> list[Any]:
@@ -373,15 +491,25 @@ def encode(record: Record) -> bytes:
     if not _RAW.issuperset(map(type, values)):
         values = [_field_builtins(v, default) for v, default in zip(values, defaults, strict=True)]
     end = len(values)
-    while end and values[end - 1] == defaults[end - 1]:
+    while end and values[end - 1] == defaults[end - 1] and not kind.whole:
         end -= 1
     for i, cls, field_defaults in kind.arrays:
         if i < end and type(fields[i]) is cls:  # (its builtins: every field, in order)
             values[i] = _trimmed(list(values[i].values()), field_defaults)
+    if kind.words is not None:
+        type_at = kind.words[0]
+        word = _WORD_INDEX.get(values[type_at]) if type(values[type_at]) is str else None
+        if word is not None:
+            values[type_at] = word
     client = values[kind.client_at]
     if type(client) is str and implied_client(values[kind.hlc_at]) == client:
         values[kind.client_at] = None  # the stamp's node names the device (protocol 8)
-    return _ENCODER.encode([kind.index, *map(_pack, values[:end])])
+    packed = [kind.index, *map(_pack, values[:end])]
+    if kind.words is not None and kind.words[1] < end:
+        payload = packed[kind.words[1] + 1]
+        if type(payload) is dict:  # (keyed after _pack: its keys stay text for it)
+            packed[kind.words[1] + 1] = _words_keyed(payload)
+    return _ENCODER.encode(packed)
 
 
 def _trimmed(values: list[Any], defaults: list[Any]) -> list[Any]:
@@ -657,6 +785,7 @@ class _NotText(Exception):
 
 _TEXT: Final = "text"
 _TEXTS: Final = "texts"
+_KEYS: Final = "keys"
 _TWIN_PLAIN: Final = frozenset({int, bool, float, bytes, type(None), Any})
 
 
@@ -729,7 +858,7 @@ def _implied_or_refused(hlc: Any) -> str:
     return client
 
 
-def _with_client(fields: dict[str, Any]) -> dict[str, Any]:
+def _fields_read(fields: dict[str, Any]) -> dict[str, Any]:
     """A body's fields as the record reads them: a nil ``client_id`` as the device its stamp
     names (left nil when it names none: the record's validation refuses it), and a Struct
     written as an array (``_ARRAY_STRUCTS``) as the map of its fields (left as it is when it
@@ -742,6 +871,13 @@ def _with_client(fields: dict[str, Any]) -> dict[str, Any]:
         value = fields.get(name)
         if type(value) is list and len(value) <= len(names):
             fields[name] = dict(zip(names, value))  # noqa: B905 (shorter: defaults)
+    if "payload" in fields:  # an event's type and payload keys as ``WORDS`` indexes
+        word, payload = fields.get("type"), fields["payload"]
+        with contextlib.suppress(_NotText):  # (left as they are: the record refuses them)
+            if type(word) is int:
+                fields["type"] = _word(word)
+            if type(payload) is dict:
+                fields["payload"] = _keys_read(payload)
     return fields
 
 
@@ -773,6 +909,9 @@ def _twin(kind: _Kind) -> tuple[type[msgspec.Struct], Callable[[Any], Record]] |
         annotation, fix = twin
         if f.encode_name == "client_id":  # nil: the stamp's node (``implied_client``)
             annotation = annotation | None
+        if kind.words is not None and at in kind.words:  # an index in ``WORDS``
+            annotation = annotation | int if at == kind.words[0] else dict[str | int, Any]
+            fix = fix or _KEYS
         if f.default_factory is not msgspec.NODEFAULT:
             default = msgspec.field(default_factory=f.default_factory)
         else:
@@ -782,11 +921,15 @@ def _twin(kind: _Kind) -> tuple[type[msgspec.Struct], Callable[[Any], Record]] |
             arguments.append(f"{f.name}=t.{f.name}")
             continue
         lines.append(f"    v{at} = t.{f.name}")
-        if fix == _TEXT:  # a known id by a lookup here, anything else by ``_ext_text``
+        if fix == _KEYS:
+            lines.append(f"    v{at} = keys(v{at})")
+        elif fix == _TEXT:  # a known id by a lookup here, anything else by ``_ext_text``
             lines.append(f"    if v{at}.__class__ is Ext:")
             lines.append(
                 f"        v{at} = (known(v{at}.data) if v{at}.code == 1 else None) or text(v{at})"
             )
+            if kind.words is not None and at == kind.words[0]:
+                lines.append(f"    elif v{at}.__class__ is int: v{at} = word(v{at})")
         else:
             lines.append(f"    if v{at} is not None: v{at} = texts(v{at})")
         arguments.append(f"{f.name}=v{at}")
@@ -810,6 +953,8 @@ def _twin(kind: _Kind) -> tuple[type[msgspec.Struct], Callable[[Any], Record]] |
         "text": _ext_text,
         "texts": _ext_texts,
         "implied": _implied_or_refused,
+        "word": _word,
+        "keys": _keys_read,
         "cls": kind.cls,
     }
     exec(compile(source, f"<compact twin of {kind.cls.__name__}>", "exec"), scope)
@@ -856,7 +1001,7 @@ def decode(data: bytes | memoryview) -> Record:
     try:
         body = _BODY_DECODER.decode(data)
         # A dict of the fields, then convert: a little cheaper than from_attributes=True.
-        record: Record = _convert(_with_client(_asdict(body)), _BODY_TYPES[type(body)])
+        record: Record = _convert(_fields_read(_asdict(body)), _BODY_TYPES[type(body)])
     except (msgspec.DecodeError, msgspec.ValidationError):
         return _decode_values(data)  # refused: what reading it value by value gives, error and all
     return record
@@ -876,7 +1021,7 @@ def _decode_values(data: bytes | memoryview) -> Record:
     # those left out) as for a map-form body. zip stops at the values on purpose; strict=False
     # would cost 0.6 µs a record (keywords take a slow path through zip on 3.11).
     fields = dict(zip(kind.names, raw[1:]))  # noqa: B905
-    record: Record = msgspec.convert(_with_client(fields), kind.cls)
+    record: Record = msgspec.convert(_fields_read(fields), kind.cls)
     return record
 
 
@@ -904,7 +1049,7 @@ def _read_head(decoder: msgspec.msgpack.Decoder[Any], index: int, data: bytes) -
     return head if head.kind == index else None
 
 
-_EVENT_HEAD: Final = _head_decoder("Event", "type", str)
+_EVENT_HEAD: Final = _head_decoder("Event", "type", Union[str, int])  # noqa: UP007
 _EVENT_INDEX: Final = KINDS.index("Event")
 _CHECKPOINT_HEAD: Final = _head_decoder("Checkpoint", "parent_id", msgspec.Raw)
 _CHECKPOINT_INDEX: Final = KINDS.index("Checkpoint")
@@ -914,7 +1059,12 @@ def event_type(data: bytes) -> str | None:
     """The ``type`` of the Event in compact ``data``, read without decoding the rest (about a
     tenth of ``decode``); None when ``data`` is not a compact Event body."""
     head = _read_head(_EVENT_HEAD, _EVENT_INDEX, data)
-    return None if head is None else str(head.last)
+    if head is None:
+        return None
+    try:
+        return str(head.last) if type(head.last) is str else _word(head.last)
+    except _NotText:
+        return None  # no such word: the caller decodes it whole, which refuses it
 
 
 def _payload_decoder() -> msgspec.msgpack.Decoder[Any]:
@@ -930,7 +1080,12 @@ def _payload_decoder() -> msgspec.msgpack.Decoder[Any]:
     # The payload as the record types it: a value ``decode`` would refuse is refused here too.
     event_fields = msgspec.structs.fields(_BY_INDEX[_EVENT_INDEX].cls)
     payload_type = next(f.type for f in event_fields if f.encode_name == "payload")
-    fields += [("type", str), ("payload", payload_type, msgspec.field(default_factory=dict))]
+    if payload_type != dict[str, Any]:
+        raise TypeError("an Event's payload must be a JSON object")  # (keys: ``WORDS``)
+    fields += [
+        ("type", Union[str, int]),  # noqa: UP007
+        ("payload", dict[Union[str, int], Any], msgspec.field(default_factory=dict)),  # noqa: UP007
+    ]
     head = msgspec.defstruct("EventPayloadHead", fields, array_like=True)
     return msgspec.msgpack.Decoder(head, ext_hook=_unext)
 
@@ -943,7 +1098,13 @@ def event_payload(data: bytes) -> tuple[str, dict[str, Any]] | None:
     the rest; None when ``data`` is not a compact Event body (the caller then decodes it
     whole, which tells)."""
     head = _read_head(_EVENT_PAYLOAD, _EVENT_INDEX, data)
-    return None if head is None else (head.type, head.payload)
+    if head is None:
+        return None
+    try:
+        kind = head.type if type(head.type) is str else _word(head.type)
+        return kind, _keys_read(head.payload)
+    except _NotText:
+        return None  # no such word: the caller decodes it whole, which refuses it
 
 
 def _place_decoder() -> msgspec.msgpack.Decoder[Any]:
@@ -991,23 +1152,34 @@ if _BY_INDEX[_EVENT_INDEX].names[-1] != "canonical":  # pragma: no cover - a reo
 _PROVISIONAL_HEAD: Final = bytes((_FIXARRAY + _EVENT_FIELDS, _EVENT_INDEX))
 """A compact Event body with every field but ``canonical`` (left out: its default, False)."""
 _TRUE: Final = b"\xc3"
+_FALSE: Final = b"\xc2"
+_WHOLE_HEAD: Final = bytes((_FIXARRAY + _EVENT_FIELDS + 1, _EVENT_INDEX))
+"""A compact Event body with every field, ``canonical`` last (protocol 8 writes them all)."""
 
 
 def canonical_body(data: bytes) -> bytes | None:
     """The compact body of the Event in ``data`` marked ``canonical``, made from the bytes
-    alone: a provisional event's body holds every field before ``canonical`` (it has hashes)
-    and leaves the flag out, so the canonical body is the same array one longer, ending in
-    ``True``. ``data`` itself when it is canonical already; None for any other body (the map
-    form, a body with trailing defaults left out, other kinds): the caller decodes, replaces
-    and encodes it. ``encode(replace(event, canonical=True))`` gives the same bytes."""
+    alone. From protocol 8 an event's body writes every field, its flag last (``False``, one
+    byte), so the canonical body is the same bytes with that one byte ``True``: a row marked
+    canonical keeps its size (a row that grew by a byte split full pages, a third of the
+    events' pages after a full sync). A body of the form before leaves the flag out (a
+    provisional event holds every field before it: it has hashes), and the canonical body is
+    the same array one longer, ending in ``True``. ``data`` itself when it is canonical
+    already; None for any other body (the map form, a body with trailing defaults left out,
+    other kinds): the caller decodes, replaces and encodes it. Either way, encoding the event
+    marked canonical in the same form gives the same bytes."""
+    if data[:2] == _WHOLE_HEAD and data[-1:] == _FALSE:
+        return data[:-1] + _TRUE  # the flag in place: the row keeps its size
     if data[:2] == _PROVISIONAL_HEAD:
         return bytes((_FIXARRAY + _EVENT_FIELDS + 1,)) + data[1:] + _TRUE
-    if data[:2] == bytes((_FIXARRAY + _EVENT_FIELDS + 1, _EVENT_INDEX)) and data[-1:] == _TRUE:
+    if data[:2] == _WHOLE_HEAD and data[-1:] == _TRUE:
         return data
     return None
 
 
 _VALUES: Final = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_PAYLOAD_KEYS: Final = msgspec.msgpack.Decoder(dict[Union[str, int], msgspec.Raw])  # noqa: UP007
+_MAP_HEADS: Final = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
 _NIL: Final = msgspec.Raw(b"\xc0")
 _HLC_VALUE: Final = msgspec.msgpack.Decoder(ext_hook=_unext)
 
@@ -1043,7 +1215,26 @@ def explicit(data: _B) -> _B | bytes:
                 struct: Any = msgspec.convert(dict(zip(names, items)), cls)  # noqa: B905
                 values[i + 1] = msgspec.Raw(_ENCODER.encode(_pack(_builtins(struct))))
                 changed = True
-    except (msgspec.DecodeError, msgspec.ValidationError):
+        if kind.words is not None:
+            type_at, payload_at = (at + 1 for at in kind.words)
+            if len(values) > type_at and memoryview(values[type_at])[0] < 0x80:
+                word = _word(msgspec.msgpack.decode(values[type_at]))  # (a positive fixint)
+                values[type_at] = msgspec.Raw(_ENCODER.encode(word))
+                changed = True
+            if len(values) > payload_at and memoryview(values[payload_at])[0] in _MAP_HEADS:
+                keys = _PAYLOAD_KEYS.decode(values[payload_at])
+                if any(type(key) is int for key in keys):
+                    payload = _keys_read(_HLC_VALUE.decode(values[payload_at]))
+                    values[payload_at] = msgspec.Raw(_ENCODER.encode(_pack(payload)))
+                    changed = True
+        if kind.whole:  # the form before left trailing defaults out
+            end = len(values)
+            while end > 1 and values[end - 1] == kind.packed_defaults[end - 2]:
+                end -= 1
+            if end < len(values):
+                values = values[:end]
+                changed = True
+    except (msgspec.DecodeError, msgspec.ValidationError, _NotText):
         return data
     return _ENCODER.encode(values) if changed else data
 

@@ -71,11 +71,14 @@ highest both sides speak):
   read back as that node (``shared.compact.implied_client``): every record a device stamps
   itself is such a record (about 17 bytes a record, the device's id as a UUID; more for a
   longer id). An audit row's ``usage`` and ``outcome`` are arrays of their fields in order,
-  trailing defaults left out, as a record's own (about 110 bytes a row: no field names). The
-  stores keep the bodies as they came, so the saving is on disk too. A body sent to a peer
-  before version 8 is written in the form before (``shared.compact.explicit``: the bytes the
-  codec wrote before, every other value's as it is), on each side's way out, so such a
-  peer never reads either.
+  trailing defaults left out, as a record's own (about 110 bytes a row: no field names). An
+  event's ``type`` and its payload's keys that are in ``shared.compact.WORDS`` go as their
+  indexes there (about 35 bytes an event), and an event writes every field, its
+  ``canonical`` flag too, so that marking it canonical changes one byte in place. The stores
+  keep the bodies as they came, so the saving is on disk too. A body sent to a peer before
+  version 8 is written in the form before (``shared.compact.explicit``: the bytes the codec
+  wrote before, every other value's as it is), on each side's way out, so such a peer never
+  reads any of these.
 
 A version 1 peer reads version 2 frames unchanged (it ignores the new fields), which is why the
 server fills them whatever version it agreed.
@@ -109,8 +112,8 @@ COMPACT_SINCE = 6
 """The version from which records may travel as their stored bytes (``bodies``)."""
 IMPLIED_SINCE = 8
 """The version from which a body may leave its device implied by its stamp (nil
-``client_id``) and hold an audit row's usage and outcome as arrays
-(``shared.compact.explicit`` writes the form before for a peer before it)."""
+``client_id``), hold an audit row's usage and outcome as arrays and an event's words as
+indexes (``shared.compact.explicit`` writes the form before for a peer before it)."""
 MAX_SKIPPED = 10_000
 """The most ``skipped`` numbers one ``Push`` may name."""
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024

@@ -93,8 +93,16 @@ def records(draw: st.DrawFn) -> Record:
             **base, appended=draw(st.lists(UUIDS, max_size=5)), parent_id=draw(st.none() | TEXT)
         )
     if kind == "event":
-        payload = draw(st.dictionaries(st.text(max_size=8), JSON, max_size=4))
-        return make_event(**base, payload=payload, prev_hash=draw(HEX), row_hash=draw(TEXT))
+        # Types and payload keys from WORDS (written as their indexes) and not.
+        words = st.sampled_from(compact.WORDS)
+        payload = draw(st.dictionaries(words | st.text(max_size=8), JSON, max_size=4))
+        return make_event(
+            **base,
+            type=draw(words | st.text(max_size=20)),
+            payload=payload,
+            prev_hash=draw(HEX),
+            row_hash=draw(TEXT),
+        )
     if kind == "audit":
         return make_audit(
             **base, payload_digest=draw(HEX), detail=draw(st.dictionaries(TEXT, JSON, max_size=3))
@@ -138,8 +146,12 @@ def test_canonical_body_is_the_canonical_events_encoding(event: Event) -> None:
     if marked is not None:
         assert marked == compact.encode(canonical)
         assert compact.decode(marked) == canonical
+    assert marked is not None  # every event as stored (all its fields): from its bytes
+    assert len(marked) == len(data)  # one byte changed in place: the row keeps its size
+    # A body of the form before protocol 8 (the flag left out) is marked one byte longer.
+    before = old_encode(event, implied=False)
     if event.row_hash and not event.canonical:
-        assert marked is not None  # every provisional event as stored: marked from its bytes
+        assert compact.canonical_body(before) == old_encode(canonical, implied=False)
     assert compact.canonical_body(encode_record(event)) is None  # the map form: decoded
     assert compact.canonical_body(compact.encode(make_message())) is None
 
@@ -308,12 +320,12 @@ def old_encode(record: Record, implied: bool = True) -> bytes:
     its ``hlc``'s node (what follows the stamp's second dash) is nil; without it, the form
     before protocol 8."""
     index = compact.KINDS.index(type(record).__name__)
-    _, names, defaults = _O_KINDS[index]
+    cls, names, defaults = _O_KINDS[index]
     fields = msgspec.to_builtins(record, builtin_types=(bytes,))
     values = [fields.get(name, default) for name, default in zip(names, defaults, strict=True)]
     end = len(values)
-    while end and values[end - 1] == defaults[end - 1]:
-        end -= 1
+    while end and values[end - 1] == defaults[end - 1] and not (implied and cls is Event):
+        end -= 1  # (protocol 8: an event writes every field)
     if implied and _o_node(fields["hlc"]) == fields["client_id"]:
         values[names.index("client_id")] = None
     if implied:  # an audit row's usage and outcome: arrays, trailing defaults left out
@@ -325,7 +337,14 @@ def old_encode(record: Record, implied: bool = True) -> bytes:
                 while items and items[-1] == tail[len(items) - 1]:
                     items.pop()
                 values[at] = items
-    return msgspec.msgpack.encode([index, *(_o_pack(v) for v in values[:end])])
+    packed = [index, *(_o_pack(v) for v in values[:end])]
+    if implied and isinstance(record, Event):  # its type and payload keys as word indexes
+        words = {word: i for i, word in enumerate(compact.WORDS)}
+        at = names.index("type") + 1
+        packed[at] = words.get(packed[at], packed[at])
+        if len(packed) > at + 1 and isinstance(packed[at + 1], dict):
+            packed[at + 1] = {words.get(k, k): v for k, v in packed[at + 1].items()}
+    return msgspec.msgpack.encode(packed)
 
 
 def _o_node(hlc: Any) -> str | None:
@@ -373,6 +392,12 @@ def old_decode(data: bytes) -> Record:
     fields = dict(zip(names, values, strict=False))
     if fields.get("client_id", "") is None and _o_node(fields.get("hlc")) is not None:
         fields["client_id"] = _o_node(fields["hlc"])
+    if type(fields.get("type")) is int and "payload" in names:
+        fields["type"] = compact.WORDS[fields["type"]]
+    if type(fields.get("payload")) is dict:
+        fields["payload"] = {
+            compact.WORDS[k] if type(k) is int else k: v for k, v in fields["payload"].items()
+        }
     for name, struct in (("usage", Usage), ("outcome", Outcome)):
         fnames = [f.encode_name for f in msgspec.structs.fields(struct)]
         if type(fields.get(name)) is list and len(fields[name]) <= len(fnames):
@@ -415,7 +440,13 @@ def test_a_body_for_a_peer_before_protocol_8_names_its_device(record: Record) ->
     assert compact.decode(before) == compact.decode(data) == record
     implied = compact.implied_client(record.hlc) == record.client_id
     arrays = type(record) is AuditRow  # its usage and outcome
-    assert (before != data) is (implied or arrays) and len(before) >= len(data)
+    words = type(record) is Event and (
+        record.type in compact.WORDS or any(k in compact.WORDS for k in record.payload)
+    )
+    # An event writes every field from protocol 8, trailing defaults too (its canonical flag).
+    flag = type(record) is Event and not record.canonical
+    assert (before != data) is (implied or arrays or words or flag)
+    assert len(before) >= len(data) or type(record) is Event
     mapped = encode_record(record)
     assert compact.explicit(mapped) is mapped
 
@@ -577,7 +608,7 @@ def test_the_typed_decode_reads_what_the_generic_one_reads(record: Record) -> No
     assert _same(_result(compact.decode, data), expected)
     if expected[0] == "ok":  # and read by the typed path itself, not by falling back
         body = compact._BODY_DECODER.decode(data)
-        fields = compact._with_client(msgspec.structs.asdict(body))
+        fields = compact._fields_read(msgspec.structs.asdict(body))
         assert _same(("ok", msgspec.convert(fields, compact._BODY_TYPES[type(body)])), expected)
 
 
@@ -666,13 +697,16 @@ def test_a_corrupt_body_reads_or_is_refused_as_by_the_generic_decode(
 def test_defaults_filled_in_are_not_shared_between_records() -> None:
     session = make_session()
     event = make_event()
-    for record in (session, event):  # trailing defaults left out: decode fills them in
-        assert len(msgspec.msgpack.decode(compact.encode(record))) < len(record.__struct_fields__)
-    first, second = compact.decode(compact.encode(session)), compact.decode(compact.encode(session))
+    # Trailing defaults left out (an event's body from before protocol 8 for the event, which
+    # now writes every field): decode fills them in.
+    bodies = {"session": compact.encode(session), "event": old_encode(event, implied=False)}
+    for record, body in zip((session, event), bodies.values(), strict=True):
+        assert len(msgspec.msgpack.decode(body)) < len(record.__struct_fields__)
+    first, second = compact.decode(bodies["session"]), compact.decode(bodies["session"])
     first.state.message_ids.append("x")  # type: ignore[union-attr]
     first.tools.append("x")  # type: ignore[union-attr]
     assert second == session
-    one, other = compact.decode(compact.encode(event)), compact.decode(compact.encode(event))
+    one, other = compact.decode(bodies["event"]), compact.decode(bodies["event"])
     one.payload["x"] = 1  # type: ignore[union-attr]
     assert other == event
 
