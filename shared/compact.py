@@ -51,7 +51,7 @@ from typing import Any, Final, Literal, TypeVar, Union, cast
 
 import msgspec
 
-from .records import RECORD_KINDS, Outcome, Record, Usage, decode_record
+from .records import RECORD_KINDS, Event, Outcome, Record, Usage, decode_record
 
 __all__ = [
     "KINDS",
@@ -242,15 +242,24 @@ def _words_keyed(payload: dict[Any, Any]) -> dict[Any, Any]:
     return {index.get(key, key) if type(key) is str else key: v for key, v in payload.items()}
 
 
+_WORD_OF: Final = dict(enumerate(WORDS))
+
+
 def _keys_read(payload: dict[Any, Any]) -> dict[Any, Any]:
-    """``payload`` with its integer keys as the words they stand for (itself when it has
-    none, or when it is no dict); ``_NotText`` for an index ``WORDS`` does not have."""
+    """``payload`` with its integer keys as the words they stand for (a new dict; itself when
+    it is no dict); ``_NotText`` for an index ``WORDS`` does not have. (A loop: half the time
+    of a comprehension calling ``_word``, on the path of every event read.)"""
     if payload.__class__ is not dict:
         return payload
-    for key in payload:
+    read = {}
+    words = _WORD_OF
+    for key, value in payload.items():
         if key.__class__ is int:
-            return {_word(k) if k.__class__ is int else k: v for k, v in payload.items()}
-    return payload
+            key = words.get(key)
+            if key is None:
+                raise _NotText
+        read[key] = value
+    return read
 
 
 def _struct_defaults(cls: type) -> list[Any]:
@@ -871,8 +880,8 @@ def _fields_read(fields: dict[str, Any]) -> dict[str, Any]:
         value = fields.get(name)
         if type(value) is list and len(value) <= len(names):
             fields[name] = dict(zip(names, value))  # noqa: B905 (shorter: defaults)
-    if "payload" in fields:  # an event's type and payload keys as ``WORDS`` indexes
-        word, payload = fields.get("type"), fields["payload"]
+    if "type" in fields:  # an event (the one kind with a type): its ``WORDS`` indexes
+        word, payload = fields["type"], fields.get("payload")
         with contextlib.suppress(_NotText):  # (left as they are: the record refuses them)
             if type(word) is int:
                 fields["type"] = _word(word)
@@ -881,6 +890,8 @@ def _fields_read(fields: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
+if [kind.cls for kind in _BY_INDEX if "type" in kind.names] != [Event]:  # pragma: no cover
+    raise TypeError("only an Event may have a field named type (``_fields_read``)")
 _ARRAY_FIELDS: Final = tuple(
     {
         (kind.names[i], tuple(f.encode_name for f in msgspec.structs.fields(cls)))
@@ -929,7 +940,8 @@ def _twin(kind: _Kind) -> tuple[type[msgspec.Struct], Callable[[Any], Record]] |
                 f"        v{at} = (known(v{at}.data) if v{at}.code == 1 else None) or text(v{at})"
             )
             if kind.words is not None and at == kind.words[0]:
-                lines.append(f"    elif v{at}.__class__ is int: v{at} = word(v{at})")
+                word = f"words(v{at}) or word(v{at})"  # (``word`` refuses what has none)
+                lines.append(f"    elif v{at}.__class__ is int: v{at} = {word}")
         else:
             lines.append(f"    if v{at} is not None: v{at} = texts(v{at})")
         arguments.append(f"{f.name}=v{at}")
@@ -954,6 +966,7 @@ def _twin(kind: _Kind) -> tuple[type[msgspec.Struct], Callable[[Any], Record]] |
         "texts": _ext_texts,
         "implied": _implied_or_refused,
         "word": _word,
+        "words": _WORD_OF.get,
         "keys": _keys_read,
         "cls": kind.cls,
     }
