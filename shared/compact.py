@@ -221,6 +221,8 @@ event's compact body writes a type in this table as its index, and a payload key
 index (a key of a JSON object is text, so an integer key is never the payload's own). Append
 only: an index, once written, names its word forever."""
 _WORD_INDEX: Final = {word: i for i, word in enumerate(WORDS)}
+if len(WORDS) > 128:  # pragma: no cover - ``explicit`` reads an index as one byte
+    raise TypeError("WORDS holds at most 128 words (a positive fixint each)")
 
 
 def _word(index: Any) -> str:
@@ -263,6 +265,7 @@ def _keys_read(payload: dict[Any, Any]) -> dict[Any, Any]:
 
 
 def _struct_defaults(cls: type) -> list[Any]:
+    """Each field's default of the Struct ``cls``, as builtins (``_NODEFAULT``: none)."""
     return [
         msgspec.to_builtins(f.default)
         if f.default is not msgspec.NODEFAULT
@@ -868,10 +871,12 @@ def _implied_or_refused(hlc: Any) -> str:
 
 
 def _fields_read(fields: dict[str, Any]) -> dict[str, Any]:
-    """A body's fields as the record reads them: a nil ``client_id`` as the device its stamp
-    names (left nil when it names none: the record's validation refuses it), and a Struct
-    written as an array (``_ARRAY_STRUCTS``) as the map of its fields (left as it is when it
-    has more values than the Struct has fields: refused the same way)."""
+    """A body's fields as the record reads them (the typed and the generic reads; the twin's
+    ``make`` does the same): a nil ``client_id`` as the device its stamp names, a Struct
+    written as an array (``_ARRAY_STRUCTS``) as the map of its fields, and an event's type and
+    payload keys given as ``WORDS`` indexes as their words. A value none of these reads (a
+    stamp that names no device, more values than the Struct has fields, an index ``WORDS``
+    does not have) is left as it is, for the record's validation to refuse."""
     if fields.get("client_id", "") is None:
         client = implied_client(fields.get("hlc"))
         if client is not None:
