@@ -266,7 +266,7 @@ async def test_schema_3_files_migrate_to_tenant_scoped_ids(db_path: Path) -> Non
         assert [r.status for r in theirs.results] == ["applied"]
         assert (await store.pull(alice.tenant, 0, 10)).changes == feed
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 9
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 10
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
@@ -478,7 +478,7 @@ async def test_schema_4_files_migrate_with_every_audit_row_placed(db_path: Path)
         )
         assert [r.status for r in after.results] == ["applied"]
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 9
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 10
         assert conn.execute("SELECT count(*) FROM audit_places").fetchone()[0] == 4
         # Migration 6 kept every record, now in a rowid table (bodies pack into its pages).
         assert conn.execute("SELECT count(*) FROM records").fetchone()[0] == 4
@@ -539,7 +539,7 @@ async def test_schema_6_files_migrate_to_a_feed_that_refers_to_its_records(db_pa
         later = await store.push(dev.tenant, dev.client_id, dev.changes(dev.message(v1.id)), clock)
         assert later.cursors == [6]  # not 5: that cursor was handed out before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 9
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 10
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         columns = [row[1] for row in conn.execute("PRAGMA table_info(feed)")]
         assert columns == ["cursor", "tid", "kind", "record_id"]
@@ -653,7 +653,7 @@ async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Pat
         assert isinstance(last.record, Event)
         assert (last.record.sequence_number, last.record.prev_hash) == (2, event.row_hash)
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 9
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 10
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert conn.execute("SELECT count(*) FROM tenants").fetchone()[0] == 2
         kept = dict(conn.execute("SELECT typeof(id), count(*) FROM records GROUP BY 1"))

@@ -951,7 +951,7 @@ async def test_a_schema_4_file_migrates_its_ids_to_keys(db_path: Path, tmp_path:
     assert conn.execute("SELECT count(*) FROM events").fetchone()[0] == 2
     conn.close()
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 7
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 8
         for record in history:
             assert await read_back(store, record) == record
         session = history[0]

@@ -219,6 +219,11 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
             ids BLOB NOT NULL,
             PRIMARY KEY (session_id, part))""",
     ),
+    # 8: records in protocol 8's form (``shared.compact``: a device implied by its stamp, an
+    # audit row's usage as an array, an event's words as indexes), which a build before reads
+    # as corrupt rows. No table changes: the version is there so that such a build refuses
+    # the file whole ("upgrade pleach"), as for any newer file, instead of failing row by row.
+    ("SELECT 1",),
 )
 SCHEMA_VERSION: Final = len(_MIGRATIONS)
 

@@ -439,6 +439,10 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
             PRIMARY KEY (tid, id, part)
         ) WITHOUT ROWID""",
     ),
+    # 10: records pushed at protocol 8 are stored in its form (``shared.compact``), which a
+    # build before reads as corrupt rows. No table changes: the version makes such a build
+    # refuse the file ("upgrade pleach") instead of failing row by row.
+    ("SELECT 1",),
 )
 _PUT_HEALTH_SQL = (
     "INSERT INTO devices (org_id, user_id, client_id, seen_at, health) VALUES (?, ?, ?, ?, ?) "
