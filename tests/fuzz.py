@@ -112,6 +112,7 @@ def _seeds(dev: Device) -> list[dict[str, Any]]:
         Push(changes=dev.changes(session), skipped=[dev.next_seq - 3], request_id=4),
         Pull(cursor=0, limit=50, request_id=3),
         Hello(protocol=1, client_id=dev.client_id, min_protocol=1, max_protocol=6, request_id=1),
+        Hello(protocol=1, client_id=dev.client_id, min_protocol=1, max_protocol=7, request_id=1),
         Hello(protocol=1, client_id=dev.client_id, min_protocol=1, max_protocol=8, request_id=1),
     ]
     # Protocol 6: the records as their compact bytes, inline (each one msgpack value).
