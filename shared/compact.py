@@ -1204,11 +1204,13 @@ _HLC_VALUE: Final = msgspec.msgpack.Decoder(ext_hook=_unext)
 
 def explicit(data: _B) -> _B | bytes:
     """``data`` as a peer before protocol 8 reads it: its ``client_id`` written out where it
-    is implied (nil: the device its stamp names, ``implied_client``) and its Structs written
-    as arrays (``_ARRAY_STRUCTS``) as the maps of every field they were: the same bytes this
-    codec wrote before protocol 8, every other value's bytes as they are. Any other body
-    (the map form, one in that form already, one that does not decode: the receiver refuses
-    it as it would have) is ``data`` itself."""
+    is implied (nil: the device its stamp names, ``implied_client``), its Structs written as
+    arrays (``_ARRAY_STRUCTS``) as the maps of every field they were, an event's ``WORDS``
+    indexes as their words and its trailing defaults left out: the same bytes this codec
+    wrote before protocol 8, every other value's bytes as they are. Any other body (the map
+    form, one in that form already, one that does not decode: the receiver refuses it as it
+    would have) is ``data`` itself; it never raises (it runs on a server's way out, over
+    bytes another peer pushed)."""
     if not is_compact(memoryview(data)):
         return data
     changed = False
@@ -1218,6 +1220,8 @@ def explicit(data: _B) -> _B | bytes:
         if type(index) is not int or not 0 <= index < len(_BY_INDEX):
             return data
         kind = _BY_INDEX[index]
+        if len(values) > len(kind.names) + 1:
+            return data  # more values than fields: refused by any decode, sent as it is
         at = kind.client_at + 1
         if len(values) > kind.hlc_at + 1 and values[at] == _NIL:
             client = implied_client(_HLC_VALUE.decode(values[kind.hlc_at + 1]))

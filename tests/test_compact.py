@@ -677,6 +677,20 @@ def test_a_mistyped_body_reads_or_is_refused_as_by_the_generic_decode(data: byte
     assert read is None or _same(read, expected)
 
 
+@settings(max_examples=600)
+@given(mistyped_bodies() | st.binary(max_size=64))
+def test_a_body_for_a_peer_before_protocol_8_never_breaks_the_sender(data: bytes) -> None:
+    """``explicit`` runs on the server's way out to an older device, over bytes another peer
+    pushed: whatever they are, it gives bytes (never raises), and bytes that read as a record
+    read as the same record after it (what it cannot read goes as it is, for the receiver to
+    refuse as it would have)."""
+    out = compact.explicit(data)
+    assert isinstance(out, bytes)
+    assert out is data or _same(_result(compact.decode, out), _result(compact.decode, data))
+    raw = compact.explicit(msgspec.Raw(data))
+    assert bytes(raw) == out
+
+
 @settings(max_examples=400)
 @given(records(), st.data())
 def test_a_corrupt_body_reads_or_is_refused_as_by_the_generic_decode(
