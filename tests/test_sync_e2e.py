@@ -675,6 +675,16 @@ async def test_records_keep_their_bytes_from_device_to_server_to_device(cluster:
     for row_id, body in laptop_audit.items():
         assert mid_audit[row_id] == compact.explicit(body) != body
         assert b"input_tokens" in mid_audit[row_id] and b"input_tokens" not in body
+    # And its events, whose type and payload keys go as WORDS indexes from protocol 8: the
+    # device at 7 stores them canonical in the form before, the laptop marked its own in place.
+    laptop_events = _stored_bodies(cluster.tmp / "laptop.db", "events")
+    mid_events = _stored_bodies(cluster.tmp / "mid.db", "events")
+    assert len(laptop_events) >= 4 and mid_events.keys() == laptop_events.keys()
+    for event_id, body in laptop_events.items():
+        assert compact.decode(body).canonical
+        assert mid_events[event_id] == compact.explicit(body) != body
+        if compact.decode(body).type == "message.added":  # a payload key: a word, or its text
+            assert b"message_id" in mid_events[event_id] and b"message_id" not in body
     await chat(old, session.id, "from the old device")
     await cluster.settle(old, mid, laptop, phone)
     await chat(mid, session.id, "from the device at 7")
