@@ -104,15 +104,7 @@ class _Kind:
         self.cls = RECORD_KINDS[name].cls
         info = msgspec.structs.fields(self.cls)
         self.names = [f.encode_name for f in info]
-        defaults: list[Any] = []
-        for f in info:
-            if f.default is not msgspec.NODEFAULT:
-                defaults.append(msgspec.to_builtins(f.default))
-            elif f.default_factory is not msgspec.NODEFAULT:
-                defaults.append(msgspec.to_builtins(f.default_factory()))
-            else:
-                defaults.append(_NODEFAULT)
-        self.defaults = defaults
+        self.defaults = defaults = _struct_defaults(self.cls)
         self.arrays = tuple(
             (i, f.type, _struct_defaults(f.type))
             for i, f in enumerate(info)
@@ -502,12 +494,11 @@ def encode(record: Record) -> bytes:
         values[i] = _field_builtins(values[i], defaults[i])
     if not _RAW.issuperset(map(type, values)):
         values = [_field_builtins(v, default) for v, default in zip(values, defaults, strict=True)]
-    end = len(values)
-    while end and values[end - 1] == defaults[end - 1] and not kind.whole:
-        end -= 1
+    end = len(values) if kind.whole else _kept(values, defaults)
     for i, cls, field_defaults in kind.arrays:
         if i < end and type(fields[i]) is cls:  # (its builtins: every field, in order)
-            values[i] = _trimmed(list(values[i].values()), field_defaults)
+            items = list(values[i].values())
+            values[i] = items[: _kept(items, field_defaults)]
     if kind.words is not None:
         type_at = kind.words[0]
         word = _WORD_INDEX.get(values[type_at]) if type(values[type_at]) is str else None
@@ -524,11 +515,13 @@ def encode(record: Record) -> bytes:
     return _ENCODER.encode(packed)
 
 
-def _trimmed(values: list[Any], defaults: list[Any]) -> list[Any]:
+def _kept(values: Sequence[Any], defaults: Sequence[Any]) -> int:
+    """How many of ``values`` a body writes: trailing values equal to their defaults (the
+    value at the same place in ``defaults``) are left out."""
     end = len(values)
     while end and values[end - 1] == defaults[end - 1]:
         end -= 1
-    return values[:end]
+    return end
 
 
 def implied_client(hlc: Any) -> str | None:
@@ -1199,7 +1192,6 @@ _VALUES: Final = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _PAYLOAD_KEYS: Final = msgspec.msgpack.Decoder(dict[Union[str, int], msgspec.Raw])  # noqa: UP007
 _MAP_HEADS: Final = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
 _NIL: Final = msgspec.Raw(b"\xc0")
-_HLC_VALUE: Final = msgspec.msgpack.Decoder(ext_hook=_unext)
 
 
 def explicit(data: _B) -> _B | bytes:
@@ -1224,14 +1216,14 @@ def explicit(data: _B) -> _B | bytes:
             return data  # more values than fields: refused by any decode, sent as it is
         at = kind.client_at + 1
         if len(values) > kind.hlc_at + 1 and values[at] == _NIL:
-            client = implied_client(_HLC_VALUE.decode(values[kind.hlc_at + 1]))
+            client = implied_client(_DECODER.decode(values[kind.hlc_at + 1]))
             if client is not None:
                 values[at] = msgspec.Raw(_ENCODER.encode(_pack(client)))
                 changed = True
         for i, cls, _ in kind.arrays:
             if len(values) > i + 1 and memoryview(values[i + 1])[0] in _ARRAY_HEADS:
                 names = [f.encode_name for f in msgspec.structs.fields(cls)]
-                items = _HLC_VALUE.decode(values[i + 1])
+                items = _DECODER.decode(values[i + 1])
                 if len(items) > len(names):
                     return data
                 struct: Any = msgspec.convert(dict(zip(names, items)), cls)  # noqa: B905
@@ -1246,13 +1238,11 @@ def explicit(data: _B) -> _B | bytes:
             if len(values) > payload_at and memoryview(values[payload_at])[0] in _MAP_HEADS:
                 keys = _PAYLOAD_KEYS.decode(values[payload_at])
                 if any(type(key) is int for key in keys):
-                    payload = _keys_read(_HLC_VALUE.decode(values[payload_at]))
+                    payload = _keys_read(_DECODER.decode(values[payload_at]))
                     values[payload_at] = msgspec.Raw(_ENCODER.encode(_pack(payload)))
                     changed = True
         if kind.whole:  # the form before left trailing defaults out
-            end = len(values)
-            while end > 1 and values[end - 1] == kind.packed_defaults[end - 2]:
-                end -= 1
+            end = 1 + _kept(values[1:], kind.packed_defaults)
             if end < len(values):
                 values = values[:end]
                 changed = True
