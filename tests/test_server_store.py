@@ -33,6 +33,7 @@ from tests.server_store_conformance import (
     StoredRows,
     TxWrapper,
     pull_all,
+    tombstone,
 )
 
 
@@ -266,7 +267,7 @@ async def test_schema_3_files_migrate_to_tenant_scoped_ids(db_path: Path) -> Non
         assert [r.status for r in theirs.results] == ["applied"]
         assert (await store.pull(alice.tenant, 0, 10)).changes == feed
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 10
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 11
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
@@ -478,7 +479,7 @@ async def test_schema_4_files_migrate_with_every_audit_row_placed(db_path: Path)
         )
         assert [r.status for r in after.results] == ["applied"]
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 10
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 11
         assert conn.execute("SELECT count(*) FROM audit_places").fetchone()[0] == 4
         # Migration 6 kept every record, now in a rowid table (bodies pack into its pages).
         assert conn.execute("SELECT count(*) FROM records").fetchone()[0] == 4
@@ -539,12 +540,12 @@ async def test_schema_6_files_migrate_to_a_feed_that_refers_to_its_records(db_pa
         later = await store.push(dev.tenant, dev.client_id, dev.changes(dev.message(v1.id)), clock)
         assert later.cursors == [6]  # not 5: that cursor was handed out before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 10
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 11
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         columns = [row[1] for row in conn.execute("PRAGMA table_info(feed)")]
         assert columns == ["cursor", "tid", "kind", "record_id"]
         indexes = {row[1] for row in conn.execute("PRAGMA index_list(feed)")}
-        assert indexes == {"feed_tenant", "feed_record"}
+        assert indexes == {"feed_tenant", "feed_session"}
 
 
 async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Path) -> None:
@@ -653,7 +654,7 @@ async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Pat
         assert isinstance(last.record, Event)
         assert (last.record.sequence_number, last.record.prev_hash) == (2, event.row_hash)
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 10
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 11
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert conn.execute("SELECT count(*) FROM tenants").fetchone()[0] == 2
         kept = dict(conn.execute("SELECT typeof(id), count(*) FROM records GROUP BY 1"))
@@ -669,6 +670,94 @@ async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Pat
             "AuditRow",
             "Session",
         }
+
+
+def _as_schema_10(db_path: Path) -> None:
+    """Turn a file written by this store back into what schema 10 wrote: its records' and
+    events' rowids numbers of their own (here in reverse order, none a cursor), the feed's
+    index of every entry by record, no index of sessions alone."""
+    from pleach_server.store import sqlite as module
+
+    with sqlite3.connect(db_path) as conn:
+        conn.create_function("pleach_key", 1, lambda value: value, deterministic=True)
+        for table in ("records", "events"):
+            top = conn.execute(f"SELECT max(rowid) FROM {table}").fetchone()[0]
+            conn.execute(f"UPDATE {table} SET rowid = rowid + ? + 1000", (top,))
+            conn.execute(f"UPDATE {table} SET rowid = ? + 5000 - rowid", (top,))
+        conn.execute("DROP INDEX feed_session")
+        conn.execute("CREATE INDEX feed_record ON feed (tid, kind, record_id, cursor)")
+        conn.execute("PRAGMA user_version = 10")
+        assert module.SCHEMA_VERSION == 11
+
+
+async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: Path) -> None:
+    """A file of schema 10 keeps every row through migration 11: a record's and an event's
+    rowid becomes its feed entry's cursor (a row whose entry has gone, a negative one; an
+    immutable record's older entry goes), the feed pulls as before, a deleted session's
+    content leaves the feed whole, and later pushes keep the rule."""
+    alice, bob = Device(new_tenant()), Device(new_tenant())
+    clock = HybridClock("server-x")
+    session, other = alice.session(title="kept"), alice.session(title="deleted later")
+    first, gone = alice.message(session.id), alice.message(session.id)
+    content = [alice.message(other.id), alice.checkpoint(other.id)]  # deleted with it
+    async with SQLiteServerStore(db_path) as store:
+        for dev, records in (
+            (alice, [session, first, gone, alice.event(session.id), alice.audit(session.id)]),
+            (alice, [other, *content, alice.event(other.id)]),
+            (bob, [bob.session(title="bob's")]),
+        ):
+            await store.push(dev.tenant, dev.client_id, dev.changes(*records), clock)
+        renamed = alice.edit(session, title="renamed", message_ids=[first.id, gone.id])
+        await store.push(alice.tenant, alice.client_id, alice.changes(renamed), clock)
+        before = [(c.cursor, c.record) for c in await pull_all(store, alice.tenant)]
+        theirs = [(c.cursor, c.record) for c in await pull_all(store, bob.tenant)]
+    at = {record.id: cursor for cursor, record in before}
+    gap = next(c for c in range(1, max(at.values())) if c not in at.values())  # renamed's
+    _as_schema_10(db_path)
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("DELETE FROM feed WHERE cursor = ?", (at[gone.id],))  # its entry gone
+        conn.execute(  # an older entry of the first message, as no version since 7 writes
+            "INSERT INTO feed (cursor, tid, kind, record_id) "
+            "SELECT ?, tid, kind, record_id FROM feed WHERE cursor = ?",
+            (gap, at[first.id]),
+        )
+    kept = [(c, r) for c, r in before if r.id != gone.id]
+    async with SQLiteServerStore(db_path) as store:
+        assert [(c.cursor, c.record) for c in await pull_all(store, alice.tenant)] == kept
+        assert [(c.cursor, c.record) for c in await pull_all(store, bob.tenant)] == theirs
+        with sqlite3.connect(db_path) as conn:
+            places = {
+                uuid_text(key): rowid
+                for table in ("records", "events")
+                for rowid, key in conn.execute(f"SELECT rowid, id FROM {table}")
+            }
+            assert (
+                conn.execute("SELECT count(*) FROM feed WHERE cursor = ?", (gap,)).fetchone()[0]
+                == 0
+            )
+        assert places.pop(gone.id) < 0
+        assert places == {r.id: c for c, r in kept if not isinstance(r, Session)}
+        tomb = tombstone(alice, other)
+        deleted = await store.push(alice.tenant, alice.client_id, alice.changes(tomb), clock)
+        assert [r.status for r in deleted.results] == ["applied"]
+        after = await pull_all(store, alice.tenant)  # no entry is left without its row
+        assert not {c.record.id for c in after} & {r.id for r in content}
+        later = await store.push(
+            alice.tenant, alice.client_id, alice.changes(alice.message(session.id)), clock
+        )
+        (cursor,) = later.cursors
+        assert cursor > max(at.values())
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 11
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        indexes = {row[1] for row in conn.execute("PRAGMA index_list(feed)")}
+        assert indexes == {"feed_tenant", "feed_session"}
+        assert conn.execute("SELECT max(rowid) FROM records").fetchone()[0] == cursor
+        for table in ("records", "events"):  # every row with an entry at its rowid
+            assert not conn.execute(
+                f"SELECT rowid FROM {table} AS r WHERE rowid > 0 AND NOT EXISTS ("
+                "SELECT 1 FROM feed AS f WHERE f.cursor = r.rowid AND f.record_id = r.id)"
+            ).fetchall()
 
 
 def test_a_chain_tail_is_read_from_the_event_body_in_either_form() -> None:

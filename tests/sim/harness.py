@@ -44,7 +44,7 @@ from shared.records import Event
 from tests.factories import small_id_blocks
 from tests.server_store_conformance import SMALL_BLOCKS
 
-from .invariants import Ledger, check
+from .invariants import Ledger, check, server_file_problems
 from .network import Proxy
 from .schedule import TURN_OPS, Op, Schedule
 
@@ -726,6 +726,8 @@ async def run_schedule(schedule: Schedule, backend: Backend, workdir: Path) -> O
                 if isinstance(change.record, Event) and change.record.type == "sync.delete.kept"
             )
             outcome.problems.extend(await check(world, feed))
+            if (workdir / "server.db").exists():
+                outcome.problems.extend(server_file_problems(workdir / "server.db"))
     finally:
         await world.close()
         shutil.rmtree(workdir, ignore_errors=True)

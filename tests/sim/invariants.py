@@ -28,12 +28,16 @@ failure of the same kind.
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from pleach_client.hydration import hydrate, load_hydration
+from shared.compact import KINDS
 from shared.errors import NotFound
 from shared.records import AuditRow, Checkpoint, Event, Message, Session
 
@@ -414,4 +418,43 @@ async def check(world: World, feed: list[Any]) -> list[str]:
     return problems
 
 
-__all__ = ["Ledger", "View", "Written", "check", "device_view", "families", "server_view"]
+def server_file_problems(path: Path) -> list[str]:
+    """What a SQLite server file breaks of its own layout (schema 11): every feed entry of a
+    record or an event has that row at the rowid of its cursor, and every such row at a
+    positive rowid has its entry there (a delete that left an entry behind would make every
+    later pull of that tenant fail; one that left a row would keep it forever)."""
+    problems: list[str] = []
+    session = KINDS.index("Session")
+    event = KINDS.index("Event")
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+        orphans = conn.execute(
+            "SELECT f.cursor, f.kind FROM feed AS f WHERE f.kind <> ?1 AND NOT EXISTS ("
+            "SELECT 1 FROM records AS r WHERE r.rowid = f.cursor AND r.tid = f.tid "
+            "AND r.kind = f.kind AND r.id = f.record_id) AND NOT EXISTS ("
+            "SELECT 1 FROM events AS e WHERE f.kind = ?2 AND e.rowid = f.cursor "
+            "AND e.tid = f.tid AND e.id = f.record_id) LIMIT 5",
+            (session, event),
+        ).fetchall()
+        problems += [
+            f"feed-orphan: entry {c} ({KINDS[k]}) has no row at its cursor" for c, k in orphans
+        ]
+        for table in ("records", "events"):
+            unfed = conn.execute(
+                f"SELECT rowid FROM {table} AS r WHERE rowid > 0 AND NOT EXISTS ("
+                "SELECT 1 FROM feed AS f WHERE f.cursor = r.rowid AND f.tid = r.tid "
+                "AND f.record_id = r.id) LIMIT 5"
+            ).fetchall()
+            problems += [f"row-unfed: {table} row {r} has no feed entry at it" for (r,) in unfed]
+    return problems
+
+
+__all__ = [
+    "Ledger",
+    "View",
+    "Written",
+    "check",
+    "device_view",
+    "families",
+    "server_file_problems",
+    "server_view",
+]
