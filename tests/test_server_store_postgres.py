@@ -394,9 +394,21 @@ def explain_queries(store: PostgresServerStore) -> dict[str, tuple[str, tuple[An
                 [b"\x00" * 32],
                 [_pg_key("session-7")],  # ...and those past it dropped
                 [3],
+                [],  # the records' entries among the feed rows
+                [],  # the events'
             ),
         ),
         "drop_cursors": (sql.drop_cursors, ([10, 20],)),
+        "compact": (sql.compact, ("org-1", "user-1", 100)),
+        # a deleted session's content: the feed rows by the cursors its records kept
+        "delete_feed": (
+            sql.delete_feed,
+            ("org-1", "user-1", [KINDS.index("Message")], [_pg_key("message-7")]),
+        ),
+        "delete_records": (
+            sql.delete_records,
+            ("org-1", "user-1", [KINDS.index("Message")], [_pg_key("message-7")]),
+        ),
     }
 
 
@@ -1586,6 +1598,86 @@ async def test_schema_8_migrates_ids_to_keys_and_kinds_to_numbers() -> None:
             ("sessions", "id"): "bytea",
             ("session_ids", "id"): "bytea",
         }
+
+
+async def test_schema_13_migrates_to_records_that_keep_their_feed_cursor() -> None:
+    """Rows a schema 13 store wrote are read as before after migration 14: a record and an
+    event keep their feed entry's cursor (NULL where the entry has gone; an immutable
+    record's older entry goes), a deleted session's content leaves the feed whole, and later
+    pushes keep the rule."""
+    alice, bob = Device(new_tenant()), Device(new_tenant())
+    clock = HybridClock("server-x")
+    session, other = alice.session(title="kept"), alice.session(title="deleted later")
+    first, gone = alice.message(session.id), alice.message(session.id)
+    content = [alice.message(other.id), alice.checkpoint(other.id)]  # deleted with it
+    async with scratch_schema() as s:
+        async with pg_store(s) as store:
+            for dev, records in (
+                (alice, [session, first, gone, alice.event(session.id), alice.audit(session.id)]),
+                (alice, [other, *content, alice.event(other.id)]),
+                (bob, [bob.session(title="bob's")]),
+            ):
+                await store.push(dev.tenant, dev.client_id, dev.changes(*records), clock)
+            renamed = alice.edit(session, title="renamed", message_ids=[first.id, gone.id])
+            await store.push(alice.tenant, alice.client_id, alice.changes(renamed), clock)
+            before = [(c.cursor, c.record) for c in await pull_all(store, alice.tenant)]
+            theirs = [(c.cursor, c.record) for c in await pull_all(store, bob.tenant)]
+        at = {record.id: cursor for cursor, record in before}
+        async with admin() as conn:  # back to what schema 13 wrote
+            taken = {r[0] for r in await conn.fetch(f"SELECT cursor FROM {s}.feed")}
+            gap = next(c for c in range(1, max(at.values())) if c not in taken)  # renamed's
+            await conn.execute(
+                f"ALTER TABLE {s}.records DROP COLUMN cursor; "
+                f"ALTER TABLE {s}.events DROP COLUMN cursor; "
+                f"DROP INDEX {s}.feed_session; "
+                f"CREATE INDEX feed_record ON {s}.feed (tid, kind, record_id, cursor); "
+                f"DELETE FROM {s}.schema_migrations WHERE version = 14"
+            )
+            await conn.execute(f"DELETE FROM {s}.feed WHERE cursor = $1", at[gone.id])
+            await conn.execute(  # an older entry of the first message, as none since 7 writes
+                f"INSERT INTO {s}.feed (cursor, tid, kind, record_id) OVERRIDING SYSTEM VALUE "
+                f"SELECT $1, tid, kind, record_id FROM {s}.feed WHERE cursor = $2",
+                gap,
+                at[first.id],
+            )
+        result = await migrate(PG_DSN, s)
+        assert (result.from_version, result.to_version) == (13, SCHEMA_VERSION) == (13, 14)
+        kept = [(c, r) for c, r in before if r.id != gone.id]
+        async with pg_store(s) as store:
+            assert [(c.cursor, c.record) for c in await pull_all(store, alice.tenant)] == kept
+            assert [(c.cursor, c.record) for c in await pull_all(store, bob.tenant)] == theirs
+            async with admin() as conn:
+                rows = await conn.fetch(
+                    f"SELECT id, cursor FROM {s}.records UNION ALL "
+                    f"SELECT id, cursor FROM {s}.events"
+                )
+                places = {_pg_id(r[0]): r[1] for r in rows}
+                assert not await conn.fetchval(
+                    f"SELECT count(*) FROM {s}.feed WHERE cursor = $1", gap
+                )
+            assert places.pop(gone.id) is None
+            assert places == {r.id: c for c, r in kept if not isinstance(r, Session)}
+            tomb = tombstone(alice, other)
+            deleted = await store.push(alice.tenant, alice.client_id, alice.changes(tomb), clock)
+            assert [r.status for r in deleted.results] == ["applied"]
+            after = await pull_all(store, alice.tenant)  # no entry is left without its row
+            assert not {c.record.id for c in after} & {r.id for r in content}
+            later = await store.push(
+                alice.tenant, alice.client_id, alice.changes(alice.message(session.id)), clock
+            )
+        async with admin() as conn:
+            (cursor,) = later.cursors
+            assert await conn.fetchval(f"SELECT max(cursor) FROM {s}.records") == cursor
+            for table in ("records", "events"):  # every row with a cursor has its entry there
+                assert not await conn.fetch(
+                    f"SELECT r.cursor FROM {s}.{table} AS r WHERE r.cursor IS NOT NULL "
+                    f"AND NOT EXISTS (SELECT 1 FROM {s}.feed AS f WHERE f.cursor = r.cursor "
+                    "AND f.record_id = r.id)"
+                )
+            indexes = await conn.fetch(
+                "SELECT indexname FROM pg_indexes WHERE schemaname = $1 AND tablename = 'feed'", s
+            )
+            assert {r[0] for r in indexes} == {"feed_pkey", "feed_tenant", "feed_session"}
 
 
 async def _scans(store: PostgresServerStore, schema: str) -> dict[str, tuple[int, int]]:

@@ -44,7 +44,7 @@ from shared.records import Event
 from tests.factories import small_id_blocks
 from tests.server_store_conformance import SMALL_BLOCKS
 
-from .invariants import Ledger, check, server_file_problems
+from .invariants import Ledger, check, postgres_layout_problems, server_file_problems
 from .network import Proxy
 from .schedule import TURN_OPS, Op, Schedule
 
@@ -709,6 +709,17 @@ class World:
         await self.backend.end()
 
 
+async def layout_problems(backend: Backend, workdir: Path) -> list[str]:
+    """What the server's store breaks of its own layout (``invariants.server_file_problems``,
+    ``invariants.postgres_layout_problems``), read while it is still open."""
+    if (workdir / "server.db").exists():
+        return server_file_problems(workdir / "server.db")
+    store = getattr(backend, "store", None)
+    if store is not None and type(store).__name__ == "PostgresServerStore":
+        return await postgres_layout_problems(store)
+    return []
+
+
 async def run_schedule(schedule: Schedule, backend: Backend, workdir: Path) -> Outcome:
     """Play ``schedule`` and check the invariants; the outcome lists every violation."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -726,8 +737,7 @@ async def run_schedule(schedule: Schedule, backend: Backend, workdir: Path) -> O
                 if isinstance(change.record, Event) and change.record.type == "sync.delete.kept"
             )
             outcome.problems.extend(await check(world, feed))
-            if (workdir / "server.db").exists():
-                outcome.problems.extend(server_file_problems(workdir / "server.db"))
+            outcome.problems.extend(await layout_problems(backend, workdir))
     finally:
         await world.close()
         shutil.rmtree(workdir, ignore_errors=True)

@@ -448,6 +448,33 @@ def server_file_problems(path: Path) -> list[str]:
     return problems
 
 
+async def postgres_layout_problems(store: Any) -> list[str]:
+    """The same of a PostgreSQL store's schema (version 14): every feed entry of a record or
+    an event has that row with its cursor, and every row with a cursor has its entry there."""
+    s, session, event = store.schema, KINDS.index("Session"), KINDS.index("Event")
+    async with store._pool.acquire() as conn:
+        orphans = await conn.fetch(
+            f"SELECT f.cursor, f.kind FROM {s}.feed AS f WHERE f.kind <> $1 AND NOT EXISTS ("
+            f"SELECT 1 FROM {s}.records AS r WHERE r.cursor = f.cursor AND r.tid = f.tid "
+            "AND r.kind = f.kind AND r.id = f.record_id) AND NOT EXISTS ("
+            f"SELECT 1 FROM {s}.events AS e WHERE f.kind = $2 AND e.cursor = f.cursor "
+            "AND e.tid = f.tid AND e.id = f.record_id) LIMIT 5",
+            session,
+            event,
+        )
+        problems = [
+            f"feed-orphan: entry {c} ({KINDS[k]}) has no row with its cursor" for c, k in orphans
+        ]
+        for table in ("records", "events"):
+            unfed = await conn.fetch(
+                f"SELECT r.cursor FROM {s}.{table} AS r WHERE r.cursor IS NOT NULL AND NOT EXISTS ("
+                f"SELECT 1 FROM {s}.feed AS f WHERE f.cursor = r.cursor AND f.tid = r.tid "
+                "AND f.record_id = r.id) LIMIT 5"
+            )
+            problems += [f"row-unfed: a {table} row keeps cursor {c}, no entry's" for (c,) in unfed]
+    return problems
+
+
 __all__ = [
     "Ledger",
     "View",
@@ -455,6 +482,7 @@ __all__ = [
     "check",
     "device_view",
     "families",
+    "postgres_layout_problems",
     "server_file_problems",
     "server_view",
 ]
