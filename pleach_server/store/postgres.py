@@ -984,10 +984,17 @@ class _Sql:
             "AND r.kind = k.kind AND r.id = k.id LIMIT 1) AS x"
         )
         self.delete_records = (
-            f"DELETE FROM {s}.records WHERE ctid = ANY(ARRAY(SELECT x.ctid FROM {doomed}))"
+            f"DELETE FROM {s}.records WHERE ctid = ANY(ARRAY(SELECT x.ctid FROM {doomed})) "
+            "RETURNING kind, id, cursor"
         )
         self.delete_feed = (
             f"DELETE FROM {s}.feed WHERE cursor = ANY(ARRAY(SELECT x.cursor FROM {doomed}))"
+        )
+        # The entries of records that kept no cursor (written by a process of the build
+        # before, still running after migration 14): by kind and id, along the tenant's feed.
+        self.delete_feed_by_id = (
+            f"DELETE FROM {s}.feed AS f USING unnest($3::smallint[], $4::bytea[]) AS k (kind, id) "
+            f"WHERE f.tid = {_tid(s)} AND f.kind = k.kind AND f.record_id = k.id"
         )
         self.lock_tenant = "SELECT pg_advisory_xact_lock($1)"
         self.lock_tenant_last_seq = f"SELECT {s}.lock_tenant_last_seq($1, $2, $3, $4)"
@@ -1288,7 +1295,11 @@ class _PostgresTx:
             kinds = [_KIND_NUMBERS[kind] for kind, _ in doomed]
             ids = [_pg_key(record_id) for _, record_id in doomed]
             await conn.execute(sql.delete_feed, *t, kinds, ids)
-            await conn.execute(sql.delete_records, *t, kinds, ids)
+            gone = await conn.fetch(sql.delete_records, *t, kinds, ids)
+            uncounted = [(kind, key) for kind, key, cursor in gone if cursor is None]
+            if uncounted:
+                kinds, ids = [k for k, _ in uncounted], [key for _, key in uncounted]
+                await conn.execute(sql.delete_feed_by_id, *t, kinds, ids)
 
 
 async def _keep_session(conn: Any) -> None:
