@@ -279,8 +279,9 @@ _BATCH_LOOKUPS = (
     "_CHAIN_TAILS_SQL",
     "_AUDIT_TAILS_SQL",
     "_CASCADE_CANDIDATES_SQL",
-    "_DELETE_RECORDS_SQL",
-    "_DELETE_FEED_SQL",
+    "_DOOMED_SQL",
+    "_DROP_ENTRY_SQL",
+    "_DELETE_RECORD_SQL",
 )
 
 
@@ -694,7 +695,8 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
     """A file of schema 10 keeps every row through migration 11: a record's and an event's
     rowid becomes its feed entry's cursor (a row whose entry has gone, a negative one; an
     immutable record's older entry goes), the feed pulls as before, a deleted session's
-    content leaves the feed whole, and later pushes keep the rule."""
+    content leaves the feed whole (a record numbered as the build before numbers them, too,
+    and no other entry goes with it), and later pushes keep the rule."""
     alice, bob = Device(new_tenant()), Device(new_tenant())
     clock = HybridClock("server-x")
     session, other = alice.session(title="kept"), alice.session(title="deleted later")
@@ -737,11 +739,36 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
             )
         assert places.pop(gone.id) < 0
         assert places == {r.id: c for c, r in kept if not isinstance(r, Session)}
+        # A message a process of the build before writes after the migration: its rowid
+        # numbered as it did (here the cursor of bob's session entry), its entry elsewhere.
+        stray = alice.message(other.id)
+        with sqlite3.connect(db_path) as conn:
+            tid = "(SELECT tid FROM tenants WHERE org_id = ? AND user_id = ?)"
+            a = (alice.tenant.org_id, alice.tenant.user_id)
+            conn.execute(
+                f"INSERT INTO records (rowid, kind, id, tid, session_id, body) "
+                f"VALUES (?, ?, ?, {tid}, ?, ?)",
+                (
+                    theirs[0][0],
+                    compact.KINDS.index("Message"),
+                    uuid_bytes(stray.id),
+                    *a,
+                    uuid_bytes(other.id),
+                    compact.encode(stray),
+                ),
+            )
+            conn.execute(
+                f"INSERT INTO feed (tid, kind, record_id) VALUES ({tid}, ?, ?)",
+                (*a, compact.KINDS.index("Message"), uuid_bytes(stray.id)),
+            )
+        assert stray in [c.record for c in await pull_all(store, alice.tenant)]
+        content.append(stray)
         tomb = tombstone(alice, other)
         deleted = await store.push(alice.tenant, alice.client_id, alice.changes(tomb), clock)
         assert [r.status for r in deleted.results] == ["applied"]
         after = await pull_all(store, alice.tenant)  # no entry is left without its row
         assert not {c.record.id for c in after} & {r.id for r in content}
+        assert [(c.cursor, c.record) for c in await pull_all(store, bob.tenant)] == theirs
         later = await store.push(
             alice.tenant, alice.client_id, alice.changes(alice.message(session.id)), clock
         )

@@ -604,15 +604,19 @@ _CASCADE_CANDIDATES_SQL = """
         ON r.tid = (SELECT tid FROM tenants WHERE org_id = ?2 AND user_id = ?3)
         AND r.session_id = pleach_key(k.value)
     WHERE r.kind IN (SELECT value FROM json_each(?4))"""
-# The rowids of the records ``?3`` names (a JSON array of [kind, id]), each found through
-# ``records_key``; a record's rowid is its feed entry's cursor (migration 11), so the feed
-# rows go first, then the records.
+# The records ``?3`` names (a JSON array of [kind, id]), each found through ``records_key``:
+# its rowid, kind and id, and whether the feed entry at its rowid is its own (migration 11:
+# a record's rowid is its entry's cursor; not so for a row a process of the build before
+# wrote after the migration, whose entry is then found by kind and id).
 _DOOMED_SQL = f"""
-    SELECT r.rowid FROM json_each(?3) AS d CROSS JOIN records AS r
+    SELECT r.rowid, r.kind, r.id, EXISTS (SELECT 1 FROM feed AS f WHERE f.cursor = r.rowid
+        AND f.tid = r.tid AND f.kind = r.kind AND f.record_id = r.id)
+    FROM json_each(?3) AS d CROSS JOIN records AS r
         ON r.tid = {_TENANT_12} AND r.kind = json_extract(d.value, '$[0]')
         AND r.id = pleach_key(json_extract(d.value, '$[1]'))"""
-_DELETE_FEED_SQL = f"DELETE FROM feed WHERE cursor IN ({_DOOMED_SQL})"
-_DELETE_RECORDS_SQL = f"DELETE FROM records WHERE rowid IN ({_DOOMED_SQL})"
+_DROP_ENTRY_SQL = "DELETE FROM feed WHERE cursor = ?"
+_DROP_ENTRY_BY_ID_SQL = f"DELETE FROM feed WHERE tid = {_TENANT} AND kind = ? AND record_id = ?"
+_DELETE_RECORD_SQL = "DELETE FROM records WHERE rowid = ?"
 _SET_LAST_SEQ_SQL = (
     f"INSERT INTO clients (tid, client_id, last_seq) VALUES ({_TENANT}, ?, ?) "
     "ON CONFLICT (tid, client_id) DO UPDATE SET last_seq = excluded.last_seq"
@@ -1029,8 +1033,12 @@ class _SQLiteTx:
             for kind, record_id in content_to_delete(sessions, candidates)
         )
         if doomed != "[]":
-            await conn.execute(_DELETE_FEED_SQL, (*t, doomed))
-            await conn.execute(_DELETE_RECORDS_SQL, (*t, doomed))
+            rows = await _fetchall(conn, _DOOMED_SQL, (*t, doomed))
+            await conn.executemany(_DROP_ENTRY_SQL, [(r[0],) for r in rows if r[3]])
+            astray = [(*t, kind, key) for _, kind, key, placed in rows if not placed]
+            if astray:
+                await conn.executemany(_DROP_ENTRY_BY_ID_SQL, astray)
+            await conn.executemany(_DELETE_RECORD_SQL, [(r[0],) for r in rows])
 
 
 # Only a session has more than one entry (an immutable record has one: migration 11).
@@ -1436,8 +1444,9 @@ class SQLiteServerStore(AsyncResource):
 _NO_BUDGET = 1 << 62
 
 # A page of the feed (at most ?5 entries after cursor ?4), each entry's body read from the
-# row it refers to: a record's or an event's by its rowid, the entry's cursor (migration 11),
-# a session's through its key; ``within``: the entry is inside the byte budget
+# row it refers to: a record's or an event's by its rowid, the entry's cursor (migration 11;
+# through the table's key for a row that is not there, as a process of the build before
+# writes them), a session's through its key; ``within``: the entry is inside the byte budget
 # (the first always is). A missing row reads as a NULL body, within the budget. A session
 # whose ids are in blocks also answers their count and its key (its blocks are read next,
 # in the same transaction: ``_PAGE_ID_BLOCKS_SQL``), and is counted with its ids.
@@ -1449,10 +1458,13 @@ _PULL_SQL = f"""
         FROM (
             SELECT f.cursor, f.record_id, CASE f.kind
                 WHEN {_SESSION_KIND} THEN s.body
-                WHEN {_EVENT_KIND} THEN (SELECT e.body FROM events AS e
-                    WHERE e.rowid = f.cursor AND e.tid = f.tid AND e.id = f.record_id)
-                ELSE (SELECT r.body FROM records AS r WHERE r.rowid = f.cursor
-                    AND r.tid = f.tid AND r.kind = f.kind AND r.id = f.record_id)
+                WHEN {_EVENT_KIND} THEN COALESCE((SELECT e.body FROM events AS e
+                    WHERE e.rowid = f.cursor AND e.tid = f.tid AND e.id = f.record_id),
+                    (SELECT e.body FROM events AS e WHERE e.tid = f.tid AND e.id = f.record_id))
+                ELSE COALESCE((SELECT r.body FROM records AS r WHERE r.rowid = f.cursor
+                    AND r.tid = f.tid AND r.kind = f.kind AND r.id = f.record_id),
+                    (SELECT r.body FROM records AS r
+                    WHERE r.tid = f.tid AND r.kind = f.kind AND r.id = f.record_id))
                 END AS body, s.ids_count
             FROM feed AS f
             LEFT JOIN sessions AS s ON f.kind = {_SESSION_KIND}
