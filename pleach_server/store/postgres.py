@@ -499,7 +499,7 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
     # record keeps the entries of sessions alone: it held every entry's kind and id a second
     # time (0.67 MB of a 6.7 MB schema at 1,000 turns; the column takes 8 bytes a row). A row
     # whose entry has gone keeps NULL. An immutable record's older entries (none since
-    # version 7) go first: its one row answers them all, and a delete must leave none behind.
+    # version 6) go first: its one row answers them all, and a delete must leave none behind.
     # As in version 10, the rows written here leave their old versions to ``VACUUM``.
     (
         f"DELETE FROM {{s}}.feed AS f WHERE f.kind <> {_SESSION_KIND} AND EXISTS ("

@@ -17,10 +17,13 @@ Schema (versioned by ``PRAGMA user_version``, migrated at ``open()``):
   the ``(org_id, user_id)`` key, once per statement).
 - ``sessions``: one row per session id, its body.
 - ``records``: immutable records (messages, checkpoints, audit rows, artifact updates), keyed
-  by ``(tid, kind, id)`` in a unique index (a rowid table: bodies pack into its pages).
-- ``events``: canonical events; ``(tid, session_id, sequence_number)`` is unique.
+  by ``(tid, kind, id)`` in a unique index (a rowid table: bodies pack into its pages); a
+  record's rowid is its feed entry's cursor (schema 11).
+- ``events``: canonical events; ``(tid, session_id, sequence_number)`` is unique; an event's
+  rowid is its feed entry's cursor, too.
 - ``feed``: every applied change per tenant under a global monotonic ``cursor``, by kind and
-  id (a pull reads each body from its row); a session keeps one entry, its latest version's.
+  id (a pull reads each body from its row); a session keeps one entry, its latest version's,
+  found through ``feed_session``, an index of sessions' entries alone.
 - ``clients``: ``last_seq`` per ``(tid, client_id)``.
 - ``meta``: the feed floor per tenant (entries at or below it were compacted away).
 - ``audit_places``: where each audit row sits in its device's chain (client id, sequence
