@@ -1685,6 +1685,40 @@ async def test_schema_13_migrates_to_records_that_keep_their_feed_cursor() -> No
             assert {r[0] for r in indexes} == {"feed_pkey", "feed_tenant", "feed_session"}
 
 
+async def test_a_push_and_a_pull_are_planned_once() -> None:
+    """A push's lookups and writes and a pull each run as a generic plan after PostgreSQL's
+    five custom ones (``plan_cache_mode = auto``), never planned again at each run. A write
+    statement that numbered its cursors from ``generate_series(1, cardinality(...))`` (a
+    thousand rows to the planner) and joined three inserts on them was planned anew every
+    time, which took a push's write from 0.7 to 1.3 ms."""
+    dev = Device(new_tenant())
+    clock = HybridClock("server-x")
+    async with scratch_schema() as s, pg_store(s, pool_min=1, pool_max=1) as store:
+        session = dev.session(title="planned")
+        await store.push(dev.tenant, dev.client_id, dev.changes(session), clock)
+        for i in range(12):
+            session = dev.edit(session, title=f"turn {i}")
+            turn = [dev.message(session.id), dev.event(session.id), dev.checkpoint(session.id)]
+            await store.push(dev.tenant, dev.client_id, dev.changes(session, *turn), clock)
+            await store.pull(dev.tenant, 0, 100)
+        async with store._pool.acquire() as conn:
+            plans = {
+                name: (generic, custom)
+                for statement, generic, custom in await conn.fetch(
+                    "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements"
+                )
+                for name, sql in (
+                    ("write", store._sql.write),
+                    ("lookups", store._sql.lock_last_seq_load),
+                    ("pull", store._sql.pull),
+                )
+                if statement == sql
+            }
+    assert set(plans) == {"write", "lookups", "pull"}
+    for name, (generic, custom) in plans.items():
+        assert custom <= 5 < generic + custom, f"{name}: {generic} generic, {custom} custom"
+
+
 async def _scans(store: PostgresServerStore, schema: str) -> dict[str, tuple[int, int]]:
     """Each table's (sequential scans, index scans) so far, the store's own included."""
     async with store._pool.acquire() as conn:

@@ -838,10 +838,13 @@ class _Sql:
             "WHERE NOT EXISTS (SELECT 1 FROM t0) ON CONFLICT DO NOTHING RETURNING tid), "
             "tt AS (SELECT COALESCE((SELECT tid FROM t), (SELECT tid FROM t0)) AS tid), "
             # The feed rows' cursors ($21: their kinds): n from the identity sequence (the
-            # caller holds the tenant lock), numbered in increasing order.
+            # caller holds the tenant lock), numbered in increasing order. One per element of
+            # $21 (a generate_series of its length is a thousand rows to the planner, which
+            # then planned the statement anew at every push: test_a_push_and_a_pull_are_
+            # planned_once).
             "cur AS MATERIALIZED (SELECT a.cursor, row_number() OVER (ORDER BY a.cursor) AS n "
             f"FROM (SELECT nextval(pg_get_serial_sequence('{s}.feed', 'cursor')) AS cursor "
-            "FROM generate_series(1, cardinality($21::smallint[]))) AS a), "
+            "FROM unnest($21::smallint[])) AS a), "
             # A record and an event keep their entry's cursor ($32, $33: the number of each
             # one's entry among the feed rows).
             "r AS ("
