@@ -186,6 +186,43 @@ async def pull_all(store: ServerStore, tenant: Tenant, cursor: int = 0) -> list[
             return out
 
 
+class PlacedHistory(msgspec.Struct):
+    """What ``placed_history`` wrote: alice's two sessions (``other`` to be deleted, with its
+    ``content``), a message whose feed entry a test takes away (``gone``) beside one it keeps
+    (``first``), bob's session, and both tenants' feeds as pulled (cursor, record)."""
+
+    alice: Device
+    bob: Device
+    session: Session
+    other: Session
+    first: Message
+    gone: Message
+    content: list[Record]
+    before: list[tuple[int, Record]]
+    theirs: list[tuple[int, Record]]
+
+
+async def placed_history(store: ServerStore, clock: HybridClock) -> PlacedHistory:
+    """A history for the migrations that move where a record's feed cursor is kept: two
+    tenants, sessions, messages, events, an audit row, a checkpoint, and a session version
+    that supersedes its first entry (which leaves a free cursor below the others)."""
+    alice, bob = Device(new_tenant()), Device(new_tenant())
+    session, other = alice.session(title="kept"), alice.session(title="deleted later")
+    first, gone = alice.message(session.id), alice.message(session.id)
+    content: list[Record] = [alice.message(other.id), alice.checkpoint(other.id)]
+    for dev, records in (
+        (alice, [session, first, gone, alice.event(session.id), alice.audit(session.id)]),
+        (alice, [other, *content, alice.event(other.id)]),
+        (bob, [bob.session(title="bob's")]),
+    ):
+        await store.push(dev.tenant, dev.client_id, dev.changes(*records), clock)
+    renamed = alice.edit(session, title="renamed", message_ids=[first.id, gone.id])
+    await store.push(alice.tenant, alice.client_id, alice.changes(renamed), clock)
+    before = [(c.cursor, c.record) for c in await pull_all(store, alice.tenant)]
+    theirs = [(c.cursor, c.record) for c in await pull_all(store, bob.tenant)]
+    return PlacedHistory(alice, bob, renamed, other, first, gone, content, before, theirs)
+
+
 def tombstone(dev: Device, session: Session) -> Session:
     """A device deletes ``session``: a new version with ``deleted`` set and an emptied state."""
     return msgspec.structs.replace(dev.edit(session, deleted=True), state=SessionState())

@@ -32,6 +32,7 @@ from tests.server_store_conformance import (
     ServerStoreConformanceInIdBlocks,
     StoredRows,
     TxWrapper,
+    placed_history,
     pull_all,
     tombstone,
 )
@@ -697,22 +698,12 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
     immutable record's older entry goes), the feed pulls as before, a deleted session's
     content leaves the feed whole (a record numbered as the build before numbers them, too,
     and no other entry goes with it), and later pushes keep the rule."""
-    alice, bob = Device(new_tenant()), Device(new_tenant())
     clock = HybridClock("server-x")
-    session, other = alice.session(title="kept"), alice.session(title="deleted later")
-    first, gone = alice.message(session.id), alice.message(session.id)
-    content = [alice.message(other.id), alice.checkpoint(other.id)]  # deleted with it
     async with SQLiteServerStore(db_path) as store:
-        for dev, records in (
-            (alice, [session, first, gone, alice.event(session.id), alice.audit(session.id)]),
-            (alice, [other, *content, alice.event(other.id)]),
-            (bob, [bob.session(title="bob's")]),
-        ):
-            await store.push(dev.tenant, dev.client_id, dev.changes(*records), clock)
-        renamed = alice.edit(session, title="renamed", message_ids=[first.id, gone.id])
-        await store.push(alice.tenant, alice.client_id, alice.changes(renamed), clock)
-        before = [(c.cursor, c.record) for c in await pull_all(store, alice.tenant)]
-        theirs = [(c.cursor, c.record) for c in await pull_all(store, bob.tenant)]
+        h = await placed_history(store, clock)
+    alice, bob, other, first, gone = h.alice, h.bob, h.other, h.first, h.gone
+    content = h.content
+    before, theirs = h.before, h.theirs
     at = {record.id: cursor for cursor, record in before}
     gap = next(c for c in range(1, max(at.values())) if c not in at.values())  # renamed's
     _as_schema_10(db_path)
@@ -770,7 +761,7 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
         assert not {c.record.id for c in after} & {r.id for r in content}
         assert [(c.cursor, c.record) for c in await pull_all(store, bob.tenant)] == theirs
         later = await store.push(
-            alice.tenant, alice.client_id, alice.changes(alice.message(session.id)), clock
+            alice.tenant, alice.client_id, alice.changes(alice.message(h.session.id)), clock
         )
         (cursor,) = later.cursors
         assert cursor > max(at.values())

@@ -58,6 +58,7 @@ from tests.server_store_conformance import (
     ServerStoreConformanceInIdBlocks,
     StoredRows,
     TxWrapper,
+    placed_history,
     pull_all,
     statuses,
     tombstone,
@@ -1606,23 +1607,13 @@ async def test_schema_13_migrates_to_records_that_keep_their_feed_cursor() -> No
     record's older entry goes), a deleted session's content leaves the feed whole (a record
     written with no cursor, as a process of the build before writes one, too), and later
     pushes keep the rule."""
-    alice, bob = Device(new_tenant()), Device(new_tenant())
     clock = HybridClock("server-x")
-    session, other = alice.session(title="kept"), alice.session(title="deleted later")
-    first, gone = alice.message(session.id), alice.message(session.id)
-    content = [alice.message(other.id), alice.checkpoint(other.id)]  # deleted with it
     async with scratch_schema() as s:
         async with pg_store(s) as store:
-            for dev, records in (
-                (alice, [session, first, gone, alice.event(session.id), alice.audit(session.id)]),
-                (alice, [other, *content, alice.event(other.id)]),
-                (bob, [bob.session(title="bob's")]),
-            ):
-                await store.push(dev.tenant, dev.client_id, dev.changes(*records), clock)
-            renamed = alice.edit(session, title="renamed", message_ids=[first.id, gone.id])
-            await store.push(alice.tenant, alice.client_id, alice.changes(renamed), clock)
-            before = [(c.cursor, c.record) for c in await pull_all(store, alice.tenant)]
-            theirs = [(c.cursor, c.record) for c in await pull_all(store, bob.tenant)]
+            h = await placed_history(store, clock)
+        alice, bob, other, first, gone = h.alice, h.bob, h.other, h.first, h.gone
+        content = h.content
+        before, theirs = h.before, h.theirs
         at = {record.id: cursor for cursor, record in before}
         async with admin() as conn:  # back to what schema 13 wrote
             taken = {r[0] for r in await conn.fetch(f"SELECT cursor FROM {s}.feed")}
@@ -1668,7 +1659,7 @@ async def test_schema_13_migrates_to_records_that_keep_their_feed_cursor() -> No
             after = await pull_all(store, alice.tenant)  # no entry is left without its row
             assert not {c.record.id for c in after} & {r.id for r in content}
             later = await store.push(
-                alice.tenant, alice.client_id, alice.changes(alice.message(session.id)), clock
+                alice.tenant, alice.client_id, alice.changes(alice.message(h.session.id)), clock
             )
         async with admin() as conn:
             (cursor,) = later.cursors

@@ -147,6 +147,24 @@ async def _backfill_audit_places(conn: aiosqlite.Connection) -> None:
     )
 
 
+# The records and events tables as migration 8 made them (migration 11 makes them again).
+_RECORDS_COLUMNS: Final = """(
+    kind INTEGER NOT NULL,
+    id BLOB NOT NULL,
+    tid INTEGER NOT NULL,
+    session_id BLOB,
+    body BLOB NOT NULL
+)"""
+_EVENTS_COLUMNS: Final = """(
+    id BLOB NOT NULL,
+    session_id BLOB NOT NULL,
+    sequence_number INTEGER NOT NULL,
+    tid INTEGER NOT NULL,
+    body BLOB NOT NULL,
+    UNIQUE (tid, id),
+    UNIQUE (tid, session_id, sequence_number)
+)"""
+
 _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
     (
         """CREATE TABLE sessions (
@@ -351,13 +369,7 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         "DROP TABLE sessions",
         "ALTER TABLE sessions_8 RENAME TO sessions",
         "CREATE INDEX sessions_tenant ON sessions (tid, updated_at)",
-        """CREATE TABLE records_8 (
-            kind INTEGER NOT NULL,
-            id BLOB NOT NULL,
-            tid INTEGER NOT NULL,
-            session_id BLOB,
-            body BLOB NOT NULL
-        )""",
+        "CREATE TABLE records_8 " + _RECORDS_COLUMNS,
         "INSERT INTO records_8 (kind, id, tid, session_id, body) "
         f"SELECT {_kind_number('r.kind')}, pleach_key(r.id), t.tid, pleach_key(r.session_id), "
         "r.body "
@@ -366,15 +378,7 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         "ALTER TABLE records_8 RENAME TO records",
         "CREATE UNIQUE INDEX records_key ON records (tid, kind, id)",
         "CREATE INDEX records_tenant ON records (tid, session_id)",
-        """CREATE TABLE events_8 (
-            id BLOB NOT NULL,
-            session_id BLOB NOT NULL,
-            sequence_number INTEGER NOT NULL,
-            tid INTEGER NOT NULL,
-            body BLOB NOT NULL,
-            UNIQUE (tid, id),
-            UNIQUE (tid, session_id, sequence_number)
-        )""",
+        "CREATE TABLE events_8 " + _EVENTS_COLUMNS,
         "INSERT INTO events_8 (id, session_id, sequence_number, tid, body) "
         "SELECT pleach_key(e.id), pleach_key(e.session_id), e.sequence_number, t.tid, e.body "
         "FROM events AS e JOIN tenants AS t USING (org_id, user_id) ORDER BY e.rowid",
@@ -457,13 +461,7 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         f"DELETE FROM feed WHERE kind <> {_SESSION_KIND} AND EXISTS (SELECT 1 FROM feed AS "
         "later WHERE later.tid = feed.tid AND later.kind = feed.kind "
         "AND later.record_id = feed.record_id AND later.cursor > feed.cursor)",
-        """CREATE TABLE records_11 (
-            kind INTEGER NOT NULL,
-            id BLOB NOT NULL,
-            tid INTEGER NOT NULL,
-            session_id BLOB,
-            body BLOB NOT NULL
-        )""",
+        "CREATE TABLE records_11 " + _RECORDS_COLUMNS,
         "INSERT INTO records_11 (rowid, kind, id, tid, session_id, body) "
         "SELECT COALESCE((SELECT f.cursor FROM feed AS f WHERE f.tid = r.tid "
         "AND f.kind = r.kind AND f.record_id = r.id), -r.rowid) AS place, "
@@ -472,15 +470,7 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         "ALTER TABLE records_11 RENAME TO records",
         "CREATE UNIQUE INDEX records_key ON records (tid, kind, id)",
         "CREATE INDEX records_tenant ON records (tid, session_id)",
-        """CREATE TABLE events_11 (
-            id BLOB NOT NULL,
-            session_id BLOB NOT NULL,
-            sequence_number INTEGER NOT NULL,
-            tid INTEGER NOT NULL,
-            body BLOB NOT NULL,
-            UNIQUE (tid, id),
-            UNIQUE (tid, session_id, sequence_number)
-        )""",
+        "CREATE TABLE events_11 " + _EVENTS_COLUMNS,
         "INSERT INTO events_11 (rowid, id, session_id, sequence_number, tid, body) "
         "SELECT COALESCE((SELECT f.cursor FROM feed AS f WHERE f.tid = e.tid "
         f"AND f.kind = {_EVENT_KIND} AND f.record_id = e.id), -e.rowid) AS place, "
