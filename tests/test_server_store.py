@@ -770,6 +770,15 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         indexes = {row[1] for row in conn.execute("PRAGMA index_list(feed)")}
         assert indexes == {"feed_tenant", "feed_session"}
+        columns = {
+            name: [row[2] for row in conn.execute(f"PRAGMA index_info({name})")]
+            for name in ("feed_tenant", "feed_session", "records_tenant")
+        }  # the cursor, a rowid, once
+        assert columns == {
+            "feed_tenant": ["tid"],
+            "feed_session": ["tid", "record_id"],
+            "records_tenant": ["tid", "session_id"],
+        }
         assert conn.execute("SELECT max(rowid) FROM records").fetchone()[0] == cursor
         for table in ("records", "events"):  # every row with an entry at its rowid
             assert not conn.execute(

@@ -456,7 +456,9 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
     # sessions alone: it held every entry's kind and id a second time (0.27 MB of a 4.5 MB
     # file at 1,000 turns). A row whose entry has gone keeps a negative rowid, which no
     # cursor takes. An immutable record's older entries (none since version 7) go first: its
-    # one row answers them all, and a delete must leave none behind.
+    # one row answers them all, and a delete must leave none behind. The feed's index by
+    # tenant holds the cursor once: it is the rowid every entry of an index ends with, and
+    # (tid, cursor) held it twice.
     (
         f"DELETE FROM feed WHERE kind <> {_SESSION_KIND} AND EXISTS (SELECT 1 FROM feed AS "
         "later WHERE later.tid = feed.tid AND later.kind = feed.kind "
@@ -479,6 +481,8 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         "ALTER TABLE events_11 RENAME TO events",
         "DROP INDEX feed_record",
         f"CREATE INDEX feed_session ON feed (tid, record_id) WHERE kind = {_SESSION_KIND}",
+        "DROP INDEX feed_tenant",
+        "CREATE INDEX feed_tenant ON feed (tid)",
     ),
 )
 _PUT_HEALTH_SQL = (
