@@ -200,6 +200,19 @@ class BatchWrites:
     """The bytes to store of each record written (``Bodies.of``): a record stored as it was
     pushed keeps the bytes it came in."""
 
+    def entries(self) -> tuple[list[int], list[int]]:
+        """The index in ``feed`` of each record's entry and of each event's, in the order of
+        ``records`` and ``events``: every record and event a batch writes has one, which a
+        store keeps with its row (its cursor, once the feed rows have theirs)."""
+        at = {(record_kind(r), r.id): i for i, r in enumerate(self.feed)}
+        try:
+            return (
+                [at[record_kind(r), r.id] for r in self.records],
+                [at["Event", e.id] for e in self.events],
+            )
+        except KeyError as exc:  # pragma: no cover - a bug of the push rules
+            raise RuntimeError(f"{exc.args[0]} is written with no feed entry") from None
+
     def __bool__(self) -> bool:
         return bool(
             self.records

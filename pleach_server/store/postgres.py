@@ -1034,16 +1034,6 @@ def _lookups(keys: BatchKeys) -> tuple[dict[bytes, str], tuple[list[Any], ...]]:
     return named, lookups
 
 
-def _entry_of(entry: dict[tuple[str, str], int], kind: str, record_id: str) -> int:
-    """The number of the entry among a batch's feed rows of the record of ``kind`` and
-    ``record_id`` (``BatchTx.write``: every record and event written has one, in the same
-    batch)."""
-    found = entry.get((kind, record_id))
-    if found is None:  # pragma: no cover - a bug of the push rules
-        raise RuntimeError(f"{kind} {record_id!r} is written with no feed entry")
-    return found
-
-
 class _PostgresTx:
     """``BatchTx`` over one pool connection, inside the push's transaction.
 
@@ -1206,11 +1196,7 @@ class _PostgresTx:
                     place_column.append(place_value)
         versioned = [i for i, r in enumerate(feed) if kind_of(r).merge == "versioned"]
         # The number of each record's and event's entry among the feed rows (from 1).
-        entry: dict[tuple[str, str], int] = {
-            (record_kind(r), r.id): n for n, r in enumerate(feed, start=1)
-        }
-        numbers = [_entry_of(entry, record_kind(r), r.id) for r in writes.records]
-        event_numbers = [_entry_of(entry, "Event", e.id) for e in events]
+        record_entries, event_entries = writes.entries()
         laid = [
             session_row(writes.bodies.of(x), self._held_ids.pop(x.id, None), self._layout)
             for x in sessions
@@ -1252,8 +1238,8 @@ class _PostgresTx:
                 [lay.ids_count for lay in laid],
                 *blocks,
                 *drops,
-                numbers,
-                event_numbers,
+                [i + 1 for i in record_entries],
+                [i + 1 for i in event_entries],
             )
             assert taken is not None
             if taken[0] != len(writes.records):

@@ -753,15 +753,6 @@ class _Rows(msgspec.Struct):
     """``_HEAD_SQL``'s parameters: the tenant's head is read once the rows are in (None: not)."""
 
 
-def _entry_of(entry: dict[tuple[int, Any], int], kind: int, record_id: str) -> int:
-    """The index in a batch's feed of the entry of the record of ``kind`` and ``record_id``
-    (``BatchTx.write``: every record and event written has one, in the same batch)."""
-    found = entry.get((kind, _key(record_id)))
-    if found is None:  # pragma: no cover - a bug of the push rules
-        raise RuntimeError(f"{KINDS[kind]} {record_id!r} is written with no feed entry")
-    return found
-
-
 def _write_rows(raw: sqlite3.Connection, rows: _Rows) -> tuple[list[int], int | None]:
     """``_SQLiteTx.write``'s statements, run on the connection's own thread; the feed rows'
     cursors, and the tenant's head after them (when ``rows.head`` asks)."""
@@ -952,16 +943,16 @@ class _SQLiteTx:
         t = (tenant.org_id, tenant.user_id)
         body = writes.bodies.of  # the feed refers to these rows: each body is stored once
         feed = [(*t, _KIND_NUMBERS[record_kind(r)], _key(r.id)) for r in writes.feed]
-        entry = {(kind, key): i for i, (_, _, kind, key) in enumerate(feed)}
+        record_entries, event_entries = writes.entries()
         records: list[tuple[Any, ...]] = []
-        for r in writes.records:
+        for r, at in zip(writes.records, record_entries, strict=True):
             info = kind_of(r)
             if info.merge == "versioned" or info.server_placed:
                 raise TypeError(f"{info.name} records are not written as records")
             session_id = info.session_of(r)
             records.append(
                 (
-                    _entry_of(entry, _KIND_NUMBERS[info.name], r.id),
+                    at,
                     _KIND_NUMBERS[info.name],
                     _key(r.id),
                     r.org_id,
@@ -974,7 +965,7 @@ class _SQLiteTx:
             records=records,
             events=[
                 (
-                    _entry_of(entry, _EVENT_KIND, e.id),
+                    at,
                     _key(e.id),
                     _key(e.session_id),
                     e.sequence_number,
@@ -982,7 +973,7 @@ class _SQLiteTx:
                     e.user_id,
                     body(e),
                 )
-                for e in writes.events
+                for e, at in zip(writes.events, event_entries, strict=True)
             ],
             sessions=[],
             id_blocks=[],
@@ -1030,12 +1021,18 @@ class _SQLiteTx:
             for kind, record_id in content_to_delete(sessions, candidates)
         )
         if doomed != "[]":
-            rows = await _fetchall(conn, _DOOMED_SQL, (*t, doomed))
-            await conn.executemany(_DROP_ENTRY_SQL, [(r[0],) for r in rows if r[3]])
-            astray = [(*t, kind, key) for _, kind, key, placed in rows if not placed]
-            if astray:
-                await conn.executemany(_DROP_ENTRY_BY_ID_SQL, astray)
-            await conn.executemany(_DELETE_RECORD_SQL, [(r[0],) for r in rows])
+            await _on_thread(conn, _drop_doomed, t, doomed)
+
+
+def _drop_doomed(raw: sqlite3.Connection, t: tuple[str, str], doomed: str) -> None:
+    """The records ``doomed`` names (``_DOOMED_SQL``) and their feed entries, on the
+    connection's own thread: one hop (``_SQLiteTx._delete_content``)."""
+    rows = raw.execute(_DOOMED_SQL, (*t, doomed)).fetchall()
+    raw.executemany(_DROP_ENTRY_SQL, [(rowid,) for rowid, _, _, placed in rows if placed])
+    astray = [(*t, kind, key) for _, kind, key, placed in rows if not placed]
+    if astray:
+        raw.executemany(_DROP_ENTRY_BY_ID_SQL, astray)
+    raw.executemany(_DELETE_RECORD_SQL, [(rowid,) for rowid, *_ in rows])
 
 
 # Only a session has more than one entry (an immutable record has one: migration 11).
