@@ -358,23 +358,24 @@ async def fanout(
             applied.clear()
             wake.clear()
             await turns(a, session_id, prefill + r + 1, 1)
-            row = await a.store.get_session(session_id)
-            assert row is not None and len(committed) == 1
-            want = row.vv[a.client_id]
+            assert len(committed) == 1
+            # Both rows are read only once B has applied something (each read of a long
+            # session's row is work of the measured path's size, and it would run beside it):
+            # t1 is the first apply after the last look that did not find A's version.
             async with asyncio.timeout(TIMEOUT):
                 checked = 0
                 while True:
+                    while len(applied) <= checked:  # emitted right after the commit
+                        await wake.wait()
+                        wake.clear()
                     seen = len(applied)
+                    row = await a.store.get_session(session_id)
                     theirs = await b.store.get_session(session_id)
-                    if theirs is not None and theirs.vv.get(a.client_id, 0) >= want:
-                        while len(applied) <= checked:  # emitted right after the commit
-                            await wake.wait()
-                            wake.clear()
+                    assert row is not None
+                    if theirs is not None and theirs.vv.get(a.client_id, 0) >= row.vv[a.client_id]:
                         t1 = applied[checked]
                         break
                     checked = seen
-                    await wake.wait()
-                    wake.clear()
             if r > 0:
                 out.append(t1 - committed[0])
             for rt in (a, b):  # quiet before the next round

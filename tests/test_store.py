@@ -1608,6 +1608,46 @@ async def test_a_long_sessions_ids_live_in_blocks_and_a_turn_rewrites_one(db_pat
         assert queued[-1] == longer  # a push sends the whole row, its ids joined
 
 
+async def test_two_stores_of_one_process_each_write_a_long_session_without_reading_its_blocks(
+    tmp_path: Path,
+) -> None:
+    """Two files in one process holding the same long session (two devices of one user, as
+    a test or a benchmark runs them; an app with a second file), written in turn: each
+    turn's write finds the blocks it replaces in this process's memory, with no read of them
+    from its file (the cache once held one entry a session, and each store's write took the
+    other's out), and each file reads back its own list."""
+    session = make_session(state=SessionState(message_ids=[uuid7() for _ in range(300)]))
+    writer = sqlite_module._write_batch_now
+    statements: list[str] = []
+
+    def recorded(raw_conn: sqlite3.Connection, *args: Any) -> Any:
+        raw_conn.set_trace_callback(statements.append)
+        try:
+            return writer(raw_conn, *args)
+        finally:
+            raw_conn.set_trace_callback(None)
+
+    stores = (SQLiteAdapter(tmp_path / "a.db"), SQLiteAdapter(tmp_path / "b.db"))
+    async with stores[0], stores[1]:
+        for store in stores:
+            await commit(store, session)
+        rows = {0: session, 1: session}
+        sqlite_module._write_batch_now = recorded  # type: ignore[assignment]
+        try:
+            for turn in range(6):
+                which = turn % 2
+                ids = [*rows[which].state.message_ids, uuid7(), uuid7()]
+                rows[which] = msgspec.structs.replace(session, state=SessionState(message_ids=ids))
+                await commit(stores[which], rows[which])
+        finally:
+            sqlite_module._write_batch_now = writer  # type: ignore[assignment]
+        reads = [sql for sql in statements if "FROM session_ids" in sql]
+        assert reads == [], reads
+        assert any("INTO session_ids" in sql for sql in statements)
+        for which, store in enumerate(stores):
+            assert await store.get_session(session.id) == rows[which]
+
+
 _BLOCK_OPS = st.lists(
     st.tuples(
         st.sampled_from(
@@ -1622,18 +1662,20 @@ _BLOCK_OPS = st.lists(
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=_BLOCK_OPS)
-def test_a_sessions_ids_read_back_as_written_whatever_the_edits(ops: list[Any]) -> None:
+@given(ops=_BLOCK_OPS, shared=st.booleans())
+def test_a_sessions_ids_read_back_as_written_whatever_the_edits(
+    ops: list[Any], shared: bool
+) -> None:
     """Generated edits of one session's ids (appended, cut, replaced, one changed, ids that
     are no UUIDs, a write that rolls back and the same list again, the list before the last
     write again, a forgotten cache), each
     through one of two stores on the same file, each with a cache of its own (two
-    processes): each store reads back exactly the last committed list, and the file holds
-    no block past it."""
-    asyncio.run(_edits_read_back(ops))
+    processes) or both with one (``shared``: one process): each store reads back exactly the
+    last committed list, and the file holds no block past it."""
+    asyncio.run(_edits_read_back(ops, shared))
 
 
-async def _edits_read_back(ops: list[Any]) -> None:
+async def _edits_read_back(ops: list[Any], shared: bool) -> None:
     with pytest.MonkeyPatch.context() as patch, tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "x.db"
         session = make_session()
@@ -1643,7 +1685,8 @@ async def _edits_read_back(ops: list[Any]) -> None:
         stores = (SQLiteAdapter(path), SQLiteAdapter(path))
         for each in stores:
             each._id_layout = sqlite_module.IdLayout(inline=3, block=2)
-        caches: tuple[dict[object, Any], dict[object, Any]] = ({}, {})
+        one: dict[object, Any] = {}
+        caches: tuple[dict[object, Any], dict[object, Any]] = (one, one) if shared else ({}, one)
         async with stores[0], stores[1]:
             await commit(stores[0], session)
             for op, n, which in ops:

@@ -581,13 +581,16 @@ def _messages_in_order(
 
 _ID_BLOCKS_BUDGET: Final = 8 << 20
 """Bytes of ``_id_blocks`` at most; past it, the cache is emptied."""
-_id_blocks: dict[object, tuple[int, bytes]] = {}
-"""Session key -> (``ids_mark``, the ids its blocks held when that mark was written), for the
-blocks last written by this process. A mark is drawn at random at each write of a session's
-blocks, in the transaction that writes them, so the stored mark equal to an entry's means the
-stored blocks are its bytes, whichever connection or process reads it (another's write, a
-rollback, a file copied or restored: another mark, or the same blocks). Dict reads and writes
-are atomic under the GIL."""
+_id_blocks: dict[tuple[object, int], bytes] = {}
+"""(session key, ``ids_mark``) -> the ids its blocks held when that mark was written, for the
+blocks written by this process. A mark is drawn at random at each write of a session's blocks,
+in the transaction that writes them, so the stored mark equal to an entry's means the stored
+blocks are its bytes, whichever connection or process reads it (another's write, a rollback,
+a file copied or restored: another mark, or the same blocks). Keyed by the mark too, so that
+two stores of one process holding the same session (two devices of a test or a benchmark, an
+app's second file) keep an entry each: keyed by the session alone, each write took the other's
+entry out, and every turn of a long session read its blocks back from the file. A write takes
+out the entry of the mark it replaces. Dict reads and writes are atomic under the GIL."""
 _id_blocks_held = 0
 
 
@@ -595,26 +598,29 @@ def _new_mark() -> int:
     return int.from_bytes(os.urandom(8), "big") >> 1  # (a positive 63-bit SQLite integer)
 
 
-def _remember_blocks(key: object, mark: int | None, data: bytes | None) -> None:
+def _remember_blocks(
+    key: object, replaced: int | None, mark: int | None, data: bytes | None
+) -> None:
+    """The blocks just written under ``mark`` (None: none), in place of ``replaced``'s."""
     global _id_blocks_held
-    known = _id_blocks.pop(key, None)
+    known = _id_blocks.pop((key, replaced), None) if replaced is not None else None
     if known is not None:
-        _id_blocks_held -= len(known[1])
+        _id_blocks_held -= len(known)
     if mark is None or data is None:
         return
     if _id_blocks_held + len(data) > _ID_BLOCKS_BUDGET:
         _id_blocks.clear()
         _id_blocks_held = 0
-    _id_blocks[key] = (mark, data)
+    _id_blocks[(key, mark)] = data
     _id_blocks_held += len(data)
 
 
 def _stored_blocks(raw: sqlite3.Connection, key: object, count: int, mark: int) -> bytes | None:
     """The ids a session's blocks hold (``count`` ids, under ``mark``), from the cache or the
     file; None when the blocks do not hold ``count`` ids in order (then all are rewritten)."""
-    known = _id_blocks.get(key)
-    if known is not None and known[0] == mark:
-        return known[1]
+    known = _id_blocks.get((key, mark))
+    if known is not None:
+        return known
     found = sorted(raw.execute(_READ_ID_BLOCKS, (key,)).fetchall())
     if [part for part, _ in found] != list(range(len(found))):
         return None
@@ -652,7 +658,7 @@ def _put_sessions(raw: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) -> N
             raw.execute(_DROP_ID_BLOCKS, (key, 0))
         count = None if data is None else len(data) // 16
         raw.execute(_PUT_SESSION, (key, updated_at, deleted, body, count, mark))
-        _remember_blocks(key, mark, data)
+        _remember_blocks(key, None if held_mark is None else int(held_mark), mark, data)
 
 
 def _without_ids(session: Session) -> Session:
