@@ -23,20 +23,6 @@ from typing import TYPE_CHECKING, Any, Final, NoReturn
 import msgspec
 
 from shared.errors import PleachError
-from shared.messages import ConflictReceipt
-
-from .providers.base import Provider
-from .runtime import SessionRuntime
-from .store.sqlite import SQLiteAdapter
-from .stream import (
-    ErrorEvent,
-    MessageComplete,
-    MessageDelta,
-    ToolCompleted,
-    ToolFailed,
-    ToolStarted,
-    TurnComplete,
-)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -44,6 +30,10 @@ if TYPE_CHECKING:
     from rich.table import Table
     from rich.text import Text
 
+    from shared.messages import ConflictReceipt
+
+    from .providers.base import Provider
+    from .runtime import SessionRuntime
     from .store.base import DeadLetter
     from .sync import SyncProgress, SyncStatus
 
@@ -346,6 +336,18 @@ def _error_line(line: str, args: argparse.Namespace | None, no_color: bool = Fal
 
 
 async def _chat(args: argparse.Namespace) -> int:
+    from .runtime import SessionRuntime
+    from .store.sqlite import SQLiteAdapter
+    from .stream import (
+        ErrorEvent,
+        MessageComplete,
+        MessageDelta,
+        ToolCompleted,
+        ToolFailed,
+        ToolStarted,
+        TurnComplete,
+    )
+
     provider = _provider(args.offline)
     async with SessionRuntime(
         SQLiteAdapter(args.db), provider, user_id=args.user, org_id=args.org
@@ -427,6 +429,9 @@ async def _chat(args: argparse.Namespace) -> int:
 def _runtime(args: argparse.Namespace, *, may_start: bool = False) -> SessionRuntime:
     """The runtime of a command that reads the device file, which must exist unless the
     command ``may_start`` a new device (``pleach sync``)."""
+    from .runtime import SessionRuntime
+    from .store.sqlite import SQLiteAdapter
+
     if not may_start:
         _existing_db(args)
     return SessionRuntime(SQLiteAdapter(args.db), user_id=args.user, org_id=args.org)
@@ -872,6 +877,8 @@ async def _doctor(args: argparse.Namespace) -> int:
     if args.server:
         client_id = "doctor"
         if await asyncio.to_thread(os.path.exists, args.db):
+            from .store.sqlite import SQLiteAdapter
+
             async with SQLiteAdapter(args.db) as store:
                 client_id = await store.get_meta("client_id") or client_id
         checks += await check_server(args.server, args.token, client_id, args.user, args.org)

@@ -520,7 +520,8 @@ def test_usage_mistakes_are_one_line_and_exit_2(tmp_path: Path) -> None:
 
 def test_help_and_piped_commands_do_not_import_rich(tmp_path: Path) -> None:
     """rich loads only to draw on a terminal: `pleach --help` and a piped `pleach status`
-    stay fast."""
+    stay fast. `pleach --help` loads no runtime, store or codec either: only what parses
+    the command line (about half the start of a command that opens the file)."""
     db = str(tmp_path / "d.db")
     assert pleach("--db", db, "chat", "--offline", "-m", "hello")[0] == 0
     for args in (["--help"], ["--db", db, "status"]):
@@ -534,6 +535,10 @@ def test_help_and_piped_commands_do_not_import_rich(tmp_path: Path) -> None:
         if args == ["--help"]:  # the environment variables are listed
             for name in ("PLEACH_CLIENT_DB", "PLEACH_TOKEN", "PLEACH_READ_TIMEOUT", "NO_COLOR"):
                 assert name in proc.stdout, name
+            for module in ("pleach_client.runtime", "pleach_client.store.sqlite", "shared.compact"):
+                assert not re.search(rf"\| +{re.escape(module)}$", proc.stderr, re.M), module
+        else:  # a command that opens the file does load them
+            assert re.search(r"\| +pleach_client\.store\.sqlite$", proc.stderr, re.M)
 
 
 async def test_sync_progress_bar_follows_a_real_sync(tmp_path: Path) -> None:
