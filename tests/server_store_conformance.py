@@ -201,6 +201,11 @@ class PlacedHistory(msgspec.Struct):
     before: list[tuple[int, Record]]
     theirs: list[tuple[int, Record]]
 
+    @property
+    def at(self) -> dict[str, int]:
+        """Each of alice's records' cursor in ``before``, by its id."""
+        return {record.id: cursor for cursor, record in self.before}
+
 
 async def placed_history(store: ServerStore, clock: HybridClock) -> PlacedHistory:
     """A history for the migrations that move where a record's feed cursor is kept: two

@@ -704,7 +704,7 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
     alice, bob, other, first, gone = h.alice, h.bob, h.other, h.first, h.gone
     content = h.content
     before, theirs = h.before, h.theirs
-    at = {record.id: cursor for cursor, record in before}
+    at = h.at
     gap = next(c for c in range(1, max(at.values())) if c not in at.values())  # renamed's
     _as_schema_10(db_path)
     with sqlite3.connect(db_path) as conn:

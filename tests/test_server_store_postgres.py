@@ -1614,7 +1614,7 @@ async def test_schema_13_migrates_to_records_that_keep_their_feed_cursor() -> No
         alice, bob, other, first, gone = h.alice, h.bob, h.other, h.first, h.gone
         content = h.content
         before, theirs = h.before, h.theirs
-        at = {record.id: cursor for cursor, record in before}
+        at = h.at
         async with admin() as conn:  # back to what schema 13 wrote
             taken = {r[0] for r in await conn.fetch(f"SELECT cursor FROM {s}.feed")}
             gap = next(c for c in range(1, max(at.values())) if c not in taken)  # renamed's
