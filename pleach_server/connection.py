@@ -65,9 +65,10 @@ from shared.messages import (
 from shared.protocol import ServerProtocol, State
 from shared.tracing import Spans
 
+from .health import HealthReports
 from .hub import Hub, Subscription
 from .notify import Notifier
-from .store.base import PushResult, ServerStore, Tenant, feed_changes
+from .store.base import DeviceHealth, PushResult, ServerStore, Tenant, feed_changes
 
 if TYPE_CHECKING:
     from .server import SyncMetrics
@@ -151,6 +152,7 @@ class ConnectionContext:
     server_id: str
     metrics: SyncMetrics
     spans: Spans
+    health: HealthReports
     max_frame_bytes: int
     max_pull_limit: int
     max_pull_bytes: int
@@ -485,7 +487,7 @@ class Connection:
                 case Pull():
                     await self._on_pull(event)
                 case Health():
-                    await self._on_health(event)
+                    self._on_health(event)
                 case _:
                     # ServerProtocol only yields the three above; guard against drift.
                     raise InvalidState(f"unexpected event {type(event).__name__}")
@@ -616,9 +618,10 @@ class Connection:
             )
         return result
 
-    async def _on_health(self, health: Health) -> None:
-        """Keep the device's latest health (at most one a second is written; more are
-        dropped: a device sends one a second at most)."""
+    def _on_health(self, health: Health) -> None:
+        """Keep the device's latest health (``pleach_server.health`` writes it within a
+        second, with every other report of that second; more than one report in
+        ``HEALTH_MIN_INTERVAL_S`` are dropped: a device sends one a second at most)."""
         assert self.client_id is not None  # ServerProtocol yields Health only after Hello
         now = time.monotonic()
         if now - self._health_at < HEALTH_MIN_INTERVAL_S:
@@ -628,7 +631,16 @@ class Connection:
         # The version this connection agreed, never the device's word for it.
         health = msgspec.structs.replace(health, protocol=self.protocol.version or 0)
         body = self._health_codec.encode(health)
-        await self.ctx.store.put_health(self.tenant, self.client_id, body, time.time())
+        tenant = self.tenant
+        self.ctx.health.put(
+            DeviceHealth(
+                org_id=tenant.org_id,
+                user_id=tenant.user_id,
+                client_id=self.client_id,
+                seen_at=time.time(),
+                health=body,
+            )
+        )
 
     def _count_results(self, results: list[ChangeResult]) -> None:
         metrics = self.ctx.metrics

@@ -59,6 +59,7 @@ from shared.tracing import Spans
 
 from .auth import parse_bearer, verify_token_expiry
 from .connection import Connection, ConnectionContext
+from .health import DEFAULT_FLUSH_AFTER_S, HealthReports
 from .hub import DEFAULT_QUEUE_SIZE, Hub
 from .notify import LocalNotifier, Notifier
 from .status import (
@@ -210,6 +211,9 @@ class SyncServer:
       ``Authorization: Bearer <admin_token>``, or opens ``/status?token=<admin_token>`` once:
       the answer sets it as a cookie (HttpOnly, SameSite=Strict) and redirects to ``/status``,
       so a phone's browser keeps it and the token leaves the address bar.
+    - ``health_flush_s`` (1 s): how long a device's health report may wait in memory before
+      it is written; the reports of that time share one transaction
+      (``pleach_server.health``). ``/status`` writes what waits before it reads.
     """
 
     def __init__(
@@ -238,6 +242,7 @@ class SyncServer:
         span_exporter: Any | None = None,
         tracer_provider: Any | None = None,
         tenant_store_slots: int | None = 2,
+        health_flush_s: float = DEFAULT_FLUSH_AFTER_S,
     ) -> None:
         if not secret:
             raise ValueError("secret must not be empty")
@@ -293,6 +298,8 @@ class SyncServer:
             exporter=span_exporter, tracer_provider=tracer_provider, service_name="pleach-server"
         )
         self.clock = HybridClock(self.server_id, max_skew_ms=max_clock_skew_ms)
+        # Device health reports, written a second's worth at a time.
+        self.health = HealthReports(store, flush_after=health_flush_s)
         burst = (
             rate_limit_burst
             if rate_limit_burst is not None
@@ -306,6 +313,7 @@ class SyncServer:
             server_id=self.server_id,
             metrics=self.metrics,
             spans=self.spans,
+            health=self.health,
             max_frame_bytes=max_frame_bytes,
             max_pull_limit=max_pull_limit,
             max_pull_bytes=max_pull_bytes,
@@ -343,6 +351,7 @@ class SyncServer:
             raise InvalidState("server already started")
         self._started = True
         await self.notifier.start(self._on_remote_commit)
+        self.health.start()
         try:
             self._ws = await serve(
                 self._handler,
@@ -360,6 +369,7 @@ class SyncServer:
                 create_connection=self._connection_class(),
             )
         except BaseException:
+            await self.health.close()
             await self.notifier.close()
             raise
         if self._ws.sockets:
@@ -411,7 +421,8 @@ class SyncServer:
 
     async def shutdown(self) -> None:
         """Stop gracefully: stop accepting, let in-flight pushes finish (and be acked),
-        close every connection with 1001 (going away), close the notifier.
+        close every connection with 1001 (going away), write the device health reports that
+        wait, close the notifier.
 
         Idempotent; concurrent callers all return once the server has stopped.
         """
@@ -424,6 +435,7 @@ class SyncServer:
                 await self._drain_and_close(self._ws)
         finally:
             self.hub.close()
+            await self.health.close()
             await self.notifier.close()
             await self.spans.shutdown()
             self._done.set()
@@ -580,7 +592,9 @@ class SyncServer:
         )
 
     async def status_report(self) -> StatusReport:
-        """What ``/status.json`` shows: every device's latest health, per user."""
+        """What ``/status.json`` shows: every device's latest health, per user (the
+        reports waiting here are written first, so that it shows them)."""
+        await self.health.flush()
         rows = await self.store.list_health()
         tenants = {Tenant(org_id=r.org_id, user_id=r.user_id) for r in rows}
         heads = {t: await self.store.head_cursor(t) for t in tenants}

@@ -1,7 +1,8 @@
 """The sync-health page: what each device last reported, and the server's own rates.
 
 Devices send ``Health`` frames (``shared.messages``); the server keeps the latest per device
-in its store (``ServerStore.put_health``). ``/status.json`` and ``/status`` (HTML, readable on
+in its store (``ServerStore.put_health``; a second's reports in one write,
+``pleach_server.health``). ``/status.json`` and ``/status`` (HTML, readable on
 a phone) show, per user, each device's last report: when it was seen, how far its cursor lags
 the user's feed head, how many changes wait in its outbox, its dead letters, its last flush and
 error, and its recent conflicts; with a verdict per device that answers the question users ask:

@@ -26,6 +26,7 @@ import pytest
 from pleach_server.store.apply import StoreTx
 from pleach_server.store.base import (
     MAX_DEVICES_PER_TENANT,
+    DeviceHealth,
     PullResult,
     PushResult,
     ServerStore,
@@ -59,6 +60,17 @@ the whole suite takes the path of a long session's row at every read and write."
 
 TxWrapper = Callable[[StoreTx], StoreTx]
 StoredRows = Callable[[Tenant], Awaitable[set[tuple[str, str]]]]
+
+
+def report(tenant: Tenant, client_id: str, health: bytes, seen_at: float) -> DeviceHealth:
+    """A device's health report as a server keeps it."""
+    return DeviceHealth(
+        org_id=tenant.org_id,
+        user_id=tenant.user_id,
+        client_id=client_id,
+        seen_at=seen_at,
+        health=health,
+    )
 
 
 class MakeStore(Protocol):
@@ -261,10 +273,12 @@ class ServerStoreConformance:
 
     async def test_health_keeps_the_latest_per_device(self, server_store: ServerStore) -> None:
         ann, bob = new_tenant(), new_tenant()
-        await server_store.put_health(ann, "dev-1", b"first", 100.0)
-        await server_store.put_health(ann, "dev-2", b"other", 101.0)
-        await server_store.put_health(ann, "dev-1", b"second", 102.0)
-        await server_store.put_health(bob, "dev-1", b"bobs", 103.0)
+        await server_store.put_health([report(ann, "dev-1", b"first", 100.0)])
+        await server_store.put_health(
+            [report(ann, "dev-2", b"other", 101.0), report(ann, "dev-1", b"second", 102.0)]
+        )
+        await server_store.put_health([report(bob, "dev-1", b"bobs", 103.0)])
+        await server_store.put_health([])  # nothing to write: no transaction, no error
         rows = [r for r in await server_store.list_health() if r.org_id in (ann.org_id, bob.org_id)]
         assert [(r.user_id, r.client_id, r.health, r.seen_at) for r in rows] == [
             (bob.user_id, "dev-1", b"bobs", 103.0),
@@ -272,20 +286,34 @@ class ServerStoreConformance:
             (ann.user_id, "dev-2", b"other", 101.0),
         ]
 
+    async def test_health_keeps_the_newest_whoever_writes_last(
+        self, server_store: ServerStore
+    ) -> None:
+        """Two server processes may each hold a report of one device (it moved from one to the
+        other) and write them in either order: the newer one stays."""
+        tenant = new_tenant()
+        await server_store.put_health([report(tenant, "dev-1", b"newer", 200.0)])
+        await server_store.put_health([report(tenant, "dev-1", b"older", 150.0)])
+        rows = [r for r in await server_store.list_health() if r.org_id == tenant.org_id]
+        assert [(r.client_id, r.health, r.seen_at) for r in rows] == [("dev-1", b"newer", 200.0)]
+
     async def test_health_keeps_a_bounded_number_of_devices(
         self, server_store: ServerStore
     ) -> None:
         """A user (or a hostile client) inventing device ids cannot grow the table: the
-        least recently seen devices go."""
-        tenant = new_tenant()
+        least recently seen devices go, whether their reports come one by one or together."""
+        one_by_one, together = new_tenant(), new_tenant()
         extra = 5
-        for i in range(MAX_DEVICES_PER_TENANT + extra):
-            await server_store.put_health(tenant, f"dev-{i}", b"h", 1000.0 + i)
-        rows = [r for r in await server_store.list_health(10_000) if r.org_id == tenant.org_id]
-        assert len(rows) == MAX_DEVICES_PER_TENANT
-        assert {r.client_id for r in rows} == {
-            f"dev-{i}" for i in range(extra, MAX_DEVICES_PER_TENANT + extra)
-        }
+        count = MAX_DEVICES_PER_TENANT + extra
+        for i in range(count):
+            await server_store.put_health([report(one_by_one, f"dev-{i}", b"h", 1000.0 + i)])
+        await server_store.put_health(
+            [report(together, f"dev-{i}", b"h", 1000.0 + i) for i in range(count)]
+        )
+        for tenant in (one_by_one, together):
+            rows = [r for r in await server_store.list_health(10_000) if r.org_id == tenant.org_id]
+            assert len(rows) == MAX_DEVICES_PER_TENANT
+            assert {r.client_id for r in rows} == {f"dev-{i}" for i in range(extra, count)}
 
     # -- basics --------------------------------------------------------------------------------
 

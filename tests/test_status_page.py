@@ -194,15 +194,22 @@ async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
         await server.start()
         stack.push_async_callback(server.shutdown)
         s = Setup(tmp_path, stack, server)
-        # Observe the real store's health writes, to wait on them instead of sleeping.
-        put = store.put_health
+        # Observe the server's health reports as they come, to wait on them instead of
+        # sleeping (the page writes those that wait before it reads).
+        put = server.health.put
+        notifying: set[asyncio.Task[None]] = set()
 
-        async def observed(*args: Any) -> None:
-            await put(*args)
+        def observed(report: DeviceHealth) -> None:
+            put(report)
+            task = asyncio.get_running_loop().create_task(notify())
+            notifying.add(task)
+            task.add_done_callback(notifying.discard)
+
+        async def notify() -> None:
             async with s.reports:
                 s.reports.notify_all()
 
-        store.put_health = observed  # type: ignore[method-assign]
+        server.health.put = observed  # type: ignore[method-assign]
         yield s
 
 

@@ -8,7 +8,7 @@ monotonic ``cursor``. A pull never skips a change that commits later under a low
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from types import TracebackType
 from typing import Final, NamedTuple, Protocol, Self, runtime_checkable
 
@@ -155,11 +155,12 @@ class ServerStore(Protocol):
 
     async def head_cursor(self, tenant: Tenant) -> int: ...
 
-    async def put_health(
-        self, tenant: Tenant, client_id: str, health: bytes, seen_at: float
-    ) -> None:
-        """Keep ``health`` as the device's latest (replacing the one before). At most
-        ``MAX_DEVICES_PER_TENANT`` devices are kept per tenant: the least recently seen go."""
+    async def put_health(self, reports: Sequence[DeviceHealth]) -> None:
+        """Keep each of ``reports`` as its device's latest, in one transaction (a server
+        writes the reports of a second together: ``pleach_server.health``). A report older
+        than the one kept (``seen_at``: another server process wrote a newer one) is not
+        kept. At most ``MAX_DEVICES_PER_TENANT`` devices are kept per tenant: the least
+        recently seen go."""
         ...
 
     async def list_health(self, limit: int = 1000) -> list[DeviceHealth]:

@@ -68,7 +68,7 @@ import hashlib
 import logging
 import operator
 import re
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any, Final, TypeVar
 from urllib.parse import urlsplit
 
@@ -760,7 +760,8 @@ class _Sql:
         self.put_health = (
             f"INSERT INTO {s}.devices (org_id, user_id, client_id, seen_at, health) "
             "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (org_id, user_id, client_id) "
-            "DO UPDATE SET seen_at = excluded.seen_at, health = excluded.health"
+            "DO UPDATE SET seen_at = excluded.seen_at, health = excluded.health "
+            f"WHERE excluded.seen_at >= {s}.devices.seen_at"
         )
         self.trim_devices = (
             f"DELETE FROM {s}.devices WHERE org_id = $1 AND user_id = $2 AND client_id IN ("
@@ -1666,16 +1667,18 @@ class PostgresServerStore(AsyncResource):
             transaction=False,
         )
 
-    async def put_health(
-        self, tenant: Tenant, client_id: str, health: bytes, seen_at: float
-    ) -> None:
-        t = (tenant.org_id, tenant.user_id)
+    async def put_health(self, reports: Sequence[DeviceHealth]) -> None:
+        if not reports:
+            return
+        rows = [(r.org_id, r.user_id, r.client_id, r.seen_at, r.health) for r in reports]
+        tenants = dict.fromkeys((r.org_id, r.user_id) for r in reports)
+        trims = [(*t, MAX_DEVICES_PER_TENANT) for t in tenants]
 
         async def body(conn: Any) -> None:
-            await conn.execute(self._sql.put_health, *t, client_id, seen_at, health)
-            await conn.execute(self._sql.trim_devices, *t, MAX_DEVICES_PER_TENANT)
+            await conn.executemany(self._sql.put_health, rows)
+            await conn.executemany(self._sql.trim_devices, trims)
 
-        await self._run("cannot keep the device's health", body, transaction=True)
+        await self._run("cannot keep the devices' health", body, transaction=True)
 
     async def list_health(self, limit: int = 1000) -> list[DeviceHealth]:
         rows = await self._run(

@@ -488,7 +488,8 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
 _PUT_HEALTH_SQL = (
     "INSERT INTO devices (org_id, user_id, client_id, seen_at, health) VALUES (?, ?, ?, ?, ?) "
     "ON CONFLICT (org_id, user_id, client_id) DO UPDATE SET "
-    "seen_at = excluded.seen_at, health = excluded.health"
+    "seen_at = excluded.seen_at, health = excluded.health "
+    "WHERE excluded.seen_at >= devices.seen_at"
 )
 _TRIM_DEVICES_SQL = (
     "DELETE FROM devices WHERE org_id = ? AND user_id = ? AND client_id IN ("
@@ -1413,14 +1414,16 @@ class SQLiteServerStore(AsyncResource):
     async def head_cursor(self, tenant: Tenant) -> int:
         return await self._read(lambda conn: _head(conn, tenant))
 
-    async def put_health(
-        self, tenant: Tenant, client_id: str, health: bytes, seen_at: float
-    ) -> None:
-        t = (tenant.org_id, tenant.user_id)
+    async def put_health(self, reports: Sequence[DeviceHealth]) -> None:
+        if not reports:
+            return
+        rows = [(r.org_id, r.user_id, r.client_id, r.seen_at, r.health) for r in reports]
+        tenants = dict.fromkeys((r.org_id, r.user_id) for r in reports)
+        trims = [(*t, *t, MAX_DEVICES_PER_TENANT) for t in tenants]
 
         async def body(conn: aiosqlite.Connection, raw: sqlite3.Connection | None) -> None:
-            await conn.execute(_PUT_HEALTH_SQL, (*t, client_id, seen_at, health))
-            await conn.execute(_TRIM_DEVICES_SQL, (*t, *t, MAX_DEVICES_PER_TENANT))
+            await conn.executemany(_PUT_HEALTH_SQL, rows)
+            await conn.executemany(_TRIM_DEVICES_SQL, trims)
 
         await self._write(body)
 
