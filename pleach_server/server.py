@@ -102,10 +102,38 @@ class _HubCollector:
         return [drops, cuts, subs]
 
 
+class _HealthCollector:
+    """Exposes the device health reports' counters at scrape time."""
+
+    def __init__(self, health: HealthReports) -> None:
+        self._health = health
+
+    def collect(self) -> Iterable[Metric]:
+        health = self._health
+        waiting = GaugeMetricFamily(
+            "pleach_health_reports_waiting", "Device health reports not written yet"
+        )
+        waiting.add_metric([], health.waiting)
+        written = CounterMetricFamily(
+            "pleach_health_reports_written", "Device health reports written to the store"
+        )
+        written.add_metric([], health.written)
+        writes = CounterMetricFamily(
+            "pleach_health_writes", "Store transactions that wrote device health reports"
+        )
+        writes.add_metric([], health.writes)
+        dropped = CounterMetricFamily(
+            "pleach_health_reports_dropped",
+            "Device health reports never written (too many waited at once)",
+        )
+        dropped.add_metric([], health.dropped)
+        return [waiting, written, writes, dropped]
+
+
 class SyncMetrics:
     """Prometheus metrics of one server, in a private registry (servers never share one)."""
 
-    def __init__(self, hub: Hub) -> None:
+    def __init__(self, hub: Hub, health: HealthReports) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.connections = Gauge(
@@ -136,6 +164,7 @@ class SyncMetrics:
             "pleach_auth_failures", "Upgrade requests refused with 401", registry=r
         )
         r.register(_HubCollector(hub))
+        r.register(_HealthCollector(health))
         # Rates over the last minute, for the /status page.
         self.push_rate = RateWindow()
         self.fanout_rate = RateWindow()
@@ -291,15 +320,15 @@ class SyncServer:
         self._admin_token = admin_token
         self.hub = Hub(fanout_queue)
         self.notifier: Notifier = notifier if notifier is not None else LocalNotifier()
-        self.metrics = SyncMetrics(self.hub)
+        # Device health reports, written a second's worth at a time.
+        self.health = HealthReports(store, flush_after=health_flush_s)
+        self.metrics = SyncMetrics(self.hub, self.health)
         # OpenTelemetry spans of pushes and pulls (no-op without an exporter or provider);
         # a device's flush span, named in Push.trace, is a push span's parent.
         self.spans = Spans(
             exporter=span_exporter, tracer_provider=tracer_provider, service_name="pleach-server"
         )
         self.clock = HybridClock(self.server_id, max_skew_ms=max_clock_skew_ms)
-        # Device health reports, written a second's worth at a time.
-        self.health = HealthReports(store, flush_after=health_flush_s)
         burst = (
             rate_limit_burst
             if rate_limit_burst is not None

@@ -33,6 +33,7 @@ from shared.messages import (
     MAX_PROTOCOL,
     PROTOCOL_VERSION,
     Changes,
+    Health,
     Hello,
     Pull,
     Push,
@@ -994,6 +995,51 @@ async def test_metrics_exposition(srv: SyncServer) -> None:
     assert samples["pleach_push_seconds_count"] == 2
     for name in ("pleach_conflicts_total", "pleach_fanout_drops_total", "pleach_errors"):
         assert name in text
+
+
+async def test_health_reports_wait_in_memory_and_are_written_together(
+    make_server: ServerFactory, store: SQLiteServerStore
+) -> None:
+    """Reports of many devices cost one transaction: they wait in memory (here, for an hour)
+    and the status page writes them before it reads; ``/metrics`` counts both."""
+    srv = await make_server(health_flush_s=3600)
+    devices = [Device(new_tenant()) for _ in range(3)]
+    async with contextlib.AsyncExitStack() as stack:
+        for n, dev in enumerate(devices):
+            client = await stack.enter_async_context(device(srv, dev))
+            await client.send(Health(pending=n, dead_letters=0, cursor=0))
+            await client.pull(0)  # answered after the report: the server has taken it
+    orgs = {d.tenant.org_id for d in devices}
+    assert [r for r in await store.list_health() if r.org_id in orgs] == []
+    _, _, body = await http_get(srv.port, "/metrics")
+    samples = dict(ln.rpartition(" ")[::2] for ln in body.decode().splitlines() if ln[:1] != "#")
+    assert float(samples["pleach_health_reports_waiting"]) == 3
+    assert float(samples["pleach_health_writes_total"]) == 0
+    report = await srv.status_report()
+    shown = {d.client_id: d.pending for u in report.users for d in u.devices}
+    assert {dev.client_id: shown.get(dev.client_id) for dev in devices} == {
+        dev.client_id: n for n, dev in enumerate(devices)
+    }
+    _, _, body = await http_get(srv.port, "/metrics")
+    samples = dict(ln.rpartition(" ")[::2] for ln in body.decode().splitlines() if ln[:1] != "#")
+    assert float(samples["pleach_health_reports_waiting"]) == 0
+    assert float(samples["pleach_health_reports_written_total"]) == 3
+    assert float(samples["pleach_health_writes_total"]) == 1
+
+
+async def test_health_reports_are_written_at_shutdown(
+    make_server: ServerFactory, store: SQLiteServerStore
+) -> None:
+    srv = await make_server(health_flush_s=3600)
+    dev = Device(new_tenant())
+    async with device(srv, dev) as client:
+        await client.send(Health(pending=7, dead_letters=0, cursor=0))
+        await client.pull(0)
+    await srv.shutdown()
+    rows = [r for r in await store.list_health() if r.org_id == dev.tenant.org_id]
+    assert [(r.client_id, msgspec.msgpack.decode(r.health, type=Health).pending) for r in rows] == [
+        (dev.client_id, 7)
+    ]
 
 
 async def test_metrics_behind_a_token_when_one_is_set(make_server: ServerFactory) -> None:
