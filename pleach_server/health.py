@@ -143,6 +143,7 @@ class HealthReports:
             log.warning("%d device health report(s) not written at close: %s", self.waiting, exc)
 
     async def _run(self) -> None:
+        failing = False  # (a store that stays down is said once, and again when it is back)
         while True:
             await self._due.wait()
             # The reports of the next ``flush_after`` seconds join this write.
@@ -151,9 +152,15 @@ class HealthReports:
             try:
                 await self.flush()
             except (StorageError, StorageUnavailable) as exc:
-                # They wait again; the next report (or the heartbeat) brings the next try.
-                log.warning("%d device health report(s) not written: %s", self.waiting, exc)
+                # They wait again, and are tried again after ``flush_after``.
+                level = logging.DEBUG if failing else logging.WARNING
+                log.log(level, "%d device health report(s) not written: %s", self.waiting, exc)
+                failing = True
                 self._due.set()
             except Exception:
                 log.exception("device health reports not written")
                 self._due.set()
+            else:
+                if failing:
+                    log.warning("device health reports written again")
+                failing = False

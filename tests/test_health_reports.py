@@ -88,6 +88,28 @@ async def test_the_writer_writes_what_waits_by_itself(store: FailingWrites) -> N
         await reports.close()
 
 
+async def test_the_writer_tries_again_after_a_failed_write(
+    store: FailingWrites, caplog: pytest.LogCaptureFixture
+) -> None:
+    tenant = new_tenant()
+    reports = HealthReports(store, flush_after=0.0)
+    store.fail = 3  # the store is down for three tries
+    reports.start()
+    try:
+        reports.put(report(tenant, "laptop", b"kept", 1.0))
+        async with asyncio.timeout(10):
+            await store.written.wait()
+    finally:
+        await reports.close()
+    assert store.calls == [1, 1, 1, 1]
+    assert await kept(store, tenant) == {(tenant.user_id, "laptop"): b"kept"}
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert said == [
+        "1 device health report(s) not written: injected: the write did not happen",
+        "device health reports written again",
+    ]
+
+
 async def test_a_failed_write_keeps_the_reports_and_a_newer_one_wins(
     store: FailingWrites,
 ) -> None:
