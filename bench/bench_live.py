@@ -24,7 +24,9 @@ plain relay's. One note line gives each hop's fsync policy.
 It runs on both server stores: SQLite (a temporary file) and PostgreSQL
 (``PLEACH_TEST_PG_DSN``; skipped, with the reason printed, when it does not answer). CPU used
 by the client process, the server process and PostgreSQL during the window is printed, so the
-load can be read as "loaded" or "saturated".
+load can be read as "loaded" or "saturated"; the server's CPU a turn is also set beside the
+durable relay's a frame, and the devices' health reports the server wrote beside the store
+transactions they took (``pleach_server.health``: a second's reports in one).
 
 Run ``python -m bench.bench_live [--quick]`` (``--help`` for the pace and sizes).
 """
@@ -321,6 +323,8 @@ class LiveResult:
     pg_cpu: float
     push_mean: float  # seconds per push batch on the server during the window
     pushes: float  # push batches the server handled during the window
+    health_reports: float = 0.0  # device health reports the server wrote during the window
+    health_writes: float = 0.0  # the store transactions they took
 
 
 async def live(
@@ -407,6 +411,10 @@ async def live(
     key = "pleach_push_seconds"
     pushes = m1.get(f"{key}_count", 0.0) - m0.get(f"{key}_count", 0.0)
     push_sum = m1.get(f"{key}_sum", 0.0) - m0.get(f"{key}_sum", 0.0)
+
+    def grew(name: str) -> float:
+        return m1.get(name, 0.0) - m0.get(name, 0.0)
+
     return LiveResult(
         samples,
         len(samples),
@@ -416,6 +424,8 @@ async def live(
         pg_cpu,
         push_sum / pushes if pushes else float("nan"),
         pushes,
+        grew("pleach_health_reports_written_total"),
+        grew("pleach_health_writes_total"),
     )
 
 
@@ -606,6 +616,20 @@ def live_rows(label: str, r: LiveResult, relay: RelayResult, durable: RelayResul
         Row(f"{label}:   turns committed (all devices)", r.turns / window, "turns/s"),
         Row(f"{label}:   CPU, client process (100 devices)", r.client_cpu / window * 100, "% core"),
         Row(f"{label}:   CPU, pleach-server process", r.server_cpu / window * 100, "% core"),
+        Row(
+            f"{label}:   CPU, pleach-server process, per turn",
+            r.server_cpu / max(1, r.turns) * 1e3,
+            "ms",
+            "durable relay, a frame",
+            durable.server_cpu / max(1, len(durable.samples)) * 1e3,
+        ),
+        Row(
+            f"{label}:   device health reports written",
+            r.health_reports / window,
+            "reports/s",
+            "its transactions",
+            r.health_writes / window,
+        ),
         *(
             [Row(f"{label}:   CPU, postgres processes", r.pg_cpu / window * 100, "% core")]
             if r.pg_cpu
