@@ -5,8 +5,8 @@ most once a second, and every 30 s when nothing does (``pleach_client.sync``). A
 device's cursor and last flush change at every turn it writes and every page it applies, so
 each connected device reports about once a second. Written as it came, each report was a
 durable transaction of its own (an fsync on SQLite, a WAL flush on PostgreSQL): with 100
-devices writing a turn every two seconds (``bench_live``), the server committed two health
-reports for every push, and they took about a third of its CPU.
+devices writing a turn every two seconds (``bench_live``), the server committed about two
+health reports (1.7) for every push, and they took a fifth to a third of its CPU.
 
 ``HealthReports`` is the one owner of the reports not yet written: the latest of each device
 (a newer report replaces the one waiting), written together in one transaction
@@ -151,7 +151,7 @@ class HealthReports:
             self._due.clear()
             try:
                 await self.flush()
-            except (StorageError, StorageUnavailable) as exc:
+            except (StorageError, StorageUnavailable, InvalidState) as exc:
                 # They wait again, and are tried again after ``flush_after``.
                 level = logging.DEBUG if failing else logging.WARNING
                 log.log(level, "%d device health report(s) not written: %s", self.waiting, exc)
