@@ -6,7 +6,7 @@ device's cursor and last flush change at every turn it writes and every page it 
 each connected device reports about once a second. Written as it came, each report was a
 durable transaction of its own (an fsync on SQLite, a WAL flush on PostgreSQL): with 100
 devices writing a turn every two seconds (``bench_live``), the server committed about two
-health reports (1.7) for every push, and they took a fifth to a third of its CPU.
+health reports (1.7) for every push, and they took a fifth to a third of its CPU (SQLite).
 
 ``HealthReports`` is the one owner of the reports not yet written: the latest of each device
 (a newer report replaces the one waiting), written together in one transaction
