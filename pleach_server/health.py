@@ -19,8 +19,9 @@ With several server processes, a page served by one process shows another's repo
 that process's last write (at most ``flush_after`` old).
 
 A report is observation, never user data: nothing a device wrote waits here. The waiting
-reports are bounded (``max_pending`` devices; past that the oldest waiting report goes, and
-is counted), as is what the store keeps (``MAX_DEVICES_PER_TENANT`` per tenant).
+reports are bounded (``max_pending`` devices and ``max_bytes``; past either the oldest waiting
+report goes, and is counted), as is what the store keeps (``MAX_DEVICES_PER_TENANT`` per
+tenant).
 """
 
 from __future__ import annotations
@@ -33,7 +34,13 @@ from shared.errors import InvalidState, StorageError, StorageUnavailable
 
 from .store.base import DeviceHealth, ServerStore
 
-__all__ = ["DEFAULT_FLUSH_AFTER_S", "DEFAULT_MAX_PENDING", "HealthReports", "kept_after_failure"]
+__all__ = [
+    "DEFAULT_FLUSH_AFTER_S",
+    "DEFAULT_MAX_PENDING",
+    "DEFAULT_MAX_PENDING_BYTES",
+    "HealthReports",
+    "kept_after_failure",
+]
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +48,10 @@ DEFAULT_FLUSH_AFTER_S = 1.0
 """How long a report may wait before it is written: the reports of that second share one
 transaction."""
 DEFAULT_MAX_PENDING = 10_000
-"""How many devices' reports may wait at once (a few hundred bytes each)."""
+"""How many devices' reports may wait at once (about a hundred bytes each, usually)."""
+DEFAULT_MAX_PENDING_BYTES = 8 << 20
+"""How many bytes of reports may wait at once (a report is at most about 12 KB: its texts
+and its ten conflicts are bounded by the protocol)."""
 
 Key = tuple[str, str, str]
 """A device: its org, user and client id."""
@@ -52,15 +62,20 @@ def key_of(report: DeviceHealth) -> Key:
 
 
 def kept_after_failure(
-    failed: dict[Key, DeviceHealth], waiting: dict[Key, DeviceHealth], max_pending: int
+    failed: dict[Key, DeviceHealth],
+    waiting: dict[Key, DeviceHealth],
+    max_pending: int,
+    max_bytes: int,
 ) -> dict[Key, DeviceHealth]:
     """What waits after a write of ``failed`` did not happen, while ``waiting`` came in: every
     device's newest report (one that came meanwhile replaces the failed one), the failed ones
-    first (they are older), at most ``max_pending`` of them, the oldest going first."""
+    first (they are older), at most ``max_pending`` of them and ``max_bytes`` of their
+    bodies, the oldest going first (the newest always stays)."""
     kept = {k: r for k, r in failed.items() if k not in waiting}
     kept.update(waiting)
-    while len(kept) > max_pending:
-        kept.pop(next(iter(kept)))
+    size = sum(len(r.health) for r in kept.values())
+    while len(kept) > 1 and (len(kept) > max_pending or size > max_bytes):
+        size -= len(kept.pop(next(iter(kept))).health)
     return kept
 
 
@@ -74,15 +89,20 @@ class HealthReports:
         *,
         flush_after: float = DEFAULT_FLUSH_AFTER_S,
         max_pending: int = DEFAULT_MAX_PENDING,
+        max_bytes: int = DEFAULT_MAX_PENDING_BYTES,
     ) -> None:
         if flush_after < 0:
             raise ValueError(f"flush_after must not be negative, got {flush_after}")
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be at least 1, got {max_bytes}")
         self._store = store
         self.flush_after = flush_after
         self.max_pending = max_pending
+        self.max_bytes = max_bytes
         self._waiting: dict[Key, DeviceHealth] = {}  # oldest first
+        self._bytes = 0  # of the waiting reports' bodies
         self._due = asyncio.Event()
         self._lock = asyncio.Lock()  # one write at a time, in the order reports came
         self._task: asyncio.Task[None] | None = None
@@ -104,27 +124,37 @@ class HealthReports:
             self._task = asyncio.create_task(self._run(), name="pleach-health-reports")
 
     def put(self, report: DeviceHealth) -> None:
-        """Keep ``report`` as its device's latest; it is written within ``flush_after``."""
+        """Keep ``report`` as its device's latest; it is written within ``flush_after``. Past
+        ``max_pending`` reports or ``max_bytes``, the oldest waiting go (and are counted)."""
         key = key_of(report)
         waiting = self._waiting
-        if waiting.pop(key, None) is None and len(waiting) >= self.max_pending:
-            waiting.pop(next(iter(waiting)))
-            self.dropped += 1
+        replaced = waiting.pop(key, None)
+        if replaced is not None:
+            self._bytes -= len(replaced.health)
         waiting[key] = report  # the newest last
+        self._bytes += len(report.health)
+        while len(waiting) > 1 and (
+            len(waiting) > self.max_pending or self._bytes > self.max_bytes
+        ):
+            self._bytes -= len(waiting.pop(next(iter(waiting))).health)
+            self.dropped += 1
         self._due.set()
 
     async def flush(self) -> int:
         """Write every report waiting now, in one transaction; how many. On a failure they
         wait again (a newer report of a device that came meanwhile wins) and it raises."""
         async with self._lock:
-            batch, self._waiting = self._waiting, {}
+            batch, self._waiting, self._bytes = self._waiting, {}, 0
             if not batch:
                 return 0
             try:
                 await self._store.put_health(list(batch.values()))
             except BaseException:
                 came = len(self._waiting) + sum(1 for k in batch if k not in self._waiting)
-                self._waiting = kept_after_failure(batch, self._waiting, self.max_pending)
+                self._waiting = kept_after_failure(
+                    batch, self._waiting, self.max_pending, self.max_bytes
+                )
+                self._bytes = sum(len(r.health) for r in self._waiting.values())
                 self.dropped += came - len(self._waiting)
                 raise
             self.written += len(batch)

@@ -162,12 +162,30 @@ async def test_waiting_reports_are_bounded(store: FailingWrites) -> None:
     assert set(await kept(store, tenant)) == {(tenant.user_id, f"dev-{d}") for d in (6, 7, 8, 9)}
 
 
+async def test_waiting_bytes_are_bounded(store: FailingWrites) -> None:
+    """Large reports (the protocol allows about 12 KB) are bounded by their bytes too; the
+    newest report always waits, whatever its size."""
+    tenant = new_tenant()
+    reports = HealthReports(store, flush_after=3600, max_bytes=1000)
+    for d in range(5):
+        reports.put(report(tenant, f"dev-{d}", b"x" * 300, float(d)))
+    assert reports.waiting == 3 and reports.dropped == 2  # 900 bytes of the newest three
+    reports.put(report(tenant, "dev-3", b"y" * 100, 9.0))  # replaces its 300: 700 bytes
+    assert reports.waiting == 3 and reports.dropped == 2
+    reports.put(report(tenant, "huge", b"z" * 5000, 10.0))
+    assert reports.waiting == 1 and reports.dropped == 5
+    assert await reports.flush() == 1
+    assert set(await kept(store, tenant)) == {(tenant.user_id, "huge")}
+
+
 def test_bad_settings_are_refused(tmp_path: Path) -> None:
     store = SQLiteServerStore(tmp_path / "unused.db")
     with pytest.raises(ValueError, match="flush_after"):
         HealthReports(store, flush_after=-1)
     with pytest.raises(ValueError, match="max_pending"):
         HealthReports(store, max_pending=0)
+    with pytest.raises(ValueError, match="max_bytes"):
+        HealthReports(store, max_bytes=0)
 
 
 # -- generated ----------------------------------------------------------------------------------
@@ -183,7 +201,8 @@ async def test_generated_reports_writes_and_failures(store: FailingWrites, seed:
     tenants = [new_tenant() for _ in range(3)]
     devices = [(t, f"dev-{d}") for t in tenants for d in range(rng.choice([3, 8, 70]))]
     bound = rng.choice([2, 5, 10_000])
-    reports = HealthReports(store, flush_after=3600, max_pending=bound)
+    byte_bound = rng.choice([200, 1 << 20])
+    reports = HealthReports(store, flush_after=3600, max_pending=bound, max_bytes=byte_bound)
     newest: dict[tuple[str, str], tuple[float, bytes]] = {}
     seen: dict[tuple[str, str], float] = {}
     clock = 0.0
@@ -192,7 +211,7 @@ async def test_generated_reports_writes_and_failures(store: FailingWrites, seed:
         if roll < 0.8:
             tenant, client = rng.choice(devices)
             clock += 1.0
-            body = f"{client}@{clock}".encode()
+            body = f"{client}@{clock}".encode() + b"." * rng.choice([0, 0, 40, 150])
             reports.put(report(tenant, client, body, clock))
             newest[(tenant.user_id, client)] = (clock, body)
         else:
@@ -206,6 +225,8 @@ async def test_generated_reports_writes_and_failures(store: FailingWrites, seed:
                 assert r.seen_at >= seen.get(key, 0.0), f"{key} went back (seed {seed})"
                 seen[key] = r.seen_at
         assert reports.waiting <= bound
+        waiting = sum(len(r.health) for r in reports._waiting.values())
+        assert reports.waiting == 1 or waiting <= byte_bound
     store.fail = 0
     await reports.flush()
     held = {
@@ -215,7 +236,7 @@ async def test_generated_reports_writes_and_failures(store: FailingWrites, seed:
     stale = [k for k, v in newest.items() if held.get(k) != v]
     trimmed = sum(max(0, n - MAX_DEVICES_PER_TENANT) for n in per_user.values())
     assert len(stale) <= reports.dropped + trimmed, (seed, stale[:5], reports.dropped)
-    if bound == 10_000:
+    if bound == 10_000 and byte_bound == 1 << 20:
         assert reports.dropped == 0
     if reports.dropped == 0:
         for user, n in per_user.items():
@@ -232,22 +253,32 @@ keys = st.tuples(st.sampled_from("ab"), st.sampled_from("xy"), st.sampled_from("
     st.dictionaries(keys, st.floats(0, 100), max_size=12),
     st.dictionaries(keys, st.floats(101, 200), max_size=12),
     st.integers(1, 30),
+    st.integers(1, 400),
 )
 def test_kept_after_failure(
     failed: dict[tuple[str, str, str], float],
     waiting: dict[tuple[str, str, str], float],
     bound: int,
+    byte_bound: int,
 ) -> None:
     def as_reports(
         d: dict[tuple[str, str, str], float],
     ) -> dict[tuple[str, str, str], DeviceHealth]:
         return {
-            k: DeviceHealth(org_id=k[0], user_id=k[1], client_id=k[2], seen_at=v, health=b"")
+            k: DeviceHealth(
+                org_id=k[0], user_id=k[1], client_id=k[2], seen_at=v, health=b"h" * len(k[2]) * 10
+            )
             for k, v in d.items()
         }
 
-    out = kept_after_failure(as_reports(failed), as_reports(waiting), bound)
+    out = kept_after_failure(as_reports(failed), as_reports(waiting), bound, byte_bound)
     everyone = [*(k for k in failed if k not in waiting), *waiting]
-    assert list(out) == everyone[max(0, len(everyone) - bound) :]  # the oldest go first
+    # The newest that fit both bounds, the oldest going first (the newest always stays).
+    fit, size = 0, 0
+    for k in reversed(everyone):
+        if fit and (fit + 1 > bound or size + 10 * len(k[2]) > byte_bound):
+            break
+        fit, size = fit + 1, size + 10 * len(k[2])
+    assert list(out) == everyone[len(everyone) - fit :]
     for k, r in out.items():
         assert r.seen_at == (waiting[k] if k in waiting else failed[k])  # the newer one wins
