@@ -631,16 +631,7 @@ class Connection:
         # The version this connection agreed, never the device's word for it.
         health = msgspec.structs.replace(health, protocol=self.protocol.version or 0)
         body = self._health_codec.encode(health)
-        tenant = self.tenant
-        self.ctx.health.put(
-            DeviceHealth(
-                org_id=tenant.org_id,
-                user_id=tenant.user_id,
-                client_id=self.client_id,
-                seen_at=time.time(),
-                health=body,
-            )
-        )
+        self.ctx.health.put(DeviceHealth.of(self.tenant, self.client_id, body, time.time()))
 
     def _count_results(self, results: list[ChangeResult]) -> None:
         metrics = self.ctx.metrics

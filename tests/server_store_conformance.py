@@ -62,15 +62,8 @@ TxWrapper = Callable[[StoreTx], StoreTx]
 StoredRows = Callable[[Tenant], Awaitable[set[tuple[str, str]]]]
 
 
-def report(tenant: Tenant, client_id: str, health: bytes, seen_at: float) -> DeviceHealth:
-    """A device's health report as a server keeps it."""
-    return DeviceHealth(
-        org_id=tenant.org_id,
-        user_id=tenant.user_id,
-        client_id=client_id,
-        seen_at=seen_at,
-        health=health,
-    )
+report = DeviceHealth.of
+"""A device's health report as a server keeps it."""
 
 
 class MakeStore(Protocol):

@@ -64,13 +64,7 @@ def rates() -> ServerRates:
 
 def row(tenant: Tenant, client_id: str, health: Health | bytes, seen_at: float) -> DeviceHealth:
     body = health if isinstance(health, bytes) else msgspec.msgpack.encode(health)
-    return DeviceHealth(
-        org_id=tenant.org_id,
-        user_id=tenant.user_id,
-        client_id=client_id,
-        seen_at=seen_at,
-        health=body,
-    )
+    return DeviceHealth.of(tenant, client_id, body, seen_at)
 
 
 @pytest.mark.parametrize(

@@ -78,6 +78,17 @@ class DeviceHealth(msgspec.Struct, kw_only=True):
     seen_at: float
     health: bytes
 
+    @classmethod
+    def of(cls, tenant: Tenant, client_id: str, health: bytes, seen_at: float) -> DeviceHealth:
+        """The report ``health`` of ``tenant``'s device ``client_id``, seen at ``seen_at``."""
+        return cls(
+            org_id=tenant.org_id,
+            user_id=tenant.user_id,
+            client_id=client_id,
+            seen_at=seen_at,
+            health=health,
+        )
+
 
 MAX_DEVICES_PER_TENANT = 64
 """How many devices' health a store keeps per tenant; the least recently seen go first."""
