@@ -12,7 +12,12 @@ same run, on the same machine):
   them, as their compact bytes (``bodies``); ``store`` rows pass the same bytes. ``x2`` splits
   the devices across two processes sharing one PostgreSQL database.
 
-No thresholds: this prints figures (docs/POSTGRES.md quotes a run). Bounded: well under 60 s
+Each row is measured ``--rounds`` times (3), the rounds taken in turn (every row once, then
+every row again), and the run of the median rate is printed: on a shared machine one run of a
+row against one run of another moved the PostgreSQL server's ratio from 0.66x to 1.09x between
+runs of the same code. Each round's ratios of the server rows are printed below the table.
+
+No thresholds: this prints figures (docs/POSTGRES.md quotes a run). Bounded: about a minute
 with the defaults. Run ``python -m bench.bench_push`` (``--help`` for sizes and the DSN).
 """
 
@@ -231,8 +236,9 @@ async def drop_schema(dsn: str, schema: str) -> None:
 Row = tuple[str, str, int, float]
 
 
-async def run(args: argparse.Namespace) -> list[Row]:
-    rows: list[Row] = []
+async def run(args: argparse.Namespace) -> list[list[Row]]:
+    """Every row, once a round, the rounds taken in turn; each round's rows in order."""
+    rounds: list[list[Row]] = []
     schema = f"pleach_bench_{uuid7().replace('-', '')}"
 
     def workloads(devices: int) -> list[Workload]:
@@ -243,56 +249,90 @@ async def run(args: argparse.Namespace) -> list[Row]:
     ) -> None:
         ws = workloads(devices)
         seconds = await go(ws)
-        rows.append((label, kind, sum(w.changes for w in ws), seconds))
+        rounds[-1].append((label, kind, sum(w.changes for w in ws), seconds))
 
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            async with SQLiteServerStore(Path(tmp) / "direct.db") as sqlite_store:
-                await measure(
-                    "SQLite", "store, 1 device", 1, lambda w: push_direct(sqlite_store, w)
-                )
-                await measure(
-                    "SQLite",
-                    f"store, {args.devices} tenants",
-                    args.devices,
-                    lambda w: push_direct(sqlite_store, w),
-                )
-            async with PostgresServerStore(
-                args.dsn, schema=schema, pool_max=args.devices + 2
-            ) as pg:
-                await measure("PostgreSQL", "store, 1 device", 1, lambda w: push_direct(pg, w))
-                await measure(
-                    "PostgreSQL",
-                    f"store, {args.devices} tenants",
-                    args.devices,
-                    lambda w: push_direct(pg, w),
-                )
-            if not args.no_servers:
-                kind = f"server, {args.devices} devices"
-                async with servers(str(Path(tmp) / "server.db"), None, 1) as one:
-                    await measure(
-                        "SQLite x1",
-                        kind,
-                        args.devices,
-                        lambda w: push_over_websockets([s.url for s in one], w),
-                    )
-                async with servers(args.dsn, schema, 1) as one:
-                    await measure(
-                        "PostgreSQL x1",
-                        kind,
-                        args.devices,
-                        lambda w: push_over_websockets([s.url for s in one], w),
-                    )
-                async with servers(args.dsn, schema, 2) as two:
-                    await measure(
-                        "PostgreSQL x2",
-                        kind,
-                        args.devices,
-                        lambda w: push_over_websockets([s.url for s in two], w),
-                    )
+            for _ in range(args.rounds):
+                rounds.append([])
+                await _round(args, Path(tmp), schema, measure)
         finally:
             await drop_schema(args.dsn, schema)
-    return rows
+    return rounds
+
+
+Measure = Callable[[str, str, int, Callable[[list[Workload]], Awaitable[float]]], Awaitable[None]]
+
+
+async def _round(args: argparse.Namespace, tmp: Path, schema: str, measure: Measure) -> None:
+    """Every row once (the same files and schema each round: new tenants each time)."""
+    async with SQLiteServerStore(tmp / "direct.db") as sqlite_store:
+        await measure("SQLite", "store, 1 device", 1, lambda w: push_direct(sqlite_store, w))
+        await measure(
+            "SQLite",
+            f"store, {args.devices} tenants",
+            args.devices,
+            lambda w: push_direct(sqlite_store, w),
+        )
+    async with PostgresServerStore(args.dsn, schema=schema, pool_max=args.devices + 2) as pg:
+        await measure("PostgreSQL", "store, 1 device", 1, lambda w: push_direct(pg, w))
+        await measure(
+            "PostgreSQL",
+            f"store, {args.devices} tenants",
+            args.devices,
+            lambda w: push_direct(pg, w),
+        )
+    if not args.no_servers:
+        kind = f"server, {args.devices} devices"
+        async with servers(str(tmp / "server.db"), None, 1) as one:
+            await measure(
+                "SQLite x1",
+                kind,
+                args.devices,
+                lambda w: push_over_websockets([s.url for s in one], w),
+            )
+        async with servers(args.dsn, schema, 1) as one:
+            await measure(
+                "PostgreSQL x1",
+                kind,
+                args.devices,
+                lambda w: push_over_websockets([s.url for s in one], w),
+            )
+        async with servers(args.dsn, schema, 2) as two:
+            await measure(
+                "PostgreSQL x2",
+                kind,
+                args.devices,
+                lambda w: push_over_websockets([s.url for s in two], w),
+            )
+
+
+def _rate(row: Row) -> float:
+    return row[2] / row[3]
+
+
+def median_rows(rounds: list[list[Row]]) -> list[Row]:
+    """Of each row, the run of the median rate over the rounds (the lower middle of an even
+    number), in the rows' order."""
+    picked: list[Row] = []
+    for runs in zip(*rounds, strict=True):
+        ordered = sorted(runs, key=_rate)
+        picked.append(ordered[(len(ordered) - 1) // 2])
+    return picked
+
+
+def round_ratios(rounds: list[list[Row]]) -> list[str]:
+    """Each round's ratio of every PostgreSQL server row to the SQLite server row."""
+    lines = []
+    for at, rows in enumerate(rounds, 1):
+        base = {kind: _rate(r) for r in rows if (kind := r[1]) and r[0].startswith("SQLite")}
+        parts = []
+        for label, kind, changes, seconds in rows:
+            if kind.startswith("server") and not label.startswith("SQLite") and kind in base:
+                parts.append(f"{label} {changes / seconds / base[kind]:.2f}x")
+        if parts:
+            lines.append(f"round {at}: " + ", ".join(parts))
+    return lines
 
 
 def render(rows: list[Row]) -> str:
@@ -321,10 +361,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--changes", type=int, default=10, help="changes per push (10)")
     parser.add_argument("--devices", type=int, default=8, help="concurrent devices (8)")
     parser.add_argument("--no-servers", action="store_true", help="store rows only")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds, taken in turn; the median is printed (3)"
+    )
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     started = time.perf_counter()
-    rows = asyncio.run(run(args))
-    print(render(rows))
+    rounds = asyncio.run(run(args))
+    print(render(median_rows(rounds)))
+    if len(rounds) > 1:
+        print(f"\nthe median of {len(rounds)} rounds taken in turn; the server rows by round:")
+        for line in round_ratios(rounds):
+            print(f"  {line}")
     print(
         f"\n{args.batches} pushes x {args.changes} changes per device; "
         f"total {time.perf_counter() - started:.1f}s"
