@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import os
 import sys
 import tempfile
@@ -266,45 +267,26 @@ Measure = Callable[[str, str, int, Callable[[list[Workload]], Awaitable[float]]]
 
 async def _round(args: argparse.Namespace, tmp: Path, schema: str, measure: Measure) -> None:
     """Every row once (the same files and schema each round: new tenants each time)."""
-    async with SQLiteServerStore(tmp / "direct.db") as sqlite_store:
-        await measure("SQLite", "store, 1 device", 1, lambda w: push_direct(sqlite_store, w))
-        await measure(
-            "SQLite",
-            f"store, {args.devices} tenants",
-            args.devices,
-            lambda w: push_direct(sqlite_store, w),
-        )
-    async with PostgresServerStore(args.dsn, schema=schema, pool_max=args.devices + 2) as pg:
-        await measure("PostgreSQL", "store, 1 device", 1, lambda w: push_direct(pg, w))
-        await measure(
-            "PostgreSQL",
-            f"store, {args.devices} tenants",
-            args.devices,
-            lambda w: push_direct(pg, w),
-        )
-    if not args.no_servers:
-        kind = f"server, {args.devices} devices"
-        async with servers(str(tmp / "server.db"), None, 1) as one:
-            await measure(
-                "SQLite x1",
-                kind,
-                args.devices,
-                lambda w: push_over_websockets([s.url for s in one], w),
-            )
-        async with servers(args.dsn, schema, 1) as one:
-            await measure(
-                "PostgreSQL x1",
-                kind,
-                args.devices,
-                lambda w: push_over_websockets([s.url for s in one], w),
-            )
-        async with servers(args.dsn, schema, 2) as two:
-            await measure(
-                "PostgreSQL x2",
-                kind,
-                args.devices,
-                lambda w: push_over_websockets([s.url for s in two], w),
-            )
+    stores: list[tuple[str, contextlib.AbstractAsyncContextManager[ServerStore]]] = [
+        ("SQLite", SQLiteServerStore(tmp / "direct.db")),
+        ("PostgreSQL", PostgresServerStore(args.dsn, schema=schema, pool_max=args.devices + 2)),
+    ]
+    for label, opening in stores:
+        async with opening as store:
+            n = args.devices
+            for kind, devices in (("store, 1 device", 1), (f"store, {n} tenants", n)):
+                await measure(label, kind, devices, functools.partial(push_direct, store))
+    if args.no_servers:
+        return
+    kind = f"server, {args.devices} devices"
+    for label, db, in_schema, count in (
+        ("SQLite x1", str(tmp / "server.db"), None, 1),
+        ("PostgreSQL x1", args.dsn, schema, 1),
+        ("PostgreSQL x2", args.dsn, schema, 2),
+    ):
+        async with servers(db, in_schema, count) as running:
+            urls = [s.url for s in running]
+            await measure(label, kind, args.devices, functools.partial(push_over_websockets, urls))
 
 
 def _rate(row: Row) -> float:
@@ -325,7 +307,7 @@ def round_ratios(rounds: list[list[Row]]) -> list[str]:
     """Each round's ratio of every PostgreSQL server row to the SQLite server row."""
     lines = []
     for at, rows in enumerate(rounds, 1):
-        base = {kind: _rate(r) for r in rows if (kind := r[1]) and r[0].startswith("SQLite")}
+        base = {r[1]: _rate(r) for r in rows if r[0].startswith("SQLite")}
         parts = []
         for label, kind, changes, seconds in rows:
             if kind.startswith("server") and not label.startswith("SQLite") and kind in base:
