@@ -336,8 +336,6 @@ def _error_line(line: str, args: argparse.Namespace | None, no_color: bool = Fal
 
 
 async def _chat(args: argparse.Namespace) -> int:
-    from .runtime import SessionRuntime
-    from .store.sqlite import SQLiteAdapter
     from .stream import (
         ErrorEvent,
         MessageComplete,
@@ -348,10 +346,7 @@ async def _chat(args: argparse.Namespace) -> int:
         TurnComplete,
     )
 
-    provider = _provider(args.offline)
-    async with SessionRuntime(
-        SQLiteAdapter(args.db), provider, user_id=args.user, org_id=args.org
-    ) as rt:
+    async with _runtime(args, may_start=True, provider=_provider(args.offline)) as rt:
         if args.session:
             handle = await rt.resume_session(args.session)
             _out(
@@ -426,15 +421,17 @@ async def _chat(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _runtime(args: argparse.Namespace, *, may_start: bool = False) -> SessionRuntime:
+def _runtime(
+    args: argparse.Namespace, *, may_start: bool = False, provider: Provider | None = None
+) -> SessionRuntime:
     """The runtime of a command that reads the device file, which must exist unless the
-    command ``may_start`` a new device (``pleach sync``)."""
+    command ``may_start`` a new device (``pleach sync``, ``pleach chat``)."""
     from .runtime import SessionRuntime
     from .store.sqlite import SQLiteAdapter
 
     if not may_start:
         _existing_db(args)
-    return SessionRuntime(SQLiteAdapter(args.db), user_id=args.user, org_id=args.org)
+    return SessionRuntime(SQLiteAdapter(args.db), provider, user_id=args.user, org_id=args.org)
 
 
 def _existing_db(args: argparse.Namespace) -> str:
