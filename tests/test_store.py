@@ -620,8 +620,11 @@ async def test_a_file_made_before_incremental_vacuum_keeps_its_mode(
 
 async def test_events_keep_their_type_beside_the_body(db_path: Path) -> None:
     """A reader of some types reads only their rows; rows written before schema 3 (no type
-    beside the body) are read and sorted by their body, so none is missed."""
+    beside the body) are read and sorted by their body, so none is missed. Since schema 9 a
+    type in ``compact.WORDS`` is kept as its index's digits, any other as its text; rows of
+    schema 3-8 keep the text of every type, and are read by it."""
     kinds = ["message.added", "turn.complete", "checkpoint.created", "turn.complete", "error"]
+    kinds += ["my.plugin.event", "turn.complete"]
     events = [
         make_event(session_id="s-1", sequence_number=n, type=kind, payload={"n": n})
         for n, kind in enumerate(kinds, start=1)
@@ -631,19 +634,29 @@ async def test_events_keep_their_type_beside_the_body(db_path: Path) -> None:
     conn = raw(db_path)
     try:
         stored = dict(conn.execute("SELECT id, type FROM events").fetchall())
-        assert stored == {key(e.id): e.type for e in events}
-        # As a file migrated from schema 2 holds them: no type beside the older rows.
+        words = compact.WORDS
+        assert stored == {
+            key(e.id): str(words.index(e.type)) if e.type in words else e.type for e in events
+        }
+        assert stored[key(events[5].id)] == "my.plugin.event"  # no word: its text
+        # As a file migrated from schema 2 holds them: no type beside the older rows; and
+        # as schema 3-8 wrote them: the type's text.
         conn.execute("UPDATE events SET type = NULL WHERE sequence_number <= 2")
+        conn.execute("UPDATE events SET type = 'turn.complete' WHERE sequence_number = 7")
+        conn.commit()
         query = QUERIES["list_events_of_types"]
-        read = conn.execute(query, ("s-1", 0, '["error"]')).fetchall()
+        read = conn.execute(query, ("s-1", 0, sqlite_module._type_keys({"error"}))).fetchall()
         assert [unkey(row[0]) for row in read] == [events[0].id, events[1].id, events[4].id]
     finally:
         conn.close()
     async with SQLiteAdapter(db_path) as store:
         wanted = {"turn.complete", "error"}
-        assert await store.list_events("s-1", types=wanted) == [events[1], events[3], events[4]]
+        expected = [events[1], events[3], events[4], events[6]]
+        assert await store.list_events("s-1", types=wanted) == expected
         assert await store.list_events("s-1", types={"message.added"}) == [events[0]]
+        assert await store.list_events("s-1", types={"my.plugin.event"}) == [events[5]]
         assert await store.list_events("s-1") == events
+        assert await store.event_payloads("s-1", wanted) == [(e.type, e.payload) for e in expected]
 
 
 async def test_a_checkpoint_keeps_its_parent_beside_its_body(db_path: Path) -> None:
@@ -720,7 +733,7 @@ async def test_only_session_rows_of_the_outbox_are_indexed_by_record(db_path: Pa
     try:
         indexed = conn.execute(
             "SELECT count(*) FROM outbox INDEXED BY ix_outbox_session "
-            "WHERE kind = 'Session' AND record_id IS NOT NULL"
+            "WHERE kind = 0 AND record_id IS NOT NULL"
         ).fetchone()[0]
         names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
     finally:
@@ -898,6 +911,19 @@ def _a_history() -> list[Record]:
     ]
 
 
+def _in_schema_8_forms(conn: sqlite3.Connection, schema: str = "main") -> None:
+    """The rows of ``schema`` as a build before schema 9 wrote them: an outbox row's and a
+    dead letter's kind as its name, its created_at in seconds, an event's type as its
+    text."""
+    names = " ".join(f"WHEN '{code}' THEN '{name}'" for code, name in enumerate(compact.KINDS))
+    words = " ".join(f"WHEN '{i}' THEN '{word}'" for i, word in enumerate(compact.WORDS))
+    conn.execute(
+        f"UPDATE {schema}.outbox SET kind = CASE kind {names} END, created_at = created_at / 1000.0"
+    )
+    conn.execute(f"UPDATE {schema}.dead_letters SET kind = CASE kind {names} END")
+    conn.execute(f"UPDATE {schema}.events SET type = CASE type {words} ELSE type END")
+
+
 def _as_schema_4(source: Path, path: Path) -> None:
     """A file as schema 4 kept it (its tables, ids as text), holding ``source``'s rows."""
     conn = raw(path)
@@ -915,6 +941,7 @@ def _as_schema_4(source: Path, path: Path) -> None:
         conn.execute(
             f"INSERT INTO main.{table} ({', '.join(columns)}) SELECT {read} FROM new.{table}"
         )
+    _in_schema_8_forms(conn)
     conn.execute("DETACH DATABASE new")
     conn.close()
 
@@ -951,7 +978,7 @@ async def test_a_schema_4_file_migrates_its_ids_to_keys(db_path: Path, tmp_path:
     assert conn.execute("SELECT count(*) FROM events").fetchone()[0] == 2
     conn.close()
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 8
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 9
         for record in history:
             assert await read_back(store, record) == record
         session = history[0]
@@ -969,6 +996,58 @@ async def test_a_schema_4_file_migrates_its_ids_to_keys(db_path: Path, tmp_path:
     conn = raw(db_path)
     try:
         assert _uuid_texts(conn) == {}
+    finally:
+        conn.close()
+
+
+async def test_a_schema_8_file_keeps_its_outbox_and_log_through_schema_9(db_path: Path) -> None:
+    """Schema 9 keeps an outbox row's kind as its index in ``compact.KINDS`` and its
+    created_at in milliseconds, and a new event's type as its ``WORDS`` index. A file of
+    schema 8 (kinds by name, seconds, types as text) opens with its outbox as it was: every
+    entry with its time, a session's queued version found by the rebuilt index, the dead
+    letter; its events are read by type, and the rows written after it beside them."""
+    history = _a_history()
+    async with SQLiteAdapter(db_path) as store:
+        await commit(store, *history)
+        await store.outbox_dead_letter(2, 3007, "invalid")
+        before = await store.outbox_pending()
+        letters = await store.dead_letters()
+    conn = raw(db_path)
+    try:
+        _in_schema_8_forms(conn)
+        conn.execute("DROP INDEX ix_outbox_session")
+        conn.execute("CREATE INDEX ix_outbox_session ON outbox (record_id) WHERE kind = 'Session'")
+        conn.execute("PRAGMA user_version = 8")
+        conn.commit()
+        kinds = {k for (k,) in conn.execute("SELECT kind FROM outbox")}
+        assert kinds and kinds <= set(compact.KINDS)
+        assert {t for (t,) in conn.execute("SELECT type FROM events")} <= set(compact.WORDS)
+    finally:
+        conn.close()
+    session = history[0]
+    events = [r for r in history if type(r).__name__ == "Event"]
+    later = make_event(session_id=events[0].session_id, sequence_number=2, type=events[0].type)
+    async with SQLiteAdapter(db_path) as store:
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 9
+        assert await store.outbox_pending() == before
+        assert await store.dead_letters() == letters
+        assert await _session_queued(store, session.id)
+        assert await store.list_events(events[0].session_id, types={events[0].type}) == [events[0]]
+        await commit(store, later)
+        assert await store.list_events(later.session_id, types={later.type}) == [events[0], later]
+        pending = await store.outbox_pending()
+        assert pending[: len(before)] == before
+        assert [e.record for e in pending[len(before) :]] == [later]
+        assert pending[-1].created_at >= before[-1].created_at
+        assert await store.retry_dead_letter(letters[0].client_seq) is not None
+        assert (await store.outbox_pending())[-1].record == letters[0].record
+        assert await store.integrity_check() == []
+    conn = raw(db_path)
+    try:
+        kinds = {k for (k,) in conn.execute("SELECT kind FROM outbox")}
+        assert kinds <= {str(code) for code in range(len(compact.KINDS))}
+        times = [t for (t,) in conn.execute("SELECT created_at FROM outbox")]
+        assert all(t == int(t) and t > 10**12 for t in times)  # milliseconds
     finally:
         conn.close()
 

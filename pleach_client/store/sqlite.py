@@ -86,6 +86,15 @@ log = logging.getLogger("pleach.store")
 
 Synchronous = Literal["NORMAL", "FULL"]
 
+_KIND_CASE: Final = (
+    "CASE kind "
+    + " ".join(f"WHEN '{name}' THEN {code}" for code, name in enumerate(compact.KINDS))
+    + " ELSE kind END"
+)
+"""SQL: an outbox row's kind text as its index in ``compact.KINDS`` (schema 9)."""
+_KIND_CODE: Final = {name: code for code, name in enumerate(compact.KINDS)}
+_SESSION_KIND: Final = _KIND_CODE["Session"]
+
 # One tuple of statements per schema version; append, never edit a released step.
 _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     (  # 1: the initial schema
@@ -224,6 +233,20 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     # as corrupt rows. No table changes: the version is there so that such a build refuses
     # the file whole ("upgrade pleach"), as for any newer file, instead of failing row by row.
     ("SELECT 1",),
+    # 9: the outbox's kind as its index in ``compact.KINDS`` (0 a session; one character,
+    # by the column's text affinity) and its created_at as whole milliseconds (an integer
+    # on disk): the kind's name and a float were 12-22 bytes of each of the nine rows a
+    # turn queues. Dead letters keep their kind the same way. An event's type is written as
+    # the digits of its index in ``compact.WORDS`` when it is one of them (``_type_key``:
+    # one or two characters for 13-18); rows written before keep their text, which a read
+    # by type asks for too (``_type_keys``), so the log is not rewritten.
+    (
+        f"UPDATE outbox SET kind = {_KIND_CASE}, "
+        "created_at = CAST(round(created_at * 1000) AS INTEGER)",
+        f"UPDATE dead_letters SET kind = {_KIND_CASE}",
+        "DROP INDEX ix_outbox_session",
+        "CREATE INDEX ix_outbox_session ON outbox (record_id) WHERE kind = 0",
+    ),
 )
 SCHEMA_VERSION: Final = len(_MIGRATIONS)
 
@@ -345,7 +368,8 @@ _PUT_ARTIFACT = (
     "VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING"
 )
 _PURGE_CHECKPOINTS = (
-    "UPDATE outbox SET kind = 'Session', record_id = ?1, body = NULL WHERE kind = 'Checkpoint' "
+    f"UPDATE outbox SET kind = {_SESSION_KIND}, record_id = ?1, body = NULL "
+    f"WHERE kind = {_KIND_CODE['Checkpoint']} "
     "AND record_id IN (SELECT id FROM checkpoints WHERE session_id = ?1)",
     "DELETE FROM checkpoints WHERE session_id = ?1",
 )
@@ -382,7 +406,8 @@ _OUTBOX_BODY = (
     "COALESCE(o.body, " + ", ".join(f"t{i}.body" for i in range(len(_OUTBOX_TABLES))) + ")"
 )
 _OUTBOX_JOINS = " ".join(
-    f"LEFT JOIN {table} t{i} ON o.body IS NULL AND o.kind = '{kind}' AND t{i}.id = o.record_id"
+    f"LEFT JOIN {table} t{i} ON o.body IS NULL AND o.kind = {_KIND_CODE[kind]} "
+    f"AND t{i}.id = o.record_id"
     for i, (kind, table) in enumerate(_OUTBOX_TABLES.items())
 )
 
@@ -457,14 +482,16 @@ QUERIES: Final[dict[str, str]] = {
         "SELECT q.*, b.part, b.ids FROM ("
         f"SELECT o.client_seq, {_OUTBOX_BODY}, "
         "o.attempts, o.created_at, o.last_error_code, o.last_error_message, "
-        "o.body IS NULL AND o.kind = 'Session' AND EXISTS (SELECT 1 FROM outbox l "
-        "WHERE l.kind = 'Session' AND l.record_id = o.record_id AND l.body IS NULL "
+        f"o.body IS NULL AND o.kind = {_SESSION_KIND} AND EXISTS (SELECT 1 FROM outbox l "
+        f"WHERE l.kind = {_SESSION_KIND} AND l.record_id = o.record_id AND l.body IS NULL "
         "AND l.client_seq > o.client_seq), t0.ids_count, t0.id AS session_key "
         f"FROM outbox o {_OUTBOX_JOINS} WHERE o.client_seq > ? ORDER BY o.client_seq LIMIT ?"
         ") q LEFT JOIN session_ids b ON q.ids_count IS NOT NULL AND b.session_id = q.session_key"
     ),
     "outbox_count": "SELECT count(*) FROM outbox",
-    "session_queued": "SELECT 1 FROM outbox WHERE kind = 'Session' AND record_id = ? LIMIT 1",
+    "session_queued": (
+        f"SELECT 1 FROM outbox WHERE kind = {_SESSION_KIND} AND record_id = ? LIMIT 1"
+    ),
     "dead_letters": (
         "SELECT client_seq, body, code, message, attempts, failed_at "
         "FROM dead_letters ORDER BY client_seq"
@@ -725,7 +752,8 @@ def _entries_of(rows: Sequence[Any]) -> tuple[list[tuple[Any, ...]], dict[bytes,
                 session = _with_ids(session, key, int(count), blocks)
                 made = whole[(key, int(count))] = (compact.encode(session), session)
             body = made[0]
-        out.append((row[0], body, *row[2:7]))
+        # created_at in whole milliseconds (schema 9), an entry's in seconds
+        out.append((row[0], body, row[2], row[3] / 1000, *row[4:7]))
     return out, dict(whole.values())
 
 
@@ -737,14 +765,43 @@ def _outbox_entries(rows: Sequence[Any]) -> list[OutboxEntry]:
     )
 
 
+_OutboxRows = list[tuple[str | bytes, int, bytes | None]]
+"""Outbox rows to enqueue: the record's key, its kind's index in ``compact.KINDS``, a body
+(None: the row refers to its record)."""
+
+
+def _now_ms() -> int:
+    """An outbox row's ``created_at``: the time in whole milliseconds (schema 9)."""
+    return int(time.time() * 1000)
+
+
+_TYPE_KEYS: Final = {word: str(index) for index, word in enumerate(compact.WORDS)}
+
+
+def _type_key(event_type: str) -> str:
+    """An event's type as its column keeps it (schema 9): the digits of its index in
+    ``compact.WORDS`` (one or two characters), any other type as itself. (A type that is
+    itself such digits shares its key with a word: a read by type decodes each row's type
+    from its body and keeps only the types asked for.)"""
+    return _TYPE_KEYS.get(event_type, event_type)
+
+
+def _type_keys(types: Collection[str]) -> str:
+    """``list_events_of_types``' ``?3``: a JSON array of each type as a row may keep it, its
+    key (rows since schema 9) and its text (rows before)."""
+    texts = sorted(types)
+    keys = [_TYPE_KEYS[text] for text in texts if text in _TYPE_KEYS]
+    return msgspec.json.encode([*texts, *keys]).decode()
+
+
 def _encode_batch(
     records: Sequence[Record], bodies: compact.Bodies | None = None, layout: IdLayout = ID_LAYOUT
-) -> tuple[dict[str, list[tuple[Any, ...]]], list[tuple[str | bytes, str, bytes | None]]]:
+) -> tuple[dict[str, list[tuple[Any, ...]]], _OutboxRows]:
     """Rows per insert statement (in order of first appearance) and the outbox rows.
     ``bodies``: bytes some records arrived in (``WriteBatch.bodies``), stored as they are;
     ``layout``: where sessions keep their message ids."""
     groups: dict[str, list[tuple[Any, ...]]] = {}
-    outbox: list[tuple[str | bytes, str, bytes | None]] = []
+    outbox: _OutboxRows = []
     key: str | bytes
     encode = compact.encode if bodies is None else bodies.of
     for record in records:
@@ -778,7 +835,7 @@ def _encode_batch(
             case Event():
                 sql, key = _PUT_EVENT, _key(record.id)
                 session_key = _key(record.session_id)
-                row = (key, session_key, record.sequence_number, record.type, body)
+                row = (key, session_key, record.sequence_number, _type_key(record.type), body)
             case AuditRow():
                 sql, key = _PUT_AUDIT, _key(record.id)
                 row = (
@@ -796,7 +853,7 @@ def _encode_batch(
             case _:
                 raise StorageError(f"commit failed: not a record: {type(record).__name__}")
         groups.setdefault(sql, []).append(row)
-        outbox.append((key, type(record).__name__, None))
+        outbox.append((key, _KIND_CODE[type(record).__name__], None))
     return groups, outbox
 
 
@@ -998,8 +1055,9 @@ _KEEP = "NOT IN (SELECT pleach_key(value) FROM json_each(?2))"
 # refuses a gap) but turned into references to the deleted session's row: they send its
 # tombstone, and the contents never leave the device.
 _PURGE_SESSION = (
-    "UPDATE outbox SET kind = 'Session', record_id = ?1, body = NULL "
-    "WHERE kind IN ('Message', 'Checkpoint', 'ArtifactUpdate') AND record_id IN ("
+    f"UPDATE outbox SET kind = {_SESSION_KIND}, record_id = ?1, body = NULL WHERE kind IN "
+    f"({_KIND_CODE['Message']}, {_KIND_CODE['Checkpoint']}, {_KIND_CODE['ArtifactUpdate']}) "
+    "AND record_id IN ("
     f"SELECT id FROM messages WHERE session_id = ?1 AND id {_KEEP} "
     f"UNION ALL SELECT id FROM checkpoints WHERE session_id = ?1 AND id {_KEEP} "
     "UNION ALL SELECT id FROM artifact_updates WHERE session_id = ?1 "
@@ -1067,9 +1125,9 @@ def _write_batch_now(
     raw: sqlite3.Connection,
     batch: WriteBatch,
     groups: dict[str, list[tuple[Any, ...]]],
-    outbox: list[tuple[str | bytes, str, bytes | None]],
+    outbox: _OutboxRows,
     queued_groups: dict[str, list[tuple[Any, ...]]],
-    queued_outbox: list[tuple[str | bytes, str, bytes | None]],
+    queued_outbox: _OutboxRows,
     commit: bool,
 ) -> CommitReceipt:
     """``_write_batch``'s statements, run on the connection's own thread."""
@@ -1104,7 +1162,7 @@ def _write_batch_now(
         row = raw.execute(_LAST_SEQ).fetchone()
         first = (int(row[0]) if row is not None else 0) + 1
         seqs = list(range(first, first + len(to_queue)))
-        now = time.time()
+        now = _now_ms()
         raw.executemany(
             _ENQUEUE,
             [
@@ -1733,7 +1791,7 @@ class SQLiteAdapter(AsyncResource):
                 params = (_key(session_id), from_sequence, -1)
                 rows = await _fetch(conn, QUERIES["list_events"], params)
             else:
-                wanted = msgspec.json.encode(sorted(types)).decode()
+                wanted = _type_keys(types)
                 query = QUERIES["list_events_of_types"]
                 rows = await _fetch(conn, query, (_key(session_id), from_sequence, wanted))
         return decode_events(rows, types, lambda key, body: _decode(_EVENT, "events", key, body))
@@ -1754,7 +1812,7 @@ class SQLiteAdapter(AsyncResource):
         from_sequence: int = 0,
     ) -> tuple[list[tuple[str, dict[str, Any]]], list[Event]]:
         async with self._reading("read events") as conn:
-            wanted = msgspec.json.encode(sorted({*tallied, *whole})).decode()
+            wanted = _type_keys({*tallied, *whole})
             query = QUERIES["list_events_of_types"]
             rows = await _fetch(conn, query, (_key(session_id), from_sequence, wanted))
         return decode_log(
@@ -1932,7 +1990,7 @@ class SQLiteAdapter(AsyncResource):
             cursor = await conn.execute(
                 "INSERT INTO outbox (client_seq, record_id, kind, body, attempts, created_at) "
                 "SELECT ?, record_id, kind, body, 0, ? FROM dead_letters WHERE client_seq = ?",
-                (seq, time.time(), client_seq),
+                (seq, _now_ms(), client_seq),
             )
             if cursor.rowcount == 0:
                 return None
