@@ -694,6 +694,16 @@ def _new_uuid_text(key: bytes) -> str:
 
 def _hlc_text(raw: bytes) -> str:
     """The stamp an ext 3 stands for (``raw``: its bytes, at least 10)."""
+    return _stamp(raw)[0]
+
+
+def _stamp(raw: bytes) -> tuple[str, str]:
+    """The stamp an ext 3 stands for and its node, the device ``implied_client`` reads from
+    the stamp's text (``raw``: its bytes; at least 10, else the ext is refused). A twin's
+    ``make`` takes both at once: a record of this device's writes its ``client_id`` as nil,
+    and splitting the stamp's text again for it cost about a tenth of a message's decode."""
+    if len(raw) < 10:
+        raise _unknown_ext(_EXT_HLC, raw)
     node = _node_texts.get(raw[9:])
     if node is None:
         node = _new_node_text(raw[9:])
@@ -701,8 +711,8 @@ def _hlc_text(raw: bytes) -> str:
     wall = head >> 16
     counter = (head & 0xFFFF) << 8 | counter_low
     if 10**12 <= wall < 10**13 and counter < 1000:  # 13 digits, a counter in the table
-        return f"{wall}-{_COUNTER_TEXTS[counter]}-{node}"
-    return f"{wall:013d}-{counter:06d}-{node}"  # early walls, busy milliseconds, odd bytes
+        return f"{wall}-{_COUNTER_TEXTS[counter]}-{node}", node
+    return f"{wall:013d}-{counter:06d}-{node}", node  # early walls, busy ms, odd bytes
 
 
 def _id_list(data: memoryview) -> list[str]:
@@ -939,6 +949,11 @@ def _twin(kind: _Kind) -> tuple[type[msgspec.Struct], Callable[[Any], Record]] |
         lines.append(f"    v{at} = t.{f.name}")
         if fix == _KEYS:
             lines.append(f"    v{at} = keys(v{at})")
+        elif fix == _TEXT and at == kind.hlc_at:  # the stamp, and its node (``_stamp``)
+            lines.append(f"    n{at} = None")
+            lines.append(f"    if v{at}.__class__ is Ext:")
+            lines.append(f"        if v{at}.code == 3: v{at}, n{at} = stamp(v{at}.data)")
+            lines.append(f"        else: v{at} = text(v{at})")
         elif fix == _TEXT:  # a known id by a lookup here, anything else by ``_ext_text``
             lines.append(f"    if v{at}.__class__ is Ext:")
             lines.append(
@@ -950,8 +965,8 @@ def _twin(kind: _Kind) -> tuple[type[msgspec.Struct], Callable[[Any], Record]] |
         else:
             lines.append(f"    if v{at} is not None: v{at} = texts(v{at})")
         arguments.append(f"{f.name}=v{at}")
-    client, hlc = f"v{kind.client_at}", f"v{kind.hlc_at}"
-    lines.append(f"    if {client} is None: {client} = implied({hlc})")
+    client, hlc, node = f"v{kind.client_at}", f"v{kind.hlc_at}", f"n{kind.hlc_at}"
+    lines.append(f"    if {client} is None: {client} = {node} or implied({hlc})")
     lines.append(f"    return cls({', '.join(arguments)})")
     cls = msgspec.defstruct(
         f"{kind.cls.__name__}Twin",
@@ -970,6 +985,7 @@ def _twin(kind: _Kind) -> tuple[type[msgspec.Struct], Callable[[Any], Record]] |
         "text": _ext_text,
         "texts": _ext_texts,
         "implied": _implied_or_refused,
+        "stamp": _stamp,
         "word": _word,
         "words": _WORD_OF.get,
         "keys": _keys_read,
