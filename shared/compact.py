@@ -954,11 +954,13 @@ def _twin(kind: _Kind) -> tuple[type[msgspec.Struct], Callable[[Any], Record]] |
             lines.append(f"    if v{at}.__class__ is Ext:")
             lines.append(f"        if v{at}.code == 3: v{at}, n{at} = stamp(v{at}.data)")
             lines.append(f"        else: v{at} = text(v{at})")
-        elif fix == _TEXT:  # a known id by a lookup here, anything else by ``_ext_text``
+        elif fix == _TEXT:  # a known id by a lookup here, a digest here, anything else by
+            # ``_ext_text`` (as it reads an ext 2: a digest rarely repeats, so no cache)
             lines.append(f"    if v{at}.__class__ is Ext:")
-            lines.append(
-                f"        v{at} = (known(v{at}.data) if v{at}.code == 1 else None) or text(v{at})"
-            )
+            lines.append(f"        c = v{at}.code")
+            lines.append(f"        if c == 1: v{at} = known(v{at}.data) or text(v{at})")
+            lines.append(f"        elif c == 2 and len(v{at}.data) == 32: v{at} = v{at}.data.hex()")
+            lines.append(f"        else: v{at} = text(v{at})")
             if kind.words is not None and at == kind.words[0]:
                 word = f"words(v{at}) or word(v{at})"  # (``word`` refuses what has none)
                 lines.append(f"    elif v{at}.__class__ is int: v{at} = {word}")
