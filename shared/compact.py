@@ -73,7 +73,6 @@ __all__ = [
     "uuid_bytes",
     "uuid_text",
     "uuids_bytes",
-    "word_index",
 ]
 
 KINDS: Final[tuple[str, ...]] = (
@@ -216,12 +215,6 @@ only: an index, once written, names its word forever."""
 _WORD_INDEX: Final = {word: i for i, word in enumerate(WORDS)}
 if len(WORDS) > 128:  # pragma: no cover - ``explicit`` reads an index as one byte
     raise TypeError("WORDS holds at most 128 words (a positive fixint each)")
-
-
-def word_index(word: str) -> int | None:
-    """``word``'s index in ``WORDS``, or None when it is none of them (a column that keeps an
-    event's type keeps a word's index, and any other type as its text)."""
-    return _WORD_INDEX.get(word)
 
 
 def _word(index: Any) -> str:
