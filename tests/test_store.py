@@ -498,7 +498,9 @@ async def test_locked_database_is_a_retryable_storage_error(db_path: Path) -> No
 # The outbox is read in client_seq (rowid) order from its start: a scan of the rowid b-tree
 # that stops at LIMIT, which is the access wanted.
 # (``q``: the outbox's rows up to its LIMIT, which its sessions' id blocks are joined to.)
-WHOLE_TABLE_READS = {"SCAN outbox", "SCAN o", "SCAN q", "SCAN dead_letters"}
+# ``message_span`` selects two scalar subqueries and no table: SQLite names that a scan of a
+# constant row.
+WHOLE_TABLE_READS = {"SCAN outbox", "SCAN o", "SCAN q", "SCAN dead_letters", "SCAN CONSTANT ROW"}
 
 
 def _plan_problems(conn: sqlite3.Connection, sql: str) -> list[str]:
@@ -1870,3 +1872,110 @@ def test_id_blocks_are_those_that_differ() -> None:
     changed = b"z" * 16 + old[16:]
     assert sqlite_module.id_blocks(changed, old) == [(0, changed[:size])]
     assert [p for p, _ in sqlite_module.id_blocks(old[: size + 16], old)] == [1]
+
+
+# -- a long transcript read as one span of the table -----------------------------------------
+
+
+def _messages_table(rows: list[Any]) -> sqlite3.Connection:
+    """A device schema on a plain connection holding ``rows`` (messages, in rowid order)."""
+    conn = sqlite3.connect(":memory:")
+    sqlite_module.create_schema(conn)
+    conn.executemany(
+        "INSERT INTO messages (id, session_id, hlc, body) VALUES (?, ?, '', ?)",
+        [
+            (sqlite_module._key(m.id), sqlite_module._key(m.session_id), compact.encode(m))
+            for m in rows
+        ],
+    )
+    return conn
+
+
+@st.composite
+def transcripts(draw: st.DrawFn) -> tuple[list[Any], list[str]]:
+    """Messages of a few sessions in the order they were written, and an id list to read: a
+    run of one session's, with others' rows between, ids out of the written order (a fork's
+    earlier messages), ids asked twice and ids the table does not hold."""
+    sessions = [uuid7() for _ in range(draw(st.integers(1, 3)))]
+    written = [
+        make_message(session_id=draw(st.sampled_from(sessions)), id=uuid7())
+        for _ in range(draw(st.integers(1, 40)))
+    ]
+    ids = [m.id for m in written if m.session_id == sessions[0]]
+    if ids and draw(st.booleans()):
+        ids = draw(st.permutations(ids))
+    extra = draw(st.lists(st.sampled_from([m.id for m in written] + [uuid7(), "NOT-A-UUID"])))
+    for item in extra:
+        ids.insert(draw(st.integers(0, len(ids))), item)
+    return written, ids
+
+
+@settings(max_examples=300)
+@given(transcripts(), st.integers(1, 8), st.integers(1, 3))
+def test_a_transcript_read_as_a_span_is_the_one_read_by_its_ids(
+    case: tuple[list[Any], list[str]], span_min: int, slack: int
+) -> None:
+    written, ids = case
+    keys = sqlite_module._keys(ids)
+    conn = _messages_table(written)
+    before = (sqlite_module.SPAN_MIN_KEYS, sqlite_module.SPAN_SLACK)
+    sqlite_module.SPAN_MIN_KEYS, sqlite_module.SPAN_SLACK = span_min, slack
+    try:
+        by_span = sqlite_module._select_messages(conn, keys)
+        by_keys = sqlite_module._select_in(conn, QUERIES["get_messages"], keys)
+        expected = [m for i in ids for m in written if m.id == i]
+        order = sqlite_module._messages_in_order
+        assert order(keys, ids, by_span) == order(keys, ids, by_keys) == expected
+    finally:
+        sqlite_module.SPAN_MIN_KEYS, sqlite_module.SPAN_SLACK = before
+        conn.close()
+
+
+def test_a_long_transcript_is_read_as_one_span_and_a_scattered_one_by_its_ids() -> None:
+    """A session's messages written turn after turn are one span of the table; a list whose
+    first and last message are far apart (more than ``SPAN_SLACK`` rows a key) is read by its
+    ids, so no read walks far for few rows. What each read ran, by SQLite's trace."""
+    n = sqlite_module.SPAN_MIN_KEYS
+    session, other = uuid7(), uuid7()
+    run = [make_message(session_id=session, id=uuid7()) for _ in range(n)]
+    scattered = [make_message(session_id=other, id=uuid7()) for _ in range(n)]
+    filler = [make_message(session_id=uuid7(), id=uuid7()) for _ in range(3 * n)]
+    # The other session's first message, then many rows of others, then the rest of it.
+    conn = _messages_table([scattered[0], *run, *filler, *scattered[1:]])
+    ran: list[str] = []
+    conn.set_trace_callback(ran.append)
+    try:
+        for messages, span in ((run, True), (scattered, False)):
+            ran.clear()
+            ids = [m.id for m in messages]
+            keys = sqlite_module._keys(ids)
+            rows = sqlite_module._select_messages(conn, keys)
+            assert sqlite_module._messages_in_order(keys, ids, rows) == messages
+            ranged = [sql for sql in ran if "rowid BETWEEN" in sql]
+            assert bool(ranged) is span
+            assert any(" IN (" in sql for sql in ran) is not span
+    finally:
+        conn.close()
+
+
+async def test_a_transcript_read_through_the_store_takes_the_span(db_path: Path) -> None:
+    """``get_messages`` of a long session, through the store and in a transaction's reads,
+    with an id the file does not hold among them (looked up by itself, and left out)."""
+    session = make_session(id=uuid7())
+    messages = [make_message(session_id=session.id) for _ in range(sqlite_module.SPAN_MIN_KEYS)]
+    ids = [m.id for m in messages]
+    ids.insert(len(ids) // 2, "unknown-id")
+    async with SQLiteAdapter(db_path) as store:
+        await commit(store, session, *messages)
+        assert store._conn is not None
+        ran: list[str] = []
+        await store._conn.set_trace_callback(ran.append)
+        assert await store.get_messages(ids) == messages
+        assert any("rowid BETWEEN" in sql for sql in ran)
+        read: list[Any] = []
+
+        async def plan(tx: Any) -> None:
+            read.extend(await tx.get_messages(ids))
+
+        await store.transact(plan)
+        assert read == messages
