@@ -346,25 +346,23 @@ def _select_messages(raw: sqlite3.Connection, keys: Sequence[object]) -> list[An
     return _select_in(raw, QUERIES["get_messages"], keys)
 
 
+async def _selected(
+    conn: aiosqlite.Connection | sqlite3.Connection,
+    select: Callable[..., list[Any]],
+    *args: Any,
+) -> list[Any]:
+    """``select(raw, *args)`` (``_select_in``, ``_select_messages``) on the caller's own
+    connection (``InPlace``: no hop), or in one hop to the connection's thread."""
+    if isinstance(conn, sqlite3.Connection):
+        return select(conn, *args)
+    rows: list[Any] = await conn._execute(select, conn._conn, *args)  # type: ignore[no-untyped-call]
+    return rows
+
+
 async def _fetch_in(
     conn: aiosqlite.Connection | sqlite3.Connection, sql: str, keys: Sequence[object]
 ) -> list[Any]:
-    if isinstance(conn, sqlite3.Connection):  # the caller's own (``InPlace``): no hop
-        return _select_in(conn, sql, keys)
-    raw: sqlite3.Connection = conn._conn
-    rows: list[Any] = await conn._execute(_select_in, raw, sql, keys)  # type: ignore[no-untyped-call]
-    return rows
-
-
-async def _fetch_messages(
-    conn: aiosqlite.Connection | sqlite3.Connection, keys: Sequence[object]
-) -> list[Any]:
-    """``_select_messages`` on the caller's connection (no hop) or in one hop."""
-    if isinstance(conn, sqlite3.Connection):
-        return _select_messages(conn, keys)
-    raw: sqlite3.Connection = conn._conn
-    rows: list[Any] = await conn._execute(_select_messages, raw, keys)  # type: ignore[no-untyped-call]
-    return rows
+    return await _selected(conn, _select_in, sql, keys)
 
 
 # Immutable kinds: "ON CONFLICT DO NOTHING" rather than "INSERT OR IGNORE", which would also
@@ -1319,7 +1317,7 @@ class _Reader:
         if not message_ids:
             return []
         keys = _keys(message_ids)
-        rows = await _fetch_messages(self._conn, keys)
+        rows = await _selected(self._conn, _select_messages, keys)
         return _messages_in_order(keys, message_ids, rows)
 
     async def list_artifact_updates(self, artifact_id: str) -> list[ArtifactUpdate]:
@@ -1805,7 +1803,7 @@ class SQLiteAdapter(AsyncResource):
             return []
         keys = _keys(message_ids)
         async with self._reading("read messages") as conn:
-            rows = await _fetch_messages(conn, keys)
+            rows = await _selected(conn, _select_messages, keys)
         return _messages_in_order(keys, message_ids, rows)  # (decoded once the lock is let go)
 
     async def get_checkpoint(self, checkpoint_id: str) -> Checkpoint | None:
