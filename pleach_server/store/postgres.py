@@ -63,6 +63,7 @@ statement from its org and user ids.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import logging
@@ -264,6 +265,86 @@ def _lock_last_seq_load_function(s: str) -> str:
                 l.e::bigint, l.f::text FROM ({load}) AS l (a, b, c, d, e, f);
         END
         $$"""
+
+
+_WRITE_TYPES: Final = (
+    "text, text, smallint[], bytea[], bytea[], bytea[], bytea[], bytea[], bigint[], text[], "
+    "bytea[], bytea[], text[], bytea[], text, bigint, text[], bigint[], text[], bytea[], "
+    "smallint[], bytea[], bytea[], text, text, integer[], bytea[], integer[], bytea[], "
+    "bytea[], integer[], bigint[], bigint[]"
+)
+"""The types of ``_Sql.write``'s parameters ($1 to $33), as its casts name them."""
+
+CLAIMED_RECORD: Final = "PLR01"
+CLAIMED_EVENT: Final = "PLE01"
+"""The SQLSTATEs ``push_write`` raises when another tenant took an id of the batch between the
+push's read and its write (the statement is undone; the device retries)."""
+
+
+def _push_write_function(s: str, write: str) -> tuple[str, str]:
+    """``push_write``: an optimistic push's write, in one statement that commits on its own.
+
+    Its parameters are ``write``'s (``_Sql.write``, $1 to $33), then the tenant's lock key
+    ($34), the device's ``last_seq`` and the tenant's head cursor the push read ($35, $36). It
+    takes the tenant lock; if the two are still what the push read, it runs ``write`` (on a
+    snapshot taken after the lock) and answers its row; else it answers no row and writes
+    nothing. When a record or an event id it wrote was taken meanwhile by another tenant, it
+    raises (``CLAIMED_RECORD``, ``CLAIMED_EVENT``), which undoes the whole statement.
+
+    Answers the function's name and its ``CREATE`` statement. The name carries a digest of
+    the statement, so that each build calls the function made of its own ``_Sql.write``,
+    whatever build made the schema's other functions (``_make_functions``).
+    """
+    head = f"GREATEST({_max_cursor(s)}, {_floor(s)})"
+    body = f"""
+        #variable_conflict use_column
+        DECLARE
+            v_records bigint; v_events bigint; v_sessions bigint; v_clients bigint;
+            v_places bigint; v_cursors bigint[]; v_notices bigint;
+        BEGIN
+            PERFORM pg_advisory_xact_lock($34);
+            IF COALESCE((SELECT c.last_seq FROM {s}.clients AS c WHERE c.org_id = $1
+                    AND c.user_id = $2 AND c.client_id = $15), 0) <> $35
+                OR {head} <> $36 THEN
+                RETURN;
+            END IF;
+            {write} INTO v_records, v_events, v_sessions, v_clients, v_places, v_cursors,
+                v_notices;
+            IF v_records <> COALESCE(cardinality($4), 0) THEN
+                RAISE EXCEPTION 'a record id of the push was claimed concurrently'
+                    USING ERRCODE = '{CLAIMED_RECORD}';
+            END IF;
+            IF v_events <> COALESCE(cardinality($7), 0) THEN
+                RAISE EXCEPTION 'an event id of the push was claimed concurrently'
+                    USING ERRCODE = '{CLAIMED_EVENT}';
+            END IF;
+            RETURN QUERY SELECT v_records, v_events, v_sessions, v_clients, v_places,
+                v_cursors, v_notices;
+        END
+        """
+    name = "push_write_" + hashlib.sha256(body.encode()).hexdigest()[:12]
+    create = f"""CREATE OR REPLACE FUNCTION {s}.{name}({_WRITE_TYPES}, bigint, bigint, bigint)
+        RETURNS TABLE (o_records bigint, o_events bigint, o_sessions bigint, o_clients bigint,
+            o_places bigint, o_cursors bigint[], o_notices bigint)
+        LANGUAGE plpgsql VOLATILE AS $f${body}$f$"""
+    return name, create
+
+
+async def _make_functions(conn: Any, s: str) -> None:
+    """Make this build's ``push_write`` when the schema lacks it (under the migration lock).
+
+    Not a schema version: a build of another ``_Sql.write`` calls a function of another name,
+    so processes of several builds share a schema, and no version has to remember to remake
+    it when the statement changes. (The functions of builds gone stay, a few KB each.)"""
+    name, create = _Sql(s).push_write_function
+    found = await conn.fetchval(
+        "SELECT 1 FROM pg_proc AS p JOIN pg_namespace AS n ON n.oid = p.pronamespace "
+        "WHERE n.nspname = $1 AND p.proname = $2",
+        s,
+        name,
+    )
+    if found is None:
+        await conn.execute(create)
 
 
 _LOAD_ARGS: Final = (
@@ -639,6 +720,7 @@ async def _migrate_conn(conn: Any, schema: str) -> MigrateResult:
                     f"INSERT INTO {s}.schema_migrations (version) VALUES ($1)", number
                 )
             log.info("migrated schema %s to version %d", s, number)
+        await _make_functions(conn, s)
         return MigrateResult(schema=s, from_version=version, to_version=SCHEMA_VERSION)
     finally:
         await conn.execute("SELECT pg_advisory_unlock($1)", key)
@@ -1005,6 +1087,20 @@ class _Sql:
         self.lock_last_seq_load = (
             f"SELECT * FROM {s}.lock_last_seq_load($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
         )
+        # An optimistic push (``PostgresServerStore.push``): its read, on no lock and in no
+        # transaction (one statement, one snapshot: ``load``'s rows and the device's
+        # last_seq, ``what`` 7, $10 its id), and its write (``push_write``).
+        self.push_read = (
+            f"{self.load} UNION ALL SELECT 7, NULL, NULL, NULL, (SELECT c.last_seq FROM "
+            f"{s}.clients AS c WHERE c.org_id = $1 AND c.user_id = $2 AND c.client_id = $10), "
+            "NULL"
+        )
+        self.push_write_function = _push_write_function(s, self.write)
+        self.push_write = (
+            f"SELECT * FROM {s}.{self.push_write_function[0]}("
+            + ", ".join(f"${n}" for n in range(1, 37))
+            + ")"
+        )
         # The store's own statistics of a young database (``ANALYZE_AT``).
         self.analyze = "ANALYZE " + ", ".join(f"{s}.{table}" for table in _ANALYZED_TABLES)
 
@@ -1035,8 +1131,15 @@ def _lookups(keys: BatchKeys) -> tuple[dict[bytes, str], tuple[list[Any], ...]]:
     return named, lookups
 
 
+class _Stale(Exception):
+    """An optimistic push met a tenant changed since its read, or writes that need the lock
+    held across statements (a delete's cascade, a session written twice): it runs again,
+    locked (``PostgresServerStore.push``)."""
+
+
 class _PostgresTx:
-    """``BatchTx`` over one pool connection, inside the push's transaction.
+    """``BatchTx`` over one pool connection, inside the push's transaction (or, optimistic,
+    in none: ``read_optimistic``).
 
     Every method is one round trip per table it touches, whatever the size of the batch: the
     keys and rows travel as arrays.
@@ -1072,6 +1175,32 @@ class _PostgresTx:
         a lost ack, a gap), the rows read are dropped and ``load`` reads the right ones."""
         self._loaded: tuple[BatchKeys, Snapshot] | None = None
         """The expected keys and what they read, once ``last_seq`` proved the expected one."""
+        self._optimistic: tuple[int, int, int] | None = None
+        """An optimistic push's tenant lock key, and the device's ``last_seq`` and the tenant's
+        head it read (``read_optimistic``): no lock is taken before its write, which checks
+        the two under the lock and writes only if neither moved (``_Sql.push_write``)."""
+        self.between: Callable[[], Awaitable[None]] | None = None
+        """Awaited between an optimistic push's read and its write (the tests push there)."""
+
+    async def read_optimistic(self, tenant: Tenant, client_id: str) -> bool:
+        """Read the device's ``last_seq``, the tenant's head and the expected keys' rows in one
+        statement, in no transaction and under no lock (``_Sql.push_read``). True when
+        ``last_seq`` is the one the push expects: the push then goes on from these rows and
+        writes in one statement that commits on its own (``write``); else (a resend, a gap)
+        it is to run locked."""
+        assert self._expected is not None
+        expected, keys = self._expected
+        named, lookups = _lookups(keys)
+        t = (tenant.org_id, tenant.user_id)
+        rows = await self._conn.fetch(self._sql.push_read, *t, *lookups, client_id)
+        seq = next((r[4] for r in rows if r[0] == 7), None)
+        if (int(seq) if seq is not None else 0) != expected:
+            return False
+        found = self._snapshot(tenant, [r for r in rows if r[0] != 7], named, keys.sessions)
+        assert self._head is not None  # (``what`` 6: always one row)
+        self._loaded = (keys, found)
+        self._optimistic = (tenant_lock_key(self._schema, tenant), expected, self._head)
+        return True
 
     def keys_read(self, last_seq: int) -> BatchKeys | None:
         # The lookups of the expected keys were read with the lock (``get_last_seq``) when
@@ -1080,7 +1209,10 @@ class _PostgresTx:
 
     async def lock_tenant(self, tenant: Tenant) -> None:
         # Held until COMMIT / ROLLBACK; see "Cursor visibility" in the module docstring. A
-        # push asks for its device's last_seq next, which takes the lock with it.
+        # push asks for its device's last_seq next, which takes the lock with it. (An
+        # optimistic push takes it in its write.)
+        if self._optimistic is not None:
+            return
         await self._take_lock()
         self._unlocked = tenant
 
@@ -1090,6 +1222,8 @@ class _PostgresTx:
             await self._conn.execute(self._sql.lock_tenant, tenant_lock_key(self._schema, tenant))
 
     async def get_last_seq(self, tenant: Tenant, client_id: str) -> int:
+        if self._optimistic is not None:
+            return self._optimistic[1]
         t = (tenant.org_id, tenant.user_id, client_id)
         if self._unlocked == tenant:
             self._unlocked = None
@@ -1118,6 +1252,8 @@ class _PostgresTx:
         with the lock (``get_last_seq``)."""
         if self._loaded is not None and keys is self._loaded[0]:
             return self._loaded[1]
+        if self._optimistic is not None:
+            raise _Stale  # (not the keys read: never, as apply_push asks)
         await self._take_lock()
         named, lookups = _lookups(keys)
         if not any(lookups):
@@ -1215,8 +1351,17 @@ class _PostgresTx:
                 drops[1].append(lay.drop_from)
         cursors: list[int] = []
         if records[0] or events or sessions or feed or writes.last_seq is not None:
-            taken = await conn.fetchrow(
-                sql.write,
+            checked: tuple[int, int, int] | tuple[()] = ()
+            statement = sql.write
+            if self._optimistic is not None:
+                if writes.deleted_sessions or len({feed[i].id for i in versioned}) < len(versioned):
+                    raise _Stale  # (the cascade, and dropping a superseded entry: locked)
+                if self.between is not None:
+                    await self.between()
+                checked, statement = self._optimistic, sql.push_write
+            taken = await _fetch_write(
+                conn,
+                statement,
                 tenant.org_id,
                 tenant.user_id,
                 *records,
@@ -1241,8 +1386,10 @@ class _PostgresTx:
                 *drops,
                 [i + 1 for i in record_entries],
                 [i + 1 for i in event_entries],
+                *checked,
             )
-            assert taken is not None
+            if taken is None:
+                raise _Stale  # (optimistic: the tenant or the device moved since the read)
             if taken[0] != len(writes.records):
                 raise claimed_concurrently("a record id")
             if taken[1] != len(events):
@@ -1290,6 +1437,21 @@ class _PostgresTx:
             if uncounted:
                 kinds, ids = [k for k, _ in uncounted], [key for _, key in uncounted]
                 await conn.execute(sql.delete_feed_by_id, *t, kinds, ids)
+
+
+async def _fetch_write(conn: Any, statement: str, *args: Any) -> Any:
+    """The row of ``_Sql.write`` or ``_Sql.push_write`` (None: ``push_write`` found the push
+    stale); the latter's refusals of an id another tenant claimed meanwhile as the locked
+    write's (``claimed_concurrently``)."""
+    try:
+        return await conn.fetchrow(statement, *args)
+    except asyncpg.PostgresError as exc:
+        code = getattr(exc, "sqlstate", None)
+        if code == CLAIMED_RECORD:
+            raise claimed_concurrently("a record id") from exc
+        if code == CLAIMED_EVENT:
+            raise claimed_concurrently("an event id") from exc
+        raise
 
 
 async def _keep_session(conn: Any) -> None:
@@ -1403,6 +1565,11 @@ class PostgresServerStore(AsyncResource):
         self._seen_from: int | None = None  # the feed's head at this process's first push
         self._analyzed: set[int] = set()  # the ``ANALYZE_AT`` cursors done
         self._analyzing: asyncio.Task[None] | None = None
+        self.optimistic = type(self)._wrap_tx is PostgresServerStore._wrap_tx
+        """Push optimistically (``push``); a store whose ``_wrap_tx`` is hooked does not."""
+        self.pushes: collections.Counter[str] = collections.Counter()
+        """Pushes by how they ran: ``optimistic`` (read, then one write that commits on its
+        own), ``stale`` (tried so, the tenant moved meanwhile: then locked), ``locked``."""
 
     def __repr__(self) -> str:
         state = "open" if self._pool is not None else "closed"
@@ -1472,8 +1639,12 @@ class PostgresServerStore(AsyncResource):
     # -- transactions ------------------------------------------------------------------------
 
     def _wrap_tx(self, tx: StoreTx) -> StoreTx:
-        """Hook: wraps the ``StoreTx`` view a push's rules run against (tests inject faults)."""
+        """Hook: wraps the ``StoreTx`` view a push's rules run against (tests inject faults).
+        Only a locked push runs through it: a store that overrides it pushes locked only."""
         return tx
+
+    async def _between_read_and_write(self) -> None:
+        """Hook: awaited between an optimistic push's read and its write (tests push there)."""
 
     async def _run(
         self, doing: str, body: Callable[[Any], Awaitable[T]], *, transaction: bool
@@ -1553,41 +1724,76 @@ class PostgresServerStore(AsyncResource):
         skipped: Collection[int] = (),
         bodies: Collection[bytes] = (),
     ) -> PushResult:
-        # The device's last_seq the push expects: the number before its first. The lookups
-        # of the batch after it are read with the tenant lock, in one round trip.
+        """Apply one push batch (``apply_push``) in two round trips when it can, four when not.
+
+        **Optimistic** (two): one statement reads the device's ``last_seq``, the tenant's head
+        cursor and every lookup of the batch, in no transaction and under no lock; the rules
+        run on those rows; one more statement (``push_write``) takes the tenant lock, checks
+        that ``last_seq`` and the head are still those read, and writes, committing on its
+        own. Every write to a tenant's rows adds a feed entry above its head, and no write
+        takes the head's entry away without adding a higher one (a compaction keeps a
+        session's last entry; a delete's cascade runs beside its tombstone's entry), so an
+        unchanged head means the rows read are the rows under the lock. Cursors are taken
+        under the lock, as in the locked path ("Cursor visibility").
+
+        **Locked** (four: ``BEGIN``, the lock with the reads, the write, ``COMMIT``): when the
+        device's ``last_seq`` is not the one the push expects (a resend, a gap), when the
+        batch deletes a session or writes one twice, when the tenant moved between the read
+        and the write (``pushes["stale"]``), and with ``feed_retention``.
+        """
+        # The device's last_seq the push expects: the number before its first; the lookups
+        # of the batch are those after it.
         numbers = [*(c.client_seq for c in changes), *skipped]
         expected = min(numbers) - 1 if numbers else 0
         keys = batch_keys(
             changes, expected, tenant, client_id, aliases, audit=chains, skipped=frozenset(skipped)
         )
 
-        async def body(conn: Any) -> PushResult:
-            result = await apply_push(
-                _PostgresTx(
-                    conn,
-                    self._sql,
-                    self.schema,
-                    clock.client_id,
-                    (expected, keys),
-                    self._id_layout,
-                ),
+        def tx_on(conn: Any) -> _PostgresTx:
+            return _PostgresTx(
+                conn, self._sql, self.schema, clock.client_id, (expected, keys), self._id_layout
+            )
+
+        async def run(tx: _PostgresTx, wrap: Callable[[StoreTx], StoreTx] | None) -> PushResult:
+            return await apply_push(
+                tx,
                 tenant,
                 client_id,
                 changes,
                 clock,
                 clock.client_id,
-                wrap=self._wrap_tx,
+                wrap=wrap,
                 aliases=aliases,
                 chains=chains,
                 skipped=skipped,
                 bodies=bodies,
             )
+
+        async def optimistic(conn: Any) -> PushResult | None:
+            tx = tx_on(conn)
+            if not await tx.read_optimistic(tenant, client_id):
+                return None
+            tx.between = self._between_read_and_write
+            try:
+                return await run(tx, None)
+            except _Stale:
+                return None
+
+        async def locked(conn: Any) -> PushResult:
+            result = await run(tx_on(conn), self._wrap_tx)
             if result.cursors and self.feed_retention is not None:
                 await self._retain(conn, tenant, self.feed_retention)
                 result.feed, result.previous_head = [], None  # read the page back instead
             return result
 
-        result = await self._run("push failed, rolled back", body, transaction=True)
+        found: PushResult | None = None
+        if self.optimistic and self.feed_retention is None:
+            found = await self._run("push failed", optimistic, transaction=False)
+            self.pushes["optimistic" if found is not None else "stale"] += 1
+        if found is None:
+            found = await self._run("push failed, rolled back", locked, transaction=True)
+            self.pushes["locked"] += 1
+        result = found
         if result.cursors:
             self._analyze_when_young(min(result.cursors) - 1, max(result.cursors))
         return result
