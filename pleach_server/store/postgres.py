@@ -1,10 +1,10 @@
 """``PostgresServerStore``: the production server store, over an asyncpg pool.
 
 Several ``pleach-server`` processes may share one database: every rule that matters runs in
-the database, inside ONE transaction per push, and the push rules themselves live in
-``apply.py`` (this module only speaks SQL). A push batch is a handful of round trips whatever
-its size: each lookup and each table's writes is one statement, its keys and rows passed as
-arrays (``_PostgresTx``).
+the database, inside ONE transaction per push (an optimistic push: ONE statement for its
+writes, see ``push``), and the push rules themselves live in ``apply.py`` (this module only
+speaks SQL). A push batch is a handful of round trips whatever its size: each lookup and
+each table's writes is one statement, its keys and rows passed as arrays (``_PostgresTx``).
 
 **Cursor visibility.** Feed cursors come from one identity sequence, and a sequence hands out
 numbers in allocation order, not commit order: transaction A may take cursor 10, B cursor 11,
@@ -55,6 +55,10 @@ statement from its org and user ids.
   lookup of the batch as it is after the ``last_seq`` the push expects (migration 11; each
   read on its own snapshot, after the lock). A push is then two statements: this and
   ``write``.
+- ``push_write_<digest>(<write's arrays>, lock_key, last_seq, head)``: an optimistic push's
+  write (``PostgresServerStore.push``): the lock, the check that the device's ``last_seq`` and
+  the tenant's head are those its read found, and ``write``, committed as one statement. Not a
+  schema version: each build makes its own at ``open()`` (``_make_functions``).
 - ``<table>_tenant``: extended statistics on ``(org_id, user_id)`` of the tables that keep
   the two (``clients``, ``meta``, ``devices``), so that the plans of a large tenant's lookups
   are those of a small one's (migration 8; the others name the tenant by number since 10).
