@@ -954,7 +954,7 @@ async def test_an_optimistic_push_whose_tenant_moved_runs_locked(pg_schema: str)
         resolved = await store.push(tenant, phone.client_id, phone.changes(on_phone), clock)
         assert [statuses(r) for r in laptop_result] == [["applied"]]
         assert statuses(resolved) == ["resolved"]
-        assert store.pushes == {"optimistic": 2, "stale": 1, "locked": 1}
+        assert store.pushes == {"optimistic": 2, "stale": 1}
         receipt = resolved.results[0].conflict
         assert receipt is not None and receipt.session_id == v1.id
         # The live page of the phone's push starts where the laptop's ended.
@@ -1672,7 +1672,7 @@ async def test_a_push_is_two_statements_whatever_its_size(pg_schema: str) -> Non
         verbs = [q.split()[0].upper().rstrip(";") for q in statements]
         assert statements[0] == store._sql.push_read
         assert verbs.index("COMMIT") - verbs.index("BEGIN") - 1 == 3
-        assert store.pushes == {"optimistic": 3, "stale": 1, "locked": 1}
+        assert store.pushes == {"optimistic": 3, "resent": 1}
 
 
 async def test_keys_are_converted_alike_in_python_and_in_sql(pg_schema: str) -> None:

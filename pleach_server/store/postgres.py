@@ -281,8 +281,9 @@ _WRITE_TYPES: Final = (
 
 CLAIMED_RECORD: Final = "PLR01"
 CLAIMED_EVENT: Final = "PLE01"
-"""The SQLSTATEs ``push_write`` raises when another tenant took an id of the batch between the
-push's read and its write (the statement is undone; the device retries)."""
+"""The SQLSTATEs ``push_write`` raises when a row under an id the batch writes appeared between
+the push's read and its write without moving the tenant's head (no build writes so: the check
+behind the head's argument). The statement is undone whole; the device retries."""
 
 
 def _push_write_function(s: str, write: str) -> tuple[str, str]:
@@ -292,8 +293,8 @@ def _push_write_function(s: str, write: str) -> tuple[str, str]:
     ($34), the device's ``last_seq`` and the tenant's head cursor the push read ($35, $36). It
     takes the tenant lock; if the two are still what the push read, it runs ``write`` (on a
     snapshot taken after the lock) and answers its row; else it answers no row and writes
-    nothing. When a record or an event id it wrote was taken meanwhile by another tenant, it
-    raises (``CLAIMED_RECORD``, ``CLAIMED_EVENT``), which undoes the whole statement.
+    nothing. When a record or an event id it writes was found taken, it raises
+    (``CLAIMED_RECORD``, ``CLAIMED_EVENT``), which undoes the whole statement.
 
     Answers the function's name and its ``CREATE`` statement. The name carries a digest of
     the statement, so that each build calls the function made of its own ``_Sql.write``,
@@ -1445,8 +1446,8 @@ class _PostgresTx:
 
 async def _fetch_write(conn: Any, statement: str, *args: Any) -> Any:
     """The row of ``_Sql.write`` or ``_Sql.push_write`` (None: ``push_write`` found the push
-    stale); the latter's refusals of an id another tenant claimed meanwhile as the locked
-    write's (``claimed_concurrently``)."""
+    stale); the latter's refusals of an id found taken as the locked write's
+    (``claimed_concurrently``)."""
     try:
         return await conn.fetchrow(statement, *args)
     except asyncpg.PostgresError as exc:
@@ -1572,8 +1573,11 @@ class PostgresServerStore(AsyncResource):
         self.optimistic = type(self)._wrap_tx is PostgresServerStore._wrap_tx
         """Push optimistically (``push``); a store whose ``_wrap_tx`` is hooked does not."""
         self.pushes: collections.Counter[str] = collections.Counter()
-        """Pushes by how they ran: ``optimistic`` (read, then one write that commits on its
-        own), ``stale`` (tried so, the tenant moved meanwhile: then locked), ``locked``."""
+        """Pushes by how they ran: ``optimistic`` (a read, then one write that commits on its
+        own); locked, as ``stale`` (tried so, the tenant moved between the two, or the batch
+        needs the lock: a delete, a session written twice), ``resent`` (the device's
+        ``last_seq`` was not the expected one) or ``locked`` (not tried so: a hooked
+        ``_wrap_tx``, ``feed_retention``)."""
 
     def __repr__(self) -> str:
         state = "open" if self._pool is not None else "closed"
@@ -1773,15 +1777,15 @@ class PostgresServerStore(AsyncResource):
                 bodies=bodies,
             )
 
-        async def optimistic(conn: Any) -> PushResult | None:
+        async def optimistic(conn: Any) -> PushResult | str:
             tx = tx_on(conn)
             if not await tx.read_optimistic(tenant, client_id):
-                return None
+                return "resent"
             tx.between = self._between_read_and_write
             try:
                 return await run(tx, None)
             except _Stale:
-                return None
+                return "stale"
 
         async def locked(conn: Any) -> PushResult:
             result = await run(tx_on(conn), self._wrap_tx)
@@ -1790,14 +1794,15 @@ class PostgresServerStore(AsyncResource):
                 result.feed, result.previous_head = [], None  # read the page back instead
             return result
 
-        found: PushResult | None = None
+        found: PushResult | str = "locked"
         if self.optimistic and self.feed_retention is None:
             found = await self._run("push failed", optimistic, transaction=False)
-            self.pushes["optimistic" if found is not None else "stale"] += 1
-        if found is None:
-            found = await self._run("push failed, rolled back", locked, transaction=True)
-            self.pushes["locked"] += 1
-        result = found
+        if isinstance(found, str):
+            self.pushes[found] += 1
+            result = await self._run("push failed, rolled back", locked, transaction=True)
+        else:
+            self.pushes["optimistic"] += 1
+            result = found
         if result.cursors:
             self._analyze_when_young(min(result.cursors) - 1, max(result.cursors))
         return result
