@@ -20,6 +20,7 @@ import logging
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from .harness import Outcome
@@ -78,6 +79,7 @@ async def soak(
 ) -> int:
     failed: list[Outcome] = []
     kept = 0  # schedules in which the server kept a resolved version beside a delete
+    pushes: Counter[str] = Counter()  # how the PostgreSQL store's pushes ran
     started = time.monotonic()
     done = 0
 
@@ -85,6 +87,7 @@ async def soak(
         nonlocal done, kept
         done += 1
         kept += bool(outcome.stats.get("kept_beside_delete"))
+        pushes.update({k[7:]: v for k, v in outcome.stats.items() if k.startswith("pushes_")})
         if not outcome.ok:
             failed.append(outcome)
             print(f"FAIL seed {outcome.schedule.seed}: {outcome.problems[0]}", flush=True)
@@ -105,6 +108,7 @@ async def soak(
     print(
         f"soak ({name}): {done} schedules in {elapsed:.0f}s, {len(failed)} failed; {kept} kept "
         "a resolved version beside a delete"
+        + ("; pushes " + ", ".join(f"{k} {v}" for k, v in sorted(pushes.items())) if pushes else "")
         + (f"; failing seeds: {[o.schedule.seed for o in failed]}" if failed else "")
     )
     if failed and report_path is not None:

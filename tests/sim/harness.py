@@ -24,7 +24,7 @@ import shutil
 import signal
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -92,6 +92,11 @@ class Backend:
     async def close(self) -> None:
         """After the run."""
 
+    def pushes(self) -> Counter[str]:
+        """How its store's pushes ran so far (``PostgresServerStore.pushes``; empty for a
+        store that does not count them)."""
+        return Counter()
+
 
 class EmbeddedBackend(Backend):
     """A ``SyncServer`` in this loop; ``make_store(workdir)`` builds an unopened store."""
@@ -103,6 +108,8 @@ class EmbeddedBackend(Backend):
         self.store: ServerStore | None = None
         self.server: SyncServer | None = None
         self.restarts = 0
+        self._pushes_before: Counter[str] = Counter()
+        """The counts of the stores closed so far (``pushes``)."""
         self.small_id_blocks = False
         """Whether the next schedule's store keeps its sessions' ids in small blocks (set
         before ``begin``, from ``Schedule.server_id_blocks``; restarts keep it)."""
@@ -132,7 +139,11 @@ class EmbeddedBackend(Backend):
         if server is not None:
             await server.shutdown()
         if store is not None:
+            self._pushes_before.update(getattr(store, "pushes", {}))
             await store.close()
+
+    def pushes(self) -> Counter[str]:
+        return self._pushes_before + Counter(getattr(self.store, "pushes", {}))
 
     async def begin(self, workdir: Path) -> None:
         self._workdir = workdir
@@ -726,6 +737,7 @@ async def run_schedule(schedule: Schedule, backend: Backend, workdir: Path) -> O
     started = time.monotonic()
     outcome = Outcome(schedule=schedule, backend=backend.name)
     world = World(schedule, backend, workdir)
+    pushes = backend.pushes()
     try:
         await world.start()
         await world.play(outcome)
@@ -742,6 +754,8 @@ async def run_schedule(schedule: Schedule, backend: Backend, workdir: Path) -> O
         await world.close()
         shutil.rmtree(workdir, ignore_errors=True)
     outcome.stats = dict(world.stats)
+    for way, count in (backend.pushes() - pushes).items():
+        outcome.stats[f"pushes_{way}"] = count  # (how the PostgreSQL store's pushes ran)
     if world.kept:
         outcome.stats["kept_beside_delete"] = world.kept
     outcome.seconds = time.monotonic() - started
