@@ -1667,7 +1667,10 @@ class PostgresServerStore(AsyncResource):
         terminated it) without the pool noticing yet. Such a connection is terminated, never
         reused, and the call is retried ONCE on a fresh connection, but only when nothing can
         have been written: a read, or a transaction that failed at BEGIN. A failure later in
-        a transaction is never retried here: the device retries the push, idempotently.
+        a transaction is never retried here: the device retries the push, idempotently. (An
+        optimistic push runs in no transaction and is retried like a read: had its write
+        committed before the connection broke, the rerun finds the device's ``last_seq``
+        moved and answers its changes as duplicates, as the device's own resend would.)
         """
         retried = False
         while True:
