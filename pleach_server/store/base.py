@@ -296,6 +296,8 @@ class SessionRow(NamedTuple):
     """The blocks ``(part, ids)`` to write (insert or replace)."""
     drop_from: int | None
     """Drop the session's blocks from this part on (None: none to drop)."""
+    held: bytes = b""
+    """The ids its blocks hold once written (16 bytes an id; ``b""``: none)."""
 
 
 def session_row(body: bytes, stored: bytes | None, layout: IdLayout = ID_LAYOUT) -> SessionRow:
@@ -312,7 +314,7 @@ def session_row(body: bytes, stored: bytes | None, layout: IdLayout = ID_LAYOUT)
     # Unknown blocks: every block is written, and any past them dropped.
     drop = stored is None or -(-len(stored) // size) > parts
     puts = id_blocks(data, stored or b"", block)
-    return SessionRow(APART + rest, len(data) // 16, puts, parts if drop else None)
+    return SessionRow(APART + rest, len(data) // 16, puts, parts if drop else None, data)
 
 
 def joined_blocks(blocks: Iterable[tuple[int, bytes]]) -> bytes | None:

@@ -69,6 +69,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import operator
@@ -109,6 +110,7 @@ from .base import (
     DeviceHealth,
     PullResult,
     PushResult,
+    SessionRow,
     Tenant,
     decode_body,
     decode_stored,
@@ -119,6 +121,7 @@ from .base import (
 )
 
 __all__ = [
+    "DEFAULT_KNOWN_BYTES",
     "DEFAULT_POOL_MAX",
     "DEFAULT_SCHEMA",
     "DEFAULT_STATEMENT_TIMEOUT_MS",
@@ -635,6 +638,8 @@ _DATABASE_ERRORS: tuple[type[BaseException], ...] = (
     *_TRANSIENT,
     asyncpg.PostgresError,
 )
+DEFAULT_KNOWN_BYTES: Final = 16 << 20
+"""``PostgresServerStore.known_bytes``: what a process keeps of tenants' rows."""
 _CLOSE_ERRORS: tuple[type[BaseException], ...] = (*_DATABASE_ERRORS, TimeoutError)
 
 
@@ -1136,6 +1141,31 @@ def _lookups(keys: BatchKeys) -> tuple[dict[bytes, str], tuple[list[Any], ...]]:
     return named, lookups
 
 
+@dataclasses.dataclass(slots=True)
+class _Known:
+    """What one server process knows of a tenant's rows as they stood when its head cursor
+    was ``head``: what its own pushes read and wrote. Exact as long as the head has not moved
+    (every write to a tenant's rows moves it: ``PostgresServerStore.push``), which the write
+    of a push served from it checks under the tenant's lock."""
+
+    head: int
+    last_seqs: dict[str, int]
+    """Each device's ``last_seq``."""
+    sessions: dict[str, tuple[bytes, int | None, bytes]]
+    """Each session row: its stored body, the count of ids its blocks hold (None: they are
+    in the body) and those ids (16 bytes each; ``b""``: none)."""
+    chain_tails: dict[str, tuple[int, str] | None]
+    """Each session's last canonical event ``(sequence_number, row_hash)``; None: it has none."""
+    audit_tails: dict[str, tuple[int, str] | None]
+    """Each device's last audit row ``(sequence_number, row_hash)``; None: none."""
+
+    def size(self) -> int:
+        """About the bytes it holds (what ``known_bytes`` bounds)."""
+        rows = sum(len(body) + len(ids) + 64 for body, _, ids in self.sessions.values())
+        tails = len(self.chain_tails) + len(self.audit_tails) + len(self.last_seqs)
+        return 256 + rows + 96 * tails
+
+
 class _Stale(Exception):
     """An optimistic push met a tenant changed since its read, or writes that need the lock
     held across statements (a delete's cascade, a session written twice): it runs again,
@@ -1164,6 +1194,8 @@ class _PostgresTx:
         self._layout = layout
         self._held_ids: dict[str, bytes] = {}
         """The ids in the blocks of each session read in this transaction (``b""``: none)."""
+        self._read_rows: dict[str, tuple[bytes, int | None, bytes]] = {}
+        """Each session row read: its stored body, its count of ids in blocks, those ids."""
         self._schema = schema
         self._server_id = server_id
         """Named in the notice of new cursors (``_Sql.write``): this server process."""
@@ -1186,6 +1218,54 @@ class _PostgresTx:
         the two under the lock and writes only if neither moved (``_Sql.push_write``)."""
         self.between: Callable[[], Awaitable[None]] | None = None
         """Awaited between an optimistic push's read and its write (the tests push there)."""
+        self._from_known = False
+        """Whether an optimistic push's rows came from what the process knew (``read_known``),
+        not from a read."""
+        self._base: _Known | None = None
+        """What the push's rows were read from or found as (``read_known``,
+        ``read_optimistic``), for ``known_after``."""
+        self.known_after: _Known | None = None
+        """What the process knows of the tenant once an optimistic push's write committed:
+        ``_base`` with the push's own writes (``write``)."""
+
+    def read_known(self, tenant: Tenant, client_id: str, known: _Known) -> bool:
+        """The expected keys' rows from ``known``, with no statement at all: True when it holds
+        every row they ask about and the device's ``last_seq`` is the expected one. A record's
+        or an event's id is taken to be new (the write refuses one that is not: it raises,
+        and the push then reads, ``write``), a session's owner to be the tenant when its row
+        is known. The write checks the head and ``last_seq`` under the lock, as after a read."""
+        assert self._expected is not None
+        expected, keys = self._expected
+        if known.last_seqs.get(client_id) != expected:
+            return False
+        sessions = known.sessions
+        if not (
+            keys.sessions <= sessions.keys()
+            and keys.session_owners <= sessions.keys()
+            and keys.chains <= known.chain_tails.keys()
+            and keys.audit_chains <= known.audit_tails.keys()
+        ):
+            return False
+        found = Snapshot()
+        for session_id in keys.session_owners:
+            found.session_owners[session_id] = tenant
+        for session_id in keys.sessions:
+            body, count, ids = sessions[session_id]
+            found.sessions[session_id] = stored_session(
+                session_id, body, count, ids if count is not None else None
+            )
+            self._held_ids[session_id] = ids
+        for session_id in keys.chains:
+            if (tail := known.chain_tails[session_id]) is not None:
+                found.chain_tails[session_id] = tail
+        for device in keys.audit_chains:
+            if (tail := known.audit_tails[device]) is not None:
+                found.audit_tails[device] = tail
+        self._head = known.head
+        self._loaded = (keys, found)
+        self._optimistic = (tenant_lock_key(self._schema, tenant), expected, known.head)
+        self._from_known, self._base = True, known
+        return True
 
     async def read_optimistic(self, tenant: Tenant, client_id: str) -> bool:
         """Read the device's ``last_seq``, the tenant's head and the expected keys' rows in one
@@ -1205,6 +1285,14 @@ class _PostgresTx:
         assert self._head is not None  # (``what`` 6: always one row)
         self._loaded = (keys, found)
         self._optimistic = (tenant_lock_key(self._schema, tenant), expected, self._head)
+        # What the read found, and what it found absent, as it stood at the head it read.
+        self._base = _Known(
+            head=self._head,
+            last_seqs={client_id: expected},
+            sessions=dict(self._read_rows),
+            chain_tails={c: found.chain_tails.get(c) for c in keys.chains},
+            audit_tails={a: found.audit_tails.get(a) for a in keys.audit_chains},
+        )
         return True
 
     def keys_read(self, last_seq: int) -> BatchKeys | None:
@@ -1299,6 +1387,7 @@ class _PostgresTx:
         for session_id, (body, count) in bodies.items():
             ids = blocks.get(session_id)
             found.sessions[session_id] = stored_session(session_id, body, count, ids)
+            self._read_rows[session_id] = (bytes(body), count, ids or b"")
         for session_id in sessions:
             self._held_ids[session_id] = blocks.get(session_id, b"")
         return found
@@ -1366,6 +1455,7 @@ class _PostgresTx:
                 checked, statement = self._optimistic, sql.push_write
             taken = await _fetch_write(
                 conn,
+                self._from_known,
                 statement,
                 tenant.org_id,
                 tenant.user_id,
@@ -1395,6 +1485,10 @@ class _PostgresTx:
             )
             if taken is None:
                 raise _Stale  # (optimistic: the tenant or the device moved since the read)
+            if self._base is not None:
+                self.known_after = _known_after(
+                    self._base, client_id, writes, laid, taken[5], self._optimistic
+                )
             if taken[0] != len(writes.records):
                 raise claimed_concurrently("a record id")
             if taken[1] != len(events):
@@ -1444,19 +1538,57 @@ class _PostgresTx:
                 await conn.execute(sql.delete_feed_by_id, *t, kinds, ids)
 
 
-async def _fetch_write(conn: Any, statement: str, *args: Any) -> Any:
+async def _fetch_write(conn: Any, known: bool, statement: str, *args: Any) -> Any:
     """The row of ``_Sql.write`` or ``_Sql.push_write`` (None: ``push_write`` found the push
     stale); the latter's refusals of an id found taken as the locked write's
-    (``claimed_concurrently``)."""
+    (``claimed_concurrently``), or, for a push whose rows came from what the process knew
+    (``known``), as stale: it took the id for new, and runs again from a read."""
     try:
         return await conn.fetchrow(statement, *args)
     except asyncpg.PostgresError as exc:
         code = getattr(exc, "sqlstate", None)
+        if known and code in (CLAIMED_RECORD, CLAIMED_EVENT):
+            raise _Stale from exc
         if code == CLAIMED_RECORD:
             raise claimed_concurrently("a record id") from exc
         if code == CLAIMED_EVENT:
             raise claimed_concurrently("an event id") from exc
         raise
+
+
+def _known_after(
+    base: _Known,
+    client_id: str,
+    writes: BatchWrites,
+    laid: list[SessionRow],
+    cursors: Sequence[int] | None,
+    checked: tuple[int, int, int] | None,
+) -> _Known:
+    """``base`` (the tenant's rows a push read or knew, at its head) with the push's writes,
+    at the head they left: the rows as they stand once its write committed, since the write
+    found the head unmoved under the lock. Pure."""
+    assert checked is not None
+    last_seqs = dict(base.last_seqs)
+    last_seqs[client_id] = writes.last_seq if writes.last_seq is not None else checked[1]
+    sessions = dict(base.sessions)
+    for x, lay in zip(writes.sessions, laid, strict=True):
+        sessions[x.id] = (lay.body, lay.ids_count, lay.held)
+    # (A chain is followed only where its tail was known before: a session or a device the
+    # push wrote to without reading its tail, as a fork's new log, is left to a later read.)
+    chain_tails = dict(base.chain_tails)
+    for e in writes.events:
+        if e.session_id in chain_tails:
+            tail = chain_tails[e.session_id]
+            if tail is None or e.sequence_number > tail[0]:
+                chain_tails[e.session_id] = (e.sequence_number, e.row_hash)
+    audit_tails = dict(base.audit_tails)
+    for r in writes.records:
+        if isinstance(r, AuditRow) and r.client_id in audit_tails:
+            tail = audit_tails[r.client_id]
+            if tail is None or r.sequence_number > tail[0]:
+                audit_tails[r.client_id] = (r.sequence_number, r.row_hash)
+    head = max(cursors) if cursors else base.head
+    return _Known(head, last_seqs, sessions, chain_tails, audit_tails)
 
 
 async def _keep_session(conn: Any) -> None:
@@ -1525,6 +1657,9 @@ class PostgresServerStore(AsyncResource):
       waiting for a free pool connection; beyond them the call fails with 3009.
     - ``idle_in_transaction_timeout_ms`` (60000): the server ends a session that sits in an
       open transaction this long (a hung process must not hold a tenant's lock forever).
+    - ``known_bytes`` (16 MiB): what the process keeps of tenants' rows from its own pushes
+      (their sessions, chain tails and devices' ``last_seq``), so that a tenant's next push
+      skips its read when nothing of the tenant moved meanwhile (``push``); 0 keeps nothing.
     """
 
     def __init__(
@@ -1541,6 +1676,7 @@ class PostgresServerStore(AsyncResource):
         connect_timeout: float = 5.0,
         acquire_timeout: float = 10.0,
         idle_in_transaction_timeout_ms: int = 60_000,
+        known_bytes: int = DEFAULT_KNOWN_BYTES,
     ) -> None:
         if feed_retention is not None and feed_retention < 1:
             raise ValueError("feed_retention must be at least 1 (or None to keep everything)")
@@ -1570,6 +1706,12 @@ class PostgresServerStore(AsyncResource):
         self._seen_from: int | None = None  # the feed's head at this process's first push
         self._analyzed: set[int] = set()  # the ``ANALYZE_AT`` cursors done
         self._analyzing: asyncio.Task[None] | None = None
+        self.known_bytes = known_bytes
+        self._known: dict[Tenant, _Known] = {}
+        """What this process knows of each tenant's rows (``_Known``), least recently used
+        first (a dict keeps its order of insertion: ``_remember`` puts a tenant last)."""
+        self._known_sizes: dict[Tenant, int] = {}
+        self._known_total = 0
         self.optimistic = type(self)._wrap_tx is PostgresServerStore._wrap_tx
         """Push optimistically (``push``); a store whose ``_wrap_tx`` is hooked does not."""
         self.pushes: collections.Counter[str] = collections.Counter()
@@ -1653,6 +1795,30 @@ class PostgresServerStore(AsyncResource):
 
     async def _between_read_and_write(self) -> None:
         """Hook: awaited between an optimistic push's read and its write (tests push there)."""
+
+    def _remember(self, tenant: Tenant, known: _Known | None) -> None:
+        """Keep what an optimistic push left known of ``tenant`` (``_Known``), unless what is
+        kept is of a later head already (pushes of one tenant answer in any order), within
+        ``known_bytes`` (the least recently used tenants go first)."""
+        if known is None:
+            return
+        kept = self._known.get(tenant)
+        if kept is not None and kept.head > known.head:
+            return
+        self._forget(tenant)
+        size = known.size()
+        if size > self.known_bytes // 8:
+            return  # (one tenant never takes more than an eighth)
+        self._known[tenant] = known
+        self._known_sizes[tenant] = size
+        self._known_total += size
+        while self._known_total > self.known_bytes:
+            oldest = next(iter(self._known))
+            self._forget(oldest)
+
+    def _forget(self, tenant: Tenant) -> None:
+        if self._known.pop(tenant, None) is not None:
+            self._known_total -= self._known_sizes.pop(tenant)
 
     async def _run(
         self, doing: str, body: Callable[[Any], Awaitable[T]], *, transaction: bool
@@ -1780,15 +1946,31 @@ class PostgresServerStore(AsyncResource):
                 bodies=bodies,
             )
 
-        async def optimistic(conn: Any) -> PushResult | str:
-            tx = tx_on(conn)
-            if not await tx.read_optimistic(tenant, client_id):
-                return "resent"
+        async def attempt(tx: _PostgresTx) -> PushResult | None:
             tx.between = self._between_read_and_write
             try:
-                return await run(tx, None)
+                result = await run(tx, None)
             except _Stale:
-                return "stale"
+                self._forget(tenant)
+                return None
+            self._remember(tenant, tx.known_after)
+            return result
+
+        async def optimistic(conn: Any) -> tuple[str, PushResult | None]:
+            known = self._known.get(tenant)
+            if known is not None:
+                tx = tx_on(conn)
+                if tx.read_known(tenant, client_id, known):
+                    result = await attempt(tx)
+                    # (Nothing written, nothing checked: the answer is read again.)
+                    if result is not None and tx.known_after is not None:
+                        return "known", result
+                    self.pushes["known_stale"] += 1
+            tx = tx_on(conn)
+            if not await tx.read_optimistic(tenant, client_id):
+                return "resent", None
+            result = await attempt(tx)
+            return ("optimistic", result) if result is not None else ("stale", None)
 
         async def locked(conn: Any) -> PushResult:
             result = await run(tx_on(conn), self._wrap_tx)
@@ -1797,15 +1979,14 @@ class PostgresServerStore(AsyncResource):
                 result.feed, result.previous_head = [], None  # read the page back instead
             return result
 
-        found: PushResult | str = "locked"
+        way, found = "locked", None
         if self.optimistic and self.feed_retention is None:
-            found = await self._run("push failed", optimistic, transaction=False)
-        if isinstance(found, str):
-            self.pushes[found] += 1
-            result = await self._run("push failed, rolled back", locked, transaction=True)
-        else:
-            self.pushes["optimistic"] += 1
-            result = found
+            way, found = await self._run("push failed", optimistic, transaction=False)
+        self.pushes[way] += 1
+        if found is None:
+            self._forget(tenant)  # (its head moves: what was known of it goes stale)
+            found = await self._run("push failed, rolled back", locked, transaction=True)
+        result = found
         if result.cursors:
             self._analyze_when_young(min(result.cursors) - 1, max(result.cursors))
         return result
