@@ -4,7 +4,7 @@
 
     pleach-server [serve] [--host H] [--port P] [--db PATH|URL] [--secret S]
                   [--max-frame-bytes N] [--log-level LEVEL]
-                  [--schema S] [--pool-size N] [--statement-timeout-ms MS]
+                  [--schema S] [--pool-size N] [--statement-timeout-ms MS] [--known-mib N]
     pleach-server token create --user U [--org O] [--ttl SECONDS] [--db PATH] [--secret S]
     pleach-server migrate [--db PATH|URL] [--schema S]
 
@@ -17,8 +17,10 @@ and a signing secret kept beside it.
 ``--db postgresql://...`` (or ``postgres://``) runs on PostgreSQL: several processes may share
 one database behind a load balancer (they must share ``PLEACH_SECRET`` too). The PostgreSQL
 flags are ``--schema`` (``PLEACH_PG_SCHEMA``, ``pleach``), ``--pool-size``
-(``PLEACH_POOL_SIZE``, 10) and ``--statement-timeout-ms`` (``PLEACH_STATEMENT_TIMEOUT_MS``,
-5000). ``migrate`` applies schema migrations and exits (``serve`` also applies them at start).
+(``PLEACH_POOL_SIZE``, 10), ``--statement-timeout-ms`` (``PLEACH_STATEMENT_TIMEOUT_MS``,
+5000) and ``--known-mib`` (``PLEACH_KNOWN_MIB``, 16: what a process keeps of tenants' rows
+from its own pushes, so that a tenant's next push skips its read; 0 keeps nothing).
+``migrate`` applies schema migrations and exits (``serve`` also applies them at start).
 
 SIGTERM and SIGINT stop it gracefully (exit 0). Errors print one line to stderr and exit
 non-zero.
@@ -70,15 +72,18 @@ def open_store(
     schema: str | None = None,
     pool_size: int | None = None,
     statement_timeout_ms: int | None = None,
+    known_mib: int | None = None,
 ) -> ServerStore:
     """The store for ``--db``: a SQLite file path (or ``sqlite:///path``), or a
-    ``postgresql://`` / ``postgres://`` URL (``schema``, ``pool_size`` and
-    ``statement_timeout_ms`` apply to PostgreSQL only; None means the default).
+    ``postgresql://`` / ``postgres://`` URL (``schema``, ``pool_size``,
+    ``statement_timeout_ms`` and ``known_mib`` apply to PostgreSQL only; None means the
+    default).
 
     The store is not opened yet: use it as ``async with``.
     """
     if _is_postgres(db):
         from .store.postgres import (
+            DEFAULT_KNOWN_BYTES,
             DEFAULT_POOL_MAX,
             DEFAULT_SCHEMA,
             DEFAULT_STATEMENT_TIMEOUT_MS,
@@ -95,6 +100,7 @@ def open_store(
                     if statement_timeout_ms is not None
                     else DEFAULT_STATEMENT_TIMEOUT_MS
                 ),
+                known_bytes=known_mib << 20 if known_mib is not None else DEFAULT_KNOWN_BYTES,
             )
         except ValueError as exc:
             raise CliError(str(exc)) from exc
@@ -255,6 +261,13 @@ def _parser() -> argparse.ArgumentParser:
             default=d(None),
             help="PostgreSQL statement timeout (PLEACH_STATEMENT_TIMEOUT_MS, 5000)",
         )
+        p.add_argument(
+            "--known-mib",
+            type=int,
+            default=d(None),
+            help="MiB a PostgreSQL server process keeps of tenants' rows from its own pushes, "
+            "so that a tenant's next push skips its read (PLEACH_KNOWN_MIB, 16; 0: none)",
+        )
 
     parser = argparse.ArgumentParser(
         prog="pleach-server", description="pleach sync server: reconciles a user's devices."
@@ -385,8 +398,15 @@ def _run_server(args: argparse.Namespace) -> int:
         if args.statement_timeout_ms is not None
         else _env_opt_int("PLEACH_STATEMENT_TIMEOUT_MS")
     )
+    known_mib = args.known_mib if args.known_mib is not None else _env_opt_int("PLEACH_KNOWN_MIB")
     schema = _pg_schema(args) if _is_postgres(db) else None
-    store = open_store(db, schema=schema, pool_size=pool_size, statement_timeout_ms=timeout_ms)
+    store = open_store(
+        db,
+        schema=schema,
+        pool_size=pool_size,
+        statement_timeout_ms=timeout_ms,
+        known_mib=known_mib,
+    )
     secret = _secret_for(db, args.secret or env.get(SECRET_ENV))
     notifier: Notifier | None = None
     server_id: str | None = None

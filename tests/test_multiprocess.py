@@ -206,7 +206,7 @@ class ServerProcess:
     async def start(cls, schema: str) -> ServerProcess:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "pleach_server.cli", "--port", "0", "--db", PG_DSN,
-            "--log-level", "warning", "--pool-size", "4",
+            "--log-level", "warning", "--pool-size", "4", "--known-mib", "1",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=_env(schema),
         )  # fmt: skip
         assert proc.stdout is not None

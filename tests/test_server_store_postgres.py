@@ -1078,6 +1078,21 @@ async def test_what_a_process_knows_of_a_tenant_is_bounded() -> None:
         assert store.pushes["optimistic"] == before["optimistic"] + 1
 
 
+def test_the_server_command_sizes_what_a_process_keeps() -> None:
+    """``--known-mib`` sizes ``known_bytes`` (``open_store``; the several-process tests start
+    their servers with it); 16 MiB without it; a negative size is refused with a clear error,
+    as the command prints it."""
+    from pleach_server.cli import CliError, open_store
+
+    default = open_store(PG_DSN)
+    assert isinstance(default, PostgresServerStore)
+    assert default.known_bytes == DEFAULT_KNOWN_BYTES == 16 << 20
+    none = open_store(PG_DSN, known_mib=0)
+    assert isinstance(none, PostgresServerStore) and none.known_bytes == 0
+    with pytest.raises(CliError, match="known_bytes must be >= 0"):
+        open_store(PG_DSN, known_mib=-1)
+
+
 def session_of(page: Any) -> Session:
     """The one session of a page."""
     (found,) = [c.record for c in page.changes if isinstance(c.record, Session)]

@@ -1688,6 +1688,8 @@ class PostgresServerStore(AsyncResource):
             )
         if statement_timeout_ms < 0 or idle_in_transaction_timeout_ms < 0:
             raise ValueError("timeouts must be >= 0 (0 disables them)")
+        if known_bytes < 0:
+            raise ValueError("known_bytes must be >= 0 (0 keeps nothing)")
         self.dsn = dsn
         self.schema = _check_schema(schema)
         self.pool_min = pool_min
@@ -1901,7 +1903,15 @@ class PostgresServerStore(AsyncResource):
         skipped: Collection[int] = (),
         bodies: Collection[bytes] = (),
     ) -> PushResult:
-        """Apply one push batch (``apply_push``) in two round trips when it can, four when not.
+        """Apply one push batch (``apply_push``) in one round trip or two when it can, four
+        when not.
+
+        **Known** (one): the tenant's rows as this process's own pushes last read and wrote
+        them (``_Known``, bounded by ``known_bytes``), when they cover the batch's keys and
+        the device's ``last_seq`` is the expected one: the rules run on them, a record's or
+        an event's id taken for new, and the write below checks under the lock that the
+        head and ``last_seq`` are those known (so the rows known are the rows there). An id
+        that is not new, a failed check or nothing to write: the push runs again, optimistic.
 
         **Optimistic** (two): one statement reads the device's ``last_seq``, the tenant's head
         cursor and every lookup of the batch, in no transaction and under no lock; the rules
