@@ -965,6 +965,20 @@ async def test_an_optimistic_push_whose_tenant_moved_runs_locked(pg_schema: str)
     assert titles == ["laptop", "phone"]  # the laptop's edit survives, as the fork
 
 
+async def _bare_row(conn: Any, schema: str, tenant: Tenant, record: Message) -> None:
+    """A row of ``records`` under ``record``'s id with no feed entry and a one-byte body (which
+    no build writes): a write's check of the ids it takes for new, shown."""
+    await conn.execute(
+        f"INSERT INTO {schema}.records (tid, kind, id, session_id, body) SELECT tid, $3, $4, "
+        f"$5, '\\x00' FROM {schema}.tenants WHERE org_id = $1 AND user_id = $2",
+        tenant.org_id,
+        tenant.user_id,
+        KINDS.index(record_kind(record)),
+        _pg_key(record.id),
+        _pg_key(record.session_id),
+    )
+
+
 async def test_an_optimistic_write_that_finds_an_id_taken_is_undone_whole(
     pg_schema: str, stored_rows: StoredRows
 ) -> None:
@@ -986,15 +1000,7 @@ async def test_an_optimistic_write_that_finds_an_id_taken_is_undone_whole(
         batch = mine.changes(mine.message(session.id), taken, mine.event(session.id))
 
         async def claims() -> None:
-            await conn.execute(
-                f"INSERT INTO {s}.records (tid, kind, id, session_id, body) SELECT tid, $3, "
-                f"$4, $5, '\\x00' FROM {s}.tenants WHERE org_id = $1 AND user_id = $2",
-                mine.tenant.org_id,
-                mine.tenant.user_id,
-                KINDS.index(record_kind(taken)),
-                _pg_key(taken.id),
-                _pg_key(session.id),
-            )
+            await _bare_row(conn, s, mine.tenant, taken)
 
         before = await stored_rows(mine.tenant) | {("Message", taken.id)}
         store.between = claims
@@ -1025,15 +1031,7 @@ async def test_a_push_served_from_what_is_known_reads_when_an_id_is_not_new(
         batch = mine.changes(fresh, taken, mine.event(session.id))
 
         async def claims() -> None:
-            await conn.execute(
-                f"INSERT INTO {s}.records (tid, kind, id, session_id, body) SELECT tid, $3, "
-                f"$4, $5, '\\x00' FROM {s}.tenants WHERE org_id = $1 AND user_id = $2",
-                mine.tenant.org_id,
-                mine.tenant.user_id,
-                KINDS.index(record_kind(taken)),
-                _pg_key(taken.id),
-                _pg_key(session.id),
-            )
+            await _bare_row(conn, s, mine.tenant, taken)
 
         store.between = claims
         pushed = await store.push(mine.tenant, mine.client_id, batch, clock)
