@@ -1717,11 +1717,13 @@ class PostgresServerStore(AsyncResource):
         self.optimistic = type(self)._wrap_tx is PostgresServerStore._wrap_tx
         """Push optimistically (``push``); a store whose ``_wrap_tx`` is hooked does not."""
         self.pushes: collections.Counter[str] = collections.Counter()
-        """Pushes by how they ran: ``optimistic`` (a read, then one write that commits on its
-        own); locked, as ``stale`` (tried so, the tenant moved between the two, or the batch
-        needs the lock: a delete, a session written twice), ``resent`` (the device's
-        ``last_seq`` was not the expected one) or ``locked`` (not tried so: a hooked
-        ``_wrap_tx``, ``feed_retention``)."""
+        """Pushes by how they ran: ``known`` (one write that commits on its own, its rows
+        those the process knew), ``optimistic`` (a read, then that write); locked, as
+        ``stale`` (tried so, the tenant moved between the two, or the batch needs the lock: a
+        delete, a session written twice), ``resent`` (the device's ``last_seq`` was not the
+        expected one) or ``locked`` (not tried so: a hooked ``_wrap_tx``,
+        ``feed_retention``). Beside them, ``known_stale`` counts the tries from what was known
+        that ran again from a read (not a push of its own)."""
 
     def __repr__(self) -> str:
         state = "open" if self._pool is not None else "closed"
