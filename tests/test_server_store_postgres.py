@@ -1076,6 +1076,36 @@ async def test_what_a_process_knows_of_a_tenant_is_bounded() -> None:
         assert store.pushes["optimistic"] == before["optimistic"] + 1
 
 
+async def test_two_devices_of_a_tenant_pushing_in_turn_are_served_from_what_is_known(
+    pg_schema: str,
+) -> None:
+    """A laptop and a phone of one user each write their own session, in turn (as
+    ``bench_live``'s devices do). A push that reads keeps what the process knew of the other
+    device (both exact at the head it read), so after each session's creation every push is
+    served from what is known; and every turn of both is in the feed."""
+    tenant = new_tenant()
+    devices = [Device(tenant), Device(tenant)]
+    clock = HybridClock(f"server-{uuid7()}")
+    async with pg_store(pg_schema) as store:
+        sessions = [d.session(title="start") for d in devices]
+        for dev, session in zip(devices, sessions, strict=True):
+            await store.push(tenant, dev.client_id, dev.changes(session), clock)
+        sent: set[str] = set()
+        for turn in range(6):
+            for i, dev in enumerate(devices):
+                sessions[i] = dev.edit(sessions[i], title=f"turn {turn}")
+                message = dev.message(sessions[i].id)
+                sent.add(message.id)
+                records = [message, dev.event(sessions[i].id), sessions[i]]
+                pushed = await store.push(tenant, dev.client_id, dev.changes(*records), clock)
+                assert {r.status for r in pushed.results} == {"applied"}
+        # (Each session's creation reads; every turn after is served from what is known. A
+        # read that kept only its own device's rows made every push of the two read.)
+        assert store.pushes == {"optimistic": 2, "known": 12}, store.pushes
+        feed = [c.record for c in (await store.pull(tenant, 0, 1000)).changes]
+    assert {r.id for r in feed if isinstance(r, Message)} == sent
+
+
 def test_the_server_command_sizes_what_a_process_keeps() -> None:
     """``--known-mib`` sizes ``known_bytes`` (``open_store``; the several-process tests start
     their servers with it); 16 MiB without it; a negative size is refused with a clear error,

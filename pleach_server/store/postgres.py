@@ -1267,7 +1267,9 @@ class _PostgresTx:
         self._from_known, self._base = True, known
         return True
 
-    async def read_optimistic(self, tenant: Tenant, client_id: str) -> bool:
+    async def read_optimistic(
+        self, tenant: Tenant, client_id: str, kept: _Known | None = None
+    ) -> bool:
         """Read the device's ``last_seq``, the tenant's head and the expected keys' rows in one
         statement, in no transaction and under no lock (``_Sql.push_read``). True when
         ``last_seq`` is the one the push expects: the push then goes on from these rows and
@@ -1285,14 +1287,26 @@ class _PostgresTx:
         assert self._head is not None  # (``what`` 6: always one row)
         self._loaded = (keys, found)
         self._optimistic = (tenant_lock_key(self._schema, tenant), expected, self._head)
-        # What the read found, and what it found absent, as it stood at the head it read.
-        self._base = _Known(
+        # What the read found, and what it found absent, as it stood at the head it read;
+        # with what the process ``kept`` of the tenant when that was at the same head (both
+        # exact there: the other devices' rows stay known, so that two devices of a tenant
+        # pushing in turn are each served from what is known).
+        read = _Known(
             head=self._head,
             last_seqs={client_id: expected},
             sessions=dict(self._read_rows),
             chain_tails={c: found.chain_tails.get(c) for c in keys.chains},
             audit_tails={a: found.audit_tails.get(a) for a in keys.audit_chains},
         )
+        if kept is not None and kept.head == read.head:
+            read = _Known(
+                head=read.head,
+                last_seqs={**kept.last_seqs, **read.last_seqs},
+                sessions={**kept.sessions, **read.sessions},
+                chain_tails={**kept.chain_tails, **read.chain_tails},
+                audit_tails={**kept.audit_tails, **read.audit_tails},
+            )
+        self._base = read
         return True
 
     def keys_read(self, last_seq: int) -> BatchKeys | None:
@@ -1979,7 +1993,7 @@ class PostgresServerStore(AsyncResource):
                         return "known", result
                     self.pushes["known_stale"] += 1
             tx = tx_on(conn)
-            if not await tx.read_optimistic(tenant, client_id):
+            if not await tx.read_optimistic(tenant, client_id, self._known.get(tenant)):
                 return "resent", None
             result = await attempt(tx)
             return ("optimistic", result) if result is not None else ("stale", None)
