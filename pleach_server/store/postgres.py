@@ -1149,14 +1149,14 @@ class _Known:
     of a push served from it checks under the tenant's lock."""
 
     head: int
-    last_seqs: dict[str, int]
+    last_seqs: dict[str, int] = dataclasses.field(default_factory=dict)
     """Each device's ``last_seq``."""
-    sessions: dict[str, tuple[bytes, int | None, bytes]]
+    sessions: dict[str, tuple[bytes, int | None, bytes]] = dataclasses.field(default_factory=dict)
     """Each session row: its stored body, the count of ids its blocks hold (None: they are
     in the body) and those ids (16 bytes each; ``b""``: none)."""
-    chain_tails: dict[str, tuple[int, str] | None]
+    chain_tails: dict[str, tuple[int, str] | None] = dataclasses.field(default_factory=dict)
     """Each session's last canonical event ``(sequence_number, row_hash)``; None: it has none."""
-    audit_tails: dict[str, tuple[int, str] | None]
+    audit_tails: dict[str, tuple[int, str] | None] = dataclasses.field(default_factory=dict)
     """Each device's last audit row ``(sequence_number, row_hash)``; None: none."""
 
     def size(self) -> int:
@@ -1287,26 +1287,21 @@ class _PostgresTx:
         assert self._head is not None  # (``what`` 6: always one row)
         self._loaded = (keys, found)
         self._optimistic = (tenant_lock_key(self._schema, tenant), expected, self._head)
-        # What the read found, and what it found absent, as it stood at the head it read;
-        # with what the process ``kept`` of the tenant when that was at the same head (both
-        # exact there: the other devices' rows stay known, so that two devices of a tenant
-        # pushing in turn are each served from what is known).
-        read = _Known(
+        # What the read found, and what it found absent, as it stood at the head it read, over
+        # what the process ``kept`` of the tenant when that was at the same head (both exact
+        # there: the other devices' rows stay known, so that two devices of a tenant pushing
+        # in turn are each served from what is known).
+        prior = kept if kept is not None and kept.head == self._head else _Known(self._head)
+        self._base = _Known(
             head=self._head,
-            last_seqs={client_id: expected},
-            sessions=dict(self._read_rows),
-            chain_tails={c: found.chain_tails.get(c) for c in keys.chains},
-            audit_tails={a: found.audit_tails.get(a) for a in keys.audit_chains},
+            last_seqs={**prior.last_seqs, client_id: expected},
+            sessions={**prior.sessions, **self._read_rows},
+            chain_tails={**prior.chain_tails, **{c: found.chain_tails.get(c) for c in keys.chains}},
+            audit_tails={
+                **prior.audit_tails,
+                **{a: found.audit_tails.get(a) for a in keys.audit_chains},
+            },
         )
-        if kept is not None and kept.head == read.head:
-            read = _Known(
-                head=read.head,
-                last_seqs={**kept.last_seqs, **read.last_seqs},
-                sessions={**kept.sessions, **read.sessions},
-                chain_tails={**kept.chain_tails, **read.chain_tails},
-                audit_tails={**kept.audit_tails, **read.audit_tails},
-            )
-        self._base = read
         return True
 
     def keys_read(self, last_seq: int) -> BatchKeys | None:
@@ -1499,9 +1494,10 @@ class _PostgresTx:
             )
             if taken is None:
                 raise _Stale  # (optimistic: the tenant or the device moved since the read)
-            if self._base is not None:
+            if self._base is not None and self._optimistic is not None:
+                expected = self._optimistic[1]
                 self.known_after = _known_after(
-                    self._base, client_id, writes, laid, taken[5], self._optimistic
+                    self._base, client_id, expected, writes, laid, taken[5]
                 )
             if taken[0] != len(writes.records):
                 raise claimed_concurrently("a record id")
@@ -1573,17 +1569,17 @@ async def _fetch_write(conn: Any, known: bool, statement: str, *args: Any) -> An
 def _known_after(
     base: _Known,
     client_id: str,
+    expected: int,
     writes: BatchWrites,
     laid: list[SessionRow],
     cursors: Sequence[int] | None,
-    checked: tuple[int, int, int] | None,
 ) -> _Known:
     """``base`` (the tenant's rows a push read or knew, at its head) with the push's writes,
     at the head they left: the rows as they stand once its write committed, since the write
-    found the head unmoved under the lock. Pure."""
-    assert checked is not None
+    found the head unmoved under the lock (``expected``: the device's ``last_seq`` it checked,
+    which stays when the push moved it not). Pure."""
     last_seqs = dict(base.last_seqs)
-    last_seqs[client_id] = writes.last_seq if writes.last_seq is not None else checked[1]
+    last_seqs[client_id] = writes.last_seq if writes.last_seq is not None else expected
     sessions = dict(base.sessions)
     for x, lay in zip(writes.sessions, laid, strict=True):
         sessions[x.id] = (lay.body, lay.ids_count, lay.held)
