@@ -55,6 +55,7 @@ from .records import RECORD_KINDS, Event, Outcome, Record, Usage, decode_record
 
 __all__ = [
     "KINDS",
+    "SHORT",
     "Bodies",
     "canonical_body",
     "checkpoint_parent",
@@ -70,9 +71,11 @@ __all__ = [
     "implied_client",
     "is_compact",
     "packed",
+    "short_body",
     "uuid_bytes",
     "uuid_text",
     "uuids_bytes",
+    "whole_body_sql",
 ]
 
 KINDS: Final[tuple[str, ...]] = (
@@ -1345,3 +1348,41 @@ def checkpoint_parent(data: bytes) -> bytes | None:
     compact Checkpoint body."""
     head = _read_head(_CHECKPOINT_HEAD, _CHECKPOINT_INDEX, data)
     return None if head is None else bytes(head.last)
+
+
+# -- the stored form: a body without the ids its row holds -------------------------------------
+
+SHORT: Final = b"\xc1"
+"""The first byte of a body stored without the id and session id its row's columns hold
+(``short_body``). msgpack never uses the byte, so no body ``encode`` writes starts with it."""
+
+
+def short_body(body: bytes, key: object, session_key: object) -> bytes:
+    """``body`` as a store's row keeps it when the row's columns hold the record's id and
+    session id as their 16 bytes (``key``, ``session_key``; ``uuid_bytes``): when the body is
+    the compact form of a record that starts ``[kind, id, session_id, ...]`` (a Message, a
+    Checkpoint, an Event) and those two fields are exactly those keys, it is ``SHORT``, the
+    array's header and the kind, then the fields after the two: 35 bytes fewer. Anything
+    else is given back as it is (an id that is not a canonical UUID, keys that are not the
+    body's, the map form, another kind). ``whole_body_sql`` undoes it, byte for byte, as a
+    query reads the row. Pure."""
+    if (
+        type(key) is bytes
+        and type(session_key) is bytes
+        and body[2:38] == b"\xd8\x01" + key + b"\xd8\x01" + session_key
+        and _FIXARRAY <= body[0] <= _FIXARRAY + 15  # (a compact array of at most 15 values)
+    ):
+        return SHORT + body[:2] + body[38:]
+    return body
+
+
+def whole_body_sql(body: str, key: str, session_key: str) -> str:
+    """SQLite SQL: the stored body in column ``body`` as its record was written, the row's
+    ``key`` and ``session_key`` columns giving back what ``short_body`` left out (each as
+    ext 1, the form this codec writes a UUID in); any other body as it is. Concatenating
+    blobs gives text in SQLite, and the cast the very bytes back (a database's text is
+    UTF-8: no conversion either way)."""
+    return (
+        f"CASE WHEN substr({body}, 1, 1) = X'c1' THEN CAST(substr({body}, 2, 2) || X'd801' || "
+        f"{key} || X'd801' || {session_key} || substr({body}, 4) AS BLOB) ELSE {body} END"
+    )

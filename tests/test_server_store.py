@@ -268,7 +268,7 @@ async def test_schema_3_files_migrate_to_tenant_scoped_ids(db_path: Path) -> Non
         assert [r.status for r in theirs.results] == ["applied"]
         assert (await store.pull(alice.tenant, 0, 10)).changes == feed
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 11
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 12
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
@@ -481,7 +481,7 @@ async def test_schema_4_files_migrate_with_every_audit_row_placed(db_path: Path)
         )
         assert [r.status for r in after.results] == ["applied"]
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 11
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 12
         assert conn.execute("SELECT count(*) FROM audit_places").fetchone()[0] == 4
         # Migration 6 kept every record, now in a rowid table (bodies pack into its pages).
         assert conn.execute("SELECT count(*) FROM records").fetchone()[0] == 4
@@ -542,7 +542,7 @@ async def test_schema_6_files_migrate_to_a_feed_that_refers_to_its_records(db_pa
         later = await store.push(dev.tenant, dev.client_id, dev.changes(dev.message(v1.id)), clock)
         assert later.cursors == [6]  # not 5: that cursor was handed out before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 11
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 12
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         columns = [row[1] for row in conn.execute("PRAGMA table_info(feed)")]
         assert columns == ["cursor", "tid", "kind", "record_id"]
@@ -656,7 +656,7 @@ async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Pat
         assert isinstance(last.record, Event)
         assert (last.record.sequence_number, last.record.prev_hash) == (2, event.row_hash)
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 11
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 12
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert conn.execute("SELECT count(*) FROM tenants").fetchone()[0] == 2
         kept = dict(conn.execute("SELECT typeof(id), count(*) FROM records GROUP BY 1"))
@@ -689,7 +689,7 @@ def _as_schema_10(db_path: Path) -> None:
         conn.execute("DROP INDEX feed_session")
         conn.execute("CREATE INDEX feed_record ON feed (tid, kind, record_id, cursor)")
         conn.execute("PRAGMA user_version = 10")
-        assert module.SCHEMA_VERSION == 11
+        assert module.SCHEMA_VERSION == 12
 
 
 async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: Path) -> None:
@@ -766,7 +766,7 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
         (cursor,) = later.cursors
         assert cursor > max(at.values())
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 11
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 12
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         indexes = {row[1] for row in conn.execute("PRAGMA index_list(feed)")}
         assert indexes == {"feed_tenant", "feed_session"}
@@ -785,6 +785,63 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
                 f"SELECT rowid FROM {table} AS r WHERE rowid > 0 AND NOT EXISTS ("
                 "SELECT 1 FROM feed AS f WHERE f.cursor = r.rowid AND f.record_id = r.id)"
             ).fetchall()
+
+
+async def _raw_bodies(store: SQLiteServerStore, tenant: Tenant) -> list[tuple[int, bytes]]:
+    """Each feed entry's cursor and body as a pull sends them (``raw``: the stored bytes)."""
+    page = await store.pull(tenant, 0, 1000, raw=True)
+    return [(e.cursor, bytes(b.body)) for e, b in zip(page.entries(), page.bodies, strict=True)]
+
+
+async def test_whole_and_short_bodies_of_one_server_file_pull_alike(db_path: Path) -> None:
+    """Schema 12 stores a message's, checkpoint's and event's body without the ids its row
+    holds. A file of schema 11 (every body whole) opens at 12 and pulls the very bytes it
+    pulled before; rows written after are short, and whole and short side by side pull as
+    the bytes pushed; a chain goes on from a whole tail and from a short one; a deleted
+    session's content goes whichever form its rows are in."""
+    clock = HybridClock("server-x")
+    async with SQLiteServerStore(db_path) as store:
+        h = await placed_history(store, clock)
+        alice, bob = h.alice, h.bob
+        before = await _raw_bodies(store, alice.tenant)
+        theirs = await _raw_bodies(store, bob.tenant)
+    whole = compact.whole_body_sql("body", "id", "session_id")
+    with sqlite3.connect(db_path) as conn:
+        for table in ("records", "events"):
+            short = f"SELECT count(*) FROM {table} WHERE substr(body, 1, 1) = x'c1'"
+            assert conn.execute(short).fetchone()[0] > 0
+            conn.execute(f"UPDATE {table} SET body = {whole}")
+            assert conn.execute(short).fetchone()[0] == 0
+        conn.execute("PRAGMA user_version = 11")
+    async with SQLiteServerStore(db_path) as store:
+        assert await _raw_bodies(store, alice.tenant) == before
+        assert await _raw_bodies(store, bob.tenant) == theirs
+        session = h.session
+        pushed = [alice.message(session.id), alice.checkpoint(session.id)]
+        for record in [*pushed, alice.event(session.id), alice.event(session.id)]:
+            result = await store.push(alice.tenant, alice.client_id, alice.changes(record), clock)
+            assert [r.status for r in result.results] == ["applied"]
+        feed = await pull_all(store, alice.tenant)
+        assert [c.record for c in feed[-4:-2]] == pushed
+        log = [c.record for c in feed if isinstance(c.record, Event)]
+        log = [e for e in log if e.session_id == session.id]
+        assert [e.sequence_number for e in log] == [1, 2, 3]
+        assert [e.prev_hash for e in log[1:]] == [e.row_hash for e in log[:-1]]
+        after = await _raw_bodies(store, alice.tenant)
+        assert after[: len(before)] == before
+        assert [compact.decode(b) for _, b in after] == [c.record for c in feed]
+        tomb = tombstone(alice, h.other)
+        deleted = await store.push(alice.tenant, alice.client_id, alice.changes(tomb), clock)
+        assert [r.status for r in deleted.results] == ["applied"]
+        left = {c.record.id for c in await pull_all(store, alice.tenant)}
+        assert not left & {r.id for r in h.content}
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        for table in ("records", "events"):
+            short = conn.execute(
+                f"SELECT count(*) FROM {table} WHERE substr(body, 1, 1) = x'c1'"
+            ).fetchone()[0]
+            assert short == {"records": 2, "events": 2}[table]  # the rows pushed after
 
 
 def test_a_chain_tail_is_read_from_the_event_body_in_either_form() -> None:

@@ -31,7 +31,7 @@ from pleach_client.store.sqlite import QUERIES, SCHEMA_VERSION  # noqa: E402
 from shared import compact  # noqa: E402
 from shared.errors import InvalidState, StorageError  # noqa: E402
 from shared.ids import uuid7  # noqa: E402
-from shared.records import Record, SessionState, encode_record  # noqa: E402
+from shared.records import Event, Record, SessionState, encode_record  # noqa: E402
 from tests.factories import (  # noqa: E402
     count_hops,
     make_audit,
@@ -939,7 +939,14 @@ def _as_schema_4(source: Path, path: Path) -> None:
         old = {row[1] for row in conn.execute(f"PRAGMA main.table_info({table})")}
         columns = [r[1] for r in conn.execute(f"PRAGMA new.table_info({table})") if r[1] in old]
         keys = KEY_COLUMNS.get(table, ())
-        read = ", ".join(f"pleach_text({c})" if c in keys else c for c in columns)
+        read = ", ".join(
+            f"pleach_text({c})"
+            if c in keys
+            else sqlite_module._whole_body()  # (no build before schema 10 left bodies short)
+            if c == "body" and table in ("messages", "checkpoints", "events")
+            else c
+            for c in columns
+        )
         conn.execute(
             f"INSERT INTO main.{table} ({', '.join(columns)}) SELECT {read} FROM new.{table}"
         )
@@ -980,7 +987,7 @@ async def test_a_schema_4_file_migrates_its_ids_to_keys(db_path: Path, tmp_path:
     assert conn.execute("SELECT count(*) FROM events").fetchone()[0] == 2
     conn.close()
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 9
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 10
         for record in history:
             assert await read_back(store, record) == record
         session = history[0]
@@ -1030,7 +1037,7 @@ async def test_a_schema_8_file_keeps_its_outbox_and_log_through_schema_9(db_path
     events = [r for r in history if type(r).__name__ == "Event"]
     later = make_event(session_id=events[0].session_id, sequence_number=2, type=events[0].type)
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 9
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 10
         assert await store.outbox_pending() == before
         assert await store.dead_letters() == letters
         assert await _session_queued(store, session.id)
@@ -1126,9 +1133,9 @@ async def test_rerunnable_plans_of_two_connections_lose_no_update(db_path: Path)
 
 
 async def test_a_record_that_came_as_bytes_is_stored_as_those_bytes(tmp_path: Path) -> None:
-    """A pulled page's records (protocol 6) are written in the bytes they came in: the very
-    same objects reach the statements, none is encoded again; a record made anew is encoded.
-    The file then reads them back as the records they are."""
+    """A pulled page's records (protocol 6) are written in the bytes they came in (less the id and session id their row's columns hold: schema 10); a
+    record made anew is encoded. The file then gives back the very bytes that came, and
+    reads them as the records they are."""
     from shared.compact import Bodies
 
     session = make_session()
@@ -1140,11 +1147,137 @@ async def test_a_record_that_came_as_bytes_is_stored_as_those_bytes(tmp_path: Pa
     )
     groups, _ = sqlite_module._encode_batch(batch.records, batch.bodies)
     written = [row[-1] for rows in groups.values() for row in rows]
-    assert all(any(w is body for w in written) for body in sent)  # the same objects
-    assert compact.encode(made) in written and len(written) == 3
+    keys = [(key(r.id), key(r.session_id)) for r in [*pulled, made]]
+    bodies = [*sent, compact.encode(made)]
+    shortened = [sqlite_module._short(b, *k) for b, k in zip(bodies, keys, strict=True)]
+    assert sorted(written) == sorted(shortened) and len(written) == 3
+    assert all(
+        len(w) == len(b) - 35 for w, b in zip(shortened, bodies, strict=True)
+    )  # 36 out, 1 in
     async with SQLiteAdapter(tmp_path / "d.db") as store:
         await store.commit(batch)
         assert await store.get_messages([pulled[0].id, made.id]) == [pulled[0], made]
+    conn = raw(tmp_path / "d.db")
+    try:
+        for table, record, body in [
+            ("messages", pulled[0], sent[0]),
+            ("checkpoints", pulled[1], sent[1]),
+        ]:
+            query = f"SELECT {sqlite_module._whole_body()} FROM {table} WHERE id = ?"
+            assert conn.execute(query, (key(record.id),)).fetchone()[0] == body
+    finally:
+        conn.close()
+
+
+_WHOLE_OF = "WITH t(id, session_id, body) AS (VALUES (?, ?, ?)) SELECT {} FROM t"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    kind=st.sampled_from(["message", "checkpoint", "event"]),
+    own_ids=st.tuples(st.booleans(), st.booleans()),
+    other_keys=st.tuples(st.booleans(), st.booleans()),
+    map_form=st.booleans(),
+    text=st.text(max_size=40),
+    sequence=st.integers(0, 2**40),
+)
+def test_a_body_is_stored_short_and_read_back_byte_for_byte(
+    kind: str,
+    own_ids: tuple[bool, bool],
+    other_keys: tuple[bool, bool],
+    map_form: bool,
+    text: str,
+    sequence: int,
+) -> None:
+    """Schema 10: whatever the record and whatever the keys beside it, a body as a row stores
+    it (``_short``) reads back (``_whole_body``) as the very bytes written; it is 35 bytes
+    shorter exactly when it is the compact form and its id and session id are the row's
+    keys (canonical UUIDs), and stays as it is otherwise (an id by hand, a key that is not
+    the body's, the map form a build before protocol 6 wrote)."""
+    session_id = uuid7() if own_ids[1] else f"session by hand {text}"
+    record_id = uuid7() if own_ids[0] else f"ID-{text}"
+    made: Record
+    if kind == "message":
+        made = make_message(id=record_id, session_id=session_id)
+        made.content = [{"type": "text", "text": text}]
+    elif kind == "checkpoint":
+        made = make_checkpoint(id=record_id, session_id=session_id, turn_id=text or None)
+    else:
+        made = make_event(id=record_id, session_id=session_id, sequence_number=sequence)
+    body = encode_record(made) if map_form else compact.encode(made)
+    row_key = key(uuid7()) if other_keys[0] else key(record_id)
+    row_session = key(uuid7()) if other_keys[1] else key(session_id)
+    stored = sqlite_module._short(body, row_key, row_session)
+    conn = sqlite3.connect(":memory:")
+    try:
+        query = _WHOLE_OF.format(sqlite_module._whole_body())
+        assert conn.execute(query, (row_key, row_session, stored)).fetchone()[0] == body
+    finally:
+        conn.close()
+    shortened = not map_form and all(own_ids) and not any(other_keys)
+    assert len(stored) == len(body) - (35 if shortened else 0)
+    assert (stored[:1] == b"\xc1") is shortened
+    assert compact.decode(body) == made
+
+
+async def test_whole_and_short_bodies_of_one_file_read_alike(db_path: Path) -> None:
+    """A file of schema 9 (whole bodies) opens at schema 10 and its rows read as before; rows
+    written after are short, and both kinds side by side read back equal, by id, by session,
+    in the outbox (the bytes a push sends) and after the log's events are marked canonical."""
+    history = _a_history()
+    async with SQLiteAdapter(db_path) as store:
+        await commit(store, *history)
+        before = await store.outbox_pending()
+    conn = raw(db_path)
+    try:
+        for table in ("messages", "checkpoints", "events"):
+            short = conn.execute(
+                f"SELECT count(*) FROM {table} WHERE body >= x'c1' AND body < x'c2'"
+            )
+            assert short.fetchone()[0] > 0  # (the ids of UUIDs' rows)
+            conn.execute(f"UPDATE {table} SET body = {sqlite_module._whole_body()}")
+        conn.execute("PRAGMA user_version = 9")
+        conn.commit()
+    finally:
+        conn.close()
+    session = history[0]
+    events = [r for r in history if isinstance(r, Event) and r.session_id == session.id]
+    later = [
+        make_message(session_id=session.id),
+        make_checkpoint(session_id=session.id),
+        make_event(session_id=session.id, sequence_number=events[-1].sequence_number + 1),
+    ]
+    async with SQLiteAdapter(db_path) as store:
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 10
+        assert await store.outbox_pending() == before
+        for record in history:
+            assert await read_back(store, record) == record
+        await commit(store, *later)
+        for record in [*history, *later]:
+            assert await read_back(store, record) == record
+        pending = await store.outbox_pending()
+        assert pending[: len(before)] == before
+        assert [e.record for e in pending[len(before) :]] == later
+        bodies = [compact.encode(e.record) for e in pending]
+        assert [bytes(b) for b in await _outbox_bodies(store)] == bodies
+        log = await store.list_events(session.id)
+        await store.commit(WriteBatch(records=[], outbox=False, canonical=[e.id for e in log]))
+        marked = await store.list_events(session.id)
+        assert [e.canonical for e in marked] == [True] * len(log)
+        assert [msgspec.structs.replace(e, canonical=False) for e in marked] == log
+    conn = raw(db_path)
+    try:
+        kinds = dict(conn.execute("SELECT id, substr(body, 1, 1) = x'c1' FROM events"))
+        assert kinds[key(later[-1].id)] == 1  # written short, and kept short once marked
+        assert kinds[key(events[0].id)] == 1  # written whole: its marked body is written short
+    finally:
+        conn.close()
+
+
+async def _outbox_bodies(store: SQLiteAdapter) -> list[bytes]:
+    """The bodies the flush reads for the whole outbox (``outbox_pending``'s query)."""
+    rows = await store._conn.execute_fetchall(QUERIES["outbox_pending"], (0, -1))  # type: ignore[union-attr]
+    return [row[1] for row in rows if row[1] is not None]
 
 
 # -- peek_meta: the committed value, on the caller's thread ----------------------------------

@@ -628,12 +628,15 @@ async def test_a_tampered_page_after_the_first_is_refused_too(cluster: Cluster) 
 
 
 def _stored_bodies(path: Path, table: str) -> dict[str, bytes]:
-    """A device file's bodies of ``table`` by id, read with plain sqlite3."""
+    """A device file's bodies of ``table`` by id, read with plain sqlite3 (as the store
+    reads them: a body stored without its row's ids given them back, ``_whole_body``)."""
     import sqlite3
     import uuid
 
+    from pleach_client.store.sqlite import _whole_body
+
     with sqlite3.connect(path) as conn:
-        rows = conn.execute(f"SELECT id, body FROM {table}").fetchall()
+        rows = conn.execute(f"SELECT id, {_whole_body()} FROM {table}").fetchall()
     return {str(uuid.UUID(bytes=key)) if len(key) == 16 else key: body for key, body in rows}
 
 

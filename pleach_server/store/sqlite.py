@@ -484,6 +484,12 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         "DROP INDEX feed_tenant",
         "CREATE INDEX feed_tenant ON feed (tid)",
     ),
+    # 12: a message's, checkpoint's or event's body stored without the id and session id
+    # its row's columns hold (``compact.short_body``; every read gives it back whole,
+    # ``_WHOLE_EVENT`` and ``_WHOLE_RECORD``), which a build before reads as corrupt rows.
+    # No table changes and rows written before keep their whole bodies: the version is
+    # there so that such a build refuses the file whole.
+    ("SELECT 1",),
 )
 _PUT_HEALTH_SQL = (
     "INSERT INTO devices (org_id, user_id, client_id, seen_at, health) VALUES (?, ?, ?, ?, ?) "
@@ -501,6 +507,11 @@ _LIST_HEALTH_SQL = (
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
+
+_WHOLE_EVENT = compact.whole_body_sql("e.body", "e.id", "e.session_id")
+"""SQL: an event row's body as the event was written (``compact.short_body``, schema 12)."""
+_WHOLE_RECORD = compact.whole_body_sql("r.body", "r.id", "r.session_id")
+"""SQL: a record row's body as the record was written (``compact.short_body``, schema 12)."""
 
 _TENANT = "(SELECT tid FROM tenants WHERE org_id = ? AND user_id = ?)"
 """The tenant's number (schema 8), for statements that take the tenant as ``?, ?``."""
@@ -548,7 +559,7 @@ _SESSIONS_SQL = f"""
     CROSS JOIN sessions AS s ON s.tid = {_TENANT_12} AND s.id = pleach_key(k.value)
     LEFT JOIN session_ids AS b ON b.tid = s.tid AND b.id = s.id"""
 _CHAIN_TAILS_SQL = f"""
-    SELECT k.value, e.sequence_number, e.body FROM json_each(?3) AS k
+    SELECT k.value, e.sequence_number, {_WHOLE_EVENT} FROM json_each(?3) AS k
     CROSS JOIN events AS e ON e.rowid = (
         SELECT rowid FROM events
         WHERE tid = {_TENANT_12} AND session_id = pleach_key(k.value)
@@ -596,8 +607,8 @@ _TENANT_SESSIONS_SQL = f"""
     SELECT s.id, s.body, s.ids_count, b.part, b.ids FROM sessions AS s
     LEFT JOIN session_ids AS b ON s.ids_count IS NOT NULL AND b.tid = s.tid AND b.id = s.id
     WHERE s.tid = {_TENANT}"""
-_CASCADE_CANDIDATES_SQL = """
-    SELECT r.kind, r.id, r.body FROM json_each(?1) AS k
+_CASCADE_CANDIDATES_SQL = f"""
+    SELECT r.kind, r.id, {_WHOLE_RECORD} FROM json_each(?1) AS k
     CROSS JOIN records AS r INDEXED BY records_tenant
         ON r.tid = (SELECT tid FROM tenants WHERE org_id = ?2 AND user_id = ?3)
         AND r.session_id = pleach_key(k.value)
@@ -943,6 +954,7 @@ class _SQLiteTx:
     async def write(self, tenant: Tenant, client_id: str, writes: BatchWrites) -> list[int]:
         t = (tenant.org_id, tenant.user_id)
         body = writes.bodies.of  # the feed refers to these rows: each body is stored once
+        short = compact.short_body  # (less the ids its row holds: schema 12)
         feed = [(*t, _KIND_NUMBERS[record_kind(r)], _key(r.id)) for r in writes.feed]
         record_entries, event_entries = writes.entries()
         records: list[tuple[Any, ...]] = []
@@ -951,15 +963,16 @@ class _SQLiteTx:
             if info.merge == "versioned" or info.server_placed:
                 raise TypeError(f"{info.name} records are not written as records")
             session_id = info.session_of(r)
+            key, session_key = _key(r.id), None if session_id is None else _key(session_id)
             records.append(
                 (
                     at,
                     _KIND_NUMBERS[info.name],
-                    _key(r.id),
+                    key,
                     r.org_id,
                     r.user_id,
-                    None if session_id is None else _key(session_id),
-                    body(r),
+                    session_key,
+                    short(body(r), key, session_key),
                 )
             )
         rows = _Rows(
@@ -967,14 +980,15 @@ class _SQLiteTx:
             events=[
                 (
                     at,
-                    _key(e.id),
-                    _key(e.session_id),
+                    key,
+                    session_key,
                     e.sequence_number,
                     e.org_id,
                     e.user_id,
-                    body(e),
+                    short(body(e), key, session_key),
                 )
                 for e, at in zip(writes.events, event_entries, strict=True)
+                for key, session_key in [(_key(e.id), _key(e.session_id))]
             ],
             sessions=[],
             id_blocks=[],
@@ -1455,12 +1469,13 @@ _PULL_SQL = f"""
         FROM (
             SELECT f.cursor, f.record_id, CASE f.kind
                 WHEN {_SESSION_KIND} THEN s.body
-                WHEN {_EVENT_KIND} THEN COALESCE((SELECT e.body FROM events AS e
+                WHEN {_EVENT_KIND} THEN COALESCE((SELECT {_WHOLE_EVENT} FROM events AS e
                     WHERE e.rowid = f.cursor AND e.tid = f.tid AND e.id = f.record_id),
-                    (SELECT e.body FROM events AS e WHERE e.tid = f.tid AND e.id = f.record_id))
-                ELSE COALESCE((SELECT r.body FROM records AS r WHERE r.rowid = f.cursor
+                    (SELECT {_WHOLE_EVENT} FROM events AS e
+                    WHERE e.tid = f.tid AND e.id = f.record_id))
+                ELSE COALESCE((SELECT {_WHOLE_RECORD} FROM records AS r WHERE r.rowid = f.cursor
                     AND r.tid = f.tid AND r.kind = f.kind AND r.id = f.record_id),
-                    (SELECT r.body FROM records AS r
+                    (SELECT {_WHOLE_RECORD} FROM records AS r
                     WHERE r.tid = f.tid AND r.kind = f.kind AND r.id = f.record_id))
                 END AS body, s.ids_count
             FROM feed AS f
