@@ -1357,32 +1357,37 @@ SHORT: Final = b"\xc1"
 (``short_body``). msgpack never uses the byte, so no body ``encode`` writes starts with it."""
 
 
-def short_body(body: bytes, key: object, session_key: object) -> bytes:
+def short_body(body: bytes, key: object, session_key: object, tenant: bytes = b"") -> bytes:
     """``body`` as a store's row keeps it when the row's columns hold the record's id and
-    session id as their 16 bytes (``key``, ``session_key``; ``uuid_bytes``): when the body is
-    the compact form of a record that starts ``[kind, id, session_id, ...]`` (a Message, a
-    Checkpoint, an Event) and those two fields are exactly those keys, it is ``SHORT``, the
-    array's header and the kind, then the fields after the two: 35 bytes fewer. Anything
-    else is given back as it is (an id that is not a canonical UUID, keys that are not the
-    body's, the map form, another kind). ``whole_body_sql`` undoes it, byte for byte, as a
-    query reads the row. Pure."""
+    session id as their 16 bytes (``key``, ``session_key``; ``uuid_bytes``) and the store
+    knows the row's tenant (``tenant``: ``packed(org_id) + packed(user_id)``, or ``b""`` for
+    a store that keeps the tenant in the body): when the body is the compact form of a record
+    that starts ``[kind, id, session_id, org_id, user_id, ...]`` (a Message, a Checkpoint, an
+    Event) and those fields are exactly those values, it is ``SHORT``, the array's header and
+    the kind, then the fields after them (35 bytes fewer, and the tenant's). Anything else
+    is given back as it is (an id that is not a canonical UUID, keys or a tenant that are not
+    the body's, the map form, another kind). ``whole_body_sql`` undoes it, byte for byte, as
+    a query reads the row; a store gives the same ``tenant`` rule to both. Pure."""
+    end = 38 + len(tenant)
     if (
         type(key) is bytes
         and type(session_key) is bytes
-        and body[2:38] == b"\xd8\x01" + key + b"\xd8\x01" + session_key
+        and body[2:end] == b"\xd8\x01" + key + b"\xd8\x01" + session_key + tenant
         and _FIXARRAY <= body[0] <= _FIXARRAY + 15  # (a compact array of at most 15 values)
     ):
-        return SHORT + body[:2] + body[38:]
+        return SHORT + body[:2] + body[end:]
     return body
 
 
-def whole_body_sql(body: str, key: str, session_key: str) -> str:
+def whole_body_sql(body: str, key: str, session_key: str, tenant: str = "") -> str:
     """SQLite SQL: the stored body in column ``body`` as its record was written, the row's
-    ``key`` and ``session_key`` columns giving back what ``short_body`` left out (each as
-    ext 1, the form this codec writes a UUID in); any other body as it is. Concatenating
-    blobs gives text in SQLite, and the cast the very bytes back (a database's text is
-    UTF-8: no conversion either way)."""
+    ``key`` and ``session_key`` columns (and ``tenant``, an expression of the tenant's packed
+    bytes, for a store whose ``short_body`` takes one) giving back what ``short_body`` left
+    out (each id as ext 1, the form this codec writes a UUID in); any other body as it is.
+    Concatenating blobs gives text in SQLite, and the cast the very bytes back (a database's
+    text is UTF-8: no conversion either way)."""
+    then = f" || {tenant}" if tenant else ""
     return (
         f"CASE WHEN substr({body}, 1, 1) = X'c1' THEN CAST(substr({body}, 2, 2) || X'd801' || "
-        f"{key} || X'd801' || {session_key} || substr({body}, 4) AS BLOB) ELSE {body} END"
+        f"{key} || X'd801' || {session_key}{then} || substr({body}, 4) AS BLOB) ELSE {body} END"
     )

@@ -981,3 +981,65 @@ def test_digest_bytes_is_the_rule_encode_packs_hashes_by() -> None:
     assert digest_bytes(digest) == bytes.fromhex(digest)
     for other in ("AB" * 32, "ab" * 31 + " a", "ab" * 31, "zz" * 32, "provisional", ""):
         assert digest_bytes(other) is None, other
+
+
+# -- the stored form: a body without the ids (and tenant) its row holds ----------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    kind=st.sampled_from(["message", "checkpoint", "event", "audit"]),
+    uuids=st.tuples(st.booleans(), st.booleans(), st.booleans()),
+    wrong=st.sampled_from([None, "key", "session", "tenant"]),
+    with_tenant=st.booleans(),
+    text=st.text(max_size=40),
+)
+def test_a_short_body_is_given_back_whole_byte_for_byte(
+    kind: str,
+    uuids: tuple[bool, bool, bool],
+    wrong: str | None,
+    with_tenant: bool,
+    text: str,
+) -> None:
+    """``short_body`` then ``whole_body_sql`` (run by SQLite) gives back the very bytes,
+    whatever the record, its ids and its tenant, and whatever keys and tenant a row holds
+    beside it; the body is shorter by 35 bytes and the tenant's exactly when it is the compact
+    form of a kind that starts with its id and session id and those (and the tenant, when the
+    store gives one) are the row's."""
+    import sqlite3
+
+    from shared.compact import short_body, uuid_bytes, whole_body_sql
+
+    session_id = str(uuid.uuid4()) if uuids[1] else f"session {text}"
+    record_id = str(uuid.uuid4()) if uuids[0] else f"ID {text}"
+    org = str(uuid.uuid4()) if uuids[2] else f"org {text}"
+    base = {"id": record_id, "session_id": session_id, "org_id": org, "user_id": f"u{text}"}
+    made: Any = {
+        "message": lambda: make_message(**base),
+        "checkpoint": lambda: make_checkpoint(**base),
+        "event": lambda: make_event(**base),
+        "audit": lambda: make_audit(**base),
+    }[kind]()
+    body = compact.encode(made)
+    key = uuid_bytes(str(uuid.uuid4()) if wrong == "key" else record_id) or record_id
+    session = uuid_bytes(str(uuid.uuid4()) if wrong == "session" else session_id) or session_id
+    owner = "someone else" if wrong == "tenant" else org
+    tenant = compact.packed(owner) + compact.packed(made.user_id) if with_tenant else b""
+    stored = short_body(body, key, session, tenant)
+    conn = sqlite3.connect(":memory:")
+    try:
+        whole = whole_body_sql("body", "id", "session_id", "?4" if with_tenant else "")
+        query = f"WITH t(id, session_id, body) AS (VALUES (?1, ?2, ?3)) SELECT {whole} FROM t"
+        params = (key, session, stored, *([tenant] if with_tenant else []))
+        assert conn.execute(query, params).fetchone()[0] == body
+    finally:
+        conn.close()
+    shortened = (
+        kind != "audit"
+        and uuids[0]
+        and uuids[1]
+        and wrong not in ("key", "session")
+        and not (with_tenant and wrong == "tenant")
+    )
+    assert len(stored) == len(body) - ((35 + len(tenant)) if shortened else 0)
+    assert stored.startswith(compact.SHORT) is shortened

@@ -674,6 +674,18 @@ async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Pat
         }
 
 
+def _as_schema_11(conn: sqlite3.Connection) -> None:
+    """Turn the rows of a file written by this store back into what schema 11 wrote: every
+    body whole (``compact.whole_body_sql``, the tenant's packed org and user too), and the
+    tenants without them."""
+    for table in ("records", "events"):
+        tenant = f"(SELECT packed FROM tenants AS t WHERE t.tid = {table}.tid)"
+        whole = compact.whole_body_sql("body", "id", "session_id", tenant)
+        conn.execute(f"UPDATE {table} SET body = {whole}")
+    conn.execute("ALTER TABLE tenants DROP COLUMN packed")
+    conn.execute("PRAGMA user_version = 11")
+
+
 def _as_schema_10(db_path: Path) -> None:
     """Turn a file written by this store back into what schema 10 wrote: its records' and
     events' rowids numbers of their own (here in reverse order, none a cursor), the feed's
@@ -682,6 +694,7 @@ def _as_schema_10(db_path: Path) -> None:
 
     with sqlite3.connect(db_path) as conn:
         conn.create_function("pleach_key", 1, lambda value: value, deterministic=True)
+        _as_schema_11(conn)
         for table in ("records", "events"):
             top = conn.execute(f"SELECT max(rowid) FROM {table}").fetchone()[0]
             conn.execute(f"UPDATE {table} SET rowid = rowid + ? + 1000", (top,))
@@ -805,15 +818,23 @@ async def test_whole_and_short_bodies_of_one_server_file_pull_alike(db_path: Pat
         alice, bob = h.alice, h.bob
         before = await _raw_bodies(store, alice.tenant)
         theirs = await _raw_bodies(store, bob.tenant)
-    whole = compact.whole_body_sql("body", "id", "session_id")
+
+    def shorts(conn: sqlite3.Connection) -> list[int]:
+        count = "SELECT count(*) FROM {} WHERE substr(body, 1, 1) = x'c1'"
+        return [conn.execute(count.format(t)).fetchone()[0] for t in ("records", "events")]
+
     with sqlite3.connect(db_path) as conn:
-        for table in ("records", "events"):
-            short = f"SELECT count(*) FROM {table} WHERE substr(body, 1, 1) = x'c1'"
-            assert conn.execute(short).fetchone()[0] > 0
-            conn.execute(f"UPDATE {table} SET body = {whole}")
-            assert conn.execute(short).fetchone()[0] == 0
-        conn.execute("PRAGMA user_version = 11")
+        assert shorts(conn) == [4, 2]  # alice's 3 messages and checkpoint, 2 events; no audit
+        sizes = conn.execute("SELECT sum(length(body)) FROM records").fetchone()[0]
+        _as_schema_11(conn)
+        assert shorts(conn) == [0, 0]
+        grown = conn.execute("SELECT sum(length(body)) FROM records").fetchone()[0] - sizes
+        packed = len(compact.packed(alice.tenant.org_id) + compact.packed(alice.tenant.user_id))
+        assert grown == 4 * (35 + packed)
     async with SQLiteServerStore(db_path) as store:
+        with sqlite3.connect(db_path) as conn:  # (the migration packed each tenant)
+            packed = dict(conn.execute("SELECT user_id, packed FROM tenants"))
+        assert packed == {t.user_id: server_sqlite._packed(t) for t in (alice.tenant, bob.tenant)}
         assert await _raw_bodies(store, alice.tenant) == before
         assert await _raw_bodies(store, bob.tenant) == theirs
         session = h.session

@@ -147,6 +147,15 @@ async def _backfill_audit_places(conn: aiosqlite.Connection) -> None:
     )
 
 
+async def _backfill_packed_tenants(conn: aiosqlite.Connection) -> None:
+    """Migration 12: each tenant's org and user packed as a body holds them (``_packed``)."""
+    rows = await _fetchall(conn, "SELECT tid, org_id, user_id FROM tenants")
+    await conn.executemany(
+        "UPDATE tenants SET packed = ? WHERE tid = ?",
+        [(_packed(Tenant(org_id=org, user_id=user)), tid) for tid, org, user in rows],
+    )
+
+
 # The records and events tables as migration 8 made them (migration 11 makes them again).
 _RECORDS_COLUMNS: Final = """(
     kind INTEGER NOT NULL,
@@ -485,11 +494,12 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         "CREATE INDEX feed_tenant ON feed (tid)",
     ),
     # 12: a message's, checkpoint's or event's body stored without the id and session id
-    # its row's columns hold (``compact.short_body``; every read gives it back whole,
-    # ``_WHOLE_EVENT`` and ``_WHOLE_RECORD``), which a build before reads as corrupt rows.
-    # No table changes and rows written before keep their whole bodies: the version is
-    # there so that such a build refuses the file whole.
-    ("SELECT 1",),
+    # its row's columns hold, nor its tenant's org and user (``compact.short_body``; every
+    # read gives it back whole, ``_WHOLE_EVENT`` and ``_WHOLE_RECORD``), which a build before
+    # reads as corrupt rows. A tenant keeps its org and user packed as a body holds them
+    # (``_packed``), filled here for the tenants there are. Rows written before keep their
+    # whole bodies; the version is there so that a build before refuses the file whole.
+    ("ALTER TABLE tenants ADD COLUMN packed BLOB", _backfill_packed_tenants),
 )
 _PUT_HEALTH_SQL = (
     "INSERT INTO devices (org_id, user_id, client_id, seen_at, health) VALUES (?, ?, ?, ?, ?) "
@@ -508,10 +518,23 @@ _LIST_HEALTH_SQL = (
 SCHEMA_VERSION = len(_MIGRATIONS)
 
 
-_WHOLE_EVENT = compact.whole_body_sql("e.body", "e.id", "e.session_id")
-"""SQL: an event row's body as the event was written (``compact.short_body``, schema 12)."""
-_WHOLE_RECORD = compact.whole_body_sql("r.body", "r.id", "r.session_id")
-"""SQL: a record row's body as the record was written (``compact.short_body``, schema 12)."""
+_WHOLE_EVENT = compact.whole_body_sql(
+    "e.body", "e.id", "e.session_id", "(SELECT packed FROM tenants WHERE tid = e.tid)"
+)
+"""SQL: an event row's body as the event was written (``compact.short_body`` less its ids and
+its tenant, schema 12: ``_packed``)."""
+_WHOLE_RECORD = compact.whole_body_sql(
+    "r.body", "r.id", "r.session_id", "(SELECT packed FROM tenants WHERE tid = r.tid)"
+)
+"""SQL: a record row's body as the record was written (as ``_WHOLE_EVENT``)."""
+
+
+def _packed(tenant: Tenant) -> bytes:
+    """The tenant's org and user as a compact body holds them, one after the other: what a
+    short body of its rows leaves out (``compact.short_body``'s ``tenant``), and what
+    ``tenants.packed`` keeps for the reads to put back (schema 12)."""
+    return compact.packed(tenant.org_id) + compact.packed(tenant.user_id)
+
 
 _TENANT = "(SELECT tid FROM tenants WHERE org_id = ? AND user_id = ?)"
 """The tenant's number (schema 8), for statements that take the tenant as ``?, ?``."""
@@ -527,7 +550,12 @@ _FLOOR_SQL = f"SELECT feed_floor FROM meta WHERE tid = {_TENANT}"
 _LAST_SEQ_SQL = f"SELECT last_seq FROM clients WHERE tid = {_TENANT} AND client_id = ?"
 
 # A push names its tenant before its first read: every row it writes refers to the number.
-_ADD_TENANT_SQL = "INSERT INTO tenants (org_id, user_id) VALUES (?, ?) ON CONFLICT DO NOTHING"
+# (Its packed org and user too: the short bodies of its rows leave them out, schema 12. A row
+# without them, which no build since writes, gets them at its tenant's next push.)
+_ADD_TENANT_SQL = (
+    "INSERT INTO tenants (org_id, user_id, packed) VALUES (?, ?, ?) "
+    "ON CONFLICT (org_id, user_id) DO UPDATE SET packed = excluded.packed WHERE packed IS NULL"
+)
 
 # The batch lookups of a push: each takes the tenant, then its keys as ONE JSON array
 # parameter (no limit on how many, one statement per kind of key) and reads each key through
@@ -954,7 +982,7 @@ class _SQLiteTx:
     async def write(self, tenant: Tenant, client_id: str, writes: BatchWrites) -> list[int]:
         t = (tenant.org_id, tenant.user_id)
         body = writes.bodies.of  # the feed refers to these rows: each body is stored once
-        short = compact.short_body  # (less the ids its row holds: schema 12)
+        short, packed = compact.short_body, _packed(tenant)  # (less what its row holds: 12)
         feed = [(*t, _KIND_NUMBERS[record_kind(r)], _key(r.id)) for r in writes.feed]
         record_entries, event_entries = writes.entries()
         records: list[tuple[Any, ...]] = []
@@ -972,7 +1000,7 @@ class _SQLiteTx:
                     r.org_id,
                     r.user_id,
                     session_key,
-                    short(body(r), key, session_key),
+                    short(body(r), key, session_key, packed),
                 )
             )
         rows = _Rows(
@@ -985,7 +1013,7 @@ class _SQLiteTx:
                     e.sequence_number,
                     e.org_id,
                     e.user_id,
-                    short(body(e), key, session_key),
+                    short(body(e), key, session_key, packed),
                 )
                 for e, at in zip(writes.events, event_entries, strict=True)
                 for key, session_key in [(_key(e.id), _key(e.session_id))]
@@ -1346,7 +1374,7 @@ class SQLiteServerStore(AsyncResource):
         def read_first(raw: sqlite3.Connection) -> None:
             # Right after the BEGIN, in its hop: everything the rules will look up (the
             # keys are pure work on the changes, done here rather than in a hop of their own).
-            raw.execute(_ADD_TENANT_SQL, (tenant.org_id, tenant.user_id))
+            raw.execute(_ADD_TENANT_SQL, (tenant.org_id, tenant.user_id, _packed(tenant)))
             row = raw.execute(_LAST_SEQ_SQL, (tenant.org_id, tenant.user_id, client_id)).fetchone()
             last_seq = int(row[0]) if row is not None else 0
             keys = batch_keys(
