@@ -57,6 +57,7 @@ __all__ = [
     "KINDS",
     "SHORT",
     "Bodies",
+    "body_tenant",
     "canonical_body",
     "checkpoint_parent",
     "decode",
@@ -72,6 +73,7 @@ __all__ = [
     "is_compact",
     "packed",
     "short_body",
+    "tenant_out",
     "uuid_bytes",
     "uuid_text",
     "uuids_bytes",
@@ -1353,41 +1355,78 @@ def checkpoint_parent(data: bytes) -> bytes | None:
 # -- the stored form: a body without the ids its row holds -------------------------------------
 
 SHORT: Final = b"\xc1"
-"""The first byte of a body stored without the id and session id its row's columns hold
-(``short_body``). msgpack never uses the byte, so no body ``encode`` writes starts with it."""
+"""The first byte of a body stored without the ids its row holds (``short_body``). msgpack
+never uses the byte, so no body ``encode`` writes starts with it. The byte after it is 0 when
+the body leaves out its tenant too, its array's header (never 0) when not."""
+_TENANT_OUT: Final = b"\x00"
 
 
 def short_body(body: bytes, key: object, session_key: object, tenant: bytes = b"") -> bytes:
     """``body`` as a store's row keeps it when the row's columns hold the record's id and
-    session id as their 16 bytes (``key``, ``session_key``; ``uuid_bytes``) and the store
-    knows the row's tenant (``tenant``: ``packed(org_id) + packed(user_id)``, or ``b""`` for
-    a store that keeps the tenant in the body): when the body is the compact form of a record
-    that starts ``[kind, id, session_id, org_id, user_id, ...]`` (a Message, a Checkpoint, an
-    Event) and those fields are exactly those values, it is ``SHORT``, the array's header and
-    the kind, then the fields after them (35 bytes fewer, and the tenant's). Anything else
-    is given back as it is (an id that is not a canonical UUID, keys or a tenant that are not
-    the body's, the map form, another kind). ``whole_body_sql`` undoes it, byte for byte, as
-    a query reads the row; a store gives the same ``tenant`` rule to both. Pure."""
-    end = 38 + len(tenant)
+    session id as their 16 bytes (``key``, ``session_key``; ``uuid_bytes``): when the body is
+    the compact form of a record that starts ``[kind, id, session_id, org_id, user_id, ...]``
+    (a Message, a Checkpoint, an Event) and the ids are exactly those keys, it is ``SHORT``,
+    the array's header and the kind, then the fields after the ids: 35 bytes fewer. When the
+    store knows the row's tenant (``tenant``: ``packed(org_id) + packed(user_id)``) and those
+    are the body's next fields, they are left out too (``tenant_out``). Anything else is given
+    back as it is (an id that is not a canonical UUID, keys that are not the body's, the map
+    form, another kind). ``whole_body_sql`` undoes either, byte for byte, as a query reads
+    the row. Pure."""
     if (
         type(key) is bytes
         and type(session_key) is bytes
-        and body[2:end] == b"\xd8\x01" + key + b"\xd8\x01" + session_key + tenant
+        and body[2:38] == b"\xd8\x01" + key + b"\xd8\x01" + session_key
         and _FIXARRAY <= body[0] <= _FIXARRAY + 15  # (a compact array of at most 15 values)
     ):
-        return SHORT + body[:2] + body[end:]
+        return tenant_out(SHORT + body[:2] + body[38:], tenant)
     return body
 
 
-def whole_body_sql(body: str, key: str, session_key: str, tenant: str = "") -> str:
+def tenant_out(short: bytes, tenant: bytes) -> bytes:
+    """A ``short_body`` that leaves out only the ids, its tenant's org and user left out too
+    when they are ``tenant`` (a ``SHORT``, 0, then the rest as before: ``tenant``'s bytes
+    fewer, less one); any other body as it is. Pure."""
+    end = 3 + len(tenant)
+    if tenant and short[:1] == SHORT and short[1:2] != _TENANT_OUT and short[3:end] == tenant:
+        return SHORT + _TENANT_OUT + short[1:3] + short[end:]
+    return short
+
+
+def body_tenant(short: bytes) -> bytes | None:
+    """The packed org and user a ``short_body`` that leaves out only the ids starts its fields
+    with (what ``tenant_out`` would leave out), or None when it is not such a body or they are
+    not two strings or UUIDs. Pure."""
+    if short[:1] != SHORT or short[1:2] == _TENANT_OUT:
+        return None
+    at = 3
+    for _ in range(2):
+        head = short[at : at + 1]
+        if not head:
+            return None
+        code = head[0]
+        if 0xA0 <= code <= 0xBF:  # fixstr
+            at += 1 + (code & 0x1F)
+        elif code == 0xD9 and len(short) > at + 1:  # str 8
+            at += 2 + short[at + 1]
+        elif code == 0xDA and len(short) > at + 2:  # str 16
+            at += 3 + int.from_bytes(short[at + 1 : at + 3], "big")
+        elif short[at : at + 2] == b"\xd8\x01":  # a UUID (ext 1)
+            at += 18
+        else:
+            return None
+    return short[3:at] if at <= len(short) else None
+
+
+def whole_body_sql(body: str, key: str, session_key: str, tenant: str = "NULL") -> str:
     """SQLite SQL: the stored body in column ``body`` as its record was written, the row's
-    ``key`` and ``session_key`` columns (and ``tenant``, an expression of the tenant's packed
-    bytes, for a store whose ``short_body`` takes one) giving back what ``short_body`` left
-    out (each id as ext 1, the form this codec writes a UUID in); any other body as it is.
+    ``key`` and ``session_key`` columns (and ``tenant``, an expression of the row's tenant's
+    packed bytes, for a body that left it out) giving back what ``short_body`` left out
+    (each id as ext 1, the form this codec writes a UUID in); any other body as it is.
     Concatenating blobs gives text in SQLite, and the cast the very bytes back (a database's
     text is UTF-8: no conversion either way)."""
-    then = f" || {tenant}" if tenant else ""
+    ids = f"X'd801' || {key} || X'd801' || {session_key}"
     return (
-        f"CASE WHEN substr({body}, 1, 1) = X'c1' THEN CAST(substr({body}, 2, 2) || X'd801' || "
-        f"{key} || X'd801' || {session_key}{then} || substr({body}, 4) AS BLOB) ELSE {body} END"
+        f"CASE WHEN substr({body}, 1, 1) = X'c1' THEN CAST(CASE WHEN substr({body}, 2, 1) = "
+        f"X'00' THEN substr({body}, 3, 2) || {ids} || {tenant} || substr({body}, 5) "
+        f"ELSE substr({body}, 2, 2) || {ids} || substr({body}, 4) END AS BLOB) ELSE {body} END"
     )

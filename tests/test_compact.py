@@ -1003,9 +1003,9 @@ def test_a_short_body_is_given_back_whole_byte_for_byte(
 ) -> None:
     """``short_body`` then ``whole_body_sql`` (run by SQLite) gives back the very bytes,
     whatever the record, its ids and its tenant, and whatever keys and tenant a row holds
-    beside it; the body is shorter by 35 bytes and the tenant's exactly when it is the compact
-    form of a kind that starts with its id and session id and those (and the tenant, when the
-    store gives one) are the row's."""
+    beside it; the body is 35 bytes shorter exactly when it is the compact form of a kind
+    that starts with its id and session id and those are the row's, and shorter by its
+    tenant's bytes less one more when the store gives its tenant and it is the body's."""
     import sqlite3
 
     from shared.compact import short_body, uuid_bytes, whole_body_sql
@@ -1028,18 +1028,17 @@ def test_a_short_body_is_given_back_whole_byte_for_byte(
     stored = short_body(body, key, session, tenant)
     conn = sqlite3.connect(":memory:")
     try:
-        whole = whole_body_sql("body", "id", "session_id", "?4" if with_tenant else "")
+        whole = whole_body_sql("body", "id", "session_id", "?4" if with_tenant else "NULL")
         query = f"WITH t(id, session_id, body) AS (VALUES (?1, ?2, ?3)) SELECT {whole} FROM t"
         params = (key, session, stored, *([tenant] if with_tenant else []))
         assert conn.execute(query, params).fetchone()[0] == body
     finally:
         conn.close()
-    shortened = (
-        kind != "audit"
-        and uuids[0]
-        and uuids[1]
-        and wrong not in ("key", "session")
-        and not (with_tenant and wrong == "tenant")
-    )
-    assert len(stored) == len(body) - ((35 + len(tenant)) if shortened else 0)
+    shortened = kind != "audit" and uuids[0] and uuids[1] and wrong not in ("key", "session")
+    tenant_out = shortened and with_tenant and wrong != "tenant"
+    fewer = 35 + (len(tenant) - 1 if tenant_out else 0)
+    assert len(stored) == len(body) - (fewer if shortened else 0)
     assert stored.startswith(compact.SHORT) is shortened
+    assert (stored[:2] == compact.SHORT + b"\x00") is tenant_out
+    if shortened and not tenant_out:  # (as a device leaves it out later, in its transaction)
+        assert compact.body_tenant(stored) == compact.packed(org) + compact.packed(made.user_id)

@@ -926,6 +926,15 @@ def _in_schema_8_forms(conn: sqlite3.Connection, schema: str = "main") -> None:
     conn.execute(f"UPDATE {schema}.events SET type = CASE type {words} ELSE type END")
 
 
+def _as_schema_9(conn: sqlite3.Connection) -> None:
+    """The rows of a file written by this store as schema 9 kept them: every body whole (the
+    ids and the tenant put back, ``_whole_body``), and no ``tenant`` table."""
+    for table in sqlite_module._SHORT_TABLES:
+        conn.execute(f"UPDATE {table} SET body = {sqlite_module._whole_body()}")
+    conn.execute("DROP TABLE tenant")
+    conn.execute("PRAGMA user_version = 9")
+
+
 def _as_schema_4(source: Path, path: Path) -> None:
     """A file as schema 4 kept it (its tables, ids as text), holding ``source``'s rows."""
     conn = raw(path)
@@ -1023,6 +1032,7 @@ async def test_a_schema_8_file_keeps_its_outbox_and_log_through_schema_9(db_path
         letters = await store.dead_letters()
     conn = raw(db_path)
     try:
+        _as_schema_9(conn)
         _in_schema_8_forms(conn)
         conn.execute("DROP INDEX ix_outbox_session")
         conn.execute("CREATE INDEX ix_outbox_session ON outbox (record_id) WHERE kind = 'Session'")
@@ -1178,6 +1188,7 @@ _WHOLE_OF = "WITH t(id, session_id, body) AS (VALUES (?, ?, ?)) SELECT {} FROM t
     own_ids=st.tuples(st.booleans(), st.booleans()),
     other_keys=st.tuples(st.booleans(), st.booleans()),
     map_form=st.booleans(),
+    file_tenant=st.sampled_from(["own", "other", "none"]),
     text=st.text(max_size=40),
     sequence=st.integers(0, 2**40),
 )
@@ -1186,14 +1197,17 @@ def test_a_body_is_stored_short_and_read_back_byte_for_byte(
     own_ids: tuple[bool, bool],
     other_keys: tuple[bool, bool],
     map_form: bool,
+    file_tenant: str,
     text: str,
     sequence: int,
 ) -> None:
-    """Schema 10: whatever the record and whatever the keys beside it, a body as a row stores
-    it (``_short``) reads back (``_whole_body``) as the very bytes written; it is 35 bytes
-    shorter exactly when it is the compact form and its id and session id are the row's
-    keys (canonical UUIDs), and stays as it is otherwise (an id by hand, a key that is not
-    the body's, the map form a build before protocol 6 wrote)."""
+    """Schema 10: whatever the record, the keys beside it and the file's tenant, a body as a
+    row stores it (``_short``, then ``_tenant_out`` in the write's transaction) reads back
+    (``_whole_body``) as the very bytes written; it is 35 bytes shorter exactly when it is
+    the compact form and its id and session id are the row's keys (canonical UUIDs), and
+    shorter by its org and user less one more when they are the file's tenant; it stays as it
+    is otherwise (an id by hand, a key that is not the body's, the map form a build before
+    protocol 6 wrote)."""
     session_id = uuid7() if own_ids[1] else f"session by hand {text}"
     record_id = uuid7() if own_ids[0] else f"ID-{text}"
     made: Record
@@ -1207,15 +1221,26 @@ def test_a_body_is_stored_short_and_read_back_byte_for_byte(
     body = encode_record(made) if map_form else compact.encode(made)
     row_key = key(uuid7()) if other_keys[0] else key(record_id)
     row_session = key(uuid7()) if other_keys[1] else key(session_id)
-    stored = sqlite_module._short(body, row_key, row_session)
+    own = compact.packed(made.org_id) + compact.packed(made.user_id)
+    tenant = {"own": own, "other": compact.packed("org") + own[-4:], "none": b""}[file_tenant]
     conn = sqlite3.connect(":memory:")
     try:
+        conn.execute("CREATE TABLE tenant (one INTEGER PRIMARY KEY, packed BLOB NOT NULL)")
+        if tenant:
+            conn.execute("INSERT INTO tenant VALUES (1, ?)", (tenant,))
+        written = {sqlite_module._PUT_MESSAGE: [(row_key, row_session, body)]}
+        stored = sqlite_module._short(body, row_key, row_session)
+        if stored is not body:
+            written = {sqlite_module._PUT_MESSAGE: [(row_key, row_session, stored)]}
+        (rows,) = sqlite_module._tenant_out(conn, written)
+        stored = rows[sqlite_module._PUT_MESSAGE][0][-1]
         query = _WHOLE_OF.format(sqlite_module._whole_body())
         assert conn.execute(query, (row_key, row_session, stored)).fetchone()[0] == body
     finally:
         conn.close()
     shortened = not map_form and all(own_ids) and not any(other_keys)
-    assert len(stored) == len(body) - (35 if shortened else 0)
+    fewer = (35 + len(own) - 1) if shortened and file_tenant != "other" else 35
+    assert len(stored) == len(body) - (fewer if shortened else 0)
     assert (stored[:1] == b"\xc1") is shortened
     assert compact.decode(body) == made
 
@@ -1230,13 +1255,12 @@ async def test_whole_and_short_bodies_of_one_file_read_alike(db_path: Path) -> N
         before = await store.outbox_pending()
     conn = raw(db_path)
     try:
-        for table in ("messages", "checkpoints", "events"):
+        for table in sqlite_module._SHORT_TABLES:
             short = conn.execute(
                 f"SELECT count(*) FROM {table} WHERE body >= x'c1' AND body < x'c2'"
             )
             assert short.fetchone()[0] > 0  # (the ids of UUIDs' rows)
-            conn.execute(f"UPDATE {table} SET body = {sqlite_module._whole_body()}")
-        conn.execute("PRAGMA user_version = 9")
+        _as_schema_9(conn)
         conn.commit()
     finally:
         conn.close()
@@ -1270,6 +1294,40 @@ async def test_whole_and_short_bodies_of_one_file_read_alike(db_path: Path) -> N
         kinds = dict(conn.execute("SELECT id, substr(body, 1, 1) = x'c1' FROM events"))
         assert kinds[key(later[-1].id)] == 1  # written short, and kept short once marked
         assert kinds[key(events[0].id)] == 1  # written whole: its marked body is written short
+    finally:
+        conn.close()
+
+
+async def test_a_file_keeps_the_tenant_of_its_first_short_record(db_path: Path) -> None:
+    """Schema 10: the file's tenant is the org and user of the first record a commit wrote
+    short, set in that commit and never changed; the bodies of its records leave them out,
+    a record of another tenant keeps its own, and another connection of the file (another
+    process) writes by the same tenant. Every record reads back as written."""
+    session = make_session()
+    ours = [make_message(session_id=session.id), make_event(session_id=session.id)]
+    theirs = make_message(session_id=session.id, org_id="another-org", user_id="someone")
+    async with SQLiteAdapter(db_path) as store, SQLiteAdapter(db_path) as other:
+        await commit(store, session, *ours)
+        await commit(other, theirs, make_checkpoint(session_id=session.id))
+        await commit(store, make_message(session_id=session.id, org_id="org-2"))
+        rows = await other.get_messages([*(m.id for m in ours[:1]), theirs.id])
+        assert rows == [ours[0], theirs]
+        assert await store.list_events(session.id) == [ours[1]]
+    conn = raw(db_path)
+    try:
+        packed = compact.packed(session.org_id) + compact.packed(session.user_id)
+        assert conn.execute("SELECT one, packed FROM tenant").fetchall() == [(1, packed)]
+        forms = {
+            (table, bytes(body[:2]) == compact.SHORT + b"\x00")
+            for table in sqlite_module._SHORT_TABLES
+            for (body,) in conn.execute(f"SELECT body FROM {table}")
+        }
+        assert forms == {
+            ("messages", True),  # ours
+            ("messages", False),  # another org's, and another user's
+            ("events", True),
+            ("checkpoints", True),  # written by the other connection
+        }
     finally:
         conn.close()
 

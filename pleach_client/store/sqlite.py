@@ -248,11 +248,16 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         "CREATE INDEX ix_outbox_session ON outbox (record_id) WHERE kind = 0",
     ),
     # 10: a message's, checkpoint's or event's body stored without the id and session id
-    # its row's columns hold (``_short``; ``_whole_body`` puts them back as a query reads
-    # it), which a build before reads as corrupt rows. No table changes, and rows written
-    # before keep their whole bodies (read as they are): the version is there so that such
-    # a build refuses the file whole.
-    ("SELECT 1",),
+    # its row's columns hold, nor the org and user of the file's tenant (``_short``,
+    # ``_tenant_out``; ``_whole_body`` puts them back as a query reads it), which a build
+    # before reads as corrupt rows. The tenant is the first whose record a commit wrote short
+    # (``tenant``: one row, never changed once written; a record of another tenant keeps its
+    # org and user). Rows written before keep their whole bodies and read as they are.
+    (
+        """CREATE TABLE tenant (
+            one INTEGER PRIMARY KEY CHECK (one = 1),
+            packed BLOB NOT NULL)""",
+    ),
 )
 SCHEMA_VERSION: Final = len(_MIGRATIONS)
 
@@ -400,6 +405,8 @@ _PUT_EVENT = (
     "sequence_number = excluded.sequence_number, hlc = '', type = excluded.type, "
     "body = excluded.body"
 )
+_SHORTS: Final = frozenset((_PUT_MESSAGE, _PUT_CHECKPOINT, _PUT_EVENT))
+"""The inserts whose bodies are written short (``_short``, ``_tenant_out``)."""
 _PUT_AUDIT = (
     "INSERT INTO audit (id, client_id, session_id, sequence_number, subject_key, body) "
     "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING"
@@ -437,15 +444,19 @@ _KEEP_HYDRATION = (
 _short: Final = compact.short_body
 """A body of a message, checkpoint or event as its row stores it (schema 10): without the id
 and session id the row's ``id`` and ``session_id`` columns hold (35 bytes fewer in 7 of the 8
-rows a turn writes, when the ids are UUIDs). ``_whole_body`` gives it back whole as a query
-reads the row, so every reader, the flush included, gets the bytes the record was written in."""
+rows a turn writes, when the ids are UUIDs), and, in the transaction that writes it, without
+the file's tenant (``_tenant_out``). ``_whole_body`` gives it back whole as a query reads the
+row, so every reader, the flush included, gets the bytes the record was written in."""
+_SHORT_TABLES: Final = ("messages", "checkpoints", "events")
+_FILE_TENANT = "SELECT packed FROM tenant WHERE one = 1"
 
 
 def _whole_body(table: str = "") -> str:
     """SQL: a stored body of messages, checkpoints or events (``table``: its alias, if any)
     as the record was written (``compact.whole_body_sql`` over the row's columns)."""
     at = f"{table}." if table else ""
-    return compact.whole_body_sql(f"{at}body", f"{at}id", f"{at}session_id")
+    tenant = "(SELECT packed FROM tenant WHERE one = 1)"  # (one row: read once a statement)
+    return compact.whole_body_sql(f"{at}body", f"{at}id", f"{at}session_id", tenant)
 
 
 _WHOLE: Final = _whole_body()
@@ -464,7 +475,7 @@ _OUTBOX_TABLES: Final[dict[str, str]] = {
 _OUTBOX_BODY = (
     "COALESCE(o.body, "
     + ", ".join(
-        _whole_body(f"t{i}") if table in ("messages", "checkpoints", "events") else f"t{i}.body"
+        _whole_body(f"t{i}") if table in _SHORT_TABLES else f"t{i}.body"
         for i, table in enumerate(_OUTBOX_TABLES.values())
     )
     + ")"
@@ -1205,6 +1216,7 @@ def _write_batch_now(
     commit: bool,
 ) -> CommitReceipt:
     """``_write_batch``'s statements, run on the connection's own thread."""
+    groups, queued_groups = _tenant_out(raw, groups, queued_groups)
     keep = msgspec.json.encode(batch.purge_keep).decode()
     for session_id in batch.purge_sessions:
         for statement in _PURGE_SESSION:
@@ -1227,7 +1239,7 @@ def _write_batch_now(
             ],
         )
     if batch.canonical:
-        _mark_canonical(raw, batch.canonical)
+        _mark_canonical(raw, batch.canonical, _tenant_of(raw))
     if batch.renumber_outbox:
         _renumber_outbox(raw)
     to_queue = (outbox if batch.outbox else []) + queued_outbox
@@ -1251,7 +1263,41 @@ def _write_batch_now(
     return CommitReceipt(client_seqs=seqs, records=len(batch.records) + len(batch.queued))
 
 
-def _mark_canonical(raw: sqlite3.Connection, event_ids: list[str]) -> None:
+def _tenant_of(raw: sqlite3.Connection) -> bytes:
+    """The file's tenant (``tenant``: its org and user packed; ``b""`` while none is)."""
+    row = raw.execute(_FILE_TENANT).fetchone()
+    return b"" if row is None else bytes(row[0])
+
+
+def _tenant_out(
+    raw: sqlite3.Connection, *groups: dict[str, list[tuple[Any, ...]]]
+) -> list[dict[str, list[tuple[Any, ...]]]]:
+    """``groups`` (rows per insert statement) with the bodies of messages, checkpoints and
+    events written short (``_short``) leaving out the file's tenant too, where they are its
+    (``compact.tenant_out``), in the write's transaction: a file with none yet takes the
+    first such body's (``compact.body_tenant``) as it is written. One read of a one-row table
+    a commit; a body of another tenant keeps its org and user."""
+    short = [(sql, rows) for group in groups for sql, rows in group.items() if sql in _SHORTS]
+    if not short:
+        return list(groups)
+    tenant = _tenant_of(raw)
+    if not tenant:
+        found = (compact.body_tenant(row[-1]) for _, rows in short for row in rows)
+        tenant = next((t for t in found if t is not None), b"")
+        if not tenant:
+            return list(groups)
+        raw.execute("INSERT INTO tenant (one, packed) VALUES (1, ?)", (tenant,))
+    out = compact.tenant_out
+    return [
+        {
+            sql: [(*row[:-1], out(row[-1], tenant)) for row in rows] if sql in _SHORTS else rows
+            for sql, rows in group.items()
+        }
+        for group in groups
+    ]
+
+
+def _mark_canonical(raw: sqlite3.Connection, event_ids: list[str], tenant: bytes) -> None:
     """``WriteBatch.canonical``: each stored event's body marked canonical from its bytes
     (``compact.canonical_body``), or decoded, replaced and encoded when its form is another."""
     rows = _select_in(
@@ -1265,7 +1311,7 @@ def _mark_canonical(raw: sqlite3.Connection, event_ids: list[str]) -> None:
             body, partial(_decode, _EVENT, "events", event_id, body), compact.encode
         )
         if marked != body:
-            updates.append((_short(marked, event_id, session_key), event_id))
+            updates.append((_short(marked, event_id, session_key, tenant), event_id))
     raw.executemany("UPDATE events SET body = ? WHERE id = ?", updates)
 
 
