@@ -41,8 +41,19 @@ async def _write_device_file(path: Path, turns: int) -> None:
 
 
 def _bodies(path: Path) -> dict[str, list[bytes]]:
+    """Each table's bodies as the codec reads them: a row that leaves out what its columns
+    hold (device schema 10) given back whole, as the store's queries give it."""
+    from pleach_client.store import sqlite as store_module
+
+    whole = getattr(store_module, "_whole_body", None)  # (absent before schema 10)
+    short = getattr(store_module, "_SHORT_TABLES", ())
     with sqlite3.connect(path) as db:
-        return {t: [row[0] for row in db.execute(f"SELECT body FROM {t}")] for t in TABLES}
+        return {
+            t: [
+                row[0] for row in db.execute(f"SELECT {whole() if t in short else 'body'} FROM {t}")
+            ]
+            for t in TABLES
+        }
 
 
 def _per_item(fn: Callable[[Any], object], items: Sequence[Any], passes: int) -> float:

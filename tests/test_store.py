@@ -2069,16 +2069,15 @@ def test_id_blocks_are_those_that_differ() -> None:
 
 
 def _messages_table(rows: list[Any]) -> sqlite3.Connection:
-    """A device schema on a plain connection holding ``rows`` (messages, in rowid order)."""
+    """A device schema on a plain connection holding ``rows`` (messages, in rowid order),
+    written as the store writes them (short, the tenant left out: ``_write_batch_now``)."""
     conn = sqlite3.connect(":memory:")
     sqlite_module.create_schema(conn)
-    conn.executemany(
-        "INSERT INTO messages (id, session_id, hlc, body) VALUES (?, ?, '', ?)",
-        [
-            (sqlite_module._key(m.id), sqlite_module._key(m.session_id), compact.encode(m))
-            for m in rows
-        ],
-    )
+    groups, _ = sqlite_module._encode_batch(rows)
+    (written,) = sqlite_module._tenant_out(conn, groups)
+    for sql, values in written.items():
+        conn.executemany(sql, values)
+    conn.commit()
     return conn
 
 
