@@ -1034,6 +1034,14 @@ def test_a_short_body_is_given_back_whole_byte_for_byte(
         assert conn.execute(query, params).fetchone()[0] == body
     finally:
         conn.close()
+    if type(key) is bytes and type(session) is bytes and wrong is None:  # read as it is
+        read = compact.decode_short(stored, record_id, session_id, (org, made.user_id))
+        assert read == made
+        if stored[:2] == compact.SHORT + b"\x00":  # a tenant left out and not given: refused
+            with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
+                compact.decode_short(stored, record_id, session_id, None)
+        else:
+            assert compact.decode_short(stored, record_id, session_id, None) == made
     shortened = kind != "audit" and uuids[0] and uuids[1] and wrong not in ("key", "session")
     tenant_out = shortened and with_tenant and wrong != "tenant"
     fewer = 35 + (len(tenant) - 1 if tenant_out else 0)
@@ -1042,3 +1050,53 @@ def test_a_short_body_is_given_back_whole_byte_for_byte(
     assert (stored[:2] == compact.SHORT + b"\x00") is tenant_out
     if shortened and not tenant_out:  # (as a device leaves it out later, in its transaction)
         assert compact.body_tenant(stored) == compact.packed(org) + compact.packed(made.user_id)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    kind=st.sampled_from(["message", "checkpoint", "event"]),
+    with_tenant=st.booleans(),
+    at=st.integers(0, 200),
+    value=st.integers(0, 255),
+    cut=st.booleans(),
+)
+def test_a_short_body_read_as_it_is_reads_as_the_whole_one(
+    kind: str, with_tenant: bool, at: int, value: int, cut: bool
+) -> None:
+    """``decode_short`` reads a short body as ``decode`` reads the body put together again,
+    whatever one byte of it is made (or where it is cut short): the same record, or an
+    error of the same kind. A body its twin refuses is put together and read whole, so the
+    short read never takes what the whole one refuses."""
+    from shared.compact import short_body, uuid_bytes
+
+    made: Any = {"message": make_message, "checkpoint": make_checkpoint, "event": make_event}[
+        kind
+    ]()
+    tenant = (made.org_id, made.user_id)
+    packed_tenant = compact.packed(made.org_id) + compact.packed(made.user_id)
+    body = compact.encode(made)
+    stored = short_body(
+        body,
+        uuid_bytes(made.id),
+        uuid_bytes(made.session_id),
+        packed_tenant if with_tenant else b"",
+    )
+    assert stored.startswith(compact.SHORT)
+    if cut:
+        mutated = stored[: at % len(stored)]
+    else:
+        where = at % len(stored)
+        mutated = stored[:where] + bytes((value,)) + stored[where + 1 :]
+    whole = compact._whole(
+        mutated, compact.packed(made.id), compact.packed(made.session_id), packed_tenant
+    )
+
+    def outcome(read: Any) -> Any:
+        try:
+            return read()
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return type(exc)
+
+    if mutated[:1] == compact.SHORT:
+        short = outcome(lambda: compact.decode_short(mutated, made.id, made.session_id, tenant))
+        assert short == outcome(lambda: compact.decode(whole))

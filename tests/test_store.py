@@ -2112,7 +2112,8 @@ def test_a_transcript_read_as_a_span_is_the_one_read_by_its_ids(
     sqlite_module.SPAN_MIN_KEYS, sqlite_module.SPAN_SLACK = span_min, slack
     try:
         by_span = sqlite_module._select_messages(conn, keys)
-        by_keys = sqlite_module._select_in(conn, QUERIES["get_messages"], keys)
+        tenant = sqlite_module._tenant_of(conn)
+        by_keys = sqlite_module._select_in(conn, QUERIES["get_messages"], keys), tenant
         expected = [m for i in ids for m in written if m.id == i]
         order = sqlite_module._messages_in_order
         assert order(keys, ids, by_span) == order(keys, ids, by_keys) == expected

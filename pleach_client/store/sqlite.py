@@ -336,15 +336,16 @@ SPAN_SLACK: Final = 2
 """The most rows a span may hold for each message asked for (other sessions' rows between)."""
 
 
-def _select_messages(raw: sqlite3.Connection, keys: Sequence[object]) -> list[Any]:
-    """``get_messages``' rows ``(id, body)`` for ``keys`` (a transcript, in order), with rows
-    of other ids among them, which the caller leaves out. A long transcript is mostly a run of
-    the table, written turn after turn: its rows between the rowids of its first and last
-    message are read as one span (one walk along the table, where each key looked up by the
-    id index costs two descents of the B-trees: 6 ms against 10 for 5,000 messages), and
-    only the keys the span did not hold (a fork's earlier messages, another device's pulled
-    later) are looked up. A span of more than ``SPAN_SLACK`` rows a key, or a short list, is
-    read by the keys alone, so no read walks far for few rows."""
+def _select_messages(raw: sqlite3.Connection, keys: Sequence[object]) -> _Transcript:
+    """``get_messages``' rows ``(id, body, session_id)`` for ``keys`` (a transcript, in order;
+    each body as stored), with rows of other ids among them, which the caller leaves out,
+    and the file's tenant (``_tenant_of``, in the same snapshot). A long transcript is
+    mostly a run of the table, written turn after turn: its rows between the rowids of its
+    first and last message are read as one span (one walk along the table, where each key
+    looked up by the id index costs two descents of the B-trees: 6 ms against 10 for 5,000
+    messages), and only the keys the span did not hold (a fork's earlier messages, another
+    device's pulled later) are looked up. A span of more than ``SPAN_SLACK`` rows a key, or
+    a short list, is read by the keys alone, so no read walks far for few rows."""
     if len(keys) >= SPAN_MIN_KEYS:
         low, high = raw.execute(QUERIES["message_span"], (keys[0], keys[-1])).fetchone()
         if low is not None and high is not None and 0 <= high - low < SPAN_SLACK * len(keys):
@@ -353,20 +354,23 @@ def _select_messages(raw: sqlite3.Connection, keys: Sequence[object]) -> list[An
             missing = [key for key in keys if key not in held]
             if missing:
                 rows += _select_in(raw, QUERIES["get_messages"], missing)
-            return rows
-    return _select_in(raw, QUERIES["get_messages"], keys)
+            return rows, _tenant_of(raw)
+    return _select_in(raw, QUERIES["get_messages"], keys), _tenant_of(raw)
+
+
+_S = TypeVar("_S")
 
 
 async def _selected(
     conn: aiosqlite.Connection | sqlite3.Connection,
-    select: Callable[..., list[Any]],
+    select: Callable[..., _S],
     *args: Any,
-) -> list[Any]:
+) -> _S:
     """``select(raw, *args)`` (``_select_in``, ``_select_messages``) on the caller's own
     connection (``InPlace``: no hop), or in one hop to the connection's thread."""
     if isinstance(conn, sqlite3.Connection):
         return select(conn, *args)
-    rows: list[Any] = await conn._execute(select, conn._conn, *args)  # type: ignore[no-untyped-call]
+    rows: _S = await conn._execute(select, conn._conn, *args)  # type: ignore[no-untyped-call]
     return rows
 
 
@@ -499,7 +503,9 @@ QUERIES: Final[dict[str, str]] = {
     "list_sessions": (f"{_SESSION_ROWS} WHERE s.deleted = 0 ORDER BY s.updated_at DESC, s.id DESC"),
     "list_sessions_all": f"{_SESSION_ROWS} ORDER BY s.updated_at DESC, s.id DESC",
     # {keys}: a list of bound keys (``_select_in``: any number of ids in one round trip).
-    "get_messages": "SELECT id, " + _WHOLE + " FROM messages WHERE id IN ({keys})",
+    # (A transcript's bodies as stored, beside their session's key: ``_messages_in_order``
+    # reads a short one as it is, ``compact.decode_short``.)
+    "get_messages": "SELECT id, body, session_id FROM messages WHERE id IN ({keys})",
     "audit_rows": "SELECT id, body FROM audit WHERE id IN ({keys})",
     "get_checkpoint": "SELECT id, " + _WHOLE + " FROM checkpoints WHERE id = ?",
     "held_messages": "SELECT id FROM messages WHERE id IN ({keys})",
@@ -509,7 +515,7 @@ QUERIES: Final[dict[str, str]] = {
         "SELECT (SELECT rowid FROM messages WHERE id = ?1), "
         "(SELECT rowid FROM messages WHERE id = ?2)"
     ),
-    "message_range": "SELECT id, " + _WHOLE + " FROM messages WHERE rowid BETWEEN ?1 AND ?2",
+    "message_range": "SELECT id, body, session_id FROM messages WHERE rowid BETWEEN ?1 AND ?2",
     "list_checkpoints": (
         "SELECT id, " + _WHOLE + " FROM checkpoints WHERE session_id = ? ORDER BY hlc, id"
     ),
@@ -661,30 +667,70 @@ _LEARNED_PART: Final = 2048
 (``compact.learn_uuids``): well inside the cache's bound, however long the transcript."""
 
 
+_Transcript = tuple[list[Any], bytes]
+"""A transcript's rows ``(id, body, session_id)`` as stored, and the file's tenant."""
+
+
 def _messages_in_order(
-    keys: Sequence[str | bytes], ids: Sequence[str], rows: Sequence[Any]
+    keys: Sequence[str | bytes], ids: Sequence[str], selected: _Transcript
 ) -> list[Message]:
-    """The message rows ``(key, body)`` read for ``keys`` (the keys of ``ids``), decoded in
-    the order of ``keys`` (an unknown key skipped; a key asked twice decoded twice: each place
-    its own copy). A key of bytes is a canonical UUID's (``_key``) and its id is that UUID's
-    text, so each part's ids are told to the decode cache before its bodies are decoded. The
-    common case (every key held, every id a UUID) runs in C loops: a pass in Python per
-    message cost about 0.3 µs of the 3-4 µs a message takes."""
-    bodies: dict[str | bytes, object] = dict(rows)
-    picked = list(map(bodies.get, keys, itertools.repeat(_ABSENT, len(keys))))
+    """The message rows read for ``keys`` (the keys of ``ids``; ``_select_messages``), decoded in
+    the order of ``keys`` (an unknown key skipped; a key asked twice decoded twice: each
+    place its own copy). A key of bytes is a canonical UUID's (``_key``) and its id is that
+    UUID's text, so each part's ids are told to the decode cache before its bodies are
+    decoded. A body stored short is read as it is, given the row's ids and the file's
+    tenant (``compact.decode_short``, as quick as decoding the whole body): nothing is put
+    together, which costs about 0.9 µs a row in SQL (``_whole_body``). The common case
+    (every key held, every id a UUID) runs in C loops: a pass in Python per message cost
+    about 0.3 µs of the 3-4 µs a message takes."""
+    rows, tenant = selected
+    held_rows: dict[str | bytes, Any] = dict(zip(map(_FIRST, rows), rows))  # noqa: B905
+    picked = list(map(held_rows.get, keys, itertools.repeat(_ABSENT, len(keys))))
     if _ABSENT in picked:  # unknown keys are left out (a held row is read whatever its body,
-        # so a corrupt one is named by ``_decode_all``)
-        held = [at for at, body in enumerate(picked) if body is not _ABSENT]
+        # so a corrupt one is named by ``_decode_messages``)
+        held = [at for at, row in enumerate(picked) if row is not _ABSENT]
         keys, ids = [keys[at] for at in held], [ids[at] for at in held]
         picked = [picked[at] for at in held]
     uuid_keys = set(map(type, keys)) == {bytes}
+    org_user = compact.tenant_texts(tenant) if tenant else None
     messages: list[Message] = []
     for at in range(0, len(picked), _LEARNED_PART):
         part = slice(at, at + _LEARNED_PART)
         pairs = cast(list[tuple[bytes, str]], list(zip(keys[part], ids[part], strict=True)))
         compact.learn_uuids(pairs if uuid_keys else [p for p in pairs if type(p[0]) is bytes])
-        messages += _decode_all(_MESSAGE, "messages", list(zip(keys[part], picked[part])))  # noqa: B905
+        messages += _decode_messages(picked[part], ids[part], org_user)
     return messages
+
+
+def _decode_messages(
+    rows: Sequence[Any], ids: Sequence[str], tenant: tuple[str, str] | None
+) -> list[Message]:
+    """Each message row ``(key, body, session_id)`` of ``rows`` decoded, its id ``ids``' text
+    at its place (``compact.decode_short``): one loop in C, then each row alone, which names
+    the corrupt one, only when that loop met one (as ``_decode_all``)."""
+    sessions = {key: _id(key) for key in set(map(_THIRD, rows))}
+    texts = list(map(sessions.__getitem__, map(_THIRD, rows)))
+    decode = compact.decode_short
+    try:
+        bodies = list(map(_SECOND, rows))
+        records = list(map(decode, bodies, ids, texts, itertools.repeat(tenant, len(rows))))
+        if all(type(record) is Message for record in records):
+            return records  # type: ignore[return-value]
+    except (msgspec.DecodeError, msgspec.ValidationError, TypeError):
+        pass
+    out = []
+    for (key, body, _), record_id, session_id in zip(rows, ids, texts, strict=True):
+        try:
+            if not isinstance(body, bytes):
+                raise TypeError(f"body is {type(body).__name__}, not bytes")
+            record = decode(body, record_id, session_id, tenant)
+            if not isinstance(record, Message):
+                raise TypeError(f"holds a {type(record).__name__}, not a Message")
+        except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
+            shown = _id(key) if isinstance(key, bytes) else key
+            raise StorageError(f"corrupt row in messages (id {shown!r}): {exc}") from exc
+        out.append(record)
+    return out
 
 
 # -- a session's id blocks (schema 7) --------------------------------------------------------
@@ -813,6 +859,8 @@ def _sessions_of(rows: Sequence[Any]) -> list[Session]:
 
 
 _FIRST: Final = operator.itemgetter(0)
+_SECOND: Final = operator.itemgetter(1)
+_THIRD: Final = operator.itemgetter(2)
 
 
 def _entries_of(rows: Sequence[Any]) -> tuple[list[tuple[Any, ...]], dict[bytes, Record]]:
