@@ -1392,7 +1392,11 @@ def short_body(body: bytes, key: object, session_key: object, tenant: bytes = b"
         and _FIXARRAY + 2 <= body[0] <= _FIXARRAY + 15  # (a compact array of 2 to 15 values)
         and body[1] in _SHORT_KINDS
     ):
-        return tenant_out(SHORT + bytes((body[0] - 2,)) + body[1:2] + body[38:], tenant)
+        end = 38 + len(tenant)
+        if tenant and body[38:end] == tenant and body[0] >= _FIXARRAY + 4:  # (one copy)
+            head = bytes((body[0] - 4, body[1]))
+            return b"".join((SHORT, _TENANT_OUT, head, memoryview(body)[end:]))
+        return b"".join((SHORT, bytes((body[0] - 2, body[1])), memoryview(body)[38:]))
     return body
 
 

@@ -1481,6 +1481,12 @@ class SQLiteServerStore(AsyncResource):
 
 
 _NO_BUDGET = 1 << 62
+_PULLER = "(SELECT packed FROM tenants WHERE org_id = ?2 AND user_id = ?3)"
+_PULLED_EVENT = compact.whole_body_sql("e.body", "e.id", "e.session_id", _PULLER)
+_PULLED_RECORD = compact.whole_body_sql("r.body", "r.id", "r.session_id", _PULLER)
+"""``_WHOLE_EVENT`` and ``_WHOLE_RECORD`` in a pull, whose rows are all the pulling tenant's:
+its packed org and user read once a statement, not a probe a row (0.4 µs of the 1.25 a row
+takes to put a body together)."""
 
 # A page of the feed (at most ?5 entries after cursor ?4), each entry's body read from the
 # row it refers to: a record's or an event's by its rowid, the entry's cursor (migration 11;
@@ -1497,13 +1503,13 @@ _PULL_SQL = f"""
         FROM (
             SELECT f.cursor, f.record_id, CASE f.kind
                 WHEN {_SESSION_KIND} THEN s.body
-                WHEN {_EVENT_KIND} THEN COALESCE((SELECT {_WHOLE_EVENT} FROM events AS e
+                WHEN {_EVENT_KIND} THEN COALESCE((SELECT {_PULLED_EVENT} FROM events AS e
                     WHERE e.rowid = f.cursor AND e.tid = f.tid AND e.id = f.record_id),
-                    (SELECT {_WHOLE_EVENT} FROM events AS e
+                    (SELECT {_PULLED_EVENT} FROM events AS e
                     WHERE e.tid = f.tid AND e.id = f.record_id))
-                ELSE COALESCE((SELECT {_WHOLE_RECORD} FROM records AS r WHERE r.rowid = f.cursor
+                ELSE COALESCE((SELECT {_PULLED_RECORD} FROM records AS r WHERE r.rowid = f.cursor
                     AND r.tid = f.tid AND r.kind = f.kind AND r.id = f.record_id),
-                    (SELECT {_WHOLE_RECORD} FROM records AS r
+                    (SELECT {_PULLED_RECORD} FROM records AS r
                     WHERE r.tid = f.tid AND r.kind = f.kind AND r.id = f.record_id))
                 END AS body, s.ids_count
             FROM feed AS f
