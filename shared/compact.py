@@ -74,7 +74,6 @@ __all__ = [
     "is_compact",
     "packed",
     "short_body",
-    "tenant_out",
     "tenant_texts",
     "uuid_bytes",
     "uuid_text",
@@ -1362,9 +1361,10 @@ def checkpoint_parent(data: bytes) -> bytes | None:
 # -- the stored form: a body without the ids its row holds -------------------------------------
 
 SHORT: Final = b"\xc1"
-"""The first byte of a body stored without the ids its row holds (``short_body``). msgpack
-never uses the byte, so no body ``encode`` writes starts with it. The byte after it is 0 when
-the body leaves out its tenant too (``tenant_out``), its array's header (never 0) when not."""
+"""The first byte of a body stored without the ids its row holds (``short_body``). msgpack never
+uses the byte, so no body ``encode`` writes starts with it. The byte after it is 0 when the
+body leaves out its tenant too (``short_body`` given it), its array's header (never 0) when
+not."""
 _TENANT_OUT: Final = b"\x00"
 _SHORT_KINDS: Final = frozenset(
     kind.index for kind in _BY_INDEX if kind.names[:4] == ["id", "session_id", "org_id", "user_id"]
@@ -1374,17 +1374,17 @@ Event."""
 
 
 def short_body(body: bytes, key: object, session_key: object, tenant: bytes = b"") -> bytes:
-    """``body`` as a store's row keeps it when the row's columns hold the record's id and
-    session id as their 16 bytes (``key``, ``session_key``; ``uuid_bytes``): when the body is
-    the compact form of a record that starts ``[kind, id, session_id, org_id, user_id, ...]``
-    (a Message, a Checkpoint, an Event) and the ids are exactly those keys, it is ``SHORT``,
-    then the same array without them (its header two values fewer, the kind, the fields after
-    the ids: 35 bytes fewer), which a twin of the kind without those fields reads as it is
+    """``body`` as a store's row keeps it when the row's columns hold the record's id and session id
+    as their 16 bytes (``key``, ``session_key``; ``uuid_bytes``): when the body is the compact
+    form of a record that starts ``[kind, id, session_id, org_id, user_id, ...]`` (a Message, a
+    Checkpoint, an Event) and the ids are exactly those keys, it is ``SHORT``, then the same
+    array without them (its header two values fewer, the kind, the fields after the ids: 35
+    bytes fewer), which a twin of the kind without those fields reads as it is
     (``decode_short``). When the store knows the row's tenant (``tenant``: ``packed(org_id) +
-    packed(user_id)``) and those are the body's next fields, they are left out too
-    (``tenant_out``). Anything else is given back as it is (an id that is not a canonical
-    UUID, keys that are not the body's, the map form, another kind). ``whole_body_sql`` undoes
-    either, byte for byte, as a query reads the row. Pure."""
+    packed(user_id)``) and those are the body's next fields, they are left out too (``SHORT``,
+    0, then the array two values fewer again). Anything else is given back as it is (an id that
+    is not a canonical UUID, keys that are not the body's, the map form, another kind).
+    ``whole_body_sql`` undoes either, byte for byte, as a query reads the row. Pure."""
     if (
         type(key) is bytes
         and type(session_key) is bytes
@@ -1400,21 +1400,10 @@ def short_body(body: bytes, key: object, session_key: object, tenant: bytes = b"
     return body
 
 
-def tenant_out(short: bytes, tenant: bytes) -> bytes:
-    """A ``short_body`` that leaves out only the ids, its tenant's org and user left out too
-    when they are ``tenant``: ``SHORT``, 0, then the array two values fewer again (its header,
-    the kind, the fields after the user: ``tenant``'s bytes fewer, less one); any other body
-    as it is. Pure."""
-    end = 3 + len(tenant)
-    if tenant and short[:1] == SHORT and short[1:2] != _TENANT_OUT and short[3:end] == tenant:
-        return SHORT + _TENANT_OUT + bytes((short[1] - 2,)) + short[2:3] + short[end:]
-    return short
-
-
 def body_tenant(short: bytes) -> bytes | None:
     """The packed org and user a ``short_body`` that leaves out only the ids starts its fields
-    with (what ``tenant_out`` would leave out), or None when it is not such a body or they are
-    not two strings or UUIDs. Pure."""
+    with (what ``short_body`` given them would leave out), or None when it is not such a
+    body or they are not two strings or UUIDs. Pure."""
     if short[:1] != SHORT or short[1:2] == _TENANT_OUT:
         return None
     at = 3
@@ -1496,12 +1485,12 @@ def decode_short(
     tenant: tuple[str, str] | None,
 ) -> Record:
     """The record in ``data``, a body a row stores (``short_body``, whole or short), given the
-    row's ids as text (the texts of its keys) and its tenant's org and user (``tenant_texts``
-    of what ``tenant_out`` was given): a short body is read as it is, by its kind's twin
-    without the fields left out, which ``make`` is given: no bytes are put together (about
-    0.9 us a row in SQL), and the rest reads as quickly as the whole body does. A body the
-    twin refuses, or that leaves out a tenant not given, is put together and read by
-    ``decode``, which gives what it always gives (its error, mostly)."""
+    row's ids as text (the texts of its keys) and its tenant's org and user
+    (``tenant_texts`` of what ``short_body`` was given): a short body is read as it is, by
+    its kind's twin without the fields left out, which ``make`` is given: no bytes are put
+    together (about 0.9 us a row in SQL), and the rest reads as quickly as the whole body
+    does. A body the twin refuses, or that leaves out a tenant not given, is put together
+    and read by ``decode``, which gives what it always gives (its error, mostly)."""
     if data[:1] != SHORT:
         return decode(data)
     out = data[1:2] == _TENANT_OUT

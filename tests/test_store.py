@@ -1143,9 +1143,10 @@ async def test_rerunnable_plans_of_two_connections_lose_no_update(db_path: Path)
 
 
 async def test_a_record_that_came_as_bytes_is_stored_as_those_bytes(tmp_path: Path) -> None:
-    """A pulled page's records (protocol 6) are written in the bytes they came in (less the id and session id their row's columns hold: schema 10); a
-    record made anew is encoded. The file then gives back the very bytes that came, and
-    reads them as the records they are."""
+    """A pulled page's records (protocol 6) are written in the bytes they came in (less the id
+    and session id their row's columns hold: schema 10, here in a file of another tenant,
+    whose org and user they keep); a record made anew is encoded. The file then gives back
+    the very bytes that came, and reads them as the records they are."""
     from shared.compact import Bodies
 
     session = make_session()
@@ -1156,6 +1157,11 @@ async def test_a_record_that_came_as_bytes_is_stored_as_those_bytes(tmp_path: Pa
         records=[*pulled, made], outbox=False, bodies=Bodies(zip(pulled, sent, strict=True))
     )
     groups, _ = sqlite_module._encode_batch(batch.records, batch.bodies)
+    other = sqlite3.connect(":memory:")  # (a device schema whose file is another tenant's)
+    sqlite_module.create_schema(other)
+    other.execute("INSERT INTO tenant (one, packed) VALUES (1, ?)", (compact.packed("x") * 2,))
+    (groups,) = sqlite_module._shortened(other, groups)
+    other.close()
     written = [row[-1] for rows in groups.values() for row in rows]
     keys = [(key(r.id), key(r.session_id)) for r in [*pulled, made]]
     bodies = [*sent, compact.encode(made)]
@@ -1202,7 +1208,7 @@ def test_a_body_is_stored_short_and_read_back_byte_for_byte(
     sequence: int,
 ) -> None:
     """Schema 10: whatever the record, the keys beside it and the file's tenant, a body as a
-    row stores it (``_short``, then ``_tenant_out`` in the write's transaction) reads back
+    row stores it (``_shortened``, in the write's transaction) reads back
     (``_whole_body``) as the very bytes written; it is 35 bytes shorter exactly when it is
     the compact form and its id and session id are the row's keys (canonical UUIDs), and
     shorter by its org and user less one more when they are the file's tenant; it stays as it
@@ -1229,10 +1235,7 @@ def test_a_body_is_stored_short_and_read_back_byte_for_byte(
         if tenant:
             conn.execute("INSERT INTO tenant VALUES (1, ?)", (tenant,))
         written = {sqlite_module._PUT_MESSAGE: [(row_key, row_session, body)]}
-        stored = sqlite_module._short(body, row_key, row_session)
-        if stored is not body:
-            written = {sqlite_module._PUT_MESSAGE: [(row_key, row_session, stored)]}
-        (rows,) = sqlite_module._tenant_out(conn, written)
+        (rows,) = sqlite_module._shortened(conn, written)
         stored = rows[sqlite_module._PUT_MESSAGE][0][-1]
         query = _WHOLE_OF.format(sqlite_module._whole_body())
         assert conn.execute(query, (row_key, row_session, stored)).fetchone()[0] == body
@@ -2074,7 +2077,7 @@ def _messages_table(rows: list[Any]) -> sqlite3.Connection:
     conn = sqlite3.connect(":memory:")
     sqlite_module.create_schema(conn)
     groups, _ = sqlite_module._encode_batch(rows)
-    (written,) = sqlite_module._tenant_out(conn, groups)
+    (written,) = sqlite_module._shortened(conn, groups)
     for sql, values in written.items():
         conn.executemany(sql, values)
     conn.commit()

@@ -248,8 +248,8 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         "CREATE INDEX ix_outbox_session ON outbox (record_id) WHERE kind = 0",
     ),
     # 10: a message's, checkpoint's or event's body stored without the id and session id
-    # its row's columns hold, nor the org and user of the file's tenant (``_short``,
-    # ``_tenant_out``; ``_whole_body`` puts them back as a query reads it), which a build
+    # its row's columns hold, nor the org and user of the file's tenant (``_shortened``;
+    # ``_whole_body`` puts them back as a query reads it), which a build
     # before reads as corrupt rows. The tenant is the first whose record a commit wrote short
     # (``tenant``: one row, never changed once written; a record of another tenant keeps its
     # org and user). Rows written before keep their whole bodies and read as they are.
@@ -410,7 +410,8 @@ _PUT_EVENT = (
     "body = excluded.body"
 )
 _SHORTS: Final = frozenset((_PUT_MESSAGE, _PUT_CHECKPOINT, _PUT_EVENT))
-"""The inserts whose bodies are written short (``_short``, ``_tenant_out``)."""
+"""The inserts whose bodies are written short (``_shortened``: each row begins with its key and
+its session's, and ends with its body)."""
 _PUT_AUDIT = (
     "INSERT INTO audit (id, client_id, session_id, sequence_number, subject_key, body) "
     "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING"
@@ -448,8 +449,8 @@ _KEEP_HYDRATION = (
 _short: Final = compact.short_body
 """A body of a message, checkpoint or event as its row stores it (schema 10): without the id
 and session id the row's ``id`` and ``session_id`` columns hold (35 bytes fewer in 7 of the 8
-rows a turn writes, when the ids are UUIDs), and, in the transaction that writes it, without
-the file's tenant (``_tenant_out``). ``_whole_body`` gives it back whole as a query reads the
+rows a turn writes, when the ids are UUIDs), nor the file's tenant, in the transaction that
+writes it (``_shortened``). ``_whole_body`` gives it back whole as a query reads the
 row, so every reader, the flush included, gets the bytes the record was written in."""
 _SHORT_TABLES: Final = ("messages", "checkpoints", "events")
 _FILE_TENANT = "SELECT packed FROM tenant WHERE one = 1"
@@ -599,8 +600,10 @@ class _Body(Generic[_T]):
     def __init__(self, cls: type[_T] | None = None) -> None:
         self.cls = cls
 
-    def decode(self, body: bytes) -> _T:
-        record = compact.decode(body)
+    def decode(self, body: bytes, read: Callable[[bytes], Record] = compact.decode) -> _T:
+        """The record in ``body`` read by ``read`` (a whole body's ``compact.decode``, or a
+        row's ``compact.decode_short`` with its ids), refused when it is of another kind."""
+        record = read(body)
         if self.cls is not None and not isinstance(record, self.cls):
             raise TypeError(f"holds a {type(record).__name__}, not a {self.cls.__name__}")
         return record  # type: ignore[return-value]
@@ -637,11 +640,17 @@ def _storage_error(action: str, exc: BaseException) -> StorageError:
     return StorageError(f"{action} failed: {text}", retryable=busy)
 
 
-def _decode(decoder: _Body[_T], table: str, key: object, body: object) -> _T:
+def _decode(
+    decoder: _Body[_T],
+    table: str,
+    key: object,
+    body: object,
+    read: Callable[[bytes], Record] = compact.decode,
+) -> _T:
     try:
         if not isinstance(body, bytes):
             raise TypeError(f"body is {type(body).__name__}, not bytes")
-        return decoder.decode(body)
+        return decoder.decode(body, read)
     except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
         shown = _id(key) if isinstance(key, bytes) else key
         raise StorageError(f"corrupt row in {table} (id {shown!r}): {exc}") from exc
@@ -718,19 +727,16 @@ def _decode_messages(
             return records  # type: ignore[return-value]
     except (msgspec.DecodeError, msgspec.ValidationError, TypeError):
         pass
-    out = []
-    for (key, body, _), record_id, session_id in zip(rows, ids, texts, strict=True):
-        try:
-            if not isinstance(body, bytes):
-                raise TypeError(f"body is {type(body).__name__}, not bytes")
-            record = decode(body, record_id, session_id, tenant)
-            if not isinstance(record, Message):
-                raise TypeError(f"holds a {type(record).__name__}, not a Message")
-        except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
-            shown = _id(key) if isinstance(key, bytes) else key
-            raise StorageError(f"corrupt row in messages (id {shown!r}): {exc}") from exc
-        out.append(record)
-    return out
+    return [
+        _decode(
+            _MESSAGE,
+            "messages",
+            key,
+            body,
+            partial(decode, record_id=i, session_id=t, tenant=tenant),
+        )
+        for (key, body, _), i, t in zip(rows, ids, texts, strict=True)
+    ]
 
 
 # -- a session's id blocks (schema 7) --------------------------------------------------------
@@ -958,16 +964,15 @@ def _encode_batch(
                 sql = _PUT_SESSION
                 row = (key, record.updated_at, record.deleted, ids, layout.block, body)
             case Message():
-                key, session_key = _key(record.id), _key(record.session_id)
-                sql, row = _PUT_MESSAGE, (key, session_key, _short(body, key, session_key))
+                key = _key(record.id)  # (its body written short in the transaction: _shortened)
+                sql, row = _PUT_MESSAGE, (key, _key(record.session_id), body)
             case Checkpoint():
                 sql, key = _PUT_CHECKPOINT, _key(record.id)
-                parent, session_key = _key(record.parent_id or ""), _key(record.session_id)
-                row = (key, session_key, record.hlc, parent, _short(body, key, session_key))
+                parent = _key(record.parent_id or "")
+                row = (key, _key(record.session_id), record.hlc, parent, body)
             case Event():
                 sql, key = _PUT_EVENT, _key(record.id)
                 session_key = _key(record.session_id)
-                body = _short(body, key, session_key)
                 row = (key, session_key, record.sequence_number, _type_key(record.type), body)
             case AuditRow():
                 sql, key = _PUT_AUDIT, _key(record.id)
@@ -1264,7 +1269,7 @@ def _write_batch_now(
     commit: bool,
 ) -> CommitReceipt:
     """``_write_batch``'s statements, run on the connection's own thread."""
-    groups, queued_groups = _tenant_out(raw, groups, queued_groups)
+    groups, queued_groups = _shortened(raw, groups, queued_groups)
     keep = msgspec.json.encode(batch.purge_keep).decode()
     for session_id in batch.purge_sessions:
         for statement in _PURGE_SESSION:
@@ -1317,28 +1322,29 @@ def _tenant_of(raw: sqlite3.Connection) -> bytes:
     return b"" if row is None else bytes(row[0])
 
 
-def _tenant_out(
+def _shortened(
     raw: sqlite3.Connection, *groups: dict[str, list[tuple[Any, ...]]]
 ) -> list[dict[str, list[tuple[Any, ...]]]]:
     """``groups`` (rows per insert statement) with the bodies of messages, checkpoints and
-    events written short (``_short``) leaving out the file's tenant too, where they are its
-    (``compact.tenant_out``), in the write's transaction: a file with none yet takes the
-    first such body's (``compact.body_tenant``) as it is written. One read of a one-row table
-    a commit; a body of another tenant keeps its org and user."""
-    short = [(sql, rows) for group in groups for sql, rows in group.items() if sql in _SHORTS]
+    events written short (``_short``: each row begins with its key and its session's), the
+    file's tenant left out too where it is theirs, in one copy, in the write's transaction
+    (the tenant is read there, so every connection and process of the file agrees): a file
+    with none yet takes the first short body's (``compact.body_tenant``) as it is written.
+    One read of a one-row table a commit; a body of another tenant keeps its org and user."""
+    short = [rows for group in groups for sql, rows in group.items() if sql in _SHORTS]
     if not short:
         return list(groups)
     tenant = _tenant_of(raw)
     if not tenant:
-        found = (compact.body_tenant(row[-1]) for _, rows in short for row in rows)
-        tenant = next((t for t in found if t is not None), b"")
-        if not tenant:
-            return list(groups)
-        raw.execute("INSERT INTO tenant (one, packed) VALUES (1, ?)", (tenant,))
-    out = compact.tenant_out
+        bodies = (_short(row[-1], row[0], row[1]) for rows in short for row in rows)
+        tenant = next(filter(None, map(compact.body_tenant, bodies)), b"")
+        if tenant:
+            raw.execute("INSERT INTO tenant (one, packed) VALUES (1, ?)", (tenant,))
     return [
         {
-            sql: [(*row[:-1], out(row[-1], tenant)) for row in rows] if sql in _SHORTS else rows
+            sql: [(*row[:-1], _short(row[-1], row[0], row[1], tenant)) for row in rows]
+            if sql in _SHORTS
+            else rows
             for sql, rows in group.items()
         }
         for group in groups
