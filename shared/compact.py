@@ -74,6 +74,7 @@ __all__ = [
     "is_compact",
     "packed",
     "short_body",
+    "stamp_node",
     "tenant_texts",
     "uuid_bytes",
     "uuid_text",
@@ -916,18 +917,23 @@ _ARRAY_FIELDS: Final = tuple(
 """Each record field that a body may hold as an array, and its Struct's field names."""
 
 
-def _twin(kind: _Kind, given: int = 0) -> tuple[type[msgspec.Struct], Callable[..., Record]] | None:
+def _twin(
+    kind: _Kind, given: int = 0, node: bool = False
+) -> tuple[type[msgspec.Struct], Callable[..., Record]] | None:
     """A kind's twin and its ``make`` function (the twin's values to the record), or None
     when one of its fields has no native twin (a Session: its state holds packed id lists).
     ``given``: how many of the record's first fields the twin leaves out, for ``make`` to
-    take as its arguments after the twin (a short body's: ``decode_short``).
+    take as its arguments after the twin (a short body's: ``decode_short``); ``node``:
+    ``make`` takes one more, the stamp's node its ext left out (``short_body``'s ``node``),
+    to put after the ext's bytes.
 
     ``make`` is written out for the kind, one line a field, and compiled once, as
     ``dataclasses`` writes ``__init__``: a loop over the fields costs more than the decode
     saves. Its source is kept as ``make.source``."""
     hints = typing.get_type_hints(kind.cls)
     fields: list[tuple[str, Any, Any]] = []
-    lines = ["def make(t" + "".join(f", g{at}" for at in range(given)) + "):"]
+    tail = ", tail" if node else ""
+    lines = ["def make(t" + "".join(f", g{at}" for at in range(given)) + tail + "):"]
     arguments = []
     for at, f in enumerate(msgspec.structs.fields(kind.cls)):
         if at < given:
@@ -956,7 +962,8 @@ def _twin(kind: _Kind, given: int = 0) -> tuple[type[msgspec.Struct], Callable[.
         elif fix == _TEXT and at == kind.hlc_at:  # the stamp, and its node (``_stamp``)
             lines.append(f"    n{at} = None")
             lines.append(f"    if v{at}.__class__ is Ext:")
-            lines.append(f"        if v{at}.code == 3: v{at}, n{at} = stamp(v{at}.data)")
+            data = f"v{at}.data + tail" if node else f"v{at}.data"
+            lines.append(f"        if v{at}.code == 3: v{at}, n{at} = stamp({data})")
             lines.append(f"        else: v{at} = text(v{at})")
         elif fix == _TEXT:  # a known id by a lookup here, a digest here, anything else by
             # ``_ext_text`` (as it reads an ext 2: a digest rarely repeats, so no cache)
@@ -971,8 +978,8 @@ def _twin(kind: _Kind, given: int = 0) -> tuple[type[msgspec.Struct], Callable[.
         else:
             lines.append(f"    if v{at} is not None: v{at} = texts(v{at})")
         arguments.append(f"{f.name}=v{at}")
-    client, hlc, node = f"v{kind.client_at}", f"v{kind.hlc_at}", f"n{kind.hlc_at}"
-    lines.append(f"    if {client} is None: {client} = {node} or implied({hlc})")
+    client, hlc, found = f"v{kind.client_at}", f"v{kind.hlc_at}", f"n{kind.hlc_at}"
+    lines.append(f"    if {client} is None: {client} = {found} or implied({hlc})")
     lines.append(f"    return cls({', '.join(arguments)})")
     cls = msgspec.defstruct(
         f"{kind.cls.__name__}Twin" + (f"Less{given}" if given else ""),
@@ -1363,17 +1370,43 @@ def checkpoint_parent(data: bytes) -> bytes | None:
 SHORT: Final = b"\xc1"
 """The first byte of a body stored without the ids its row holds (``short_body``). msgpack never
 uses the byte, so no body ``encode`` writes starts with it. The byte after it is 0 when the
-body leaves out its tenant too (``short_body`` given it), its array's header (never 0) when
-not."""
+body leaves out its tenant too (``short_body`` given it), 1 when it leaves out its tenant and
+its stamp's node (given both), its array's header (never 0 or 1) when neither."""
 _TENANT_OUT: Final = b"\x00"
+_NODE_OUT: Final = b"\x01"
 _SHORT_KINDS: Final = frozenset(
     kind.index for kind in _BY_INDEX if kind.names[:4] == ["id", "session_id", "org_id", "user_id"]
 )
 """The kinds whose compact body starts with the record's ids and tenant: Message, Checkpoint,
 Event."""
+_NODE_KINDS: Final = frozenset(
+    kind.index
+    for kind in _BY_INDEX
+    if kind.index in _SHORT_KINDS and (kind.client_at, kind.hlc_at) == (4, 5)
+)
+"""Of those, the kinds whose device and stamp come next (all three): a body whose device is
+nil (``implied_client``) has its stamp at a fixed place once the four are left out."""
+_NODELESS_STAMP: Final = b"\xc7\x09\x03"
+"""An ext 3 of the stamp's 9 bytes alone (``encode`` never writes one: a node is never empty)."""
 
 
-def short_body(body: bytes, key: object, session_key: object, tenant: bytes = b"") -> bytes:
+def stamp_node(client_id: str) -> bytes:
+    """What ``short_body`` leaves out of a stamp of ``client_id``'s (its ``node``): the head of
+    the ext 3 a stamp of that node is (``C7``, its length, 3) and the node's bytes after the
+    stamp's 9, as ``encode`` writes them; ``b""`` when no stamp of it is an ext 8 of that
+    form (a node of 6 bytes makes a fixext 16, a long one an ext 16)."""
+    ext = _hlc(f"0000000000000-000000-{client_id}")
+    if ext is None:
+        return b""
+    data = _ENCODER.encode(ext)
+    if data[:1] != b"\xc7" or data[2:3] != b"\x03" or len(data) != 3 + data[1]:
+        return b""
+    return data[:3] + data[12:]
+
+
+def short_body(
+    body: bytes, key: object, session_key: object, tenant: bytes = b"", node: bytes = b""
+) -> bytes:
     """``body`` as a store's row keeps it when the row's columns hold the record's id and session id
     as their 16 bytes (``key``, ``session_key``; ``uuid_bytes``): when the body is the compact
     form of a record that starts ``[kind, id, session_id, org_id, user_id, ...]`` (a Message, a
@@ -1382,9 +1415,13 @@ def short_body(body: bytes, key: object, session_key: object, tenant: bytes = b"
     bytes fewer), which a twin of the kind without those fields reads as it is
     (``decode_short``). When the store knows the row's tenant (``tenant``: ``packed(org_id) +
     packed(user_id)``) and those are the body's next fields, they are left out too (``SHORT``,
-    0, then the array two values fewer again). Anything else is given back as it is (an id that
+    0, then the array two values fewer again). When it knows the device whose records it
+    mostly holds too (``node``: ``stamp_node`` of its client id), and the body's device is
+    nil and its stamp's node is that one, the node is left out of the stamp as well
+    (``SHORT``, 1, the array as with 0 but the stamp an ext of its 9 bytes alone: 17 bytes
+    fewer for a device id that is a UUID). Anything else is given back as it is (an id that
     is not a canonical UUID, keys that are not the body's, the map form, another kind).
-    ``whole_body_sql`` undoes either, byte for byte, as a query reads the row. Pure."""
+    ``whole_body_sql`` undoes each, byte for byte, as a query reads the row. Pure."""
     if (
         type(key) is bytes
         and type(session_key) is bytes
@@ -1395,6 +1432,17 @@ def short_body(body: bytes, key: object, session_key: object, tenant: bytes = b"
         end = 38 + len(tenant)
         if tenant and body[38:end] == tenant and body[0] >= _FIXARRAY + 4:  # (one copy)
             head = bytes((body[0] - 4, body[1]))
+            after = end + 13 + len(node) - 3  # (nil, the ext's head, its 9 bytes, the node)
+            if (
+                len(node) > 3
+                and body[1] in _NODE_KINDS
+                and body[end : end + 4] == b"\xc0" + node[:3]
+                and body[end + 13 : after] == node[3:]
+                and body[0] >= _FIXARRAY + 6
+            ):
+                stamp = memoryview(body)[end + 4 : end + 13]
+                rest = memoryview(body)[after:]
+                return b"".join((SHORT, _NODE_OUT, head, b"\xc0", _NODELESS_STAMP, stamp, rest))
             return b"".join((SHORT, _TENANT_OUT, head, memoryview(body)[end:]))
         return b"".join((SHORT, bytes((body[0] - 2, body[1])), memoryview(body)[38:]))
     return body
@@ -1429,23 +1477,30 @@ _HEADS: Final = "X'" + bytes(range(_FIXARRAY, _FIXARRAY + 16)).hex() + "'"
 """SQL: the sixteen fixarray headers in order, so that a header plus n is a lookup."""
 
 
-def whole_body_sql(body: str, key: str, session_key: str, tenant: str = "NULL") -> str:
+def whole_body_sql(
+    body: str, key: str, session_key: str, tenant: str = "NULL", node: str = "NULL"
+) -> str:
     """SQLite SQL: the stored body in column ``body`` as its record was written, the row's
     ``key`` and ``session_key`` columns (and ``tenant``, an expression of the row's tenant's
-    packed bytes, for a body that left it out) giving back what ``short_body`` left out
-    (each id as ext 1, the form this codec writes a UUID in, the array's header restored by
-    a lookup in ``_HEADS``); any other body as it is. Concatenating blobs gives text in
-    SQLite, and the cast the very bytes back (a database's text is UTF-8: no conversion
-    either way)."""
+    packed bytes, for a body that left it out, and ``node``, one of the stamp node's bytes
+    ``short_body`` was given, for a body that left that out) giving back what ``short_body``
+    left out (each id as ext 1, the form this codec writes a UUID in, the array's header
+    restored by a lookup in ``_HEADS``); any other body as it is. Concatenating blobs gives
+    text in SQLite, and the cast the very bytes back (a database's text is UTF-8: no
+    conversion either way)."""
     ids = f"X'd801' || {key} || X'd801' || {session_key}"
 
     def head(at: int, more: int) -> str:
         return f"substr({_HEADS}, instr({_HEADS}, substr({body}, {at}, 1)) + {more}, 1)"
 
     return (
-        f"CASE WHEN substr({body}, 1, 1) = X'c1' THEN CAST(CASE WHEN substr({body}, 2, 1) = "
-        f"X'00' THEN {head(3, 4)} || substr({body}, 4, 1) || {ids} || {tenant} || "
-        f"substr({body}, 5) ELSE {head(2, 2)} || substr({body}, 3, 1) || {ids} || "
+        f"CASE WHEN substr({body}, 1, 1) = X'c1' THEN CAST(CASE substr({body}, 2, 1) "
+        f"WHEN X'00' THEN {head(3, 4)} || substr({body}, 4, 1) || {ids} || {tenant} || "
+        f"substr({body}, 5) "
+        f"WHEN X'01' THEN {head(3, 4)} || substr({body}, 4, 1) || {ids} || {tenant} || "
+        f"substr({body}, 5, 1) || substr({node}, 1, 3) || substr({body}, 9, 9) || "
+        f"substr({node}, 4) || substr({body}, 18) "
+        f"ELSE {head(2, 2)} || substr({body}, 3, 1) || {ids} || "
         f"substr({body}, 4) END AS BLOB) ELSE {body} END"
     )
 
@@ -1462,6 +1517,16 @@ _SHORT_TWINS: Final = {
 }
 """The twins of a short body's kinds, without the ids (2) or the ids and the tenant (4), and
 each one's ``make`` (which takes those as its arguments)."""
+_NODE_MAKES: Final = {
+    cls: twin[1]
+    for cls in _SHORT_TWINS[4]
+    if cls.__struct_config__.tag in _NODE_KINDS
+    for twin in [_twin(_BY_INDEX[cls.__struct_config__.tag], 4, node=True)]
+    if twin is not None
+}
+"""For a body that left out its stamp's node too, the ``make`` of each twin without the ids
+and the tenant (the same twin reads it: its stamp is an ext of its 9 bytes), which takes the
+node's bytes after those."""
 _SHORT_DECODERS: Final = {
     given: msgspec.msgpack.Decoder(Union[tuple(twins)], ext_hook=_unext)  # noqa: UP007
     for given, twins in _SHORT_TWINS.items()
@@ -1483,36 +1548,56 @@ def decode_short(
     record_id: str,
     session_id: str,
     tenant: tuple[str, str] | None,
+    node: bytes = b"",
 ) -> Record:
     """The record in ``data``, a body a row stores (``short_body``, whole or short), given the
-    row's ids as text (the texts of its keys) and its tenant's org and user
-    (``tenant_texts`` of what ``short_body`` was given): a short body is read as it is, by
-    its kind's twin without the fields left out, which ``make`` is given: no bytes are put
-    together (about 0.9 us a row in SQL), and the rest reads as quickly as the whole body
-    does. A body the twin refuses, or that leaves out a tenant not given, is put together
-    and read by ``decode``, which gives what it always gives (its error, mostly)."""
+    row's ids as text (the texts of its keys), its tenant's org and user (``tenant_texts`` of
+    what ``short_body`` was given) and the stamp node ``short_body`` was given: a short body
+    is read as it is, by its kind's twin without the fields left out, which ``make`` is
+    given: no bytes are put together (about 0.9 us a row in SQL), and the rest reads as
+    quickly as the whole body does. A body the twin refuses, or that leaves out a tenant or
+    node not given, is put together and read by ``decode``, which gives what it always gives
+    (its error, mostly)."""
     if data[:1] != SHORT:
         return decode(data)
-    out = data[1:2] == _TENANT_OUT
+    form = data[1:2]
     try:
-        if out and tenant is not None:
+        if form == _TENANT_OUT and tenant is not None:
             twin = _SHORT_DECODERS[4].decode(memoryview(data)[2:])
             return _SHORT_TWINS[4][twin.__class__](twin, record_id, session_id, *tenant)
-        if not out:
+        if form == _NODE_OUT and tenant is not None and len(node) > 3:
+            if data[5:8] == _NODELESS_STAMP:  # (else: put together as SQL would)
+                twin = _SHORT_DECODERS[4].decode(memoryview(data)[2:])
+                make = _NODE_MAKES[twin.__class__]
+                return make(twin, record_id, session_id, *tenant, node[3:])
+        elif form not in (_TENANT_OUT, _NODE_OUT):
             twin = _SHORT_DECODERS[2].decode(memoryview(data)[1:])
             return _SHORT_TWINS[2][twin.__class__](twin, record_id, session_id)
-    except (msgspec.DecodeError, msgspec.ValidationError, _NotText, IndexError):
+    except (msgspec.DecodeError, msgspec.ValidationError, _NotText, IndexError, KeyError):
         pass
     packed_tenant = b"" if tenant is None else packed(tenant[0]) + packed(tenant[1])
-    return decode(_whole(data, packed(record_id), packed(session_id), packed_tenant))
+    return decode(_whole(data, packed(record_id), packed(session_id), packed_tenant, node))
 
 
-def _whole(data: bytes, record_id: bytes, session_id: bytes, tenant: bytes) -> bytes:
-    """``data``, a short body, put together again from the packed values it left out (what
-    ``whole_body_sql`` does, in Python: for the rare body a twin refuses)."""
+_HEAD_BYTES: Final = bytes(range(_FIXARRAY, _FIXARRAY + 16))
+
+
+def _head(code: int, more: int) -> bytes:
+    """``whole_body_sql``'s header lookup: the fixarray header ``more`` values longer than
+    ``code``, as SQL finds it (a byte that is no fixarray header found nowhere: position 0)."""
+    at = code - _FIXARRAY + 1 if _FIXARRAY <= code < _FIXARRAY + 16 else 0
+    return _HEAD_BYTES[at + more - 1 : at + more]
+
+
+def _whole(data: bytes, record_id: bytes, session_id: bytes, tenant: bytes, node: bytes) -> bytes:
+    """``data``, a short body, put together again from the packed values it left out, byte for
+    byte as ``whole_body_sql`` does, in Python: for the rare body a twin refuses."""
     if len(data) < 4:
         return data[1:]  # (no array: ``decode`` refuses it)
+    ids = record_id + session_id
     if data[1:2] == _TENANT_OUT:
-        head = bytes((data[2] + 4,))
-        return head + data[3:4] + record_id + session_id + tenant + data[4:]
-    return bytes((data[1] + 2,)) + data[2:3] + record_id + session_id + data[3:]
+        return _head(data[2], 4) + data[3:4] + ids + tenant + data[4:]
+    if data[1:2] == _NODE_OUT:
+        head = _head(data[2], 4) + data[3:4] + ids + tenant + data[4:5]
+        return head + node[:3] + data[8:17] + node[3:] + data[17:]
+    return _head(data[1], 2) + data[2:3] + ids + data[3:]

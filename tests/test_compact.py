@@ -990,8 +990,10 @@ def test_digest_bytes_is_the_rule_encode_packs_hashes_by() -> None:
 @given(
     kind=st.sampled_from(["message", "checkpoint", "event", "audit"]),
     uuids=st.tuples(st.booleans(), st.booleans(), st.booleans()),
-    wrong=st.sampled_from([None, "key", "session", "tenant"]),
+    wrong=st.sampled_from([None, "key", "session", "tenant", "node"]),
     with_tenant=st.booleans(),
+    with_node=st.booleans(),
+    device=st.sampled_from(["uuid", "text", "six", "long", "not the stamp's"]),
     text=st.text(max_size=40),
 )
 def test_a_short_body_is_given_back_whole_byte_for_byte(
@@ -999,21 +1001,36 @@ def test_a_short_body_is_given_back_whole_byte_for_byte(
     uuids: tuple[bool, bool, bool],
     wrong: str | None,
     with_tenant: bool,
+    with_node: bool,
+    device: str,
     text: str,
 ) -> None:
     """``short_body`` then ``whole_body_sql`` (run by SQLite) gives back the very bytes,
-    whatever the record, its ids and its tenant, and whatever keys and tenant a row holds
-    beside it; the body is 35 bytes shorter exactly when it is the compact form of a kind
-    that starts with its id and session id and those are the row's, and shorter by its
-    tenant's bytes less one more when the store gives its tenant and it is the body's."""
+    whatever the record, its ids, its tenant and its device, and whatever keys, tenant and
+    node a row holds beside it; the body is 35 bytes shorter exactly when it is the compact
+    form of a kind that starts with its id and session id and those are the row's, shorter
+    by its tenant's bytes less one more when the store gives its tenant and it is the
+    body's, and by the node's bytes after the stamp's 9 less the 3 of its ext's head more
+    when the store gives a node, it is the stamp's and the device is nil in the body."""
     import sqlite3
 
-    from shared.compact import short_body, uuid_bytes, whole_body_sql
+    from shared.compact import short_body, stamp_node, uuid_bytes, whole_body_sql
 
     session_id = str(uuid.uuid4()) if uuids[1] else f"session {text}"
     record_id = str(uuid.uuid4()) if uuids[0] else f"ID {text}"
     org = str(uuid.uuid4()) if uuids[2] else f"org {text}"
-    base = {"id": record_id, "session_id": session_id, "org_id": org, "user_id": f"u{text}"}
+    client = {"uuid": str(uuid.uuid4()), "six": "device", "long": "d" * 300}.get(
+        device, f"device {text}"
+    )
+    stamp = f"1796575446531-000007-{client}"
+    base = {
+        "id": record_id,
+        "session_id": session_id,
+        "org_id": org,
+        "user_id": f"u{text}",
+        "hlc": stamp,
+        "client_id": "another device" if device == "not the stamp's" else client,
+    }
     made: Any = {
         "message": lambda: make_message(**base),
         "checkpoint": lambda: make_checkpoint(**base),
@@ -1025,71 +1042,93 @@ def test_a_short_body_is_given_back_whole_byte_for_byte(
     session = uuid_bytes(str(uuid.uuid4()) if wrong == "session" else session_id) or session_id
     owner = "someone else" if wrong == "tenant" else org
     tenant = compact.packed(owner) + compact.packed(made.user_id) if with_tenant else b""
-    stored = short_body(body, key, session, tenant)
+    node = stamp_node("a third device" if wrong == "node" else client) if with_node else b""
+    stored = short_body(body, key, session, tenant, node)
     conn = sqlite3.connect(":memory:")
     try:
-        whole = whole_body_sql("body", "id", "session_id", "?4" if with_tenant else "NULL")
+        whole = whole_body_sql("body", "id", "session_id", "?4", "?5")
         query = f"WITH t(id, session_id, body) AS (VALUES (?1, ?2, ?3)) SELECT {whole} FROM t"
-        params = (key, session, stored, *([tenant] if with_tenant else []))
+        params = (key, session, stored, tenant or None, node or None)
         assert conn.execute(query, params).fetchone()[0] == body
     finally:
         conn.close()
     if type(key) is bytes and type(session) is bytes and wrong is None:  # read as it is
-        read = compact.decode_short(stored, record_id, session_id, (org, made.user_id))
-        assert read == made
-        if stored[:2] == compact.SHORT + b"\x00":  # a tenant left out and not given: refused
-            with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
-                compact.decode_short(stored, record_id, session_id, None)
+        given = (org, made.user_id)
+        assert compact.decode_short(stored, record_id, session_id, given, node) == made
+        if stored[:2] in (compact.SHORT + b"\x00", compact.SHORT + b"\x01"):  # not given:
+            with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):  # refused
+                compact.decode_short(stored, record_id, session_id, None, node)
         else:
             assert compact.decode_short(stored, record_id, session_id, None) == made
+        if stored[:2] == compact.SHORT + b"\x01":  # a node left out and not given: refused
+            with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
+                compact.decode_short(stored, record_id, session_id, given)
     shortened = kind != "audit" and uuids[0] and uuids[1] and wrong not in ("key", "session")
     tenant_out = shortened and with_tenant and wrong != "tenant"
-    fewer = 35 + (len(tenant) - 1 if tenant_out else 0)
+    node_out = tenant_out and len(node) > 3 and device != "not the stamp's" and wrong != "node"
+    assert (len(node) > 3) is (with_node and (device not in ("six", "long") or wrong == "node"))
+    fewer = 35 + (len(tenant) - 1 if tenant_out else 0) + (len(node) - 3 if node_out else 0)
     assert len(stored) == len(body) - (fewer if shortened else 0)
     assert stored.startswith(compact.SHORT) is shortened
-    assert (stored[:2] == compact.SHORT + b"\x00") is tenant_out
+    assert (stored[:2] == compact.SHORT + b"\x00") is (tenant_out and not node_out)
+    assert (stored[:2] == compact.SHORT + b"\x01") is node_out
     if shortened and not tenant_out:  # (as a device leaves it out later, in its transaction)
         assert compact.body_tenant(stored) == compact.packed(org) + compact.packed(made.user_id)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(
     kind=st.sampled_from(["message", "checkpoint", "event"]),
-    with_tenant=st.booleans(),
+    form=st.sampled_from(["ids", "tenant", "node"]),
     at=st.integers(0, 200),
     value=st.integers(0, 255),
     cut=st.booleans(),
 )
 def test_a_short_body_read_as_it_is_reads_as_the_whole_one(
-    kind: str, with_tenant: bool, at: int, value: int, cut: bool
+    kind: str, form: str, at: int, value: int, cut: bool
 ) -> None:
     """``decode_short`` reads a short body as ``decode`` reads the body put together again,
     whatever one byte of it is made (or where it is cut short): the same record, or an
     error of the same kind. A body its twin refuses is put together and read whole, so the
     short read never takes what the whole one refuses."""
-    from shared.compact import short_body, uuid_bytes
+    import sqlite3
+
+    from shared.compact import short_body, stamp_node, uuid_bytes, whole_body_sql
 
     made: Any = {"message": make_message, "checkpoint": make_checkpoint, "event": make_event}[
         kind
     ]()
     tenant = (made.org_id, made.user_id)
     packed_tenant = compact.packed(made.org_id) + compact.packed(made.user_id)
+    node = stamp_node(made.client_id)
+    assert len(node) > 3
     body = compact.encode(made)
+    key, session_key = uuid_bytes(made.id), uuid_bytes(made.session_id)
     stored = short_body(
         body,
-        uuid_bytes(made.id),
-        uuid_bytes(made.session_id),
-        packed_tenant if with_tenant else b"",
+        key,
+        session_key,
+        b"" if form == "ids" else packed_tenant,
+        node if form == "node" else b"",
     )
-    assert stored.startswith(compact.SHORT)
+    assert stored[:2] == compact.SHORT + {"ids": stored[1:2], "tenant": b"\0", "node": b"\1"}[form]
     if cut:
         mutated = stored[: at % len(stored)]
     else:
         where = at % len(stored)
         mutated = stored[:where] + bytes((value,)) + stored[where + 1 :]
     whole = compact._whole(
-        mutated, compact.packed(made.id), compact.packed(made.session_id), packed_tenant
+        mutated, compact.packed(made.id), compact.packed(made.session_id), packed_tenant, node
     )
+    if len(mutated) >= 4 and mutated[:1] == compact.SHORT:  # the very bytes SQL puts together
+        sql = whole_body_sql("body", "id", "session_id", "?4", "?5")
+        query = f"WITH t(id, session_id, body) AS (VALUES (?1, ?2, ?3)) SELECT {sql} FROM t"
+        conn = sqlite3.connect(":memory:")
+        try:
+            params = (key, session_key, mutated, packed_tenant, node)
+            assert conn.execute(query, params).fetchone()[0] == whole
+        finally:
+            conn.close()
 
     def outcome(read: Any) -> Any:
         try:
@@ -1098,5 +1137,7 @@ def test_a_short_body_read_as_it_is_reads_as_the_whole_one(
             return type(exc)
 
     if mutated[:1] == compact.SHORT:
-        short = outcome(lambda: compact.decode_short(mutated, made.id, made.session_id, tenant))
+        short = outcome(
+            lambda: compact.decode_short(mutated, made.id, made.session_id, tenant, node)
+        )
         assert short == outcome(lambda: compact.decode(whole))

@@ -33,6 +33,7 @@ from shared.errors import InvalidState, StorageError  # noqa: E402
 from shared.ids import uuid7  # noqa: E402
 from shared.records import Event, Record, SessionState, encode_record  # noqa: E402
 from tests.factories import (  # noqa: E402
+    CLIENT,
     count_hops,
     make_audit,
     make_checkpoint,
@@ -996,7 +997,7 @@ async def test_a_schema_4_file_migrates_its_ids_to_keys(db_path: Path, tmp_path:
     assert conn.execute("SELECT count(*) FROM events").fetchone()[0] == 2
     conn.close()
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 10
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 11
         for record in history:
             assert await read_back(store, record) == record
         session = history[0]
@@ -1047,7 +1048,7 @@ async def test_a_schema_8_file_keeps_its_outbox_and_log_through_schema_9(db_path
     events = [r for r in history if type(r).__name__ == "Event"]
     later = make_event(session_id=events[0].session_id, sequence_number=2, type=events[0].type)
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 10
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 11
         assert await store.outbox_pending() == before
         assert await store.dead_letters() == letters
         assert await _session_queued(store, session.id)
@@ -1195,6 +1196,8 @@ _WHOLE_OF = "WITH t(id, session_id, body) AS (VALUES (?, ?, ?)) SELECT {} FROM t
     other_keys=st.tuples(st.booleans(), st.booleans()),
     map_form=st.booleans(),
     file_tenant=st.sampled_from(["own", "other", "none"]),
+    file_client=st.sampled_from(["own", "other", "none"]),
+    device=st.sampled_from(["uuid", "text"]),
     text=st.text(max_size=40),
     sequence=st.integers(0, 2**40),
 )
@@ -1204,26 +1207,31 @@ def test_a_body_is_stored_short_and_read_back_byte_for_byte(
     other_keys: tuple[bool, bool],
     map_form: bool,
     file_tenant: str,
+    file_client: str,
+    device: str,
     text: str,
     sequence: int,
 ) -> None:
-    """Schema 10: whatever the record, the keys beside it and the file's tenant, a body as a
-    row stores it (``_shortened``, in the write's transaction) reads back
-    (``_whole_body``) as the very bytes written; it is 35 bytes shorter exactly when it is
-    the compact form and its id and session id are the row's keys (canonical UUIDs), and
-    shorter by its org and user less one more when they are the file's tenant; it stays as it
-    is otherwise (an id by hand, a key that is not the body's, the map form a build before
-    protocol 6 wrote)."""
+    """Schemas 10 and 11: whatever the record, the keys beside it, the file's tenant and its
+    client id, a body as a row stores it (``_shortened``, in the write's transaction) reads
+    back (``_whole_body``) as the very bytes written; it is 35 bytes shorter exactly when it
+    is the compact form and its id and session id are the row's keys (canonical UUIDs),
+    shorter by its org and user less one more when they are the file's tenant, and by its
+    stamp's node less the 3 bytes of its ext's head when its device is the file's too; it
+    stays as it is otherwise (an id by hand, a key that is not the body's, the map form a
+    build before protocol 6 wrote)."""
     session_id = uuid7() if own_ids[1] else f"session by hand {text}"
     record_id = uuid7() if own_ids[0] else f"ID-{text}"
     made: Record
+    client = uuid7() if device == "uuid" else f"device {text}"
+    ours = {"id": record_id, "session_id": session_id, "client_id": client}
     if kind == "message":
-        made = make_message(id=record_id, session_id=session_id)
+        made = make_message(**ours)
         made.content = [{"type": "text", "text": text}]
     elif kind == "checkpoint":
-        made = make_checkpoint(id=record_id, session_id=session_id, turn_id=text or None)
+        made = make_checkpoint(**ours, turn_id=text or None)
     else:
-        made = make_event(id=record_id, session_id=session_id, sequence_number=sequence)
+        made = make_event(**ours, sequence_number=sequence)
     body = encode_record(made) if map_form else compact.encode(made)
     row_key = key(uuid7()) if other_keys[0] else key(record_id)
     row_session = key(uuid7()) if other_keys[1] else key(session_id)
@@ -1231,20 +1239,31 @@ def test_a_body_is_stored_short_and_read_back_byte_for_byte(
     tenant = {"own": own, "other": compact.packed("org") + own[-4:], "none": b""}[file_tenant]
     conn = sqlite3.connect(":memory:")
     try:
-        conn.execute("CREATE TABLE tenant (one INTEGER PRIMARY KEY, packed BLOB NOT NULL)")
+        sqlite_module.create_schema(conn)
         if tenant:
-            conn.execute("INSERT INTO tenant VALUES (1, ?)", (tenant,))
+            conn.execute("INSERT INTO tenant VALUES (1, ?, NULL)", (tenant,))
+        if file_client != "none":
+            file_id = client if file_client == "own" else "another device"
+            conn.execute(sqlite_module._PUT_META, ("client_id", file_id))
         written = {sqlite_module._PUT_MESSAGE: [(row_key, row_session, body)]}
         (rows,) = sqlite_module._shortened(conn, written)
         stored = rows[sqlite_module._PUT_MESSAGE][0][-1]
         query = _WHOLE_OF.format(sqlite_module._whole_body())
         assert conn.execute(query, (row_key, row_session, stored)).fetchone()[0] == body
+        _, node = sqlite_module._tenant_of(conn)
     finally:
         conn.close()
     shortened = not map_form and all(own_ids) and not any(other_keys)
-    fewer = (35 + len(own) - 1) if shortened and file_tenant != "other" else 35
+    tenant_out = shortened and file_tenant != "other"
+    node_out = tenant_out and file_client == "own"
+    if file_client != "none" and (file_tenant != "none" or shortened):  # (with its tenant)
+        assert node == compact.stamp_node(file_id)
+    else:
+        assert node == b""
+    fewer = 35 + (len(own) - 1 if tenant_out else 0) + (len(node) - 3 if node_out else 0)
     assert len(stored) == len(body) - (fewer if shortened else 0)
     assert (stored[:1] == b"\xc1") is shortened
+    assert (stored[:2] == b"\xc1\x01") is node_out
     assert compact.decode(body) == made
 
 
@@ -1275,7 +1294,7 @@ async def test_whole_and_short_bodies_of_one_file_read_alike(db_path: Path) -> N
         make_event(session_id=session.id, sequence_number=events[-1].sequence_number + 1),
     ]
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 10
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 11
         assert await store.outbox_pending() == before
         for record in history:
             assert await read_back(store, record) == record
@@ -1331,6 +1350,132 @@ async def test_a_file_keeps_the_tenant_of_its_first_short_record(db_path: Path) 
             ("events", True),
             ("checkpoints", True),  # written by the other connection
         }
+    finally:
+        conn.close()
+
+
+def _forms(conn: sqlite3.Connection) -> dict[bytes | str, bytes]:
+    """Each short table's row key and the first two bytes of its stored body."""
+    return {
+        row_key: bytes(body[:2])
+        for table in sqlite_module._SHORT_TABLES
+        for row_key, body in conn.execute(f"SELECT id, body FROM {table}")
+    }
+
+
+async def test_a_file_leaves_out_the_stamp_node_of_its_own_device(db_path: Path) -> None:
+    """Schema 11: a file whose client id is set leaves its stamp's node out of the bodies of
+    its device's records (``SHORT`` then 1), from the first commit that writes one short;
+    the node is set then and never changed, so records of the device's new id (a copy's) and
+    of other devices keep theirs, and another connection of the file writes by the same
+    node. Every record reads back as written, by id, by session and in the outbox's bytes,
+    and its events once marked canonical."""
+    session = make_session()
+    ours = [
+        make_message(session_id=session.id),
+        make_checkpoint(session_id=session.id),
+        make_event(session_id=session.id, sequence_number=1),
+    ]
+    theirs = make_message(session_id=session.id, client_id="dev-b")
+    renamed = make_message(session_id=session.id, client_id="dev-a2")
+    late = make_event(session_id=session.id, sequence_number=2)
+    async with SQLiteAdapter(db_path) as store, SQLiteAdapter(db_path) as other:
+        await store.set_meta("client_id", CLIENT)
+        await commit(store, session, *ours)
+        await commit(other, theirs, late)
+        await store.set_meta("client_id", "dev-a2")  # (a copied file's new id)
+        await commit(store, renamed)
+        written = [*ours, theirs, late, renamed]
+        for record in written:
+            assert await read_back(other, record) == record
+            assert await read_back(store, record) == record
+        messages = [ours[0], theirs, renamed]
+        assert await store.get_messages([m.id for m in messages]) == messages
+        assert await store.list_events(session.id) == [ours[2], late]
+        bodies = [compact.encode(e.record) for e in await store.outbox_pending()]
+        assert [bytes(b) for b in await _outbox_bodies(store)] == bodies
+        log = await store.list_events(session.id)
+        await store.commit(WriteBatch(records=[], outbox=False, canonical=[e.id for e in log]))
+        marked = await other.list_events(session.id)
+        assert [msgspec.structs.replace(e, canonical=False) for e in marked] == log
+        assert all(e.canonical for e in marked)
+    conn = raw(db_path)
+    try:
+        assert sqlite_module._tenant_of(conn)[1] == compact.stamp_node(CLIENT)
+        forms = _forms(conn)
+    finally:
+        conn.close()
+    node_out, tenant_out = compact.SHORT + b"\x01", compact.SHORT + b"\x00"
+    for record in [*ours, late]:
+        assert forms[key(record.id)] == node_out, record  # (marked canonical: still)
+    assert forms[key(theirs.id)] == forms[key(renamed.id)] == tenant_out
+    whole = {r.id: len(compact.encode(r)) for r in written}
+    stamp = len(compact.stamp_node(CLIENT)) - 3
+    conn = raw(db_path)
+    try:
+        for table in sqlite_module._SHORT_TABLES:
+            for row_key, size in conn.execute(f"SELECT id, length(body) FROM {table}"):
+                record_id = unkey(row_key)
+                packed_tenant = compact.packed(session.org_id) + compact.packed(session.user_id)
+                fewer = 35 + len(packed_tenant) - 1
+                if forms[row_key] == node_out:
+                    fewer += stamp
+                assert size == whole[record_id] - fewer, table
+    finally:
+        conn.close()
+
+
+def _as_schema_10(conn: sqlite3.Connection) -> None:
+    """A file written by this store as schema 10 kept it: no node (the bodies that left it out
+    put together, ``_whole_body``, and written as schema 10 wrote them, ``_short`` given the
+    tenant alone), and no ``node`` column."""
+    tenant, _ = sqlite_module._tenant_of(conn)
+    for table in sqlite_module._SHORT_TABLES:
+        rows = conn.execute(f"SELECT id, session_id, {sqlite_module._whole_body()} FROM {table}")
+        for row_key, session_key, body in rows.fetchall():
+            short = sqlite_module._short(body, row_key, session_key, tenant)
+            conn.execute(f"UPDATE {table} SET body = ? WHERE id = ?", (short, row_key))
+    conn.execute("ALTER TABLE tenant DROP COLUMN node")
+    conn.execute("PRAGMA user_version = 10")
+
+
+async def test_a_schema_10_file_opens_at_11_and_takes_its_node_at_its_next_commit(
+    db_path: Path,
+) -> None:
+    """A file of schema 10 (bodies that keep their node, a tenant without one) opens at 11 with
+    every row read as before; its next commit sets its node from its client id, the rows
+    written then leave it out, and old and new read back alike, in the outbox's bytes too."""
+    history = _a_history()
+    async with SQLiteAdapter(db_path) as store:
+        await store.set_meta("client_id", CLIENT)
+        await commit(store, *history)
+        before = await store.outbox_pending()
+    conn = raw(db_path)
+    try:
+        assert compact.SHORT + b"\x01" in set(_forms(conn).values())
+        _as_schema_10(conn)
+        conn.commit()
+        assert compact.SHORT + b"\x01" not in set(_forms(conn).values())
+    finally:
+        conn.close()
+    session = history[0]
+    later = [make_message(session_id=session.id), make_checkpoint(session_id=session.id)]
+    async with SQLiteAdapter(db_path) as store:
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 11
+        assert await store.outbox_pending() == before
+        for record in history:
+            assert await read_back(store, record) == record
+        await commit(store, *later)
+        for record in [*history, *later]:
+            assert await read_back(store, record) == record
+        assert [e.record for e in (await store.outbox_pending())[len(before) :]] == later
+        bodies = [compact.encode(e.record) for e in await store.outbox_pending()]
+        assert [bytes(b) for b in await _outbox_bodies(store)] == bodies
+    conn = raw(db_path)
+    try:
+        forms = _forms(conn)
+        assert {forms[key(r.id)] for r in later} == {compact.SHORT + b"\x01"}
+        assert sqlite_module._tenant_of(conn)[1] == compact.stamp_node(CLIENT)
     finally:
         conn.close()
 
@@ -2076,6 +2221,7 @@ def _messages_table(rows: list[Any]) -> sqlite3.Connection:
     written as the store writes them (short, the tenant left out: ``_write_batch_now``)."""
     conn = sqlite3.connect(":memory:")
     sqlite_module.create_schema(conn)
+    conn.execute(sqlite_module._PUT_META, ("client_id", CLIENT))  # (the stamps' node left out)
     groups, _ = sqlite_module._encode_batch(rows)
     (written,) = sqlite_module._shortened(conn, groups)
     for sql, values in written.items():
@@ -2116,7 +2262,8 @@ def test_a_transcript_read_as_a_span_is_the_one_read_by_its_ids(
     try:
         by_span = sqlite_module._select_messages(conn, keys)
         tenant = sqlite_module._tenant_of(conn)
-        by_keys = sqlite_module._select_in(conn, QUERIES["get_messages"], keys), tenant
+        by_keys = sqlite_module._select_in(conn, QUERIES["get_messages"], keys), *tenant
+        assert tenant[1] == compact.stamp_node(CLIENT)
         expected = [m for i in ids for m in written if m.id == i]
         order = sqlite_module._messages_in_order
         assert order(keys, ids, by_span) == order(keys, ids, by_keys) == expected

@@ -258,6 +258,12 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
             one INTEGER PRIMARY KEY CHECK (one = 1),
             packed BLOB NOT NULL)""",
     ),
+    # 11: such a body also without its stamp's node when its device is the file's
+    # (``compact.short_body``'s ``node``: ``tenant.node``, from the file's client id when a
+    # commit first shortens a body with the column NULL; ``b""`` for an id no stamp node of
+    # that form fits), which a build before reads as corrupt rows. Rows written before keep
+    # their node and read as they are.
+    ("ALTER TABLE tenant ADD COLUMN node BLOB",),
 )
 SCHEMA_VERSION: Final = len(_MIGRATIONS)
 
@@ -354,8 +360,8 @@ def _select_messages(raw: sqlite3.Connection, keys: Sequence[object]) -> _Transc
             missing = [key for key in keys if key not in held]
             if missing:
                 rows += _select_in(raw, QUERIES["get_messages"], missing)
-            return rows, _tenant_of(raw)
-    return _select_in(raw, QUERIES["get_messages"], keys), _tenant_of(raw)
+            return rows, *_tenant_of(raw)
+    return _select_in(raw, QUERIES["get_messages"], keys), *_tenant_of(raw)
 
 
 _S = TypeVar("_S")
@@ -453,7 +459,7 @@ rows a turn writes, when the ids are UUIDs), nor the file's tenant, in the trans
 writes it (``_shortened``). ``_whole_body`` gives it back whole as a query reads the
 row, so every reader, the flush included, gets the bytes the record was written in."""
 _SHORT_TABLES: Final = ("messages", "checkpoints", "events")
-_FILE_TENANT = "SELECT packed FROM tenant WHERE one = 1"
+_FILE_TENANT = "SELECT packed, node FROM tenant WHERE one = 1"
 
 
 def _whole_body(table: str = "") -> str:
@@ -461,7 +467,8 @@ def _whole_body(table: str = "") -> str:
     as the record was written (``compact.whole_body_sql`` over the row's columns)."""
     at = f"{table}." if table else ""
     tenant = "(SELECT packed FROM tenant WHERE one = 1)"  # (one row: read once a statement)
-    return compact.whole_body_sql(f"{at}body", f"{at}id", f"{at}session_id", tenant)
+    node = "(SELECT node FROM tenant WHERE one = 1)"
+    return compact.whole_body_sql(f"{at}body", f"{at}id", f"{at}session_id", tenant, node)
 
 
 _WHOLE: Final = _whole_body()
@@ -676,8 +683,9 @@ _LEARNED_PART: Final = 2048
 (``compact.learn_uuids``): well inside the cache's bound, however long the transcript."""
 
 
-_Transcript = tuple[list[Any], bytes]
-"""A transcript's rows ``(id, body, session_id)`` as stored, and the file's tenant."""
+_Transcript = tuple[list[Any], bytes, bytes]
+"""A transcript's rows ``(id, body, session_id)`` as stored, and the file's tenant and stamp
+node (``_tenant_of``)."""
 
 
 def _messages_in_order(
@@ -692,7 +700,7 @@ def _messages_in_order(
     together, which costs about 0.9 µs a row in SQL (``_whole_body``). The common case
     (every key held, every id a UUID) runs in C loops: a pass in Python per message cost
     about 0.3 µs of the 3-4 µs a message takes."""
-    rows, tenant = selected
+    rows, tenant, node = selected
     held_rows: dict[str | bytes, Any] = dict(zip(map(_FIRST, rows), rows))  # noqa: B905
     picked = list(map(held_rows.get, keys, itertools.repeat(_ABSENT, len(keys))))
     if _ABSENT in picked:  # unknown keys are left out (a held row is read whatever its body,
@@ -707,12 +715,12 @@ def _messages_in_order(
         part = slice(at, at + _LEARNED_PART)
         pairs = cast(list[tuple[bytes, str]], list(zip(keys[part], ids[part], strict=True)))
         compact.learn_uuids(pairs if uuid_keys else [p for p in pairs if type(p[0]) is bytes])
-        messages += _decode_messages(picked[part], ids[part], org_user)
+        messages += _decode_messages(picked[part], ids[part], org_user, node)
     return messages
 
 
 def _decode_messages(
-    rows: Sequence[Any], ids: Sequence[str], tenant: tuple[str, str] | None
+    rows: Sequence[Any], ids: Sequence[str], tenant: tuple[str, str] | None, node: bytes
 ) -> list[Message]:
     """Each message row ``(key, body, session_id)`` of ``rows`` decoded, its id ``ids``' text
     at its place (``compact.decode_short``): one loop in C, then each row alone, which names
@@ -722,7 +730,8 @@ def _decode_messages(
     decode = compact.decode_short
     try:
         bodies = list(map(_SECOND, rows))
-        records = list(map(decode, bodies, ids, texts, itertools.repeat(tenant, len(rows))))
+        many = itertools.repeat
+        records = list(map(decode, bodies, ids, texts, many(tenant, len(rows)), many(node)))
         if all(type(record) is Message for record in records):
             return records  # type: ignore[return-value]
     except (msgspec.DecodeError, msgspec.ValidationError, TypeError):
@@ -733,7 +742,7 @@ def _decode_messages(
             "messages",
             key,
             body,
-            partial(decode, record_id=i, session_id=t, tenant=tenant),
+            partial(decode, record_id=i, session_id=t, tenant=tenant, node=node),
         )
         for (key, body, _), i, t in zip(rows, ids, texts, strict=True)
     ]
@@ -1292,7 +1301,7 @@ def _write_batch_now(
             ],
         )
     if batch.canonical:
-        _mark_canonical(raw, batch.canonical, _tenant_of(raw))
+        _mark_canonical(raw, batch.canonical, *_tenant_of(raw))
     if batch.renumber_outbox:
         _renumber_outbox(raw)
     to_queue = (outbox if batch.outbox else []) + queued_outbox
@@ -1316,10 +1325,13 @@ def _write_batch_now(
     return CommitReceipt(client_seqs=seqs, records=len(batch.records) + len(batch.queued))
 
 
-def _tenant_of(raw: sqlite3.Connection) -> bytes:
-    """The file's tenant (``tenant``: its org and user packed; ``b""`` while none is)."""
+def _tenant_of(raw: sqlite3.Connection) -> tuple[bytes, bytes]:
+    """The file's tenant (``tenant``: its org and user packed; ``b""`` while none is) and its
+    stamp node (``compact.stamp_node`` of its client id; ``b""`` while none is)."""
     row = raw.execute(_FILE_TENANT).fetchone()
-    return b"" if row is None else bytes(row[0])
+    if row is None:
+        return b"", b""
+    return bytes(row[0]), b"" if row[1] is None else bytes(row[1])
 
 
 def _shortened(
@@ -1327,22 +1339,30 @@ def _shortened(
 ) -> list[dict[str, list[tuple[Any, ...]]]]:
     """``groups`` (rows per insert statement) with the bodies of messages, checkpoints and
     events written short (``_short``: each row begins with its key and its session's), the
-    file's tenant left out too where it is theirs, in one copy, in the write's transaction
-    (the tenant is read there, so every connection and process of the file agrees): a file
-    with none yet takes the first short body's (``compact.body_tenant``) as it is written.
-    One read of a one-row table a commit; a body of another tenant keeps its org and user."""
+    file's tenant left out too where it is theirs, and the stamp's node where the device is
+    the file's, in one copy, in the write's transaction (both are read there, so every
+    connection and process of the file agrees): a file with no tenant yet takes the first
+    short body's (``compact.body_tenant``) as it is written, one with no node the node of
+    its client id then (``sync_state``; none while it has none). One read of a one-row
+    table a commit; a body of another tenant keeps its org and user, one of another device
+    its node."""
     short = [rows for group in groups for sql, rows in group.items() if sql in _SHORTS]
     if not short:
         return list(groups)
-    tenant = _tenant_of(raw)
+    held = raw.execute(_FILE_TENANT).fetchone()
+    tenant = b"" if held is None else bytes(held[0])
+    node = None if held is None or held[1] is None else bytes(held[1])
     if not tenant:
         bodies = (_short(row[-1], row[0], row[1]) for rows in short for row in rows)
         tenant = next(filter(None, map(compact.body_tenant, bodies)), b"")
-        if tenant:
-            raw.execute("INSERT INTO tenant (one, packed) VALUES (1, ?)", (tenant,))
+    if tenant and node is None:
+        client = raw.execute(QUERIES["get_meta"], ("client_id",)).fetchone()
+        node = None if client is None else compact.stamp_node(str(client[0]))
+        if held is None or node is not None:
+            raw.execute(_SET_TENANT, (tenant, node))
     return [
         {
-            sql: [(*row[:-1], _short(row[-1], row[0], row[1], tenant)) for row in rows]
+            sql: [(*row[:-1], _short(row[-1], row[0], row[1], tenant, node or b"")) for row in rows]
             if sql in _SHORTS
             else rows
             for sql, rows in group.items()
@@ -1351,7 +1371,16 @@ def _shortened(
     ]
 
 
-def _mark_canonical(raw: sqlite3.Connection, event_ids: list[str], tenant: bytes) -> None:
+_SET_TENANT: Final = (
+    "INSERT INTO tenant (one, packed, node) VALUES (1, ?1, ?2) "
+    "ON CONFLICT (one) DO UPDATE SET node = excluded.node WHERE node IS NULL"
+)
+"""The file's tenant, or its node when it has its tenant (never changed once set)."""
+
+
+def _mark_canonical(
+    raw: sqlite3.Connection, event_ids: list[str], tenant: bytes, node: bytes
+) -> None:
     """``WriteBatch.canonical``: each stored event's body marked canonical from its bytes
     (``compact.canonical_body``), or decoded, replaced and encoded when its form is another."""
     rows = _select_in(
@@ -1365,7 +1394,7 @@ def _mark_canonical(raw: sqlite3.Connection, event_ids: list[str], tenant: bytes
             body, partial(_decode, _EVENT, "events", event_id, body), compact.encode
         )
         if marked != body:
-            updates.append((_short(marked, event_id, session_key, tenant), event_id))
+            updates.append((_short(marked, event_id, session_key, tenant, node), event_id))
     raw.executemany("UPDATE events SET body = ? WHERE id = ?", updates)
 
 
