@@ -1052,8 +1052,8 @@ def test_a_short_body_is_given_back_whole_byte_for_byte(
         assert conn.execute(query, params).fetchone()[0] == body
     finally:
         conn.close()
-    if type(key) is bytes and type(session) is bytes and wrong is None:  # read as it is
-        given = (org, made.user_id)
+    if type(key) is bytes and type(session) is bytes and wrong is None and kind != "audit":
+        given = (org, made.user_id)  # (read as it is, by the twin: an audit row has none)
         assert compact.decode_short(stored, record_id, session_id, given, node) == made
         if stored[:2] in (compact.SHORT + b"\x00", compact.SHORT + b"\x01"):  # not given:
             with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):  # refused
@@ -1063,22 +1063,32 @@ def test_a_short_body_is_given_back_whole_byte_for_byte(
         if stored[:2] == compact.SHORT + b"\x01":  # a node left out and not given: refused
             with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
                 compact.decode_short(stored, record_id, session_id, given)
-    shortened = kind != "audit" and uuids[0] and uuids[1] and wrong not in ("key", "session")
+    ids = uuids[0] and uuids[1] and wrong not in ("key", "session")
+    shortened = kind != "audit" and ids
     tenant_out = shortened and with_tenant and wrong != "tenant"
-    node_out = tenant_out and len(node) > 3 and device != "not the stamp's" and wrong != "node"
+    mine = device != "not the stamp's" and wrong != "node"
+    node_out = tenant_out and len(node) > 3 and mine
     assert (len(node) > 3) is (with_node and (device not in ("six", "long") or wrong == "node"))
     fewer = 35 + (len(tenant) - 1 if tenant_out else 0) + (len(node) - 3 if node_out else 0)
+    # An audit row's: all at once (its id, tenant, device, node and session id) or nothing.
+    audit_out = kind == "audit" and ids and with_tenant and wrong != "tenant" and len(node) > 3
+    audit_out = audit_out and mine
+    if audit_out:
+        shortened, fewer = True, 18 + len(tenant) + 1 + len(node) - 3 + 18 - 2
     assert len(stored) == len(body) - (fewer if shortened else 0)
     assert stored.startswith(compact.SHORT) is shortened
     assert (stored[:2] == compact.SHORT + b"\x00") is (tenant_out and not node_out)
     assert (stored[:2] == compact.SHORT + b"\x01") is node_out
-    if shortened and not tenant_out:  # (as a device leaves it out later, in its transaction)
+    assert (stored[:2] == compact.SHORT + b"\x02") is audit_out
+    if (
+        shortened and not tenant_out and not audit_out
+    ):  # (as a device leaves it out later, in its transaction)
         assert compact.body_tenant(stored) == compact.packed(org) + compact.packed(made.user_id)
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=800, deadline=None)
 @given(
-    kind=st.sampled_from(["message", "checkpoint", "event"]),
+    kind=st.sampled_from(["message", "checkpoint", "event", "audit"]),
     form=st.sampled_from(["ids", "tenant", "node"]),
     at=st.integers(0, 200),
     value=st.integers(0, 255),
@@ -1095,9 +1105,12 @@ def test_a_short_body_read_as_it_is_reads_as_the_whole_one(
 
     from shared.compact import short_body, stamp_node, uuid_bytes, whole_body_sql
 
-    made: Any = {"message": make_message, "checkpoint": make_checkpoint, "event": make_event}[
-        kind
-    ]()
+    made: Any = {
+        "message": make_message,
+        "checkpoint": make_checkpoint,
+        "event": make_event,
+        "audit": make_audit,
+    }[kind]()
     tenant = (made.org_id, made.user_id)
     packed_tenant = compact.packed(made.org_id) + compact.packed(made.user_id)
     node = stamp_node(made.client_id)
@@ -1111,7 +1124,13 @@ def test_a_short_body_read_as_it_is_reads_as_the_whole_one(
         b"" if form == "ids" else packed_tenant,
         node if form == "node" else b"",
     )
-    assert stored[:2] == compact.SHORT + {"ids": stored[1:2], "tenant": b"\0", "node": b"\1"}[form]
+    if kind == "audit":  # (all or nothing)
+        assert stored[:2] == compact.SHORT + b"\2" if form == "node" else stored == body
+        if form != "node":
+            return
+    else:
+        forms = {"ids": stored[1:2], "tenant": b"\0", "node": b"\1"}
+        assert stored[:2] == compact.SHORT + forms[form]
     if cut:
         mutated = stored[: at % len(stored)]
     else:

@@ -23,7 +23,7 @@ from shared.clock import HybridClock
 from shared.compact import uuid_bytes, uuid_text
 from shared.errors import CursorTooOld, ErrorCode, InvalidState, StorageError, StorageUnavailable
 from shared.ids import uuid7
-from shared.records import Event, Session
+from shared.records import AuditRow, Event, Session
 from tests.factories import count_hops
 from tests.server_factories import Device, new_tenant
 from tests.server_store_conformance import (
@@ -268,7 +268,7 @@ async def test_schema_3_files_migrate_to_tenant_scoped_ids(db_path: Path) -> Non
         assert [r.status for r in theirs.results] == ["applied"]
         assert (await store.pull(alice.tenant, 0, 10)).changes == feed
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 12
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 13
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
@@ -481,7 +481,7 @@ async def test_schema_4_files_migrate_with_every_audit_row_placed(db_path: Path)
         )
         assert [r.status for r in after.results] == ["applied"]
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 12
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 13
         assert conn.execute("SELECT count(*) FROM audit_places").fetchone()[0] == 4
         # Migration 6 kept every record, now in a rowid table (bodies pack into its pages).
         assert conn.execute("SELECT count(*) FROM records").fetchone()[0] == 4
@@ -542,7 +542,7 @@ async def test_schema_6_files_migrate_to_a_feed_that_refers_to_its_records(db_pa
         later = await store.push(dev.tenant, dev.client_id, dev.changes(dev.message(v1.id)), clock)
         assert later.cursors == [6]  # not 5: that cursor was handed out before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 12
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 13
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         columns = [row[1] for row in conn.execute("PRAGMA table_info(feed)")]
         assert columns == ["cursor", "tid", "kind", "record_id"]
@@ -656,7 +656,7 @@ async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Pat
         assert isinstance(last.record, Event)
         assert (last.record.sequence_number, last.record.prev_hash) == (2, event.row_hash)
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 12
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 13
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert conn.execute("SELECT count(*) FROM tenants").fetchone()[0] == 2
         kept = dict(conn.execute("SELECT typeof(id), count(*) FROM records GROUP BY 1"))
@@ -664,7 +664,7 @@ async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Pat
         ids = {row[0] for row in conn.execute("SELECT id FROM sessions")}
         assert ids == {uuid_bytes(session.id), "not-a-uuid"}
         columns = [row[1] for row in conn.execute("PRAGMA table_info(events)")]
-        assert columns == ["id", "session_id", "sequence_number", "tid", "body"]
+        assert columns == ["id", "session_id", "sequence_number", "tid", "body", "device"]
         kinds = conn.execute("SELECT DISTINCT kind FROM feed UNION SELECT kind FROM records")
         assert {compact.KINDS[k] for (k,) in kinds} == {
             "Message",
@@ -674,10 +674,32 @@ async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Pat
         }
 
 
+def _as_schema_12(conn: sqlite3.Connection) -> None:
+    """Turn the rows of a file written by this store back into what schema 12 wrote: a body
+    that left out its stamp's node put together and written short as schema 12 did (its ids
+    and its tenant left out), and no ``device`` columns nor ``nodes``."""
+    if not conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'nodes'").fetchall():
+        return  # (schema 12 already)
+    for table in ("records", "events"):
+        tenant = f"(SELECT packed FROM tenants AS t WHERE t.tid = {table}.tid)"
+        node = f"(SELECT node FROM nodes AS n WHERE n.n = {table}.device)"
+        whole = compact.whole_body_sql("body", "id", "session_id", tenant, node)
+        rows = conn.execute(
+            f"SELECT rowid, id, session_id, {tenant}, {whole} FROM {table} WHERE device IS NOT NULL"
+        ).fetchall()
+        for rowid, key, session_key, packed, body in rows:
+            short = compact.short_body(body, key, session_key, packed)
+            conn.execute(f"UPDATE {table} SET body = ? WHERE rowid = ?", (short, rowid))
+        conn.execute(f"ALTER TABLE {table} DROP COLUMN device")
+    conn.execute("DROP TABLE nodes")
+    conn.execute("PRAGMA user_version = 12")
+
+
 def _as_schema_11(conn: sqlite3.Connection) -> None:
     """Turn the rows of a file written by this store back into what schema 11 wrote: every
     body whole (``compact.whole_body_sql``, the tenant's packed org and user too), and the
     tenants without them."""
+    _as_schema_12(conn)
     for table in ("records", "events"):
         tenant = f"(SELECT packed FROM tenants AS t WHERE t.tid = {table}.tid)"
         whole = compact.whole_body_sql("body", "id", "session_id", tenant)
@@ -702,7 +724,7 @@ def _as_schema_10(db_path: Path) -> None:
         conn.execute("DROP INDEX feed_session")
         conn.execute("CREATE INDEX feed_record ON feed (tid, kind, record_id, cursor)")
         conn.execute("PRAGMA user_version = 10")
-        assert module.SCHEMA_VERSION == 12
+        assert module.SCHEMA_VERSION == 13
 
 
 async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: Path) -> None:
@@ -779,7 +801,7 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
         (cursor,) = later.cursors
         assert cursor > max(at.values())
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 12
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 13
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         indexes = {row[1] for row in conn.execute("PRAGMA index_list(feed)")}
         assert indexes == {"feed_tenant", "feed_session"}
@@ -806,6 +828,65 @@ async def _raw_bodies(store: SQLiteServerStore, tenant: Tenant) -> list[tuple[in
     return [(e.cursor, bytes(b.body)) for e, b in zip(page.entries(), page.bodies, strict=True)]
 
 
+async def test_a_server_file_leaves_out_the_node_of_the_device_that_pushed(
+    db_path: Path,
+) -> None:
+    """Schema 13: a body pushed by the device whose stamp it carries leaves out the stamp's
+    node, kept once in ``nodes`` and named by the row (``device``); a record whose stamp
+    names another device (a draft relabelled to the pushing one) keeps its node, and so does
+    a device whose id no node of that form fits. A file of schema 12 opens at 13 and
+    pulls the very bytes it pulled before, and every body pulls as the bytes pushed."""
+    clock = HybridClock("server-x")
+    tenant = new_tenant()
+    phone, laptop, odd = Device(tenant), Device(tenant), Device(tenant, "device")  # (6: none)
+    async with SQLiteServerStore(db_path) as store:
+        h = await placed_history(store, clock)
+        before = await _raw_bodies(store, h.alice.tenant)
+    with sqlite3.connect(db_path) as conn:
+        _as_schema_12(conn)
+        conn.commit()
+    async with SQLiteServerStore(db_path) as store:
+        assert await _raw_bodies(store, h.alice.tenant) == before
+        session = phone.session()
+        own = [
+            phone.message(session.id),
+            phone.checkpoint(session.id),
+            phone.event(session.id),
+            phone.audit(session.id),
+        ]
+        # (a draft stamped under another id, relabelled: its device is not the stamp's node)
+        relayed = msgspec.structs.replace(laptop.message(session.id), client_id=phone.client_id)
+        pushes = [(phone, [session, *own]), (phone, [relayed]), (odd, [odd.message(session.id)])]
+        pushed = []
+        for device, records in pushes:
+            result = await store.push(tenant, device.client_id, device.changes(*records), clock)
+            assert {r.status for r in result.results} == {"applied"}, result.results
+            pushed += records
+        feed = await pull_all(store, tenant)
+        bodies = [b for _, b in await _raw_bodies(store, tenant)]
+        assert [c.record.id for c in feed] == [r.id for r in pushed]
+        for change, body, record in zip(feed, bodies, pushed, strict=True):
+            assert compact.decode(body) == change.record
+            if not isinstance(record, (Session, Event)):  # (as pushed; the server places those)
+                assert body == compact.encode(record) and change.record == record
+        assert await _raw_bodies(store, h.alice.tenant) == before
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 13
+        nodes = dict(conn.execute("SELECT node, n FROM nodes"))
+        assert set(nodes) == {compact.stamp_node(phone.client_id)}  # (neither laptop nor odd)
+        rows = {
+            bytes(key): (bytes(body[:2]), device)
+            for table in ("records", "events")
+            for key, body, device in conn.execute(f"SELECT id, body, device FROM {table}")
+        }
+    number = nodes[compact.stamp_node(phone.client_id)]
+    for record in own:  # (an audit row's body leaves out its id, tenant, node and session id)
+        form = b"\x02" if isinstance(record, AuditRow) else b"\x01"
+        assert rows[compact.uuid_bytes(record.id)] == (compact.SHORT + form, number)
+    for record in pushed[-2:]:  # another device's stamp; a device with no node of that form
+        assert rows[compact.uuid_bytes(record.id)] == (compact.SHORT + b"\x00", None)
+
+
 async def test_whole_and_short_bodies_of_one_server_file_pull_alike(db_path: Path) -> None:
     """Schema 12 stores a message's, checkpoint's and event's body without the ids its row
     holds. A file of schema 11 (every body whole) opens at 12 and pulls the very bytes it
@@ -824,8 +905,16 @@ async def test_whole_and_short_bodies_of_one_server_file_pull_alike(db_path: Pat
         return [conn.execute(count.format(t)).fetchone()[0] for t in ("records", "events")]
 
     with sqlite3.connect(db_path) as conn:
-        assert shorts(conn) == [4, 2]  # alice's 3 messages and checkpoint, 2 events; no audit
+        assert shorts(conn) == [5, 2]  # alice's 3 messages, checkpoint, audit row; 2 events
         sizes = conn.execute("SELECT sum(length(body)) FROM records").fetchone()[0]
+        _as_schema_12(conn)  # (schema 13 left out the node of alice's device: put back)
+        assert shorts(conn) == [4, 2]  # (schema 12 kept an audit row whole)
+        node = compact.stamp_node(alice.client_id)
+        packed = len(compact.packed(alice.tenant.org_id) + compact.packed(alice.tenant.user_id))
+        grown = conn.execute("SELECT sum(length(body)) FROM records").fetchone()[0] - sizes
+        audit = 18 + packed + 1 + len(node) - 3 + 18 - 2  # (id, tenant, nil, node, session)
+        assert grown == 4 * (len(node) - 3) + audit and len(node) > 3
+        sizes += grown
         _as_schema_11(conn)
         assert shorts(conn) == [0, 0]
         grown = conn.execute("SELECT sum(length(body)) FROM records").fetchone()[0] - sizes

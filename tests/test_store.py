@@ -1189,9 +1189,9 @@ async def test_a_record_that_came_as_bytes_is_stored_as_those_bytes(tmp_path: Pa
 _WHOLE_OF = "WITH t(id, session_id, body) AS (VALUES (?, ?, ?)) SELECT {} FROM t"
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(
-    kind=st.sampled_from(["message", "checkpoint", "event"]),
+    kind=st.sampled_from(["message", "checkpoint", "event", "audit"]),
     own_ids=st.tuples(st.booleans(), st.booleans()),
     other_keys=st.tuples(st.booleans(), st.booleans()),
     map_form=st.booleans(),
@@ -1230,6 +1230,8 @@ def test_a_body_is_stored_short_and_read_back_byte_for_byte(
         made.content = [{"type": "text", "text": text}]
     elif kind == "checkpoint":
         made = make_checkpoint(**ours, turn_id=text or None)
+    elif kind == "audit":
+        made = make_audit(**ours, sequence_number=sequence, request_id=text or None)
     else:
         made = make_event(**ours, sequence_number=sequence)
     body = encode_record(made) if map_form else compact.encode(made)
@@ -1245,9 +1247,11 @@ def test_a_body_is_stored_short_and_read_back_byte_for_byte(
         if file_client != "none":
             file_id = client if file_client == "own" else "another device"
             conn.execute(sqlite_module._PUT_META, ("client_id", file_id))
-        written = {sqlite_module._PUT_MESSAGE: [(row_key, row_session, body)]}
-        (rows,) = sqlite_module._shortened(conn, written)
-        stored = rows[sqlite_module._PUT_MESSAGE][0][-1]
+        sql, row = sqlite_module._PUT_MESSAGE, (row_key, row_session, body)
+        if kind == "audit":  # (its session's key after its client id's)
+            sql, row = sqlite_module._PUT_AUDIT, (row_key, key(client), row_session, 1, None, body)
+        (rows,) = sqlite_module._shortened(conn, {sql: [row]})
+        stored = rows[sql][0][-1]
         query = _WHOLE_OF.format(sqlite_module._whole_body())
         assert conn.execute(query, (row_key, row_session, stored)).fetchone()[0] == body
         _, node = sqlite_module._tenant_of(conn)
@@ -1256,14 +1260,18 @@ def test_a_body_is_stored_short_and_read_back_byte_for_byte(
     shortened = not map_form and all(own_ids) and not any(other_keys)
     tenant_out = shortened and file_tenant != "other"
     node_out = tenant_out and file_client == "own"
+    if kind == "audit":  # (all at once or nothing; its row sets no tenant for the file)
+        shortened = node_out = shortened and file_tenant == "own" and file_client == "own"
     if file_client != "none" and (file_tenant != "none" or shortened):  # (with its tenant)
         assert node == compact.stamp_node(file_id)
     else:
         assert node == b""
     fewer = 35 + (len(own) - 1 if tenant_out else 0) + (len(node) - 3 if node_out else 0)
+    if kind == "audit":
+        fewer = 18 + len(own) + 1 + len(node) - 3 + 18 - 2
     assert len(stored) == len(body) - (fewer if shortened else 0)
     assert (stored[:1] == b"\xc1") is shortened
-    assert (stored[:2] == b"\xc1\x01") is node_out
+    assert (stored[:2] == (b"\xc1\x02" if kind == "audit" else b"\xc1\x01")) is node_out
     assert compact.decode(body) == made
 
 
@@ -1277,7 +1285,7 @@ async def test_whole_and_short_bodies_of_one_file_read_alike(db_path: Path) -> N
         before = await store.outbox_pending()
     conn = raw(db_path)
     try:
-        for table in sqlite_module._SHORT_TABLES:
+        for table in ("messages", "checkpoints", "events"):  # (audit: only with a node)
             short = conn.execute(
                 f"SELECT count(*) FROM {table} WHERE body >= x'c1' AND body < x'c2'"
             )
@@ -1375,6 +1383,7 @@ async def test_a_file_leaves_out_the_stamp_node_of_its_own_device(db_path: Path)
         make_message(session_id=session.id),
         make_checkpoint(session_id=session.id),
         make_event(session_id=session.id, sequence_number=1),
+        make_audit(session_id=session.id, sequence_number=1),
     ]
     theirs = make_message(session_id=session.id, client_id="dev-b")
     renamed = make_message(session_id=session.id, client_id="dev-a2")
@@ -1392,6 +1401,7 @@ async def test_a_file_leaves_out_the_stamp_node_of_its_own_device(db_path: Path)
         messages = [ours[0], theirs, renamed]
         assert await store.get_messages([m.id for m in messages]) == messages
         assert await store.list_events(session.id) == [ours[2], late]
+        assert await store.list_audit(session_id=session.id) == [ours[3]]
         bodies = [compact.encode(e.record) for e in await store.outbox_pending()]
         assert [bytes(b) for b in await _outbox_bodies(store)] == bodies
         log = await store.list_events(session.id)
@@ -1406,8 +1416,9 @@ async def test_a_file_leaves_out_the_stamp_node_of_its_own_device(db_path: Path)
     finally:
         conn.close()
     node_out, tenant_out = compact.SHORT + b"\x01", compact.SHORT + b"\x00"
-    for record in [*ours, late]:
+    for record in [*ours[:3], late]:
         assert forms[key(record.id)] == node_out, record  # (marked canonical: still)
+    assert forms[key(ours[3].id)] == compact.SHORT + b"\x02"  # (an audit row's: all at once)
     assert forms[key(theirs.id)] == forms[key(renamed.id)] == tenant_out
     whole = {r.id: len(compact.encode(r)) for r in written}
     stamp = len(compact.stamp_node(CLIENT)) - 3
@@ -1420,6 +1431,8 @@ async def test_a_file_leaves_out_the_stamp_node_of_its_own_device(db_path: Path)
                 fewer = 35 + len(packed_tenant) - 1
                 if forms[row_key] == node_out:
                     fewer += stamp
+                if table == "audit":  # (its id, tenant, nil device, node and session id)
+                    fewer = 18 + len(packed_tenant) + 1 + stamp + 18 - 2
                 assert size == whole[record_id] - fewer, table
     finally:
         conn.close()

@@ -458,7 +458,7 @@ and session id the row's ``id`` and ``session_id`` columns hold (35 bytes fewer 
 rows a turn writes, when the ids are UUIDs), nor the file's tenant, in the transaction that
 writes it (``_shortened``). ``_whole_body`` gives it back whole as a query reads the
 row, so every reader, the flush included, gets the bytes the record was written in."""
-_SHORT_TABLES: Final = ("messages", "checkpoints", "events")
+_SHORT_TABLES: Final = ("messages", "checkpoints", "events", "audit")
 _FILE_TENANT = "SELECT packed, node FROM tenant WHERE one = 1"
 
 
@@ -514,7 +514,7 @@ QUERIES: Final[dict[str, str]] = {
     # (A transcript's bodies as stored, beside their session's key: ``_messages_in_order``
     # reads a short one as it is, ``compact.decode_short``.)
     "get_messages": "SELECT id, body, session_id FROM messages WHERE id IN ({keys})",
-    "audit_rows": "SELECT id, body FROM audit WHERE id IN ({keys})",
+    "audit_rows": "SELECT id, " + _WHOLE + " FROM audit WHERE id IN ({keys})",
     "get_checkpoint": "SELECT id, " + _WHOLE + " FROM checkpoints WHERE id = ?",
     "held_messages": "SELECT id FROM messages WHERE id IN ({keys})",
     # A long transcript's rows as one span of the table (``_select_messages``): the rowids
@@ -558,18 +558,19 @@ QUERIES: Final[dict[str, str]] = {
         "AND (type IS NULL OR type IN (SELECT value FROM json_each(?3))) "
         "ORDER BY sequence_number, id"
     ),
-    "list_audit": "SELECT id, body FROM audit ORDER BY client_id, sequence_number, id",
+    "list_audit": "SELECT id, " + _WHOLE + " FROM audit ORDER BY client_id, sequence_number, id",
     "list_audit_session": (
-        "SELECT id, body FROM audit WHERE session_id = ? ORDER BY client_id, sequence_number, id"
+        "SELECT id, " + _WHOLE + " FROM audit WHERE session_id = ? "
+        "ORDER BY client_id, sequence_number, id"
     ),
     "list_audit_client": (
-        "SELECT id, body FROM audit WHERE client_id = ? ORDER BY sequence_number, id"
+        "SELECT id, " + _WHOLE + " FROM audit WHERE client_id = ? ORDER BY sequence_number, id"
     ),
     "list_audit_both": (
-        "SELECT id, body FROM audit WHERE session_id = ? AND client_id = ? "
+        "SELECT id, " + _WHOLE + " FROM audit WHERE session_id = ? AND client_id = ? "
         "ORDER BY sequence_number, id"
     ),
-    "audit_subject": "SELECT id, body FROM audit WHERE subject_key = ?",
+    "audit_subject": "SELECT id, " + _WHOLE + " FROM audit WHERE subject_key = ?",
     "list_artifact_updates": (
         "SELECT id, body FROM artifact_updates WHERE artifact_id = ? ORDER BY hlc, id"
     ),
@@ -1347,7 +1348,7 @@ def _shortened(
     table a commit; a body of another tenant keeps its org and user, one of another device
     its node."""
     short = [rows for group in groups for sql, rows in group.items() if sql in _SHORTS]
-    if not short:
+    if not short and not any(_PUT_AUDIT in group for group in groups):
         return list(groups)
     held = raw.execute(_FILE_TENANT).fetchone()
     tenant = b"" if held is None else bytes(held[0])
@@ -1360,10 +1361,13 @@ def _shortened(
         node = None if client is None else compact.stamp_node(str(client[0]))
         if held is None or node is not None:
             raw.execute(_SET_TENANT, (tenant, node))
+    node = node or b""
     return [
         {
-            sql: [(*row[:-1], _short(row[-1], row[0], row[1], tenant, node or b"")) for row in rows]
+            sql: [(*row[:-1], _short(row[-1], row[0], row[1], tenant, node)) for row in rows]
             if sql in _SHORTS
+            else [(*row[:-1], _short(row[-1], row[0], row[2], tenant, node)) for row in rows]
+            if sql == _PUT_AUDIT  # (its session's key after the client id's)
             else rows
             for sql, rows in group.items()
         }

@@ -38,6 +38,7 @@ converts its keys in SQL and answers with the keys as it was given them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import operator
@@ -500,6 +501,15 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
     # (``_packed``), filled here for the tenants there are. Rows written before keep their
     # whole bodies; the version is there so that a build before refuses the file whole.
     ("ALTER TABLE tenants ADD COLUMN packed BLOB", _backfill_packed_tenants),
+    # 13: such a body also without its stamp's node when the device that pushed it wrote it
+    # (``compact.short_body``'s ``node``): each device's node is kept once (``nodes``, its
+    # number in the row's ``device``; ``_WHOLE_EVENT`` and ``_WHOLE_RECORD`` put it back),
+    # which a build before reads as corrupt rows. Rows written before keep their node.
+    (
+        "CREATE TABLE nodes (n INTEGER PRIMARY KEY, node BLOB NOT NULL UNIQUE)",
+        "ALTER TABLE records ADD COLUMN device INTEGER",
+        "ALTER TABLE events ADD COLUMN device INTEGER",
+    ),
 )
 _PUT_HEALTH_SQL = (
     "INSERT INTO devices (org_id, user_id, client_id, seen_at, health) VALUES (?, ?, ?, ?, ?) "
@@ -519,14 +529,28 @@ SCHEMA_VERSION = len(_MIGRATIONS)
 
 
 _WHOLE_EVENT = compact.whole_body_sql(
-    "e.body", "e.id", "e.session_id", "(SELECT packed FROM tenants WHERE tid = e.tid)"
+    "e.body",
+    "e.id",
+    "e.session_id",
+    "(SELECT packed FROM tenants WHERE tid = e.tid)",
+    "(SELECT node FROM nodes WHERE n = e.device)",
 )
 """SQL: an event row's body as the event was written (``compact.short_body`` less its ids and
-its tenant, schema 12: ``_packed``)."""
+its tenant, schema 12: ``_packed``, and its stamp's node, schema 13: ``nodes``)."""
 _WHOLE_RECORD = compact.whole_body_sql(
-    "r.body", "r.id", "r.session_id", "(SELECT packed FROM tenants WHERE tid = r.tid)"
+    "r.body",
+    "r.id",
+    "r.session_id",
+    "(SELECT packed FROM tenants WHERE tid = r.tid)",
+    "(SELECT node FROM nodes WHERE n = r.device)",
 )
 """SQL: a record row's body as the record was written (as ``_WHOLE_EVENT``)."""
+
+
+@functools.lru_cache(maxsize=1024)
+def _stamp_node(client_id: str) -> bytes:
+    """``compact.stamp_node`` of a pushing device's id, kept for the devices seen lately."""
+    return compact.stamp_node(client_id)
 
 
 def _packed(tenant: Tenant) -> bytes:
@@ -607,13 +631,18 @@ _INSERT_PLACE_SQL = (
 )
 # A record's and an event's rowid is the cursor of its feed entry (migration 11).
 _INSERT_RECORD_SQL = (
-    f"INSERT INTO records (rowid, kind, id, tid, session_id, body) "
-    f"VALUES (?, ?, ?, {_TENANT}, ?, ?) ON CONFLICT (tid, kind, id) DO NOTHING"
+    f"INSERT INTO records (rowid, kind, id, tid, session_id, body, device) "
+    f"VALUES (?, ?, ?, {_TENANT}, ?, ?, ?) ON CONFLICT (tid, kind, id) DO NOTHING"
 )
 _INSERT_EVENT_SQL = (
-    f"INSERT INTO events (rowid, id, session_id, sequence_number, tid, body) "
-    f"VALUES (?, ?, ?, ?, {_TENANT}, ?) ON CONFLICT DO NOTHING"
+    f"INSERT INTO events (rowid, id, session_id, sequence_number, tid, body, device) "
+    f"VALUES (?, ?, ?, ?, {_TENANT}, ?, ?) ON CONFLICT DO NOTHING"
 )
+_NODE_SQL = "SELECT n FROM nodes WHERE node = ?"
+_ADD_NODE_SQL = "INSERT INTO nodes (node) VALUES (?) RETURNING n"
+_NODE_OUT: Final = frozenset((compact.SHORT + b"\x01", compact.SHORT + b"\x02"))
+"""The heads of the bodies ``short_body`` left their stamp's node out of (a message's,
+checkpoint's or event's; an audit row's): their rows name the node."""
 _PUT_SESSION_SQL = (
     f"INSERT INTO sessions (id, tid, updated_at, body, ids_count) VALUES (?, {_TENANT}, ?, ?, ?) "
     "ON CONFLICT (tid, id) DO UPDATE SET updated_at = excluded.updated_at, "
@@ -791,6 +820,9 @@ class _Rows(msgspec.Struct):
     places: list[tuple[Any, ...]]
     head: tuple[Any, ...] | None
     """``_HEAD_SQL``'s parameters: the tenant's head is read once the rows are in (None: not)."""
+    node: bytes = b""
+    """The pushing device's stamp node (``compact.stamp_node``), which the bodies of its own
+    records leave out; the rows that did name it by its number in ``nodes``."""
 
 
 def _write_rows(raw: sqlite3.Connection, rows: _Rows) -> tuple[list[int], int | None]:
@@ -810,12 +842,20 @@ def _write_rows(raw: sqlite3.Connection, rows: _Rows) -> tuple[list[int], int | 
                 _SUPERSEDED_SQL, [(*t, key, cursors[i]) for key, i in rows.versioned.items()]
             )
     # Each record and event in the rowid of its entry's cursor (``_Rows.records``).
+    # Each row whose body left out the pushing device's stamp node names it (``device``).
+    device = _device_number(raw, rows.node) if rows.node else None
     if rows.records:
-        placed = [(cursors[at], *row) for at, *row in rows.records]
+        placed = [
+            (cursors[at], *row, device if row[-1][:2] in _NODE_OUT else None)
+            for at, *row in rows.records
+        ]
         if raw.executemany(_INSERT_RECORD_SQL, placed).rowcount != len(placed):
             raise claimed_concurrently("a record id")
     if rows.events:
-        placed = [(cursors[at], *row) for at, *row in rows.events]
+        placed = [
+            (cursors[at], *row, device if row[-1][:2] in _NODE_OUT else None)
+            for at, *row in rows.events
+        ]
         if raw.executemany(_INSERT_EVENT_SQL, placed).rowcount != len(placed):
             raise claimed_concurrently("an event id")
     if rows.sessions:
@@ -830,6 +870,15 @@ def _write_rows(raw: sqlite3.Connection, rows: _Rows) -> tuple[list[int], int | 
         raw.executemany(_INSERT_PLACE_SQL, rows.places)
     head = None if rows.head is None else int(raw.execute(_HEAD_SQL, rows.head).fetchone()[0])
     return cursors, head
+
+
+def _device_number(raw: sqlite3.Connection, node: bytes) -> int:
+    """The number ``nodes`` keeps ``node`` under, given it in this transaction if it has none
+    (schema 13). A device's node is its client id's (``compact.stamp_node``): one row each."""
+    row = raw.execute(_NODE_SQL, (node,)).fetchone()
+    if row is None:
+        row = raw.execute(_ADD_NODE_SQL, (node,)).fetchone()
+    return int(row[0])
 
 
 def _fetch_each_and_head(
@@ -983,6 +1032,7 @@ class _SQLiteTx:
         t = (tenant.org_id, tenant.user_id)
         body = writes.bodies.of  # the feed refers to these rows: each body is stored once
         short, packed = compact.short_body, _packed(tenant)  # (less what its row holds: 12)
+        node = _stamp_node(client_id)  # (and the pushing device's stamp node: 13)
         feed = [(*t, _KIND_NUMBERS[record_kind(r)], _key(r.id)) for r in writes.feed]
         record_entries, event_entries = writes.entries()
         records: list[tuple[Any, ...]] = []
@@ -1000,7 +1050,7 @@ class _SQLiteTx:
                     r.org_id,
                     r.user_id,
                     session_key,
-                    short(body(r), key, session_key, packed),
+                    short(body(r), key, session_key, packed, node),
                 )
             )
         rows = _Rows(
@@ -1013,7 +1063,7 @@ class _SQLiteTx:
                     e.sequence_number,
                     e.org_id,
                     e.user_id,
-                    short(body(e), key, session_key, packed),
+                    short(body(e), key, session_key, packed, node),
                 )
                 for e, at in zip(writes.events, event_entries, strict=True)
                 for key, session_key in [(_key(e.id), _key(e.session_id))]
@@ -1026,6 +1076,7 @@ class _SQLiteTx:
             last_seq=None if writes.last_seq is None else (*t, client_id, writes.last_seq),
             places=[(*t, *_place(r)) for r in writes.records if isinstance(r, AuditRow)],
             head=None if writes.deleted_sessions else t + t,
+            node=node,
         )
         for s in writes.sessions:
             key, laid = (
@@ -1482,8 +1533,12 @@ class SQLiteServerStore(AsyncResource):
 
 _NO_BUDGET = 1 << 62
 _PULLER = "(SELECT packed FROM tenants WHERE org_id = ?2 AND user_id = ?3)"
-_PULLED_EVENT = compact.whole_body_sql("e.body", "e.id", "e.session_id", _PULLER)
-_PULLED_RECORD = compact.whole_body_sql("r.body", "r.id", "r.session_id", _PULLER)
+_PULLED_EVENT = compact.whole_body_sql(
+    "e.body", "e.id", "e.session_id", _PULLER, "(SELECT node FROM nodes WHERE n = e.device)"
+)
+_PULLED_RECORD = compact.whole_body_sql(
+    "r.body", "r.id", "r.session_id", _PULLER, "(SELECT node FROM nodes WHERE n = r.device)"
+)
 """``_WHOLE_EVENT`` and ``_WHOLE_RECORD`` in a pull, whose rows are all the pulling tenant's:
 its packed org and user read once a statement, not a probe a row (0.4 µs of the 1.25 a row
 takes to put a body together)."""
