@@ -639,7 +639,7 @@ _INSERT_EVENT_SQL = (
     f"VALUES (?, ?, ?, ?, {_TENANT}, ?, ?) ON CONFLICT DO NOTHING"
 )
 _NODE_SQL = "SELECT n FROM nodes WHERE node = ?"
-_ADD_NODE_SQL = "INSERT INTO nodes (node) VALUES (?) RETURNING n"
+_ADD_NODE_SQL = "INSERT INTO nodes (node) VALUES (?)"
 _NODE_OUT: Final = frozenset((compact.SHORT + b"\x01", compact.SHORT + b"\x02"))
 """The heads of the bodies ``short_body`` left their stamp's node out of (a message's,
 checkpoint's or event's; an audit row's): their rows name the node."""
@@ -876,9 +876,12 @@ def _device_number(raw: sqlite3.Connection, node: bytes) -> int:
     """The number ``nodes`` keeps ``node`` under, given it in this transaction if it has none
     (schema 13). A device's node is its client id's (``compact.stamp_node``): one row each."""
     row = raw.execute(_NODE_SQL, (node,)).fetchone()
-    if row is None:
-        row = raw.execute(_ADD_NODE_SQL, (node,)).fetchone()
-    return int(row[0])
+    if row is not None:
+        return int(row[0])
+    added = raw.execute(_ADD_NODE_SQL, (node,)).lastrowid  # (its n: the rowid)
+    if added is None:
+        raise StorageError("a device's stamp node was not numbered")
+    return added
 
 
 def _fetch_each_and_head(
