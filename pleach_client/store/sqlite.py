@@ -261,7 +261,8 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     # 11: such a body also without its stamp's node when its device is the file's
     # (``compact.short_body``'s ``node``: ``tenant.node``, from the file's client id when a
     # commit first shortens a body with the column NULL; ``b""`` for an id no stamp node of
-    # that form fits), which a build before reads as corrupt rows. Rows written before keep
+    # that form fits), and an audit row's without its id, tenant, device, node and session
+    # id at once, which a build before reads as corrupt rows. Rows written before keep
     # their node and read as they are.
     ("ALTER TABLE tenant ADD COLUMN node BLOB",),
 )
@@ -455,9 +456,11 @@ _KEEP_HYDRATION = (
 _short: Final = compact.short_body
 """A body of a message, checkpoint or event as its row stores it (schema 10): without the id
 and session id the row's ``id`` and ``session_id`` columns hold (35 bytes fewer in 7 of the 8
-rows a turn writes, when the ids are UUIDs), nor the file's tenant, in the transaction that
-writes it (``_shortened``). ``_whole_body`` gives it back whole as a query reads the
-row, so every reader, the flush included, gets the bytes the record was written in."""
+rows a turn writes, when the ids are UUIDs), nor the file's tenant, nor (schema 11) the stamp's
+node when the record is the file's device's, in the transaction that writes it
+(``_shortened``); an audit row's (schema 11) without all of those at once or none.
+``_whole_body`` gives it back whole as a query reads the row, so every reader, the flush
+included, gets the bytes the record was written in."""
 _SHORT_TABLES: Final = ("messages", "checkpoints", "events", "audit")
 _FILE_TENANT = "SELECT packed, node FROM tenant WHERE one = 1"
 
