@@ -1275,6 +1275,23 @@ def test_a_body_is_stored_short_and_read_back_byte_for_byte(
     assert compact.decode(body) == made
 
 
+async def _migrated_then_written(
+    store: SQLiteAdapter, history: list[Any], before: list[Any], later: list[Any]
+) -> None:
+    """A file just migrated to this schema: its outbox and records read as before, then
+    ``later`` is committed beside them, and old and new read back alike, queued in order."""
+    assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 11
+    assert await store.outbox_pending() == before
+    for record in history:
+        assert await read_back(store, record) == record
+    await commit(store, *later)
+    for record in [*history, *later]:
+        assert await read_back(store, record) == record
+    pending = await store.outbox_pending()
+    assert pending[: len(before)] == before
+    assert [e.record for e in pending[len(before) :]] == later
+
+
 async def test_whole_and_short_bodies_of_one_file_read_alike(db_path: Path) -> None:
     """A file of schema 9 (whole bodies) opens at schema 10 and its rows read as before; rows
     written after are short, and both kinds side by side read back equal, by id, by session,
@@ -1302,16 +1319,8 @@ async def test_whole_and_short_bodies_of_one_file_read_alike(db_path: Path) -> N
         make_event(session_id=session.id, sequence_number=events[-1].sequence_number + 1),
     ]
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 11
-        assert await store.outbox_pending() == before
-        for record in history:
-            assert await read_back(store, record) == record
-        await commit(store, *later)
-        for record in [*history, *later]:
-            assert await read_back(store, record) == record
+        await _migrated_then_written(store, history, before, later)
         pending = await store.outbox_pending()
-        assert pending[: len(before)] == before
-        assert [e.record for e in pending[len(before) :]] == later
         bodies = [compact.encode(e.record) for e in pending]
         assert [bytes(b) for b in await _outbox_bodies(store)] == bodies
         log = await store.list_events(session.id)
@@ -1376,7 +1385,8 @@ async def test_a_file_leaves_out_the_stamp_node_of_its_own_device(db_path: Path)
     its device's records (``SHORT`` then 1), from the first commit that writes one short;
     the node is set then and never changed, so records of the device's new id (a copy's) and
     of other devices keep theirs, and another connection of the file writes by the same
-    node. Every record reads back as written, by id, by session and in the outbox's bytes,
+    node; the device's audit row leaves out its id, tenant, device, node and session id at
+    once. Every record reads back as written, by id, by session and in the outbox's bytes,
     and its events once marked canonical."""
     session = make_session()
     ours = [
@@ -1474,14 +1484,7 @@ async def test_a_schema_10_file_opens_at_11_and_takes_its_node_at_its_next_commi
     session = history[0]
     later = [make_message(session_id=session.id), make_checkpoint(session_id=session.id)]
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 11
-        assert await store.outbox_pending() == before
-        for record in history:
-            assert await read_back(store, record) == record
-        await commit(store, *later)
-        for record in [*history, *later]:
-            assert await read_back(store, record) == record
-        assert [e.record for e in (await store.outbox_pending())[len(before) :]] == later
+        await _migrated_then_written(store, history, before, later)
         bodies = [compact.encode(e.record) for e in await store.outbox_pending()]
         assert [bytes(b) for b in await _outbox_bodies(store)] == bodies
     conn = raw(db_path)
