@@ -416,13 +416,13 @@ _PUT_EVENT = (
     "sequence_number = excluded.sequence_number, hlc = '', type = excluded.type, "
     "body = excluded.body"
 )
-_SHORTS: Final = frozenset((_PUT_MESSAGE, _PUT_CHECKPOINT, _PUT_EVENT))
-"""The inserts whose bodies are written short (``_shortened``: each row begins with its key and
-its session's, and ends with its body)."""
 _PUT_AUDIT = (
     "INSERT INTO audit (id, client_id, session_id, sequence_number, subject_key, body) "
     "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING"
 )
+_SESSION_AT: Final = {_PUT_MESSAGE: 1, _PUT_CHECKPOINT: 1, _PUT_EVENT: 1, _PUT_AUDIT: 2}
+"""The inserts whose bodies are written short (``_shortened``: each row begins with its key and
+ends with its body) and where their session's key is in the row."""
 _PUT_ARTIFACT = (
     "INSERT INTO artifact_updates (id, artifact_id, session_id, hlc, body) "
     "VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING"
@@ -466,8 +466,8 @@ _FILE_TENANT = "SELECT packed, node FROM tenant WHERE one = 1"
 
 
 def _whole_body(table: str = "") -> str:
-    """SQL: a stored body of messages, checkpoints or events (``table``: its alias, if any)
-    as the record was written (``compact.whole_body_sql`` over the row's columns)."""
+    """SQL: a stored body of messages, checkpoints, events or audit rows (``table``: its alias,
+    if any) as the record was written (``compact.whole_body_sql`` over the row's columns)."""
     at = f"{table}." if table else ""
     tenant = "(SELECT packed FROM tenant WHERE one = 1)"  # (one row: read once a statement)
     node = "(SELECT node FROM tenant WHERE one = 1)"
@@ -1332,50 +1332,65 @@ def _write_batch_now(
 def _tenant_of(raw: sqlite3.Connection) -> tuple[bytes, bytes]:
     """The file's tenant (``tenant``: its org and user packed; ``b""`` while none is) and its
     stamp node (``compact.stamp_node`` of its client id; ``b""`` while none is)."""
+    tenant, node = _file_tenant(raw)
+    return tenant, node or b""
+
+
+def _file_tenant(raw: sqlite3.Connection) -> tuple[bytes, bytes | None]:
+    """The file's ``tenant`` row: its packed org and user (``b""``: no row yet) and its node
+    (None while the column is NULL: not set yet)."""
     row = raw.execute(_FILE_TENANT).fetchone()
     if row is None:
-        return b"", b""
-    return bytes(row[0]), b"" if row[1] is None else bytes(row[1])
+        return b"", None
+    return bytes(row[0]), None if row[1] is None else bytes(row[1])
 
 
 def _shortened(
     raw: sqlite3.Connection, *groups: dict[str, list[tuple[Any, ...]]]
 ) -> list[dict[str, list[tuple[Any, ...]]]]:
-    """``groups`` (rows per insert statement) with the bodies of messages, checkpoints and
-    events written short (``_short``: each row begins with its key and its session's), the
-    file's tenant left out too where it is theirs, and the stamp's node where the device is
-    the file's, in one copy, in the write's transaction (both are read there, so every
-    connection and process of the file agrees): a file with no tenant yet takes the first
-    short body's (``compact.body_tenant``) as it is written, one with no node the node of
-    its client id then (``sync_state``; none while it has none). One read of a one-row
-    table a commit; a body of another tenant keeps its org and user, one of another device
-    its node."""
-    short = [rows for group in groups for sql, rows in group.items() if sql in _SHORTS]
-    if not short and not any(_PUT_AUDIT in group for group in groups):
+    """``groups`` (rows per insert statement) with the bodies of messages, checkpoints, events
+    and audit rows written short (``_short``: each row begins with its key, its session's
+    key at ``_SESSION_AT``), the file's tenant left out too where it is theirs, and the
+    stamp's node where the device is the file's, in one copy, in the write's transaction
+    (both are read there, so every connection and process of the file agrees): a file with
+    no tenant yet takes the first short body's (``compact.body_tenant``) as it is written,
+    one with no node the node of its client id then (``sync_state``; none while it has
+    none). One read of a one-row table a commit; a body of another tenant keeps its org and
+    user, one of another device its node."""
+    if not any(sql in _SESSION_AT for group in groups for sql in group):
         return list(groups)
-    held = raw.execute(_FILE_TENANT).fetchone()
-    tenant = b"" if held is None else bytes(held[0])
-    node = None if held is None or held[1] is None else bytes(held[1])
-    if not tenant:
-        bodies = (_short(row[-1], row[0], row[1]) for rows in short for row in rows)
+    held, node = _file_tenant(raw)
+    tenant = held
+    if not tenant:  # (an audit row's body never gives it: the others' do)
+        bodies = (
+            _short(row[-1], row[0], row[1])
+            for group in groups
+            for sql, rows in group.items()
+            if _SESSION_AT.get(sql) == 1
+            for row in rows
+        )
         tenant = next(filter(None, map(compact.body_tenant, bodies)), b"")
     if tenant and node is None:
         client = raw.execute(QUERIES["get_meta"], ("client_id",)).fetchone()
         node = None if client is None else compact.stamp_node(str(client[0]))
-        if held is None or node is not None:
+        if not held or node is not None:
             raw.execute(_SET_TENANT, (tenant, node))
     node = node or b""
     return [
-        {
-            sql: [(*row[:-1], _short(row[-1], row[0], row[1], tenant, node)) for row in rows]
-            if sql in _SHORTS
-            else [(*row[:-1], _short(row[-1], row[0], row[2], tenant, node)) for row in rows]
-            if sql == _PUT_AUDIT  # (its session's key after the client id's)
-            else rows
-            for sql, rows in group.items()
-        }
+        {sql: _short_rows(sql, rows, tenant, node) for sql, rows in group.items()}
         for group in groups
     ]
+
+
+def _short_rows(
+    sql: str, rows: list[tuple[Any, ...]], tenant: bytes, node: bytes
+) -> list[tuple[Any, ...]]:
+    """``sql``'s rows with their bodies written short (``_shortened``), or as they are for an
+    insert whose bodies are kept whole."""
+    at = _SESSION_AT.get(sql)
+    if at is None:
+        return rows
+    return [(*row[:-1], _short(row[-1], row[0], row[at], tenant, node)) for row in rows]
 
 
 _SET_TENANT: Final = (

@@ -528,23 +528,24 @@ _LIST_HEALTH_SQL = (
 SCHEMA_VERSION = len(_MIGRATIONS)
 
 
-_WHOLE_EVENT = compact.whole_body_sql(
-    "e.body",
-    "e.id",
-    "e.session_id",
-    "(SELECT packed FROM tenants WHERE tid = e.tid)",
-    "(SELECT node FROM nodes WHERE n = e.device)",
-)
-"""SQL: an event row's body as the event was written (``compact.short_body`` less its ids and
-its tenant, schema 12: ``_packed``, and its stamp's node, schema 13: ``nodes``)."""
-_WHOLE_RECORD = compact.whole_body_sql(
-    "r.body",
-    "r.id",
-    "r.session_id",
-    "(SELECT packed FROM tenants WHERE tid = r.tid)",
-    "(SELECT node FROM nodes WHERE n = r.device)",
-)
-"""SQL: a record row's body as the record was written (as ``_WHOLE_EVENT``)."""
+def _whole_sql(row: str, tenant: str | None = None) -> str:
+    """SQL: the body of the events or records row aliased ``row`` as its record was written
+    (``compact.short_body`` less its ids and its tenant, schema 12: ``_packed``, and its
+    stamp's node, schema 13: ``nodes``); ``tenant``: an expression of the row's tenant's
+    packed org and user (by default, its tenant's row, probed for each row)."""
+    return compact.whole_body_sql(
+        f"{row}.body",
+        f"{row}.id",
+        f"{row}.session_id",
+        tenant or f"(SELECT packed FROM tenants WHERE tid = {row}.tid)",
+        f"(SELECT node FROM nodes WHERE n = {row}.device)",
+    )
+
+
+_WHOLE_EVENT = _whole_sql("e")
+"""SQL: an event row's body as the event was written (``_whole_sql``)."""
+_WHOLE_RECORD = _whole_sql("r")
+"""SQL: a record row's body as the record was written (``_whole_sql``)."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -841,23 +842,22 @@ def _write_rows(raw: sqlite3.Connection, rows: _Rows) -> tuple[list[int], int | 
             raw.executemany(
                 _SUPERSEDED_SQL, [(*t, key, cursors[i]) for key, i in rows.versioned.items()]
             )
-    # Each record and event in the rowid of its entry's cursor (``_Rows.records``).
-    # Each row whose body left out the pushing device's stamp node names it (``device``).
-    device = _device_number(raw, rows.node) if rows.node else None
-    if rows.records:
-        placed = [
-            (cursors[at], *row, device if row[-1][:2] in _NODE_OUT else None)
-            for at, *row in rows.records
-        ]
-        if raw.executemany(_INSERT_RECORD_SQL, placed).rowcount != len(placed):
-            raise claimed_concurrently("a record id")
-    if rows.events:
-        placed = [
-            (cursors[at], *row, device if row[-1][:2] in _NODE_OUT else None)
-            for at, *row in rows.events
-        ]
-        if raw.executemany(_INSERT_EVENT_SQL, placed).rowcount != len(placed):
-            raise claimed_concurrently("an event id")
+    # Each record and event in the rowid of its entry's cursor (``_Rows.records``), and
+    # naming the pushing device's stamp node where its body left it out (``device``).
+    both = itertools.chain(rows.records, rows.events)
+    named = any(row[-1][:2] in _NODE_OUT for row in both)
+    device = _device_number(raw, rows.node) if named else None
+    for sql, written, what in (
+        (_INSERT_RECORD_SQL, rows.records, "a record id"),
+        (_INSERT_EVENT_SQL, rows.events, "an event id"),
+    ):
+        if written:
+            placed = [
+                (cursors[at], *row, device if row[-1][:2] in _NODE_OUT else None)
+                for at, *row in written
+            ]
+            if raw.executemany(sql, placed).rowcount != len(placed):
+                raise claimed_concurrently(what)
     if rows.sessions:
         raw.executemany(_PUT_SESSION_SQL, rows.sessions)
     if rows.id_drops:
@@ -1536,12 +1536,8 @@ class SQLiteServerStore(AsyncResource):
 
 _NO_BUDGET = 1 << 62
 _PULLER = "(SELECT packed FROM tenants WHERE org_id = ?2 AND user_id = ?3)"
-_PULLED_EVENT = compact.whole_body_sql(
-    "e.body", "e.id", "e.session_id", _PULLER, "(SELECT node FROM nodes WHERE n = e.device)"
-)
-_PULLED_RECORD = compact.whole_body_sql(
-    "r.body", "r.id", "r.session_id", _PULLER, "(SELECT node FROM nodes WHERE n = r.device)"
-)
+_PULLED_EVENT = _whole_sql("e", _PULLER)
+_PULLED_RECORD = _whole_sql("r", _PULLER)
 """``_WHOLE_EVENT`` and ``_WHOLE_RECORD`` in a pull, whose rows are all the pulling tenant's:
 its packed org and user read once a statement, not a probe a row (0.4 µs of the 1.25 a row
 takes to put a body together)."""
