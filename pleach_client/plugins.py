@@ -176,7 +176,8 @@ class TurnContext:
     model call (``model`` is the one actually called, a fallback while the session's is
     degraded). ``emit(name, data)`` adds a ``custom.*`` event to the turn's stream, delivered
     in order with the turn's own events (after the chunk or tool call during which it was
-    emitted)."""
+    emitted). ``pending`` is True while it holds events or notes that ``drain`` would give
+    (the turn asks it for each streamed chunk, a plain attribute, before it drains)."""
 
     def __init__(self, runtime: SessionRuntime, session: Session, turn_id: str) -> None:
         self.runtime = runtime
@@ -186,6 +187,7 @@ class TurnContext:
         self.model = session.model
         self._custom: list[CustomEvent] = []
         self._notes: list[tuple[str, dict[str, Any]]] = []
+        self.pending = False
 
     @property
     def session_id(self) -> str:
@@ -195,24 +197,27 @@ class TurnContext:
         """Add ``custom.<name>`` to the turn's stream; returns the event."""
         event = custom_event(self.session.id, name, data)
         self._custom.append(event)
+        self.pending = True
         return event
 
     def note(self, kind: str, payload: dict[str, Any]) -> None:
         """Have the turn write an event-log row (``kind``, ``payload``) with its commit."""
         self._notes.append((kind, {**payload, "turn_id": self.turn_id}))
+        self.pending = True
 
     def drain(
         self, record: Callable[[str, dict[str, Any]], None] | None = None
     ) -> builtins.list[CustomEvent]:
         """The custom events emitted since the last drain (the turn yields them); notes go to
         ``record`` (the turn's event log)."""
-        if not self._custom and not self._notes:  # (every chunk of a turn asks: the most)
+        if not self._custom and not self._notes:
             return []
         if record is not None and self._notes:
             notes, self._notes = self._notes, []
             for kind, payload in notes:
                 record(kind, payload)
         events, self._custom = self._custom, []
+        self.pending = bool(self._notes)  # (notes stay when there is nothing to record them)
         return events
 
 

@@ -422,28 +422,41 @@ def _lineage_overlay(
 
 
 class EventBus:
-    """The live in-process bus: ``on``, ``once``, ``off`` by event type ("*" for all)."""
+    """The live in-process bus: ``on``, ``once``, ``off`` by event type ("*" for all).
+
+    ``idle`` is True exactly when no handler is attached (``emit`` would do nothing): a turn
+    asks it for each streamed chunk, a plain attribute, and skips the call."""
 
     def __init__(self) -> None:
         self._handlers: dict[str, list[tuple[Callback, bool]]] = {}
+        self.idle = True
 
     def on(self, event_type: str, handler: Callback) -> None:
         self._handlers.setdefault(event_type, []).append((handler, False))
+        self.idle = False
 
     def once(self, event_type: str, handler: Callback) -> None:
         self._handlers.setdefault(event_type, []).append((handler, True))
+        self.idle = False
 
     def off(self, event_type: str, handler: Callback) -> bool:
         handlers = self._handlers.get(event_type, [])
         for i, (h, _) in enumerate(handlers):
             if h == handler:
                 del handlers[i]
+                self._drop_empty(event_type)
                 return True
         return False
 
     def clear(self) -> None:
         """Detach every handler."""
         self._handlers.clear()
+        self.idle = True
+
+    def _drop_empty(self, event_type: str) -> None:
+        if not self._handlers.get(event_type, True):
+            del self._handlers[event_type]
+        self.idle = not self._handlers
 
     def emit(self, event: StreamEventBase) -> None:
         found = self._handlers
@@ -459,6 +472,7 @@ class EventBus:
             for handler, once in list(handlers):
                 if once:
                     handlers.remove((handler, once))
+                    self._drop_empty(key)
                 try:
                     handler(event)
                 except Exception:  # a listener's bug must not break the runtime
@@ -783,8 +797,10 @@ class SessionRuntime(LegacySurface):
 
     def emit(self, event: StreamEventBase) -> None:
         """Deliver a stream event to stream subscribers and the event bus."""
-        self.stream.emit(event)
-        self.bus.emit(event)
+        if not self.stream.idle:
+            self.stream.emit(event)
+        if not self.bus.idle:
+            self.bus.emit(event)
 
     def emit_custom(
         self, session_id: str, name: str, data: dict[str, Any] | None = None

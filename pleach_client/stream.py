@@ -515,7 +515,9 @@ class _Held:
 class StreamManager:
     """Delivers events to subscribers. Callbacks run inline; one that raises is logged.
 
-    ``clock`` (seconds, monotonic) times the throttle."""
+    ``clock`` (seconds, monotonic) times the throttle. ``idle`` is True exactly when ``emit``
+    would do nothing: no subscriber, no throttle, nothing held or timed (a turn asks it for
+    each streamed chunk, a plain attribute, and skips the call; kept by ``_changed``)."""
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._subs: list[_Subscription] = []
@@ -525,6 +527,11 @@ class StreamManager:
         self._clock = clock
         self._last_delta: dict[str, float] = {}
         self._held: dict[str, _Held] = {}
+        self.idle = True
+
+    def _changed(self) -> None:
+        """Recompute ``idle`` after any change to what ``emit`` reads."""
+        self.idle = not (self._subs or self._throttle_s or self._held or self._last_delta)
 
     def subscribe(self, mode: Mode, callback: Callback) -> Callable[[], bool]:
         """Call ``callback`` for each event of ``mode``; returns an unsubscribe function."""
@@ -532,10 +539,12 @@ class StreamManager:
             raise ValueError(f"unknown stream mode {mode!r}; use one of {sorted(_MODES)}")
         sub = _Subscription(mode, callback)
         self._subs.append(sub)
+        self._changed()
 
         def unsubscribe() -> bool:
             if sub in self._subs:
                 self._subs.remove(sub)
+                self._changed()
                 return True
             return False
 
@@ -549,6 +558,7 @@ class StreamManager:
         self._throttle_s = max(ms, 0.0) / 1000.0
         if not self._throttle_s:
             self.flush()
+        self._changed()
 
     def set_event_filter(self, types: list[str] | None) -> None:
         """Only deliver these event types (None delivers all); an entry ending in ``.*``
@@ -569,6 +579,7 @@ class StreamManager:
         self.flush()
         self._subs.clear()
         self._last_delta.clear()
+        self._changed()
 
     def emit(self, event: StreamEventBase) -> None:
         if self._throttle_s and isinstance(event, MessageDelta | ThinkingDelta):
@@ -580,6 +591,7 @@ class StreamManager:
             self._release(session_id)  # the held text comes before this event, in order
         if self._last_delta:
             self._last_delta.pop(session_id, None)
+            self._changed()
         if self._subs and self._allowed(event.type):  # (no subscriber: nobody to tell)
             self._deliver(event)
 
@@ -600,9 +612,11 @@ class StreamManager:
         last = self._last_delta.get(session_id)
         if last is None or now - last >= self._throttle_s:
             self._last_delta[session_id] = now
+            self._changed()
             self._deliver(event)
             return
         held = self._held[session_id] = _Held(event)
+        self._changed()
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -617,6 +631,7 @@ class StreamManager:
         if held.timer is not None:
             held.timer.cancel()
         self._last_delta[session_id] = self._clock()
+        self._changed()
         self._deliver(held.merged())
 
     def _deliver(self, event: StreamEventBase) -> None:

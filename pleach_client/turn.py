@@ -247,7 +247,7 @@ async def run_turn(
             },
         )
         inner = _run_turn(rt, session_id, content, abort, resume, span, files, lineage)
-        emit = rt.emit
+        emit, stream, bus = rt.emit, rt.stream, rt.bus
         try:
             async for ev in inner:
                 if isinstance(ev, TurnComplete):
@@ -260,7 +260,8 @@ async def run_turn(
                         ev.cost_usd,
                         **{"pleach.provider_calls": ev.provider_calls},
                     )
-                emit(ev)
+                if not (stream.idle and bus.idle):  # (nobody listening: no call a chunk)
+                    emit(ev)
                 yield ev
         except (GeneratorExit, asyncio.CancelledError):
             span.set(**{"pleach.outcome": "user-aborted"})
@@ -577,8 +578,9 @@ async def _run_turn(
                                     call.output_tokens = pev.output_tokens
                                     call.input_tokens = pev.input_tokens
                                     call.request_id = pev.request_id or call.request_id
-                        for custom in ctx.drain(event):  # what plugins emitted on this chunk
-                            yield custom
+                        if ctx.pending:  # what plugins emitted on this chunk
+                            for custom in ctx.drain(event):
+                                yield custom
                 except ProviderError as exc:
                     # A retry policy may call the model again (the partial reply is dropped).
                     retry_in = (
