@@ -34,6 +34,7 @@ from tests.server_store_conformance import (
     TxWrapper,
     placed_history,
     pull_all,
+    statuses,
     tombstone,
 )
 
@@ -77,7 +78,8 @@ def stored_rows(db_path: Path) -> StoredRows:
                 "WITH t(tid) AS (SELECT tid FROM tenants WHERE org_id = ? AND user_id = ?) "
                 "SELECT 'Session', id FROM sessions WHERE tid = (SELECT tid FROM t) "
                 "UNION ALL SELECT 'Event', id FROM events WHERE tid = (SELECT tid FROM t) "
-                "UNION ALL SELECT kind, id FROM records WHERE tid = (SELECT tid FROM t)",
+                "UNION ALL SELECT kind, id FROM records WHERE tid = (SELECT tid FROM t) "
+                "UNION ALL SELECT kind, id FROM messages WHERE tid = (SELECT tid FROM t)",
                 t,
             )
         # Schema 8 keeps a kind as its number and a UUID id as its 16 bytes.
@@ -268,7 +270,7 @@ async def test_schema_3_files_migrate_to_tenant_scoped_ids(db_path: Path) -> Non
         assert [r.status for r in theirs.results] == ["applied"]
         assert (await store.pull(alice.tenant, 0, 10)).changes == feed
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 13
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 14
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
@@ -481,7 +483,7 @@ async def test_schema_4_files_migrate_with_every_audit_row_placed(db_path: Path)
         )
         assert [r.status for r in after.results] == ["applied"]
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 13
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 14
         assert conn.execute("SELECT count(*) FROM audit_places").fetchone()[0] == 4
         # Migration 6 kept every record, now in a rowid table (bodies pack into its pages).
         assert conn.execute("SELECT count(*) FROM records").fetchone()[0] == 4
@@ -542,7 +544,7 @@ async def test_schema_6_files_migrate_to_a_feed_that_refers_to_its_records(db_pa
         later = await store.push(dev.tenant, dev.client_id, dev.changes(dev.message(v1.id)), clock)
         assert later.cursors == [6]  # not 5: that cursor was handed out before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 13
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 14
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         columns = [row[1] for row in conn.execute("PRAGMA table_info(feed)")]
         assert columns == ["cursor", "tid", "kind", "record_id"]
@@ -656,16 +658,24 @@ async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Pat
         assert isinstance(last.record, Event)
         assert (last.record.sequence_number, last.record.prev_hash) == (2, event.row_hash)
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 13
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 14
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert conn.execute("SELECT count(*) FROM tenants").fetchone()[0] == 2
-        kept = dict(conn.execute("SELECT typeof(id), count(*) FROM records GROUP BY 1"))
+        kept = dict(
+            conn.execute(
+                "SELECT typeof(id), count(*) FROM "
+                "(SELECT id FROM records UNION ALL SELECT id FROM messages) GROUP BY 1"
+            )
+        )
         assert kept == {"blob": 4}  # two messages, two audit rows: ids of 16 bytes each
         ids = {row[0] for row in conn.execute("SELECT id FROM sessions")}
         assert ids == {uuid_bytes(session.id), "not-a-uuid"}
         columns = [row[1] for row in conn.execute("PRAGMA table_info(events)")]
         assert columns == ["id", "session_id", "sequence_number", "tid", "body", "device"]
-        kinds = conn.execute("SELECT DISTINCT kind FROM feed UNION SELECT kind FROM records")
+        kinds = conn.execute(
+            "SELECT DISTINCT kind FROM feed UNION SELECT kind FROM records "
+            "UNION SELECT kind FROM messages"
+        )
         assert {compact.KINDS[k] for (k,) in kinds} == {
             "Message",
             "Event",
@@ -674,10 +684,32 @@ async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Pat
         }
 
 
+def _records(conn: sqlite3.Connection) -> str:
+    """SQL: every record row of the file, its messages among them (in ``messages`` since
+    schema 14, in ``records`` before)."""
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'messages'").fetchall():
+        return "(SELECT body FROM records UNION ALL SELECT body FROM messages)"
+    return "records"
+
+
+def _as_schema_13(conn: sqlite3.Connection) -> None:
+    """Turn a file written by this store back into what schema 13 wrote: its messages among
+    the other records (``records``), each at its rowid, and no ``messages`` table."""
+    if not conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'messages'").fetchall():
+        return  # (schema 13 already)
+    conn.execute(
+        "INSERT INTO records (rowid, kind, id, tid, session_id, body, device) "
+        "SELECT rowid, kind, id, tid, session_id, body, device FROM messages"
+    )
+    conn.execute("DROP TABLE messages")
+    conn.execute("PRAGMA user_version = 13")
+
+
 def _as_schema_12(conn: sqlite3.Connection) -> None:
     """Turn the rows of a file written by this store back into what schema 12 wrote: a body
     that left out its stamp's node put together and written short as schema 12 did (its ids
     and its tenant left out), and no ``device`` columns nor ``nodes``."""
+    _as_schema_13(conn)
     if not conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'nodes'").fetchall():
         return  # (schema 12 already)
     for table in ("records", "events"):
@@ -724,7 +756,7 @@ def _as_schema_10(db_path: Path) -> None:
         conn.execute("DROP INDEX feed_session")
         conn.execute("CREATE INDEX feed_record ON feed (tid, kind, record_id, cursor)")
         conn.execute("PRAGMA user_version = 10")
-        assert module.SCHEMA_VERSION == 13
+        assert module.SCHEMA_VERSION == 14
 
 
 async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: Path) -> None:
@@ -756,7 +788,7 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
         with sqlite3.connect(db_path) as conn:
             places = {
                 uuid_text(key): rowid
-                for table in ("records", "events")
+                for table in ("records", "messages", "events")
                 for rowid, key in conn.execute(f"SELECT rowid, id FROM {table}")
             }
             assert (
@@ -771,8 +803,8 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
         with sqlite3.connect(db_path) as conn:
             tid = "(SELECT tid FROM tenants WHERE org_id = ? AND user_id = ?)"
             a = (alice.tenant.org_id, alice.tenant.user_id)
-            conn.execute(
-                f"INSERT INTO records (rowid, kind, id, tid, session_id, body) "
+            conn.execute(  # (into the table of its kind since schema 14)
+                f"INSERT INTO messages (rowid, kind, id, tid, session_id, body) "
                 f"VALUES (?, ?, ?, {tid}, ?, ?)",
                 (
                     theirs[0][0],
@@ -801,21 +833,22 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
         (cursor,) = later.cursors
         assert cursor > max(at.values())
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 13
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 14
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         indexes = {row[1] for row in conn.execute("PRAGMA index_list(feed)")}
         assert indexes == {"feed_tenant", "feed_session"}
         columns = {
             name: [row[2] for row in conn.execute(f"PRAGMA index_info({name})")]
-            for name in ("feed_tenant", "feed_session", "records_tenant")
+            for name in ("feed_tenant", "feed_session", "records_tenant", "messages_tenant")
         }  # the cursor, a rowid, once
         assert columns == {
             "feed_tenant": ["tid"],
             "feed_session": ["tid", "record_id"],
             "records_tenant": ["tid", "session_id"],
+            "messages_tenant": ["tid", "session_id"],
         }
-        assert conn.execute("SELECT max(rowid) FROM records").fetchone()[0] == cursor
-        for table in ("records", "events"):  # every row with an entry at its rowid
+        assert conn.execute("SELECT max(rowid) FROM messages").fetchone()[0] == cursor
+        for table in ("records", "messages", "events"):  # every row with an entry at its rowid
             assert not conn.execute(
                 f"SELECT rowid FROM {table} AS r WHERE rowid > 0 AND NOT EXISTS ("
                 "SELECT 1 FROM feed AS f WHERE f.cursor = r.rowid AND f.record_id = r.id)"
@@ -871,12 +904,12 @@ async def test_a_server_file_leaves_out_the_node_of_the_device_that_pushed(
                 assert body == compact.encode(record) and change.record == record
         assert await _raw_bodies(store, h.alice.tenant) == before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 13
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 14
         nodes = dict(conn.execute("SELECT node, n FROM nodes"))
         assert set(nodes) == {compact.stamp_node(phone.client_id)}  # (neither laptop nor odd)
         rows = {
             bytes(key): (bytes(body[:2]), device)
-            for table in ("records", "events")
+            for table in ("records", "messages", "events")
             for key, body, device in conn.execute(f"SELECT id, body, device FROM {table}")
         }
     number = nodes[compact.stamp_node(phone.client_id)]
@@ -902,11 +935,11 @@ async def test_whole_and_short_bodies_of_one_server_file_pull_alike(db_path: Pat
 
     def shorts(conn: sqlite3.Connection) -> list[int]:
         count = "SELECT count(*) FROM {} WHERE substr(body, 1, 1) = x'c1'"
-        return [conn.execute(count.format(t)).fetchone()[0] for t in ("records", "events")]
+        return [conn.execute(count.format(t)).fetchone()[0] for t in (_records(conn), "events")]
 
     with sqlite3.connect(db_path) as conn:
         assert shorts(conn) == [5, 2]  # alice's 3 messages, checkpoint, audit row; 2 events
-        sizes = conn.execute("SELECT sum(length(body)) FROM records").fetchone()[0]
+        sizes = conn.execute(f"SELECT sum(length(body)) FROM {_records(conn)}").fetchone()[0]
         _as_schema_12(conn)  # (schema 13 left out the node of alice's device: put back)
         assert shorts(conn) == [4, 2]  # (schema 12 kept an audit row whole)
         node = compact.stamp_node(alice.client_id)
@@ -947,11 +980,11 @@ async def test_whole_and_short_bodies_of_one_server_file_pull_alike(db_path: Pat
         assert not left & {r.id for r in h.content}
     with sqlite3.connect(db_path) as conn:
         assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
-        for table in ("records", "events"):
+        for table in ("records", "messages", "events"):
             short = conn.execute(
                 f"SELECT count(*) FROM {table} WHERE substr(body, 1, 1) = x'c1'"
             ).fetchone()[0]
-            assert short == {"records": 2, "events": 2}[table]  # the rows pushed after
+            assert short == {"records": 1, "messages": 1, "events": 2}[table]  # pushed after
 
 
 def test_a_chain_tail_is_read_from_the_event_body_in_either_form() -> None:
@@ -1132,3 +1165,66 @@ async def test_a_version_written_whole_over_a_row_kept_apart_is_read_whole(
         body, count = conn.execute("SELECT body, ids_count FROM sessions").fetchone()
         blocks = conn.execute("SELECT part FROM session_ids ORDER BY part").fetchall()
     assert body[:1] == APART and count == 300 and blocks == [(0,), (1,), (2,)]
+
+
+async def test_a_schema_13_file_opens_with_its_messages_in_a_table_of_their_own(
+    db_path: Path,
+) -> None:
+    """Schema 14 keeps messages apart from the other records (``messages``): a file of
+    schema 13 (every record in ``records``) opens at 14 with each message moved there at its
+    rowid (its feed entry's cursor) and nothing else moved, pulls the very bytes it pulled
+    before, files later pushes by kind, finds a pushed message again as already there, and
+    deletes a session's content from both tables with its feed entries."""
+    from tests.sim.invariants import server_file_problems
+
+    clock = HybridClock("server-x")
+    async with SQLiteServerStore(db_path) as store:
+        h = await placed_history(store, clock)
+        before = await _raw_bodies(store, h.alice.tenant)
+        theirs = await _raw_bodies(store, h.bob.tenant)
+    message = compact.KINDS.index("Message")
+    with sqlite3.connect(db_path) as conn:
+        _as_schema_13(conn)
+        conn.commit()
+        placed = {
+            (kind, bytes(key)): rowid
+            for rowid, kind, key in conn.execute("SELECT rowid, kind, id FROM records")
+        }
+    assert {kind for kind, _ in placed} >= {message, compact.KINDS.index("Checkpoint")}
+    async with SQLiteServerStore(db_path) as store:
+        assert await _raw_bodies(store, h.alice.tenant) == before
+        assert await _raw_bodies(store, h.bob.tenant) == theirs
+        with sqlite3.connect(db_path) as conn:
+            moved = {
+                (kind, bytes(key)): (rowid, table)
+                for table in ("records", "messages")
+                for rowid, kind, key in conn.execute(f"SELECT rowid, kind, id FROM {table}")
+            }
+        assert {k: at for k, (at, _) in moved.items()} == placed
+        assert all((t == "messages") == (k == message) for (k, _), (_, t) in moved.items())
+        # Later pushes: a message and a checkpoint each in its table; a message pushed again
+        # (as a device does whose ack was lost) is found there, not written twice.
+        alice, session = h.alice, h.session
+        new = [alice.message(session.id), alice.checkpoint(session.id)]
+        result = await store.push(alice.tenant, alice.client_id, alice.changes(*new), clock)
+        assert statuses(result) == ["applied", "applied"]
+        again = await store.push(alice.tenant, alice.client_id, alice.changes(new[0]), clock)
+        assert statuses(again) == ["duplicate"] and again.cursors == []
+        feed = await pull_all(store, alice.tenant)
+        assert [c.record for c in feed[-2:]] == new
+        tomb = tombstone(alice, h.other)
+        deleted = await store.push(alice.tenant, alice.client_id, alice.changes(tomb), clock)
+        assert statuses(deleted) == ["applied"]
+        left = {c.record.id for c in await pull_all(store, alice.tenant)}
+        assert not left & {r.id for r in h.content}
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 14
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert (
+            conn.execute("SELECT count(*) FROM records WHERE kind = ?", (message,)).fetchone()[0]
+            == 0
+        )
+        rows = {bytes(k) for (k,) in conn.execute("SELECT id FROM messages")}
+        assert uuid_bytes(new[0].id) in rows
+        assert not rows & {uuid_bytes(r.id) for r in h.content}
+    assert server_file_problems(db_path) == []

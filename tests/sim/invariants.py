@@ -419,26 +419,36 @@ async def check(world: World, feed: list[Any]) -> list[str]:
 
 
 def server_file_problems(path: Path) -> list[str]:
-    """What a SQLite server file breaks of its own layout (schema 11): every feed entry of a
-    record or an event has that row at the rowid of its cursor, and every such row at a
-    positive rowid has its entry there (a delete that left an entry behind would make every
-    later pull of that tenant fail; one that left a row would keep it forever)."""
+    """What a SQLite server file breaks of its own layout (schema 11; messages apart since
+    14): every feed entry of a record or an event has that row at the rowid of its cursor,
+    in the table of its kind, and every such row at a positive rowid has its entry there (a
+    delete that left an entry behind would make every later pull of that tenant fail; one
+    that left a row would keep it forever)."""
     problems: list[str] = []
     session = KINDS.index("Session")
     event = KINDS.index("Event")
+    message = KINDS.index("Message")
     with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
         orphans = conn.execute(
             "SELECT f.cursor, f.kind FROM feed AS f WHERE f.kind <> ?1 AND NOT EXISTS ("
-            "SELECT 1 FROM records AS r WHERE r.rowid = f.cursor AND r.tid = f.tid "
-            "AND r.kind = f.kind AND r.id = f.record_id) AND NOT EXISTS ("
+            "SELECT 1 FROM records AS r WHERE f.kind <> ?3 AND r.rowid = f.cursor "
+            "AND r.tid = f.tid AND r.kind = f.kind AND r.id = f.record_id) AND NOT EXISTS ("
+            "SELECT 1 FROM messages AS r WHERE f.kind = ?3 AND r.rowid = f.cursor "
+            "AND r.tid = f.tid AND r.kind = f.kind AND r.id = f.record_id) AND NOT EXISTS ("
             "SELECT 1 FROM events AS e WHERE f.kind = ?2 AND e.rowid = f.cursor "
             "AND e.tid = f.tid AND e.id = f.record_id) LIMIT 5",
-            (session, event),
+            (session, event, message),
         ).fetchall()
         problems += [
             f"feed-orphan: entry {c} ({KINDS[k]}) has no row at its cursor" for c, k in orphans
         ]
-        for table in ("records", "events"):
+        misfiled = conn.execute(
+            "SELECT rowid, 'records' FROM records WHERE kind = ?1 "
+            "UNION ALL SELECT rowid, 'messages' FROM messages WHERE kind <> ?1 LIMIT 5",
+            (message,),
+        ).fetchall()
+        problems += [f"misfiled: {t} row {r} is of the other table's kind" for r, t in misfiled]
+        for table in ("records", "messages", "events"):
             unfed = conn.execute(
                 f"SELECT rowid FROM {table} AS r WHERE rowid > 0 AND NOT EXISTS ("
                 "SELECT 1 FROM feed AS f WHERE f.cursor = r.rowid AND f.tid = r.tid "
