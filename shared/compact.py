@@ -59,6 +59,8 @@ __all__ = [
     "Bodies",
     "body_tenant",
     "canonical_body",
+    "chain_digest",
+    "chain_digest_sql",
     "checkpoint_parent",
     "decode",
     "decode_short",
@@ -73,6 +75,7 @@ __all__ = [
     "implied_client",
     "is_compact",
     "packed",
+    "prev_apart",
     "short_body",
     "stamp_node",
     "tenant_texts",
@@ -1389,6 +1392,11 @@ nil (``implied_client``) has its stamp at a fixed place once the four are left o
 _NODELESS_STAMP: Final = b"\xc7\x09\x03"
 """An ext 3 of the stamp's 9 bytes alone (``encode`` never writes one: a node is never empty)."""
 _AUDIT_OUT: Final = b"\x02"
+_PREV_APART: Final = 0x10
+"""Added to a short event body's form (0 or 1: 16 or 17): its ``prev_hash`` left out too,
+which the row before it in its chain holds as its ``row_hash`` (``prev_apart``)."""
+_DIGEST_HEAD: Final = b"\xc7\x20\x02"
+"""An ext 2 of 32 bytes: a digest as ``encode`` writes it."""
 _AUDIT: Final = _BY_INDEX[KINDS.index("AuditRow")]
 _AUDIT_HEAD: Final = bytes((_AUDIT.index,))
 """An audit row's body: ``[kind, id, org_id, user_id, client_id, hlc, session_id, ...]``, an
@@ -1479,6 +1487,54 @@ def _short_audit(
     return body
 
 
+def _digest_tail(body: bytes) -> int | None:
+    """How many bytes follow an event body's ``row_hash`` (its last field but ``canonical``):
+    1 when the body ends with the digest's ext and a boolean, 0 when with the digest's ext,
+    else None. ``chain_digest_sql`` reads it the same way."""
+    if body[-36:-33] == _DIGEST_HEAD and body[-1:] in (b"\xc2", b"\xc3"):
+        return 1
+    return 0 if body[-35:-32] == _DIGEST_HEAD else None
+
+
+def chain_digest(body: bytes) -> bytes | None:
+    """The 32 bytes of a stored event body's ``row_hash`` (whatever its form: whole, short or
+    its ``prev_hash`` apart), read from its end; None for a body that does not end with it (a
+    map-form body). ``chain_digest_sql`` in Python. Pure."""
+    tail = _digest_tail(body)
+    return None if tail is None else body[len(body) - tail - 32 : len(body) - tail]
+
+
+def chain_digest_sql(body: str) -> str:
+    """SQLite SQL: ``chain_digest`` of the stored event body in ``body`` (NULL for none)."""
+    return (
+        f"CASE WHEN substr({body}, -36, 3) = X'c72002' AND substr({body}, -1) IN (X'c2', X'c3') "
+        f"THEN substr({body}, -33, 32) WHEN substr({body}, -35, 3) = X'c72002' "
+        f"THEN substr({body}, -32) END"
+    )
+
+
+def prev_apart(short: bytes, prev: bytes) -> bytes:
+    """``short``, a short event body that leaves out its tenant (``short_body``'s form 0 or 1),
+    without its ``prev_hash`` too when that is an ext 2 of exactly ``prev`` (32 bytes) right
+    before its ``row_hash`` (its form then 16 or 17: 35 bytes fewer); anything else as it is.
+    A store keeps it only where the row before it in its chain holds ``prev`` as its
+    ``row_hash`` for good (``chain_digest_sql`` of that row's body): ``whole_body_sql``
+    given that row's digest as ``prev`` puts it back, byte for byte. Pure."""
+    if len(prev) != 32 or short[:1] != SHORT or short[1:2] not in (_TENANT_OUT, _NODE_OUT):
+        return short
+    tail = _digest_tail(short)
+    if tail is None:
+        return short
+    row_at = len(short) - tail - 35
+    prev_at = row_at - 35
+    if prev_at < (17 if short[1:2] == _NODE_OUT else 4):  # (within the fields after the stamp)
+        return short
+    if short[prev_at:row_at] != _DIGEST_HEAD + prev:
+        return short
+    form = bytes((short[1] + _PREV_APART,))
+    return b"".join((SHORT, form, memoryview(short)[2:prev_at], memoryview(short)[row_at:]))
+
+
 def body_tenant(short: bytes) -> bytes | None:
     """The packed org and user a ``short_body`` that leaves out only the ids starts its fields
     with (what ``short_body`` given them would leave out), or None when it is not such a
@@ -1509,20 +1565,37 @@ _HEADS: Final = "X'" + bytes(range(_FIXARRAY, _FIXARRAY + 16)).hex() + "'"
 
 
 def whole_body_sql(
-    body: str, key: str, session_key: str, tenant: str = "NULL", node: str = "NULL"
+    body: str,
+    key: str,
+    session_key: str,
+    tenant: str = "NULL",
+    node: str = "NULL",
+    prev: str = "NULL",
 ) -> str:
     """SQLite SQL: the stored body in column ``body`` as its record was written, the row's
     ``key`` and ``session_key`` columns (and ``tenant``, an expression of the row's tenant's
     packed bytes, for a body that left it out, and ``node``, one of the stamp node's bytes
-    ``short_body`` was given, for a body that left that out) giving back what ``short_body``
-    left out (each id as ext 1, the form this codec writes a UUID in, the array's header
-    restored by a lookup in ``_HEADS``); any other body as it is. Concatenating blobs gives
-    text in SQLite, and the cast the very bytes back (a database's text is UTF-8: no
-    conversion either way)."""
+    ``short_body`` was given, for a body that left that out, and ``prev``, an expression of
+    the 32 bytes ``prev_apart`` was given, for an event body that left its ``prev_hash`` out)
+    giving back what was left out (each id as ext 1, the form this codec writes a UUID in,
+    the array's header restored by a lookup in ``_HEADS``); any other body as it is.
+    Concatenating blobs gives text in SQLite, and the cast the very bytes back (a database's
+    text is UTF-8: no conversion either way). ``prev`` is written once a form, so a query
+    that reads it from another row does so once a row."""
     ids = f"X'd801' || {key} || X'd801' || {session_key}"
 
     def head(at: int, more: int) -> str:
         return f"substr({_HEADS}, instr({_HEADS}, substr({body}, {at}, 1)) + {more}, 1)"
+
+    # A body without its prev_hash: from ``at`` to its row_hash's ext, the digest, the rest.
+    tail = f"(substr({body}, -36, 3) = X'c72002' AND substr({body}, -1) IN (X'c2', X'c3'))"
+    cut = f"length({body}) - 35 - {tail}"
+
+    def rest(at: int) -> str:  # (NULL for a body too short to hold it: no such body is kept)
+        return (
+            f"CASE WHEN {cut} >= {at - 1} THEN substr({body}, {at}, {cut} - {at - 1}) || "
+            f"X'c72002' || {prev} || substr({body}, {cut} + 1) END"
+        )
 
     return (
         f"CASE WHEN substr({body}, 1, 1) = X'c1' THEN CAST(CASE substr({body}, 2, 1) "
@@ -1534,6 +1607,11 @@ def whole_body_sql(
         f"WHEN X'02' THEN substr({body}, 3, 4) || X'd801' || {key} || {tenant} || X'c0' || "
         f"substr({node}, 1, 3) || substr({body}, 10, 9) || substr({node}, 4) || "
         f"X'd801' || {session_key} || substr({body}, 19) "
+        f"WHEN X'10' THEN {head(3, 4)} || substr({body}, 4, 1) || {ids} || {tenant} || "
+        f"{rest(5)} "
+        f"WHEN X'11' THEN {head(3, 4)} || substr({body}, 4, 1) || {ids} || {tenant} || "
+        f"substr({body}, 5, 1) || substr({node}, 1, 3) || substr({body}, 9, 9) || "
+        f"substr({node}, 4) || {rest(18)} "
         f"ELSE {head(2, 2)} || substr({body}, 3, 1) || {ids} || "
         f"substr({body}, 4) END AS BLOB) ELSE {body} END"
     )
@@ -1610,7 +1688,10 @@ def decode_short(
     except (msgspec.DecodeError, msgspec.ValidationError, _NotText, IndexError, KeyError):
         pass
     packed_tenant = b"" if tenant is None else packed(tenant[0]) + packed(tenant[1])
-    return decode(_whole(data, packed(record_id), packed(session_id), packed_tenant, node))
+    whole = _whole(data, packed(record_id), packed(session_id), packed_tenant, node)
+    if whole is None:  # (its prev_hash is in the row before it: only SQL reads it)
+        raise msgspec.DecodeError("a body without its prev_hash is read with the row before it")
+    return decode(whole)
 
 
 _HEAD_BYTES: Final = bytes(range(_FIXARRAY, _FIXARRAY + 16))
@@ -1623,11 +1704,28 @@ def _head(code: int, more: int) -> bytes:
     return _HEAD_BYTES[at + more - 1 : at + more]
 
 
-def _whole(data: bytes, record_id: bytes, session_id: bytes, tenant: bytes, node: bytes) -> bytes:
+def _whole(
+    data: bytes,
+    record_id: bytes,
+    session_id: bytes,
+    tenant: bytes,
+    node: bytes,
+    prev: bytes | None = None,
+) -> bytes | None:
     """``data``, a short body, put together again from the packed values it left out, byte for
-    byte as ``whole_body_sql`` does, in Python: for the rare body a twin refuses."""
+    byte as ``whole_body_sql`` does, in Python: for the rare body a twin refuses. None where
+    SQL gives NULL: a body without its ``prev_hash`` and no ``prev`` given."""
     if len(data) < 4:
         return data[1:]  # (no array: ``decode`` refuses it)
+    if data[1] in (_PREV_APART, _PREV_APART + 1):
+        if prev is None:
+            return None
+        cut = len(data) - 35 - (data[-36:-33] == _DIGEST_HEAD and data[-1:] in (b"\xc2", b"\xc3"))
+        at = 4 if data[1] == _PREV_APART else 17
+        if cut < at:
+            return None
+        data = data[:cut] + _DIGEST_HEAD + prev + data[cut:]
+        data = SHORT + bytes((data[1] - _PREV_APART,)) + data[2:]
     ids = record_id + session_id
     if data[1:2] == _TENANT_OUT:
         return _head(data[2], 4) + data[3:4] + ids + tenant + data[4:]

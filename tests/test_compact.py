@@ -8,6 +8,7 @@ import enum
 import os
 import random
 import re
+import secrets
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -1086,10 +1087,87 @@ def test_a_short_body_is_given_back_whole_byte_for_byte(
         assert compact.body_tenant(stored) == compact.packed(org) + compact.packed(made.user_id)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    prev=st.sampled_from(["digest", "genesis", "text", "none"]),
+    row=st.sampled_from(["digest", "text", "none"]),
+    canonical=st.booleans(),
+    with_node=st.booleans(),
+    given_prev=st.sampled_from(["its own", "another", "short"]),
+    payload=st.dictionaries(st.sampled_from(["turn_id", "note", "n"]), st.text(max_size=30)),
+)
+def test_an_event_body_without_its_prev_hash_is_given_back_byte_for_byte(
+    prev: str, row: str, canonical: bool, with_node: bool, given_prev: str, payload: Any
+) -> None:
+    """``prev_apart`` leaves a short event body's ``prev_hash`` out (35 bytes fewer, its form
+    16 or 17) exactly when it is an ext 2 of the very digest given, right before its
+    ``row_hash``; ``whole_body_sql`` given that digest (as the row before it holds it:
+    ``chain_digest_sql`` of that row's body, whatever its form) gives back the very bytes,
+    and the Python mirror the same. Whatever the digests are (a digest, text, empty), whether
+    the event is canonical, and whatever digest is given."""
+    import sqlite3
+
+    from shared.compact import (
+        chain_digest,
+        chain_digest_sql,
+        prev_apart,
+        short_body,
+        stamp_node,
+        uuid_bytes,
+        whole_body_sql,
+    )
+
+    digests = {"digest": secrets.token_hex(32), "genesis": "0" * 64, "text": "provisional"}
+    made = make_event(
+        prev_hash=digests.get(prev, ""),
+        row_hash=digests.get(row, "") if row != "digest" else secrets.token_hex(32),
+        canonical=canonical,
+        sequence_number=7,
+        payload=payload,
+    )
+    body = compact.encode(made)
+    key, session = uuid_bytes(made.id), uuid_bytes(made.session_id)
+    tenant = compact.packed(made.org_id) + compact.packed(made.user_id)
+    node = stamp_node(made.client_id) if with_node else b""
+    stored = short_body(body, key, session, tenant, node)
+    assert stored[:2] == compact.SHORT + (b"\x01" if with_node else b"\x00")
+    own = compact.digest_bytes(made.prev_hash)
+    offered = {
+        "its own": own or bytes(32),
+        "another": secrets.token_bytes(32),
+        "short": (own or bytes(32))[:31],
+    }[given_prev]
+    apart = prev_apart(stored, offered)
+    left_out = given_prev == "its own" and own is not None and row == "digest"
+    assert (apart != stored) is left_out
+    if left_out:
+        assert len(apart) == len(stored) - 35
+        assert apart[:2] == compact.SHORT + (b"\x11" if with_node else b"\x10")
+    # The digest the row after it finds here, whichever form this row is stored in.
+    mine = compact.digest_bytes(made.row_hash) if row == "digest" else None
+    for form in (body, stored, apart):
+        assert chain_digest(form) == mine
+    conn = sqlite3.connect(":memory:")
+    try:
+        whole = whole_body_sql("body", "id", "session_id", "?4", "?5", "?6")
+        query = f"WITH t(id, session_id, body) AS (VALUES (?1, ?2, ?3)) SELECT {whole} FROM t"
+        params = (key, session, apart, tenant, node or None, offered if left_out else None)
+        assert conn.execute(query, params).fetchone()[0] == body
+        for form in (body, stored, apart):
+            assert conn.execute(f"SELECT {chain_digest_sql('?1')}", (form,)).fetchone()[0] == mine
+    finally:
+        conn.close()
+    ids = compact.packed(made.id), compact.packed(made.session_id)
+    assert compact._whole(apart, *ids, tenant, node, offered) == body
+    if left_out:  # (a twin never reads it: it is read in SQL, with the row before it)
+        with pytest.raises(msgspec.DecodeError):
+            compact.decode_short(apart, made.id, made.session_id, (made.org_id, made.user_id), node)
+
+
 @settings(max_examples=800, deadline=None)
 @given(
     kind=st.sampled_from(["message", "checkpoint", "event", "audit"]),
-    form=st.sampled_from(["ids", "tenant", "node"]),
+    form=st.sampled_from(["ids", "tenant", "node", "chain", "chain and node"]),
     at=st.integers(0, 200),
     value=st.integers(0, 255),
     cut=st.booleans(),
@@ -1100,15 +1178,19 @@ def test_a_short_body_read_as_it_is_reads_as_the_whole_one(
     """``decode_short`` reads a short body as ``decode`` reads the body put together again,
     whatever one byte of it is made (or where it is cut short): the same record, or an
     error of the same kind. A body its twin refuses is put together and read whole, so the
-    short read never takes what the whole one refuses."""
+    short read never takes what the whole one refuses. SQL and the Python mirror put the same
+    bytes together, an event's without its prev_hash (``chain``) given the same digest."""
     import sqlite3
 
-    from shared.compact import short_body, stamp_node, uuid_bytes, whole_body_sql
+    from shared.compact import prev_apart, short_body, stamp_node, uuid_bytes, whole_body_sql
 
+    if form.startswith("chain") and kind != "event":
+        return
+    digest = secrets.token_bytes(32)
     made: Any = {
         "message": make_message,
         "checkpoint": make_checkpoint,
-        "event": make_event,
+        "event": lambda: make_event(prev_hash=digest.hex(), row_hash=secrets.token_hex(32)),
         "audit": make_audit,
     }[kind]()
     tenant = (made.org_id, made.user_id)
@@ -1122,32 +1204,42 @@ def test_a_short_body_read_as_it_is_reads_as_the_whole_one(
         key,
         session_key,
         b"" if form == "ids" else packed_tenant,
-        node if form == "node" else b"",
+        node if form.endswith("node") else b"",
     )
+    if form.startswith("chain"):
+        stored = prev_apart(stored, digest)
     if kind == "audit":  # (all or nothing)
         assert stored[:2] == compact.SHORT + b"\2" if form == "node" else stored == body
         if form != "node":
             return
     else:
-        forms = {"ids": stored[1:2], "tenant": b"\0", "node": b"\1"}
-        assert stored[:2] == compact.SHORT + forms[form]
+        forms = {"ids": stored[1:2], "tenant": b"\0", "node": b"\1", "chain": b"\x10"}
+        assert stored[:2] == compact.SHORT + forms.get(form, b"\x11")
     if cut:
         mutated = stored[: at % len(stored)]
     else:
         where = at % len(stored)
         mutated = stored[:where] + bytes((value,)) + stored[where + 1 :]
-    whole = compact._whole(
-        mutated, compact.packed(made.id), compact.packed(made.session_id), packed_tenant, node
-    )
+    ids = compact.packed(made.id), compact.packed(made.session_id)
+    whole = compact._whole(mutated, *ids, packed_tenant, node, digest)
     if len(mutated) >= 4 and mutated[:1] == compact.SHORT:  # the very bytes SQL puts together
-        sql = whole_body_sql("body", "id", "session_id", "?4", "?5")
+        sql = whole_body_sql("body", "id", "session_id", "?4", "?5", "?6")
         query = f"WITH t(id, session_id, body) AS (VALUES (?1, ?2, ?3)) SELECT {sql} FROM t"
         conn = sqlite3.connect(":memory:")
         try:
-            params = (key, session_key, mutated, packed_tenant, node)
+            params = (key, session_key, mutated, packed_tenant, node, digest)
             assert conn.execute(query, params).fetchone()[0] == whole
         finally:
             conn.close()
+    if mutated[:1] == compact.SHORT and mutated[1:2] in (b"\x10", b"\x11"):
+        # Without its prev_hash: read in SQL alone, with the row before it (above); a twin
+        # refuses it.
+        read = lambda: compact.decode_short(  # noqa: E731
+            mutated, made.id, made.session_id, (made.org_id, made.user_id), node
+        )
+        with pytest.raises(msgspec.DecodeError):
+            read()
+        return
 
     def outcome(read: Any) -> Any:
         try:

@@ -23,7 +23,7 @@ from shared.clock import HybridClock
 from shared.compact import uuid_bytes, uuid_text
 from shared.errors import CursorTooOld, ErrorCode, InvalidState, StorageError, StorageUnavailable
 from shared.ids import uuid7
-from shared.records import AuditRow, Event, Session
+from shared.records import AuditRow, Event, Session, encode_record
 from tests.factories import count_hops
 from tests.server_factories import Device, new_tenant
 from tests.server_store_conformance import (
@@ -270,7 +270,7 @@ async def test_schema_3_files_migrate_to_tenant_scoped_ids(db_path: Path) -> Non
         assert [r.status for r in theirs.results] == ["applied"]
         assert (await store.pull(alice.tenant, 0, 10)).changes == feed
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 14
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 15
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
@@ -483,7 +483,7 @@ async def test_schema_4_files_migrate_with_every_audit_row_placed(db_path: Path)
         )
         assert [r.status for r in after.results] == ["applied"]
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 14
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 15
         assert conn.execute("SELECT count(*) FROM audit_places").fetchone()[0] == 4
         # Migration 6 kept every record, now in a rowid table (bodies pack into its pages).
         assert conn.execute("SELECT count(*) FROM records").fetchone()[0] == 4
@@ -544,7 +544,7 @@ async def test_schema_6_files_migrate_to_a_feed_that_refers_to_its_records(db_pa
         later = await store.push(dev.tenant, dev.client_id, dev.changes(dev.message(v1.id)), clock)
         assert later.cursors == [6]  # not 5: that cursor was handed out before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 14
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 15
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         columns = [row[1] for row in conn.execute("PRAGMA table_info(feed)")]
         assert columns == ["cursor", "tid", "kind", "record_id"]
@@ -658,7 +658,7 @@ async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Pat
         assert isinstance(last.record, Event)
         assert (last.record.sequence_number, last.record.prev_hash) == (2, event.row_hash)
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 14
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 15
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert conn.execute("SELECT count(*) FROM tenants").fetchone()[0] == 2
         kept = dict(
@@ -692,9 +692,36 @@ def _records(conn: sqlite3.Connection) -> str:
     return "records"
 
 
+def _with_prev(stored: bytes, prev: bytes) -> bytes:
+    """A short event body stored without its prev_hash (``compact.prev_apart``) with ``prev``
+    back in its place, as schema 14 stored it."""
+    head = b"\xc7\x20\x02"
+    cut = len(stored) - 35 - (stored[-36:-33] == head and stored[-1:] in (b"\xc2", b"\xc3"))
+    return compact.SHORT + bytes((stored[1] - 0x10,)) + stored[2:cut] + head + prev + stored[cut:]
+
+
+def _as_schema_14(conn: sqlite3.Connection) -> None:
+    """Turn a file written by this store back into what schema 14 wrote: every event body
+    with its prev_hash (read from the row before it, as every read of it does)."""
+    if conn.execute("PRAGMA user_version").fetchone()[0] < 15:
+        return
+    prev = server_sqlite._prev_digest("e")
+    rows = conn.execute(
+        f"SELECT e.rowid, e.body, {prev} FROM events AS e "
+        "WHERE substr(e.body, 1, 1) = x'c1' AND substr(e.body, 2, 1) IN (x'10', x'11')"
+    ).fetchall()
+    for rowid, body, digest in rows:
+        assert len(digest) == 32
+        conn.execute(
+            "UPDATE events SET body = ? WHERE rowid = ?", (_with_prev(body, digest), rowid)
+        )
+    conn.execute("PRAGMA user_version = 14")
+
+
 def _as_schema_13(conn: sqlite3.Connection) -> None:
     """Turn a file written by this store back into what schema 13 wrote: its messages among
     the other records (``records``), each at its rowid, and no ``messages`` table."""
+    _as_schema_14(conn)
     if not conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'messages'").fetchall():
         return  # (schema 13 already)
     conn.execute(
@@ -756,7 +783,7 @@ def _as_schema_10(db_path: Path) -> None:
         conn.execute("DROP INDEX feed_session")
         conn.execute("CREATE INDEX feed_record ON feed (tid, kind, record_id, cursor)")
         conn.execute("PRAGMA user_version = 10")
-        assert module.SCHEMA_VERSION == 14
+        assert module.SCHEMA_VERSION == 15
 
 
 async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: Path) -> None:
@@ -833,7 +860,7 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
         (cursor,) = later.cursors
         assert cursor > max(at.values())
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 14
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 15
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         indexes = {row[1] for row in conn.execute("PRAGMA index_list(feed)")}
         assert indexes == {"feed_tenant", "feed_session"}
@@ -904,7 +931,7 @@ async def test_a_server_file_leaves_out_the_node_of_the_device_that_pushed(
                 assert body == compact.encode(record) and change.record == record
         assert await _raw_bodies(store, h.alice.tenant) == before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 14
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 15
         nodes = dict(conn.execute("SELECT node, n FROM nodes"))
         assert set(nodes) == {compact.stamp_node(phone.client_id)}  # (neither laptop nor odd)
         rows = {
@@ -1218,7 +1245,7 @@ async def test_a_schema_13_file_opens_with_its_messages_in_a_table_of_their_own(
         left = {c.record.id for c in await pull_all(store, alice.tenant)}
         assert not left & {r.id for r in h.content}
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 14
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 15
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert (
             conn.execute("SELECT count(*) FROM records WHERE kind = ?", (message,)).fetchone()[0]
@@ -1228,3 +1255,68 @@ async def test_a_schema_13_file_opens_with_its_messages_in_a_table_of_their_own(
         assert uuid_bytes(new[0].id) in rows
         assert not rows & {uuid_bytes(r.id) for r in h.content}
     assert server_file_problems(db_path) == []
+
+
+async def test_an_event_is_stored_without_the_prev_hash_the_row_before_it_holds(
+    db_path: Path,
+) -> None:
+    """Schema 15: a placed event's body leaves out its prev_hash where the row before it in
+    its chain (its session's, one number lower) holds that digest as its row_hash, read as
+    every read reads it; the first of a chain keeps it, and so does an event whose row
+    before holds no digest at its end (a body of the map form). Every pull gives the bytes
+    placed, the chain links, and a file of schema 14 (every prev_hash in its body) opens at
+    15, pulls the very bytes it pulled, and goes on with the rows it holds."""
+    clock = HybridClock("server-x")
+    tenant = new_tenant()
+    phone = Device(tenant)
+    session = phone.session()
+
+    async def log(store: SQLiteServerStore) -> list[Event]:
+        feed = await pull_all(store, tenant)
+        return [c.record for c in feed if isinstance(c.record, Event)]
+
+    def forms(conn: sqlite3.Connection) -> list[bytes]:
+        rows = "SELECT substr(body, 2, 1) FROM events ORDER BY session_id, sequence_number"
+        return [bytes(f) for (f,) in conn.execute(rows)]
+
+    async with SQLiteServerStore(db_path) as store:
+        first = [phone.event(session.id), phone.event(session.id), phone.event(session.id)]
+        await store.push(tenant, phone.client_id, phone.changes(session, *first), clock)
+        await store.push(tenant, phone.client_id, phone.changes(phone.event(session.id)), clock)
+        events = await log(store)
+        before = await _raw_bodies(store, tenant)
+    assert [e.sequence_number for e in events] == [1, 2, 3, 4]
+    assert [e.prev_hash for e in events[1:]] == [e.row_hash for e in events[:-1]]
+    assert [compact.decode(b) for _, b in before][-4:] == events  # (as placed)
+    with sqlite3.connect(db_path) as conn:
+        assert forms(conn) == [b"\x01", b"\x11", b"\x11", b"\x11"]  # (its node left out too)
+        stored = sum(len(b) for (b,) in conn.execute("SELECT body FROM events"))
+        _as_schema_14(conn)
+        conn.commit()
+        assert forms(conn) == [b"\x01"] * 4
+        assert sum(len(b) for (b,) in conn.execute("SELECT body FROM events")) == stored + 3 * 35
+        # The chain's last row as a build of the map form wrote it: no digest at its end.
+        conn.execute(
+            "UPDATE events SET body = ? WHERE sequence_number = 4",
+            (encode_record(events[3]),),
+        )
+        conn.commit()
+    async with SQLiteServerStore(db_path) as store:
+        pulled = await _raw_bodies(store, tenant)
+        assert [compact.decode(b) for _, b in pulled] == [compact.decode(b) for _, b in before]
+        more = [phone.event(session.id), phone.event(session.id)]
+        await store.push(tenant, phone.client_id, phone.changes(*more), clock)
+        events = await log(store)
+        assert [e.sequence_number for e in events] == [1, 2, 3, 4, 5, 6]
+        assert [e.prev_hash for e in events[1:]] == [e.row_hash for e in events[:-1]]
+        assert (await _raw_bodies(store, tenant))[: len(pulled)] == pulled
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 15
+        # The one after the row of the map form keeps its prev_hash (that row's digest is not
+        # at its end); the one after it leaves it out again.
+        assert forms(conn)[:3] + forms(conn)[4:] == [b"\x01"] * 4 + [b"\x11"]
+        mapped = conn.execute("SELECT body FROM events WHERE sequence_number = 4").fetchone()[0]
+        assert compact.chain_digest(mapped) is None
+        assert conn.execute(
+            f"SELECT {compact.chain_digest_sql('?1')} IS NULL", (mapped,)
+        ).fetchone()[0]

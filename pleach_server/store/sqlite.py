@@ -544,6 +544,11 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         "CREATE UNIQUE INDEX messages_key ON messages (tid, kind, id)",
         "CREATE INDEX messages_tenant ON messages (tid, session_id)",
     ),
+    # 15: an event's body stored without its prev_hash where the row before it in its chain
+    # holds it as its row_hash (``compact.prev_apart``; ``_INSERT_EVENT_SQL``, every read puts
+    # it back from that row: ``_prev_digest``), which a build before reads as corrupt rows.
+    # No table changes: the version makes such a build refuse the file whole.
+    ("SELECT 1",),
 )
 _PUT_HEALTH_SQL = (
     "INSERT INTO devices (org_id, user_id, client_id, seen_at, health) VALUES (?, ?, ?, ?, ?) "
@@ -562,21 +567,36 @@ _LIST_HEALTH_SQL = (
 SCHEMA_VERSION = len(_MIGRATIONS)
 
 
-def _whole_sql(row: str, tenant: str | None = None) -> str:
+def _whole_sql(row: str, tenant: str | None = None, *, event: bool = False) -> str:
     """SQL: the body of the events or records row aliased ``row`` as its record was written
     (``compact.short_body`` less its ids and its tenant, schema 12: ``_packed``, and its
-    stamp's node, schema 13: ``nodes``); ``tenant``: an expression of the row's tenant's
-    packed org and user (by default, its tenant's row, probed for each row)."""
+    stamp's node, schema 13: ``nodes``, and an event's ``prev_hash``, schema 15: the row
+    before it in its chain, ``_PREV_DIGEST``); ``tenant``: an expression of the row's
+    tenant's packed org and user (by default, its tenant's row, probed for each row)."""
     return compact.whole_body_sql(
         f"{row}.body",
         f"{row}.id",
         f"{row}.session_id",
         tenant or f"(SELECT packed FROM tenants WHERE tid = {row}.tid)",
         f"(SELECT node FROM nodes WHERE n = {row}.device)",
+        _prev_digest(row) if event else "NULL",
     )
 
 
-_WHOLE_EVENT = _whole_sql("e")
+def _prev_digest(row: str) -> str:
+    """SQL: the ``row_hash`` of the event before the events row aliased ``row`` in its chain
+    (its session's, one sequence number lower: one probe of the table's unique key), read
+    from that row's body (``compact.chain_digest_sql``); NULL when there is none. Events are
+    never deleted nor rewritten: a body that left its ``prev_hash`` out, because that row
+    held it when it was written, finds it there for good (``_INSERT_EVENT_SQL``)."""
+    return (
+        f"(SELECT {compact.chain_digest_sql('p.body')} FROM events AS p "
+        f"WHERE p.tid = {row}.tid AND p.session_id = {row}.session_id "
+        f"AND p.sequence_number = {row}.sequence_number - 1)"
+    )
+
+
+_WHOLE_EVENT = _whole_sql("e", event=True)
 """SQL: an event row's body as the event was written (``_whole_sql``)."""
 _WHOLE_RECORD = _whole_sql("r")
 """SQL: a record row's body as the record was written (``_whole_sql``)."""
@@ -680,15 +700,24 @@ _INSERT_RECORD_SQL = (
     f"VALUES (?, ?, ?, {_TENANT}, ?, ?, ?) ON CONFLICT (tid, kind, id) DO NOTHING"
 )
 _INSERT_MESSAGE_SQL = _INSERT_RECORD_SQL.replace("INTO records", "INTO messages")
-_INSERT_EVENT_SQL = (
-    f"INSERT INTO events (rowid, id, session_id, sequence_number, tid, body, device) "
-    f"VALUES (?, ?, ?, ?, {_TENANT}, ?, ?) ON CONFLICT DO NOTHING"
-)
+# An event's body leaves its prev_hash out (``?9``: ``compact.prev_apart``, schema 15) when
+# the row before it in its chain, stored now (this batch's rows go in in chain order), holds
+# exactly that digest (``?10``) as its row_hash, read as every read of this row will read it;
+# else it is stored as it is (``?7``).
+_INSERT_EVENT_SQL = f"""
+    INSERT INTO events (rowid, id, session_id, sequence_number, tid, body, device)
+    SELECT ?1, ?2, ?3, ?4, t.tid, CASE WHEN ?9 IS NOT NULL AND (
+            SELECT {compact.chain_digest_sql("p.body")} FROM events AS p
+            WHERE p.tid = t.tid AND p.session_id = ?3 AND p.sequence_number = ?4 - 1) = ?10
+        THEN ?9 ELSE ?7 END, ?8
+    FROM tenants AS t WHERE t.org_id = ?5 AND t.user_id = ?6
+    ON CONFLICT DO NOTHING"""
 _NODE_SQL = "SELECT n FROM nodes WHERE node = ?"
 _ADD_NODE_SQL = "INSERT INTO nodes (node) VALUES (?)"
 _NODE_OUT: Final = frozenset((compact.SHORT + b"\x01", compact.SHORT + b"\x02"))
 """The heads of the bodies ``short_body`` left their stamp's node out of (a message's,
-checkpoint's or event's; an audit row's): their rows name the node."""
+checkpoint's or event's; an audit row's): their rows name the node (so does an event's
+without its prev_hash too, ``compact.prev_apart`` of such a body, whatever is stored)."""
 _PUT_SESSION_SQL = (
     f"INSERT INTO sessions (id, tid, updated_at, body, ids_count) VALUES (?, {_TENANT}, ?, ?, ?) "
     "ON CONFLICT (tid, id) DO UPDATE SET updated_at = excluded.updated_at, "
@@ -854,7 +883,8 @@ class _Rows(msgspec.Struct):
     """``_INSERT_RECORD_SQL``'s rows, each led by the index of its entry in ``feed`` (in
     place of the rowid, the entry's cursor once the feed rows are in)."""
     events: list[tuple[Any, ...]]
-    """``_INSERT_EVENT_SQL``'s rows, led likewise."""
+    """``_INSERT_EVENT_SQL``'s rows, led likewise; after the body, its form without its
+    prev_hash (None: none) and that digest's bytes."""
     sessions: list[tuple[Any, ...]]
     id_blocks: list[tuple[Any, ...]]
     """``_PUT_ID_BLOCK_SQL``'s rows: the sessions' blocks that changed."""
@@ -889,9 +919,10 @@ def _write_rows(raw: sqlite3.Connection, rows: _Rows) -> tuple[list[int], int | 
                 _SUPERSEDED_SQL, [(*t, key, cursors[i]) for key, i in rows.versioned.items()]
             )
     # Each record and event in the rowid of its entry's cursor (``_Rows.records``), and
-    # naming the pushing device's stamp node where its body left it out (``device``).
+    # naming the pushing device's stamp node where its body left it out (``device``): each
+    # row's body is its seventh value (an event's form without its prev_hash follows it).
     both = itertools.chain(rows.records, rows.events)
-    named = any(row[-1][:2] in _NODE_OUT for row in both)
+    named = any(row[6][:2] in _NODE_OUT for row in both)
     device = _device_number(raw, rows.node) if named else None
     for sql, written, what in (
         (_INSERT_RECORD_SQL, [r for r in rows.records if r[1] != _MESSAGE_KIND], "a record id"),
@@ -900,8 +931,8 @@ def _write_rows(raw: sqlite3.Connection, rows: _Rows) -> tuple[list[int], int | 
     ):
         if written:
             placed = [
-                (cursors[at], *row, device if row[-1][:2] in _NODE_OUT else None)
-                for at, *row in written
+                (cursors[row[0]], *row[1:7], device if row[6][:2] in _NODE_OUT else None, *row[7:])
+                for row in written
             ]
             if raw.executemany(sql, placed).rowcount != len(placed):
                 raise claimed_concurrently(what)
@@ -1113,10 +1144,15 @@ class _SQLiteTx:
                     e.sequence_number,
                     e.org_id,
                     e.user_id,
-                    short(body(e), key, session_key, packed, node),
+                    stored,
+                    None if apart is stored else apart,
+                    prev,
                 )
                 for e, at in zip(writes.events, event_entries, strict=True)
                 for key, session_key in [(_key(e.id), _key(e.session_id))]
+                for stored in [short(body(e), key, session_key, packed, node)]
+                for prev in [compact.digest_bytes(e.prev_hash) or b""]
+                for apart in [compact.prev_apart(stored, prev)]
             ],
             sessions=[],
             id_blocks=[],
@@ -1584,7 +1620,7 @@ class SQLiteServerStore(AsyncResource):
 
 _NO_BUDGET = 1 << 62
 _PULLER = "(SELECT packed FROM tenants WHERE org_id = ?2 AND user_id = ?3)"
-_PULLED_EVENT = _whole_sql("e", _PULLER)
+_PULLED_EVENT = _whole_sql("e", _PULLER, event=True)
 _PULLED_RECORD = _whole_sql("r", _PULLER)
 """``_WHOLE_EVENT`` and ``_WHOLE_RECORD`` in a pull, whose rows are all the pulling tenant's:
 its packed org and user read once a statement, not a probe a row (0.4 µs of the 1.25 a row
