@@ -705,7 +705,7 @@ def _as_schema_14(conn: sqlite3.Connection) -> None:
     with its prev_hash (read from the row before it, as every read of it does)."""
     if conn.execute("PRAGMA user_version").fetchone()[0] < 15:
         return
-    prev = server_sqlite._prev_digest("e")
+    prev = server_sqlite._prev_digest("e.tid", "e.session_id", "e.sequence_number")
     rows = conn.execute(
         f"SELECT e.rowid, e.body, {prev} FROM events AS e "
         "WHERE substr(e.body, 1, 1) = x'c1' AND substr(e.body, 2, 1) IN (x'10', x'11')"

@@ -571,7 +571,7 @@ def _whole_sql(row: str, tenant: str | None = None, *, event: bool = False) -> s
     """SQL: the body of the events or records row aliased ``row`` as its record was written
     (``compact.short_body`` less its ids and its tenant, schema 12: ``_packed``, and its
     stamp's node, schema 13: ``nodes``, and an event's ``prev_hash``, schema 15: the row
-    before it in its chain, ``_PREV_DIGEST``); ``tenant``: an expression of the row's
+    before it in its chain, ``_prev_digest``); ``tenant``: an expression of the row's
     tenant's packed org and user (by default, its tenant's row, probed for each row)."""
     return compact.whole_body_sql(
         f"{row}.body",
@@ -579,20 +579,23 @@ def _whole_sql(row: str, tenant: str | None = None, *, event: bool = False) -> s
         f"{row}.session_id",
         tenant or f"(SELECT packed FROM tenants WHERE tid = {row}.tid)",
         f"(SELECT node FROM nodes WHERE n = {row}.device)",
-        _prev_digest(row) if event else "NULL",
+        _prev_digest(f"{row}.tid", f"{row}.session_id", f"{row}.sequence_number")
+        if event
+        else "NULL",
     )
 
 
-def _prev_digest(row: str) -> str:
-    """SQL: the ``row_hash`` of the event before the events row aliased ``row`` in its chain
-    (its session's, one sequence number lower: one probe of the table's unique key), read
-    from that row's body (``compact.chain_digest_sql``); NULL when there is none. Events are
-    never deleted nor rewritten: a body that left its ``prev_hash`` out, because that row
-    held it when it was written, finds it there for good (``_INSERT_EVENT_SQL``)."""
+def _prev_digest(tid: str, session_key: str, number: str) -> str:
+    """SQL: the ``row_hash`` of the event before the one at ``number`` in the chain of
+    ``session_key`` (each an expression; one probe of the events' unique key), read from
+    that row's body (``compact.chain_digest_sql``); NULL when there is none. The one
+    expression both decides whether an event's body is stored without its ``prev_hash``
+    (``_INSERT_EVENT_SQL``) and reads it back: events are never deleted nor rewritten, so a
+    body that left it out finds it there for good."""
     return (
         f"(SELECT {compact.chain_digest_sql('p.body')} FROM events AS p "
-        f"WHERE p.tid = {row}.tid AND p.session_id = {row}.session_id "
-        f"AND p.sequence_number = {row}.sequence_number - 1)"
+        f"WHERE p.tid = {tid} AND p.session_id = {session_key} "
+        f"AND p.sequence_number = {number} - 1)"
     )
 
 
@@ -706,9 +709,8 @@ _INSERT_MESSAGE_SQL = _INSERT_RECORD_SQL.replace("INTO records", "INTO messages"
 # else it is stored as it is (``?7``).
 _INSERT_EVENT_SQL = f"""
     INSERT INTO events (rowid, id, session_id, sequence_number, tid, body, device)
-    SELECT ?1, ?2, ?3, ?4, t.tid, CASE WHEN ?9 IS NOT NULL AND (
-            SELECT {compact.chain_digest_sql("p.body")} FROM events AS p
-            WHERE p.tid = t.tid AND p.session_id = ?3 AND p.sequence_number = ?4 - 1) = ?10
+    SELECT ?1, ?2, ?3, ?4, t.tid,
+        CASE WHEN ?9 IS NOT NULL AND {_prev_digest("t.tid", "?3", "?4")} = ?10
         THEN ?9 ELSE ?7 END, ?8
     FROM tenants AS t WHERE t.org_id = ?5 AND t.user_id = ?6
     ON CONFLICT DO NOTHING"""
@@ -745,7 +747,8 @@ _CASCADE_CANDIDATES_SQL = _in_both(f"""
         ON r.tid = (SELECT tid FROM tenants WHERE org_id = ?2 AND user_id = ?3)
         AND r.session_id = pleach_key(k.value)
     WHERE r.kind IN (SELECT value FROM json_each(?4))""")
-# The records ``?3`` names (a JSON array of [kind, id]), each found through ``records_key``:
+# The records ``?3`` names (a JSON array of [kind, id]), each found through its table's key
+# (``records_key``, ``messages_key``):
 # its rowid, kind and id, and whether the feed entry at its rowid is its own (migration 11:
 # a record's rowid is its entry's cursor; not so for a row a process of the build before
 # wrote after the migration, whose entry is then found by kind and id).
