@@ -1504,12 +1504,17 @@ def chain_digest(body: bytes) -> bytes | None:
     return None if tail is None else body[len(body) - tail - 32 : len(body) - tail]
 
 
+def _tail_sql(body: str) -> str:
+    """SQL: 1 when the body in ``body`` ends with a digest's ext and a boolean, else 0 (the
+    first case of ``_digest_tail``)."""
+    return f"(substr({body}, -36, 3) = X'c72002' AND substr({body}, -1) IN (X'c2', X'c3'))"
+
+
 def chain_digest_sql(body: str) -> str:
     """SQLite SQL: ``chain_digest`` of the stored event body in ``body`` (NULL for none)."""
     return (
-        f"CASE WHEN substr({body}, -36, 3) = X'c72002' AND substr({body}, -1) IN (X'c2', X'c3') "
-        f"THEN substr({body}, -33, 32) WHEN substr({body}, -35, 3) = X'c72002' "
-        f"THEN substr({body}, -32) END"
+        f"CASE WHEN {_tail_sql(body)} THEN substr({body}, -33, 32) "
+        f"WHEN substr({body}, -35, 3) = X'c72002' THEN substr({body}, -32) END"
     )
 
 
@@ -1588,8 +1593,7 @@ def whole_body_sql(
         return f"substr({_HEADS}, instr({_HEADS}, substr({body}, {at}, 1)) + {more}, 1)"
 
     # A body without its prev_hash: from ``at`` to its row_hash's ext, the digest, the rest.
-    tail = f"(substr({body}, -36, 3) = X'c72002' AND substr({body}, -1) IN (X'c2', X'c3'))"
-    cut = f"length({body}) - 35 - {tail}"
+    cut = f"length({body}) - 35 - {_tail_sql(body)}"
 
     def rest(at: int) -> str:  # (NULL for a body too short to hold it: no such body is kept)
         return (
@@ -1597,21 +1601,21 @@ def whole_body_sql(
             f"X'c72002' || {prev} || substr({body}, {cut} + 1) END"
         )
 
+    # Forms 0 and 1 (and 16, 17) start alike: the header, the kind, the ids, the tenant;
+    # 1 (and 17) then the device (nil) and the stamp with its node put back.
+    ids_tenant = f"{head(3, 4)} || substr({body}, 4, 1) || {ids} || {tenant}"
+    stamp = f"substr({body}, 5, 1) || substr({node}, 1, 3) || substr({body}, 9, 9) || " + (
+        f"substr({node}, 4)"
+    )
     return (
         f"CASE WHEN substr({body}, 1, 1) = X'c1' THEN CAST(CASE substr({body}, 2, 1) "
-        f"WHEN X'00' THEN {head(3, 4)} || substr({body}, 4, 1) || {ids} || {tenant} || "
-        f"substr({body}, 5) "
-        f"WHEN X'01' THEN {head(3, 4)} || substr({body}, 4, 1) || {ids} || {tenant} || "
-        f"substr({body}, 5, 1) || substr({node}, 1, 3) || substr({body}, 9, 9) || "
-        f"substr({node}, 4) || substr({body}, 18) "
+        f"WHEN X'00' THEN {ids_tenant} || substr({body}, 5) "
+        f"WHEN X'01' THEN {ids_tenant} || {stamp} || substr({body}, 18) "
         f"WHEN X'02' THEN substr({body}, 3, 4) || X'd801' || {key} || {tenant} || X'c0' || "
         f"substr({node}, 1, 3) || substr({body}, 10, 9) || substr({node}, 4) || "
         f"X'd801' || {session_key} || substr({body}, 19) "
-        f"WHEN X'10' THEN {head(3, 4)} || substr({body}, 4, 1) || {ids} || {tenant} || "
-        f"{rest(5)} "
-        f"WHEN X'11' THEN {head(3, 4)} || substr({body}, 4, 1) || {ids} || {tenant} || "
-        f"substr({body}, 5, 1) || substr({node}, 1, 3) || substr({body}, 9, 9) || "
-        f"substr({node}, 4) || {rest(18)} "
+        f"WHEN X'10' THEN {ids_tenant} || {rest(5)} "
+        f"WHEN X'11' THEN {ids_tenant} || {stamp} || {rest(18)} "
         f"ELSE {head(2, 2)} || substr({body}, 3, 1) || {ids} || "
         f"substr({body}, 4) END AS BLOB) ELSE {body} END"
     )
@@ -1720,7 +1724,7 @@ def _whole(
     if data[1] in (_PREV_APART, _PREV_APART + 1):
         if prev is None:
             return None
-        cut = len(data) - 35 - (data[-36:-33] == _DIGEST_HEAD and data[-1:] in (b"\xc2", b"\xc3"))
+        cut = len(data) - 35 - (_digest_tail(data) == 1)  # (as SQL's ``_tail_sql``)
         at = 4 if data[1] == _PREV_APART else 17
         if cut < at:
             return None

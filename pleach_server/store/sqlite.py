@@ -1137,26 +1137,17 @@ class _SQLiteTx:
                     short(body(r), key, session_key, packed, node),
                 )
             )
+        events: list[tuple[Any, ...]] = []
+        for e, at in zip(writes.events, event_entries, strict=True):
+            key, session_key = _key(e.id), _key(e.session_id)
+            stored = short(body(e), key, session_key, packed, node)
+            prev = compact.digest_bytes(e.prev_hash) or b""
+            apart = compact.prev_apart(stored, prev)  # (kept where the row before holds prev)
+            row = (at, key, session_key, e.sequence_number, e.org_id, e.user_id, stored)
+            events.append((*row, None if apart is stored else apart, prev))
         rows = _Rows(
             records=records,
-            events=[
-                (
-                    at,
-                    key,
-                    session_key,
-                    e.sequence_number,
-                    e.org_id,
-                    e.user_id,
-                    stored,
-                    None if apart is stored else apart,
-                    prev,
-                )
-                for e, at in zip(writes.events, event_entries, strict=True)
-                for key, session_key in [(_key(e.id), _key(e.session_id))]
-                for stored in [short(body(e), key, session_key, packed, node)]
-                for prev in [compact.digest_bytes(e.prev_hash) or b""]
-                for apart in [compact.prev_apart(stored, prev)]
-            ],
+            events=events,
             sessions=[],
             id_blocks=[],
             id_drops=[],
