@@ -270,7 +270,7 @@ async def test_schema_3_files_migrate_to_tenant_scoped_ids(db_path: Path) -> Non
         assert [r.status for r in theirs.results] == ["applied"]
         assert (await store.pull(alice.tenant, 0, 10)).changes == feed
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 15
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 16
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
@@ -483,7 +483,7 @@ async def test_schema_4_files_migrate_with_every_audit_row_placed(db_path: Path)
         )
         assert [r.status for r in after.results] == ["applied"]
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 15
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 16
         assert conn.execute("SELECT count(*) FROM audit_places").fetchone()[0] == 4
         # Migration 6 kept every record, now in a rowid table (bodies pack into its pages).
         assert conn.execute("SELECT count(*) FROM records").fetchone()[0] == 4
@@ -544,7 +544,7 @@ async def test_schema_6_files_migrate_to_a_feed_that_refers_to_its_records(db_pa
         later = await store.push(dev.tenant, dev.client_id, dev.changes(dev.message(v1.id)), clock)
         assert later.cursors == [6]  # not 5: that cursor was handed out before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 15
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 16
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         columns = [row[1] for row in conn.execute("PRAGMA table_info(feed)")]
         assert columns == ["cursor", "tid", "kind", "record_id"]
@@ -658,7 +658,7 @@ async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Pat
         assert isinstance(last.record, Event)
         assert (last.record.sequence_number, last.record.prev_hash) == (2, event.row_hash)
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 15
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 16
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert conn.execute("SELECT count(*) FROM tenants").fetchone()[0] == 2
         kept = dict(
@@ -700,9 +700,38 @@ def _with_prev(stored: bytes, prev: bytes) -> bytes:
     return compact.SHORT + bytes((stored[1] - 0x10,)) + stored[2:cut] + head + prev + stored[cut:]
 
 
+def _as_schema_15(conn: sqlite3.Connection) -> None:
+    """Turn a file written by this store back into what schema 15 wrote: every feed entry
+    naming its record's id (``record_id`` NOT NULL), read from the row at its cursor in the
+    table of its kind."""
+    if conn.execute("PRAGMA user_version").fetchone()[0] < 16:
+        return
+    event, message = compact.KINDS.index("Event"), compact.KINDS.index("Message")
+    conn.execute(
+        "CREATE TABLE feed_15 (cursor INTEGER PRIMARY KEY AUTOINCREMENT, "
+        "tid INTEGER NOT NULL, kind INTEGER NOT NULL, record_id BLOB NOT NULL)"
+    )
+    conn.execute(
+        "INSERT INTO feed_15 (cursor, tid, kind, record_id) SELECT f.cursor, f.tid, f.kind, "
+        "COALESCE(f.record_id, CASE f.kind "
+        f"WHEN {event} THEN (SELECT id FROM events WHERE rowid = f.cursor) "
+        f"WHEN {message} THEN (SELECT id FROM messages WHERE rowid = f.cursor) "
+        "ELSE (SELECT id FROM records WHERE rowid = f.cursor) END) FROM feed AS f"
+    )
+    conn.execute("DELETE FROM sqlite_sequence WHERE name = 'feed_15'")
+    conn.execute("UPDATE sqlite_sequence SET name = 'feed_15' WHERE name = 'feed'")
+    conn.execute("DROP TABLE feed")
+    conn.execute("ALTER TABLE feed_15 RENAME TO feed")
+    session = compact.KINDS.index("Session")
+    conn.execute(f"CREATE INDEX feed_session ON feed (tid, record_id) WHERE kind = {session}")
+    conn.execute("CREATE INDEX feed_tenant ON feed (tid)")
+    conn.execute("PRAGMA user_version = 15")
+
+
 def _as_schema_14(conn: sqlite3.Connection) -> None:
     """Turn a file written by this store back into what schema 14 wrote: every event body
     with its prev_hash (read from the row before it, as every read of it does)."""
+    _as_schema_15(conn)
     if conn.execute("PRAGMA user_version").fetchone()[0] < 15:
         return
     prev = server_sqlite._prev_digest("e.tid", "e.session_id", "e.sequence_number")
@@ -783,7 +812,7 @@ def _as_schema_10(db_path: Path) -> None:
         conn.execute("DROP INDEX feed_session")
         conn.execute("CREATE INDEX feed_record ON feed (tid, kind, record_id, cursor)")
         conn.execute("PRAGMA user_version = 10")
-        assert module.SCHEMA_VERSION == 15
+        assert module.SCHEMA_VERSION == 16
 
 
 async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: Path) -> None:
@@ -860,7 +889,7 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
         (cursor,) = later.cursors
         assert cursor > max(at.values())
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 15
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 16
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         indexes = {row[1] for row in conn.execute("PRAGMA index_list(feed)")}
         assert indexes == {"feed_tenant", "feed_session"}
@@ -878,7 +907,8 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
         for table in ("records", "messages", "events"):  # every row with an entry at its rowid
             assert not conn.execute(
                 f"SELECT rowid FROM {table} AS r WHERE rowid > 0 AND NOT EXISTS ("
-                "SELECT 1 FROM feed AS f WHERE f.cursor = r.rowid AND f.record_id = r.id)"
+                "SELECT 1 FROM feed AS f WHERE f.cursor = r.rowid "
+                "AND (f.record_id IS NULL OR f.record_id = r.id))"
             ).fetchall()
 
 
@@ -931,7 +961,7 @@ async def test_a_server_file_leaves_out_the_node_of_the_device_that_pushed(
                 assert body == compact.encode(record) and change.record == record
         assert await _raw_bodies(store, h.alice.tenant) == before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 15
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 16
         nodes = dict(conn.execute("SELECT node, n FROM nodes"))
         assert set(nodes) == {compact.stamp_node(phone.client_id)}  # (neither laptop nor odd)
         rows = {
@@ -1245,7 +1275,7 @@ async def test_a_schema_13_file_opens_with_its_messages_in_a_table_of_their_own(
         left = {c.record.id for c in await pull_all(store, alice.tenant)}
         assert not left & {r.id for r in h.content}
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 15
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 16
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert (
             conn.execute("SELECT count(*) FROM records WHERE kind = ?", (message,)).fetchone()[0]
@@ -1311,7 +1341,7 @@ async def test_an_event_is_stored_without_the_prev_hash_the_row_before_it_holds(
         assert [e.prev_hash for e in events[1:]] == [e.row_hash for e in events[:-1]]
         assert (await _raw_bodies(store, tenant))[: len(pulled)] == pulled
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 15
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 16
         # The one after the row of the map form keeps its prev_hash (that row's digest is not
         # at its end); the one after it leaves it out again.
         assert forms(conn)[:3] + forms(conn)[4:] == [b"\x01"] * 4 + [b"\x11"]
@@ -1320,3 +1350,95 @@ async def test_an_event_is_stored_without_the_prev_hash_the_row_before_it_holds(
         assert conn.execute(
             f"SELECT {compact.chain_digest_sql('?1')} IS NULL", (mapped,)
         ).fetchone()[0]
+
+
+async def test_a_feed_entry_whose_row_is_at_its_cursor_names_no_id(db_path: Path) -> None:
+    """Schema 16: a feed entry of a record or an event whose row is at its cursor, in the
+    table of its kind, names no id (``record_id`` NULL); a session's entry names its own. A
+    file of schema 15 (every entry naming its id) opens at 16 with each such entry's id
+    dropped and no other, pulls the very bytes it pulled before, keeps the id of an entry
+    whose row is elsewhere (a row a process of a build before 11 wrote at a rowid of its
+    own), and later pushes and deletes keep the layout."""
+    from tests.sim.invariants import server_file_problems
+
+    session_kind = compact.KINDS.index("Session")
+
+    def named(conn: sqlite3.Connection) -> dict[int, bool]:
+        """Each feed entry's cursor: whether it names an id."""
+        rows = conn.execute("SELECT cursor, record_id IS NOT NULL FROM feed ORDER BY cursor")
+        return {cursor: bool(names) for cursor, names in rows}
+
+    def sessions_at(conn: sqlite3.Connection) -> set[int]:
+        rows = conn.execute("SELECT cursor FROM feed WHERE kind = ?", (session_kind,))
+        return {cursor for (cursor,) in rows}
+
+    clock = HybridClock("server-x")
+    async with SQLiteServerStore(db_path) as store:
+        h = await placed_history(store, clock)
+        before = await _raw_bodies(store, h.alice.tenant)
+        theirs = await _raw_bodies(store, h.bob.tenant)
+    with sqlite3.connect(db_path) as conn:
+        written = named(conn)
+        assert {c for c, names in written.items() if names} == sessions_at(conn)
+        _as_schema_15(conn)
+        assert set(named(conn).values()) == {True}
+        # A message a process of a build before 11 wrote: its row at a rowid of its own (far
+        # above every cursor), its entry naming its id.
+        stray = h.alice.message(h.other.id)
+        tid = "(SELECT tid FROM tenants WHERE org_id = ? AND user_id = ?)"
+        a = (h.alice.tenant.org_id, h.alice.tenant.user_id)
+        message = compact.KINDS.index("Message")
+        conn.execute(
+            "INSERT INTO messages (rowid, kind, id, tid, session_id, body) "
+            f"VALUES (9000, ?, ?, {tid}, ?, ?)",
+            (message, uuid_bytes(stray.id), *a, uuid_bytes(h.other.id), compact.encode(stray)),
+        )
+        conn.execute(
+            f"INSERT INTO feed (tid, kind, record_id) VALUES ({tid}, ?, ?)",
+            (*a, message, uuid_bytes(stray.id)),
+        )
+        stray_at = conn.execute("SELECT max(cursor) FROM feed").fetchone()[0]
+        conn.commit()
+    async with SQLiteServerStore(db_path) as store:
+        pulled = await _raw_bodies(store, h.alice.tenant)
+        assert pulled[:-1] == before and pulled[-1][0] == stray_at
+        assert compact.decode(pulled[-1][1]) == stray
+        assert await _raw_bodies(store, h.bob.tenant) == theirs
+        with sqlite3.connect(db_path) as conn:
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 16
+            migrated = named(conn)
+            assert {c for c, names in migrated.items() if names} == sessions_at(conn) | {stray_at}
+            assert migrated.keys() == written.keys() | {stray_at}
+        assert server_file_problems(db_path) == [  # (the layout this build writes: not so)
+            f"feed-orphan: entry {stray_at} (Message) has no row at its cursor",
+            "row-unfed: messages row 9000 has no feed entry at it",
+        ]
+        # Later pushes: each record's and event's entry names no id, a session's its own.
+        alice, session = h.alice, h.session
+        new = [alice.message(session.id), alice.event(session.id), alice.checkpoint(session.id)]
+        result = await store.push(alice.tenant, alice.client_id, alice.changes(*new), clock)
+        assert statuses(result) == ["applied"] * 3
+        edited = alice.edit(session, title="again")
+        await store.push(alice.tenant, alice.client_id, alice.changes(edited), clock)
+        feed = await pull_all(store, alice.tenant)
+        assert [c.record.id for c in feed[-4:]] == [r.id for r in [*new, edited]]  # (placed)
+        with sqlite3.connect(db_path) as conn:
+            now = named(conn)
+            assert [now[c.cursor] for c in feed[-4:]] == [False, False, False, True]
+        # Deleting the session the stray belongs to takes it and its entry (found by its id),
+        # with every other record of that session and its entry (found at its cursor).
+        tomb = tombstone(alice, h.other)
+        deleted = await store.push(alice.tenant, alice.client_id, alice.changes(tomb), clock)
+        assert statuses(deleted) == ["applied"]
+        left = {c.record.id for c in await pull_all(store, alice.tenant)}
+        assert not left & {r.id for r in [*h.content, stray]}
+        assert await _raw_bodies(store, h.bob.tenant) == theirs
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        gone = {uuid_bytes(r.id) for r in [*h.content, stray]}
+        for table in ("records", "messages"):
+            assert not {bytes(k) for (k,) in conn.execute(f"SELECT id FROM {table}")} & gone
+        assert stray_at not in named(conn)
+        indexes = {row[1] for row in conn.execute("PRAGMA index_list(feed)")}
+        assert indexes == {"feed_tenant", "feed_session"}
+    assert server_file_problems(db_path) == []

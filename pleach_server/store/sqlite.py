@@ -24,9 +24,10 @@ Schema (versioned by ``PRAGMA user_version``, migrated at ``open()``):
   after its small rows closed a page with a fifth of it unused.
 - ``events``: canonical events; ``(tid, session_id, sequence_number)`` is unique; an event's
   rowid is its feed entry's cursor, too.
-- ``feed``: every applied change per tenant under a global monotonic ``cursor``, by kind and
-  id (a pull reads each body from its row); a session keeps one entry, its latest version's,
-  found through ``feed_session``, an index of sessions' entries alone.
+- ``feed``: every applied change per tenant under a global monotonic ``cursor``, by kind (a
+  pull reads each body from its row: a record's or an event's at the rowid of its cursor, so
+  its entry names no id, schema 16; a session's by its id); a session keeps one entry, its
+  latest version's, found through ``feed_session``, an index of sessions' entries alone.
 - ``clients``: ``last_seq`` per ``(tid, client_id)``.
 - ``meta``: the feed floor per tenant (entries at or below it were compacted away).
 - ``audit_places``: where each audit row sits in its device's chain (client id, sequence
@@ -187,6 +188,17 @@ _EVENTS_COLUMNS: Final = """(
     UNIQUE (tid, id),
     UNIQUE (tid, session_id, sequence_number)
 )"""
+
+_OWN_ROW_16: Final = f"""CASE f.kind
+    WHEN {_SESSION_KIND} THEN 0
+    WHEN {_EVENT_KIND} THEN EXISTS (SELECT 1 FROM events AS e WHERE e.rowid = f.cursor
+        AND e.tid = f.tid AND e.id = f.record_id)
+    WHEN {_MESSAGE_KIND} THEN EXISTS (SELECT 1 FROM messages AS r WHERE r.rowid = f.cursor
+        AND r.tid = f.tid AND r.kind = f.kind AND r.id = f.record_id)
+    ELSE EXISTS (SELECT 1 FROM records AS r WHERE r.rowid = f.cursor
+        AND r.tid = f.tid AND r.kind = f.kind AND r.id = f.record_id) END"""
+"""Migration 16: whether feed entry ``f``'s row is at its cursor, in the table of its kind,
+and bears its id (then the entry need not name it: ``_own_row``). Frozen with its version."""
 
 _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
     (
@@ -549,6 +561,29 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
     # it back from that row: ``_prev_digest``), which a build before reads as corrupt rows.
     # No table changes: the version makes such a build refuse the file whole.
     ("SELECT 1",),
+    # 16: a feed entry of an immutable record or an event names no id (``record_id`` NULL)
+    # where the row at its cursor, in the table of its kind, is its own: as every such row
+    # is written since schema 11. Its id was held a second time (16 bytes of
+    # each entry, 0.14 MB of a 3.5 MB file at 1,000 turns: ``_own_row``). A session's keep theirs
+    # (a session's row is not at its cursor), and so does a row a process of a build before
+    # 11 wrote at a rowid of its own (found by kind and id, as before).
+    (
+        """CREATE TABLE feed_16 (
+            cursor INTEGER PRIMARY KEY AUTOINCREMENT,
+            tid INTEGER NOT NULL,
+            kind INTEGER NOT NULL,
+            record_id BLOB
+        )""",
+        "INSERT INTO feed_16 (cursor, tid, kind, record_id) SELECT f.cursor, f.tid, f.kind, "
+        f"CASE WHEN {_OWN_ROW_16} THEN NULL ELSE f.record_id END FROM feed AS f ORDER BY f.cursor",
+        "DELETE FROM sqlite_sequence WHERE name = 'feed_16'",
+        "INSERT INTO sqlite_sequence (name, seq) "
+        "SELECT 'feed_16', seq FROM sqlite_sequence WHERE name = 'feed'",
+        "DROP TABLE feed",
+        "ALTER TABLE feed_16 RENAME TO feed",
+        f"CREATE INDEX feed_session ON feed (tid, record_id) WHERE kind = {_SESSION_KIND}",
+        "CREATE INDEX feed_tenant ON feed (tid)",
+    ),
 )
 _PUT_HEALTH_SQL = (
     "INSERT INTO devices (org_id, user_id, client_id, seen_at, health) VALUES (?, ?, ?, ?, ?) "
@@ -730,6 +765,17 @@ _PUT_ID_BLOCK_SQL = (
 )
 _DROP_ID_BLOCKS_SQL = f"DELETE FROM session_ids WHERE tid = {_TENANT} AND id = ? AND part >= ?"
 _APPEND_FEED_SQL = f"INSERT INTO feed (tid, kind, record_id) VALUES ({_TENANT}, ?, ?)"
+
+
+def _own_row(row: str, entry: str = "f") -> str:
+    """SQL: whether ``row``, found at feed entry ``entry``'s cursor in the table of its kind
+    (and of its tenant and kind), is that entry's own: an entry that names no id (schema 16)
+    has its row there, as every immutable record's and event's is written since schema 11;
+    one that names an id (a session's, or a row a process of a build before 11 wrote at a
+    rowid of its own) is its row's only where the ids agree."""
+    return f"({entry}.record_id IS NULL OR {row}.id = {entry}.record_id)"
+
+
 # The entries a session's new entry supersedes (see migration 7): through feed_session.
 _SUPERSEDED_SQL = (
     f"DELETE FROM feed WHERE tid = {_TENANT} AND kind = {_SESSION_KIND} AND record_id = ? "
@@ -754,7 +800,7 @@ _CASCADE_CANDIDATES_SQL = _in_both(f"""
 # wrote after the migration, whose entry is then found by kind and id).
 _DOOMED_SQL = _in_both(f"""
     SELECT r.rowid, r.kind, r.id, EXISTS (SELECT 1 FROM feed AS f WHERE f.cursor = r.rowid
-        AND f.tid = r.tid AND f.kind = r.kind AND f.record_id = r.id)
+        AND f.tid = r.tid AND f.kind = r.kind AND {_own_row("r")})
     FROM json_each(?3) AS d CROSS JOIN @table AS r
         ON r.tid = {_TENANT_12} AND r.kind = json_extract(d.value, '$[0]')
         AND r.id = pleach_key(json_extract(d.value, '$[1]'))""")
@@ -1117,8 +1163,13 @@ class _SQLiteTx:
         body = writes.bodies.of  # the feed refers to these rows: each body is stored once
         short, packed = compact.short_body, _packed(tenant)  # (less what its row holds: 12)
         node = _stamp_node(client_id)  # (and the pushing device's stamp node: 13)
-        feed = [(*t, _KIND_NUMBERS[record_kind(r)], _key(r.id)) for r in writes.feed]
         record_entries, event_entries = writes.entries()
+        # An entry whose row this batch writes at its cursor names no id (schema 16: _own_row).
+        at_cursor = {*record_entries, *event_entries}
+        feed = [
+            (*t, _KIND_NUMBERS[record_kind(r)], None if i in at_cursor else _key(r.id))
+            for i, r in enumerate(writes.feed)
+        ]
         records: list[tuple[Any, ...]] = []
         for r, at in zip(writes.records, record_entries, strict=True):
             info = kind_of(r)
@@ -1152,7 +1203,11 @@ class _SQLiteTx:
             id_blocks=[],
             id_drops=[],
             feed=feed,
-            versioned={key: i for i, (_, _, kind, key) in enumerate(feed) if kind == _SESSION_KIND},
+            versioned={
+                key: i
+                for i, (_, _, kind, key) in enumerate(feed)
+                if kind == _SESSION_KIND and key is not None
+            },
             last_seq=None if writes.last_seq is None else (*t, client_id, writes.last_seq),
             places=[(*t, *_place(r)) for r in writes.records if isinstance(r, AuditRow)],
             head=None if writes.deleted_sessions else t + t,
@@ -1622,8 +1677,9 @@ takes to put a body together)."""
 
 # A page of the feed (at most ?5 entries after cursor ?4), each entry's body read from the
 # row it refers to: a record's or an event's by its rowid, the entry's cursor (migration 11;
-# through the table's key for a row that is not there, as a process of the build before
-# writes them), a session's through its key; ``within``: the entry is inside the byte budget
+# ``_own_row``: an entry that names no id, schema 16, has its row there; one that names an id
+# is read through the table's key when its row is not there, as a process of a build before
+# 11 wrote them), a session's through its key; ``within``: the entry is inside the byte budget
 # (the first always is). A missing row reads as a NULL body, within the budget. A session
 # whose ids are in blocks also answers their count and its key (its blocks are read next,
 # in the same transaction: ``_PAGE_ID_BLOCKS_SQL``), and is counted with its ids.
@@ -1636,16 +1692,16 @@ _PULL_SQL = f"""
             SELECT f.cursor, f.record_id, CASE f.kind
                 WHEN {_SESSION_KIND} THEN s.body
                 WHEN {_EVENT_KIND} THEN COALESCE((SELECT {_PULLED_EVENT} FROM events AS e
-                    WHERE e.rowid = f.cursor AND e.tid = f.tid AND e.id = f.record_id),
+                    WHERE e.rowid = f.cursor AND e.tid = f.tid AND {_own_row("e")}),
                     (SELECT {_PULLED_EVENT} FROM events AS e
                     WHERE e.tid = f.tid AND e.id = f.record_id))
                 WHEN {_MESSAGE_KIND} THEN COALESCE((SELECT {_PULLED_RECORD} FROM messages AS r
                     WHERE r.rowid = f.cursor AND r.tid = f.tid AND r.kind = f.kind
-                    AND r.id = f.record_id),
+                    AND {_own_row("r")}),
                     (SELECT {_PULLED_RECORD} FROM messages AS r
                     WHERE r.tid = f.tid AND r.kind = f.kind AND r.id = f.record_id))
                 ELSE COALESCE((SELECT {_PULLED_RECORD} FROM records AS r WHERE r.rowid = f.cursor
-                    AND r.tid = f.tid AND r.kind = f.kind AND r.id = f.record_id),
+                    AND r.tid = f.tid AND r.kind = f.kind AND {_own_row("r")}),
                     (SELECT {_PULLED_RECORD} FROM records AS r
                     WHERE r.tid = f.tid AND r.kind = f.kind AND r.id = f.record_id))
                 END AS body, s.ids_count

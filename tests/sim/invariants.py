@@ -423,7 +423,8 @@ def server_file_problems(path: Path) -> list[str]:
     14): every feed entry of a record or an event has that row at the rowid of its cursor,
     in the table of its kind, and every such row at a positive rowid has its entry there (a
     delete that left an entry behind would make every later pull of that tenant fail; one
-    that left a row would keep it forever)."""
+    that left a row would keep it forever). An entry that names no id (schema 16) has its
+    row there; one that names an id, that row with that id."""
     problems: list[str] = []
     session = KINDS.index("Session")
     event = KINDS.index("Event")
@@ -432,11 +433,13 @@ def server_file_problems(path: Path) -> list[str]:
         orphans = conn.execute(
             "SELECT f.cursor, f.kind FROM feed AS f WHERE f.kind <> ?1 AND NOT EXISTS ("
             "SELECT 1 FROM records AS r WHERE f.kind <> ?3 AND r.rowid = f.cursor "
-            "AND r.tid = f.tid AND r.kind = f.kind AND r.id = f.record_id) AND NOT EXISTS ("
+            "AND r.tid = f.tid AND r.kind = f.kind AND (f.record_id IS NULL OR r.id = f.record_id)) "
+            "AND NOT EXISTS ("
             "SELECT 1 FROM messages AS r WHERE f.kind = ?3 AND r.rowid = f.cursor "
-            "AND r.tid = f.tid AND r.kind = f.kind AND r.id = f.record_id) AND NOT EXISTS ("
+            "AND r.tid = f.tid AND r.kind = f.kind AND (f.record_id IS NULL OR r.id = f.record_id)) "
+            "AND NOT EXISTS ("
             "SELECT 1 FROM events AS e WHERE f.kind = ?2 AND e.rowid = f.cursor "
-            "AND e.tid = f.tid AND e.id = f.record_id) LIMIT 5",
+            "AND e.tid = f.tid AND (f.record_id IS NULL OR e.id = f.record_id)) LIMIT 5",
             (session, event, message),
         ).fetchall()
         problems += [
@@ -448,11 +451,11 @@ def server_file_problems(path: Path) -> list[str]:
             (message,),
         ).fetchall()
         problems += [f"misfiled: {t} row {r} is of the other table's kind" for r, t in misfiled]
-        for table in ("records", "messages", "events"):
+        for table, kind in (("records", "r.kind"), ("messages", message), ("events", event)):
             unfed = conn.execute(
                 f"SELECT rowid FROM {table} AS r WHERE rowid > 0 AND NOT EXISTS ("
                 "SELECT 1 FROM feed AS f WHERE f.cursor = r.rowid AND f.tid = r.tid "
-                "AND f.record_id = r.id) LIMIT 5"
+                f"AND f.kind = {kind} AND (f.record_id IS NULL OR f.record_id = r.id)) LIMIT 5"
             ).fetchall()
             problems += [f"row-unfed: {table} row {r} has no feed entry at it" for (r,) in unfed]
     return problems
