@@ -15,7 +15,8 @@ outcome...) stays covered: altering it is detected, redacted or not.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Final
 
 import msgspec
 
@@ -42,8 +43,43 @@ def _body(row: msgspec.Struct, skip: frozenset[str]) -> dict[str, object]:
     return body
 
 
+_EVENT_CONTENT: Final = tuple(sorted(set(Event.__struct_fields__) - _EVENT_CHAIN_FIELDS))
+"""The fields an event's digest covers, in the order its canonical encoding sorts them."""
+
+
+def _content_pairs() -> Callable[[Event], tuple[object, ...]]:
+    """A function giving an event's content as its keys and values in turn, in key order: a
+    tuple display of them, made once from ``_EVENT_CONTENT``."""
+    items = "".join(f"{name!r}, e.{name}, " for name in _EVENT_CONTENT)
+    scope: dict[str, Any] = {}
+    exec(f"def pairs(e):\n    return ({items})\n", scope)
+    pairs: Callable[[Event], tuple[object, ...]] = scope["pairs"]
+    return pairs
+
+
+_EVENT_PAIRS: Final = _content_pairs()
+
+
+def _heads() -> tuple[bytes, int]:
+    """The head of the content's map, and the length of the head of the array of its keys
+    and values: each encoded with 0 for every value, less the pairs both end with."""
+    pairs = sum(len(_CANONICAL.encode(name)) + 1 for name in _EVENT_CONTENT)  # (0: one byte)
+    as_map = _CANONICAL.encode(dict.fromkeys(_EVENT_CONTENT, 0))
+    as_array = _CANONICAL.encode([x for name in _EVENT_CONTENT for x in (name, 0)])
+    return as_map[:-pairs], len(as_array) - pairs
+
+
+_CONTENT_HEAD, _PAIRS_HEAD = _heads()
+
+
 def event_digest(event: Event) -> str:
-    return hashlib.sha256(_CANONICAL.encode(_body(event, _EVENT_CHAIN_FIELDS))).hexdigest()
+    """The sha256 of the event's content (every field but the chain's) as canonical msgpack:
+    a map, its keys sorted. That map is its head, then each key and its value in key order,
+    the very bytes an array of those keys and values holds after its own head: encoded so
+    (``_EVENT_PAIRS``), with no dict made and none sorted (a third less time than
+    ``_body``'s dict; ``test_hashchain`` holds it to the dict's bytes over generated events)."""
+    pairs = _CANONICAL.encode(_EVENT_PAIRS(event))
+    return hashlib.sha256(_CONTENT_HEAD + pairs[_PAIRS_HEAD:]).hexdigest()
 
 
 def _sha(value: object) -> str:

@@ -103,6 +103,50 @@ def test_chained_events_link_and_verify() -> None:
     assert result.head_hash == rows[-1].row_hash
 
 
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300)
+@given(
+    texts=st.lists(st.text(), min_size=8, max_size=8),
+    payload=st.dictionaries(st.text(), _JSON, max_size=6),
+    number=st.integers(0, 2**64 - 1),
+    chain=st.tuples(st.text(), st.text(), st.booleans()),
+)
+def test_an_event_digest_is_the_sha256_of_its_content_as_a_sorted_map(
+    texts: list[str], payload: dict[str, Any], number: int, chain: tuple[str, str, bool]
+) -> None:
+    """``event_digest`` encodes an event's content as keys and values in turn (no dict made):
+    over generated events (any text in any field, any JSON payload, keys of any script, any
+    sequence number, any chain fields), its bytes are those of the dict of every field but
+    the chain's, encoded with its keys sorted, as the digest was always defined."""
+    import hashlib
+
+    names = ["id", "session_id", "org_id", "user_id", "client_id", "hlc", "type"]
+    event = Event(
+        **dict(zip(names, texts, strict=False)),
+        payload=payload,
+        sequence_number=number,
+        prev_hash=chain[0],
+        row_hash=chain[1],
+        canonical=chain[2],
+    )
+    content = msgspec.structs.asdict(event)
+    for name in ("prev_hash", "row_hash", "canonical"):
+        del content[name]
+    defined = msgspec.msgpack.Encoder(order="deterministic").encode(content)
+    assert event_digest(event) == hashlib.sha256(defined).hexdigest()
+    # The chain's fields are outside it; any other field is in it.
+    other = msgspec.structs.replace(event, prev_hash=chain[0] + "x", canonical=not chain[2])
+    assert event_digest(other) == event_digest(event)
+    moved = msgspec.structs.replace(event, type=event.type + "x")
+    assert event_digest(moved) != event_digest(event)
+
+
 def test_empty_chain_verifies_to_genesis() -> None:
     result = verify_chain([])
     assert result.ok
