@@ -270,7 +270,7 @@ async def test_schema_3_files_migrate_to_tenant_scoped_ids(db_path: Path) -> Non
         assert [r.status for r in theirs.results] == ["applied"]
         assert (await store.pull(alice.tenant, 0, 10)).changes == feed
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 16
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 17
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
@@ -483,7 +483,7 @@ async def test_schema_4_files_migrate_with_every_audit_row_placed(db_path: Path)
         )
         assert [r.status for r in after.results] == ["applied"]
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 16
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 17
         assert conn.execute("SELECT count(*) FROM audit_places").fetchone()[0] == 4
         # Migration 6 kept every record, now in a rowid table (bodies pack into its pages).
         assert conn.execute("SELECT count(*) FROM records").fetchone()[0] == 4
@@ -544,12 +544,12 @@ async def test_schema_6_files_migrate_to_a_feed_that_refers_to_its_records(db_pa
         later = await store.push(dev.tenant, dev.client_id, dev.changes(dev.message(v1.id)), clock)
         assert later.cursors == [6]  # not 5: that cursor was handed out before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 16
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 17
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         columns = [row[1] for row in conn.execute("PRAGMA table_info(feed)")]
-        assert columns == ["cursor", "tid", "kind", "record_id"]
+        assert columns == ["tid", "cursor", "kind", "record_id"]  # (by tenant: schema 17)
         indexes = {row[1] for row in conn.execute("PRAGMA index_list(feed)")}
-        assert indexes == {"feed_tenant", "feed_session"}
+        assert indexes == {"sqlite_autoindex_feed_1", "feed_session"}
 
 
 async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Path) -> None:
@@ -658,7 +658,7 @@ async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Pat
         assert isinstance(last.record, Event)
         assert (last.record.sequence_number, last.record.prev_hash) == (2, event.row_hash)
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 16
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 17
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert conn.execute("SELECT count(*) FROM tenants").fetchone()[0] == 2
         kept = dict(
@@ -700,10 +700,37 @@ def _with_prev(stored: bytes, prev: bytes) -> bytes:
     return compact.SHORT + bytes((stored[1] - 0x10,)) + stored[2:cut] + head + prev + stored[cut:]
 
 
+def _as_schema_16(conn: sqlite3.Connection) -> None:
+    """Turn a file written by this store back into what schema 16 wrote: the feed a rowid
+    table, its cursors given by AUTOINCREMENT (its high-water mark in ``sqlite_sequence``),
+    and an index of it by tenant."""
+    if conn.execute("PRAGMA user_version").fetchone()[0] < 17:
+        return
+    conn.execute(
+        "CREATE TABLE feed_16 (cursor INTEGER PRIMARY KEY AUTOINCREMENT, "
+        "tid INTEGER NOT NULL, kind INTEGER NOT NULL, record_id BLOB)"
+    )
+    conn.execute(
+        "INSERT INTO feed_16 (cursor, tid, kind, record_id) "
+        "SELECT cursor, tid, kind, record_id FROM feed ORDER BY cursor"
+    )
+    conn.execute(
+        "UPDATE sqlite_sequence SET seq = (SELECT cursor FROM feed_head) WHERE name = 'feed_16'"
+    )
+    conn.execute("DROP TABLE feed")
+    conn.execute("DROP TABLE feed_head")
+    conn.execute("ALTER TABLE feed_16 RENAME TO feed")
+    session = compact.KINDS.index("Session")
+    conn.execute(f"CREATE INDEX feed_session ON feed (tid, record_id) WHERE kind = {session}")
+    conn.execute("CREATE INDEX feed_tenant ON feed (tid)")
+    conn.execute("PRAGMA user_version = 16")
+
+
 def _as_schema_15(conn: sqlite3.Connection) -> None:
     """Turn a file written by this store back into what schema 15 wrote: every feed entry
     naming its record's id (``record_id`` NOT NULL), read from the row at its cursor in the
     table of its kind."""
+    _as_schema_16(conn)
     if conn.execute("PRAGMA user_version").fetchone()[0] < 16:
         return
     event, message = compact.KINDS.index("Event"), compact.KINDS.index("Message")
@@ -812,7 +839,7 @@ def _as_schema_10(db_path: Path) -> None:
         conn.execute("DROP INDEX feed_session")
         conn.execute("CREATE INDEX feed_record ON feed (tid, kind, record_id, cursor)")
         conn.execute("PRAGMA user_version = 10")
-        assert module.SCHEMA_VERSION == 16
+        assert module.SCHEMA_VERSION == 17
 
 
 async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: Path) -> None:
@@ -871,8 +898,10 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
                     compact.encode(stray),
                 ),
             )
+            conn.execute("UPDATE feed_head SET cursor = cursor + 1")  # (its cursor, as taken)
             conn.execute(
-                f"INSERT INTO feed (tid, kind, record_id) VALUES ({tid}, ?, ?)",
+                f"INSERT INTO feed (tid, cursor, kind, record_id) "
+                f"VALUES ({tid}, (SELECT cursor FROM feed_head), ?, ?)",
                 (*a, compact.KINDS.index("Message"), uuid_bytes(stray.id)),
             )
         assert stray in [c.record for c in await pull_all(store, alice.tenant)]
@@ -889,16 +918,21 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
         (cursor,) = later.cursors
         assert cursor > max(at.values())
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 16
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 17
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         indexes = {row[1] for row in conn.execute("PRAGMA index_list(feed)")}
-        assert indexes == {"feed_tenant", "feed_session"}
+        assert indexes == {"sqlite_autoindex_feed_1", "feed_session"}  # (its key, schema 17)
         columns = {
             name: [row[2] for row in conn.execute(f"PRAGMA index_info({name})")]
-            for name in ("feed_tenant", "feed_session", "records_tenant", "messages_tenant")
+            for name in (
+                "sqlite_autoindex_feed_1",
+                "feed_session",
+                "records_tenant",
+                "messages_tenant",
+            )
         }  # the cursor, a rowid, once
         assert columns == {
-            "feed_tenant": ["tid"],
+            "sqlite_autoindex_feed_1": ["tid", "cursor"],
             "feed_session": ["tid", "record_id"],
             "records_tenant": ["tid", "session_id"],
             "messages_tenant": ["tid", "session_id"],
@@ -961,7 +995,7 @@ async def test_a_server_file_leaves_out_the_node_of_the_device_that_pushed(
                 assert body == compact.encode(record) and change.record == record
         assert await _raw_bodies(store, h.alice.tenant) == before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 16
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 17
         nodes = dict(conn.execute("SELECT node, n FROM nodes"))
         assert set(nodes) == {compact.stamp_node(phone.client_id)}  # (neither laptop nor odd)
         rows = {
@@ -1275,7 +1309,7 @@ async def test_a_schema_13_file_opens_with_its_messages_in_a_table_of_their_own(
         left = {c.record.id for c in await pull_all(store, alice.tenant)}
         assert not left & {r.id for r in h.content}
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 16
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 17
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert (
             conn.execute("SELECT count(*) FROM records WHERE kind = ?", (message,)).fetchone()[0]
@@ -1341,7 +1375,7 @@ async def test_an_event_is_stored_without_the_prev_hash_the_row_before_it_holds(
         assert [e.prev_hash for e in events[1:]] == [e.row_hash for e in events[:-1]]
         assert (await _raw_bodies(store, tenant))[: len(pulled)] == pulled
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 16
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 17
         # The one after the row of the map form keeps its prev_hash (that row's digest is not
         # at its end); the one after it leaves it out again.
         assert forms(conn)[:3] + forms(conn)[4:] == [b"\x01"] * 4 + [b"\x11"]
@@ -1405,7 +1439,7 @@ async def test_a_feed_entry_whose_row_is_at_its_cursor_names_no_id(db_path: Path
         assert compact.decode(pulled[-1][1]) == stray
         assert await _raw_bodies(store, h.bob.tenant) == theirs
         with sqlite3.connect(db_path) as conn:
-            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 16
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 17
             migrated = named(conn)
             assert {c for c, names in migrated.items() if names} == sessions_at(conn) | {stray_at}
             assert migrated.keys() == written.keys() | {stray_at}
@@ -1440,5 +1474,77 @@ async def test_a_feed_entry_whose_row_is_at_its_cursor_names_no_id(db_path: Path
             assert not {bytes(k) for (k,) in conn.execute(f"SELECT id FROM {table}")} & gone
         assert stray_at not in named(conn)
         indexes = {row[1] for row in conn.execute("PRAGMA index_list(feed)")}
-        assert indexes == {"feed_tenant", "feed_session"}
+        assert indexes == {"sqlite_autoindex_feed_1", "feed_session"}
+    assert server_file_problems(db_path) == []
+
+
+async def test_the_feed_is_kept_by_tenant_and_cursor(db_path: Path) -> None:
+    """Schema 17: the feed is a table keyed by ``(tid, cursor)`` (``WITHOUT ROWID``: no index
+    of it by tenant), its high-water mark in ``feed_head``. A file of schema 16 opens at 17
+    pulling the very bytes it pulled; a cursor handed out before (its entry gone) is never
+    given again; every statement that finds an entry by tenant and cursor searches the
+    table's key, none scans it."""
+    from tests.sim.invariants import server_file_problems
+
+    clock = HybridClock("server-x")
+    async with SQLiteServerStore(db_path) as store:
+        h = await placed_history(store, clock)
+        before = await _raw_bodies(store, h.alice.tenant)
+        theirs = await _raw_bodies(store, h.bob.tenant)
+    with sqlite3.connect(db_path) as conn:
+        head = conn.execute("SELECT cursor FROM feed_head").fetchone()[0]
+        assert head == max(c for c, _ in before + theirs)
+        _as_schema_16(conn)
+        # Cursors handed out before whose entries have gone (the file's high-water mark).
+        conn.execute("UPDATE sqlite_sequence SET seq = ? WHERE name = 'feed'", (head + 5,))
+        conn.commit()
+        assert conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'feed_head'").fetchall() == []
+    async with SQLiteServerStore(db_path) as store:
+        assert await _raw_bodies(store, h.alice.tenant) == before
+        assert await _raw_bodies(store, h.bob.tenant) == theirs
+        alice = h.alice
+        new = [alice.message(h.session.id), alice.event(h.session.id)]
+        result = await store.push(alice.tenant, alice.client_id, alice.changes(*new), clock)
+        assert result.cursors == [head + 6, head + 7]
+        mine = await pull_all(store, alice.tenant)
+        assert [c.cursor for c in mine[-2:]] == [head + 6, head + 7]
+        tomb = tombstone(alice, h.other)
+        deleted = await store.push(alice.tenant, alice.client_id, alice.changes(tomb), clock)
+        assert deleted.cursors == [head + 8]
+        left = {c.record.id for c in await pull_all(store, alice.tenant)}
+        assert not left & {r.id for r in h.content}
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 17
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        sql = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'feed'").fetchone()[0]
+        assert sql.rstrip().endswith("WITHOUT ROWID")
+        assert conn.execute("SELECT cursor FROM feed_head").fetchone()[0] == head + 8
+        assert (
+            conn.execute("SELECT count(*) FROM sqlite_sequence WHERE name = 'feed'").fetchone()[0]
+            == 0
+        )
+        conn.create_function("pleach_key", 1, lambda value: value, deterministic=True)
+        t = (alice.tenant.org_id, alice.tenant.user_id)
+        for statement, params in (
+            (server_sqlite._PULL_SQL, (1 << 40, *t, 0, 100)),
+            (server_sqlite._DROP_ENTRY_SQL, (*t, 1)),
+            (server_sqlite._HEAD_SQL, (*t, *t)),
+            (server_sqlite._DOOMED_SQL, (*t, "[]")),
+            (server_sqlite._SUPERSEDED_SQL, (*t, b"session", 5)),
+            (server_sqlite._COMPACT, (*t, 5)),
+        ):
+            plan = " | ".join(
+                row[3] for row in conn.execute(f"EXPLAIN QUERY PLAN {statement}", params)
+            )
+            assert "SCAN f" not in plan and "SCAN feed" not in plan, plan
+            assert "feed" not in plan or "PRIMARY KEY" in plan or "feed_session" in plan, plan
+        # A session's older entries are found among sessions' entries alone, not by reading
+        # the tenant's entries below a cursor.
+        for statement, params in (
+            (server_sqlite._SUPERSEDED_SQL, (*t, b"session", 5)),
+            (server_sqlite._COMPACT, (*t, 5)),
+        ):
+            plan = [row[3] for row in conn.execute(f"EXPLAIN QUERY PLAN {statement}", params)]
+            feed = [step for step in plan if " feed " in f" {step} " or " later " in step]
+            assert feed and all("feed_session" in step for step in feed), plan
     assert server_file_problems(db_path) == []

@@ -26,8 +26,10 @@ Schema (versioned by ``PRAGMA user_version``, migrated at ``open()``):
   rowid is its feed entry's cursor, too.
 - ``feed``: every applied change per tenant under a global monotonic ``cursor``, by kind (a
   pull reads each body from its row: a record's or an event's at the rowid of its cursor, so
-  its entry names no id, schema 16; a session's by its id); a session keeps one entry, its
-  latest version's, found through ``feed_session``, an index of sessions' entries alone.
+  its entry names no id, schema 16; a session's by its id), kept by ``(tid, cursor)`` (a
+  ``WITHOUT ROWID`` table, schema 17: a pull reads it in order), the last cursor given in
+  ``feed_head``; a session keeps one entry, its latest version's, found through
+  ``feed_session``, an index of sessions' entries alone.
 - ``clients``: ``last_seq`` per ``(tid, client_id)``.
 - ``meta``: the feed floor per tenant (entries at or below it were compacted away).
 - ``audit_places``: where each audit row sits in its device's chain (client id, sequence
@@ -584,6 +586,30 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         f"CREATE INDEX feed_session ON feed (tid, record_id) WHERE kind = {_SESSION_KIND}",
         "CREATE INDEX feed_tenant ON feed (tid)",
     ),
+    # 17: the feed kept in the order a pull reads it, by tenant and cursor (``WITHOUT ROWID``,
+    # its key ``(tid, cursor)``): its index by tenant held every entry a second time (0.08 MB
+    # of 3.4 at 1,000 turns), and a pull read the index, then the row. The feed's high-water
+    # mark, which AUTOINCREMENT kept (no cursor is ever given twice, a deleted one neither),
+    # is kept in ``feed_head`` (``_TAKE_CURSORS_SQL``).
+    (
+        """CREATE TABLE feed_17 (
+            tid INTEGER NOT NULL,
+            cursor INTEGER NOT NULL,
+            kind INTEGER NOT NULL,
+            record_id BLOB,
+            PRIMARY KEY (tid, cursor)
+        ) WITHOUT ROWID""",
+        "INSERT INTO feed_17 (tid, cursor, kind, record_id) "
+        "SELECT tid, cursor, kind, record_id FROM feed ORDER BY tid, cursor",
+        "CREATE TABLE feed_head (one INTEGER PRIMARY KEY CHECK (one = 1), cursor INTEGER NOT NULL)",
+        "INSERT INTO feed_head (one, cursor) SELECT 1, "
+        "MAX(COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'feed'), 0), "
+        "COALESCE((SELECT MAX(cursor) FROM feed), 0))",
+        "DROP TABLE feed",
+        "DELETE FROM sqlite_sequence WHERE name = 'feed'",
+        "ALTER TABLE feed_17 RENAME TO feed",
+        f"CREATE INDEX feed_session ON feed (tid, record_id) WHERE kind = {_SESSION_KIND}",
+    ),
 )
 _PUT_HEALTH_SQL = (
     "INSERT INTO devices (org_id, user_id, client_id, seen_at, health) VALUES (?, ?, ?, ?, ?) "
@@ -764,7 +790,11 @@ _PUT_ID_BLOCK_SQL = (
     f"INSERT OR REPLACE INTO session_ids (tid, id, part, ids) VALUES ({_TENANT}, ?, ?, ?)"
 )
 _DROP_ID_BLOCKS_SQL = f"DELETE FROM session_ids WHERE tid = {_TENANT} AND id = ? AND part >= ?"
-_APPEND_FEED_SQL = f"INSERT INTO feed (tid, kind, record_id) VALUES ({_TENANT}, ?, ?)"
+_APPEND_FEED_SQL = f"INSERT INTO feed (tid, cursor, kind, record_id) VALUES ({_TENANT}, ?, ?, ?)"
+# A push's cursors (schema 17): the next ``?`` after the feed's high-water mark, taken inside
+# its BEGIN IMMEDIATE, so no two pushes, of this process or another, share one.
+_TAKE_CURSORS_SQL = "UPDATE feed_head SET cursor = cursor + ? WHERE one = 1"
+_LAST_CURSOR_SQL = "SELECT cursor FROM feed_head WHERE one = 1"
 
 
 def _own_row(row: str, entry: str = "f") -> str:
@@ -776,10 +806,11 @@ def _own_row(row: str, entry: str = "f") -> str:
     return f"({entry}.record_id IS NULL OR {row}.id = {entry}.record_id)"
 
 
-# The entries a session's new entry supersedes (see migration 7): through feed_session.
+# The entries a session's new entry supersedes (see migration 7): through feed_session (a
+# search of the feed's key by tenant and cursor would read every entry below the cursor).
 _SUPERSEDED_SQL = (
-    f"DELETE FROM feed WHERE tid = {_TENANT} AND kind = {_SESSION_KIND} AND record_id = ? "
-    "AND cursor < ?"
+    f"DELETE FROM feed INDEXED BY feed_session WHERE tid = {_TENANT} "
+    f"AND kind = {_SESSION_KIND} AND record_id = ? AND cursor < ?"
 )
 # Deleting a session's content: the tenant's session rows, the records of the kinds deleted
 # with a session filed under its deleted ones, then the chosen records and their feed entries.
@@ -804,7 +835,7 @@ _DOOMED_SQL = _in_both(f"""
     FROM json_each(?3) AS d CROSS JOIN @table AS r
         ON r.tid = {_TENANT_12} AND r.kind = json_extract(d.value, '$[0]')
         AND r.id = pleach_key(json_extract(d.value, '$[1]'))""")
-_DROP_ENTRY_SQL = "DELETE FROM feed WHERE cursor = ?"
+_DROP_ENTRY_SQL = f"DELETE FROM feed WHERE tid = {_TENANT} AND cursor = ?"
 _DROP_ENTRY_BY_ID_SQL = f"DELETE FROM feed WHERE tid = {_TENANT} AND kind = ? AND record_id = ?"
 _DELETE_RECORD_SQL = "DELETE FROM records WHERE rowid = ?"
 _DELETE_MESSAGE_SQL = "DELETE FROM messages WHERE rowid = ?"
@@ -956,12 +987,15 @@ def _write_rows(raw: sqlite3.Connection, rows: _Rows) -> tuple[list[int], int | 
     cursors, and the tenant's head after them (when ``rows.head`` asks)."""
     cursors: list[int] = []
     if rows.feed:
-        raw.executemany(_APPEND_FEED_SQL, rows.feed)
-        # AUTOINCREMENT gives each row one more than the largest cursor the table ever had,
-        # and nothing else writes inside this BEGIN IMMEDIATE: the rows just inserted hold
-        # the consecutive cursors that end at the last one.
-        last = int(raw.execute("SELECT last_insert_rowid()").fetchone()[0])
+        # The consecutive cursors after the feed's high-water mark (``feed_head``: nothing
+        # else writes inside this BEGIN IMMEDIATE), each entry under its own.
+        raw.execute(_TAKE_CURSORS_SQL, (len(rows.feed),))
+        last = int(raw.execute(_LAST_CURSOR_SQL).fetchone()[0])
         cursors = list(range(last - len(rows.feed) + 1, last + 1))
+        raw.executemany(
+            _APPEND_FEED_SQL,
+            [(o, u, c, kind, key) for (o, u, kind, key), c in zip(rows.feed, cursors, strict=True)],
+        )
         if rows.versioned:
             t = rows.feed[0][:2]
             raw.executemany(
@@ -1257,7 +1291,7 @@ def _drop_doomed(raw: sqlite3.Connection, t: tuple[str, str], doomed: str) -> No
     """The records ``doomed`` names (``_DOOMED_SQL``) and their feed entries, on the
     connection's own thread: one hop (``_SQLiteTx._delete_content``)."""
     rows = raw.execute(_DOOMED_SQL, (*t, doomed)).fetchall()
-    raw.executemany(_DROP_ENTRY_SQL, [(rowid,) for rowid, _, _, placed in rows if placed])
+    raw.executemany(_DROP_ENTRY_SQL, [(*t, rowid) for rowid, _, _, placed in rows if placed])
     astray = [(*t, kind, key) for _, kind, key, placed in rows if not placed]
     if astray:
         raw.executemany(_DROP_ENTRY_BY_ID_SQL, astray)
@@ -1267,8 +1301,9 @@ def _drop_doomed(raw: sqlite3.Connection, t: tuple[str, str], doomed: str) -> No
 
 # Only a session has more than one entry (an immutable record has one: migration 11).
 _COMPACT = (
-    f"DELETE FROM feed WHERE tid = {_TENANT} AND kind = {_SESSION_KIND} AND cursor <= ? "
-    f"AND EXISTS (SELECT 1 FROM feed AS later WHERE later.tid = feed.tid "
+    f"DELETE FROM feed INDEXED BY feed_session WHERE tid = {_TENANT} "
+    f"AND kind = {_SESSION_KIND} AND cursor <= ? "
+    f"AND EXISTS (SELECT 1 FROM feed AS later INDEXED BY feed_session WHERE later.tid = feed.tid "
     f"AND later.kind = {_SESSION_KIND} AND later.record_id = feed.record_id "
     "AND later.cursor > feed.cursor)"
 )
