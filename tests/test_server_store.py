@@ -22,6 +22,7 @@ from shared import compact
 from shared.clock import HybridClock
 from shared.compact import uuid_bytes, uuid_text
 from shared.errors import CursorTooOld, ErrorCode, InvalidState, StorageError, StorageUnavailable
+from shared.idrefs import ID_LAYOUT
 from shared.ids import uuid7
 from shared.records import AuditRow, Event, Session, encode_record
 from tests.factories import count_hops
@@ -270,7 +271,7 @@ async def test_schema_3_files_migrate_to_tenant_scoped_ids(db_path: Path) -> Non
         assert [r.status for r in theirs.results] == ["applied"]
         assert (await store.pull(alice.tenant, 0, 10)).changes == feed
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 17
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 18
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
@@ -483,7 +484,7 @@ async def test_schema_4_files_migrate_with_every_audit_row_placed(db_path: Path)
         )
         assert [r.status for r in after.results] == ["applied"]
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 17
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 18
         assert conn.execute("SELECT count(*) FROM audit_places").fetchone()[0] == 4
         # Migration 6 kept every record, now in a rowid table (bodies pack into its pages).
         assert conn.execute("SELECT count(*) FROM records").fetchone()[0] == 4
@@ -544,7 +545,7 @@ async def test_schema_6_files_migrate_to_a_feed_that_refers_to_its_records(db_pa
         later = await store.push(dev.tenant, dev.client_id, dev.changes(dev.message(v1.id)), clock)
         assert later.cursors == [6]  # not 5: that cursor was handed out before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 17
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 18
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         columns = [row[1] for row in conn.execute("PRAGMA table_info(feed)")]
         assert columns == ["tid", "cursor", "kind", "record_id"]  # (by tenant: schema 17)
@@ -658,7 +659,7 @@ async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Pat
         assert isinstance(last.record, Event)
         assert (last.record.sequence_number, last.record.prev_hash) == (2, event.row_hash)
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 17
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 18
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert conn.execute("SELECT count(*) FROM tenants").fetchone()[0] == 2
         kept = dict(
@@ -700,10 +701,33 @@ def _with_prev(stored: bytes, prev: bytes) -> bytes:
     return compact.SHORT + bytes((stored[1] - 0x10,)) + stored[2:cut] + head + prev + stored[cut:]
 
 
+def _as_schema_17(conn: sqlite3.Connection, block: int = ID_LAYOUT.block) -> None:
+    """Turn a file written by this store back into what schema 17 wrote: every session's
+    id blocks of ``block`` ids (128: the layout before schema 18)."""
+    if conn.execute("PRAGMA user_version").fetchone()[0] < 18:
+        return
+    rows = conn.execute("SELECT tid, id, part, ids FROM session_ids ORDER BY tid, id, part")
+    sessions: dict[tuple[int, Any], bytes] = {}
+    for tid, key, _, ids in rows.fetchall():
+        sessions[(tid, key)] = sessions.get((tid, key), b"") + bytes(ids)
+    conn.execute("DELETE FROM session_ids")
+    size = 16 * block
+    conn.executemany(
+        "INSERT INTO session_ids (tid, id, part, ids) VALUES (?, ?, ?, ?)",
+        [
+            (tid, key, part, ids[at : at + size])
+            for (tid, key), ids in sessions.items()
+            for part, at in enumerate(range(0, len(ids), size))
+        ],
+    )
+    conn.execute("PRAGMA user_version = 17")
+
+
 def _as_schema_16(conn: sqlite3.Connection) -> None:
     """Turn a file written by this store back into what schema 16 wrote: the feed a rowid
     table, its cursors given by AUTOINCREMENT (its high-water mark in ``sqlite_sequence``),
     and an index of it by tenant."""
+    _as_schema_17(conn)
     if conn.execute("PRAGMA user_version").fetchone()[0] < 17:
         return
     conn.execute(
@@ -839,7 +863,7 @@ def _as_schema_10(db_path: Path) -> None:
         conn.execute("DROP INDEX feed_session")
         conn.execute("CREATE INDEX feed_record ON feed (tid, kind, record_id, cursor)")
         conn.execute("PRAGMA user_version = 10")
-        assert module.SCHEMA_VERSION == 17
+        assert module.SCHEMA_VERSION == 18
 
 
 async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: Path) -> None:
@@ -918,7 +942,7 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
         (cursor,) = later.cursors
         assert cursor > max(at.values())
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 17
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 18
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         indexes = {row[1] for row in conn.execute("PRAGMA index_list(feed)")}
         assert indexes == {"sqlite_autoindex_feed_1", "feed_session"}  # (its key, schema 17)
@@ -995,7 +1019,7 @@ async def test_a_server_file_leaves_out_the_node_of_the_device_that_pushed(
                 assert body == compact.encode(record) and change.record == record
         assert await _raw_bodies(store, h.alice.tenant) == before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 17
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 18
         nodes = dict(conn.execute("SELECT node, n FROM nodes"))
         assert set(nodes) == {compact.stamp_node(phone.client_id)}  # (neither laptop nor odd)
         rows = {
@@ -1136,10 +1160,10 @@ def test_pleach_server_migrate_says_what_it_did(tmp_path: Path) -> None:
 async def test_a_turn_of_a_long_session_writes_one_block_not_its_whole_list(
     db_path: Path,
 ) -> None:
-    """At 2,000 ids a session's row holds none of them: they are in 16 blocks of 128 beside
-    it. A turn (two more ids) writes the row and the one block it appended to; a new block
-    when the last is full; a rollback drops the blocks past the list; a list changed in its
-    middle rewrites from the first block that differs."""
+    """At 2,000 ids a session's row holds none of them: they are in 34 blocks of 60 beside
+    it (``SQLITE_ID_LAYOUT``). A turn (two more ids) writes the row and the one block it
+    appended to; a new block when the last is full; a rollback drops the blocks past the
+    list; a list changed in its middle rewrites from the first block that differs."""
     clock = HybridClock("server")
     dev = Device(new_tenant())
     ids = [uuid7() for _ in range(2_100)]
@@ -1164,20 +1188,21 @@ async def test_a_turn_of_a_long_session_writes_one_block_not_its_whole_list(
                 return size, blocks.fetchall()
 
         session = dev.session(message_ids=ids[:2_000])
-        assert len(await push(session)) == 16  # every block, once
+        assert server_sqlite.SQLITE_ID_LAYOUT.block == 60
+        assert len(await push(session)) == 34  # every block, once
         size, blocks = stored()
-        assert size < 1_000 and blocks == [(p, 2048) for p in range(15)] + [(15, 80 * 16)]
+        assert size < 1_000 and blocks == [(p, 960) for p in range(33)] + [(33, 20 * 16)]
         session = dev.edit(session, message_ids=ids[:2_002])
         written = await push(session)
         assert len(written) == 1 and "INSERT" in written[0]
-        assert stored()[1][-1] == (15, 82 * 16)
+        assert stored()[1][-1] == (33, 22 * 16)
         session = dev.edit(session, message_ids=ids[:2_050])
         assert len(await push(session)) == 2  # the last block filled, a new one begun
-        session = dev.edit(session, message_ids=ids[:300])
+        session = dev.edit(session, message_ids=ids[:290])
         written = await push(session)
-        assert len(written) == 2 and "DELETE" in written[0]  # blocks 3-16 dropped, 2 cut
-        assert stored()[1] == [(0, 2048), (1, 2048), (2, 44 * 16)]
-        session = dev.edit(session, message_ids=[*ids[:200], *reversed(ids[200:300])])
+        assert len(written) == 2 and "DELETE" in written[0]  # blocks 5-34 dropped, 4 cut
+        assert stored()[1] == [(p, 960) for p in range(4)] + [(4, 50 * 16)]
+        session = dev.edit(session, message_ids=[*ids[:200], *reversed(ids[200:290])])
         assert len(await push(session)) == 2  # from the block that differs on
         session = dev.edit(session, message_ids=ids[:100])
         written = await push(session)
@@ -1255,7 +1280,7 @@ async def test_a_version_written_whole_over_a_row_kept_apart_is_read_whole(
     with sqlite3.connect(db_path) as conn:
         body, count = conn.execute("SELECT body, ids_count FROM sessions").fetchone()
         blocks = conn.execute("SELECT part FROM session_ids ORDER BY part").fetchall()
-    assert body[:1] == APART and count == 300 and blocks == [(0,), (1,), (2,)]
+    assert body[:1] == APART and count == 300 and blocks == [(p,) for p in range(5)]
 
 
 async def test_a_schema_13_file_opens_with_its_messages_in_a_table_of_their_own(
@@ -1309,7 +1334,7 @@ async def test_a_schema_13_file_opens_with_its_messages_in_a_table_of_their_own(
         left = {c.record.id for c in await pull_all(store, alice.tenant)}
         assert not left & {r.id for r in h.content}
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 17
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 18
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert (
             conn.execute("SELECT count(*) FROM records WHERE kind = ?", (message,)).fetchone()[0]
@@ -1375,7 +1400,7 @@ async def test_an_event_is_stored_without_the_prev_hash_the_row_before_it_holds(
         assert [e.prev_hash for e in events[1:]] == [e.row_hash for e in events[:-1]]
         assert (await _raw_bodies(store, tenant))[: len(pulled)] == pulled
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 17
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 18
         # The one after the row of the map form keeps its prev_hash (that row's digest is not
         # at its end); the one after it leaves it out again.
         assert forms(conn)[:3] + forms(conn)[4:] == [b"\x01"] * 4 + [b"\x11"]
@@ -1439,7 +1464,7 @@ async def test_a_feed_entry_whose_row_is_at_its_cursor_names_no_id(db_path: Path
         assert compact.decode(pulled[-1][1]) == stray
         assert await _raw_bodies(store, h.bob.tenant) == theirs
         with sqlite3.connect(db_path) as conn:
-            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 17
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 18
             migrated = named(conn)
             assert {c for c, names in migrated.items() if names} == sessions_at(conn) | {stray_at}
             assert migrated.keys() == written.keys() | {stray_at}
@@ -1514,7 +1539,7 @@ async def test_the_feed_is_kept_by_tenant_and_cursor(db_path: Path) -> None:
         left = {c.record.id for c in await pull_all(store, alice.tenant)}
         assert not left & {r.id for r in h.content}
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 17
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 18
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         sql = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'feed'").fetchone()[0]
         assert sql.rstrip().endswith("WITHOUT ROWID")
@@ -1548,3 +1573,65 @@ async def test_the_feed_is_kept_by_tenant_and_cursor(db_path: Path) -> None:
             feed = [step for step in plan if " feed " in f" {step} " or " later " in step]
             assert feed and all("feed_session" in step for step in feed), plan
     assert server_file_problems(db_path) == []
+
+
+async def test_a_long_sessions_ids_are_kept_in_blocks_a_page_holds(db_path: Path) -> None:
+    """Schema 18: a long session's ids in blocks of 60 (960 bytes), which the ``WITHOUT
+    ROWID`` table keeps within its pages (no overflow page; a block of 128 overflowed). A
+    file of schema 17 (blocks of 128) opens at 18 with every session's blocks cut again,
+    pulls the very bytes it pulled before, and a turn then writes the one block it appended
+    to; sessions of every length around a block's edges come through alike."""
+    clock = HybridClock("server")
+    dev = Device(new_tenant())
+    ids = [uuid7() for _ in range(2_100)]
+    lengths = [129, 180, 256, 257, 300, 2_000]  # (more than 128: kept in blocks)
+    sessions = [dev.session(message_ids=ids[:n]) for n in lengths]
+    async with SQLiteServerStore(db_path) as store:
+        store._id_layout = ID_LAYOUT  # (as schema 17 wrote them: blocks of 128)
+        await store.push(dev.tenant, dev.client_id, dev.changes(*sessions), clock)
+        before = await _raw_bodies(store, dev.tenant)
+
+    def blocks(conn: sqlite3.Connection) -> dict[Any, list[int]]:
+        found: dict[Any, list[int]] = {}
+        for key, part, size in conn.execute(
+            "SELECT id, part, length(ids) FROM session_ids ORDER BY id, part"
+        ):
+            assert part == len(found.setdefault(bytes(key), []))
+            found[bytes(key)].append(size // 16)
+        return found
+
+    def overflow(conn: sqlite3.Connection) -> int:
+        rows = conn.execute(
+            "SELECT count(*) FROM dbstat WHERE name = 'session_ids' AND pagetype = 'overflow'"
+        )
+        return int(rows.fetchone()[0])
+
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("PRAGMA user_version = 17")
+        old = blocks(conn)
+        assert sorted(map(sum, old.values())) == lengths
+        assert max(map(max, old.values())) == 128 and overflow(conn) > 0
+    async with SQLiteServerStore(db_path) as store:
+        assert await _raw_bodies(store, dev.tenant) == before
+        with sqlite3.connect(db_path) as conn:
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 18
+            cut = blocks(conn)
+            assert overflow(conn) == 0
+        assert cut.keys() == old.keys()
+        for key, sizes in cut.items():
+            n = sum(old[key])
+            assert sizes == [60] * (n // 60) + ([n % 60] if n % 60 else [])
+        # A turn of the longest: the row and the one block it appended to.
+        statements: list[str] = []
+        assert store._writer is not None
+        store._writer._conn.set_trace_callback(statements.append)
+        longest = dev.edit(sessions[-1], message_ids=ids[:2_002])
+        result = await store.push(dev.tenant, dev.client_id, dev.changes(longest), clock)
+        assert statuses(result) == ["applied"]
+        written = [x for x in statements if x.startswith("INSERT OR REPLACE INTO session_ids")]
+        assert len(written) == 1
+        feed = await pull_all(store, dev.tenant)
+        assert [c.record for c in feed] == [*sessions[:-1], longest]
+    with sqlite3.connect(db_path) as conn:
+        assert blocks(conn)[uuid_bytes(longest.id)] == [60] * 33 + [22]
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"

@@ -191,6 +191,41 @@ _EVENTS_COLUMNS: Final = """(
     UNIQUE (tid, session_id, sequence_number)
 )"""
 
+SQLITE_ID_LAYOUT: Final = IdLayout(inline=ID_LAYOUT.inline, block=60)
+"""Where this store keeps a long session's message ids (schema 18): blocks of 60 ids (960
+bytes), which a ``WITHOUT ROWID`` table keeps within its pages (four a page); one of 128
+(2 KB) went past what such a page keeps of a row, and its last 1.5 KB took a page of its own
+(58% of ``session_ids`` unused). One layout for a file's life: a block's size is not stored."""
+
+
+def _rechunked(blocks: list[tuple[int, bytes]], block: int) -> list[tuple[int, bytes]]:
+    """A session's blocks ``(part, ids)`` cut again into blocks of ``block`` ids (its ids
+    joined in part order); the blocks as they are when a part is missing (a row left so by a
+    fault: every read of it fails alike, before and after)."""
+    ids = joined_blocks(blocks)
+    if ids is None:
+        return blocks
+    size = 16 * block
+    return [(part, ids[at : at + size]) for part, at in enumerate(range(0, len(ids), size))]
+
+
+async def _rechunk_id_blocks(conn: aiosqlite.Connection) -> None:
+    """Migration 18: every session's id blocks cut again into ``SQLITE_ID_LAYOUT``'s."""
+    rows = await _fetchall(conn, "SELECT tid, id, part, ids FROM session_ids ORDER BY tid, id")
+    sessions: dict[tuple[int, Any], list[tuple[int, bytes]]] = {}
+    for tid, key, part, ids in rows:
+        sessions.setdefault((tid, key), []).append((int(part), bytes(ids)))
+    await conn.execute("DELETE FROM session_ids")
+    await conn.executemany(
+        "INSERT INTO session_ids (tid, id, part, ids) VALUES (?, ?, ?, ?)",
+        [
+            (tid, key, part, ids)
+            for (tid, key), blocks in sessions.items()
+            for part, ids in _rechunked(blocks, SQLITE_ID_LAYOUT.block)
+        ],
+    )
+
+
 _OWN_ROW_16: Final = f"""CASE f.kind
     WHEN {_SESSION_KIND} THEN 0
     WHEN {_EVENT_KIND} THEN EXISTS (SELECT 1 FROM events AS e WHERE e.rowid = f.cursor
@@ -610,6 +645,10 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         "ALTER TABLE feed_17 RENAME TO feed",
         f"CREATE INDEX feed_session ON feed (tid, record_id) WHERE kind = {_SESSION_KIND}",
     ),
+    # 18: a long session's message ids in blocks of 60 (``SQLITE_ID_LAYOUT``) where 128: a
+    # block of 2 KB went past what a page of this WITHOUT ROWID table keeps of a row, and
+    # its last 1.5 KB took a page of its own. The blocks there are are cut again.
+    (_rechunk_id_blocks,),
 )
 _PUT_HEALTH_SQL = (
     "INSERT INTO devices (org_id, user_id, client_id, seen_at, health) VALUES (?, ?, ?, ?, ?) "
@@ -1153,7 +1192,7 @@ class _SQLiteTx:
         conn: aiosqlite.Connection,
         read: _Read | None = None,
         raw: sqlite3.Connection | None = None,
-        layout: IdLayout = ID_LAYOUT,
+        layout: IdLayout = SQLITE_ID_LAYOUT,
     ) -> None:
         self._conn = conn
         self._layout = layout
@@ -1386,7 +1425,7 @@ class SQLiteServerStore(AsyncResource):
         self._checkpointer: aiosqlite.Connection | None = None
         self._checkpoints = Every(CHECKPOINT_EVERY, self._checkpoint)
         """A side checkpoint every ``CHECKPOINT_EVERY`` commits (``close`` waits for it)."""
-        self._id_layout = ID_LAYOUT  # (where sessions keep their message ids: ``IdLayout``)
+        self._id_layout = SQLITE_ID_LAYOUT  # (where sessions keep their message ids)
 
     def __repr__(self) -> str:
         state = "open" if self._writer is not None else "closed"
