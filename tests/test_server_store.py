@@ -271,7 +271,7 @@ async def test_schema_3_files_migrate_to_tenant_scoped_ids(db_path: Path) -> Non
         assert [r.status for r in theirs.results] == ["applied"]
         assert (await store.pull(alice.tenant, 0, 10)).changes == feed
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 18
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
@@ -484,7 +484,7 @@ async def test_schema_4_files_migrate_with_every_audit_row_placed(db_path: Path)
         )
         assert [r.status for r in after.results] == ["applied"]
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 18
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
         assert conn.execute("SELECT count(*) FROM audit_places").fetchone()[0] == 4
         # Migration 6 kept every record, now in a rowid table (bodies pack into its pages).
         assert conn.execute("SELECT count(*) FROM records").fetchone()[0] == 4
@@ -545,7 +545,7 @@ async def test_schema_6_files_migrate_to_a_feed_that_refers_to_its_records(db_pa
         later = await store.push(dev.tenant, dev.client_id, dev.changes(dev.message(v1.id)), clock)
         assert later.cursors == [6]  # not 5: that cursor was handed out before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 18
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         columns = [row[1] for row in conn.execute("PRAGMA table_info(feed)")]
         assert columns == ["tid", "cursor", "kind", "record_id"]  # (by tenant: schema 17)
@@ -659,7 +659,7 @@ async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Pat
         assert isinstance(last.record, Event)
         assert (last.record.sequence_number, last.record.prev_hash) == (2, event.row_hash)
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 18
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert conn.execute("SELECT count(*) FROM tenants").fetchone()[0] == 2
         kept = dict(
@@ -672,7 +672,7 @@ async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Pat
         ids = {row[0] for row in conn.execute("SELECT id FROM sessions")}
         assert ids == {uuid_bytes(session.id), "not-a-uuid"}
         columns = [row[1] for row in conn.execute("PRAGMA table_info(events)")]
-        assert columns == ["id", "session_id", "sequence_number", "tid", "body", "device"]
+        assert columns == ["id", "chain", "sequence_number", "tid", "body", "device"]
         kinds = conn.execute(
             "SELECT DISTINCT kind FROM feed UNION SELECT kind FROM records "
             "UNION SELECT kind FROM messages"
@@ -701,9 +701,32 @@ def _with_prev(stored: bytes, prev: bytes) -> bytes:
     return compact.SHORT + bytes((stored[1] - 0x10,)) + stored[2:cut] + head + prev + stored[cut:]
 
 
+def _as_schema_18(conn: sqlite3.Connection) -> None:
+    """Turn a file written by this store back into what schema 18 wrote: each event naming
+    its session by its id (``session_id``), its unique key by place ``(tid, session_id,
+    sequence_number)``, and no ``chains``."""
+    if conn.execute("PRAGMA user_version").fetchone()[0] < 19:
+        return
+    conn.execute(
+        "CREATE TABLE events_18 (id BLOB NOT NULL, session_id BLOB NOT NULL, "
+        "sequence_number INTEGER NOT NULL, tid INTEGER NOT NULL, body BLOB NOT NULL, "
+        "device INTEGER, UNIQUE (tid, id), UNIQUE (tid, session_id, sequence_number))"
+    )
+    conn.execute(
+        "INSERT INTO events_18 (rowid, id, session_id, sequence_number, tid, body, device) "
+        "SELECT e.rowid, e.id, c.session_id, e.sequence_number, e.tid, e.body, e.device "
+        "FROM events AS e JOIN chains AS c ON c.n = e.chain ORDER BY e.rowid"
+    )
+    conn.execute("DROP TABLE events")
+    conn.execute("DROP TABLE chains")
+    conn.execute("ALTER TABLE events_18 RENAME TO events")
+    conn.execute("PRAGMA user_version = 18")
+
+
 def _as_schema_17(conn: sqlite3.Connection, block: int = ID_LAYOUT.block) -> None:
     """Turn a file written by this store back into what schema 17 wrote: every session's
     id blocks of ``block`` ids (128: the layout before schema 18)."""
+    _as_schema_18(conn)
     if conn.execute("PRAGMA user_version").fetchone()[0] < 18:
         return
     rows = conn.execute("SELECT tid, id, part, ids FROM session_ids ORDER BY tid, id, part")
@@ -785,7 +808,10 @@ def _as_schema_14(conn: sqlite3.Connection) -> None:
     _as_schema_15(conn)
     if conn.execute("PRAGMA user_version").fetchone()[0] < 15:
         return
-    prev = server_sqlite._prev_digest("e.tid", "e.session_id", "e.sequence_number")
+    prev = (  # (``_prev_digest`` as schema 15-18 read it: by the session's id)
+        f"(SELECT {compact.chain_digest_sql('p.body')} FROM events AS p WHERE p.tid = e.tid "
+        "AND p.session_id = e.session_id AND p.sequence_number = e.sequence_number - 1)"
+    )
     rows = conn.execute(
         f"SELECT e.rowid, e.body, {prev} FROM events AS e "
         "WHERE substr(e.body, 1, 1) = x'c1' AND substr(e.body, 2, 1) IN (x'10', x'11')"
@@ -863,7 +889,7 @@ def _as_schema_10(db_path: Path) -> None:
         conn.execute("DROP INDEX feed_session")
         conn.execute("CREATE INDEX feed_record ON feed (tid, kind, record_id, cursor)")
         conn.execute("PRAGMA user_version = 10")
-        assert module.SCHEMA_VERSION == 18
+        assert module.SCHEMA_VERSION == 19
 
 
 async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: Path) -> None:
@@ -942,7 +968,7 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
         (cursor,) = later.cursors
         assert cursor > max(at.values())
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 18
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         indexes = {row[1] for row in conn.execute("PRAGMA index_list(feed)")}
         assert indexes == {"sqlite_autoindex_feed_1", "feed_session"}  # (its key, schema 17)
@@ -1019,7 +1045,7 @@ async def test_a_server_file_leaves_out_the_node_of_the_device_that_pushed(
                 assert body == compact.encode(record) and change.record == record
         assert await _raw_bodies(store, h.alice.tenant) == before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 18
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
         nodes = dict(conn.execute("SELECT node, n FROM nodes"))
         assert set(nodes) == {compact.stamp_node(phone.client_id)}  # (neither laptop nor odd)
         rows = {
@@ -1334,7 +1360,7 @@ async def test_a_schema_13_file_opens_with_its_messages_in_a_table_of_their_own(
         left = {c.record.id for c in await pull_all(store, alice.tenant)}
         assert not left & {r.id for r in h.content}
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 18
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert (
             conn.execute("SELECT count(*) FROM records WHERE kind = ?", (message,)).fetchone()[0]
@@ -1365,7 +1391,7 @@ async def test_an_event_is_stored_without_the_prev_hash_the_row_before_it_holds(
         return [c.record for c in feed if isinstance(c.record, Event)]
 
     def forms(conn: sqlite3.Connection) -> list[bytes]:
-        rows = "SELECT substr(body, 2, 1) FROM events ORDER BY session_id, sequence_number"
+        rows = "SELECT substr(body, 2, 1) FROM events ORDER BY sequence_number"  # (one chain)
         return [bytes(f) for (f,) in conn.execute(rows)]
 
     async with SQLiteServerStore(db_path) as store:
@@ -1400,7 +1426,7 @@ async def test_an_event_is_stored_without_the_prev_hash_the_row_before_it_holds(
         assert [e.prev_hash for e in events[1:]] == [e.row_hash for e in events[:-1]]
         assert (await _raw_bodies(store, tenant))[: len(pulled)] == pulled
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 18
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
         # The one after the row of the map form keeps its prev_hash (that row's digest is not
         # at its end); the one after it leaves it out again.
         assert forms(conn)[:3] + forms(conn)[4:] == [b"\x01"] * 4 + [b"\x11"]
@@ -1464,7 +1490,7 @@ async def test_a_feed_entry_whose_row_is_at_its_cursor_names_no_id(db_path: Path
         assert compact.decode(pulled[-1][1]) == stray
         assert await _raw_bodies(store, h.bob.tenant) == theirs
         with sqlite3.connect(db_path) as conn:
-            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 18
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
             migrated = named(conn)
             assert {c for c, names in migrated.items() if names} == sessions_at(conn) | {stray_at}
             assert migrated.keys() == written.keys() | {stray_at}
@@ -1539,7 +1565,7 @@ async def test_the_feed_is_kept_by_tenant_and_cursor(db_path: Path) -> None:
         left = {c.record.id for c in await pull_all(store, alice.tenant)}
         assert not left & {r.id for r in h.content}
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 18
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         sql = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'feed'").fetchone()[0]
         assert sql.rstrip().endswith("WITHOUT ROWID")
@@ -1607,14 +1633,14 @@ async def test_a_long_sessions_ids_are_kept_in_blocks_a_page_holds(db_path: Path
         return int(rows.fetchone()[0])
 
     with sqlite3.connect(db_path) as conn:
-        conn.execute("PRAGMA user_version = 17")
+        _as_schema_17(conn)
         old = blocks(conn)
         assert sorted(map(sum, old.values())) == lengths
         assert max(map(max, old.values())) == 128 and overflow(conn) > 0
     async with SQLiteServerStore(db_path) as store:
         assert await _raw_bodies(store, dev.tenant) == before
         with sqlite3.connect(db_path) as conn:
-            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 18
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
             cut = blocks(conn)
             assert overflow(conn) == 0
         assert cut.keys() == old.keys()
@@ -1635,3 +1661,77 @@ async def test_a_long_sessions_ids_are_kept_in_blocks_a_page_holds(db_path: Path
     with sqlite3.connect(db_path) as conn:
         assert blocks(conn)[uuid_bytes(longest.id)] == [60] * 33 + [22]
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+async def test_an_event_names_its_sessions_chain_by_a_number(db_path: Path) -> None:
+    """Schema 19: an event names its session's chain by a number (``chains``, one row for
+    each tenant's session with events) where it held the session's id. Two tenants' sessions
+    under one id are two chains; each pulls its own events, linked as placed; a file of
+    schema 18 opens at 19 pulling the very bytes it pulled, and its chains go on; the reads
+    by chain and place search the events' unique key."""
+    clock = HybridClock("server-x")
+    alice, bob = Device(new_tenant()), Device(new_tenant())
+    shared_id = uuid7()
+    mine, theirs = alice.session(id=shared_id), bob.session(id=shared_id)
+    other = alice.session()
+
+    async def chain(store: SQLiteServerStore, dev: Device, session_id: str) -> list[Event]:
+        feed = await pull_all(store, dev.tenant)
+        return [
+            c.record
+            for c in feed
+            if isinstance(c.record, Event) and c.record.session_id == session_id
+        ]
+
+    async with SQLiteServerStore(db_path) as store:
+        for dev, session in ((alice, mine), (bob, theirs), (alice, other)):
+            events = [dev.event(session.id) for _ in range(3)]
+            result = await store.push(
+                dev.tenant, dev.client_id, dev.changes(session, *events), clock
+            )
+            assert statuses(result) == ["applied"] * 4
+        before = {dev: await _raw_bodies(store, dev.tenant) for dev in (alice, bob)}
+    with sqlite3.connect(db_path) as conn:
+        chains = conn.execute("SELECT n, tid, session_id FROM chains ORDER BY n").fetchall()
+        assert [bytes(k) for _, _, k in chains] == [
+            uuid_bytes(x) for x in (shared_id, shared_id, other.id)
+        ]
+        assert len({tid for _, tid, _ in chains}) == 2  # (alice's two, bob's one)
+        per_chain = dict(conn.execute("SELECT chain, count(*) FROM events GROUP BY chain"))
+        assert per_chain == {n: 3 for n, _, _ in chains}
+        _as_schema_18(conn)
+        conn.commit()
+    async with SQLiteServerStore(db_path) as store:
+        for dev in (alice, bob):
+            assert await _raw_bodies(store, dev.tenant) == before[dev]
+        for dev, session in ((alice, mine), (bob, theirs)):
+            more = [dev.event(session.id), dev.event(session.id)]
+            result = await store.push(dev.tenant, dev.client_id, dev.changes(*more), clock)
+            assert statuses(result) == ["applied", "applied"]
+            log = await chain(store, dev, session.id)
+            assert [e.sequence_number for e in log] == [1, 2, 3, 4, 5]
+            assert [e.prev_hash for e in log[1:]] == [e.row_hash for e in log[:-1]]
+            assert {e.client_id for e in log} == {dev.client_id}  # (its tenant's own)
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        columns = [row[1] for row in conn.execute("PRAGMA table_info(events)")]
+        assert columns == ["id", "chain", "sequence_number", "tid", "body", "device"]
+        assert conn.execute("SELECT count(*) FROM chains").fetchone()[0] == 3
+        # Forms as placed: the first of a chain keeps its prev_hash, the others leave it out.
+        forms = conn.execute(
+            "SELECT chain, group_concat(hex(substr(body, 2, 1)), ',') FROM "
+            "(SELECT chain, body FROM events ORDER BY chain, sequence_number) GROUP BY chain"
+        ).fetchall()
+        assert {f for _, f in forms} >= {"01,11,11,11,11", "01,11,11"}
+        conn.create_function("pleach_key", 1, lambda value: value, deterministic=True)
+        t = (alice.tenant.org_id, alice.tenant.user_id)
+        for statement, params in (
+            (f"SELECT {server_sqlite._prev_digest('1', '2')}", ()),
+            (server_sqlite._CHAIN_TAILS_SQL, (*t, "[]")),
+        ):
+            plan = " | ".join(
+                row[3] for row in conn.execute(f"EXPLAIN QUERY PLAN {statement}", params)
+            )
+            assert "SCAN p" not in plan and "SCAN events" not in plan, plan
+            assert "sqlite_autoindex_events_2 (chain=? AND sequence_number" in plan, plan
