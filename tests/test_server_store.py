@@ -271,7 +271,7 @@ async def test_schema_3_files_migrate_to_tenant_scoped_ids(db_path: Path) -> Non
         assert [r.status for r in theirs.results] == ["applied"]
         assert (await store.pull(alice.tenant, 0, 10)).changes == feed
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
@@ -484,7 +484,7 @@ async def test_schema_4_files_migrate_with_every_audit_row_placed(db_path: Path)
         )
         assert [r.status for r in after.results] == ["applied"]
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
         assert conn.execute("SELECT count(*) FROM audit_places").fetchone()[0] == 4
         # Migration 6 kept every record, now in a rowid table (bodies pack into its pages).
         assert conn.execute("SELECT count(*) FROM records").fetchone()[0] == 4
@@ -545,7 +545,7 @@ async def test_schema_6_files_migrate_to_a_feed_that_refers_to_its_records(db_pa
         later = await store.push(dev.tenant, dev.client_id, dev.changes(dev.message(v1.id)), clock)
         assert later.cursors == [6]  # not 5: that cursor was handed out before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         columns = [row[1] for row in conn.execute("PRAGMA table_info(feed)")]
         assert columns == ["tid", "cursor", "kind", "record_id"]  # (by tenant: schema 17)
@@ -659,7 +659,7 @@ async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Pat
         assert isinstance(last.record, Event)
         assert (last.record.sequence_number, last.record.prev_hash) == (2, event.row_hash)
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert conn.execute("SELECT count(*) FROM tenants").fetchone()[0] == 2
         kept = dict(
@@ -701,10 +701,35 @@ def _with_prev(stored: bytes, prev: bytes) -> bytes:
     return compact.SHORT + bytes((stored[1] - 0x10,)) + stored[2:cut] + head + prev + stored[cut:]
 
 
+def _as_schema_19(conn: sqlite3.Connection) -> None:
+    """Turn a file written by this store back into what schema 19 wrote: each record naming
+    its session by its id (``session_id``), indexed by tenant and id, and ``chains`` holding
+    the sessions of events alone."""
+    if conn.execute("PRAGMA user_version").fetchone()[0] < 20:
+        return
+    for table in ("records", "messages"):
+        conn.execute(
+            f"CREATE TABLE {table}_19 (kind INTEGER NOT NULL, id BLOB NOT NULL, "
+            "tid INTEGER NOT NULL, session_id BLOB, body BLOB NOT NULL, device INTEGER)"
+        )
+        conn.execute(
+            f"INSERT INTO {table}_19 (rowid, kind, id, tid, session_id, body, device) "
+            "SELECT r.rowid, r.kind, r.id, r.tid, c.session_id, r.body, r.device "
+            f"FROM {table} AS r LEFT JOIN chains AS c ON c.n = r.session ORDER BY r.rowid"
+        )
+        conn.execute(f"DROP TABLE {table}")
+        conn.execute(f"ALTER TABLE {table}_19 RENAME TO {table}")
+        conn.execute(f"CREATE UNIQUE INDEX {table}_key ON {table} (tid, kind, id)")
+        conn.execute(f"CREATE INDEX {table}_tenant ON {table} (tid, session_id)")
+    conn.execute("DELETE FROM chains WHERE n NOT IN (SELECT chain FROM events)")
+    conn.execute("PRAGMA user_version = 19")
+
+
 def _as_schema_18(conn: sqlite3.Connection) -> None:
     """Turn a file written by this store back into what schema 18 wrote: each event naming
     its session by its id (``session_id``), its unique key by place ``(tid, session_id,
     sequence_number)``, and no ``chains``."""
+    _as_schema_19(conn)
     if conn.execute("PRAGMA user_version").fetchone()[0] < 19:
         return
     conn.execute(
@@ -889,7 +914,7 @@ def _as_schema_10(db_path: Path) -> None:
         conn.execute("DROP INDEX feed_session")
         conn.execute("CREATE INDEX feed_record ON feed (tid, kind, record_id, cursor)")
         conn.execute("PRAGMA user_version = 10")
-        assert module.SCHEMA_VERSION == 19
+        assert module.SCHEMA_VERSION == 20
 
 
 async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: Path) -> None:
@@ -936,13 +961,16 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
         with sqlite3.connect(db_path) as conn:
             tid = "(SELECT tid FROM tenants WHERE org_id = ? AND user_id = ?)"
             a = (alice.tenant.org_id, alice.tenant.user_id)
-            conn.execute(  # (into the table of its kind since schema 14)
-                f"INSERT INTO messages (rowid, kind, id, tid, session_id, body) "
-                f"VALUES (?, ?, ?, {tid}, ?, ?)",
+            conn.execute(  # (into the table of its kind since schema 14; its session's
+                # number since schema 20)
+                f"INSERT INTO messages (rowid, kind, id, tid, session, body) "
+                f"VALUES (?, ?, ?, {tid}, (SELECT n FROM chains WHERE tid = {tid} "
+                "AND session_id = ?), ?)",
                 (
                     theirs[0][0],
                     compact.KINDS.index("Message"),
                     uuid_bytes(stray.id),
+                    *a,
                     *a,
                     uuid_bytes(other.id),
                     compact.encode(stray),
@@ -968,7 +996,7 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
         (cursor,) = later.cursors
         assert cursor > max(at.values())
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         indexes = {row[1] for row in conn.execute("PRAGMA index_list(feed)")}
         assert indexes == {"sqlite_autoindex_feed_1", "feed_session"}  # (its key, schema 17)
@@ -977,15 +1005,15 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
             for name in (
                 "sqlite_autoindex_feed_1",
                 "feed_session",
-                "records_tenant",
-                "messages_tenant",
+                "records_session",
+                "messages_session",
             )
         }  # the cursor, a rowid, once
         assert columns == {
             "sqlite_autoindex_feed_1": ["tid", "cursor"],
             "feed_session": ["tid", "record_id"],
-            "records_tenant": ["tid", "session_id"],
-            "messages_tenant": ["tid", "session_id"],
+            "records_session": ["session"],  # (its session's number: schema 20)
+            "messages_session": ["session"],
         }
         assert conn.execute("SELECT max(rowid) FROM messages").fetchone()[0] == cursor
         for table in ("records", "messages", "events"):  # every row with an entry at its rowid
@@ -1045,7 +1073,7 @@ async def test_a_server_file_leaves_out_the_node_of_the_device_that_pushed(
                 assert body == compact.encode(record) and change.record == record
         assert await _raw_bodies(store, h.alice.tenant) == before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
         nodes = dict(conn.execute("SELECT node, n FROM nodes"))
         assert set(nodes) == {compact.stamp_node(phone.client_id)}  # (neither laptop nor odd)
         rows = {
@@ -1360,7 +1388,7 @@ async def test_a_schema_13_file_opens_with_its_messages_in_a_table_of_their_own(
         left = {c.record.id for c in await pull_all(store, alice.tenant)}
         assert not left & {r.id for r in h.content}
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert (
             conn.execute("SELECT count(*) FROM records WHERE kind = ?", (message,)).fetchone()[0]
@@ -1426,7 +1454,7 @@ async def test_an_event_is_stored_without_the_prev_hash_the_row_before_it_holds(
         assert [e.prev_hash for e in events[1:]] == [e.row_hash for e in events[:-1]]
         assert (await _raw_bodies(store, tenant))[: len(pulled)] == pulled
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
         # The one after the row of the map form keeps its prev_hash (that row's digest is not
         # at its end); the one after it leaves it out again.
         assert forms(conn)[:3] + forms(conn)[4:] == [b"\x01"] * 4 + [b"\x11"]
@@ -1490,7 +1518,7 @@ async def test_a_feed_entry_whose_row_is_at_its_cursor_names_no_id(db_path: Path
         assert compact.decode(pulled[-1][1]) == stray
         assert await _raw_bodies(store, h.bob.tenant) == theirs
         with sqlite3.connect(db_path) as conn:
-            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
             migrated = named(conn)
             assert {c for c, names in migrated.items() if names} == sessions_at(conn) | {stray_at}
             assert migrated.keys() == written.keys() | {stray_at}
@@ -1565,7 +1593,7 @@ async def test_the_feed_is_kept_by_tenant_and_cursor(db_path: Path) -> None:
         left = {c.record.id for c in await pull_all(store, alice.tenant)}
         assert not left & {r.id for r in h.content}
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         sql = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'feed'").fetchone()[0]
         assert sql.rstrip().endswith("WITHOUT ROWID")
@@ -1640,7 +1668,7 @@ async def test_a_long_sessions_ids_are_kept_in_blocks_a_page_holds(db_path: Path
     async with SQLiteServerStore(db_path) as store:
         assert await _raw_bodies(store, dev.tenant) == before
         with sqlite3.connect(db_path) as conn:
-            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
             cut = blocks(conn)
             assert overflow(conn) == 0
         assert cut.keys() == old.keys()
@@ -1713,7 +1741,7 @@ async def test_an_event_names_its_sessions_chain_by_a_number(db_path: Path) -> N
             assert [e.prev_hash for e in log[1:]] == [e.row_hash for e in log[:-1]]
             assert {e.client_id for e in log} == {dev.client_id}  # (its tenant's own)
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 19
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         columns = [row[1] for row in conn.execute("PRAGMA table_info(events)")]
         assert columns == ["id", "chain", "sequence_number", "tid", "body", "device"]
@@ -1735,3 +1763,70 @@ async def test_an_event_names_its_sessions_chain_by_a_number(db_path: Path) -> N
             )
             assert "SCAN p" not in plan and "SCAN events" not in plan, plan
             assert "sqlite_autoindex_events_2 (chain=? AND sequence_number" in plan, plan
+
+
+async def test_a_record_names_its_session_by_its_number(db_path: Path) -> None:
+    """Schema 20: a record (a message too) names its session by its number in ``chains``,
+    and the index a session's delete reads is on that number alone. Two tenants' sessions
+    under one id are two numbers: one tenant's delete takes its own records of it and none
+    of the other's. A file of schema 19 opens at 20 pulling the very bytes it pulled, every
+    record numbered as its tenant's session, and the delete reads the index by number."""
+    clock = HybridClock("server-x")
+    alice, bob = Device(new_tenant()), Device(new_tenant())
+    shared_id = uuid7()
+    mine, theirs = alice.session(id=shared_id), bob.session(id=shared_id)
+    content = {
+        dev: [dev.message(s.id), dev.checkpoint(s.id), dev.message(s.id), dev.audit(s.id)]
+        for dev, s in ((alice, mine), (bob, theirs))
+    }
+    async with SQLiteServerStore(db_path) as store:
+        for dev, session in ((alice, mine), (bob, theirs)):
+            records = content[dev]
+            result = await store.push(
+                dev.tenant, dev.client_id, dev.changes(session, *records), clock
+            )
+            assert statuses(result) == ["applied"] * 5
+        before = {dev: await _raw_bodies(store, dev.tenant) for dev in (alice, bob)}
+    with sqlite3.connect(db_path) as conn:
+        numbered = conn.execute(
+            "SELECT c.tid, count(*) FROM (SELECT session FROM records UNION ALL "
+            "SELECT session FROM messages) AS r JOIN chains AS c ON c.n = r.session GROUP BY c.n"
+        ).fetchall()
+        assert (
+            sorted(count for _, count in numbered) == [4, 4] and len({t for t, _ in numbered}) == 2
+        )
+        _as_schema_19(conn)
+        conn.commit()
+        assert conn.execute("SELECT count(*) FROM chains").fetchone()[0] == 0  # (no events)
+    async with SQLiteServerStore(db_path) as store:
+        for dev in (alice, bob):
+            assert await _raw_bodies(store, dev.tenant) == before[dev]
+        with sqlite3.connect(db_path) as conn:
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
+            assert conn.execute("SELECT count(*) FROM chains").fetchone()[0] == 2
+            for table in ("records", "messages"):
+                columns = [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
+                assert columns == ["kind", "id", "tid", "session", "body", "device"]
+                index = [row[2] for row in conn.execute(f"PRAGMA index_info({table}_session)")]
+                assert index == ["session"]
+                assert not conn.execute(f"SELECT 1 FROM {table} WHERE session IS NULL").fetchall()
+            conn.create_function("pleach_key", 1, lambda value: value, deterministic=True)
+            plan = " | ".join(
+                row[3]
+                for row in conn.execute(
+                    f"EXPLAIN QUERY PLAN {server_sqlite._CASCADE_CANDIDATES_SQL}",
+                    ("[]", alice.tenant.org_id, alice.tenant.user_id, "[]"),
+                )
+            )
+            assert "records_session (session=?)" in plan and "messages_session (session=?)" in plan
+        later = alice.message(mine.id)
+        result = await store.push(alice.tenant, alice.client_id, alice.changes(later), clock)
+        assert statuses(result) == ["applied"]
+        tomb = tombstone(alice, mine)
+        deleted = await store.push(alice.tenant, alice.client_id, alice.changes(tomb), clock)
+        assert statuses(deleted) == ["applied"]
+        left = {c.record.id for c in await pull_all(store, alice.tenant)}
+        assert not left & {r.id for r in [*content[alice], later] if not isinstance(r, AuditRow)}
+        assert await _raw_bodies(store, bob.tenant) == before[bob]  # (theirs, whole)
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"

@@ -181,6 +181,15 @@ _RECORDS_COLUMNS_13: Final = """(
     device INTEGER
 )"""
 """The records' columns since migration 13 (``records`` and, since 14, ``messages``)."""
+_RECORDS_COLUMNS_20: Final = """(
+    kind INTEGER NOT NULL,
+    id BLOB NOT NULL,
+    tid INTEGER NOT NULL,
+    session INTEGER,
+    body BLOB NOT NULL,
+    device INTEGER
+)"""
+"""The records' columns since migration 20: the session's number (``chains``)."""
 _EVENTS_COLUMNS: Final = """(
     id BLOB NOT NULL,
     session_id BLOB NOT NULL,
@@ -678,6 +687,32 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         "DROP TABLE events",
         "ALTER TABLE events_19 RENAME TO events",
     ),
+    # 20: a record (a message too) names its session by the same number (``session``: its
+    # ``chains`` row, given it with its first record or event; NULL for none), where it held
+    # the session's id, and the index by session (which a session's delete reads) is on that
+    # number alone, where it held the tenant and the id: 16 and 17 bytes fewer (0.14 MB of
+    # 3.2 at 1,000 turns). Each record keeps its rowid.
+    (
+        "INSERT INTO chains (tid, session_id) SELECT tid, session_id FROM ("
+        "SELECT rowid AS at, tid, session_id FROM records WHERE session_id IS NOT NULL "
+        "UNION ALL SELECT rowid, tid, session_id FROM messages WHERE session_id IS NOT NULL) "
+        "GROUP BY tid, session_id ORDER BY MIN(at) ON CONFLICT (tid, session_id) DO NOTHING",
+        *(
+            statement.replace("@table", table)
+            for table in ("records", "messages")
+            for statement in (
+                "CREATE TABLE @table_20 " + _RECORDS_COLUMNS_20,
+                "INSERT INTO @table_20 (rowid, kind, id, tid, session, body, device) "
+                "SELECT r.rowid, r.kind, r.id, r.tid, c.n, r.body, r.device FROM @table AS r "
+                "LEFT JOIN chains AS c ON c.tid = r.tid AND c.session_id = r.session_id "
+                "ORDER BY r.rowid",
+                "DROP TABLE @table",
+                "ALTER TABLE @table_20 RENAME TO @table",
+                "CREATE UNIQUE INDEX @table_key ON @table (tid, kind, id)",
+                "CREATE INDEX @table_session ON @table (session)",
+            )
+        ),
+    ),
 )
 _PUT_HEALTH_SQL = (
     "INSERT INTO devices (org_id, user_id, client_id, seen_at, health) VALUES (?, ?, ?, ?, ?) "
@@ -701,13 +736,14 @@ def _whole_sql(row: str, tenant: str | None = None, *, event: bool = False) -> s
     (``compact.short_body`` less its ids and its tenant, schema 12: ``_packed``, and its
     stamp's node, schema 13: ``nodes``, and an event's ``prev_hash``, schema 15: the row
     before it in its chain, ``_prev_digest``); ``tenant``: an expression of the row's
-    tenant's packed org and user (by default, its tenant's row, probed for each row)."""
+    tenant's packed org and user (by default, its tenant's row, probed for each row). The
+    session's id is read by its number (``chains``: an event's ``chain``, schema 19, a
+    record's ``session``, schema 20)."""
+    number = f"{row}.chain" if event else f"{row}.session"
     return compact.whole_body_sql(
         f"{row}.body",
         f"{row}.id",
-        f"(SELECT c.session_id FROM chains AS c WHERE c.n = {row}.chain)"
-        if event
-        else f"{row}.session_id",
+        f"(SELECT c.session_id FROM chains AS c WHERE c.n = {number})",
         tenant or f"(SELECT packed FROM tenants WHERE tid = {row}.tid)",
         f"(SELECT node FROM nodes WHERE n = {row}.device)",
         _prev_digest(f"{row}.chain", f"{row}.sequence_number") if event else "NULL",
@@ -795,11 +831,7 @@ _SESSION_OWNERS_SQL = f"""
     WHERE EXISTS (SELECT 1 FROM sessions AS s
             WHERE s.tid = {_TENANT_12} AND s.id = pleach_key(k.value))
         OR EXISTS (SELECT 1 FROM chains AS c
-            WHERE c.tid = {_TENANT_12} AND c.session_id = pleach_key(k.value))
-        OR EXISTS (SELECT 1 FROM records AS r
-            WHERE r.tid = {_TENANT_12} AND r.session_id = pleach_key(k.value))
-        OR EXISTS (SELECT 1 FROM messages AS r
-            WHERE r.tid = {_TENANT_12} AND r.session_id = pleach_key(k.value))"""
+            WHERE c.tid = {_TENANT_12} AND c.session_id = pleach_key(k.value))"""
 # (A row a block, the blocks of a session after its row: ``_sessions_of``.)
 _SESSIONS_SQL = f"""
     SELECT k.value, s.body, s.ids_count, b.part, b.ids FROM json_each(?3) AS k
@@ -826,10 +858,12 @@ _INSERT_PLACE_SQL = (
 )
 # A record's and an event's rowid is the cursor of its feed entry (migration 11); a message
 # is in a table of its own (migration 14).
-_INSERT_RECORD_SQL = (
-    f"INSERT INTO records (rowid, kind, id, tid, session_id, body, device) "
-    f"VALUES (?, ?, ?, {_TENANT}, ?, ?, ?) ON CONFLICT (tid, kind, id) DO NOTHING"
-)
+_INSERT_RECORD_SQL = """
+    INSERT INTO records (rowid, kind, id, tid, session, body, device)
+    SELECT ?1, ?2, ?3, t.tid, (SELECT c.n FROM chains AS c WHERE c.tid = t.tid
+        AND c.session_id = ?6), ?7, ?8
+    FROM tenants AS t WHERE t.org_id = ?4 AND t.user_id = ?5
+    ON CONFLICT (tid, kind, id) DO NOTHING"""
 _INSERT_MESSAGE_SQL = _INSERT_RECORD_SQL.replace("INTO records", "INTO messages")
 # An event's body leaves its prev_hash out (``?9``: ``compact.prev_apart``, schema 15) when
 # the row before it in its chain, stored now (this batch's rows go in in chain order), holds
@@ -843,7 +877,8 @@ _INSERT_EVENT_SQL = f"""
     FROM chains AS c WHERE c.tid = (SELECT tid FROM tenants WHERE org_id = ?5 AND user_id = ?6)
         AND c.session_id = ?3
     ON CONFLICT DO NOTHING"""
-# A chain's number (schema 19), given it before its first event goes in.
+# A session's number (schema 19: its events' chain; 20: its records' session), given it
+# before its first event or record goes in.
 _ADD_CHAIN_SQL = (
     f"INSERT INTO chains (tid, session_id) SELECT {_TENANT}, ? WHERE true "
     "ON CONFLICT (tid, session_id) DO NOTHING"
@@ -893,9 +928,9 @@ _TENANT_SESSIONS_SQL = f"""
     WHERE s.tid = {_TENANT}"""
 _CASCADE_CANDIDATES_SQL = _in_both(f"""
     SELECT r.kind, r.id, {_WHOLE_RECORD} FROM json_each(?1) AS k
-    CROSS JOIN @table AS r INDEXED BY @table_tenant
-        ON r.tid = (SELECT tid FROM tenants WHERE org_id = ?2 AND user_id = ?3)
-        AND r.session_id = pleach_key(k.value)
+    CROSS JOIN @table AS r INDEXED BY @table_session
+        ON r.session = (SELECT n FROM chains WHERE session_id = pleach_key(k.value)
+            AND tid = (SELECT tid FROM tenants WHERE org_id = ?2 AND user_id = ?3))
     WHERE r.kind IN (SELECT value FROM json_each(?4))""")
 # The records ``?3`` names (a JSON array of [kind, id]), each found through its table's key
 # (``records_key``, ``messages_key``):
@@ -1080,8 +1115,14 @@ def _write_rows(raw: sqlite3.Connection, rows: _Rows) -> tuple[list[int], int | 
     both = itertools.chain(rows.records, rows.events)
     named = any(row[6][:2] in _NODE_OUT for row in both)
     device = _device_number(raw, rows.node) if named else None
-    if rows.events:  # (each event's chain numbered first: ``chains``)
-        chains = {(org, user, session): None for _, _, session, _, org, user, *_ in rows.events}
+    # Each event's and record's session numbered first (``chains``).
+    chains = {(org, user, session): None for _, _, session, _, org, user, *_ in rows.events}
+    chains.update(
+        ((org, user, session), None)
+        for _, _, _, org, user, session, *_ in rows.records
+        if session is not None
+    )
+    if chains:
         raw.executemany(_ADD_CHAIN_SQL, list(chains))
     for sql, written, what in (
         (_INSERT_RECORD_SQL, [r for r in rows.records if r[1] != _MESSAGE_KIND], "a record id"),
