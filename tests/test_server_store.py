@@ -771,6 +771,28 @@ def _as_schema_17(conn: sqlite3.Connection, block: int = ID_LAYOUT.block) -> Non
     conn.execute("PRAGMA user_version = 17")
 
 
+def _rowid_feed(conn: sqlite3.Connection, record_id: str, column: str, head: str) -> None:
+    """The feed made again as schema 8-16 kept it: a rowid table whose cursors AUTOINCREMENT
+    gives (its high-water mark ``head``, an SQL read of it, kept in ``sqlite_sequence``), its
+    index of sessions' entries and by tenant; ``record_id``: each entry's id, SQL over its
+    entry ``f``, in a column declared ``column``."""
+    conn.execute(
+        "CREATE TABLE feed_old (cursor INTEGER PRIMARY KEY AUTOINCREMENT, "
+        f"tid INTEGER NOT NULL, kind INTEGER NOT NULL, record_id {column})"
+    )
+    conn.execute(
+        "INSERT INTO feed_old (cursor, tid, kind, record_id) "
+        f"SELECT f.cursor, f.tid, f.kind, {record_id} FROM feed AS f ORDER BY f.cursor"
+    )
+    (last,) = conn.execute(head).fetchone()
+    conn.execute("DROP TABLE feed")
+    conn.execute("ALTER TABLE feed_old RENAME TO feed")
+    conn.execute("UPDATE sqlite_sequence SET seq = ? WHERE name = 'feed'", (last,))
+    session = compact.KINDS.index("Session")
+    conn.execute(f"CREATE INDEX feed_session ON feed (tid, record_id) WHERE kind = {session}")
+    conn.execute("CREATE INDEX feed_tenant ON feed (tid)")
+
+
 def _as_schema_16(conn: sqlite3.Connection) -> None:
     """Turn a file written by this store back into what schema 16 wrote: the feed a rowid
     table, its cursors given by AUTOINCREMENT (its high-water mark in ``sqlite_sequence``),
@@ -778,23 +800,8 @@ def _as_schema_16(conn: sqlite3.Connection) -> None:
     _as_schema_17(conn)
     if conn.execute("PRAGMA user_version").fetchone()[0] < 17:
         return
-    conn.execute(
-        "CREATE TABLE feed_16 (cursor INTEGER PRIMARY KEY AUTOINCREMENT, "
-        "tid INTEGER NOT NULL, kind INTEGER NOT NULL, record_id BLOB)"
-    )
-    conn.execute(
-        "INSERT INTO feed_16 (cursor, tid, kind, record_id) "
-        "SELECT cursor, tid, kind, record_id FROM feed ORDER BY cursor"
-    )
-    conn.execute(
-        "UPDATE sqlite_sequence SET seq = (SELECT cursor FROM feed_head) WHERE name = 'feed_16'"
-    )
-    conn.execute("DROP TABLE feed")
+    _rowid_feed(conn, "f.record_id", "BLOB", "SELECT cursor FROM feed_head")
     conn.execute("DROP TABLE feed_head")
-    conn.execute("ALTER TABLE feed_16 RENAME TO feed")
-    session = compact.KINDS.index("Session")
-    conn.execute(f"CREATE INDEX feed_session ON feed (tid, record_id) WHERE kind = {session}")
-    conn.execute("CREATE INDEX feed_tenant ON feed (tid)")
     conn.execute("PRAGMA user_version = 16")
 
 
@@ -806,24 +813,14 @@ def _as_schema_15(conn: sqlite3.Connection) -> None:
     if conn.execute("PRAGMA user_version").fetchone()[0] < 16:
         return
     event, message = compact.KINDS.index("Event"), compact.KINDS.index("Message")
-    conn.execute(
-        "CREATE TABLE feed_15 (cursor INTEGER PRIMARY KEY AUTOINCREMENT, "
-        "tid INTEGER NOT NULL, kind INTEGER NOT NULL, record_id BLOB NOT NULL)"
-    )
-    conn.execute(
-        "INSERT INTO feed_15 (cursor, tid, kind, record_id) SELECT f.cursor, f.tid, f.kind, "
+    named = (
         "COALESCE(f.record_id, CASE f.kind "
         f"WHEN {event} THEN (SELECT id FROM events WHERE rowid = f.cursor) "
         f"WHEN {message} THEN (SELECT id FROM messages WHERE rowid = f.cursor) "
-        "ELSE (SELECT id FROM records WHERE rowid = f.cursor) END) FROM feed AS f"
+        "ELSE (SELECT id FROM records WHERE rowid = f.cursor) END)"
     )
-    conn.execute("DELETE FROM sqlite_sequence WHERE name = 'feed_15'")
-    conn.execute("UPDATE sqlite_sequence SET name = 'feed_15' WHERE name = 'feed'")
-    conn.execute("DROP TABLE feed")
-    conn.execute("ALTER TABLE feed_15 RENAME TO feed")
-    session = compact.KINDS.index("Session")
-    conn.execute(f"CREATE INDEX feed_session ON feed (tid, record_id) WHERE kind = {session}")
-    conn.execute("CREATE INDEX feed_tenant ON feed (tid)")
+    head = "SELECT seq FROM sqlite_sequence WHERE name = 'feed'"
+    _rowid_feed(conn, named, "BLOB NOT NULL", head)
     conn.execute("PRAGMA user_version = 15")
 
 
