@@ -1825,5 +1825,22 @@ async def test_a_record_names_its_session_by_its_number(db_path: Path) -> None:
         left = {c.record.id for c in await pull_all(store, alice.tenant)}
         assert not left & {r.id for r in [*content[alice], later] if not isinstance(r, AuditRow)}
         assert await _raw_bodies(store, bob.tenant) == before[bob]  # (theirs, whole)
+    from tests.sim.invariants import server_file_problems
+
+    assert server_file_problems(db_path) == []
     with sqlite3.connect(db_path) as conn:
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        # The simulation's check finds a row that names another tenant's session.
+        theirs_n = conn.execute(
+            "SELECT c.n FROM chains AS c JOIN tenants AS t ON t.tid = c.tid "
+            "WHERE t.org_id = ? AND t.user_id = ?",
+            (bob.tenant.org_id, bob.tenant.user_id),
+        ).fetchone()[0]
+        conn.execute(
+            "UPDATE records SET session = ? WHERE rowid = (SELECT max(rowid) FROM records "
+            "WHERE tid = (SELECT tid FROM tenants WHERE org_id = ? AND user_id = ?))",
+            (theirs_n, alice.tenant.org_id, alice.tenant.user_id),
+        )
+    assert [p.split(" row ")[0] for p in server_file_problems(db_path)] == [
+        "session-astray: records"
+    ]

@@ -22,8 +22,11 @@ Schema (versioned by ``PRAGMA user_version``, migrated at ``open()``):
 - ``messages``: the messages, as ``records`` keeps the others (schema 14): rows appended in
   feed order fill their pages when rows of like sizes follow each other; a turn's reply
   after its small rows closed a page with a fifth of it unused.
-- ``events``: canonical events; ``(tid, session_id, sequence_number)`` is unique; an event's
-  rowid is its feed entry's cursor, too.
+- ``events``: canonical events; ``(chain, sequence_number)`` is unique; an event's rowid is
+  its feed entry's cursor, too.
+- ``chains``: each tenant's session that has events or records, under a number, ``n``: an
+  event names its session's chain by it (``chain``, schema 19), a record its session
+  (``session``, schema 20).
 - ``feed``: every applied change per tenant under a global monotonic ``cursor``, by kind (a
   pull reads each body from its row: a record's or an event's at the rowid of its cursor, so
   its entry names no id, schema 16; a session's by its id), kept by ``(tid, cursor)`` (a

@@ -424,7 +424,8 @@ def server_file_problems(path: Path) -> list[str]:
     in the table of its kind, and every such row at a positive rowid has its entry there (a
     delete that left an entry behind would make every later pull of that tenant fail; one
     that left a row would keep it forever). An entry that names no id (schema 16) has its
-    row there; one that names an id, that row with that id."""
+    row there; one that names an id, that row with that id. Every event's and record's
+    session number names a session of the row's own tenant (schema 19 and 20)."""
     problems: list[str] = []
     session = KINDS.index("Session")
     event = KINDS.index("Event")
@@ -451,6 +452,19 @@ def server_file_problems(path: Path) -> list[str]:
             (message,),
         ).fetchall()
         problems += [f"misfiled: {t} row {r} is of the other table's kind" for r, t in misfiled]
+        # Every event's chain and every record's session number (schema 19, 20) is a row of
+        # ``chains`` of the row's own tenant: a body read back whole names that session.
+        astray = conn.execute(
+            "SELECT 'events', e.rowid FROM events AS e WHERE NOT EXISTS (SELECT 1 FROM chains "
+            "AS c WHERE c.n = e.chain AND c.tid = e.tid) UNION ALL SELECT 'records', r.rowid "
+            "FROM records AS r WHERE r.session IS NOT NULL AND NOT EXISTS (SELECT 1 FROM chains "
+            "AS c WHERE c.n = r.session AND c.tid = r.tid) UNION ALL SELECT 'messages', r.rowid "
+            "FROM messages AS r WHERE r.session IS NOT NULL AND NOT EXISTS (SELECT 1 FROM chains "
+            "AS c WHERE c.n = r.session AND c.tid = r.tid) LIMIT 5"
+        ).fetchall()
+        problems += [
+            f"session-astray: {t} row {r} names no session of its tenant" for t, r in astray
+        ]
         for table, kind in (("records", "r.kind"), ("messages", message), ("events", event)):
             unfed = conn.execute(
                 f"SELECT rowid FROM {table} AS r WHERE rowid > 0 AND NOT EXISTS ("
