@@ -750,7 +750,8 @@ def _as_schema_18(conn: sqlite3.Connection) -> None:
 
 def _as_schema_17(conn: sqlite3.Connection, block: int = ID_LAYOUT.block) -> None:
     """Turn a file written by this store back into what schema 17 wrote: every session's
-    id blocks of ``block`` ids (128: the layout before schema 18)."""
+    id blocks of ``block`` ids (128: the layout before schema 18), in a ``WITHOUT ROWID``
+    table."""
     _as_schema_18(conn)
     if conn.execute("PRAGMA user_version").fetchone()[0] < 18:
         return
@@ -758,7 +759,11 @@ def _as_schema_17(conn: sqlite3.Connection, block: int = ID_LAYOUT.block) -> Non
     sessions: dict[tuple[int, Any], bytes] = {}
     for tid, key, _, ids in rows.fetchall():
         sessions[(tid, key)] = sessions.get((tid, key), b"") + bytes(ids)
-    conn.execute("DELETE FROM session_ids")
+    conn.execute("DROP TABLE session_ids")
+    conn.execute(
+        "CREATE TABLE session_ids (tid INTEGER NOT NULL, id BLOB NOT NULL, "
+        "part INTEGER NOT NULL, ids BLOB NOT NULL, PRIMARY KEY (tid, id, part)) WITHOUT ROWID"
+    )
     size = 16 * block
     conn.executemany(
         "INSERT INTO session_ids (tid, id, part, ids) VALUES (?, ?, ?, ?)",
@@ -1211,13 +1216,13 @@ def test_pleach_server_migrate_says_what_it_did(tmp_path: Path) -> None:
 async def test_a_turn_of_a_long_session_writes_one_block_not_its_whole_list(
     db_path: Path,
 ) -> None:
-    """At 2,000 ids a session's row holds none of them: they are in 34 blocks of 60 beside
+    """At 2,000 ids a session's row holds none of them: they are in 17 blocks of 124 beside
     it (``SQLITE_ID_LAYOUT``). A turn (two more ids) writes the row and the one block it
     appended to; a new block when the last is full; a rollback drops the blocks past the
     list; a list changed in its middle rewrites from the first block that differs."""
     clock = HybridClock("server")
     dev = Device(new_tenant())
-    ids = [uuid7() for _ in range(2_100)]
+    ids = [uuid7() for _ in range(2_200)]
     async with SQLiteServerStore(db_path) as store:
         assert store._writer is not None
         statements: list[str] = []
@@ -1239,20 +1244,20 @@ async def test_a_turn_of_a_long_session_writes_one_block_not_its_whole_list(
                 return size, blocks.fetchall()
 
         session = dev.session(message_ids=ids[:2_000])
-        assert server_sqlite.SQLITE_ID_LAYOUT.block == 60
-        assert len(await push(session)) == 34  # every block, once
+        assert server_sqlite.SQLITE_ID_LAYOUT.block == 124
+        assert len(await push(session)) == 17  # every block, once
         size, blocks = stored()
-        assert size < 1_000 and blocks == [(p, 960) for p in range(33)] + [(33, 20 * 16)]
+        assert size < 1_000 and blocks == [(p, 1984) for p in range(16)] + [(16, 16 * 16)]
         session = dev.edit(session, message_ids=ids[:2_002])
         written = await push(session)
         assert len(written) == 1 and "INSERT" in written[0]
-        assert stored()[1][-1] == (33, 22 * 16)
-        session = dev.edit(session, message_ids=ids[:2_050])
+        assert stored()[1][-1] == (16, 18 * 16)
+        session = dev.edit(session, message_ids=ids[:2_110])
         assert len(await push(session)) == 2  # the last block filled, a new one begun
         session = dev.edit(session, message_ids=ids[:290])
         written = await push(session)
-        assert len(written) == 2 and "DELETE" in written[0]  # blocks 5-34 dropped, 4 cut
-        assert stored()[1] == [(p, 960) for p in range(4)] + [(4, 50 * 16)]
+        assert len(written) == 2 and "DELETE" in written[0]  # blocks 3-17 dropped, 2 cut
+        assert stored()[1] == [(0, 1984), (1, 1984), (2, 42 * 16)]
         session = dev.edit(session, message_ids=[*ids[:200], *reversed(ids[200:290])])
         assert len(await push(session)) == 2  # from the block that differs on
         session = dev.edit(session, message_ids=ids[:100])
@@ -1331,7 +1336,7 @@ async def test_a_version_written_whole_over_a_row_kept_apart_is_read_whole(
     with sqlite3.connect(db_path) as conn:
         body, count = conn.execute("SELECT body, ids_count FROM sessions").fetchone()
         blocks = conn.execute("SELECT part FROM session_ids ORDER BY part").fetchall()
-    assert body[:1] == APART and count == 300 and blocks == [(p,) for p in range(5)]
+    assert body[:1] == APART and count == 300 and blocks == [(0,), (1,), (2,)]
 
 
 async def test_a_schema_13_file_opens_with_its_messages_in_a_table_of_their_own(
@@ -1627,11 +1632,11 @@ async def test_the_feed_is_kept_by_tenant_and_cursor(db_path: Path) -> None:
 
 
 async def test_a_long_sessions_ids_are_kept_in_blocks_a_page_holds(db_path: Path) -> None:
-    """Schema 18: a long session's ids in blocks of 60 (960 bytes), which the ``WITHOUT
-    ROWID`` table keeps within its pages (no overflow page; a block of 128 overflowed). A
-    file of schema 17 (blocks of 128) opens at 18 with every session's blocks cut again,
-    pulls the very bytes it pulled before, and a turn then writes the one block it appended
-    to; sessions of every length around a block's edges come through alike."""
+    """Schema 18: a long session's ids in blocks of 124 (1,984 bytes), two to a page of a
+    rowid table (no overflow page; a block of 128 in the ``WITHOUT ROWID`` table before
+    overflowed). A file of schema 17 (blocks of 128) opens at 18 with every session's blocks
+    cut again, pulls the very bytes it pulled before, and a turn then writes the one block it
+    appended to; sessions of every length around a block's edges come through alike."""
     clock = HybridClock("server")
     dev = Device(new_tenant())
     ids = [uuid7() for _ in range(2_100)]
@@ -1651,11 +1656,14 @@ async def test_a_long_sessions_ids_are_kept_in_blocks_a_page_holds(db_path: Path
             found[bytes(key)].append(size // 16)
         return found
 
-    def overflow(conn: sqlite3.Connection) -> int:
+    def pages(conn: sqlite3.Connection, kind: str) -> int:
         rows = conn.execute(
-            "SELECT count(*) FROM dbstat WHERE name = 'session_ids' AND pagetype = 'overflow'"
+            "SELECT count(*) FROM dbstat WHERE name = 'session_ids' AND pagetype = ?", (kind,)
         )
         return int(rows.fetchone()[0])
+
+    def overflow(conn: sqlite3.Connection) -> int:
+        return pages(conn, "overflow")
 
     with sqlite3.connect(db_path) as conn:
         _as_schema_17(conn)
@@ -1668,10 +1676,12 @@ async def test_a_long_sessions_ids_are_kept_in_blocks_a_page_holds(db_path: Path
             assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
             cut = blocks(conn)
             assert overflow(conn) == 0
+            held = sum(map(len, cut.values()))
+            assert pages(conn, "leaf") <= held // 2 + 1  # (two blocks a page)
         assert cut.keys() == old.keys()
         for key, sizes in cut.items():
             n = sum(old[key])
-            assert sizes == [60] * (n // 60) + ([n % 60] if n % 60 else [])
+            assert sizes == [124] * (n // 124) + ([n % 124] if n % 124 else [])
         # A turn of the longest: the row and the one block it appended to.
         statements: list[str] = []
         assert store._writer is not None
@@ -1684,7 +1694,7 @@ async def test_a_long_sessions_ids_are_kept_in_blocks_a_page_holds(db_path: Path
         feed = await pull_all(store, dev.tenant)
         assert [c.record for c in feed] == [*sessions[:-1], longest]
     with sqlite3.connect(db_path) as conn:
-        assert blocks(conn)[uuid_bytes(longest.id)] == [60] * 33 + [22]
+        assert blocks(conn)[uuid_bytes(longest.id)] == [124] * 16 + [18]
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 

@@ -203,11 +203,14 @@ _EVENTS_COLUMNS: Final = """(
     UNIQUE (tid, session_id, sequence_number)
 )"""
 
-SQLITE_ID_LAYOUT: Final = IdLayout(inline=ID_LAYOUT.inline, block=60)
-"""Where this store keeps a long session's message ids (schema 18): blocks of 60 ids (960
-bytes), which a ``WITHOUT ROWID`` table keeps within its pages (four a page); one of 128
-(2 KB) went past what such a page keeps of a row, and its last 1.5 KB took a page of its own
-(58% of ``session_ids`` unused). One layout for a file's life: a block's size is not stored."""
+SQLITE_ID_LAYOUT: Final = IdLayout(inline=ID_LAYOUT.inline, block=124)
+"""Where this store keeps a long session's message ids (schema 18): blocks of 124 ids (1,984
+bytes), two to a page of ``session_ids`` (a rowid table, which keeps a row of up to 4 KB
+within its page); a block of 128 (2 KB) went past what a page of the ``WITHOUT ROWID`` table
+it was kept in holds of a row, and its last 1.5 KB took a page of its own (58% of the table
+unused). Not smaller blocks: a push reads all of a session's (``_SESSIONS_SQL``), and blocks
+of 60 made a turn of a 20,000-id session read twice the rows. One layout for a file's life:
+a block's size is not stored."""
 
 
 def _rechunked(blocks: list[tuple[int, bytes]], block: int) -> list[tuple[int, bytes]]:
@@ -222,12 +225,22 @@ def _rechunked(blocks: list[tuple[int, bytes]], block: int) -> list[tuple[int, b
 
 
 async def _rechunk_id_blocks(conn: aiosqlite.Connection) -> None:
-    """Migration 18: every session's id blocks cut again into ``SQLITE_ID_LAYOUT``'s."""
+    """Migration 18: ``session_ids`` made again as a rowid table, every session's id blocks
+    cut again into ``SQLITE_ID_LAYOUT``'s."""
     rows = await _fetchall(conn, "SELECT tid, id, part, ids FROM session_ids ORDER BY tid, id")
     sessions: dict[tuple[int, Any], list[tuple[int, bytes]]] = {}
     for tid, key, part, ids in rows:
         sessions.setdefault((tid, key), []).append((int(part), bytes(ids)))
-    await conn.execute("DELETE FROM session_ids")
+    await conn.execute("DROP TABLE session_ids")
+    await conn.execute(
+        """CREATE TABLE session_ids (
+            tid INTEGER NOT NULL,
+            id BLOB NOT NULL,
+            part INTEGER NOT NULL,
+            ids BLOB NOT NULL,
+            PRIMARY KEY (tid, id, part)
+        )"""
+    )
     await conn.executemany(
         "INSERT INTO session_ids (tid, id, part, ids) VALUES (?, ?, ?, ?)",
         [
@@ -657,9 +670,10 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         "ALTER TABLE feed_17 RENAME TO feed",
         f"CREATE INDEX feed_session ON feed (tid, record_id) WHERE kind = {_SESSION_KIND}",
     ),
-    # 18: a long session's message ids in blocks of 60 (``SQLITE_ID_LAYOUT``) where 128: a
-    # block of 2 KB went past what a page of this WITHOUT ROWID table keeps of a row, and
-    # its last 1.5 KB took a page of its own. The blocks there are are cut again.
+    # 18: a long session's message ids in blocks of 124 (``SQLITE_ID_LAYOUT``) where 128, in
+    # a rowid table where a WITHOUT ROWID one: a block of 2 KB went past what a page of that
+    # table keeps of a row, and its last 1.5 KB took a page of its own; two of 1,984 bytes
+    # fit a page of a rowid table. The blocks already there are cut again.
     (_rechunk_id_blocks,),
     # 19: an event names its session's chain by a number (``chains``: each tenant's session
     # with events, once) where it held the session's id, as did the events' unique key by
