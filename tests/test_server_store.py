@@ -29,6 +29,7 @@ from tests.factories import count_hops
 from tests.server_factories import Device, new_tenant
 from tests.server_store_conformance import (
     MakeStore,
+    PlacedHistory,
     ServerStoreConformance,
     ServerStoreConformanceInIdBlocks,
     StoredRows,
@@ -755,22 +756,21 @@ def _as_schema_17(conn: sqlite3.Connection, block: int = ID_LAYOUT.block) -> Non
     _as_schema_18(conn)
     if conn.execute("PRAGMA user_version").fetchone()[0] < 18:
         return
-    rows = conn.execute("SELECT tid, id, part, ids FROM session_ids ORDER BY tid, id, part")
-    sessions: dict[tuple[int, Any], bytes] = {}
-    for tid, key, _, ids in rows.fetchall():
-        sessions[(tid, key)] = sessions.get((tid, key), b"") + bytes(ids)
+    rows = conn.execute("SELECT tid, id, part, ids FROM session_ids")
+    sessions: dict[tuple[int, Any], list[tuple[int, bytes]]] = {}
+    for tid, key, part, ids in rows.fetchall():
+        sessions.setdefault((tid, key), []).append((part, bytes(ids)))
     conn.execute("DROP TABLE session_ids")
     conn.execute(
         "CREATE TABLE session_ids (tid INTEGER NOT NULL, id BLOB NOT NULL, "
         "part INTEGER NOT NULL, ids BLOB NOT NULL, PRIMARY KEY (tid, id, part)) WITHOUT ROWID"
     )
-    size = 16 * block
-    conn.executemany(
+    conn.executemany(  # (cut again as the migration cuts them, at the size before)
         "INSERT INTO session_ids (tid, id, part, ids) VALUES (?, ?, ?, ?)",
         [
-            (tid, key, part, ids[at : at + size])
-            for (tid, key), ids in sessions.items()
-            for part, at in enumerate(range(0, len(ids), size))
+            (tid, key, part, ids)
+            for (tid, key), blocks in sessions.items()
+            for part, ids in server_sqlite._rechunked(blocks, block)
         ],
     )
     conn.execute("PRAGMA user_version = 17")
@@ -1026,6 +1026,22 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
             ).fetchall()
 
 
+async def _placed_file(
+    db_path: Path,
+) -> tuple[HybridClock, PlacedHistory, list[tuple[int, bytes]], list[tuple[int, bytes]]]:
+    """A server file at ``db_path`` holding ``placed_history``: the server's clock, the
+    history, and what each of its two tenants pulls (alice's, then bob's: ``_raw_bodies``)."""
+    clock = HybridClock("server-x")
+    async with SQLiteServerStore(db_path) as store:
+        h = await placed_history(store, clock)
+        return (
+            clock,
+            h,
+            await _raw_bodies(store, h.alice.tenant),
+            await _raw_bodies(store, h.bob.tenant),
+        )
+
+
 async def _raw_bodies(store: SQLiteServerStore, tenant: Tenant) -> list[tuple[int, bytes]]:
     """Each feed entry's cursor and body as a pull sends them (``raw``: the stored bytes)."""
     page = await store.pull(tenant, 0, 1000, raw=True)
@@ -1097,12 +1113,8 @@ async def test_whole_and_short_bodies_of_one_server_file_pull_alike(db_path: Pat
     pulled before; rows written after are short, and whole and short side by side pull as
     the bytes pushed; a chain goes on from a whole tail and from a short one; a deleted
     session's content goes whichever form its rows are in."""
-    clock = HybridClock("server-x")
-    async with SQLiteServerStore(db_path) as store:
-        h = await placed_history(store, clock)
-        alice, bob = h.alice, h.bob
-        before = await _raw_bodies(store, alice.tenant)
-        theirs = await _raw_bodies(store, bob.tenant)
+    clock, h, before, theirs = await _placed_file(db_path)
+    alice, bob = h.alice, h.bob
 
     def shorts(conn: sqlite3.Connection) -> list[int]:
         count = "SELECT count(*) FROM {} WHERE substr(body, 1, 1) = x'c1'"
@@ -1349,11 +1361,7 @@ async def test_a_schema_13_file_opens_with_its_messages_in_a_table_of_their_own(
     deletes a session's content from both tables with its feed entries."""
     from tests.sim.invariants import server_file_problems
 
-    clock = HybridClock("server-x")
-    async with SQLiteServerStore(db_path) as store:
-        h = await placed_history(store, clock)
-        before = await _raw_bodies(store, h.alice.tenant)
-        theirs = await _raw_bodies(store, h.bob.tenant)
+    clock, h, before, theirs = await _placed_file(db_path)
     message = compact.KINDS.index("Message")
     with sqlite3.connect(db_path) as conn:
         _as_schema_13(conn)
@@ -1487,11 +1495,7 @@ async def test_a_feed_entry_whose_row_is_at_its_cursor_names_no_id(db_path: Path
         rows = conn.execute("SELECT cursor FROM feed WHERE kind = ?", (session_kind,))
         return {cursor for (cursor,) in rows}
 
-    clock = HybridClock("server-x")
-    async with SQLiteServerStore(db_path) as store:
-        h = await placed_history(store, clock)
-        before = await _raw_bodies(store, h.alice.tenant)
-        theirs = await _raw_bodies(store, h.bob.tenant)
+    clock, h, before, theirs = await _placed_file(db_path)
     with sqlite3.connect(db_path) as conn:
         written = named(conn)
         assert {c for c, names in written.items() if names} == sessions_at(conn)
@@ -1567,11 +1571,7 @@ async def test_the_feed_is_kept_by_tenant_and_cursor(db_path: Path) -> None:
     table's key, none scans it."""
     from tests.sim.invariants import server_file_problems
 
-    clock = HybridClock("server-x")
-    async with SQLiteServerStore(db_path) as store:
-        h = await placed_history(store, clock)
-        before = await _raw_bodies(store, h.alice.tenant)
-        theirs = await _raw_bodies(store, h.bob.tenant)
+    clock, h, before, theirs = await _placed_file(db_path)
     with sqlite3.connect(db_path) as conn:
         head = conn.execute("SELECT cursor FROM feed_head").fetchone()[0]
         assert head == max(c for c, _ in before + theirs)

@@ -64,7 +64,7 @@ from shared.aio import Every
 from shared.clock import HybridClock
 from shared.compact import KINDS
 from shared.errors import CursorTooOld, InvalidState, StorageError, StorageUnavailable
-from shared.idrefs import ID_LAYOUT, IdLayout
+from shared.idrefs import ID_LAYOUT, IdLayout, id_blocks
 from shared.records import (
     CASCADE_KINDS,
     AuditRow,
@@ -218,10 +218,7 @@ def _rechunked(blocks: list[tuple[int, bytes]], block: int) -> list[tuple[int, b
     joined in part order); the blocks as they are when a part is missing (a row left so by a
     fault: every read of it fails alike, before and after)."""
     ids = joined_blocks(blocks)
-    if ids is None:
-        return blocks
-    size = 16 * block
-    return [(part, ids[at : at + size]) for part, at in enumerate(range(0, len(ids), size))]
+    return blocks if ids is None else id_blocks(ids, b"", block)
 
 
 async def _rechunk_id_blocks(conn: aiosqlite.Connection) -> None:

@@ -454,17 +454,14 @@ def server_file_problems(path: Path) -> list[str]:
         problems += [f"misfiled: {t} row {r} is of the other table's kind" for r, t in misfiled]
         # Every event's chain and every record's session number (schema 19, 20) is a row of
         # ``chains`` of the row's own tenant: a body read back whole names that session.
-        astray = conn.execute(
-            "SELECT 'events', e.rowid FROM events AS e WHERE NOT EXISTS (SELECT 1 FROM chains "
-            "AS c WHERE c.n = e.chain AND c.tid = e.tid) UNION ALL SELECT 'records', r.rowid "
-            "FROM records AS r WHERE r.session IS NOT NULL AND NOT EXISTS (SELECT 1 FROM chains "
-            "AS c WHERE c.n = r.session AND c.tid = r.tid) UNION ALL SELECT 'messages', r.rowid "
-            "FROM messages AS r WHERE r.session IS NOT NULL AND NOT EXISTS (SELECT 1 FROM chains "
-            "AS c WHERE c.n = r.session AND c.tid = r.tid) LIMIT 5"
-        ).fetchall()
-        problems += [
-            f"session-astray: {t} row {r} names no session of its tenant" for t, r in astray
-        ]
+        for table, number in (("events", "chain"), ("records", "session"), ("messages", "session")):
+            astray = conn.execute(
+                f"SELECT rowid FROM {table} AS r WHERE r.{number} IS NOT NULL AND NOT EXISTS ("
+                f"SELECT 1 FROM chains AS c WHERE c.n = r.{number} AND c.tid = r.tid) LIMIT 5"
+            ).fetchall()
+            problems += [
+                f"session-astray: {table} row {r} names no session of its tenant" for (r,) in astray
+            ]
         for table, kind in (("records", "r.kind"), ("messages", message), ("events", event)):
             unfed = conn.execute(
                 f"SELECT rowid FROM {table} AS r WHERE rowid > 0 AND NOT EXISTS ("
