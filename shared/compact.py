@@ -1397,6 +1397,16 @@ _PREV_APART: Final = 0x10
 which the row before it in its chain holds as its ``row_hash`` (``prev_apart``)."""
 _DIGEST_HEAD: Final = b"\xc7\x20\x02"
 """An ext 2 of 32 bytes: a digest as ``encode`` writes it."""
+_AUDIT_HASHED: Final = b"\x12"
+"""A short audit body (form 2) with its ``row_hash``'s 32 bytes in front, where a store reads
+them without looking (``audit_digest``): the two bytes of where its ext was (big-endian),
+the digest, the body less that ext (``audit_apart``)."""
+_AUDIT_CHAINED: Final = b"\x13"
+"""The same, less the ``prev_hash`` right before it too (its ext of 32 bytes), which the row
+before it in its chain holds as its ``row_hash`` (``audit_apart``)."""
+_HASHED_AT: Final = 36
+"""Where the rest of an audit body of form 18 or 19 starts: after ``SHORT``, the form, the
+two bytes of the place and the digest."""
 _AUDIT: Final = _BY_INDEX[KINDS.index("AuditRow")]
 _AUDIT_HEAD: Final = bytes((_AUDIT.index,))
 """An audit row's body: ``[kind, id, org_id, user_id, client_id, hlc, session_id, ...]``, an
@@ -1540,6 +1550,50 @@ def prev_apart(short: bytes, prev: bytes) -> bytes:
     return b"".join((SHORT, form, memoryview(short)[2:prev_at], memoryview(short)[row_at:]))
 
 
+def audit_apart(short: bytes, row_hash: bytes, prev: bytes) -> tuple[bytes, bytes | None]:
+    """``short``, an audit row's short body (``short_body``'s form 2), with its ``row_hash``
+    (the ext of exactly the 32 bytes ``row_hash``) moved to its front, and the same less its
+    ``prev_hash`` too when that is the ext of exactly ``prev`` right before it (else None):
+    forms 18 and 19, each ``SHORT``, the form, the two bytes (big-endian) of the place in
+    ``short`` where what was taken out was, the row hash's 32 bytes, then ``short`` after its
+    form less what was taken out. A store reads a row hash from its front, whatever else the
+    body holds (``audit_digest``), and keeps the second only where the row before it in its
+    chain holds ``prev`` there for good: ``whole_body_sql`` given that row's digest as
+    ``prev`` puts it back, byte for byte. Anything else is given back as it is, with None
+    (another form, a row hash that is not a digest, one not after the fields its form
+    starts with). Pure."""
+    if short[:2] != SHORT + _AUDIT_OUT or len(row_hash) != 32:
+        return short, None
+    # (The pair first: a device may make any other digest its row hash too.)
+    pair = short.rfind(_DIGEST_HEAD + prev + _DIGEST_HEAD + row_hash) if len(prev) == 32 else -1
+    at = pair + 35 if pair >= 0 else short.rfind(_DIGEST_HEAD + row_hash)
+    if at < 18 or at > 0xFFFF:  # (within the fields after the stamp; a place two bytes hold)
+        return short, None
+    after = memoryview(short)[at + 35 :]
+    hashed = b"".join((SHORT, _AUDIT_HASHED, at.to_bytes(2, "big"), row_hash, short[2:at], after))
+    before = at - 35
+    if len(prev) != 32 or before < 18 or short[before:at] != _DIGEST_HEAD + prev:
+        return hashed, None
+    place = before.to_bytes(2, "big")
+    return hashed, b"".join((SHORT, _AUDIT_CHAINED, place, row_hash, short[2:before], after))
+
+
+def audit_digest(body: bytes) -> bytes | None:
+    """The 32 bytes of a stored audit body's ``row_hash`` when it is kept in front (forms 18
+    and 19: ``audit_apart``), else None. ``audit_digest_sql`` in Python. Pure."""
+    if body[:1] == SHORT and body[1:2] in (_AUDIT_HASHED, _AUDIT_CHAINED) and len(body) >= 36:
+        return body[4:36]
+    return None
+
+
+def audit_digest_sql(body: str) -> str:
+    """SQLite SQL: ``audit_digest`` of the stored audit body in ``body`` (NULL for none)."""
+    return (
+        f"CASE WHEN substr({body}, 1, 2) IN (X'c112', X'c113') AND length({body}) >= 36 "
+        f"THEN substr({body}, 5, 32) END"
+    )
+
+
 def body_tenant(short: bytes) -> bytes | None:
     """The packed org and user a ``short_body`` that leaves out only the ids starts its fields
     with (what ``short_body`` given them would leave out), or None when it is not such a
@@ -1567,6 +1621,9 @@ def body_tenant(short: bytes) -> bytes | None:
 
 _HEADS: Final = "X'" + bytes(range(_FIXARRAY, _FIXARRAY + 16)).hex() + "'"
 """SQL: the sixteen fixarray headers in order, so that a header plus n is a lookup."""
+_BYTES: Final = "X'" + bytes(range(256)).hex() + "'"
+"""SQL: every byte in order, so that a byte's value is a lookup (its position less one)."""
+_DIGEST_SQL: Final = "X'" + _DIGEST_HEAD.hex() + "'"
 
 
 def whole_body_sql(
@@ -1586,7 +1643,9 @@ def whole_body_sql(
     the array's header restored by a lookup in ``_HEADS``); any other body as it is.
     Concatenating blobs gives text in SQLite, and the cast the very bytes back (a database's
     text is UTF-8: no conversion either way). ``prev`` is written once a form, so a query
-    that reads it from another row does so once a row."""
+    that reads it from another row does so once a row. An audit body of form 18 or 19
+    (``audit_apart``; 19 with ``prev``, its row before's ``audit_digest``) is its form 2
+    put together again first."""
     ids = f"X'd801' || {key} || X'd801' || {session_key}"
 
     def head(at: int, more: int) -> str:
@@ -1601,6 +1660,29 @@ def whole_body_sql(
             f"X'c72002' || {prev} || substr({body}, {cut} + 1) END"
         )
 
+    def audit(header: int, stamp: int, rest: str) -> str:  # (form 2, its parts where they are)
+        return (
+            f"substr({body}, {header}, 4) || X'd801' || {key} || {tenant} || X'c0' || "
+            f"substr({node}, 1, 3) || substr({body}, {stamp}, 9) || substr({node}, 4) || "
+            f"X'd801' || {session_key} || {rest}"
+        )
+
+    # Forms 18 and 19: form 2's fields after its stamp are this body's from 53 up to the place
+    # (``place``: where what was taken out was in form 2, from 19 on), what was taken out (19:
+    # ``prev``'s ext, then) the row hash's ext, the rest. NULL for a place no such body has.
+    place = (
+        f"((instr({_BYTES}, substr({body}, 3, 1)) - 1) * 256 "
+        f"+ instr({_BYTES}, substr({body}, 4, 1)) - 1)"
+    )
+
+    def hashed(taken: str) -> str:
+        rest = (
+            f"CASE WHEN {place} >= 18 AND length({body}) >= {place} + 34 THEN "
+            f"substr({body}, 53, {place} - 18) || {taken}{_DIGEST_SQL} || substr({body}, 5, 32) "
+            f"|| substr({body}, {place} + 35) END"
+        )
+        return audit(_HASHED_AT + 1, _HASHED_AT + 8, rest)
+
     # Forms 0 and 1 (and 16, 17) start alike: the header, the kind, the ids, the tenant;
     # 1 (and 17) then the device (nil) and the stamp with its node put back.
     ids_tenant = f"{head(3, 4)} || substr({body}, 4, 1) || {ids} || {tenant}"
@@ -1611,9 +1693,9 @@ def whole_body_sql(
         f"CASE WHEN substr({body}, 1, 1) = X'c1' THEN CAST(CASE substr({body}, 2, 1) "
         f"WHEN X'00' THEN {ids_tenant} || substr({body}, 5) "
         f"WHEN X'01' THEN {ids_tenant} || {stamp} || substr({body}, 18) "
-        f"WHEN X'02' THEN substr({body}, 3, 4) || X'd801' || {key} || {tenant} || X'c0' || "
-        f"substr({node}, 1, 3) || substr({body}, 10, 9) || substr({node}, 4) || "
-        f"X'd801' || {session_key} || substr({body}, 19) "
+        f"WHEN X'02' THEN {audit(3, 10, f'substr({body}, 19)')} "
+        f"WHEN X'12' THEN {hashed('')} "
+        f"WHEN X'13' THEN {hashed(f'{_DIGEST_SQL} || {prev} || ')} "
         f"WHEN X'10' THEN {ids_tenant} || {rest(5)} "
         f"WHEN X'11' THEN {ids_tenant} || {stamp} || {rest(18)} "
         f"ELSE {head(2, 2)} || substr({body}, 3, 1) || {ids} || "
@@ -1694,7 +1776,9 @@ def decode_short(
     packed_tenant = b"" if tenant is None else packed(tenant[0]) + packed(tenant[1])
     whole = _whole(data, packed(record_id), packed(session_id), packed_tenant, node)
     if whole is None:  # (its prev_hash is in the row before it: only SQL reads it)
-        raise msgspec.DecodeError("a body without its prev_hash is read with the row before it")
+        raise msgspec.DecodeError(
+            "a body without its prev_hash is read with the row before it (or is corrupt)"
+        )
     return decode(whole)
 
 
@@ -1736,6 +1820,21 @@ def _whole(
     if data[1:2] == _NODE_OUT:
         head = _head(data[2], 4) + data[3:4] + ids + tenant + data[4:5]
         return head + node[:3] + data[8:17] + node[3:] + data[17:]
+    if data[1:2] in (_AUDIT_HASHED, _AUDIT_CHAINED):
+        place = int.from_bytes(data[2:4], "big") if len(data) >= 4 else -1
+        if place < 18 or len(data) < place + 34:
+            return None
+        taken = b""
+        if data[1:2] == _AUDIT_CHAINED:
+            if prev is None:
+                return None
+            taken = _DIGEST_HEAD + prev
+        digest, before, after = (
+            data[4:_HASHED_AT],
+            data[_HASHED_AT : place + 34],
+            data[place + 34 :],
+        )
+        data = b"".join((SHORT, _AUDIT_OUT, before, taken, _DIGEST_HEAD, digest, after))
     if data[1:2] == _AUDIT_OUT:
         head = data[2:6] + record_id + tenant + b"\xc0" + node[:3]
         return head + data[9:18] + node[3:] + session_id + data[18:]

@@ -1164,10 +1164,113 @@ def test_an_event_body_without_its_prev_hash_is_given_back_byte_for_byte(
             compact.decode_short(apart, made.id, made.session_id, (made.org_id, made.user_id), node)
 
 
+_DIGESTS = st.sampled_from(["digest", "genesis", "text", "empty", "the row hash"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    prev=_DIGESTS,
+    row=_DIGESTS,
+    payload=_DIGESTS,
+    identity=_DIGESTS,
+    redacted=st.booleans(),
+    detail=st.dictionaries(st.sampled_from(["tool", "note", "n"]), st.text(max_size=400)),
+    given_prev=st.sampled_from(["its own", "another", "short"]),
+)
+def test_an_audit_body_with_its_row_hash_in_front_is_given_back_byte_for_byte(
+    prev: str,
+    row: str,
+    payload: str,
+    identity: str,
+    redacted: bool,
+    detail: Any,
+    given_prev: str,
+) -> None:
+    """``audit_apart`` moves a short audit body's ``row_hash`` to its front (form 18, one
+    byte fewer) when it is a digest, and leaves its ``prev_hash`` out too (form 19, 36 fewer)
+    exactly when that is an ext of the very digest given right before it; a store reads the
+    row hash there (``audit_digest`` and its SQL), and ``whole_body_sql`` (given that digest
+    for form 19) gives back the very bytes, as does the Python mirror. Whatever the other
+    digests are (any of them the row hash itself, as a hostile device may make them), the
+    detail before them (its place past 255 bytes), and whatever digest is given."""
+    import sqlite3
+
+    from shared.compact import (
+        audit_apart,
+        audit_digest,
+        audit_digest_sql,
+        short_body,
+        stamp_node,
+        uuid_bytes,
+        whole_body_sql,
+    )
+
+    own_hash = secrets.token_hex(32)
+    digests = {
+        "genesis": "0" * 64,
+        "text": "provisional",
+        "empty": "",
+        "the row hash": own_hash,
+    }
+    row_hash = own_hash if row in ("digest", "the row hash") else digests[row]
+    made = make_audit(
+        prev_hash=digests.get(prev, secrets.token_hex(32)),
+        row_hash=row_hash,
+        payload_digest=digests.get(payload, secrets.token_hex(32)),
+        identity_digest=digests.get(identity, secrets.token_hex(32)),
+        redacted=redacted,
+        detail=detail,
+        sequence_number=9,
+    )
+    body = compact.encode(made)
+    key, session = uuid_bytes(made.id), uuid_bytes(made.session_id)
+    tenant = compact.packed(made.org_id) + compact.packed(made.user_id)
+    node = stamp_node(made.client_id)
+    stored = short_body(body, key, session, tenant, node)
+    assert stored[:2] == compact.SHORT + b"\x02"
+    own = compact.digest_bytes(made.prev_hash)
+    offered = {
+        "its own": own or bytes(32),
+        "another": secrets.token_bytes(32),
+        "short": (own or bytes(32))[:31],
+    }[given_prev]
+    digest = compact.digest_bytes(made.row_hash)
+    hashed, chained = audit_apart(stored, digest or b"", offered)
+    if digest is None:
+        assert (hashed, chained) == (stored, None)
+        return
+    assert hashed[:2] == compact.SHORT + b"\x12" and len(hashed) == len(stored) - 1
+    assert (chained is not None) is (given_prev == "its own" and own is not None)
+    forms = [(hashed, None)]
+    if chained is not None:
+        assert chained[:2] == compact.SHORT + b"\x13" and len(chained) == len(stored) - 36
+        forms.append((chained, offered))
+    assert int.from_bytes(hashed[2:4], "big") > 255 or len(str(detail)) < 200
+    conn = sqlite3.connect(":memory:")
+    try:
+        whole = whole_body_sql("body", "id", "session_id", "?4", "?5", "?6")
+        query = f"WITH t(id, session_id, body) AS (VALUES (?1, ?2, ?3)) SELECT {whole} FROM t"
+        ids = compact.packed(made.id), compact.packed(made.session_id)
+        for form, prev_given in forms:
+            assert audit_digest(form) == digest
+            assert conn.execute(f"SELECT {audit_digest_sql('?1')}", (form,)).fetchone()[0] == digest
+            params = (key, session, form, tenant, node, prev_given)
+            assert conn.execute(query, params).fetchone()[0] == body
+            assert compact._whole(form, *ids, tenant, node, prev_given) == body
+        assert audit_digest(stored) is None and audit_digest(body) is None
+    finally:
+        conn.close()
+    tenant_texts = (made.org_id, made.user_id)
+    assert compact.decode_short(hashed, made.id, made.session_id, tenant_texts, node) == made
+    if chained is not None:  # (read in SQL alone, with the row before it)
+        with pytest.raises(msgspec.DecodeError):
+            compact.decode_short(chained, made.id, made.session_id, tenant_texts, node)
+
+
 @settings(max_examples=800, deadline=None)
 @given(
     kind=st.sampled_from(["message", "checkpoint", "event", "audit"]),
-    form=st.sampled_from(["ids", "tenant", "node", "chain", "chain and node"]),
+    form=st.sampled_from(["ids", "tenant", "node", "chain", "chain and node", "hashed"]),
     at=st.integers(0, 200),
     value=st.integers(0, 255),
     cut=st.booleans(),
@@ -1184,14 +1287,16 @@ def test_a_short_body_read_as_it_is_reads_as_the_whole_one(
 
     from shared.compact import prev_apart, short_body, stamp_node, uuid_bytes, whole_body_sql
 
-    if form.startswith("chain") and kind != "event":
+    if (form.startswith("chain") and kind not in ("event", "audit")) or (
+        form == "hashed" and kind != "audit"
+    ):
         return
     digest = secrets.token_bytes(32)
     made: Any = {
         "message": make_message,
         "checkpoint": make_checkpoint,
         "event": lambda: make_event(prev_hash=digest.hex(), row_hash=secrets.token_hex(32)),
-        "audit": make_audit,
+        "audit": lambda: make_audit(prev_hash=digest.hex(), row_hash=secrets.token_hex(32)),
     }[kind]()
     tenant = (made.org_id, made.user_id)
     packed_tenant = compact.packed(made.org_id) + compact.packed(made.user_id)
@@ -1204,15 +1309,20 @@ def test_a_short_body_read_as_it_is_reads_as_the_whole_one(
         key,
         session_key,
         b"" if form == "ids" else packed_tenant,
-        node if form.endswith("node") else b"",
+        node if form.endswith("node") or (kind == "audit" and form != "ids") else b"",
     )
-    if form.startswith("chain"):
-        stored = prev_apart(stored, digest)
-    if kind == "audit":  # (all or nothing)
-        assert stored[:2] == compact.SHORT + b"\2" if form == "node" else stored == body
-        if form != "node":
+    if kind == "audit":  # (all or nothing; its row hash in front, its prev_hash out: 18, 19)
+        hashed, chained = compact.audit_apart(
+            stored, compact.digest_bytes(made.row_hash) or b"", digest
+        )
+        if form == "ids":
+            assert stored == body
             return
+        assert stored[:2] == compact.SHORT + b"\2" and chained is not None
+        stored = {"hashed": hashed, "node": stored, "tenant": stored}.get(form, chained)
     else:
+        if form.startswith("chain"):
+            stored = prev_apart(stored, digest)
         forms = {"ids": stored[1:2], "tenant": b"\0", "node": b"\1", "chain": b"\x10"}
         assert stored[:2] == compact.SHORT + forms.get(form, b"\x11")
     if cut:
@@ -1231,9 +1341,11 @@ def test_a_short_body_read_as_it_is_reads_as_the_whole_one(
             assert conn.execute(query, params).fetchone()[0] == whole
         finally:
             conn.close()
-    if mutated[:1] == compact.SHORT and mutated[1:2] in (b"\x10", b"\x11"):
+    if mutated[:1] == compact.SHORT and (
+        mutated[1:2] in (b"\x10", b"\x11", b"\x13") or whole is None
+    ):
         # Without its prev_hash: read in SQL alone, with the row before it (above); a twin
-        # refuses it.
+        # refuses it, as it refuses a body SQL gives no bytes for (NULL: a place none has).
         read = lambda: compact.decode_short(  # noqa: E731
             mutated, made.id, made.session_id, (made.org_id, made.user_id), node
         )

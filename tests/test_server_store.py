@@ -34,6 +34,7 @@ from tests.server_store_conformance import (
     ServerStoreConformanceInIdBlocks,
     StoredRows,
     TxWrapper,
+    codes,
     placed_history,
     pull_all,
     statuses,
@@ -272,7 +273,7 @@ async def test_schema_3_files_migrate_to_tenant_scoped_ids(db_path: Path) -> Non
         assert [r.status for r in theirs.results] == ["applied"]
         assert (await store.pull(alice.tenant, 0, 10)).changes == feed
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
@@ -485,7 +486,7 @@ async def test_schema_4_files_migrate_with_every_audit_row_placed(db_path: Path)
         )
         assert [r.status for r in after.results] == ["applied"]
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
         assert conn.execute("SELECT count(*) FROM audit_places").fetchone()[0] == 4
         # Migration 6 kept every record, now in a rowid table (bodies pack into its pages).
         assert conn.execute("SELECT count(*) FROM records").fetchone()[0] == 4
@@ -546,7 +547,7 @@ async def test_schema_6_files_migrate_to_a_feed_that_refers_to_its_records(db_pa
         later = await store.push(dev.tenant, dev.client_id, dev.changes(dev.message(v1.id)), clock)
         assert later.cursors == [6]  # not 5: that cursor was handed out before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         columns = [row[1] for row in conn.execute("PRAGMA table_info(feed)")]
         assert columns == ["tid", "cursor", "kind", "record_id"]  # (by tenant: schema 17)
@@ -660,7 +661,7 @@ async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Pat
         assert isinstance(last.record, Event)
         assert (last.record.sequence_number, last.record.prev_hash) == (2, event.row_hash)
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert conn.execute("SELECT count(*) FROM tenants").fetchone()[0] == 2
         kept = dict(
@@ -702,10 +703,64 @@ def _with_prev(stored: bytes, prev: bytes) -> bytes:
     return compact.SHORT + bytes((stored[1] - 0x10,)) + stored[2:cut] + head + prev + stored[cut:]
 
 
+def _as_schema_21(conn: sqlite3.Connection) -> None:
+    """Turn a file written by this store back into what schema 21 wrote: every audit row's
+    body in form 2 (its prev_hash and row hash where ``encode`` puts them), no ``prev_row``."""
+    if conn.execute("PRAGMA user_version").fetchone()[0] < 22:
+        return
+    head = b"\xc7\x20\x02"
+    rows = conn.execute(
+        f"SELECT r.rowid, r.body, {compact.audit_digest_sql('q.body')} FROM records AS r "
+        "LEFT JOIN records AS q ON q.rowid = r.prev_row "
+        "WHERE substr(r.body, 1, 2) IN (X'c112', X'c113')"
+    ).fetchall()
+    for rowid, body, prev in rows:
+        place = int.from_bytes(body[2:4], "big")
+        taken = head + prev if body[1] == 0x13 else b""
+        whole = body[36 : place + 34] + taken + head + body[4:36] + body[place + 34 :]
+        conn.execute(
+            "UPDATE records SET body = ? WHERE rowid = ?", (compact.SHORT + b"\x02" + whole, rowid)
+        )
+    conn.execute("ALTER TABLE records DROP COLUMN prev_row")
+    conn.execute("PRAGMA user_version = 21")
+
+
+def _as_schema_20(conn: sqlite3.Connection) -> None:
+    """Turn a file written by this store back into what schema 20 wrote: each audit row's
+    place holding its tenant, client id, id and row hash (read from the row's body), and no
+    ``audit_chains``."""
+    _as_schema_21(conn)
+    if conn.execute("PRAGMA user_version").fetchone()[0] < 21:
+        return
+    conn.execute(
+        "CREATE TABLE audit_places_20 (tid INTEGER NOT NULL, client_id TEXT NOT NULL, "
+        "sequence_number INTEGER NOT NULL, id BLOB NOT NULL, row_hash BLOB NOT NULL, "
+        "PRIMARY KEY (tid, client_id, sequence_number, id)) WITHOUT ROWID"
+    )
+    places = conn.execute(
+        f"SELECT c.tid, c.client_id, p.sequence_number, r.id, {server_sqlite._WHOLE_EITHER} "
+        "FROM audit_places AS p JOIN audit_chains AS c ON c.n = p.chain "
+        "JOIN records AS r ON r.rowid = p.row"
+    ).fetchall()
+    conn.executemany(
+        "INSERT INTO audit_places_20 (tid, client_id, sequence_number, id, row_hash) "
+        "VALUES (?, ?, ?, ?, ?)",
+        [
+            (*place, server_sqlite._digest_key(compact.decode(body).row_hash))
+            for *place, body in places
+        ],
+    )
+    conn.execute("DROP TABLE audit_places")
+    conn.execute("DROP TABLE audit_chains")
+    conn.execute("ALTER TABLE audit_places_20 RENAME TO audit_places")
+    conn.execute("PRAGMA user_version = 20")
+
+
 def _as_schema_19(conn: sqlite3.Connection) -> None:
     """Turn a file written by this store back into what schema 19 wrote: each record naming
     its session by its id (``session_id``), indexed by tenant and id, and ``chains`` holding
     the sessions of events alone."""
+    _as_schema_20(conn)
     if conn.execute("PRAGMA user_version").fetchone()[0] < 20:
         return
     for table in ("records", "messages"):
@@ -916,7 +971,7 @@ def _as_schema_10(db_path: Path) -> None:
         conn.execute("DROP INDEX feed_session")
         conn.execute("CREATE INDEX feed_record ON feed (tid, kind, record_id, cursor)")
         conn.execute("PRAGMA user_version = 10")
-        assert module.SCHEMA_VERSION == 20
+        assert module.SCHEMA_VERSION == 22
 
 
 async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: Path) -> None:
@@ -998,7 +1053,7 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
         (cursor,) = later.cursors
         assert cursor > max(at.values())
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         indexes = {row[1] for row in conn.execute("PRAGMA index_list(feed)")}
         assert indexes == {"sqlite_autoindex_feed_1", "feed_session"}  # (its key, schema 17)
@@ -1091,7 +1146,7 @@ async def test_a_server_file_leaves_out_the_node_of_the_device_that_pushed(
                 assert body == compact.encode(record) and change.record == record
         assert await _raw_bodies(store, h.alice.tenant) == before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
         nodes = dict(conn.execute("SELECT node, n FROM nodes"))
         assert set(nodes) == {compact.stamp_node(phone.client_id)}  # (neither laptop nor odd)
         rows = {
@@ -1101,7 +1156,8 @@ async def test_a_server_file_leaves_out_the_node_of_the_device_that_pushed(
         }
     number = nodes[compact.stamp_node(phone.client_id)]
     for record in own:  # (an audit row's body leaves out its id, tenant, node and session id)
-        form = b"\x02" if isinstance(record, AuditRow) else b"\x01"
+        # (and keeps its row hash in front, schema 22: the first of its chain, form 18)
+        form = b"\x12" if isinstance(record, AuditRow) else b"\x01"
         assert rows[compact.uuid_bytes(record.id)] == (compact.SHORT + form, number)
     for record in pushed[-2:]:  # another device's stamp; a device with no node of that form
         assert rows[compact.uuid_bytes(record.id)] == (compact.SHORT + b"\x00", None)
@@ -1122,6 +1178,7 @@ async def test_whole_and_short_bodies_of_one_server_file_pull_alike(db_path: Pat
 
     with sqlite3.connect(db_path) as conn:
         assert shorts(conn) == [5, 2]  # alice's 3 messages, checkpoint, audit row; 2 events
+        _as_schema_21(conn)  # (its audit row's row hash where it was: form 2)
         sizes = conn.execute(f"SELECT sum(length(body)) FROM {_records(conn)}").fetchone()[0]
         _as_schema_12(conn)  # (schema 13 left out the node of alice's device: put back)
         assert shorts(conn) == [4, 2]  # (schema 12 kept an audit row whole)
@@ -1398,7 +1455,7 @@ async def test_a_schema_13_file_opens_with_its_messages_in_a_table_of_their_own(
         left = {c.record.id for c in await pull_all(store, alice.tenant)}
         assert not left & {r.id for r in h.content}
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert (
             conn.execute("SELECT count(*) FROM records WHERE kind = ?", (message,)).fetchone()[0]
@@ -1464,7 +1521,7 @@ async def test_an_event_is_stored_without_the_prev_hash_the_row_before_it_holds(
         assert [e.prev_hash for e in events[1:]] == [e.row_hash for e in events[:-1]]
         assert (await _raw_bodies(store, tenant))[: len(pulled)] == pulled
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
         # The one after the row of the map form keeps its prev_hash (that row's digest is not
         # at its end); the one after it leaves it out again.
         assert forms(conn)[:3] + forms(conn)[4:] == [b"\x01"] * 4 + [b"\x11"]
@@ -1524,7 +1581,7 @@ async def test_a_feed_entry_whose_row_is_at_its_cursor_names_no_id(db_path: Path
         assert compact.decode(pulled[-1][1]) == stray
         assert await _raw_bodies(store, h.bob.tenant) == theirs
         with sqlite3.connect(db_path) as conn:
-            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
             migrated = named(conn)
             assert {c for c, names in migrated.items() if names} == sessions_at(conn) | {stray_at}
             assert migrated.keys() == written.keys() | {stray_at}
@@ -1595,7 +1652,7 @@ async def test_the_feed_is_kept_by_tenant_and_cursor(db_path: Path) -> None:
         left = {c.record.id for c in await pull_all(store, alice.tenant)}
         assert not left & {r.id for r in h.content}
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         sql = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'feed'").fetchone()[0]
         assert sql.rstrip().endswith("WITHOUT ROWID")
@@ -1673,7 +1730,7 @@ async def test_a_long_sessions_ids_are_kept_in_blocks_a_page_holds(db_path: Path
     async with SQLiteServerStore(db_path) as store:
         assert await _raw_bodies(store, dev.tenant) == before
         with sqlite3.connect(db_path) as conn:
-            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
             cut = blocks(conn)
             assert overflow(conn) == 0
             held = sum(map(len, cut.values()))
@@ -1748,7 +1805,7 @@ async def test_an_event_names_its_sessions_chain_by_a_number(db_path: Path) -> N
             assert [e.prev_hash for e in log[1:]] == [e.row_hash for e in log[:-1]]
             assert {e.client_id for e in log} == {dev.client_id}  # (its tenant's own)
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         columns = [row[1] for row in conn.execute("PRAGMA table_info(events)")]
         assert columns == ["id", "chain", "sequence_number", "tid", "body", "device"]
@@ -1809,11 +1866,12 @@ async def test_a_record_names_its_session_by_its_number(db_path: Path) -> None:
         for dev in (alice, bob):
             assert await _raw_bodies(store, dev.tenant) == before[dev]
         with sqlite3.connect(db_path) as conn:
-            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 20
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
             assert conn.execute("SELECT count(*) FROM chains").fetchone()[0] == 2
             for table in ("records", "messages"):
                 columns = [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
-                assert columns == ["kind", "id", "tid", "session", "body", "device"]
+                kept = ["kind", "id", "tid", "session", "body", "device"]
+                assert columns == kept + (["prev_row"] if table == "records" else [])
                 index = [row[2] for row in conn.execute(f"PRAGMA index_info({table}_session)")]
                 assert index == ["session"]
                 assert not conn.execute(f"SELECT 1 FROM {table} WHERE session IS NULL").fetchall()
@@ -1854,3 +1912,213 @@ async def test_a_record_names_its_session_by_its_number(db_path: Path) -> None:
     assert [p.split(" row ")[0] for p in server_file_problems(db_path)] == [
         "session-astray: records"
     ]
+
+
+async def test_an_audit_place_names_its_chain_by_a_number_and_its_row_by_its_rowid(
+    db_path: Path,
+) -> None:
+    """Schema 21: an audit row's place holds its chain's number (``audit_chains``: each
+    tenant's client id, once) and the rowid of its row, whose body holds its row hash: a push
+    reads a chain's last place there. A file of schema 20 opens at 21 with every place kept,
+    two tenants' devices under one client id two chains; each chain then takes its next row
+    and refuses any other with its last place, as before the migration, and later rows go on
+    the same way."""
+    from shared.hashchain import chain_audit
+
+    clock = HybridClock("server-x")
+    alice, bob = Device(new_tenant()), Device(new_tenant())
+    laptop = Device(alice.tenant)
+    twin = Device(bob.tenant, client_id=alice.client_id)  # (another tenant, the same id)
+    sessions = {dev: dev.session() for dev in (alice, laptop, bob, twin)}
+    async with SQLiteServerStore(db_path) as store:
+        for dev, turns in ((alice, 3), (laptop, 2), (bob, 1), (twin, 4)):
+            session = sessions[dev]
+            rows = [
+                r for _ in range(turns) for r in (dev.message(session.id), dev.audit(session.id))
+            ]
+            result = await store.push(dev.tenant, dev.client_id, dev.changes(session, *rows), clock)
+            assert statuses(result) == ["applied"] * (1 + 2 * turns)
+        before = {dev: await _raw_bodies(store, dev.tenant) for dev in (alice, bob)}
+    with sqlite3.connect(db_path) as conn:
+        chains = conn.execute(
+            "SELECT c.tid, c.client_id, count(*), max(p.sequence_number) FROM audit_places AS p "
+            "JOIN audit_chains AS c ON c.n = p.chain GROUP BY c.n ORDER BY 3"
+        ).fetchall()
+        assert [(n, top) for _, _, n, top in chains] == [(1, 1), (2, 2), (3, 3), (4, 4)]
+        assert len({(tid, client) for tid, client, _, _ in chains}) == 4
+        assert conn.execute("SELECT count(DISTINCT client_id) FROM audit_chains").fetchone()[0] == 3
+        columns = [row[1] for row in conn.execute("PRAGMA table_info(audit_places)")]
+        assert columns == ["chain", "sequence_number", "row"]
+        _as_schema_20(conn)
+        conn.commit()
+        assert conn.execute("SELECT count(*) FROM audit_places").fetchone()[0] == 10
+    async with SQLiteServerStore(db_path) as store:
+        for dev in (alice, bob):
+            assert await _raw_bodies(store, dev.tenant) == before[dev]
+        with sqlite3.connect(db_path) as conn:
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
+            assert conn.execute("SELECT count(*) FROM audit_chains").fetchone()[0] == 4
+            # Every place names an audit row of its chain's tenant at that place.
+            placed = conn.execute(
+                f"SELECT c.client_id, p.sequence_number, r.tid = c.tid, r.kind, "
+                f"{server_sqlite._WHOLE_RECORD} FROM audit_places AS p "
+                "JOIN audit_chains AS c ON c.n = p.chain JOIN records AS r ON r.rowid = p.row"
+            ).fetchall()
+            assert len(placed) == 10
+            for client_id, number, own, kind, body in placed:
+                row = compact.decode(body)
+                assert (own, kind) == (1, server_sqlite._AUDIT_KIND)
+                assert isinstance(row, AuditRow)
+                assert (row.client_id, row.sequence_number) == (client_id, number)
+            conn.create_function("pleach_key", 1, lambda value: value, deterministic=True)
+            plan = " | ".join(
+                row[3]
+                for row in conn.execute(
+                    f"EXPLAIN QUERY PLAN {server_sqlite._AUDIT_TAILS_SQL}",
+                    (alice.tenant.org_id, alice.tenant.user_id, "[]"),
+                )
+            )
+            assert "PRIMARY KEY (chain=? AND sequence_number=?)" in plan, plan
+            assert "INTEGER PRIMARY KEY (rowid=?)" in plan, plan
+        for dev in (alice, laptop, bob, twin):
+            # A row past the chain's next place is refused with the chain's last place.
+            last = dev.audit_head
+            hole = chain_audit(dev.audit(sessions[dev].id), "f" * 64, last[0] + 5)
+            dev.audit_head = last
+            refused = await store.push(dev.tenant, dev.client_id, dev.changes(hole), clock)
+            assert codes(refused) == [ErrorCode.CHAIN_BROKEN]
+            assert (refused.results[0].chain_sequence, refused.results[0].chain_hash) == last
+            dev.next_seq -= 1
+            rows = [dev.audit(sessions[dev].id) for _ in range(2)]
+            result = await store.push(dev.tenant, dev.client_id, dev.changes(*rows), clock)
+            assert statuses(result) == ["applied", "applied"]
+            # So is one at the next place that chains on from another hash.
+            last = dev.audit_head
+            wrong = chain_audit(dev.audit(sessions[dev].id), "0" * 64, last[0] + 1)
+            dev.audit_head = last
+            refused = await store.push(dev.tenant, dev.client_id, dev.changes(wrong), clock)
+            assert codes(refused) == [ErrorCode.CHAIN_BROKEN]
+            assert (refused.results[0].chain_sequence, refused.results[0].chain_hash) == last
+            dev.next_seq -= 1
+    from tests.sim.invariants import server_file_problems
+
+    assert server_file_problems(db_path) == []
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        # The simulation's check finds a place whose row is not an audit row of its tenant.
+        conn.execute(
+            "UPDATE audit_places SET row = (SELECT min(rowid) FROM messages) "
+            "WHERE chain = 1 AND sequence_number = 1"
+        )
+    assert [p.split(" place ")[0] for p in server_file_problems(db_path)] == ["place-astray:"]
+
+
+async def test_an_audit_row_keeps_its_row_hash_in_front_and_its_prev_hash_in_the_row_before(
+    db_path: Path,
+) -> None:
+    """Schema 22: an audit row's body keeps its row hash in front (form 18) and leaves out
+    its prev_hash (form 19, 36 bytes fewer than form 2) where a row at the place before it in
+    its chain holds that digest in front, which it names (``prev_row``); every read gives
+    back the bytes pushed. A file of schema 21 opens at 22 with its rows as they were, the
+    next row of each chain keeping its prev_hash (the row before holds no digest in front)
+    and the rows after leaving it out. Rows a device of protocol 2 pushes unchecked (two at
+    one place, a row before the one it chains on from, a prev_hash no row holds) read back
+    as they were pushed too."""
+    from shared.hashchain import chain_audit
+
+    clock = HybridClock("server-x")
+    alice = Device(new_tenant())
+    laptop = Device(alice.tenant)
+    session = alice.session()
+    pushed: list[AuditRow] = []
+
+    def forms(conn: sqlite3.Connection) -> dict[str, tuple[bytes, str | None]]:
+        """Each audit row's form and the id of the row its ``prev_row`` names."""
+        rows = conn.execute(
+            "SELECT r.id, substr(r.body, 1, 2), q.id FROM records AS r "
+            "LEFT JOIN records AS q ON q.rowid = r.prev_row WHERE r.kind = ?",
+            (server_sqlite._AUDIT_KIND,),
+        )
+        return {
+            uuid_text(key): (bytes(form), None if prev is None else uuid_text(prev))
+            for key, form, prev in rows
+        }
+
+    async def read_back(store: SQLiteServerStore) -> None:
+        bodies = {
+            r.id: b for _, b in await _raw_bodies(store, alice.tenant) for r in [compact.decode(b)]
+        }
+        for row in pushed:
+            assert bodies[row.id] == compact.encode(row)
+
+    async with SQLiteServerStore(db_path) as store:
+        for dev, turns in ((alice, 3), (laptop, 2)):
+            rows = [dev.audit(session.id) for _ in range(turns)]
+            records = [session, *rows] if dev is alice else rows
+            result = await store.push(dev.tenant, dev.client_id, dev.changes(*records), clock)
+            assert statuses(result) == ["applied"] * len(records)
+            pushed += rows
+        await read_back(store)
+    a, b = pushed[:3], pushed[3:]
+    with sqlite3.connect(db_path) as conn:
+        assert forms(conn) == {
+            a[0].id: (b"\xc1\x12", None),
+            a[1].id: (b"\xc1\x13", a[0].id),
+            a[2].id: (b"\xc1\x13", a[1].id),
+            b[0].id: (b"\xc1\x12", None),
+            b[1].id: (b"\xc1\x13", b[0].id),
+        }
+        sizes = dict(
+            conn.execute(
+                "SELECT id, length(body) FROM records WHERE kind = ?", (server_sqlite._AUDIT_KIND,)
+            )
+        )
+        _as_schema_21(conn)
+        conn.commit()
+        heads = conn.execute(
+            "SELECT DISTINCT substr(body, 1, 2) FROM records WHERE kind = ?",
+            (server_sqlite._AUDIT_KIND,),
+        )
+        assert heads.fetchall() == [(b"\xc1\x02",)]
+        grown = dict(
+            conn.execute(
+                "SELECT id, length(body) FROM records WHERE kind = ?", (server_sqlite._AUDIT_KIND,)
+            )
+        )
+        assert sorted(grown[k] - sizes[k] for k in sizes) == [1, 1, 36, 36, 36]
+    async with SQLiteServerStore(db_path) as store:
+        await read_back(store)  # (at 22, its rows as schema 21 wrote them)
+        more = [alice.audit(session.id) for _ in range(2)]
+        result = await store.push(alice.tenant, alice.client_id, alice.changes(*more), clock)
+        assert statuses(result) == ["applied", "applied"]
+        pushed += more
+        # A device of protocol 2, unchecked: a second row at place 2 of its chain, a row at
+        # place 3 chained on from it, one that names a prev_hash no row holds, and a row
+        # that goes in before the row it chains on from.
+        old = Device(alice.tenant)
+        first = old.audit(session.id)
+        second, twin = old.audit(session.id), chain_audit(old.audit(session.id), first.row_hash, 2)
+        third = chain_audit(old.audit(session.id), twin.row_hash, 3)
+        stray = chain_audit(old.audit(session.id), "e" * 64, 4)
+        late = old.audit(session.id)
+        after_late = chain_audit(old.audit(session.id), late.row_hash, late.sequence_number + 1)
+        unchecked = [first, second, twin, third, stray, after_late, late]
+        result = await store.push(
+            alice.tenant, old.client_id, old.changes(*unchecked), clock, chains=False
+        )
+        assert statuses(result) == ["applied"] * len(unchecked)
+        pushed += unchecked
+        await read_back(store)
+    with sqlite3.connect(db_path) as conn:
+        now = forms(conn)
+        assert now[more[0].id] == (b"\xc1\x12", None)  # (the row before: form 2)
+        assert now[more[1].id] == (b"\xc1\x13", more[0].id)
+        assert now[second.id] == (b"\xc1\x13", first.id)
+        assert now[twin.id] == (b"\xc1\x13", first.id)
+        assert now[third.id] == (b"\xc1\x13", twin.id)
+        assert now[stray.id] == (b"\xc1\x12", None)
+        assert now[after_late.id] == (b"\xc1\x12", None)  # (its row before not in yet)
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    from tests.sim.invariants import server_file_problems
+
+    assert server_file_problems(db_path) == []

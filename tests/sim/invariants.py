@@ -425,7 +425,8 @@ def server_file_problems(path: Path) -> list[str]:
     delete that left an entry behind would make every later pull of that tenant fail; one
     that left a row would keep it forever). An entry that names no id (schema 16) has its
     row there; one that names an id, that row with that id. Every event's and record's
-    session number names a session of the row's own tenant (schema 19 and 20)."""
+    session number names a session of the row's own tenant (schema 19 and 20), and every
+    audit place an audit row of its chain's tenant (schema 21)."""
     problems: list[str] = []
     session = KINDS.index("Session")
     event = KINDS.index("Event")
@@ -462,6 +463,17 @@ def server_file_problems(path: Path) -> list[str]:
             problems += [
                 f"session-astray: {table} row {r} names no session of its tenant" for (r,) in astray
             ]
+        # Every audit place (schema 21) names an audit row of its chain's tenant.
+        astray = conn.execute(
+            "SELECT p.chain, p.sequence_number FROM audit_places AS p WHERE NOT EXISTS ("
+            "SELECT 1 FROM audit_chains AS c JOIN records AS r ON r.tid = c.tid "
+            "WHERE c.n = p.chain AND r.rowid = p.row AND r.kind = ?) LIMIT 5",
+            (KINDS.index("AuditRow"),),
+        ).fetchall()
+        problems += [
+            f"place-astray: place {n} of audit chain {c} names no audit row of its tenant"
+            for c, n in astray
+        ]
         for table, kind in (("records", "r.kind"), ("messages", message), ("events", event)):
             unfed = conn.execute(
                 f"SELECT rowid FROM {table} AS r WHERE rowid > 0 AND NOT EXISTS ("
