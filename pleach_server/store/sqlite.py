@@ -18,7 +18,8 @@ Schema (versioned by ``PRAGMA user_version``, migrated at ``open()``):
 - ``sessions``: one row per session id, its body.
 - ``records``: immutable records (checkpoints, audit rows, artifact updates), keyed by
   ``(tid, kind, id)`` in a unique index (a rowid table: bodies pack into its pages); a
-  record's rowid is its feed entry's cursor (schema 11).
+  record's rowid is its feed entry's cursor (schema 11). An audit row whose body leaves out
+  its prev_hash names the row that holds it (``prev_row``, schema 22).
 - ``messages``: the messages, as ``records`` keeps the others (schema 14): rows appended in
   feed order fill their pages when rows of like sizes follow each other; a turn's reply
   after its small rows closed a page with a fifth of it unused.
