@@ -1952,6 +1952,20 @@ async def test_an_audit_place_names_its_chain_by_a_number_and_its_row_by_its_row
         _as_schema_20(conn)
         conn.commit()
         assert conn.execute("SELECT count(*) FROM audit_places").fetchone()[0] == 10
+        # The migration finds each place's row through the records' key, the places the
+        # outer loop (not the records scanned, each tenant's places searched for each).
+        conn.execute(
+            "CREATE TEMP TABLE audit_chains (n INTEGER PRIMARY KEY, tid INTEGER NOT NULL, "
+            "client_id TEXT NOT NULL, UNIQUE (tid, client_id))"
+        )
+        conn.execute("CREATE TEMP TABLE audit_places_21 (chain, sequence_number, row)")
+        plan = [
+            row[3] for row in conn.execute(f"EXPLAIN QUERY PLAN {server_sqlite._PLACES_21_SQL}")
+        ]
+        conn.execute("DROP TABLE temp.audit_chains")
+        conn.execute("DROP TABLE temp.audit_places_21")
+        assert plan[0] == "SCAN p", plan
+        assert any("records_key (tid=? AND kind=? AND id=?)" in step for step in plan), plan
     async with SQLiteServerStore(db_path) as store:
         for dev in (alice, bob):
             assert await _raw_bodies(store, dev.tenant) == before[dev]

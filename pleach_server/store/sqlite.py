@@ -264,6 +264,16 @@ _OWN_ROW_16: Final = f"""CASE f.kind
 """Migration 16: whether feed entry ``f``'s row is at its cursor, in the table of its kind,
 and bears its id (then the entry need not name it: ``_own_row``). Frozen with its version."""
 
+_PLACES_21_SQL: Final = f"""
+    INSERT INTO audit_places_21 (chain, sequence_number, row)
+    SELECT c.n, p.sequence_number, r.rowid FROM audit_places AS p
+    CROSS JOIN audit_chains AS c ON c.tid = p.tid AND c.client_id = p.client_id
+    CROSS JOIN records AS r ON r.tid = p.tid AND r.kind = {_AUDIT_KIND} AND r.id = p.id
+    ORDER BY c.n, p.sequence_number, r.rowid"""
+"""Migration 21: each place with its chain's number and its row's rowid, the places the outer
+loop (``CROSS JOIN``: with a plain one the planner scanned the records and searched each
+tenant's places for each, 23 s for 11,050 places where 0.05)."""
+
 _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
     (
         """CREATE TABLE sessions (
@@ -753,11 +763,7 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
             row INTEGER NOT NULL,
             PRIMARY KEY (chain, sequence_number, row)
         ) WITHOUT ROWID""",
-        "INSERT INTO audit_places_21 (chain, sequence_number, row) "
-        "SELECT c.n, p.sequence_number, r.rowid FROM audit_places AS p "
-        "JOIN audit_chains AS c ON c.tid = p.tid AND c.client_id = p.client_id "
-        f"JOIN records AS r ON r.tid = p.tid AND r.kind = {_AUDIT_KIND} AND r.id = p.id "
-        "ORDER BY c.n, p.sequence_number, r.rowid",
+        _PLACES_21_SQL,
         "DROP TABLE audit_places",
         "ALTER TABLE audit_places_21 RENAME TO audit_places",
     ),
