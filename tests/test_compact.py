@@ -1087,6 +1087,16 @@ def test_a_short_body_is_given_back_whole_byte_for_byte(
         assert compact.body_tenant(stored) == compact.packed(org) + compact.packed(made.user_id)
 
 
+def _offered(own: bytes | None, given: str) -> bytes:
+    """The digest a test offers as a row's ``prev_hash``: its own (32 zero bytes for none),
+    another, or its own cut short."""
+    return {
+        "its own": own or bytes(32),
+        "another": secrets.token_bytes(32),
+        "short": (own or bytes(32))[:31],
+    }[given]
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     prev=st.sampled_from(["digest", "genesis", "text", "none"]),
@@ -1132,11 +1142,7 @@ def test_an_event_body_without_its_prev_hash_is_given_back_byte_for_byte(
     stored = short_body(body, key, session, tenant, node)
     assert stored[:2] == compact.SHORT + (b"\x01" if with_node else b"\x00")
     own = compact.digest_bytes(made.prev_hash)
-    offered = {
-        "its own": own or bytes(32),
-        "another": secrets.token_bytes(32),
-        "short": (own or bytes(32))[:31],
-    }[given_prev]
+    offered = _offered(own, given_prev)
     apart = prev_apart(stored, offered)
     left_out = given_prev == "its own" and own is not None and row == "digest"
     assert (apart != stored) is left_out
@@ -1229,11 +1235,7 @@ def test_an_audit_body_with_its_row_hash_in_front_is_given_back_byte_for_byte(
     stored = short_body(body, key, session, tenant, node)
     assert stored[:2] == compact.SHORT + b"\x02"
     own = compact.digest_bytes(made.prev_hash)
-    offered = {
-        "its own": own or bytes(32),
-        "another": secrets.token_bytes(32),
-        "short": (own or bytes(32))[:31],
-    }[given_prev]
+    offered = _offered(own, given_prev)
     digest = compact.digest_bytes(made.row_hash)
     hashed, chained = audit_apart(stored, digest or b"", offered)
     if digest is None:

@@ -1101,7 +1101,7 @@ def _sql_key(value: Any) -> Any:
 
 def _digest_key(value: str) -> bytes | str:
     """How a row hash is kept: a 64-character lowercase hex digest as its 32 bytes (the rule
-    ``compact`` packs hashes by), anything else as its text (read back by ``_digest_text``)."""
+    ``compact`` packs hashes by), anything else as its text."""
     return compact.digest_bytes(value) or value
 
 
@@ -1115,37 +1115,31 @@ def _id_text(value: bytes | str) -> str:
     return compact.uuid_text(value) if type(value) is bytes and len(value) == 16 else str(value)
 
 
-def _digest_text(value: bytes | str) -> str:
-    """A row hash as stored, read back as its text."""
-    return value.hex() if type(value) is bytes else str(value)
-
-
 def _row_hash(session_id: str, body: bytes) -> str:
     """The row hash of the stored event ``body`` (the last of ``session_id``'s chain), read
     without decoding its payload when it is compact; ``StorageError`` when it is corrupt."""
     place = compact.event_place(body)
     if place is not None:
         return place[3]
-    try:
-        event = decode_body(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise StorageError(f"corrupt event row of session {session_id!r}") from exc
-    if not isinstance(event, Event):
-        raise StorageError(f"corrupt event row of session {session_id!r}: not an event")
-    return event.row_hash
+    return _decoded_hash(body, Event, f"event row of session {session_id!r}", "an event")
 
 
 def _audit_hash(client_id: str, body: bytes) -> str:
     """The row hash of the stored audit row ``body`` (the last of ``client_id``'s chain,
     whose place names its row and no hash since schema 21); ``StorageError`` when it is
     corrupt."""
+    return _decoded_hash(body, AuditRow, f"audit row of the chain of {client_id!r}", "an audit row")
+
+
+def _decoded_hash(body: bytes, kind: type[Event | AuditRow], what: str, noun: str) -> str:
+    """The row hash of the stored body of a ``kind`` (``what``: which row, for the error)."""
     try:
-        row = decode_body(body)
+        record = decode_body(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise StorageError(f"corrupt audit row of the chain of {client_id!r}") from exc
-    if not isinstance(row, AuditRow):
-        raise StorageError(f"corrupt audit row of the chain of {client_id!r}: not an audit row")
-    return row.row_hash
+        raise StorageError(f"corrupt {what}") from exc
+    if not isinstance(record, kind):
+        raise StorageError(f"corrupt {what}: not {noun}")
+    return record.row_hash
 
 
 def _json(keys: Iterable[Any]) -> str:
