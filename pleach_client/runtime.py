@@ -13,7 +13,7 @@ import builtins
 import contextlib
 import logging
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, KeysView, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -424,11 +424,14 @@ def _lineage_overlay(
 class EventBus:
     """The live in-process bus: ``on``, ``once``, ``off`` by event type ("*" for all).
 
-    ``idle`` is True exactly when no handler is attached (``emit`` would do nothing): a turn
-    asks it for each streamed chunk, a plain attribute, and skips the call."""
+    ``idle`` is True exactly when no handler is attached (``emit`` would do nothing).
+    ``types`` is a live view of the event types some handler takes ("*": every type): the
+    runtime's own facets keep handlers of ``sync.applied`` here, so the bus is seldom idle,
+    and a turn asks ``types`` for each streamed chunk, without a call, instead of ``emit``."""
 
     def __init__(self) -> None:
         self._handlers: dict[str, list[tuple[Callback, bool]]] = {}
+        self.types: KeysView[str] = self._handlers.keys()
         self.idle = True
 
     def on(self, event_type: str, handler: Callback) -> None:

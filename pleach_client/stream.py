@@ -8,10 +8,12 @@ to subscribers by mode, with an optional throttle for deltas and an event-type a
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
+import typing
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import msgspec
 
@@ -44,6 +46,9 @@ class StreamEventBase(msgspec.Struct, kw_only=True, tag_field="type"):
     def type(self) -> str:
         tag: str = self.__struct_config__.tag  # type: ignore[assignment]
         return tag
+
+
+_TAG_PROPERTY: Final = StreamEventBase.__dict__["type"]
 
 
 class SessionCreated(StreamEventBase, tag="session.created"):
@@ -368,6 +373,20 @@ StreamEvent = (
     | SubagentStarted
     | SubagentCompleted
 )
+
+
+def _types_as_attributes() -> None:
+    """Each event class of ``StreamEvent`` gets its tag as ``type``, a plain class attribute,
+    in place of ``StreamEventBase.type`` (a property that builds msgspec's ``StructConfig``
+    at each read, and a turn reads it for every streamed chunk). A class whose ``type`` is
+    its own (``CustomEvent``) keeps it. (msgspec resets what ``__init_subclass__`` sets on a
+    class it is still making: this runs once the classes are made.)"""
+    for cls in typing.get_args(StreamEvent):
+        if inspect.getattr_static(cls, "type") is _TAG_PROPERTY:
+            cls.type = cls.__struct_config__.tag
+
+
+_types_as_attributes()
 
 
 def interrupt_requested(state: Interrupt) -> InterruptRequested:

@@ -247,7 +247,10 @@ async def run_turn(
             },
         )
         inner = _run_turn(rt, session_id, content, abort, resume, span, files, lineage)
-        emit, stream, bus = rt.emit, rt.stream, rt.bus
+        # Whether anyone hears an event: a stream subscriber, or a bus handler of its type
+        # (the bus keeps the runtime's own handlers of other types: asking its ``emit`` cost
+        # three calls a streamed chunk).
+        emit, stream, heard = rt.emit, rt.stream, rt.bus.types
         try:
             async for ev in inner:
                 if isinstance(ev, TurnComplete):
@@ -260,7 +263,7 @@ async def run_turn(
                         ev.cost_usd,
                         **{"pleach.provider_calls": ev.provider_calls},
                     )
-                if not (stream.idle and bus.idle):  # (nobody listening: no call a chunk)
+                if not stream.idle or (heard and (ev.type in heard or "*" in heard)):
                     emit(ev)
                 yield ev
         except (GeneratorExit, asyncio.CancelledError):

@@ -1,10 +1,12 @@
 """A turn skips a call for each streamed chunk when nobody listens: ``StreamManager.idle``,
-``EventBus.idle`` and ``TurnContext.pending`` are plain attributes it reads instead. Each is
-shown here by a generator of operations: a copy driven the same way, but asked only when the
-attribute says so, delivers exactly what a copy asked every time delivers."""
+``EventBus.idle``, ``EventBus.types`` (with each event class's ``type``) and
+``TurnContext.pending`` are plain attributes it reads instead. Each is shown here by a
+generator of operations: a copy driven the same way, but asked only when the attribute says
+so, delivers exactly what a copy asked every time delivers."""
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 from hypothesis import example, given, settings
@@ -13,8 +15,10 @@ from hypothesis import strategies as st
 from pleach_client.plugins import TurnContext
 from pleach_client.runtime import EventBus
 from pleach_client.stream import (
+    CustomEvent,
     MessageComplete,
     MessageDelta,
+    StreamEvent,
     StreamEventBase,
     StreamManager,
     ThinkingDelta,
@@ -35,6 +39,8 @@ def _event(kind: str, session: str, message: str, text: str) -> StreamEventBase:
         return MessageDelta(session_id=session, message_id=message, delta=text)
     if kind == "thinking":
         return ThinkingDelta(session_id=session, message_id=message, delta=text)
+    if kind == "custom":
+        return CustomEvent(session_id=session, name=text)
     return MessageComplete(session_id=session, message_id=message, content=[])
 
 
@@ -121,20 +127,39 @@ def test_a_stream_manager_that_says_idle_would_deliver_nothing(ops: list[tuple[A
             assert driven.got == before
 
 
+_BUS_TYPES = st.sampled_from(["message.delta", "sync.applied", "custom.a", "*"])
 _BUS_OPS = st.lists(
     st.one_of(
-        st.tuples(st.sampled_from(["on", "once"]), st.sampled_from(["message.delta", "*"])),
-        st.tuples(st.just("off"), st.sampled_from(["message.delta", "*"]), st.integers(0, 5)),
-        st.tuples(st.just("emit"), st.sampled_from(["delta", "complete"])),
+        st.tuples(st.sampled_from(["on", "once"]), _BUS_TYPES),
+        st.tuples(st.just("off"), _BUS_TYPES, st.integers(0, 5)),
+        st.tuples(st.just("emit"), st.sampled_from(["delta", "complete", "custom"])),
         st.tuples(st.just("clear")),
     ),
     max_size=40,
 )
 
 
+def _heard(bus: EventBus, event: StreamEventBase) -> bool:
+    """What a turn asks before it calls ``emit`` (``run_turn``, inline there)."""
+    heard = bus.types
+    return bool(heard and (event.type in heard or "*" in heard))
+
+
+def test_each_event_class_keeps_its_tag_as_its_type() -> None:
+    """``type`` is a class attribute of every event class (read for each streamed chunk),
+    the tag msgspec writes; a custom event's stays ``custom.<name>``."""
+    for cls in typing.get_args(StreamEvent):
+        if cls is CustomEvent:
+            continue
+        assert cls.__dict__["type"] == cls.__struct_config__.tag
+    assert CustomEvent(session_id="s", name="a").type == "custom.a"
+
+
 @settings(max_examples=300, deadline=None)
 @given(_BUS_OPS)
-def test_an_event_bus_that_says_idle_has_no_handler(ops: list[tuple[Any, ...]]) -> None:
+def test_an_event_bus_delivers_nothing_of_a_type_it_has_no_handler_of(
+    ops: list[tuple[Any, ...]],
+) -> None:
     buses = {"always": EventBus(), "asked": EventBus()}
     got: dict[str, list[tuple[int, str]]] = {"always": [], "asked": []}
     handlers: dict[str, list[Any]] = {"always": [], "asked": []}
@@ -153,13 +178,15 @@ def test_an_event_bus_that_says_idle_has_no_handler(ops: list[tuple[Any, ...]]) 
                     if i < len(handlers[name]):
                         bus.off(kind, handlers[name][i])
                 case ("emit", kind):
-                    if name == "always" or not bus.idle:
-                        bus.emit(_event(kind, "s1", "m1", "x"))
+                    event = _event(kind, "s1", "m1", "a")
+                    if name == "always" or _heard(bus, event):
+                        bus.emit(event)
                 case ("clear",):
                     bus.clear()
         assert got["asked"] == got["always"]
         assert buses["asked"].idle == buses["always"].idle
         assert buses["always"].idle == (not any(buses["always"]._handlers.values()))
+        assert set(buses["always"].types) == {k for k, v in buses["always"]._handlers.items() if v}
 
 
 @settings(max_examples=200, deadline=None)
