@@ -131,13 +131,20 @@ class _Call:
     cache_creation: int = 0
     cache_read: int = 0
     output_tokens: int = 0
-    chars_out: int = 0
+    tool_input_chars: int = 0
     finished: bool = False
     blocks: dict[int, dict[str, Any]] = field(default_factory=dict)
     partial_text: dict[int, list[str]] = field(default_factory=dict)
     """The pieces of each text block streamed so far (joined when kept: adding each piece to
     one growing string copied the whole block at every chunk)."""
     partial_thinking: dict[int, list[str]] = field(default_factory=dict)
+
+    @property
+    def chars_out(self) -> int:
+        """The characters streamed so far (text, thinking and tool input): what a call cut
+        off is estimated from. Summed when asked (an abort), not counted at every chunk."""
+        parts = [*self.partial_text.values(), *self.partial_thinking.values()]
+        return self.tool_input_chars + sum(len(piece) for pieces in parts for piece in pieces)
 
 
 @dataclass
@@ -544,7 +551,6 @@ async def _run_turn(
                         if isinstance(pev, TextDelta):  # nearly every chunk: no match to walk
                             text = pev.text
                             call.partial_text.setdefault(pev.index, []).append(text)
-                            call.chars_out += len(text)
                             yield MessageDeltaEvent(
                                 session_id=session.id, message_id=reply_id, delta=text
                             )
@@ -557,14 +563,13 @@ async def _run_turn(
                                     call.cache_read = pev.cache_read_input_tokens
                                 case ThinkingDelta(index=i, thinking=text):
                                     call.partial_thinking.setdefault(i, []).append(text)
-                                    call.chars_out += len(text)
                                     yield ThinkingDeltaEvent(
                                         session_id=session.id, message_id=reply_id, delta=text
                                     )
                                 case ToolUseStart():
                                     pass
                                 case ToolInputDelta(partial_json=chunk):
-                                    call.chars_out += len(chunk)
+                                    call.tool_input_chars += len(chunk)
                                 case BlockStop(index=i, block=block):
                                     call.blocks[i] = block
                                     if block.get("type") == "thinking":

@@ -2,7 +2,8 @@
 ``EventBus.idle``, ``EventBus.types`` (with each event class's ``type``) and
 ``TurnContext.pending`` are plain attributes it reads instead. Each is shown here by a
 generator of operations: a copy driven the same way, but asked only when the attribute says
-so, delivers exactly what a copy asked every time delivers."""
+so, delivers exactly what a copy asked every time delivers. A call's characters streamed
+(``_Call.chars_out``) are summed when asked, and equal the count kept chunk by chunk."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from pleach_client.stream import (
     StreamManager,
     ThinkingDelta,
 )
+from pleach_client.turn import _Call
 from tests.factories import make_session
 
 
@@ -227,3 +229,29 @@ def test_a_turn_context_that_has_nothing_pending_drains_nothing(
     for ctx in contexts.values():
         if not ctx.pending:
             assert ctx.drain(lambda kind, payload: None) == []
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["text", "thinking", "tool_input"]),
+            st.integers(0, 3),
+            st.text(max_size=6),
+        ),
+        max_size=30,
+    )
+)
+def test_a_calls_characters_summed_when_asked_equal_those_counted_each_chunk(
+    chunks: list[tuple[str, int, str]],
+) -> None:
+    call = _Call(seq=0, started=0.0)
+    counted = 0
+    for kind, index, text in chunks:
+        counted += len(text)
+        if kind == "text":
+            call.partial_text.setdefault(index, []).append(text)
+        elif kind == "thinking":
+            call.partial_thinking.setdefault(index, []).append(text)
+        else:
+            call.tool_input_chars += len(text)
+    assert call.chars_out == counted

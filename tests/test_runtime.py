@@ -218,6 +218,7 @@ async def test_abort_by_event_accounts_and_keeps_partial(
     row = (await runtime.audit.rows(handle.id))[-1]
     assert row.outcome.status == "user-aborted"
     assert row.usage.input_tokens == 120 and row.usage.output_estimated
+    assert row.usage.output_tokens == 2  # the 8 characters streamed, a token per four
     messages = await runtime.sessions.messages(handle.id)
     assert messages[-1].aborted and messages[-1].content == [{"type": "text", "text": "one two "}]
     assert (await run(runtime, handle.id, "continue"))[-1].outcome == "ok"  # type: ignore[attr-defined]
