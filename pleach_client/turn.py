@@ -259,17 +259,7 @@ async def run_turn(
         # three calls a streamed chunk).
         emit, stream, heard = rt.emit, rt.stream, rt.bus.types
         try:
-            async for ev in inner:
-                if isinstance(ev, TurnComplete):
-                    set_turn_outcome(
-                        span,
-                        ev.turn_id,
-                        ev.outcome,
-                        ev.input_tokens,
-                        ev.output_tokens,
-                        ev.cost_usd,
-                        **{"pleach.provider_calls": ev.provider_calls},
-                    )
+            async for ev in inner:  # (the turn's outcome: on the span as it is yielded)
                 if not stream.idle or (heard and (ev.type in heard or "*" in heard)):
                     emit(ev)
                 yield ev
@@ -885,7 +875,7 @@ async def _run_turn(
         yield ev
     for custom in ctx.drain():
         yield custom
-    yield TurnComplete(
+    complete = TurnComplete(
         session_id=session.id,
         turn_id=turn_id,
         outcome="user-aborted" if aborted else outcome,  # type: ignore[arg-type]
@@ -895,6 +885,17 @@ async def _run_turn(
         provider_calls=calls,
         stopped_by=stopped_by,
     )
+    # Here, not in ``run_turn``: it would ask every event it passes on whether it is this one.
+    set_turn_outcome(
+        turn_span,
+        turn_id,
+        complete.outcome,
+        complete.input_tokens,
+        complete.output_tokens,
+        complete.cost_usd,
+        **{"pleach.provider_calls": calls},
+    )
+    yield complete
 
 
 async def _run_tool(call: Any, abort_wait: asyncio.Future[Any] | None) -> str:
