@@ -22,6 +22,7 @@ import contextlib
 import logging
 import math
 import time
+from collections import defaultdict
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -134,10 +135,11 @@ class _Call:
     tool_input_chars: int = 0
     finished: bool = False
     blocks: dict[int, dict[str, Any]] = field(default_factory=dict)
-    partial_text: dict[int, list[str]] = field(default_factory=dict)
+    partial_text: defaultdict[int, list[str]] = field(default_factory=lambda: defaultdict(list))
     """The pieces of each text block streamed so far (joined when kept: adding each piece to
-    one growing string copied the whole block at every chunk)."""
-    partial_thinking: dict[int, list[str]] = field(default_factory=dict)
+    one growing string copied the whole block at every chunk). A ``defaultdict``: a chunk
+    appends to its block's list with no ``setdefault`` call and no empty list made."""
+    partial_thinking: defaultdict[int, list[str]] = field(default_factory=lambda: defaultdict(list))
 
     @property
     def chars_out(self) -> int:
@@ -540,7 +542,7 @@ async def _run_turn(
                             break
                         if isinstance(pev, TextDelta):  # nearly every chunk: no match to walk
                             text = pev.text
-                            call.partial_text.setdefault(pev.index, []).append(text)
+                            call.partial_text[pev.index].append(text)
                             yield MessageDeltaEvent(
                                 session_id=session.id, message_id=reply_id, delta=text
                             )
@@ -552,7 +554,7 @@ async def _run_turn(
                                     call.cache_creation = pev.cache_creation_input_tokens
                                     call.cache_read = pev.cache_read_input_tokens
                                 case ThinkingDelta(index=i, thinking=text):
-                                    call.partial_thinking.setdefault(i, []).append(text)
+                                    call.partial_thinking[i].append(text)
                                     yield ThinkingDeltaEvent(
                                         session_id=session.id, message_id=reply_id, delta=text
                                     )
