@@ -231,11 +231,16 @@ def raw_resume(path: Path, session_id: str) -> float:
     try:
         rows = conn.execute("SELECT body FROM sessions WHERE id = ?", (key,)).fetchall()
         conn.execute("SELECT part, ids FROM session_ids WHERE session_id = ?", (key,)).fetchall()
+        # (schema 12: events and checkpoints name their session by its number)
+        numbered = conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'session_keys'")
+        session = "session_id = ?"
+        if numbered.fetchone() is not None:
+            session = "session_n = (SELECT n FROM session_keys WHERE id = ?)"
         conn.execute(
-            "SELECT id, body FROM checkpoints WHERE session_id = ? ORDER BY hlc, id", (key,)
+            f"SELECT id, body FROM checkpoints WHERE {session} ORDER BY hlc, id", (key,)
         ).fetchall()
         conn.execute(
-            "SELECT id, body FROM events WHERE session_id = ? ORDER BY sequence_number, id",
+            f"SELECT id, body FROM events WHERE {session} ORDER BY sequence_number, id",
             (key,),
         ).fetchall()
         conn.execute("SELECT id, body FROM messages WHERE session_id = ?", (key,)).fetchall()

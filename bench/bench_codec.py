@@ -47,13 +47,15 @@ def _bodies(path: Path) -> dict[str, list[bytes]]:
 
     whole = getattr(store_module, "_whole_body", None)  # (absent before schema 10)
     short = getattr(store_module, "_SHORT_TABLES", ())
+    numbered = getattr(store_module, "_NUMBERED", ())  # (schema 12: a session by its number)
+
+    def read(table: str) -> str:
+        if table not in short:
+            return "body"
+        return whole(numbered=True) if table in numbered else whole()
+
     with sqlite3.connect(path) as db:
-        return {
-            t: [
-                row[0] for row in db.execute(f"SELECT {whole() if t in short else 'body'} FROM {t}")
-            ]
-            for t in TABLES
-        }
+        return {t: [row[0] for row in db.execute(f"SELECT {read(t)} FROM {t}")] for t in TABLES}
 
 
 def _per_item(fn: Callable[[Any], object], items: Sequence[Any], passes: int) -> float:

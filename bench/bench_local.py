@@ -41,6 +41,8 @@ from pleach_client.store.base import CommitReceipt, Plan, StorageAdapter, TxRead
 from pleach_client.store.memory import MemoryAdapter
 from pleach_client.store.sqlite import (
     _ENQUEUE,
+    _IN_SESSION,
+    _NUMBER_SESSION,
     _PUT_ID_BLOCK,
     _PUT_META,
     _PUT_SESSION,
@@ -247,6 +249,9 @@ def raw_rows(batches: Sequence[WriteBatch]) -> list[RawTurn]:
         groups, outbox = _encode_batch(batch.records)
         if _PUT_SESSION in groups:
             groups = {**groups, **_session_rows(groups.pop(_PUT_SESSION), held)}
+        numbered = [row[1] for sql in _IN_SESSION for row in groups.get(sql, ())]
+        if numbered:  # (schema 12: the session's number, before the rows that name it)
+            groups = {_NUMBER_SESSION: [(key,) for key in dict.fromkeys(numbered)], **groups}
         enqueue = []
         for record_id, kind, body in outbox:
             seq += 1

@@ -13,7 +13,7 @@ import tempfile
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import aiosqlite
 import msgspec
@@ -380,8 +380,9 @@ async def test_commit_is_one_transaction(sqlite_store: SQLiteAdapter) -> None:
     assert verbs.count("BEGIN") == 1
     assert verbs.count("COMMIT") == 1
     assert "ROLLBACK" not in verbs
-    # 71 records, 71 outbox rows and one meta key, all in that one transaction.
-    assert conn.total_changes - before == 71 + 71 + 1
+    # 71 records, 71 outbox rows, one meta key and the session's number (its first events),
+    # all in that one transaction.
+    assert conn.total_changes - before == 71 + 71 + 1 + 1
 
 
 class _CountingConnection:
@@ -701,13 +702,9 @@ async def test_no_query_reads_the_stamp_columns_of_messages_and_events(db_path: 
         assert await store.get_messages([message.id]) == [message]
         assert await store.list_events("s-1") == [event]
     conn = raw(db_path)
-    try:
-        assert conn.execute(
-            "SELECT hlc FROM messages UNION ALL SELECT hlc FROM events"
-        ).fetchall() == [
-            ("",),
-            ("",),
-        ]
+    try:  # (and since schema 12 events have no such column)
+        assert conn.execute("SELECT hlc FROM messages").fetchall() == [("",)]
+        assert "hlc" not in {row[1] for row in conn.execute("PRAGMA table_info(events)")}
     finally:
         conn.close()
     for name, sql in QUERIES.items():
@@ -873,8 +870,9 @@ async def test_close_waits_for_a_side_checkpoint(db_path: Path) -> None:
 KEY_COLUMNS: dict[str, tuple[str, ...]] = {
     "sessions": ("id",),
     "messages": ("id", "session_id"),
-    "checkpoints": ("id", "session_id", "parent_id"),
+    "checkpoints": ("id", "session_id", "parent_id"),  # (session_id: before schema 12)
     "events": ("id", "session_id"),
+    "session_keys": ("id",),  # (since schema 12)
     "audit": ("id", "client_id", "session_id"),
     "artifact_updates": ("id", "artifact_id", "session_id"),
     "outbox": ("record_id",),
@@ -883,10 +881,12 @@ KEY_COLUMNS: dict[str, tuple[str, ...]] = {
 
 
 def _uuid_texts(conn: sqlite3.Connection) -> dict[str, int]:
-    """Per ``table.column``, how many values are a canonical UUID kept as its text."""
+    """Per ``table.column``, how many values are a canonical UUID kept as its text (of the
+    columns the file's schema has)."""
     found = {}
     for table, columns in KEY_COLUMNS.items():
-        for column in columns:
+        held = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        for column in held.intersection(columns):
             n = conn.execute(
                 f"SELECT count(*) FROM {table} WHERE typeof({column}) = 'text' "
                 f"AND pleach_key({column}) != {column}"
@@ -927,9 +927,46 @@ def _in_schema_8_forms(conn: sqlite3.Connection, schema: str = "main") -> None:
     conn.execute(f"UPDATE {schema}.events SET type = CASE type {words} ELSE type END")
 
 
+_TABLES_11: Final = """
+    CREATE TABLE events_11 (
+        id TEXT PRIMARY KEY NOT NULL, session_id TEXT NOT NULL,
+        sequence_number INTEGER NOT NULL, hlc TEXT NOT NULL, body BLOB NOT NULL, type TEXT);
+    INSERT INTO events_11 (id, session_id, sequence_number, hlc, body, type)
+        SELECT e.id, k.id, e.sequence_number, '', e.body, e.type
+        FROM events e JOIN session_keys k ON k.n = e.session_n;
+    DROP TABLE events;
+    ALTER TABLE events_11 RENAME TO events;
+    CREATE INDEX ix_events_session ON events (session_id, sequence_number, id);
+    CREATE TABLE checkpoints_11 (
+        id TEXT PRIMARY KEY NOT NULL, session_id TEXT NOT NULL, hlc TEXT NOT NULL,
+        body BLOB NOT NULL, parent_id TEXT);
+    INSERT INTO checkpoints_11 (id, session_id, hlc, body, parent_id)
+        SELECT c.id, k.id, c.hlc, c.body, c.parent_id
+        FROM checkpoints c JOIN session_keys k ON k.n = c.session_n;
+    DROP TABLE checkpoints;
+    ALTER TABLE checkpoints_11 RENAME TO checkpoints;
+    CREATE INDEX ix_checkpoints_session ON checkpoints (session_id, hlc, id);
+    DROP TABLE session_keys;
+    PRAGMA user_version = 11;
+"""
+
+
+def _as_schema_11(conn: sqlite3.Connection) -> None:
+    """A file written by this store as schema 11 kept it (a file of schema 12 made so; any
+    other left as it is): events and checkpoints in tables by rowid, each naming its
+    session by its key, with an index by session; no ``session_keys``."""
+    if _version_of(conn) >= 12:
+        conn.executescript(_TABLES_11)
+
+
+def _version_of(conn: sqlite3.Connection) -> int:
+    return int(conn.execute("PRAGMA user_version").fetchone()[0])
+
+
 def _as_schema_9(conn: sqlite3.Connection) -> None:
     """The rows of a file written by this store as schema 9 kept them: every body whole (the
     ids and the tenant put back, ``_whole_body``), and no ``tenant`` table."""
+    _as_schema_11(conn)
     for table in sqlite_module._SHORT_TABLES:
         conn.execute(f"UPDATE {table} SET body = {sqlite_module._whole_body()}")
     conn.execute("DROP TABLE tenant")
@@ -937,7 +974,11 @@ def _as_schema_9(conn: sqlite3.Connection) -> None:
 
 
 def _as_schema_4(source: Path, path: Path) -> None:
-    """A file as schema 4 kept it (its tables, ids as text), holding ``source``'s rows."""
+    """A file as schema 4 kept it (its tables, ids as text), holding ``source``'s rows (made
+    schema 11's first, ``_as_schema_11``)."""
+    conn = raw(source)
+    _as_schema_11(conn)
+    conn.close()
     conn = raw(path)
     conn.create_function("pleach_text", 1, lambda k: unkey(k) if isinstance(k, bytes) else k)
     for step in sqlite_module._MIGRATIONS[:4]:
@@ -997,7 +1038,7 @@ async def test_a_schema_4_file_migrates_its_ids_to_keys(db_path: Path, tmp_path:
     assert conn.execute("SELECT count(*) FROM events").fetchone()[0] == 2
     conn.close()
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 11
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 12
         for record in history:
             assert await read_back(store, record) == record
         session = history[0]
@@ -1048,7 +1089,7 @@ async def test_a_schema_8_file_keeps_its_outbox_and_log_through_schema_9(db_path
     events = [r for r in history if type(r).__name__ == "Event"]
     later = make_event(session_id=events[0].session_id, sequence_number=2, type=events[0].type)
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 11
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 12
         assert await store.outbox_pending() == before
         assert await store.dead_letters() == letters
         assert await _session_queued(store, session.id)
@@ -1180,7 +1221,8 @@ async def test_a_record_that_came_as_bytes_is_stored_as_those_bytes(tmp_path: Pa
             ("messages", pulled[0], sent[0]),
             ("checkpoints", pulled[1], sent[1]),
         ]:
-            query = f"SELECT {sqlite_module._whole_body()} FROM {table} WHERE id = ?"
+            whole = sqlite_module._whole_body(numbered=table in sqlite_module._NUMBERED)
+            query = f"SELECT {whole} FROM {table} WHERE id = ?"
             assert conn.execute(query, (key(record.id),)).fetchone()[0] == body
     finally:
         conn.close()
@@ -1280,7 +1322,7 @@ async def _migrated_then_written(
 ) -> None:
     """A file just migrated to this schema: its outbox and records read as before, then
     ``later`` is committed beside them, and old and new read back alike, queued in order."""
-    assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 11
+    assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 12
     assert await store.outbox_pending() == before
     for record in history:
         assert await read_back(store, record) == record
@@ -1452,6 +1494,7 @@ def _as_schema_10(conn: sqlite3.Connection) -> None:
     """A file written by this store as schema 10 kept it: no node (the bodies that left it out
     put together, ``_whole_body``, and written as schema 10 wrote them, ``_short`` given the
     tenant alone), and no ``node`` column."""
+    _as_schema_11(conn)
     tenant, _ = sqlite_module._tenant_of(conn)
     for table in sqlite_module._SHORT_TABLES:
         rows = conn.execute(f"SELECT id, session_id, {sqlite_module._whole_body()} FROM {table}")
@@ -1492,6 +1535,64 @@ async def test_a_schema_10_file_opens_at_11_and_takes_its_node_at_its_next_commi
         forms = _forms(conn)
         assert {forms[key(r.id)] for r in later} == {compact.SHORT + b"\x01"}
         assert sqlite_module._tenant_of(conn)[1] == compact.stamp_node(CLIENT)
+    finally:
+        conn.close()
+
+
+async def test_a_schema_11_file_opens_at_12_its_log_and_checkpoints_by_session_number(
+    db_path: Path,
+) -> None:
+    """A file of schema 11 (events and checkpoints in tables by rowid naming their session by
+    its key, with an index by session) opens at 12: each session whose events or checkpoints
+    the file holds is numbered once, the two tables are keyed by session number and place,
+    every record, log and checkpoint list reads as before, in the outbox's bytes too, and
+    rows written after, in a session numbered then and in one numbered by the migration,
+    read back beside them in their order."""
+    history = _a_history()
+    session, other = history[0], next(r for r in history if r.id == "a-session-named-by-hand")
+    history += [make_event(session_id=session.id, sequence_number=n) for n in (2, 1, 3)]
+    async with SQLiteAdapter(db_path) as store:
+        await commit(store, *history)
+        before = await store.outbox_pending()
+        logs = {s: await store.list_events(s) for s in (session.id, other.id)}
+        checkpoints = await store.list_checkpoints(session.id)
+        bodies = await _outbox_bodies(store)
+    conn = raw(db_path)
+    try:
+        _as_schema_11(conn)
+        assert _version_of(conn) == 11
+        indexes = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
+        assert {"ix_events_session", "ix_checkpoints_session"} <= indexes
+    finally:
+        conn.close()
+    new_session = make_session()
+    later = [
+        make_event(session_id=session.id, sequence_number=4),
+        make_checkpoint(session_id=session.id, parent_id=checkpoints[-1].id),
+        new_session,
+        make_event(session_id=new_session.id, sequence_number=1),
+        make_checkpoint(session_id=new_session.id),
+    ]
+    async with SQLiteAdapter(db_path) as store:
+        assert {s: await store.list_events(s) for s in logs} == logs
+        assert await store.list_checkpoints(session.id) == checkpoints
+        assert [bytes(b) for b in await _outbox_bodies(store)] == [bytes(b) for b in bodies]
+        await _migrated_then_written(store, history, before, later)
+        assert await store.list_events(session.id) == [*logs[session.id], later[0]]
+        assert await store.list_checkpoints(session.id) == [*checkpoints, later[1]]
+        assert await store.list_events(new_session.id) == [later[3]]
+        assert await store.list_checkpoints(new_session.id) == [later[4]]
+    conn = raw(db_path)
+    try:
+        numbered = dict(conn.execute("SELECT id, n FROM session_keys"))
+        assert set(numbered) == {key(session.id), key(other.id), key(new_session.id)}
+        for table in sqlite_module._NUMBERED:
+            sql = conn.execute(f"SELECT sql FROM sqlite_master WHERE name = '{table}'")
+            assert sql.fetchone()[0].endswith("WITHOUT ROWID")
+            held = {n for (n,) in conn.execute(f"SELECT DISTINCT session_n FROM {table}")}
+            assert held <= set(numbered.values())
+        indexes = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
+        assert not {"ix_events_session", "ix_checkpoints_session"} & indexes
     finally:
         conn.close()
 

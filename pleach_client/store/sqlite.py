@@ -265,6 +265,46 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     # id at once, which a build before reads as corrupt rows. Rows written before keep
     # their node and read as they are.
     ("ALTER TABLE tenant ADD COLUMN node BLOB",),
+    # 12: events and checkpoints kept in the order they are read, under their session's
+    # number. A session's id is numbered once in the file (``session_keys``); an event and a
+    # checkpoint name their session by that number (``session_n``), in a ``WITHOUT ROWID``
+    # table keyed by session and place (an event's sequence number, a checkpoint's stamp), so
+    # the table is its own index by session. Each was a table by rowid with an index by id
+    # and another by session, and the table and both indexes held the session's 16-byte id
+    # again for every row. The index by id stays (``UNIQUE``: a lookup, an upsert's target,
+    # the outbox's join). An event's ``hlc`` column, '' since schema 4, is gone. Bodies do
+    # not change; a read puts the session's id back from its number (``_whole_body``).
+    (
+        """CREATE TABLE session_keys (
+            n INTEGER PRIMARY KEY,
+            id TEXT NOT NULL UNIQUE)""",
+        "INSERT INTO session_keys (id) "
+        "SELECT session_id FROM events UNION SELECT session_id FROM checkpoints",
+        """CREATE TABLE events_12 (
+            id TEXT NOT NULL UNIQUE,
+            session_n INTEGER NOT NULL,
+            sequence_number INTEGER NOT NULL,
+            type TEXT,
+            body BLOB NOT NULL,
+            PRIMARY KEY (session_n, sequence_number, id)) WITHOUT ROWID""",
+        "INSERT INTO events_12 (id, session_n, sequence_number, type, body) "
+        "SELECT e.id, k.n, e.sequence_number, e.type, e.body FROM events e "
+        "JOIN session_keys k ON k.id = e.session_id ORDER BY k.n, e.sequence_number, e.id",
+        "DROP TABLE events",
+        "ALTER TABLE events_12 RENAME TO events",
+        """CREATE TABLE checkpoints_12 (
+            id TEXT NOT NULL UNIQUE,
+            session_n INTEGER NOT NULL,
+            hlc TEXT NOT NULL,
+            parent_id TEXT,
+            body BLOB NOT NULL,
+            PRIMARY KEY (session_n, hlc, id)) WITHOUT ROWID""",
+        "INSERT INTO checkpoints_12 (id, session_n, hlc, parent_id, body) "
+        "SELECT c.id, k.n, c.hlc, c.parent_id, c.body FROM checkpoints c "
+        "JOIN session_keys k ON k.id = c.session_id ORDER BY k.n, c.hlc, c.id",
+        "DROP TABLE checkpoints",
+        "ALTER TABLE checkpoints_12 RENAME TO checkpoints",
+    ),
 )
 SCHEMA_VERSION: Final = len(_MIGRATIONS)
 
@@ -406,21 +446,28 @@ _PUT_MESSAGE = (
     "INSERT INTO messages (id, session_id, hlc, body) VALUES (?, ?, '', ?) "
     "ON CONFLICT (id) DO NOTHING"
 )
+_SESSION_N: Final = "(SELECT n FROM session_keys WHERE id = {})"
+"""SQL: the number of the session whose key is ``{}`` (schema 12: events and checkpoints name
+their session so; ``_NUMBER_SESSION`` gives it one as the first of them is written)."""
+_NUMBER_SESSION = "INSERT INTO session_keys (id) VALUES (?) ON CONFLICT (id) DO NOTHING"
 _PUT_CHECKPOINT = (
-    "INSERT INTO checkpoints (id, session_id, hlc, parent_id, body) VALUES (?, ?, ?, ?, ?) "
-    "ON CONFLICT (id) DO NOTHING"
+    "INSERT INTO checkpoints (id, session_n, hlc, parent_id, body) "
+    f"VALUES (?1, {_SESSION_N.format('?2')}, ?3, ?4, ?5) ON CONFLICT (id) DO NOTHING"
 )
 _PUT_EVENT = (
-    "INSERT INTO events (id, session_id, sequence_number, hlc, type, body) "
-    "VALUES (?, ?, ?, '', ?, ?) ON CONFLICT (id) DO UPDATE SET session_id = excluded.session_id, "
-    "sequence_number = excluded.sequence_number, hlc = '', type = excluded.type, "
-    "body = excluded.body"
+    "INSERT INTO events (id, session_n, sequence_number, type, body) "
+    f"VALUES (?1, {_SESSION_N.format('?2')}, ?3, ?4, ?5) "
+    "ON CONFLICT (id) DO UPDATE SET session_n = excluded.session_n, "
+    "sequence_number = excluded.sequence_number, type = excluded.type, body = excluded.body"
 )
 _PUT_AUDIT = (
     "INSERT INTO audit (id, client_id, session_id, sequence_number, subject_key, body) "
     "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING"
 )
 _SESSION_AT: Final = {_PUT_MESSAGE: 1, _PUT_CHECKPOINT: 1, _PUT_EVENT: 1, _PUT_AUDIT: 2}
+_IN_SESSION: Final = (_PUT_CHECKPOINT, _PUT_EVENT)
+"""The inserts whose rows name their session by its number (``_NUMBER_SESSION`` first), from
+the session's key at 1."""
 """The inserts whose bodies are written short (``_shortened``: each row begins with its key and
 ends with its body) and where their session's key is in the row."""
 _PUT_ARTIFACT = (
@@ -429,9 +476,9 @@ _PUT_ARTIFACT = (
 )
 _PURGE_CHECKPOINTS = (
     f"UPDATE outbox SET kind = {_SESSION_KIND}, record_id = ?1, body = NULL "
-    f"WHERE kind = {_KIND_CODE['Checkpoint']} "
-    "AND record_id IN (SELECT id FROM checkpoints WHERE session_id = ?1)",
-    "DELETE FROM checkpoints WHERE session_id = ?1",
+    f"WHERE kind = {_KIND_CODE['Checkpoint']} AND record_id IN "
+    f"(SELECT id FROM checkpoints WHERE session_n = {_SESSION_N.format('?1')})",
+    f"DELETE FROM checkpoints WHERE session_n = {_SESSION_N.format('?1')}",
 )
 _PUT_META = (
     "INSERT INTO sync_state (key, value) VALUES (?, ?) "
@@ -465,17 +512,26 @@ _SHORT_TABLES: Final = ("messages", "checkpoints", "events", "audit")
 _FILE_TENANT = "SELECT packed, node FROM tenant WHERE one = 1"
 
 
-def _whole_body(table: str = "") -> str:
+def _whole_body(table: str = "", *, numbered: bool = False) -> str:
     """SQL: a stored body of messages, checkpoints, events or audit rows (``table``: its alias,
-    if any) as the record was written (``compact.whole_body_sql`` over the row's columns)."""
+    if any) as the record was written (``compact.whole_body_sql`` over the row's columns).
+    ``numbered``: a row of events or checkpoints, which names its session by number (schema
+    12), its id read back from ``session_keys``."""
     at = f"{table}." if table else ""
     tenant = "(SELECT packed FROM tenant WHERE one = 1)"  # (one row: read once a statement)
     node = "(SELECT node FROM tenant WHERE one = 1)"
-    return compact.whole_body_sql(f"{at}body", f"{at}id", f"{at}session_id", tenant, node)
+    session = _SESSION_OF.format(f"{at}session_n") if numbered else f"{at}session_id"
+    return compact.whole_body_sql(f"{at}body", f"{at}id", session, tenant, node)
 
 
+_SESSION_OF: Final = "(SELECT id FROM session_keys WHERE n = {})"
+"""SQL: the key of the session numbered ``{}`` (``_SESSION_N`` reversed)."""
 _WHOLE: Final = _whole_body()
 """SQL: a row's body as its record was written (``_whole_body``)."""
+_WHOLE_N: Final = _whole_body(numbered=True)
+"""SQL: ``_WHOLE`` of a row of events or checkpoints."""
+_NUMBERED: Final = ("checkpoints", "events")
+"""The tables whose rows name their session by number (schema 12)."""
 
 # The outbox refers to every record by kind and id (``body`` is NULL); the flush reads the
 # record where it is stored. Rows written before that rule still carry a copy (``body``).
@@ -490,7 +546,9 @@ _OUTBOX_TABLES: Final[dict[str, str]] = {
 _OUTBOX_BODY = (
     "COALESCE(o.body, "
     + ", ".join(
-        _whole_body(f"t{i}") if table in _SHORT_TABLES else f"t{i}.body"
+        _whole_body(f"t{i}", numbered=table in _NUMBERED)
+        if table in _SHORT_TABLES
+        else f"t{i}.body"
         for i, table in enumerate(_OUTBOX_TABLES.values())
     )
     + ")"
@@ -518,7 +576,7 @@ QUERIES: Final[dict[str, str]] = {
     # reads a short one as it is, ``compact.decode_short``.)
     "get_messages": "SELECT id, body, session_id FROM messages WHERE id IN ({keys})",
     "audit_rows": "SELECT id, " + _WHOLE + " FROM audit WHERE id IN ({keys})",
-    "get_checkpoint": "SELECT id, " + _WHOLE + " FROM checkpoints WHERE id = ?",
+    "get_checkpoint": "SELECT id, " + _WHOLE_N + " FROM checkpoints WHERE id = ?",
     "held_messages": "SELECT id FROM messages WHERE id IN ({keys})",
     # A long transcript's rows as one span of the table (``_select_messages``): the rowids
     # of its first and last message, then the rows between them.
@@ -528,23 +586,28 @@ QUERIES: Final[dict[str, str]] = {
     ),
     "message_range": "SELECT id, body, session_id FROM messages WHERE rowid BETWEEN ?1 AND ?2",
     "list_checkpoints": (
-        "SELECT id, " + _WHOLE + " FROM checkpoints WHERE session_id = ? ORDER BY hlc, id"
+        "SELECT id, " + _WHOLE_N + " FROM checkpoints "
+        f"WHERE session_n = {_SESSION_N.format('?1')} ORDER BY hlc, id"
     ),
     # A row written before schema 4 has no parent_id (NULL): it is read, and its body tells.
     "child_checkpoints": (
-        "SELECT id, " + _WHOLE + " FROM checkpoints WHERE session_id = ?1 "
+        "SELECT id, " + _WHOLE_N + " FROM checkpoints "
+        f"WHERE session_n = {_SESSION_N.format('?1')} "
         "AND (parent_id = ?2 OR parent_id IS NULL) ORDER BY hlc, id"
     ),
-    "get_event": "SELECT id, " + _WHOLE + " FROM events WHERE id = ?",
+    "get_event": "SELECT id, " + _WHOLE_N + " FROM events WHERE id = ?",
     # ?2: the last sequence number looked at (``_LAST_SEQUENCE``: the whole log).
     "event_head": (
-        "SELECT id, " + _WHOLE + " FROM events WHERE session_id = ?1 AND sequence_number <= ?2 "
+        "SELECT id, " + _WHOLE_N + " FROM events "
+        f"WHERE session_n = {_SESSION_N.format('?1')} AND sequence_number <= ?2 "
         "ORDER BY sequence_number DESC, id DESC LIMIT 1"
     ),
     # The log's size up to ?2 beside its last event there, in one statement.
     "hydration_key": (
-        "SELECT (SELECT count(*) FROM events WHERE session_id = ?1 AND sequence_number <= ?2), "
-        "id, " + _WHOLE + " FROM events WHERE session_id = ?1 AND sequence_number <= ?2 "
+        "SELECT (SELECT count(*) FROM events "
+        f"WHERE session_n = {_SESSION_N.format('?1')} AND sequence_number <= ?2), "
+        "id, " + _WHOLE_N + " FROM events "
+        f"WHERE session_n = {_SESSION_N.format('?1')} AND sequence_number <= ?2 "
         "ORDER BY sequence_number DESC, id DESC LIMIT 1"
     ),
     "kept_hydration": (
@@ -552,12 +615,14 @@ QUERIES: Final[dict[str, str]] = {
         "WHERE session_id = ?"
     ),
     "list_events": (  # LIMIT -1: all of them
-        "SELECT id, " + _WHOLE + " FROM events WHERE session_id = ? AND sequence_number >= ? "
-        "ORDER BY sequence_number, id LIMIT ?"
+        "SELECT id, " + _WHOLE_N + " FROM events "
+        f"WHERE session_n = {_SESSION_N.format('?1')} AND sequence_number >= ?2 "
+        "ORDER BY sequence_number, id LIMIT ?3"
     ),
     # ?3: a JSON array of types; a row without its type (written before schema 3) is read.
     "list_events_of_types": (
-        "SELECT id, " + _WHOLE + " FROM events WHERE session_id = ?1 AND sequence_number >= ?2 "
+        "SELECT id, " + _WHOLE_N + " FROM events "
+        f"WHERE session_n = {_SESSION_N.format('?1')} AND sequence_number >= ?2 "
         "AND (type IS NULL OR type IN (SELECT value FROM json_each(?3))) "
         "ORDER BY sequence_number, id"
     ),
@@ -1210,11 +1275,12 @@ _PURGE_SESSION = (
     f"({_KIND_CODE['Message']}, {_KIND_CODE['Checkpoint']}, {_KIND_CODE['ArtifactUpdate']}) "
     "AND record_id IN ("
     f"SELECT id FROM messages WHERE session_id = ?1 AND id {_KEEP} "
-    f"UNION ALL SELECT id FROM checkpoints WHERE session_id = ?1 AND id {_KEEP} "
+    f"UNION ALL SELECT id FROM checkpoints WHERE session_n = {_SESSION_N.format('?1')} "
+    f"AND id {_KEEP} "
     "UNION ALL SELECT id FROM artifact_updates WHERE session_id = ?1 "
     f"AND artifact_id {_KEEP})",
     f"DELETE FROM messages WHERE session_id = ?1 AND id {_KEEP}",
-    f"DELETE FROM checkpoints WHERE session_id = ?1 AND id {_KEEP}",
+    f"DELETE FROM checkpoints WHERE session_n = {_SESSION_N.format('?1')} AND id {_KEEP}",
     f"DELETE FROM artifact_updates WHERE session_id = ?1 AND artifact_id {_KEEP}",
 )
 
@@ -1287,7 +1353,12 @@ def _write_batch_now(
     for session_id in batch.purge_sessions:
         for statement in _PURGE_SESSION:
             raw.execute(statement, (_key(session_id), keep))
-    for sql, rows in [*groups.items(), *queued_groups.items()]:
+    written = [*groups.items(), *queued_groups.items()]
+    numbered = [rows for sql, rows in written if sql in _IN_SESSION]
+    if numbered:  # (before the rows that name their session by its number)
+        sessions = dict.fromkeys(row[1] for rows in numbered for row in rows)
+        raw.executemany(_NUMBER_SESSION, [(key,) for key in sessions])
+    for sql, rows in written:
         if sql is _PUT_SESSION:
             _put_sessions(raw, rows)
         else:
@@ -1407,7 +1478,11 @@ def _mark_canonical(
     (``compact.canonical_body``), or decoded, replaced and encoded when its form is another."""
     rows = _select_in(
         raw,
-        "SELECT id, " + _WHOLE + ", session_id FROM events WHERE id IN ({keys})",
+        "SELECT id, "
+        + _WHOLE_N
+        + ", "
+        + _SESSION_OF.format("session_n")
+        + " FROM events WHERE id IN ({keys})",
         _keys(event_ids),
     )
     updates = []
