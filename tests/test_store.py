@@ -1597,6 +1597,37 @@ async def test_a_schema_11_file_opens_at_12_its_log_and_checkpoints_by_session_n
         conn.close()
 
 
+async def test_a_migration_that_copies_tables_gives_their_pages_back(db_path: Path) -> None:
+    """Schema 12 copies the events and checkpoints into new tables: the old ones' pages, free
+    after it, go back to the OS as the file opens (``auto_vacuum`` incremental), so a
+    migrated file is not larger than it was."""
+    session = make_session()
+    log = [make_event(session_id=session.id, sequence_number=n) for n in range(1, 2501)]
+    async with SQLiteAdapter(db_path) as store:
+        await commit(store, session, *log)
+        await store.outbox_remove(list(range(1, len(log) + 2)))
+    conn = raw(db_path)
+    try:
+        _as_schema_11(conn)
+        conn.execute("VACUUM")  # (what the steps above freed: as a schema 11 file was)
+        assert _free_pages(conn) == 0
+    finally:
+        conn.close()
+    before = db_path.stat().st_size
+    async with SQLiteAdapter(db_path) as store:
+        assert await store.list_events(session.id) == log
+    conn = raw(db_path)
+    try:
+        assert _free_pages(conn) < sqlite_module.RECLAIM_PAGES
+        assert conn.execute("PRAGMA page_count").fetchone()[0] * 4096 <= before
+    finally:
+        conn.close()
+
+
+def _free_pages(conn: sqlite3.Connection) -> int:
+    return int(conn.execute("PRAGMA freelist_count").fetchone()[0])
+
+
 async def _outbox_bodies(store: SQLiteAdapter) -> list[bytes]:
     """The bodies the flush reads for the whole outbox (``outbox_pending``'s query)."""
     rows = await store._conn.execute_fetchall(QUERIES["outbox_pending"], (0, -1))  # type: ignore[union-attr]

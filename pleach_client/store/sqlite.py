@@ -1161,6 +1161,9 @@ def _prepare_now(raw: sqlite3.Connection, path: str, synchronous: str, busy_ms: 
     if _check_version(raw, path) < SCHEMA_VERSION:
         # Read again under the write lock: another process may have migrated.
         _atomically(raw, _migrate_now, path)
+        reclaims = int(raw.execute("PRAGMA auto_vacuum").fetchone()[0]) == 2
+        if reclaims and _free_pages(raw) >= RECLAIM_PAGES:
+            _reclaim(raw)  # (a step that copied tables, as 12 did, freed the old ones' pages)
     return int(raw.execute("PRAGMA auto_vacuum").fetchone()[0]) == 2
 
 
@@ -1254,15 +1257,25 @@ def _delete_queued_and_reclaim(raw: sqlite3.Connection, client_seqs: list[int]) 
     them back in a transaction of its own (best effort: the removal stands whatever happens
     to it). Returns the pages given back."""
     _atomically(raw, _delete_queued, client_seqs)
-    free = int(raw.execute("PRAGMA freelist_count").fetchone()[0])
-    if free < RECLAIM_PAGES:
+    if _free_pages(raw) < RECLAIM_PAGES:
         return 0
+    return _reclaim(raw)
+
+
+def _free_pages(raw: sqlite3.Connection) -> int:
+    return int(raw.execute("PRAGMA freelist_count").fetchone()[0])
+
+
+def _reclaim(raw: sqlite3.Connection) -> int:
+    """The file's free pages given back to the OS, in a transaction of its own (best effort:
+    0 when another process holds the write lock, and they go next time); how many."""
+    free = _free_pages(raw)
     try:
         # executescript steps the pragma to its end (execute would free one page per call).
         raw.executescript("PRAGMA incremental_vacuum")
-    except sqlite3.Error:  # another process holds the write lock: next time
+    except sqlite3.Error:
         return 0
-    return free - int(raw.execute("PRAGMA freelist_count").fetchone()[0])
+    return free - _free_pages(raw)
 
 
 # ?1: the session id; ?2: a JSON array of ids to keep (what a live fork refers to).
