@@ -31,7 +31,7 @@ from pleach_client.store.sqlite import QUERIES, SCHEMA_VERSION  # noqa: E402
 from shared import compact  # noqa: E402
 from shared.errors import InvalidState, StorageError  # noqa: E402
 from shared.ids import uuid7  # noqa: E402
-from shared.records import Event, Record, SessionState, encode_record  # noqa: E402
+from shared.records import AuditRow, Event, Record, SessionState, encode_record  # noqa: E402
 from tests.factories import (  # noqa: E402
     CLIENT,
     count_hops,
@@ -873,6 +873,7 @@ KEY_COLUMNS: dict[str, tuple[str, ...]] = {
     "checkpoints": ("id", "session_id", "parent_id"),  # (session_id: before schema 12)
     "events": ("id", "session_id"),
     "session_keys": ("id",),  # (since schema 12)
+    "client_keys": ("id",),
     "audit": ("id", "client_id", "session_id"),
     "artifact_updates": ("id", "artifact_id", "session_id"),
     "outbox": ("record_id",),
@@ -946,7 +947,20 @@ _TABLES_11: Final = """
     DROP TABLE checkpoints;
     ALTER TABLE checkpoints_11 RENAME TO checkpoints;
     CREATE INDEX ix_checkpoints_session ON checkpoints (session_id, hlc, id);
+    CREATE TABLE audit_11 (
+        id TEXT PRIMARY KEY NOT NULL, client_id TEXT NOT NULL, session_id TEXT NOT NULL,
+        sequence_number INTEGER NOT NULL, subject_key TEXT, body BLOB NOT NULL);
+    INSERT INTO audit_11 (rowid, id, client_id, session_id, sequence_number, subject_key, body)
+        SELECT a.rowid, a.id, c.id, k.id, a.sequence_number, a.subject_key, a.body
+        FROM audit a JOIN client_keys c ON c.n = a.client_n
+        JOIN session_keys k ON k.n = a.session_n;
+    DROP TABLE audit;
+    ALTER TABLE audit_11 RENAME TO audit;
+    CREATE INDEX ix_audit_client ON audit (client_id, sequence_number, id);
+    CREATE INDEX ix_audit_session ON audit (session_id, client_id, sequence_number, id);
+    CREATE INDEX ix_audit_subject ON audit (subject_key) WHERE subject_key IS NOT NULL;
     DROP TABLE session_keys;
+    DROP TABLE client_keys;
     PRAGMA user_version = 11;
 """
 
@@ -1543,20 +1557,32 @@ async def test_a_schema_11_file_opens_at_12_its_log_and_checkpoints_by_session_n
     db_path: Path,
 ) -> None:
     """A file of schema 11 (events and checkpoints in tables by rowid naming their session by
-    its key, with an index by session) opens at 12: each session whose events or checkpoints
-    the file holds is numbered once, the two tables are keyed by session number and place,
-    every record, log and checkpoint list reads as before, in the outbox's bytes too, and
-    rows written after, in a session numbered then and in one numbered by the migration,
-    read back beside them in their order."""
+    its key, with an index by session; audit rows naming their session and device by key)
+    opens at 12: each session whose events, checkpoints or audit rows the file holds is
+    numbered once, and each device with audit rows; events and checkpoints are keyed by
+    session number and place; every record, log, checkpoint list and audit list reads as
+    before, in the outbox's bytes too, and rows written after, in a session numbered then and
+    in one numbered by the migration, read back beside them in their order."""
     history = _a_history()
     session, other = history[0], next(r for r in history if r.id == "a-session-named-by-hand")
     history += [make_event(session_id=session.id, sequence_number=n) for n in (2, 1, 3)]
+    history += [
+        make_audit(session_id=session.id, client_id=device, sequence_number=n)
+        for device in ("phone", "3f6c2a58-1b1e-4e6f-9d4a-3c2e1f0a9b8c", "laptop")
+        for n in (1, 2)
+    ]
     async with SQLiteAdapter(db_path) as store:
         await commit(store, *history)
         before = await store.outbox_pending()
         logs = {s: await store.list_events(s) for s in (session.id, other.id)}
         checkpoints = await store.list_checkpoints(session.id)
         bodies = await _outbox_bodies(store)
+        audit = {
+            "all": await store.list_audit(),
+            "session": await store.list_audit(session_id=session.id),
+            "device": await store.list_audit(client_id="phone"),
+            "both": await store.list_audit(session_id=session.id, client_id="laptop"),
+        }
     conn = raw(db_path)
     try:
         _as_schema_11(conn)
@@ -1572,12 +1598,23 @@ async def test_a_schema_11_file_opens_at_12_its_log_and_checkpoints_by_session_n
         new_session,
         make_event(session_id=new_session.id, sequence_number=1),
         make_checkpoint(session_id=new_session.id),
+        make_audit(session_id=new_session.id, client_id="phone", sequence_number=3),
+        make_audit(session_id=session.id, client_id="desktop", sequence_number=1),
     ]
     async with SQLiteAdapter(db_path) as store:
         assert {s: await store.list_events(s) for s in logs} == logs
         assert await store.list_checkpoints(session.id) == checkpoints
         assert [bytes(b) for b in await _outbox_bodies(store)] == [bytes(b) for b in bodies]
+        assert await store.list_audit() == audit["all"]
+        assert await store.list_audit(session_id=session.id) == audit["session"]
+        assert await store.list_audit(client_id="phone") == audit["device"]
+        both = await store.list_audit(session_id=session.id, client_id="laptop")
+        assert both == audit["both"] and len(both) == 2
         await _migrated_then_written(store, history, before, later)
+        assert await store.list_audit(client_id="phone") == [*audit["device"], later[5]]
+        rows = await store.list_audit()
+        assert rows == sorted(rows, key=lambda r: (r.client_id, r.sequence_number, r.id))
+        assert len(rows) == len(audit["all"]) + 2
         assert await store.list_events(session.id) == [*logs[session.id], later[0]]
         assert await store.list_checkpoints(session.id) == [*checkpoints, later[1]]
         assert await store.list_events(new_session.id) == [later[3]]
@@ -1587,10 +1624,13 @@ async def test_a_schema_11_file_opens_at_12_its_log_and_checkpoints_by_session_n
         numbered = dict(conn.execute("SELECT id, n FROM session_keys"))
         assert set(numbered) == {key(session.id), key(other.id), key(new_session.id)}
         for table in sqlite_module._NUMBERED:
-            sql = conn.execute(f"SELECT sql FROM sqlite_master WHERE name = '{table}'")
-            assert sql.fetchone()[0].endswith("WITHOUT ROWID")
             held = {n for (n,) in conn.execute(f"SELECT DISTINCT session_n FROM {table}")}
             assert held <= set(numbered.values())
+        for table in ("events", "checkpoints"):
+            sql = conn.execute(f"SELECT sql FROM sqlite_master WHERE name = '{table}'")
+            assert sql.fetchone()[0].endswith("WITHOUT ROWID")
+        devices = {unkey(k) for (k,) in conn.execute("SELECT id FROM client_keys")}
+        assert devices == {r.client_id for r in [*history, *later] if isinstance(r, AuditRow)}
         indexes = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
         assert not {"ix_events_session", "ix_checkpoints_session"} & indexes
     finally:

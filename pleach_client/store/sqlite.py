@@ -272,14 +272,22 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     # the table is its own index by session. Each was a table by rowid with an index by id
     # and another by session, and the table and both indexes held the session's 16-byte id
     # again for every row. The index by id stays (``UNIQUE``: a lookup, an upsert's target,
-    # the outbox's join). An event's ``hlc`` column, '' since schema 4, is gone. Bodies do
-    # not change; a read puts the session's id back from its number (``_whole_body``).
+    # the outbox's join). An event's ``hlc`` column, '' since schema 4, is gone. An audit
+    # row names its session so too, and its device by a number of its own (``client_keys``),
+    # in its row and its indexes, where each held the id (a device's as its text when it is
+    # no UUID); its table stays by rowid (a ``WITHOUT ROWID`` one keyed by device and place
+    # made its index by subject hold that key: larger). Bodies do not change; a read puts
+    # the session's id back from its number (``_whole_body``).
     (
         """CREATE TABLE session_keys (
             n INTEGER PRIMARY KEY,
             id TEXT NOT NULL UNIQUE)""",
-        "INSERT INTO session_keys (id) "
-        "SELECT session_id FROM events UNION SELECT session_id FROM checkpoints",
+        "INSERT INTO session_keys (id) SELECT session_id FROM events "
+        "UNION SELECT session_id FROM checkpoints UNION SELECT session_id FROM audit",
+        """CREATE TABLE client_keys (
+            n INTEGER PRIMARY KEY,
+            id TEXT NOT NULL UNIQUE)""",
+        "INSERT INTO client_keys (id) SELECT DISTINCT client_id FROM audit ORDER BY client_id",
         """CREATE TABLE events_12 (
             id TEXT NOT NULL UNIQUE,
             session_n INTEGER NOT NULL,
@@ -304,6 +312,22 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         "JOIN session_keys k ON k.id = c.session_id ORDER BY k.n, c.hlc, c.id",
         "DROP TABLE checkpoints",
         "ALTER TABLE checkpoints_12 RENAME TO checkpoints",
+        """CREATE TABLE audit_12 (
+            id TEXT PRIMARY KEY NOT NULL,
+            client_n INTEGER NOT NULL,
+            session_n INTEGER NOT NULL,
+            sequence_number INTEGER NOT NULL,
+            subject_key TEXT,
+            body BLOB NOT NULL)""",
+        "INSERT INTO audit_12 (rowid, id, client_n, session_n, sequence_number, subject_key, "
+        "body) SELECT a.rowid, a.id, c.n, k.n, a.sequence_number, a.subject_key, a.body "
+        "FROM audit a JOIN client_keys c ON c.id = a.client_id "
+        "JOIN session_keys k ON k.id = a.session_id ORDER BY a.rowid",
+        "DROP TABLE audit",
+        "ALTER TABLE audit_12 RENAME TO audit",
+        "CREATE INDEX ix_audit_client ON audit (client_n, sequence_number, id)",
+        "CREATE INDEX ix_audit_session ON audit (session_n, client_n, sequence_number, id)",
+        "CREATE INDEX ix_audit_subject ON audit (subject_key) WHERE subject_key IS NOT NULL",
     ),
 )
 SCHEMA_VERSION: Final = len(_MIGRATIONS)
@@ -450,6 +474,10 @@ _SESSION_N: Final = "(SELECT n FROM session_keys WHERE id = {})"
 """SQL: the number of the session whose key is ``{}`` (schema 12: events and checkpoints name
 their session so; ``_NUMBER_SESSION`` gives it one as the first of them is written)."""
 _NUMBER_SESSION = "INSERT INTO session_keys (id) VALUES (?) ON CONFLICT (id) DO NOTHING"
+_CLIENT_N: Final = "(SELECT n FROM client_keys WHERE id = {})"
+"""SQL: the number of the device whose key is ``{}`` (schema 12: an audit row names its device
+so; ``_NUMBER_CLIENT`` gives it one as its first audit row is written)."""
+_NUMBER_CLIENT = "INSERT INTO client_keys (id) VALUES (?) ON CONFLICT (id) DO NOTHING"
 _PUT_CHECKPOINT = (
     "INSERT INTO checkpoints (id, session_n, hlc, parent_id, body) "
     f"VALUES (?1, {_SESSION_N.format('?2')}, ?3, ?4, ?5) ON CONFLICT (id) DO NOTHING"
@@ -461,13 +489,14 @@ _PUT_EVENT = (
     "sequence_number = excluded.sequence_number, type = excluded.type, body = excluded.body"
 )
 _PUT_AUDIT = (
-    "INSERT INTO audit (id, client_id, session_id, sequence_number, subject_key, body) "
-    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING"
+    "INSERT INTO audit (id, client_n, session_n, sequence_number, subject_key, body) "
+    f"VALUES (?1, {_CLIENT_N.format('?2')}, {_SESSION_N.format('?3')}, ?4, ?5, ?6) "
+    "ON CONFLICT (id) DO NOTHING"
 )
 _SESSION_AT: Final = {_PUT_MESSAGE: 1, _PUT_CHECKPOINT: 1, _PUT_EVENT: 1, _PUT_AUDIT: 2}
-_IN_SESSION: Final = (_PUT_CHECKPOINT, _PUT_EVENT)
-"""The inserts whose rows name their session by its number (``_NUMBER_SESSION`` first), from
-the session's key at 1."""
+_IN_SESSION: Final = {_PUT_CHECKPOINT: 1, _PUT_EVENT: 1, _PUT_AUDIT: 2}
+"""The inserts whose rows name their session by its number (``_NUMBER_SESSION`` first), and
+where the session's key is in the row (audit rows: their device's at 1, ``_NUMBER_CLIENT``)."""
 """The inserts whose bodies are written short (``_shortened``: each row begins with its key and
 ends with its body) and where their session's key is in the row."""
 _PUT_ARTIFACT = (
@@ -530,7 +559,7 @@ _WHOLE: Final = _whole_body()
 """SQL: a row's body as its record was written (``_whole_body``)."""
 _WHOLE_N: Final = _whole_body(numbered=True)
 """SQL: ``_WHOLE`` of a row of events or checkpoints."""
-_NUMBERED: Final = ("checkpoints", "events")
+_NUMBERED: Final = ("checkpoints", "events", "audit")
 """The tables whose rows name their session by number (schema 12)."""
 
 # The outbox refers to every record by kind and id (``body`` is NULL); the flush reads the
@@ -575,7 +604,7 @@ QUERIES: Final[dict[str, str]] = {
     # (A transcript's bodies as stored, beside their session's key: ``_messages_in_order``
     # reads a short one as it is, ``compact.decode_short``.)
     "get_messages": "SELECT id, body, session_id FROM messages WHERE id IN ({keys})",
-    "audit_rows": "SELECT id, " + _WHOLE + " FROM audit WHERE id IN ({keys})",
+    "audit_rows": "SELECT id, " + _WHOLE_N + " FROM audit WHERE id IN ({keys})",
     "get_checkpoint": "SELECT id, " + _WHOLE_N + " FROM checkpoints WHERE id = ?",
     "held_messages": "SELECT id FROM messages WHERE id IN ({keys})",
     # A long transcript's rows as one span of the table (``_select_messages``): the rowids
@@ -626,19 +655,22 @@ QUERIES: Final[dict[str, str]] = {
         "AND (type IS NULL OR type IN (SELECT value FROM json_each(?3))) "
         "ORDER BY sequence_number, id"
     ),
-    "list_audit": "SELECT id, " + _WHOLE + " FROM audit ORDER BY client_id, sequence_number, id",
+    # (Each as the rows are kept; ``list_audit`` orders them by their ids' text.)
+    "list_audit": ("SELECT id, " + _WHOLE_N + " FROM audit ORDER BY client_n, sequence_number, id"),
     "list_audit_session": (
-        "SELECT id, " + _WHOLE + " FROM audit WHERE session_id = ? "
-        "ORDER BY client_id, sequence_number, id"
+        "SELECT id, " + _WHOLE_N + " FROM audit "
+        f"WHERE session_n = {_SESSION_N.format('?1')} ORDER BY client_n, sequence_number, id"
     ),
     "list_audit_client": (
-        "SELECT id, " + _WHOLE + " FROM audit WHERE client_id = ? ORDER BY sequence_number, id"
+        "SELECT id, " + _WHOLE_N + " FROM audit "
+        f"WHERE client_n = {_CLIENT_N.format('?1')} ORDER BY sequence_number, id"
     ),
     "list_audit_both": (
-        "SELECT id, " + _WHOLE + " FROM audit WHERE session_id = ? AND client_id = ? "
-        "ORDER BY sequence_number, id"
+        "SELECT id, " + _WHOLE_N + " FROM audit "
+        f"WHERE session_n = {_SESSION_N.format('?1')} "
+        f"AND client_n = {_CLIENT_N.format('?2')} ORDER BY sequence_number, id"
     ),
-    "audit_subject": "SELECT id, " + _WHOLE + " FROM audit WHERE subject_key = ?",
+    "audit_subject": "SELECT id, " + _WHOLE_N + " FROM audit WHERE subject_key = ?",
     "list_artifact_updates": (
         "SELECT id, body FROM artifact_updates WHERE artifact_id = ? ORDER BY hlc, id"
     ),
@@ -685,6 +717,8 @@ class _Body(Generic[_T]):
         return record  # type: ignore[return-value]
 
 
+_AUDIT_ORDER: Final = operator.attrgetter("client_id", "sequence_number", "id")
+"""``list_audit``'s order (the memory store's)."""
 _SESSION: _Body[Session] = _Body(Session)
 _MESSAGE: _Body[Message] = _Body(Message)
 _CHECKPOINT: _Body[Checkpoint] = _Body(Checkpoint)
@@ -1367,10 +1401,13 @@ def _write_batch_now(
         for statement in _PURGE_SESSION:
             raw.execute(statement, (_key(session_id), keep))
     written = [*groups.items(), *queued_groups.items()]
-    numbered = [rows for sql, rows in written if sql in _IN_SESSION]
-    if numbered:  # (before the rows that name their session by its number)
-        sessions = dict.fromkeys(row[1] for rows in numbered for row in rows)
+    numbered = [(rows, _IN_SESSION[sql]) for sql, rows in written if sql in _IN_SESSION]
+    if numbered:  # (before the rows that name their session, or device, by its number)
+        sessions = dict.fromkeys(row[at] for rows, at in numbered for row in rows)
         raw.executemany(_NUMBER_SESSION, [(key,) for key in sessions])
+        audit = [(row[1],) for sql, rows in written if sql is _PUT_AUDIT for row in rows]
+        if audit:
+            raw.executemany(_NUMBER_CLIENT, audit)
     for sql, rows in written:
         if sql is _PUT_SESSION:
             _put_sessions(raw, rows)
@@ -1381,8 +1418,11 @@ def _write_batch_now(
         for statement in _PURGE_CHECKPOINTS:
             raw.executemany(statement, purge)
     if batch.rechained_audit:
+        clients = dict.fromkeys(_key(row.client_id) for row in batch.rechained_audit)
+        raw.executemany(_NUMBER_CLIENT, [(key,) for key in clients])
         raw.executemany(
-            "UPDATE audit SET client_id = ?, sequence_number = ?, body = ? WHERE id = ?",
+            f"UPDATE audit SET client_n = {_CLIENT_N.format('?1')}, sequence_number = ?2, "
+            "body = ?3 WHERE id = ?4",
             [
                 (_key(row.client_id), row.sequence_number, compact.encode(row), _key(row.id))
                 for row in batch.rechained_audit
@@ -2168,15 +2208,20 @@ class SQLiteAdapter(AsyncResource):
     async def list_audit(
         self, *, session_id: str | None = None, client_id: str | None = None
     ) -> list[AuditRow]:
-        """Audit rows ordered by (client_id, sequence_number, id)."""
+        """Audit rows ordered by (client_id, sequence_number, id), each id as its text. The
+        file keeps them by device number (schema 12), each device's in its order: sorted
+        here (runs already in order: one pass)."""
         if session_id is not None and client_id is not None:
             both = (_key(session_id), _key(client_id))
-            return await self._many(_AUDIT, "audit", "list_audit_both", both)
-        if session_id is not None:
-            return await self._many(_AUDIT, "audit", "list_audit_session", (_key(session_id),))
-        if client_id is not None:
-            return await self._many(_AUDIT, "audit", "list_audit_client", (_key(client_id),))
-        return await self._many(_AUDIT, "audit", "list_audit", ())
+            rows = await self._many(_AUDIT, "audit", "list_audit_both", both)
+        elif session_id is not None:
+            rows = await self._many(_AUDIT, "audit", "list_audit_session", (_key(session_id),))
+        elif client_id is not None:
+            rows = await self._many(_AUDIT, "audit", "list_audit_client", (_key(client_id),))
+        else:
+            rows = await self._many(_AUDIT, "audit", "list_audit", ())
+        rows.sort(key=_AUDIT_ORDER)
+        return rows
 
     async def list_artifact_updates(self, artifact_id: str) -> list[ArtifactUpdate]:
         """Updates of one artifact by hlc, then id (any order merges to the same document)."""
