@@ -471,8 +471,9 @@ _PUT_MESSAGE = (
     "ON CONFLICT (id) DO NOTHING"
 )
 _SESSION_N: Final = "(SELECT n FROM session_keys WHERE id = {})"
-"""SQL: the number of the session whose key is ``{}`` (schema 12: events and checkpoints name
-their session so; ``_NUMBER_SESSION`` gives it one as the first of them is written)."""
+"""SQL: the number of the session whose key is ``{}`` (schema 12: events, checkpoints and audit
+rows name their session so; ``_NUMBER_SESSION`` gives it one as the first of them is
+written)."""
 _NUMBER_SESSION = "INSERT INTO session_keys (id) VALUES (?) ON CONFLICT (id) DO NOTHING"
 _CLIENT_N: Final = "(SELECT n FROM client_keys WHERE id = {})"
 """SQL: the number of the device whose key is ``{}`` (schema 12: an audit row names its device
@@ -494,11 +495,11 @@ _PUT_AUDIT = (
     "ON CONFLICT (id) DO NOTHING"
 )
 _SESSION_AT: Final = {_PUT_MESSAGE: 1, _PUT_CHECKPOINT: 1, _PUT_EVENT: 1, _PUT_AUDIT: 2}
-_IN_SESSION: Final = {_PUT_CHECKPOINT: 1, _PUT_EVENT: 1, _PUT_AUDIT: 2}
-"""The inserts whose rows name their session by its number (``_NUMBER_SESSION`` first), and
-where the session's key is in the row (audit rows: their device's at 1, ``_NUMBER_CLIENT``)."""
 """The inserts whose bodies are written short (``_shortened``: each row begins with its key and
 ends with its body) and where their session's key is in the row."""
+_IN_SESSION: Final = {sql: at for sql, at in _SESSION_AT.items() if sql is not _PUT_MESSAGE}
+"""The inserts whose rows name their session by its number (``_NUMBER_SESSION`` first), and
+where the session's key is in the row (audit rows: their device's at 1, ``_NUMBER_CLIENT``)."""
 _PUT_ARTIFACT = (
     "INSERT INTO artifact_updates (id, artifact_id, session_id, hlc, body) "
     "VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING"
@@ -544,8 +545,8 @@ _FILE_TENANT = "SELECT packed, node FROM tenant WHERE one = 1"
 def _whole_body(table: str = "", *, numbered: bool = False) -> str:
     """SQL: a stored body of messages, checkpoints, events or audit rows (``table``: its alias,
     if any) as the record was written (``compact.whole_body_sql`` over the row's columns).
-    ``numbered``: a row of events or checkpoints, which names its session by number (schema
-    12), its id read back from ``session_keys``."""
+    ``numbered``: a row of events, checkpoints or audit rows, which names its session by
+    number (schema 12), its id read back from ``session_keys``."""
     at = f"{table}." if table else ""
     tenant = "(SELECT packed FROM tenant WHERE one = 1)"  # (one row: read once a statement)
     node = "(SELECT node FROM tenant WHERE one = 1)"
@@ -558,7 +559,7 @@ _SESSION_OF: Final = "(SELECT id FROM session_keys WHERE n = {})"
 _WHOLE: Final = _whole_body()
 """SQL: a row's body as its record was written (``_whole_body``)."""
 _WHOLE_N: Final = _whole_body(numbered=True)
-"""SQL: ``_WHOLE`` of a row of events or checkpoints."""
+"""SQL: ``_WHOLE`` of a row of events, checkpoints or audit rows (``_NUMBERED``)."""
 _NUMBERED: Final = ("checkpoints", "events", "audit")
 """The tables whose rows name their session by number (schema 12)."""
 
@@ -1405,9 +1406,10 @@ def _write_batch_now(
     if numbered:  # (before the rows that name their session, or device, by its number)
         sessions = dict.fromkeys(row[at] for rows, at in numbered for row in rows)
         raw.executemany(_NUMBER_SESSION, [(key,) for key in sessions])
-        audit = [(row[1],) for sql, rows in written if sql is _PUT_AUDIT for row in rows]
-        if audit:
-            raw.executemany(_NUMBER_CLIENT, audit)
+        audit = [rows for sql, rows in written if sql is _PUT_AUDIT]
+        clients = dict.fromkeys(row[1] for rows in audit for row in rows)
+        if clients:
+            raw.executemany(_NUMBER_CLIENT, [(key,) for key in clients])
     for sql, rows in written:
         if sql is _PUT_SESSION:
             _put_sessions(raw, rows)
@@ -2208,9 +2210,9 @@ class SQLiteAdapter(AsyncResource):
     async def list_audit(
         self, *, session_id: str | None = None, client_id: str | None = None
     ) -> list[AuditRow]:
-        """Audit rows ordered by (client_id, sequence_number, id), each id as its text. The
-        file keeps them by device number (schema 12), each device's in its order: sorted
-        here (runs already in order: one pass)."""
+        """Audit rows ordered by (client_id, sequence_number, id), each id as its text (the
+        memory store's order). The file reads them by device number (schema 12), each
+        device's rows a run in order, which the sort here merges."""
         if session_id is not None and client_id is not None:
             both = (_key(session_id), _key(client_id))
             rows = await self._many(_AUDIT, "audit", "list_audit_both", both)
