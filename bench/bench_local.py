@@ -41,15 +41,12 @@ from pleach_client.store.base import CommitReceipt, Plan, StorageAdapter, TxRead
 from pleach_client.store.memory import MemoryAdapter
 from pleach_client.store.sqlite import (
     _ENQUEUE,
-    _IN_SESSION,
-    _NUMBER_CLIENT,
-    _NUMBER_SESSION,
-    _PUT_AUDIT,
     _PUT_ID_BLOCK,
     _PUT_META,
     _PUT_SESSION,
     SQLiteAdapter,
     _encode_batch,
+    _numbers_for,
     create_schema,
     id_blocks,
 )
@@ -251,14 +248,8 @@ def raw_rows(batches: Sequence[WriteBatch]) -> list[RawTurn]:
         groups, outbox = _encode_batch(batch.records)
         if _PUT_SESSION in groups:
             groups = {**groups, **_session_rows(groups.pop(_PUT_SESSION), held)}
-        numbered = [row[at] for sql, at in _IN_SESSION.items() for row in groups.get(sql, ())]
-        if numbered:  # (schema 12: the session's number, and an audit row's device's, first)
-            clients = [(row[1],) for row in groups.get(_PUT_AUDIT, ())]
-            groups = {
-                _NUMBER_SESSION: [(key,) for key in dict.fromkeys(numbered)],
-                **({_NUMBER_CLIENT: clients} if clients else {}),
-                **groups,
-            }
+        # (schema 12: the sessions' and devices' numbers first, as the store writes them)
+        groups = {**dict(_numbers_for(list(groups.items()))), **groups}
         enqueue = []
         for record_id, kind, body in outbox:
             seq += 1

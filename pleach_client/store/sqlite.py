@@ -1193,13 +1193,13 @@ def _prepare_now(raw: sqlite3.Connection, path: str, synchronous: str, busy_ms: 
     raw.execute("PRAGMA journal_mode = WAL")
     raw.execute(f"PRAGMA synchronous = {synchronous}")
     raw.execute(f"PRAGMA wal_autocheckpoint = {AUTOCHECKPOINT_PAGES}")
-    if _check_version(raw, path) < SCHEMA_VERSION:
-        # Read again under the write lock: another process may have migrated.
+    migrated = _check_version(raw, path) < SCHEMA_VERSION
+    if migrated:  # (read again under the write lock: another process may have migrated)
         _atomically(raw, _migrate_now, path)
-        reclaims = int(raw.execute("PRAGMA auto_vacuum").fetchone()[0]) == 2
-        if reclaims and _free_pages(raw) >= RECLAIM_PAGES:
-            _reclaim(raw)  # (a step that copied tables, as 12 did, freed the old ones' pages)
-    return int(raw.execute("PRAGMA auto_vacuum").fetchone()[0]) == 2
+    reclaims = int(raw.execute("PRAGMA auto_vacuum").fetchone()[0]) == 2
+    if migrated and reclaims and _free_pages(raw) >= RECLAIM_PAGES:
+        _reclaim(raw)  # (a step that copied tables, as 12 did, freed the old ones' pages)
+    return reclaims
 
 
 def _migrate_now(raw: sqlite3.Connection, path: str) -> None:
@@ -1402,14 +1402,8 @@ def _write_batch_now(
         for statement in _PURGE_SESSION:
             raw.execute(statement, (_key(session_id), keep))
     written = [*groups.items(), *queued_groups.items()]
-    numbered = [(rows, _IN_SESSION[sql]) for sql, rows in written if sql in _IN_SESSION]
-    if numbered:  # (before the rows that name their session, or device, by its number)
-        sessions = dict.fromkeys(row[at] for rows, at in numbered for row in rows)
-        raw.executemany(_NUMBER_SESSION, [(key,) for key in sessions])
-        audit = [rows for sql, rows in written if sql is _PUT_AUDIT]
-        clients = dict.fromkeys(row[1] for rows in audit for row in rows)
-        if clients:
-            raw.executemany(_NUMBER_CLIENT, [(key,) for key in clients])
+    for sql, rows in _numbers_for(written):  # (before the rows that name them)
+        raw.executemany(sql, rows)
     for sql, rows in written:
         if sql is _PUT_SESSION:
             _put_sessions(raw, rows)
@@ -1453,6 +1447,24 @@ def _write_batch_now(
     if commit:
         raw.execute("COMMIT")
     return CommitReceipt(client_seqs=seqs, records=len(batch.records) + len(batch.queued))
+
+
+def _numbers_for(
+    written: Sequence[tuple[str, list[tuple[Any, ...]]]],
+) -> list[tuple[str, list[tuple[Any, ...]]]]:
+    """The statements that number the sessions, and the audit rows' devices, that the rows of
+    ``written`` (insert statements with their rows) name by number (schema 12), each key
+    once: to run before them (``_write_batch_now``; a benchmark's floor writes them too)."""
+    sessions: dict[Any, None] = {}
+    clients: dict[Any, None] = {}
+    for sql, rows in written:
+        at = _IN_SESSION.get(sql)
+        if at is not None:
+            sessions.update(dict.fromkeys(row[at] for row in rows))
+        if sql is _PUT_AUDIT:
+            clients.update(dict.fromkeys(row[1] for row in rows))
+    numbers = [(_NUMBER_SESSION, [(key,) for key in sessions])] if sessions else []
+    return numbers + ([(_NUMBER_CLIENT, [(key,) for key in clients])] if clients else [])
 
 
 def _tenant_of(raw: sqlite3.Connection) -> tuple[bytes, bytes]:
