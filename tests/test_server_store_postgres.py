@@ -14,6 +14,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import hashlib
 import itertools
 import json
 import os
@@ -28,30 +29,37 @@ from pleach_server.store import ServerStore
 from pleach_server.store.apply import StoreTx
 from pleach_server.store.base import APART, PushResult, Tenant
 from pleach_server.store.postgres import (
+    _HASH_SQL,
     ANALYZE_AT,
     DEFAULT_KNOWN_BYTES,
     NOTIFY_CHANNEL,
     SCHEMA_VERSION,
     PostgresServerStore,
+    _pg_hash,
+    _pg_hash_text,
     _pg_id,
     _pg_key,
+    _short,
     analyze_due,
     migrate,
     redact_dsn,
     tenant_lock_key,
 )
+from shared import compact
 from shared.clock import HybridClock
-from shared.compact import KINDS
+from shared.compact import KINDS, SHORT
 from shared.errors import CursorTooOld, ErrorCode, InvalidState, StorageError, StorageUnavailable
 from shared.hashchain import chain_audit, verify_chain
 from shared.ids import uuid7
 from shared.records import (
     CASCADE_KINDS,
+    AuditRow,
     Change,
     Event,
     Message,
     Record,
     Session,
+    kind_of,
     record_kind,
 )
 from tests.server_factories import Device, new_tenant
@@ -404,7 +412,7 @@ def explain_queries(store: PostgresServerStore) -> dict[str, tuple[str, tuple[An
                 [],  # the events'
             ),
         ),
-        "drop_cursors": (sql.drop_cursors, ([10, 20],)),
+        "drop_cursors": (sql.drop_cursors, ("org-7", "user-7", [10, 20])),
         "compact": (sql.compact, ("org-1", "user-1", 100)),
         # a deleted session's content: the feed rows by the cursors its records kept
         "delete_feed": (
@@ -658,7 +666,7 @@ async def test_plans_do_not_depend_on_a_tenants_size() -> None:
                             "ORDER BY cursor DESC LIMIT 2",
                             *tenant,
                         )
-                        bound: tuple[Any, ...] = ([r[0] for r in newest],)
+                        bound: tuple[Any, ...] = (*tenant, [r[0] for r in newest])
                     elif query == store._sql.pull:  # the same page for both: 3 entries
                         bound = (*tenant, 0, 3, 1 << 20)
                     else:
@@ -1827,6 +1835,115 @@ async def test_keys_are_converted_alike_in_python_and_in_sql(pg_schema: str) -> 
     assert kinds == list(range(len(KINDS)))
 
 
+async def test_bodies_and_row_hashes_are_kept_alike_in_python_and_in_sql(pg_schema: str) -> None:
+    """``_short`` keeps a message's, a checkpoint's and an event's body without its row's ids
+    when both are UUIDs, and ``pleach_whole`` (every statement that reads a body) gives back
+    its bytes exactly; any other body (another kind, an id that is no UUID, a body already
+    whole) is kept and read as it is. ``_pg_hash`` (a push's rows) and migration 15's SQL
+    keep a row hash alike, 32 bytes for a digest alone, one value per text, and
+    ``_pg_hash_text`` reads it back."""
+    dev, session_id = Device(new_tenant()), uuid7()
+    records = [
+        dev.message(session_id),
+        dev.message(session_id, "é" * 300),
+        dev.checkpoint(session_id, parent_id=uuid7(), appended=[uuid7()]),
+        dev.event(session_id, note="x" * 70),
+        dev.audit(session_id),  # (a store that knows the device's stamp node shortens it)
+        dev.session(),
+        dev.message("session-as-text"),
+        dev.message(session_id, id="message-as-text"),
+        dev.artifact(session_id),
+    ]
+    digest = hashlib.sha256(b"row").hexdigest()
+    hashes = [
+        digest,
+        digest.upper(),
+        "",
+        "h",
+        "x" * 31,
+        "x" * 32,
+        "x" * 33,
+        "é" * 16,
+        "provisional",
+    ]
+    shorter = []
+    async with pg_store(pg_schema), admin() as conn:
+        whole = f"SELECT {pg_schema}.pleach_whole($1, $2, $3)"
+        for record in records:
+            body = compact.encode(record)
+            session = kind_of(record).session_of(record)
+            key, session_key = _pg_key(record.id), None if session is None else _pg_key(session)
+            short = _short(body, key, session_key)
+            shorter.append(len(short) < len(body) and short[:1] == SHORT)
+            assert bytes(await conn.fetchval(whole, short, key, session_key)) == body
+            assert bytes(await conn.fetchval(whole, body, key, session_key)) == body
+        kept = _HASH_SQL.replace("row_hash", "$1::text").format()
+        in_sql = [bytes(await conn.fetchval(f"SELECT {kept}", h)) for h in hashes]
+    assert shorter == [True] * 4 + [False] * 5
+    assert [_pg_hash(h) for h in hashes] == in_sql
+    assert [len(k) == 32 for k in in_sql] == [True] + [False] * (len(hashes) - 1)
+    assert len(set(in_sql)) == len(hashes)
+    assert [_pg_hash_text(k) for k in in_sql] == hashes
+
+
+async def test_schema_14_migrates_to_short_bodies_and_row_hashes_as_bytes() -> None:
+    """Rows a schema 14 store wrote (whole bodies, row hashes as hex text, the feed keyed by
+    cursor beside its index by tenant) read as before after migration 15: each tenant's pull
+    gives the same records under the same cursors, a session's events and a device's audit
+    rows chain on from the row hashes kept, the rows written after keep short bodies and
+    32-byte hashes, and the feed is keyed by tenant and cursor alone."""
+    clock = HybridClock("server-x")
+    async with scratch_schema() as s:
+        async with pg_store(s) as store:
+            h = await placed_history(store, clock)
+        alice = h.alice
+        async with admin() as conn:
+            await as_schema_14(conn, s)
+            bodies = await conn.fetch(
+                f"SELECT body FROM {s}.records UNION ALL SELECT body FROM {s}.events"
+            )
+            assert bodies and all(bytes(b)[:1] != SHORT for (b,) in bodies)
+        result = await migrate(PG_DSN, s)
+        assert (result.from_version, result.to_version) == (14, SCHEMA_VERSION) == (14, 15)
+        async with pg_store(s) as store:
+            assert [(c.cursor, c.record) for c in await pull_all(store, alice.tenant)] == h.before
+            assert [(c.cursor, c.record) for c in await pull_all(store, h.bob.tenant)] == h.theirs
+            later = [alice.message(h.session.id), alice.event(h.session.id)]
+            later.append(alice.audit(h.session.id))
+            pushed = await store.push(alice.tenant, alice.client_id, alice.changes(*later), clock)
+            assert statuses(pushed) == ["applied"] * 3
+            feed = await pull_all(store, alice.tenant)
+        events = [c.record for c in feed if isinstance(c.record, Event)]
+        chain = [e for e in events if e.session_id == h.session.id]
+        assert [e.sequence_number for e in chain] == [1, 2]
+        assert chain[1].prev_hash == chain[0].row_hash
+        assert verify_chain(sorted(audit_rows(feed), key=lambda r: r.sequence_number)).ok
+        async with admin() as conn:
+            rows = {
+                _pg_id(r[0]): (bytes(r[1]), bytes(r[2]))
+                for r in await conn.fetch(f"SELECT id, body, row_hash FROM {s}.events")
+            }
+            new = rows.pop(chain[1].id)
+            assert new[0][:1] == SHORT and new[1] == bytes.fromhex(chain[1].row_hash)
+            assert all(body[:1] != SHORT and len(digest) == 32 for body, digest in rows.values())
+            key = await conn.fetchval(
+                "SELECT pg_get_indexdef(i.indexrelid) FROM pg_index AS i "
+                "JOIN pg_class AS c ON c.oid = i.indexrelid JOIN pg_namespace AS n "
+                "ON n.oid = c.relnamespace WHERE n.nspname = $1 AND c.relname = 'feed_pkey'",
+                s,
+            )
+            assert key.endswith("(tid, cursor)")
+            indexes = await conn.fetch(
+                "SELECT indexname FROM pg_indexes WHERE schemaname = $1 AND tablename = 'feed'", s
+            )
+            assert {r[0] for r in indexes} == {"feed_pkey", "feed_session"}
+
+
+def audit_rows(feed: list[Any]) -> list[AuditRow]:
+    """The audit rows of ``feed``'s changes."""
+    return [c.record for c in feed if isinstance(c.record, AuditRow)]
+
+
 async def test_schema_8_migrates_ids_to_keys_and_kinds_to_numbers() -> None:
     """Rows a schema 8 store wrote (ids and kinds as text, UUIDs and other ids alike) are read
     after migration 9 as before, under the same cursors, and a push finds them by their ids."""
@@ -1887,6 +2004,24 @@ async def test_schema_8_migrates_ids_to_keys_and_kinds_to_numbers() -> None:
         }
 
 
+async def as_schema_14(conn: Any, s: str) -> None:
+    """Take schema ``s`` back to what version 14 kept (migration 15 undone): whole bodies,
+    row hashes as hex text, the feed keyed by cursor with its index by tenant. (The
+    functions stay: migration 15 makes ``lock_last_seq_load`` again whatever it was.)"""
+    await conn.execute(
+        f"UPDATE {s}.records SET body = {s}.pleach_whole(body, id, session_id); "
+        f"UPDATE {s}.events SET body = {s}.pleach_whole(body, id, session_id); "
+        f"ALTER TABLE {s}.events ALTER COLUMN row_hash TYPE text "
+        "USING encode(row_hash, 'hex'); "
+        f"ALTER TABLE {s}.audit_places ALTER COLUMN row_hash TYPE text "
+        "USING encode(row_hash, 'hex'); "
+        f"ALTER TABLE {s}.feed DROP CONSTRAINT feed_pkey, ADD PRIMARY KEY (cursor); "
+        f"CREATE INDEX feed_tenant ON {s}.feed (tid, cursor); "
+        f"DROP FUNCTION {s}.pleach_whole; "
+        f"DELETE FROM {s}.schema_migrations WHERE version = 15"
+    )
+
+
 async def test_schema_13_migrates_to_records_that_keep_their_feed_cursor() -> None:
     """Rows a schema 13 store wrote are read as before after migration 14: a record and an
     event keep their feed entry's cursor (NULL where the entry has gone; an immutable
@@ -1902,6 +2037,7 @@ async def test_schema_13_migrates_to_records_that_keep_their_feed_cursor() -> No
         before, theirs = h.before, h.theirs
         at = h.at
         async with admin() as conn:  # back to what schema 13 wrote
+            await as_schema_14(conn, s)
             taken = {r[0] for r in await conn.fetch(f"SELECT cursor FROM {s}.feed")}
             gap = next(c for c in range(1, max(at.values())) if c not in taken)  # renamed's
             await conn.execute(
@@ -1919,7 +2055,7 @@ async def test_schema_13_migrates_to_records_that_keep_their_feed_cursor() -> No
                 at[first.id],
             )
         result = await migrate(PG_DSN, s)
-        assert (result.from_version, result.to_version) == (13, SCHEMA_VERSION) == (13, 14)
+        assert (result.from_version, result.to_version) == (13, SCHEMA_VERSION)
         kept = [(c, r) for c, r in before if r.id != gone.id]
         async with pg_store(s) as store:
             assert [(c.cursor, c.record) for c in await pull_all(store, alice.tenant)] == kept
@@ -1959,7 +2095,7 @@ async def test_schema_13_migrates_to_records_that_keep_their_feed_cursor() -> No
             indexes = await conn.fetch(
                 "SELECT indexname FROM pg_indexes WHERE schemaname = $1 AND tablename = 'feed'", s
             )
-            assert {r[0] for r in indexes} == {"feed_pkey", "feed_tenant", "feed_session"}
+            assert {r[0] for r in indexes} == {"feed_pkey", "feed_session"}
 
 
 @pytest.mark.parametrize("way", ["known", "optimistic", "locked"])

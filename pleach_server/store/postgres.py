@@ -82,7 +82,7 @@ import asyncpg  # type: ignore[import-untyped]
 import msgspec
 
 from shared.clock import HybridClock
-from shared.compact import KINDS, uuid_bytes, uuid_text
+from shared.compact import KINDS, digest_bytes, short_body, uuid_bytes, uuid_text
 from shared.errors import CursorTooOld, InvalidState, StorageError, StorageUnavailable
 from shared.idrefs import ID_LAYOUT, IdLayout
 from shared.ids import uuid7
@@ -90,6 +90,7 @@ from shared.records import (
     CASCADE_KINDS,
     AuditRow,
     Change,
+    Event,
     kind_of,
     record_kind,
 )
@@ -222,6 +223,57 @@ def _pg_id(key: bytes) -> str:
     return key[len(_LONG_MARK) if len(key) == 17 and key[1] == 0xFF else len(_MARK) :].decode()
 
 
+_HASH_SQL: Final = (
+    "CASE WHEN row_hash ~ '^[0-9a-f]{{64}}$' THEN decode(row_hash, 'hex') "
+    "WHEN octet_length(row_hash) = 31 THEN '\\xffff'::bytea || convert_to(row_hash, 'UTF8') "
+    "ELSE '\\xff'::bytea || convert_to(row_hash, 'UTF8') END"
+)
+"""SQL (migration 15): ``_pg_hash`` of a ``row_hash`` column that kept the text."""
+
+
+def _pg_hash(row_hash: str) -> bytes:
+    """How the columns keep a chain's row hash (schema 15): a digest (64 lowercase hex
+    characters, as every chain makes it) as its 32 bytes, any other text behind the marks
+    of ``_pg_key`` (one, or two when the text is 31 bytes long), so that no other text is
+    32 bytes and no two texts share one."""
+    digest = digest_bytes(row_hash)
+    if digest is not None:
+        return digest
+    text = row_hash.encode()
+    return (_LONG_MARK if len(text) == 31 else _MARK) + text
+
+
+def _pg_hash_text(value: bytes) -> str:
+    """The row hash a column keeps (``_pg_hash`` reversed)."""
+    value = bytes(value)
+    if len(value) == 32:
+        return value.hex()
+    return value[len(_LONG_MARK) if len(value) == 33 and value[1] == 0xFF else 1 :].decode()
+
+
+_PLEACH_WHOLE = (
+    "CREATE FUNCTION {s}.pleach_whole(b bytea, k bytea, sk bytea) RETURNS bytea "
+    "LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT CASE "
+    "WHEN octet_length(b) < 3 OR get_byte(b, 0) <> 193 THEN b "
+    "WHEN get_byte(b, 1) BETWEEN 144 AND 157 THEN "
+    "set_byte('\\x00'::bytea, 0, get_byte(b, 1) + 2) || substr(b, 3, 1) || '\\xd801'::bytea "
+    "|| k || '\\xd801'::bytea || sk || substr(b, 4) ELSE b END $$"
+)
+"""Migration 15: a stored body as its record was written (``_whole_body``): a body that left
+out its row's ids (``compact.short_body`` given its key and its session's key, 16 bytes
+each) with them put back, each as ext 1, and its array's header two values longer; any
+other body as it is. Inlined into the statement that calls it (one ``SELECT``)."""
+
+
+def _short(body: bytes, key: bytes, session_key: bytes | None) -> bytes:
+    """A message's, a checkpoint's or an event's body as its row keeps it (schema 15):
+    without the ids its row holds when they are UUIDs (``compact.short_body`` with no
+    tenant: the form ``pleach_whole`` reads), else as it is."""
+    if session_key is None or len(key) != 16 or len(session_key) != 16:
+        return body
+    return short_body(body, key, session_key)
+
+
 _TENANT_TABLES = (
     "sessions",
     "records",
@@ -260,23 +312,23 @@ def _lock_last_seq_load_function(s: str) -> str:
             p_ids bytea[], p_events bytea[], p_owners bytea[], p_sessions bytea[],
             p_chains bytea[], p_audits text[]
         ) RETURNS TABLE (
-            what integer, kind smallint, key bytea, body bytea, number bigint, row_hash text
+            what integer, kind smallint, key bytea, body bytea, number bigint, row_hash bytea
         ) LANGUAGE plpgsql VOLATILE AS $$
         #variable_conflict use_column
         BEGIN
             PERFORM pg_advisory_xact_lock(lock_key);
             RETURN QUERY SELECT 7, NULL::smallint, NULL::bytea, NULL::bytea,
                 (SELECT c.last_seq FROM {s}.clients AS c WHERE c.org_id = p_org
-                 AND c.user_id = p_usr AND c.client_id = p_client)::bigint, NULL::text;
+                 AND c.user_id = p_usr AND c.client_id = p_client)::bigint, NULL::bytea;
             RETURN QUERY SELECT l.a::integer, l.b::smallint, l.c::bytea, l.d::bytea,
-                l.e::bigint, l.f::text FROM ({load}) AS l (a, b, c, d, e, f);
+                l.e::bigint, l.f::bytea FROM ({load}) AS l (a, b, c, d, e, f);
         END
         $$"""
 
 
 _WRITE_TYPES: Final = (
-    "text, text, smallint[], bytea[], bytea[], bytea[], bytea[], bytea[], bigint[], text[], "
-    "bytea[], bytea[], text[], bytea[], text, bigint, text[], bigint[], text[], bytea[], "
+    "text, text, smallint[], bytea[], bytea[], bytea[], bytea[], bytea[], bigint[], bytea[], "
+    "bytea[], bytea[], text[], bytea[], text, bigint, text[], bigint[], bytea[], bytea[], "
     "smallint[], bytea[], bytea[], text, text, integer[], bytea[], integer[], bytea[], "
     "bytea[], integer[], bigint[], bigint[]"
 )
@@ -604,6 +656,24 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         f"CREATE INDEX feed_session ON {{s}}.feed (tid, record_id) WHERE kind = {_SESSION_KIND}",
         "ANALYZE {s}.records, {s}.events, {s}.feed",
     ),
+    # 15: fewer bytes a row, as the SQLite store keeps them. The feed is keyed by tenant and
+    # cursor (its index by tenant was a second copy of the key; every statement that names a
+    # cursor names its tenant). A chain's row hash is its 32 bytes (``_pg_hash``), not 64
+    # hex characters. A message's, a checkpoint's and an event's body leaves out the ids its
+    # row holds (``compact.short_body``; ``pleach_whole`` puts them back as a statement reads
+    # the body). ``lock_last_seq_load`` answers the row hashes as bytes. As in version 10,
+    # the rewritten tables leave their old rows to ``VACUUM``; the rows written before keep
+    # their whole bodies, which read as they are.
+    (
+        "ALTER TABLE {s}.feed DROP CONSTRAINT feed_pkey, ADD PRIMARY KEY (tid, cursor)",
+        "DROP INDEX {s}.feed_tenant",
+        f"ALTER TABLE {{s}}.events ALTER COLUMN row_hash TYPE bytea USING {_HASH_SQL}",
+        f"ALTER TABLE {{s}}.audit_places ALTER COLUMN row_hash TYPE bytea USING {_HASH_SQL}",
+        _PLEACH_WHOLE,
+        "DROP FUNCTION {s}.lock_last_seq_load",
+        _lock_last_seq_load_step,
+        "ANALYZE {s}.feed, {s}.events, {s}.audit_places",
+    ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -845,6 +915,23 @@ def _audit_tail(s: str, key: str, tid: str | None = None) -> str:
     )
 
 
+def _delete_by_cursor(s: str, cursors: str) -> str:
+    """SQL: delete the tenant's feed entries of the cursors ``x.cursor`` of ``cursors`` (a
+    ``FROM`` list), each found by a probe of the feed's key (``LIMIT 1``: a generic plan of
+    ``cursor = ANY(...)`` beside the tenant walked the tenant's whole feed)."""
+    return (
+        f"DELETE FROM {s}.feed WHERE ctid = ANY(ARRAY(SELECT f.ctid FROM {cursors} "
+        f"CROSS JOIN LATERAL (SELECT ctid FROM {s}.feed WHERE tid = {_tid(s)} "
+        "AND cursor = x.cursor LIMIT 1) AS f))"
+    )
+
+
+def _whole_body(s: str, row: str) -> str:
+    """SQL: the body of the records' or events' row ``row`` as its record was written
+    (``pleach_whole``: schema 15 keeps it without the row's ids)."""
+    return f"{s}.pleach_whole({row}.body, {row}.id, {row}.session_id)"
+
+
 class _Sql:
     """The statements of one schema, formatted once."""
 
@@ -891,7 +978,7 @@ class _Sql:
         self.load = (
             f"WITH tt AS MATERIALIZED (SELECT tid FROM {s}.tenants "
             "WHERE org_id = $1 AND user_id = $2) "
-            "SELECT 0, k.kind, k.id, NULL::bytea, NULL::bigint, NULL::text "
+            "SELECT 0, k.kind, k.id, NULL::bytea, NULL::bigint, NULL::bytea "
             "FROM unnest($3::smallint[], $4::bytea[]) AS k (kind, id) "
             f"CROSS JOIN LATERAL ({_record_owner(s, 'k.kind', 'k.id', t)} LIMIT 1) AS o "
             "UNION ALL SELECT 1, NULL, k.id, NULL, NULL, NULL "
@@ -949,7 +1036,7 @@ class _Sql:
             "e AS ("
             f"INSERT INTO {s}.events (tid, id, session_id, sequence_number, row_hash, body, "
             "cursor) SELECT tt.tid, u.id, u.session_id, u.sequence_number, u.row_hash, u.body, "
-            "cur.cursor FROM tt, unnest($7::bytea[], $8::bytea[], $9::bigint[], $10::text[], "
+            "cur.cursor FROM tt, unnest($7::bytea[], $8::bytea[], $9::bigint[], $10::bytea[], "
             "$11::bytea[], $33::bigint[]) AS u (id, session_id, sequence_number, row_hash, "
             "body, n) JOIN cur USING (n) ON CONFLICT DO NOTHING RETURNING 1), "
             "x AS ("
@@ -975,7 +1062,7 @@ class _Sql:
             "RETURNING 1), "
             "p AS ("
             f"INSERT INTO {s}.audit_places (tid, client_id, sequence_number, row_hash, id) "
-            "SELECT tt.tid, u.* FROM tt, unnest($17::text[], $18::bigint[], $19::text[], "
+            "SELECT tt.tid, u.* FROM tt, unnest($17::text[], $18::bigint[], $19::bytea[], "
             "$20::bytea[]) AS u ON CONFLICT DO NOTHING RETURNING 1), "
             # The feed rows ($21 kinds, $22 ids): the cursors, paired in increasing order with
             # the rows in their given order (WITH ORDINALITY).
@@ -1002,9 +1089,9 @@ class _Sql:
             "(SELECT array_agg(cursor) FROM f), (SELECT count(*) FROM n)"
         )
         # A session written twice by one batch: its earlier entries of the batch, by their
-        # cursors alone ($1), which this push's own feed rows took in this transaction. A
-        # tenant condition beside them let the generic plan walk the tenant's whole feed.
-        self.drop_cursors = f"DELETE FROM {s}.feed WHERE cursor = ANY($1::bigint[])"
+        # cursors ($3), which this push's own feed rows took in this transaction: a probe of
+        # the feed's key (tenant, cursor) each (since version 15; ``_by_cursor``).
+        self.drop_cursors = _delete_by_cursor(s, "unnest($3::bigint[]) AS x (cursor)")
         self.head = f"SELECT GREATEST({_max_cursor(s)}, {_floor(s)})"
         self.client_state = (
             "SELECT COALESCE((SELECT last_seq FROM "
@@ -1032,9 +1119,9 @@ class _Sql:
             "OR SUM(octet_length(body) + 16 * COALESCE(ids_count, 0)) OVER w <= $5) AS within "
             "FROM (SELECT p.cursor, p.tid, p.record_id, x.ids_count, CASE p.kind "
             f"WHEN {_SESSION_KIND} THEN x.body "
-            f"WHEN {_EVENT_KIND} THEN (SELECT e.body FROM {s}.events AS e "
+            f"WHEN {_EVENT_KIND} THEN (SELECT {_whole_body(s, 'e')} FROM {s}.events AS e "
             "WHERE e.tid = p.tid AND e.id = p.record_id) "
-            f"ELSE (SELECT r.body FROM {s}.records AS r WHERE r.tid = p.tid "
+            f"ELSE (SELECT {_whole_body(s, 'r')} FROM {s}.records AS r WHERE r.tid = p.tid "
             "AND r.kind = p.kind AND r.id = p.record_id) END AS body "
             f"FROM {s}.feed AS p LEFT JOIN LATERAL (SELECT x.body, x.ids_count "
             f"FROM {s}.sessions AS x WHERE p.kind = {_SESSION_KIND} AND x.tid = p.tid "
@@ -1069,8 +1156,9 @@ class _Sql:
             f"WHERE x.tid = {_tid(s)}"
         )
         self.cascade_candidates = (
-            f"SELECT kind, id, body FROM {s}.records WHERE tid = {_tid(s)} "
-            "AND session_id = ANY($3::bytea[]) AND kind = ANY($4::smallint[])"
+            f"SELECT r.kind, r.id, {_whole_body(s, 'r')} FROM {s}.records AS r "
+            f"WHERE r.tid = {_tid(s)} "
+            "AND r.session_id = ANY($3::bytea[]) AND r.kind = ANY($4::smallint[])"
         )
         # Each record a probe of the records' key (LIMIT 1: no join the planner may turn
         # into a walk along the tenant's records, as a generic plan of one did).
@@ -1083,9 +1171,7 @@ class _Sql:
             f"DELETE FROM {s}.records WHERE ctid = ANY(ARRAY(SELECT x.ctid FROM {doomed})) "
             "RETURNING kind, id, cursor"
         )
-        self.delete_feed = (
-            f"DELETE FROM {s}.feed WHERE cursor = ANY(ARRAY(SELECT x.cursor FROM {doomed}))"
-        )
+        self.delete_feed = _delete_by_cursor(s, doomed)
         # The entries of records that kept no cursor (written by a process of the build
         # before, still running after migration 14): by kind and id, along the tenant's feed.
         self.delete_feed_by_id = (
@@ -1375,7 +1461,7 @@ class _PostgresTx:
         for what, kind, key, body, number, row_hash in rows:
             if what == 5:
                 # (a device id, as its UTF-8: the column holds the other lookups' keys)
-                found.audit_tails[bytes(key).decode()] = (int(number), str(row_hash))
+                found.audit_tails[bytes(key).decode()] = (int(number), _pg_hash_text(row_hash))
                 continue
             if what == 6:
                 self._head = int(number)
@@ -1392,7 +1478,7 @@ class _PostgresTx:
             elif what == 8:
                 blocks[record_id] = bytes(body)
             else:
-                found.chain_tails[record_id] = (int(number), str(row_hash))
+                found.chain_tails[record_id] = (int(number), _pg_hash_text(row_hash))
         for session_id, (body, count) in bodies.items():
             ids = blocks.get(session_id)
             found.sessions[session_id] = stored_session(session_id, body, count, ids)
@@ -1417,11 +1503,13 @@ class _PostgresTx:
             if info.merge == "versioned" or info.server_placed:
                 raise TypeError(f"{info.name} records are not written as records")
             session_id = info.session_of(r)
+            key = _pg_key(r.id)
+            session_key = None if session_id is None else _pg_key(session_id)
             row = (
                 _KIND_NUMBERS[info.name],
-                _pg_key(r.id),
-                None if session_id is None else _pg_key(session_id),
-                writes.bodies.of(r),
+                key,
+                session_key,
+                _short(writes.bodies.of(r), key, session_key),
             )
             for column, value in zip(records, row, strict=True):
                 column.append(value)
@@ -1431,7 +1519,7 @@ class _PostgresTx:
             if isinstance(r, AuditRow):
                 client, number, row_hash, row_id = _place(r)
                 for place_column, place_value in zip(
-                    places, (client, number, row_hash, _pg_key(row_id)), strict=True
+                    places, (client, number, _pg_hash(row_hash), _pg_key(row_id)), strict=True
                 ):
                     place_column.append(place_value)
         versioned = [i for i, r in enumerate(feed) if kind_of(r).merge == "versioned"]
@@ -1469,11 +1557,7 @@ class _PostgresTx:
                 tenant.org_id,
                 tenant.user_id,
                 *records,
-                [_pg_key(e.id) for e in events],
-                [_pg_key(e.session_id) for e in events],
-                [e.sequence_number for e in events],
-                [e.row_hash for e in events],
-                [writes.bodies.of(e) for e in events],
+                *_event_columns(events, writes),
                 [_pg_key(x.id) for x in sessions],
                 [x.updated_at for x in sessions],
                 [lay.body for lay in laid],
@@ -1509,7 +1593,7 @@ class _PostgresTx:
             last = {feed[i].id: i for i in versioned}
             earlier = [cursors[i] for i in versioned if last[feed[i].id] != i]
             if earlier:
-                await conn.execute(sql.drop_cursors, earlier)
+                await conn.execute(sql.drop_cursors, tenant.org_id, tenant.user_id, earlier)
             # New cursors are above every cursor the tenant had (one sequence), so the last
             # is the head; a delete below may take feed rows away again: read it then.
             self._head = cursors[-1]
@@ -1546,6 +1630,18 @@ class _PostgresTx:
             if uncounted:
                 kinds, ids = [k for k, _ in uncounted], [key for _, key in uncounted]
                 await conn.execute(sql.delete_feed_by_id, *t, kinds, ids)
+
+
+def _event_columns(events: Sequence[Event], writes: BatchWrites) -> tuple[list[Any], ...]:
+    """``_Sql.write``'s event columns ($7 to $11): keys, sequence numbers, row hashes as the
+    columns keep them, and bodies without the ids their row holds (``_short``)."""
+    ids, sessions = [_pg_key(e.id) for e in events], [_pg_key(e.session_id) for e in events]
+    bodies = [
+        _short(writes.bodies.of(e), key, session_key)
+        for e, key, session_key in zip(events, ids, sessions, strict=True)
+    ]
+    hashes = [_pg_hash(e.row_hash) for e in events]
+    return ids, sessions, [e.sequence_number for e in events], hashes, bodies
 
 
 async def _fetch_write(conn: Any, known: bool, statement: str, *args: Any) -> Any:
