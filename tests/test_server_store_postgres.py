@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
+import msgspec
 import pytest
 
 from pleach_server.store import ServerStore
@@ -35,6 +36,7 @@ from pleach_server.store.postgres import (
     NOTIFY_CHANNEL,
     SCHEMA_VERSION,
     PostgresServerStore,
+    _packed,
     _pg_hash,
     _pg_hash_text,
     _pg_id,
@@ -49,7 +51,7 @@ from shared import compact
 from shared.clock import HybridClock
 from shared.compact import KINDS, SHORT
 from shared.errors import CursorTooOld, ErrorCode, InvalidState, StorageError, StorageUnavailable
-from shared.hashchain import chain_audit, verify_chain
+from shared.hashchain import chain_audit, event_digest, link, verify_chain
 from shared.ids import uuid7
 from shared.records import (
     CASCADE_KINDS,
@@ -354,8 +356,11 @@ def explain_queries(store: PostgresServerStore) -> dict[str, tuple[str, tuple[An
     """Every per-tenant or per-id query of the store, with example parameters."""
     sql = store._sql
     return {
-        "pull": (sql.pull, ("org-7", "user-7", 100, 51, 1 << 20)),
-        "pull (the tenant with the rows)": (sql.pull, ("org-1", "user-1", 100, 51, 1 << 20)),
+        "pull": (sql.pull, ("org-7", "user-7", 100, 51, 1 << 20, b"")),
+        "pull (the tenant with the rows)": (
+            sql.pull,
+            ("org-1", "user-1", 100, 51, 1 << 20, b""),
+        ),
         "head_cursor": (sql.head, ("org-7", "user-7")),
         "client_state": (sql.client_state, ("org-7", "user-7", "dev-7")),
         "get_last_seq": (sql.get_last_seq, ("org-7", "user-7", "dev-7")),
@@ -410,6 +415,8 @@ def explain_queries(store: PostgresServerStore) -> dict[str, tuple[str, tuple[An
                 [3],
                 [],  # the records' entries among the feed rows
                 [],  # the events'
+                [],  # the events' bodies without their prev_hash
+                [],  # and the prev_hash each left out
             ),
         ),
         "drop_cursors": (sql.drop_cursors, ("org-7", "user-7", [10, 20])),
@@ -668,7 +675,7 @@ async def test_plans_do_not_depend_on_a_tenants_size() -> None:
                         )
                         bound: tuple[Any, ...] = (*tenant, [r[0] for r in newest])
                     elif query == store._sql.pull:  # the same page for both: 3 entries
-                        bound = (*tenant, 0, 3, 1 << 20)
+                        bound = (*tenant, 0, 3, 1 << 20, b"")
                     else:
                         bound = (*tenant, *(swap(a) for a in args[2:]))
                     bounds[tenant] = bound
@@ -1837,23 +1844,15 @@ async def test_keys_are_converted_alike_in_python_and_in_sql(pg_schema: str) -> 
 
 async def test_bodies_and_row_hashes_are_kept_alike_in_python_and_in_sql(pg_schema: str) -> None:
     """``_short`` keeps a message's, a checkpoint's and an event's body without its row's ids
-    when both are UUIDs, and ``pleach_whole`` (every statement that reads a body) gives back
-    its bytes exactly; any other body (another kind, an id that is no UUID, a body already
-    whole) is kept and read as it is. ``_pg_hash`` (a push's rows) and migration 15's SQL
+    when both are UUIDs, and without its tenant, and ``prev_apart`` an event's without its
+    prev_hash too; ``pleach_whole`` (every statement that reads a body) gives back its bytes
+    exactly, given the row's keys, the tenant and the prev_hash; any other body (another
+    kind, an id that is no UUID, a body already whole) is kept and read as it is. The
+    tenant is named by text or by UUIDs. ``_pg_hash`` (a push's rows) and migration 15's SQL
     keep a row hash alike, 32 bytes for a digest alone, one value per text, and
     ``_pg_hash_text`` reads it back."""
-    dev, session_id = Device(new_tenant()), uuid7()
-    records = [
-        dev.message(session_id),
-        dev.message(session_id, "é" * 300),
-        dev.checkpoint(session_id, parent_id=uuid7(), appended=[uuid7()]),
-        dev.event(session_id, note="x" * 70),
-        dev.audit(session_id),  # (a store that knows the device's stamp node shortens it)
-        dev.session(),
-        dev.message("session-as-text"),
-        dev.message(session_id, id="message-as-text"),
-        dev.artifact(session_id),
-    ]
+    for tenant in (new_tenant(), Tenant(org_id=uuid7(), user_id=uuid7())):
+        await _bodies_alike(pg_schema, tenant)
     digest = hashlib.sha256(b"row").hexdigest()
     hashes = [
         digest,
@@ -1866,24 +1865,165 @@ async def test_bodies_and_row_hashes_are_kept_alike_in_python_and_in_sql(pg_sche
         "é" * 16,
         "provisional",
     ]
-    shorter = []
-    async with pg_store(pg_schema), admin() as conn:
-        whole = f"SELECT {pg_schema}.pleach_whole($1, $2, $3)"
-        for record in records:
-            body = compact.encode(record)
-            session = kind_of(record).session_of(record)
-            key, session_key = _pg_key(record.id), None if session is None else _pg_key(session)
-            short = _short(body, key, session_key)
-            shorter.append(len(short) < len(body) and short[:1] == SHORT)
-            assert bytes(await conn.fetchval(whole, short, key, session_key)) == body
-            assert bytes(await conn.fetchval(whole, body, key, session_key)) == body
+    async with admin() as conn:
         kept = _HASH_SQL.replace("row_hash", "$1::text").format()
         in_sql = [bytes(await conn.fetchval(f"SELECT {kept}", h)) for h in hashes]
-    assert shorter == [True] * 4 + [False] * 5
     assert [_pg_hash(h) for h in hashes] == in_sql
     assert [len(k) == 32 for k in in_sql] == [True] + [False] * (len(hashes) - 1)
     assert len(set(in_sql)) == len(hashes)
     assert [_pg_hash_text(k) for k in in_sql] == hashes
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_generated_bodies_are_put_together_alike_in_python_and_in_sql(
+    pg_schema: str, seed: int
+) -> None:
+    """Over generated messages, checkpoints and events (texts of any length and script,
+    tenants by text or by UUIDs), every form a push keeps (``_short``, ``prev_apart``) is
+    given back by ``pleach_whole`` byte for byte, as ``compact._whole`` gives it; and a body
+    with any one byte changed or cut short reads in SQL as ``compact._whole`` reads it where
+    it is a form the store writes, else as its bytes are (nothing errs)."""
+    rng = random.Random(seed)
+    rows: list[tuple[bytes, bytes, bytes, bytes, bytes | None]] = []
+    expected: list[bytes] = []
+    for _ in range(150):
+        uuids = rng.random() < 0.5
+        tenant = Tenant(
+            org_id=uuid7() if uuids else "org-" + "ü" * rng.randrange(40),
+            user_id=uuid7() if uuids else "user-" + "x" * rng.randrange(300),
+        )
+        dev, session_id = Device(tenant), uuid7()
+        text = "".join(rng.choice("ab é漢\n") for _ in range(rng.randrange(600)))
+        prev = rng.randbytes(32)
+        kind = rng.choice(["message", "checkpoint", "event"])
+        if kind == "event":
+            placed = msgspec.structs.replace(
+                dev.event(session_id, text=text),
+                sequence_number=rng.randrange(2, 1 << 40),
+                prev_hash=prev.hex(),
+            )
+            record: Record = msgspec.structs.replace(
+                placed, row_hash=link(prev.hex(), event_digest(placed))
+            )
+        elif kind == "checkpoint":
+            record = dev.checkpoint(session_id, appended=[uuid7() for _ in range(rng.randrange(9))])
+        else:
+            record = dev.message(session_id, text)
+        body = compact.encode(record)
+        key, session_key, packed_tenant = _pg_key(record.id), _pg_key(session_id), _packed(tenant)
+        stored = _short(body, key, session_key, packed_tenant)
+        forms = [stored, compact.prev_apart(stored, prev)]
+        assert forms[0][:2] == SHORT + b"\x00" and (kind != "event") == (forms[1] is forms[0])
+        for form in forms:
+            rows.append((form, key, session_key, packed_tenant, prev))
+            expected.append(body)
+            at = rng.randrange(len(form))
+            for mutated in (form[:at], form[:at] + bytes((rng.randrange(256),)) + form[at + 1 :]):
+                ids = compact.packed(record.id), compact.packed(session_id)
+                whole = compact._whole(mutated, *ids, packed_tenant, b"", prev)
+                read = len(mutated) >= 4 and mutated[:1] == SHORT
+                read = read and (0x90 <= mutated[1] <= 0x9D or mutated[1] in (0, 16))
+                if (
+                    mutated[1:2] == b"\x10"
+                    and len(mutated)
+                    - 35
+                    - (mutated[-36:-33] == b"\xc7\x20\x02" and mutated[-1:] in (b"\xc2", b"\xc3"))
+                    < 4
+                ):
+                    read = False  # (too short for its form: SQL reads it as it is)
+                rows.append((mutated, key, session_key, packed_tenant, prev))
+                expected.append(whole if read and whole is not None else mutated)
+    async with pg_store(pg_schema), admin() as conn:
+        got = await conn.fetch(
+            f"SELECT {pg_schema}.pleach_whole(b, k, sk, t, p) FROM unnest($1::bytea[], "
+            "$2::bytea[], $3::bytea[], $4::bytea[], $5::bytea[]) WITH ORDINALITY "
+            "AS u (b, k, sk, t, p, n) ORDER BY n",
+            *(list(column) for column in zip(*rows, strict=True)),
+        )
+    assert [bytes(r[0]) for r in got] == expected
+
+
+async def _bodies_alike(s: str, tenant: Tenant) -> None:
+    """``test_bodies_and_row_hashes_are_kept_alike_in_python_and_in_sql`` for ``tenant``."""
+    dev, session_id = Device(tenant), uuid7()
+    prev = hashlib.sha256(b"before").hexdigest()
+    placed = msgspec.structs.replace(
+        dev.event(session_id, note="x" * 70), sequence_number=2, prev_hash=prev
+    )
+    event = msgspec.structs.replace(placed, row_hash=link(prev, event_digest(placed)))
+    records = [
+        dev.message(session_id),
+        dev.message(session_id, "é" * 300),
+        dev.checkpoint(session_id, parent_id=uuid7(), appended=[uuid7()]),
+        dev.event(session_id, note="x" * 70),
+        event,
+        dev.audit(session_id),  # (a store that knows the device's stamp node shortens it)
+        dev.session(),
+        dev.message("session-as-text"),
+        dev.message(session_id, id="message-as-text"),
+        dev.artifact(session_id),
+    ]
+    packed_tenant = _packed(tenant)
+    shorter = []
+    async with pg_store(s), admin() as conn:
+        whole = f"SELECT {s}.pleach_whole($1, $2, $3, $4, $5)"
+        for record in records:
+            body = compact.encode(record)
+            session = kind_of(record).session_of(record)
+            key, session_key = _pg_key(record.id), None if session is None else _pg_key(session)
+            short = _short(body, key, session_key, packed_tenant)
+            shorter.append(len(body) - len(short))
+            args = (key, session_key, packed_tenant)
+            assert bytes(await conn.fetchval(whole, short, *args, None)) == body
+            assert bytes(await conn.fetchval(whole, body, *args, None)) == body
+            if record is event:  # and without its prev_hash, given the row before's hash
+                apart = compact.prev_apart(short, bytes.fromhex(prev))
+                assert len(apart) == len(short) - 35
+                given = bytes.fromhex(prev)
+                assert bytes(await conn.fetchval(whole, apart, *args, given)) == body
+    assert [n >= 35 + len(packed_tenant) - 2 for n in shorter] == [True] * 5 + [False] * 5
+
+
+async def test_an_event_leaves_out_the_prev_hash_the_row_before_it_keeps(pg_schema: str) -> None:
+    """An event is stored without its prev_hash where the row before it in its session keeps
+    it as its row hash: a row of the same push or of an earlier one (the first event of a
+    session, after the chain's start, keeps it); every pull gives the events whole, chained
+    as the server placed them, and the bodies are the same bytes as the pushes' own."""
+    dev = Device(new_tenant())
+    clock = HybridClock("server-x")
+    async with pg_store(pg_schema) as store:
+        session = dev.session(title="chained")
+        first = [session, *(dev.event(session.id, n=i) for i in range(3))]
+        pushed = [await store.push(dev.tenant, dev.client_id, dev.changes(*first), clock)]
+        later = [dev.event(session.id, n=3), dev.message(session.id), dev.event(session.id)]
+        pushed.append(await store.push(dev.tenant, dev.client_id, dev.changes(*later), clock))
+        feed = await pull_all(store, dev.tenant)
+        again = await pull_all(store, dev.tenant, feed[1].cursor)
+        raw = await store.pull(dev.tenant, 0, 100, raw=True)
+    events = [c.record for c in feed if isinstance(c.record, Event)]
+    assert [e.sequence_number for e in events] == [1, 2, 3, 4, 5]
+    assert all(b.prev_hash == a.row_hash for a, b in itertools.pairwise(events))
+    assert [c.record for c in again] == [c.record for c in feed[2:]]
+    as_pushed = {
+        c.cursor: bytes(b)
+        for p in pushed
+        for c, b in zip(p.feed, p.bodies, strict=True)
+        if not isinstance(c.record, Session)
+    }
+    assert len(as_pushed) == 6
+    assert {b.cursor: bytes(b.body) for b in raw.bodies if b.cursor in as_pushed} == as_pushed
+    async with admin() as conn:
+        forms = [
+            bytes(r[0])[:2]
+            for r in await conn.fetch(
+                f"SELECT e.body FROM {pg_schema}.events AS e JOIN {pg_schema}.tenants AS t "
+                "ON t.tid = e.tid WHERE t.org_id = $1 AND t.user_id = $2 "
+                "ORDER BY e.sequence_number",
+                dev.tenant.org_id,
+                dev.tenant.user_id,
+            )
+        ]
+    assert forms == [SHORT + b"\x00"] + [SHORT + b"\x10"] * 4
 
 
 async def test_schema_14_migrates_to_short_bodies_and_row_hashes_as_bytes() -> None:
@@ -1898,7 +2038,7 @@ async def test_schema_14_migrates_to_short_bodies_and_row_hashes_as_bytes() -> N
             h = await placed_history(store, clock)
         alice = h.alice
         async with admin() as conn:
-            await as_schema_14(conn, s)
+            await as_schema_14(conn, s, (alice.tenant, h.bob.tenant))
             bodies = await conn.fetch(
                 f"SELECT body FROM {s}.records UNION ALL SELECT body FROM {s}.events"
             )
@@ -1924,7 +2064,8 @@ async def test_schema_14_migrates_to_short_bodies_and_row_hashes_as_bytes() -> N
                 for r in await conn.fetch(f"SELECT id, body, row_hash FROM {s}.events")
             }
             new = rows.pop(chain[1].id)
-            assert new[0][:1] == SHORT and new[1] == bytes.fromhex(chain[1].row_hash)
+            # (the row before it, written by schema 14, keeps its prev_hash: 16, tenant out)
+            assert new[0][:2] == SHORT + b"\x10" and new[1] == bytes.fromhex(chain[1].row_hash)
             assert all(body[:1] != SHORT and len(digest) == 32 for body, digest in rows.values())
             key = await conn.fetchval(
                 "SELECT pg_get_indexdef(i.indexrelid) FROM pg_index AS i "
@@ -2004,13 +2145,27 @@ async def test_schema_8_migrates_ids_to_keys_and_kinds_to_numbers() -> None:
         }
 
 
-async def as_schema_14(conn: Any, s: str) -> None:
-    """Take schema ``s`` back to what version 14 kept (migration 15 undone): whole bodies,
-    row hashes as hex text, the feed keyed by cursor with its index by tenant. (The
-    functions stay: migration 15 makes ``lock_last_seq_load`` again whatever it was.)"""
+async def as_schema_14(conn: Any, s: str, tenants: Iterable[Tenant]) -> None:
+    """Take schema ``s`` back to what version 14 kept (migration 15 undone) for ``tenants``'
+    rows: whole bodies, row hashes as hex text, the feed keyed by cursor with its index by
+    tenant. (The functions stay: migration 15 makes ``lock_last_seq_load`` again whatever
+    it was.)"""
+    for tenant in tenants:
+        t = f"(SELECT tid FROM {s}.tenants WHERE org_id = $2 AND user_id = $3)"
+        args = (_packed(tenant), tenant.org_id, tenant.user_id)
+        await conn.execute(
+            f"UPDATE {s}.records SET body = {s}.pleach_whole(body, id, session_id, $1, NULL) "
+            f"WHERE tid = {t}",
+            *args,
+        )
+        await conn.execute(
+            f"UPDATE {s}.events AS e SET body = {s}.pleach_whole(body, id, session_id, $1, "
+            f"(SELECT p.row_hash FROM {s}.events AS p WHERE p.tid = e.tid "
+            "AND p.session_id = e.session_id AND p.sequence_number = e.sequence_number - 1)) "
+            f"WHERE tid = {t}",
+            *args,
+        )
     await conn.execute(
-        f"UPDATE {s}.records SET body = {s}.pleach_whole(body, id, session_id); "
-        f"UPDATE {s}.events SET body = {s}.pleach_whole(body, id, session_id); "
         f"ALTER TABLE {s}.events ALTER COLUMN row_hash TYPE text "
         "USING encode(row_hash, 'hex'); "
         f"ALTER TABLE {s}.audit_places ALTER COLUMN row_hash TYPE text "
@@ -2018,6 +2173,8 @@ async def as_schema_14(conn: Any, s: str) -> None:
         f"ALTER TABLE {s}.feed DROP CONSTRAINT feed_pkey, ADD PRIMARY KEY (cursor); "
         f"CREATE INDEX feed_tenant ON {s}.feed (tid, cursor); "
         f"DROP FUNCTION {s}.pleach_whole; "
+        f"DROP FUNCTION {s}.pleach_cut; "
+        f"DROP FUNCTION {s}.pleach_head; "
         f"DELETE FROM {s}.schema_migrations WHERE version = 15"
     )
 
@@ -2037,7 +2194,7 @@ async def test_schema_13_migrates_to_records_that_keep_their_feed_cursor() -> No
         before, theirs = h.before, h.theirs
         at = h.at
         async with admin() as conn:  # back to what schema 13 wrote
-            await as_schema_14(conn, s)
+            await as_schema_14(conn, s, (alice.tenant, h.bob.tenant))
             taken = {r[0] for r in await conn.fetch(f"SELECT cursor FROM {s}.feed")}
             gap = next(c for c in range(1, max(at.values())) if c not in taken)  # renamed's
             await conn.execute(

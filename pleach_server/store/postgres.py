@@ -82,7 +82,15 @@ import asyncpg  # type: ignore[import-untyped]
 import msgspec
 
 from shared.clock import HybridClock
-from shared.compact import KINDS, digest_bytes, short_body, uuid_bytes, uuid_text
+from shared.compact import (
+    KINDS,
+    digest_bytes,
+    packed,
+    prev_apart,
+    short_body,
+    uuid_bytes,
+    uuid_text,
+)
 from shared.errors import CursorTooOld, InvalidState, StorageError, StorageUnavailable
 from shared.idrefs import ID_LAYOUT, IdLayout
 from shared.ids import uuid7
@@ -252,26 +260,63 @@ def _pg_hash_text(value: bytes) -> str:
 
 
 _PLEACH_WHOLE = (
-    "CREATE FUNCTION {s}.pleach_whole(b bytea, k bytea, sk bytea) RETURNS bytea "
-    "LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT CASE "
-    "WHEN octet_length(b) < 3 OR get_byte(b, 0) <> 193 THEN b "
+    "CREATE FUNCTION {s}.pleach_whole(b bytea, k bytea, sk bytea, t bytea, prev bytea) "
+    "RETURNS bytea LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT CASE "
+    "WHEN octet_length(b) < 4 OR get_byte(b, 0) <> 193 THEN b "
     "WHEN get_byte(b, 1) BETWEEN 144 AND 157 THEN "
-    "set_byte('\\x00'::bytea, 0, get_byte(b, 1) + 2) || substr(b, 3, 1) || '\\xd801'::bytea "
-    "|| k || '\\xd801'::bytea || sk || substr(b, 4) ELSE b END $$"
+    "{s}.pleach_head(get_byte(b, 1), 2) || substr(b, 3, 1) || '\\xd801'::bytea "
+    "|| k || '\\xd801'::bytea || sk || substr(b, 4) "
+    "WHEN get_byte(b, 1) = 0 THEN {s}.pleach_head(get_byte(b, 2), 4) "
+    "|| substr(b, 4, 1) || '\\xd801'::bytea || k || '\\xd801'::bytea || sk || t "
+    "|| substr(b, 5) "
+    "WHEN get_byte(b, 1) = 16 AND {s}.pleach_cut(b) >= 4 THEN "
+    "{s}.pleach_head(get_byte(b, 2), 4) "
+    "|| substr(b, 4, 1) || '\\xd801'::bytea || k || '\\xd801'::bytea || sk || t "
+    "|| substr(b, 5, {s}.pleach_cut(b) - 4) || '\\xc72002'::bytea || prev "
+    "|| substr(b, {s}.pleach_cut(b) + 1) "
+    "ELSE b END $$"
 )
-"""Migration 15: a stored body as its record was written (``_whole_body``): a body that left
-out its row's ids (``compact.short_body`` given its key and its session's key, 16 bytes
-each) with them put back, each as ext 1, and its array's header two values longer; any
-other body as it is. Inlined into the statement that calls it (one ``SELECT``)."""
+"""Migration 15: a stored body as its record was written (``_whole_body``), from what
+``_short`` left out: its row's ids (its key and its session's key, 16 bytes each), its
+tenant (``t``: ``compact.packed`` of its org and its user) and, for an event, its
+``prev_hash`` (``prev``: the 32 bytes the row before it in its session keeps as its row
+hash). Each form as ``compact.whole_body_sql`` reads it (ids as ext 1, the array's header
+made longer again); any other body as it is (one too short for its form too). NULL where
+``prev`` is needed and NULL."""
+_PLEACH_HEAD = (
+    "CREATE FUNCTION {s}.pleach_head(code integer, more integer) RETURNS bytea "
+    "LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$ SELECT CASE "
+    "WHEN code NOT BETWEEN 144 AND 159 THEN set_byte('\\x00'::bytea, 0, 143 + more) "
+    "WHEN code + more <= 159 THEN set_byte('\\x00'::bytea, 0, code + more) "
+    "ELSE ''::bytea END $$"
+)
+"""Migration 15: the fixarray header ``more`` values longer than ``code`` (``compact._head``,
+as SQLite's lookup finds it: a byte that is no fixarray header reads as position 0, a
+header past 15 values as none)."""
+_PLEACH_CUT = (
+    "CREATE FUNCTION {s}.pleach_cut(b bytea) RETURNS integer "
+    "LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$ SELECT octet_length(b) - 35 - CASE "
+    "WHEN substr(b, octet_length(b) - 35, 3) = '\\xc72002'::bytea "
+    "AND substr(b, octet_length(b), 1) IN ('\\xc2'::bytea, '\\xc3'::bytea) THEN 1 "
+    "ELSE 0 END $$"
+)
+"""Migration 15: where an event body without its ``prev_hash`` had it (``compact.prev_apart``):
+the bytes before its row hash's ext (and the boolean after it, when the body ends so)."""
 
 
-def _short(body: bytes, key: bytes, session_key: bytes | None) -> bytes:
+def _short(body: bytes, key: bytes, session_key: bytes | None, tenant: bytes) -> bytes:
     """A message's, a checkpoint's or an event's body as its row keeps it (schema 15):
-    without the ids its row holds when they are UUIDs (``compact.short_body`` with no
-    tenant: the form ``pleach_whole`` reads), else as it is."""
+    without the ids its row holds when they are UUIDs, and without its tenant (``tenant``:
+    ``_packed``) when it is the row's (``compact.short_body`` with no stamp node: the
+    forms ``pleach_whole`` reads), else as it is."""
     if session_key is None or len(key) != 16 or len(session_key) != 16:
         return body
-    return short_body(body, key, session_key)
+    return short_body(body, key, session_key, tenant)
+
+
+def _packed(tenant: Tenant) -> bytes:
+    """The tenant's org and user as a body holds them (what ``_short`` leaves out)."""
+    return packed(tenant.org_id) + packed(tenant.user_id)
 
 
 _TENANT_TABLES = (
@@ -330,9 +375,9 @@ _WRITE_TYPES: Final = (
     "text, text, smallint[], bytea[], bytea[], bytea[], bytea[], bytea[], bigint[], bytea[], "
     "bytea[], bytea[], text[], bytea[], text, bigint, text[], bigint[], bytea[], bytea[], "
     "smallint[], bytea[], bytea[], text, text, integer[], bytea[], integer[], bytea[], "
-    "bytea[], integer[], bigint[], bigint[]"
+    "bytea[], integer[], bigint[], bigint[], bytea[], bytea[]"
 )
-"""The types of ``_Sql.write``'s parameters ($1 to $33), as its casts name them."""
+"""The types of ``_Sql.write``'s parameters ($1 to $35), as its casts name them."""
 
 CLAIMED_RECORD: Final = "PLR01"
 CLAIMED_EVENT: Final = "PLE01"
@@ -344,8 +389,8 @@ behind the head's argument). The statement is undone whole; the device retries."
 def _push_write_function(s: str, write: str) -> tuple[str, str]:
     """``push_write``: an optimistic push's write, in one statement that commits on its own.
 
-    Its parameters are ``write``'s (``_Sql.write``, $1 to $33), then the tenant's lock key
-    ($34), the device's ``last_seq`` and the tenant's head cursor the push read ($35, $36). It
+    Its parameters are ``write``'s (``_Sql.write``, $1 to $35), then the tenant's lock key
+    ($36), the device's ``last_seq`` and the tenant's head cursor the push read ($37, $38). It
     takes the tenant lock; if the two are still what the push read, it runs ``write`` (on a
     snapshot taken after the lock) and answers its row; else it answers no row and writes
     nothing. When a record or an event id it writes was found taken, it raises
@@ -362,10 +407,10 @@ def _push_write_function(s: str, write: str) -> tuple[str, str]:
             v_records bigint; v_events bigint; v_sessions bigint; v_clients bigint;
             v_places bigint; v_cursors bigint[]; v_notices bigint;
         BEGIN
-            PERFORM pg_advisory_xact_lock($34);
+            PERFORM pg_advisory_xact_lock($36);
             IF COALESCE((SELECT c.last_seq FROM {s}.clients AS c WHERE c.org_id = $1
-                    AND c.user_id = $2 AND c.client_id = $15), 0) <> $35
-                OR {head} <> $36 THEN
+                    AND c.user_id = $2 AND c.client_id = $15), 0) <> $37
+                OR {head} <> $38 THEN
                 RETURN;
             END IF;
             {write} INTO v_records, v_events, v_sessions, v_clients, v_places, v_cursors,
@@ -660,8 +705,10 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
     # cursor (its index by tenant was a second copy of the key; every statement that names a
     # cursor names its tenant). A chain's row hash is its 32 bytes (``_pg_hash``), not 64
     # hex characters. A message's, a checkpoint's and an event's body leaves out the ids its
-    # row holds (``compact.short_body``; ``pleach_whole`` puts them back as a statement reads
-    # the body). ``lock_last_seq_load`` answers the row hashes as bytes. As in version 10,
+    # row holds and its tenant, and an event's its prev_hash where the row before it keeps
+    # that as its row hash (``_short``, ``compact.prev_apart``; ``pleach_whole`` puts them
+    # back as a statement reads the body). ``lock_last_seq_load`` answers the row hashes as
+    # bytes. As in version 10,
     # the rewritten tables leave their old rows to ``VACUUM``; the rows written before keep
     # their whole bodies, which read as they are.
     (
@@ -669,6 +716,8 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         "DROP INDEX {s}.feed_tenant",
         f"ALTER TABLE {{s}}.events ALTER COLUMN row_hash TYPE bytea USING {_HASH_SQL}",
         f"ALTER TABLE {{s}}.audit_places ALTER COLUMN row_hash TYPE bytea USING {_HASH_SQL}",
+        _PLEACH_HEAD,
+        _PLEACH_CUT,
         _PLEACH_WHOLE,
         "DROP FUNCTION {s}.lock_last_seq_load",
         _lock_last_seq_load_step,
@@ -926,10 +975,19 @@ def _delete_by_cursor(s: str, cursors: str) -> str:
     )
 
 
-def _whole_body(s: str, row: str) -> str:
-    """SQL: the body of the records' or events' row ``row`` as its record was written
-    (``pleach_whole``: schema 15 keeps it without the row's ids)."""
-    return f"{s}.pleach_whole({row}.body, {row}.id, {row}.session_id)"
+def _whole_body(s: str, row: str, tenant: str, event: bool = False) -> str:
+    """SQL: the body of the records' (or, ``event``, the events') row ``row`` as its record
+    was written (``pleach_whole``: schema 15 keeps it without what its row holds);
+    ``tenant``: the parameter of ``_packed``. An event body without its ``prev_hash`` reads
+    the row hash of the row before it (one probe of ``events_place``, for those alone)."""
+    prev = "NULL::bytea"
+    if event:
+        prev = (
+            f"CASE WHEN substr({row}.body, 1, 2) = '\\xc110'::bytea THEN (SELECT p.row_hash "
+            f"FROM {s}.events AS p WHERE p.tid = {row}.tid AND p.session_id = {row}.session_id "
+            f"AND p.sequence_number = {row}.sequence_number - 1 LIMIT 1) END"
+        )
+    return f"{s}.pleach_whole({row}.body, {row}.id, {row}.session_id, {tenant}, {prev})"
 
 
 class _Sql:
@@ -1033,12 +1091,20 @@ class _Sql:
             "FROM tt, unnest($3::smallint[], $4::bytea[], $5::bytea[], $6::bytea[], "
             "$32::bigint[]) AS u (kind, id, session_id, body, n) JOIN cur USING (n) "
             "ON CONFLICT (tid, kind, id) DO NOTHING RETURNING 1), "
+            # An event's body without its prev_hash ($34; NULL: none) where the row before it
+            # keeps that as its row hash: a row of this statement ($35 NULL), or one found
+            # stored with it ($35); else its body as it is ($11).
             "e AS ("
             f"INSERT INTO {s}.events (tid, id, session_id, sequence_number, row_hash, body, "
-            "cursor) SELECT tt.tid, u.id, u.session_id, u.sequence_number, u.row_hash, u.body, "
+            "cursor) SELECT tt.tid, u.id, u.session_id, u.sequence_number, u.row_hash, "
+            "CASE WHEN u.apart IS NULL THEN u.body WHEN u.prev IS NULL THEN u.apart "
+            f"WHEN (SELECT p.row_hash FROM {s}.events AS p WHERE p.tid = tt.tid "
+            "AND p.session_id = u.session_id AND p.sequence_number = u.sequence_number - 1 "
+            "LIMIT 1) = u.prev THEN u.apart ELSE u.body END, "
             "cur.cursor FROM tt, unnest($7::bytea[], $8::bytea[], $9::bigint[], $10::bytea[], "
-            "$11::bytea[], $33::bigint[]) AS u (id, session_id, sequence_number, row_hash, "
-            "body, n) JOIN cur USING (n) ON CONFLICT DO NOTHING RETURNING 1), "
+            "$11::bytea[], $33::bigint[], $34::bytea[], $35::bytea[]) AS u (id, session_id, "
+            "sequence_number, row_hash, body, n, apart, prev) JOIN cur USING (n) "
+            "ON CONFLICT DO NOTHING RETURNING 1), "
             "x AS ("
             f"INSERT INTO {s}.sessions (tid, id, updated_at, body, ids_count) "
             "SELECT tt.tid, u.* FROM tt, unnest($12::bytea[], $13::text[], $14::bytea[], "
@@ -1119,9 +1185,10 @@ class _Sql:
             "OR SUM(octet_length(body) + 16 * COALESCE(ids_count, 0)) OVER w <= $5) AS within "
             "FROM (SELECT p.cursor, p.tid, p.record_id, x.ids_count, CASE p.kind "
             f"WHEN {_SESSION_KIND} THEN x.body "
-            f"WHEN {_EVENT_KIND} THEN (SELECT {_whole_body(s, 'e')} FROM {s}.events AS e "
+            f"WHEN {_EVENT_KIND} THEN (SELECT {_whole_body(s, 'e', '$6', True)} "
+            f"FROM {s}.events AS e "
             "WHERE e.tid = p.tid AND e.id = p.record_id) "
-            f"ELSE (SELECT {_whole_body(s, 'r')} FROM {s}.records AS r WHERE r.tid = p.tid "
+            f"ELSE (SELECT {_whole_body(s, 'r', '$6')} FROM {s}.records AS r WHERE r.tid = p.tid "
             "AND r.kind = p.kind AND r.id = p.record_id) END AS body "
             f"FROM {s}.feed AS p LEFT JOIN LATERAL (SELECT x.body, x.ids_count "
             f"FROM {s}.sessions AS x WHERE p.kind = {_SESSION_KIND} AND x.tid = p.tid "
@@ -1156,7 +1223,7 @@ class _Sql:
             f"WHERE x.tid = {_tid(s)}"
         )
         self.cascade_candidates = (
-            f"SELECT r.kind, r.id, {_whole_body(s, 'r')} FROM {s}.records AS r "
+            f"SELECT r.kind, r.id, {_whole_body(s, 'r', '$5')} FROM {s}.records AS r "
             f"WHERE r.tid = {_tid(s)} "
             "AND r.session_id = ANY($3::bytea[]) AND r.kind = ANY($4::smallint[])"
         )
@@ -1194,7 +1261,7 @@ class _Sql:
         self.push_write_function = _push_write_function(s, self.write)
         self.push_write = (
             f"SELECT * FROM {s}.{self.push_write_function[0]}("
-            + ", ".join(f"${n}" for n in range(1, 37))
+            + ", ".join(f"${n}" for n in range(1, 39))
             + ")"
         )
         # The store's own statistics of a young database (``ANALYZE_AT``).
@@ -1498,6 +1565,7 @@ class _PostgresTx:
         # (Every record, event and session of a push is the tenant's: apply_push refused any
         # other. The statement files them all under the tenant's number.)
         records: list[list[Any]] = [[], [], [], []]
+        packed_tenant = _packed(tenant)
         for r in writes.records:
             info = kind_of(r)
             if info.merge == "versioned" or info.server_placed:
@@ -1509,7 +1577,7 @@ class _PostgresTx:
                 _KIND_NUMBERS[info.name],
                 key,
                 session_key,
-                _short(writes.bodies.of(r), key, session_key),
+                _short(writes.bodies.of(r), key, session_key, packed_tenant),
             )
             for column, value in zip(records, row, strict=True):
                 column.append(value)
@@ -1541,6 +1609,7 @@ class _PostgresTx:
                 drops[0].append(_pg_key(x.id))
                 drops[1].append(lay.drop_from)
         cursors: list[int] = []
+        event_columns, apart = _event_columns(events, writes, packed_tenant)
         if records[0] or events or sessions or feed or writes.last_seq is not None:
             checked: tuple[int, int, int] | tuple[()] = ()
             statement = sql.write
@@ -1557,7 +1626,7 @@ class _PostgresTx:
                 tenant.org_id,
                 tenant.user_id,
                 *records,
-                *_event_columns(events, writes),
+                *event_columns,
                 [_pg_key(x.id) for x in sessions],
                 [x.updated_at for x in sessions],
                 [lay.body for lay in laid],
@@ -1574,6 +1643,7 @@ class _PostgresTx:
                 *drops,
                 [i + 1 for i in record_entries],
                 [i + 1 for i in event_entries],
+                *apart,
                 *checked,
             )
             if taken is None:
@@ -1618,7 +1688,7 @@ class _PostgresTx:
         ]
         deleted = [_pg_key(x.id) for x in sessions if x.deleted]
         cascade = [_KIND_NUMBERS[kind] for kind in CASCADE_KINDS]
-        rows = await conn.fetch(sql.cascade_candidates, *t, deleted, cascade)
+        rows = await conn.fetch(sql.cascade_candidates, *t, deleted, cascade, _packed(tenant))
         candidates = [decode_stored(KINDS[kind], _pg_id(key), body) for kind, key, body in rows]
         doomed = content_to_delete(sessions, candidates)
         if doomed:
@@ -1632,16 +1702,31 @@ class _PostgresTx:
                 await conn.execute(sql.delete_feed_by_id, *t, kinds, ids)
 
 
-def _event_columns(events: Sequence[Event], writes: BatchWrites) -> tuple[list[Any], ...]:
-    """``_Sql.write``'s event columns ($7 to $11): keys, sequence numbers, row hashes as the
-    columns keep them, and bodies without the ids their row holds (``_short``)."""
+def _event_columns(
+    events: Sequence[Event], writes: BatchWrites, tenant: bytes
+) -> tuple[tuple[list[Any], ...], tuple[list[bytes | None], list[bytes | None]]]:
+    """``_Sql.write``'s event columns ($7 to $11: keys, sequence numbers, row hashes as the
+    columns keep them, bodies as ``_short`` keeps them), and ($34, $35) each body without
+    its prev_hash too (``compact.prev_apart``; None: it keeps it) and that prev_hash, which
+    the row before it must keep as its row hash, None where that row is the event before it
+    in this batch (written by the same statement)."""
     ids, sessions = [_pg_key(e.id) for e in events], [_pg_key(e.session_id) for e in events]
-    bodies = [
-        _short(writes.bodies.of(e), key, session_key)
-        for e, key, session_key in zip(events, ids, sessions, strict=True)
-    ]
+    bodies: list[Any] = []
+    apart: list[bytes | None] = []
+    prevs: list[bytes | None] = []
+    last: dict[str, tuple[int, str]] = {}  # each session's last event of the batch so far
+    for e, key, session_key in zip(events, ids, sessions, strict=True):
+        stored = _short(writes.bodies.of(e), key, session_key, tenant)
+        prev = digest_bytes(e.prev_hash)
+        kept = None if prev is None else prev_apart(stored, prev)
+        bodies.append(stored)
+        apart.append(None if kept is stored else kept)
+        before = last.get(e.session_id) == (e.sequence_number - 1, e.prev_hash)
+        prevs.append(None if before else prev)
+        last[e.session_id] = (e.sequence_number, e.row_hash)
     hashes = [_pg_hash(e.row_hash) for e in events]
-    return ids, sessions, [e.sequence_number for e in events], hashes, bodies
+    columns = (ids, sessions, [e.sequence_number for e in events], hashes, bodies)
+    return columns, (apart, prevs)
 
 
 async def _fetch_write(conn: Any, known: bool, statement: str, *args: Any) -> Any:
@@ -2160,7 +2245,13 @@ class PostgresServerStore(AsyncResource):
         rows = await self._run(
             "pull failed",
             lambda conn: conn.fetch(
-                self._sql.pull, tenant.org_id, tenant.user_id, cursor, limit + 1, budget
+                self._sql.pull,
+                tenant.org_id,
+                tenant.user_id,
+                cursor,
+                limit + 1,
+                budget,
+                _packed(tenant),
             ),
             transaction=False,
         )
