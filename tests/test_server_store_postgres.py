@@ -421,11 +421,7 @@ def explain_queries(store: PostgresServerStore) -> dict[str, tuple[str, tuple[An
         ),
         "drop_cursors": (sql.drop_cursors, ("org-7", "user-7", [10, 20])),
         "compact": (sql.compact, ("org-1", "user-1", 100)),
-        # a deleted session's content: the feed rows by the cursors its records kept
-        "delete_feed": (
-            sql.delete_feed,
-            ("org-1", "user-1", [KINDS.index("Message")], [_pg_key("message-7")]),
-        ),
+        # a deleted session's content (its records' entries go with them)
         "delete_records": (
             sql.delete_records,
             ("org-1", "user-1", [KINDS.index("Message")], [_pg_key("message-7")]),
@@ -443,7 +439,8 @@ async def test_per_tenant_queries_are_index_scans() -> None:
     async with scratch_schema() as schema:
         async with pg_store(schema) as store, admin() as conn:
             s = schema
-            # 500 tenants x 40 feed entries; sessions, events and records to match.
+            # 500 tenants x 40 feed entries (sessions'; records and events are their own
+            # entries, at their cursors); sessions, events and records to match.
             await conn.execute(
                 f"""INSERT INTO {s}.tenants (org_id, user_id)
                 SELECT 'org-' || i, 'user-' || i FROM generate_series(0, 499) AS i"""
@@ -454,7 +451,7 @@ async def test_per_tenant_queries_are_index_scans() -> None:
                        {s}.pleach_kind(CASE WHEN i % 10 = 0 THEN 'Session' ELSE 'Message' END),
                        {s}.pleach_key(
                            CASE WHEN i % 10 = 0 THEN 'session-' ELSE 'message-' END || i)
-                FROM generate_series(1, 20000) AS i"""
+                FROM generate_series(1, 20000) AS i WHERE i % 10 = 0"""
             )
             await conn.execute(
                 f"""INSERT INTO {s}.clients (org_id, user_id, client_id, last_seq)
@@ -475,16 +472,16 @@ async def test_per_tenant_queries_are_index_scans() -> None:
             )
             await conn.execute(
                 f"""INSERT INTO {s}.events
-                    (id, session_id, sequence_number, tid, row_hash, body)
+                    (id, session_id, sequence_number, tid, row_hash, body, cursor)
                 SELECT {s}.pleach_key('event-' || i), {s}.pleach_key('session-' || (i % 5000)),
-                       i, {tid(s, "'org-1'", "'user-1'")}, 'h', ''
+                       i, {tid(s, "'org-1'", "'user-1'")}, 'h', '', 100000 + i
                 FROM generate_series(1, 20000) AS i"""
             )
             await conn.execute(
-                f"""INSERT INTO {s}.records (kind, id, tid, session_id, body)
+                f"""INSERT INTO {s}.records (kind, id, tid, session_id, body, cursor)
                 SELECT {s}.pleach_kind('Message'), {s}.pleach_key('message-' || i),
                        {tid(s, "'org-1'", "'user-1'")}, {s}.pleach_key('session-' || (i % 5000)),
-                       ''
+                       '', 200000 + i
                 FROM generate_series(1, 20000) AS i"""
             )
             await conn.execute(
@@ -606,21 +603,22 @@ async def test_plans_do_not_depend_on_a_tenants_size() -> None:
                 UNION ALL SELECT 'org-big', 'user-big'"""
             )
             for table, columns, select in (
-                (
+                (  # (sessions' entries; a record and an event are their own, at their cursor)
                     "feed",
                     "tid, kind, record_id",
-                    "TID, {s}.pleach_kind('Message'), {s}.pleach_key('message-' || i)",
+                    "TID, {s}.pleach_kind('Session'), {s}.pleach_key('session-' || i)",
                 ),
                 (
                     "records",
-                    "kind, id, tid, session_id, body",
+                    "kind, id, tid, session_id, body, cursor",
                     "{s}.pleach_kind('Message'), {s}.pleach_key('message-' || i), TID, "
-                    "{s}.pleach_key('session-7'), ''",
+                    "{s}.pleach_key('session-7'), '', 100000 + i",
                 ),
                 (
                     "events",
-                    "id, session_id, sequence_number, tid, row_hash, body",
-                    "{s}.pleach_key('event-' || i), {s}.pleach_key('session-7'), i, TID, 'h', ''",
+                    "id, session_id, sequence_number, tid, row_hash, body, cursor",
+                    "{s}.pleach_key('event-' || i), {s}.pleach_key('session-7'), i, TID, 'h', '', "
+                    "200000 + i",
                 ),
                 (
                     "audit_places",
@@ -2027,11 +2025,12 @@ async def test_an_event_leaves_out_the_prev_hash_the_row_before_it_keeps(pg_sche
 
 
 async def test_schema_14_migrates_to_short_bodies_and_row_hashes_as_bytes() -> None:
-    """Rows a schema 14 store wrote (whole bodies, row hashes as hex text, the feed keyed by
-    cursor beside its index by tenant) read as before after migration 15: each tenant's pull
-    gives the same records under the same cursors, a session's events and a device's audit
-    rows chain on from the row hashes kept, the rows written after keep short bodies and
-    32-byte hashes, and the feed is keyed by tenant and cursor alone."""
+    """Rows a schema 14 store wrote (whole bodies, row hashes as hex text, an entry in the
+    feed for every record and event, the feed keyed by cursor beside its index by tenant)
+    read as before after migration 15: each tenant's pull gives the same records under the
+    same cursors, a session's events and a device's audit rows chain on from the row hashes
+    kept, the rows written after keep short bodies and 32-byte hashes, and the feed holds
+    sessions' entries alone, keyed by tenant and cursor."""
     clock = HybridClock("server-x")
     async with scratch_schema() as s:
         async with pg_store(s) as store:
@@ -2078,6 +2077,8 @@ async def test_schema_14_migrates_to_short_bodies_and_row_hashes_as_bytes() -> N
                 "SELECT indexname FROM pg_indexes WHERE schemaname = $1 AND tablename = 'feed'", s
             )
             assert {r[0] for r in indexes} == {"feed_pkey", "feed_session"}
+            kinds = await conn.fetch(f"SELECT DISTINCT kind FROM {s}.feed")
+            assert [r[0] for r in kinds] == [KINDS.index("Session")]  # (records: their own)
 
 
 def audit_rows(feed: list[Any]) -> list[AuditRow]:
@@ -2147,9 +2148,10 @@ async def test_schema_8_migrates_ids_to_keys_and_kinds_to_numbers() -> None:
 
 async def as_schema_14(conn: Any, s: str, tenants: Iterable[Tenant]) -> None:
     """Take schema ``s`` back to what version 14 kept (migration 15 undone) for ``tenants``'
-    rows: whole bodies, row hashes as hex text, the feed keyed by cursor with its index by
-    tenant. (The functions stay: migration 15 makes ``lock_last_seq_load`` again whatever
-    it was.)"""
+    rows: whole bodies, row hashes as hex text, an entry in the feed for every record and
+    event (at the cursor it keeps), the feed keyed by cursor with its index by tenant.
+    (The functions stay: migration 15 makes ``lock_last_seq_load`` again whatever it
+    was.)"""
     for tenant in tenants:
         t = f"(SELECT tid FROM {s}.tenants WHERE org_id = $2 AND user_id = $3)"
         args = (_packed(tenant), tenant.org_id, tenant.user_id)
@@ -2166,6 +2168,12 @@ async def as_schema_14(conn: Any, s: str, tenants: Iterable[Tenant]) -> None:
             *args,
         )
     await conn.execute(
+        f"INSERT INTO {s}.feed (cursor, tid, kind, record_id) OVERRIDING SYSTEM VALUE "
+        f"SELECT cursor, tid, kind, id FROM {s}.records WHERE cursor IS NOT NULL "
+        f"UNION ALL SELECT cursor, tid, {KINDS.index('Event')}, id FROM {s}.events "
+        "WHERE cursor IS NOT NULL; "
+        f"DROP INDEX {s}.records_cursor; "
+        f"DROP INDEX {s}.events_cursor; "
         f"ALTER TABLE {s}.events ALTER COLUMN row_hash TYPE text "
         "USING encode(row_hash, 'hex'); "
         f"ALTER TABLE {s}.audit_places ALTER COLUMN row_hash TYPE text "
@@ -2243,12 +2251,10 @@ async def test_schema_13_migrates_to_records_that_keep_their_feed_cursor() -> No
         async with admin() as conn:
             (cursor,) = later.cursors
             assert await conn.fetchval(f"SELECT max(cursor) FROM {s}.records") == cursor
-            for table in ("records", "events"):  # every row with a cursor has its entry there
-                assert not await conn.fetch(
-                    f"SELECT r.cursor FROM {s}.{table} AS r WHERE r.cursor IS NOT NULL "
-                    f"AND NOT EXISTS (SELECT 1 FROM {s}.feed AS f WHERE f.cursor = r.cursor "
-                    "AND f.record_id = r.id)"
-                )
+            # (since schema 15 a record and an event are their own entries: the feed holds
+            # sessions' alone)
+            kinds = await conn.fetch(f"SELECT DISTINCT kind FROM {s}.feed")
+            assert [r[0] for r in kinds] == [KINDS.index("Session")]
             indexes = await conn.fetch(
                 "SELECT indexname FROM pg_indexes WHERE schemaname = $1 AND tablename = 'feed'", s
             )
@@ -2335,8 +2341,9 @@ async def test_a_new_database_analyzes_its_tables_so_pushes_use_the_indexes() ->
     tables: they read ``records`` and ``feed`` whole (measured: a push of nine changes went
     from 4 to 20 ms over the first 2,400). Once the feed passes ``ANALYZE_AT[0]`` the store
     analyzes its tables, which makes every connection plan again: its pushes then read
-    those tables only by their indexes. Without the analysis (``ANALYZE_AT`` empty) they
-    still scan them, each push of nine changes nine times."""
+    ``records`` only by its indexes. Without the analysis (``ANALYZE_AT`` empty) they still
+    scan it, each push of nine changes nine times. (Since schema 15 the feed holds sessions'
+    entries alone, here one, which a scan reads best.)"""
     clock = HybridClock("server-x")
     async with scratch_schema() as schema:
         async with pg_store(schema, pool_min=1, pool_max=1) as store:  # one connection
@@ -2361,7 +2368,7 @@ async def test_a_new_database_analyzes_its_tables_so_pushes_use_the_indexes() ->
             for _ in range(10):
                 await push_nine()
             after = await _scans(store, schema)
-            for table in ("records", "feed"):
+            for table in ("records",):
                 seq = after[table][0] - before[table][0]
                 index = after[table][1] - before[table][1]
                 assert (seq, index > 0) == (0, True), (table, seq, index)

@@ -701,16 +701,19 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         f"CREATE INDEX feed_session ON {{s}}.feed (tid, record_id) WHERE kind = {_SESSION_KIND}",
         "ANALYZE {s}.records, {s}.events, {s}.feed",
     ),
-    # 15: fewer bytes a row, as the SQLite store keeps them. The feed is keyed by tenant and
-    # cursor (its index by tenant was a second copy of the key; every statement that names a
-    # cursor names its tenant). A chain's row hash is its 32 bytes (``_pg_hash``), not 64
-    # hex characters. A message's, a checkpoint's and an event's body leaves out the ids its
-    # row holds and its tenant, and an event's its prev_hash where the row before it keeps
-    # that as its row hash (``_short``, ``compact.prev_apart``; ``pleach_whole`` puts them
-    # back as a statement reads the body). ``lock_last_seq_load`` answers the row hashes as
-    # bytes. As in version 10,
-    # the rewritten tables leave their old rows to ``VACUUM``; the rows written before keep
-    # their whole bodies, which read as they are.
+    # 15: fewer rows and fewer bytes a row. A record and an event are their own feed entries,
+    # at the cursor each keeps (version 14), found by tenant and cursor (``records_cursor``,
+    # ``events_cursor``; ``_page`` merges them with the feed's): the feed keeps sessions'
+    # entries alone, keyed by tenant and cursor (its index by tenant was a second copy of the
+    # key; every statement that names a cursor names its tenant). A row written with no
+    # cursor by a process of a build before 14 takes its entry's first. A chain's row hash
+    # is its 32 bytes (``_pg_hash``), not 64 hex characters. A message's, a checkpoint's and
+    # an event's body leaves out the ids its row holds and its tenant, and an event's its
+    # prev_hash where the row before it keeps that as its row hash (``_short``,
+    # ``compact.prev_apart``; ``pleach_whole`` puts them back as a statement reads the body).
+    # ``lock_last_seq_load`` answers the row hashes as bytes. As in version 10, the
+    # rewritten tables leave their old rows to ``VACUUM``; the rows written before keep their
+    # whole bodies, which read as they are.
     (
         "ALTER TABLE {s}.feed DROP CONSTRAINT feed_pkey, ADD PRIMARY KEY (tid, cursor)",
         "DROP INDEX {s}.feed_tenant",
@@ -721,7 +724,15 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         _PLEACH_WHOLE,
         "DROP FUNCTION {s}.lock_last_seq_load",
         _lock_last_seq_load_step,
-        "ANALYZE {s}.feed, {s}.events, {s}.audit_places",
+        "UPDATE {s}.records AS r SET cursor = f.cursor FROM {s}.feed AS f "
+        "WHERE r.cursor IS NULL AND f.tid = r.tid AND f.kind = r.kind AND f.record_id = r.id",
+        "UPDATE {s}.events AS e SET cursor = f.cursor FROM {s}.feed AS f "
+        f"WHERE e.cursor IS NULL AND f.tid = e.tid AND f.kind = {_EVENT_KIND} "
+        "AND f.record_id = e.id",
+        f"DELETE FROM {{s}}.feed WHERE kind <> {_SESSION_KIND}",
+        "CREATE INDEX records_cursor ON {s}.records (tid, cursor) WHERE cursor IS NOT NULL",
+        "CREATE INDEX events_cursor ON {s}.events (tid, cursor) WHERE cursor IS NOT NULL",
+        "ANALYZE {s}.feed, {s}.records, {s}.events, {s}.audit_places",
     ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
@@ -940,17 +951,34 @@ def _last_event(s: str, key: str, tid: str | None = None) -> str:
 def _max_cursor(s: str, tid: str | None = None) -> str:
     """The tenant's highest feed cursor (0 when it has none).
 
-    Written as the first row of ``feed_tenant`` backwards, never as ``MAX(cursor)``: the
-    planner estimates a tenant's rows from the whole table's statistics, so for a tenant far
-    larger than the average it planned ``MAX`` as an aggregate over every entry the tenant
-    has, or as a walk back along the primary key past everyone else's, which took 40-80 ms a
-    call at 300,000 entries (docs/POSTGRES.md). Ordered as the index is, with ``LIMIT 1``, it
-    is one probe whatever the estimates.
+    Each of its three places (since version 15: the feed's session entries, and the records
+    and the events at their cursors) read as the first row of its index backwards, never as
+    ``MAX(cursor)``: the planner estimates a tenant's rows from the whole table's
+    statistics, so for a tenant far larger than the average it planned ``MAX`` as an
+    aggregate over every entry the tenant has, or as a walk back along the primary key past
+    everyone else's, which took 40-80 ms a call at 300,000 entries (docs/POSTGRES.md).
+    Ordered as the index is, with ``LIMIT 1``, each is one probe whatever the estimates.
     """
+    t = tid or _tid(s)
     return (
-        f"COALESCE((SELECT cursor FROM {s}.feed WHERE tid = {tid or _tid(s)} "
-        "ORDER BY tid DESC, cursor DESC LIMIT 1), 0)"
+        "GREATEST("
+        + ", ".join(
+            f"COALESCE((SELECT cursor FROM {s}.{table} WHERE tid = {t}{kept} "
+            "ORDER BY tid DESC, cursor DESC LIMIT 1), 0)"
+            for table, kept in _CURSOR_PLACES
+        )
+        + ")"
     )
+
+
+_CURSOR_PLACES: Final = (
+    ("feed", ""),
+    ("records", " AND cursor IS NOT NULL"),
+    ("events", " AND cursor IS NOT NULL"),
+)
+"""Where a tenant's feed cursors are (schema 15): the feed (sessions' entries), and the
+records and events at the cursors they keep (``records_cursor``, ``events_cursor``: partial
+indexes, a row whose entry has gone keeping none), each with the condition its index has."""
 
 
 def _floor(s: str) -> str:
@@ -961,6 +989,25 @@ def _audit_tail(s: str, key: str, tid: str | None = None) -> str:
     return (
         f"SELECT sequence_number, row_hash FROM {s}.audit_places WHERE tid = {tid or _tid(s)} "
         f"AND client_id = {key} ORDER BY sequence_number DESC, id DESC LIMIT 1"
+    )
+
+
+def _page(s: str) -> str:
+    """SQL: the tenant's first ``$4`` entries after cursor ``$3``, in cursor order, merged from
+    the three places a cursor is kept (``_CURSOR_PLACES``), each read along its index from
+    there: ``cursor``, ``place`` (0 the feed, 1 the records, 2 the events), ``tid``,
+    ``record_id`` (a session entry's) and ``row`` (the row of a record's or an event's, which
+    the pull reads its body from)."""
+    t = _tid(s)
+    return (
+        "SELECT * FROM ("
+        f"(SELECT cursor, 0 AS place, tid, record_id, NULL::tid AS row FROM {s}.feed "
+        f"WHERE tid = {t} AND cursor > $3 ORDER BY tid, cursor LIMIT $4) "
+        f"UNION ALL (SELECT cursor, 1, tid, NULL, ctid FROM {s}.records WHERE tid = {t} "
+        "AND cursor IS NOT NULL AND cursor > $3 ORDER BY tid, cursor LIMIT $4) "
+        f"UNION ALL (SELECT cursor, 2, tid, NULL, ctid FROM {s}.events WHERE tid = {t} "
+        "AND cursor IS NOT NULL AND cursor > $3 ORDER BY tid, cursor LIMIT $4)"
+        ") AS u ORDER BY cursor LIMIT $4"
     )
 
 
@@ -1130,14 +1177,16 @@ class _Sql:
             f"INSERT INTO {s}.audit_places (tid, client_id, sequence_number, row_hash, id) "
             "SELECT tt.tid, u.* FROM tt, unnest($17::text[], $18::bigint[], $19::bytea[], "
             "$20::bytea[]) AS u ON CONFLICT DO NOTHING RETURNING 1), "
-            # The feed rows ($21 kinds, $22 ids): the cursors, paired in increasing order with
-            # the rows in their given order (WITH ORDINALITY).
+            # The feed's entries ($21 kinds, $22 ids): the cursors, paired in increasing order
+            # with the entries in their given order (WITH ORDINALITY). A session's is a row of
+            # the feed; a record's and an event's is its own row, at the cursor it keeps
+            # (since version 15: ``_page``).
             f"f AS (INSERT INTO {s}.feed (cursor, tid, kind, record_id) "
             "OVERRIDING SYSTEM VALUE "
             "SELECT cur.cursor, tt.tid, r.kind, r.record_id "
             "FROM tt, unnest($21::smallint[], $22::bytea[]) "
             "WITH ORDINALITY AS r (kind, record_id, n) JOIN cur USING (n) "
-            "RETURNING cursor), "
+            f"WHERE r.kind = {_SESSION_KIND} RETURNING cursor), "
             # The entries the new ones supersede: the earlier entries of the sessions in $23
             # (this DELETE sees the feed as it was before the statement, so never the rows f
             # adds; see migration 6).
@@ -1149,10 +1198,10 @@ class _Sql:
             "n AS (SELECT pg_notify('" + NOTIFY_CHANNEL + "', json_build_object("
             "'schema', $24::text, 'org', $1::text, 'user', $2::text, "
             "'from', min(cursor) - 1, 'to', max(cursor), 'server', $25::text)::text) "
-            "FROM f HAVING count(*) > 0) "
+            "FROM cur HAVING count(*) > 0) "
             "SELECT (SELECT count(*) FROM r), (SELECT count(*) FROM e), "
             "(SELECT count(*) FROM x), (SELECT count(*) FROM c), (SELECT count(*) FROM p), "
-            "(SELECT array_agg(cursor) FROM f), (SELECT count(*) FROM n)"
+            "(SELECT array_agg(cursor) FROM cur), (SELECT count(*) FROM n)"
         )
         # A session written twice by one batch: its earlier entries of the batch, by their
         # cursors ($3), which this push's own feed rows took in this transaction: a probe of
@@ -1183,23 +1232,25 @@ class _Sql:
             ") AS fl LEFT JOIN LATERAL ("
             "SELECT cursor, tid, record_id, body, ids_count, (ROW_NUMBER() OVER w = 1 "
             "OR SUM(octet_length(body) + 16 * COALESCE(ids_count, 0)) OVER w <= $5) AS within "
-            "FROM (SELECT p.cursor, p.tid, p.record_id, x.ids_count, CASE p.kind "
-            f"WHEN {_SESSION_KIND} THEN x.body "
-            f"WHEN {_EVENT_KIND} THEN (SELECT {_whole_body(s, 'e', '$6', True)} "
-            f"FROM {s}.events AS e "
-            "WHERE e.tid = p.tid AND e.id = p.record_id) "
-            f"ELSE (SELECT {_whole_body(s, 'r', '$6')} FROM {s}.records AS r WHERE r.tid = p.tid "
-            "AND r.kind = p.kind AND r.id = p.record_id) END AS body "
-            f"FROM {s}.feed AS p LEFT JOIN LATERAL (SELECT x.body, x.ids_count "
-            f"FROM {s}.sessions AS x WHERE p.kind = {_SESSION_KIND} AND x.tid = p.tid "
-            "AND x.id = p.record_id LIMIT 1) AS x ON true "
-            f"WHERE p.tid = {_tid(s)} AND p.cursor > $3 "
-            "ORDER BY p.cursor LIMIT $4) AS page "
+            "FROM (SELECT p.cursor, p.tid, p.record_id, x.ids_count, CASE p.place "
+            f"WHEN 0 THEN x.body "
+            f"WHEN 2 THEN (SELECT {_whole_body(s, 'e', '$6', True)} "
+            f"FROM {s}.events AS e WHERE e.ctid = p.row) "
+            f"ELSE (SELECT {_whole_body(s, 'r', '$6')} FROM {s}.records AS r "
+            "WHERE r.ctid = p.row) END AS body "
+            f"FROM ({_page(s)}) AS p LEFT JOIN LATERAL (SELECT x.body, x.ids_count "
+            f"FROM {s}.sessions AS x WHERE p.place = 0 AND x.tid = p.tid "
+            "AND x.id = p.record_id LIMIT 1) AS x ON true) AS page "
             "WINDOW w AS (ORDER BY cursor ROWS UNBOUNDED PRECEDING)) AS f ON true"
         )
         self.retain_cursor = (
-            f"SELECT cursor FROM {s}.feed WHERE tid = {_tid(s)} "
-            "ORDER BY cursor DESC LIMIT 1 OFFSET $3"
+            "SELECT cursor FROM ("
+            + " UNION ALL ".join(
+                f"(SELECT cursor FROM {s}.{table} WHERE tid = {_tid(s)}{kept} "
+                "ORDER BY tid DESC, cursor DESC LIMIT $3 + 1)"
+                for table, kept in _CURSOR_PLACES
+            )
+            + ") AS u ORDER BY cursor DESC LIMIT 1 OFFSET $3"
         )
         # Log compaction: only versions superseded by a later entry of the same record go
         # (only a session has more than one entry: migration 14).
@@ -1231,19 +1282,13 @@ class _Sql:
         # into a walk along the tenant's records, as a generic plan of one did).
         doomed = (
             "unnest($3::smallint[], $4::bytea[]) AS k (kind, id) CROSS JOIN LATERAL ("
-            f"SELECT r.ctid, r.cursor FROM {s}.records AS r WHERE r.tid = {_tid(s)} "
+            f"SELECT r.ctid FROM {s}.records AS r WHERE r.tid = {_tid(s)} "
             "AND r.kind = k.kind AND r.id = k.id LIMIT 1) AS x"
         )
+        # (A record is its own feed entry, at the cursor it keeps, since version 15: it leaves
+        # the feed with its row.)
         self.delete_records = (
-            f"DELETE FROM {s}.records WHERE ctid = ANY(ARRAY(SELECT x.ctid FROM {doomed})) "
-            "RETURNING kind, id, cursor"
-        )
-        self.delete_feed = _delete_by_cursor(s, doomed)
-        # The entries of records that kept no cursor (written by a process of the build
-        # before, still running after migration 14): by kind and id, along the tenant's feed.
-        self.delete_feed_by_id = (
-            f"DELETE FROM {s}.feed AS f USING unnest($3::smallint[], $4::bytea[]) AS k (kind, id) "
-            f"WHERE f.tid = {_tid(s)} AND f.kind = k.kind AND f.record_id = k.id"
+            f"DELETE FROM {s}.records WHERE ctid = ANY(ARRAY(SELECT x.ctid FROM {doomed}))"
         )
         self.lock_tenant = "SELECT pg_advisory_xact_lock($1)"
         self.lock_tenant_last_seq = f"SELECT {s}.lock_tenant_last_seq($1, $2, $3, $4)"
@@ -1694,12 +1739,7 @@ class _PostgresTx:
         if doomed:
             kinds = [_KIND_NUMBERS[kind] for kind, _ in doomed]
             ids = [_pg_key(record_id) for _, record_id in doomed]
-            await conn.execute(sql.delete_feed, *t, kinds, ids)
-            gone = await conn.fetch(sql.delete_records, *t, kinds, ids)
-            uncounted = [(kind, key) for kind, key, cursor in gone if cursor is None]
-            if uncounted:
-                kinds, ids = [k for k, _ in uncounted], [key for _, key in uncounted]
-                await conn.execute(sql.delete_feed_by_id, *t, kinds, ids)
+            await conn.execute(sql.delete_records, *t, kinds, ids)
 
 
 def _event_columns(

@@ -485,29 +485,27 @@ def server_file_problems(path: Path) -> list[str]:
 
 
 async def postgres_layout_problems(store: Any) -> list[str]:
-    """The same of a PostgreSQL store's schema (version 14): every feed entry of a record or
-    an event has that row with its cursor, and every row with a cursor has its entry there."""
-    s, session, event = store.schema, KINDS.index("Session"), KINDS.index("Event")
+    """The same of a PostgreSQL store's schema (version 15): the feed holds sessions' entries
+    alone, each with its session's row (a record and an event are their own entries, at the
+    cursor each keeps), and no cursor of a tenant is in two places."""
+    s, session = store.schema, KINDS.index("Session")
     async with store._pool.acquire() as conn:
-        orphans = await conn.fetch(
-            f"SELECT f.cursor, f.kind FROM {s}.feed AS f WHERE f.kind <> $1 AND NOT EXISTS ("
-            f"SELECT 1 FROM {s}.records AS r WHERE r.cursor = f.cursor AND r.tid = f.tid "
-            "AND r.kind = f.kind AND r.id = f.record_id) AND NOT EXISTS ("
-            f"SELECT 1 FROM {s}.events AS e WHERE f.kind = $2 AND e.cursor = f.cursor "
-            "AND e.tid = f.tid AND e.id = f.record_id) LIMIT 5",
-            session,
-            event,
+        astray = await conn.fetch(
+            f"SELECT f.cursor, f.kind FROM {s}.feed AS f WHERE f.kind <> $1 LIMIT 5", session
         )
-        problems = [
-            f"feed-orphan: entry {c} ({KINDS[k]}) has no row with its cursor" for c, k in orphans
-        ]
-        for table in ("records", "events"):
-            unfed = await conn.fetch(
-                f"SELECT r.cursor FROM {s}.{table} AS r WHERE r.cursor IS NOT NULL AND NOT EXISTS ("
-                f"SELECT 1 FROM {s}.feed AS f WHERE f.cursor = r.cursor AND f.tid = r.tid "
-                "AND f.record_id = r.id) LIMIT 5"
-            )
-            problems += [f"row-unfed: a {table} row keeps cursor {c}, no entry's" for (c,) in unfed]
+        problems = [f"feed-kind: entry {c} ({KINDS[k]}) is in the feed" for c, k in astray]
+        orphans = await conn.fetch(
+            f"SELECT f.cursor FROM {s}.feed AS f WHERE NOT EXISTS (SELECT 1 FROM {s}.sessions "
+            "AS x WHERE x.tid = f.tid AND x.id = f.record_id) LIMIT 5"
+        )
+        problems += [f"feed-orphan: entry {c} has no session row" for (c,) in orphans]
+        twice = await conn.fetch(
+            f"SELECT tid, cursor FROM (SELECT tid, cursor FROM {s}.feed UNION ALL "
+            f"SELECT tid, cursor FROM {s}.records WHERE cursor IS NOT NULL UNION ALL "
+            f"SELECT tid, cursor FROM {s}.events WHERE cursor IS NOT NULL) AS u "
+            "GROUP BY tid, cursor HAVING count(*) > 1 LIMIT 5"
+        )
+        problems += [f"cursor-twice: tenant {t} has cursor {c} twice" for t, c in twice]
     return problems
 
 
