@@ -40,11 +40,16 @@ bytes, any other id as its text behind a marker) and kinds as their numbers (the
 statement from its org and user ids.
 
 - ``sessions``: one row per session id, its msgpack body.
-- ``records``: immutable records (messages, checkpoints, audit rows, artifact updates).
-- ``events``: canonical events; ``(session_id, sequence_number)`` is unique.
-- ``feed``: every applied change per tenant under a global monotonic ``cursor``, by kind and
-  id (a pull reads each body from its row); a session keeps one entry, its latest version's.
-  ``feed_tenant (tid, cursor)`` serves pulls and head lookups.
+- ``records``: immutable records (messages, checkpoints, audit rows, artifact updates), each
+  at the feed cursor it was given (``cursor``; ``records_cursor (tid, cursor)``), a message's,
+  a checkpoint's body without what its row holds (version 15, ``pleach_whole``).
+- ``events``: canonical events; ``(session_id, sequence_number)`` is unique; each at its
+  cursor too (``events_cursor``), its body without its ids, its tenant and (where the row
+  before it keeps it) its ``prev_hash``; ``row_hash`` as its 32 bytes.
+- ``feed``: every applied change per tenant takes a cursor from one sequence; a session's
+  entry is a row here (a session keeps one, its latest version's), a record's and an event's
+  is its own row (version 15). A pull merges the three by cursor (``_page``); the feed is
+  keyed by ``(tid, cursor)``.
 - ``tenants``: each tenant's number (``tid``) by its ``(org_id, user_id)``.
 - ``clients``: ``last_seq`` per ``(tenant, client_id)``.
 - ``meta``: the feed floor per tenant.
@@ -262,7 +267,7 @@ def _pg_hash_text(value: bytes) -> str:
 _PLEACH_WHOLE = (
     "CREATE FUNCTION {s}.pleach_whole(b bytea, k bytea, sk bytea, t bytea, prev bytea) "
     "RETURNS bytea LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT CASE "
-    "WHEN octet_length(b) < 4 OR get_byte(b, 0) <> 193 THEN b "
+    "WHEN octet_length(b) < 4 THEN b WHEN get_byte(b, 0) <> 193 THEN b "
     "WHEN get_byte(b, 1) BETWEEN 144 AND 157 THEN "
     "{s}.pleach_head(get_byte(b, 1), 2) || substr(b, 3, 1) || '\\xd801'::bytea "
     "|| k || '\\xd801'::bytea || sk || substr(b, 4) "
@@ -1205,7 +1210,7 @@ class _Sql:
         )
         # A session written twice by one batch: its earlier entries of the batch, by their
         # cursors ($3), which this push's own feed rows took in this transaction: a probe of
-        # the feed's key (tenant, cursor) each (since version 15; ``_by_cursor``).
+        # the feed's key (tenant, cursor) each (since version 15; ``_delete_by_cursor``).
         self.drop_cursors = _delete_by_cursor(s, "unnest($3::bigint[]) AS x (cursor)")
         self.head = f"SELECT GREATEST({_max_cursor(s)}, {_floor(s)})"
         self.client_state = (
