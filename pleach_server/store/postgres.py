@@ -221,19 +221,12 @@ _PLEACH_KIND = (
 
 def _pg_key(record_id: str) -> bytes:
     """``pleach_key`` in Python: how the columns keep an id (schema 9)."""
-    key = uuid_bytes(record_id)
-    if key is not None:
-        return key
-    text = record_id.encode()
-    return (_LONG_MARK if len(text) == 15 else _MARK) + text
+    return _marked(uuid_bytes(record_id), record_id, 16)
 
 
 def _pg_id(key: bytes) -> str:
     """The id a column's key stands for (``_pg_key`` reversed)."""
-    key = bytes(key)
-    if len(key) == 16:
-        return uuid_text(key)
-    return key[len(_LONG_MARK) if len(key) == 17 and key[1] == 0xFF else len(_MARK) :].decode()
+    return _unmarked(key, 16, uuid_text)
 
 
 _HASH_SQL: Final = (
@@ -247,21 +240,32 @@ _HASH_SQL: Final = (
 def _pg_hash(row_hash: str) -> bytes:
     """How the columns keep a chain's row hash (schema 15): a digest (64 lowercase hex
     characters, as every chain makes it) as its 32 bytes, any other text behind the marks
-    of ``_pg_key`` (one, or two when the text is 31 bytes long), so that no other text is
-    32 bytes and no two texts share one."""
-    digest = digest_bytes(row_hash)
-    if digest is not None:
-        return digest
-    text = row_hash.encode()
-    return (_LONG_MARK if len(text) == 31 else _MARK) + text
+    of ``_pg_key``, so that no other text is 32 bytes and no two texts share one."""
+    return _marked(digest_bytes(row_hash), row_hash, 32)
 
 
 def _pg_hash_text(value: bytes) -> str:
     """The row hash a column keeps (``_pg_hash`` reversed)."""
+    return _unmarked(value, 32, bytes.hex)
+
+
+def _marked(value: bytes | None, text: str, size: int) -> bytes:
+    """``value`` (``size`` bytes: what ``text`` is when it is of the column's one form), or
+    ``text``'s UTF-8 behind 0xFF (a byte UTF-8 never holds), behind two when it is
+    ``size - 1`` bytes long, so that no such text is ``size`` bytes and no two share one."""
+    if value is not None:
+        return value
+    encoded = text.encode()
+    return (_LONG_MARK if len(encoded) == size - 1 else _MARK) + encoded
+
+
+def _unmarked(value: bytes, size: int, form: Callable[[bytes], str]) -> str:
+    """The text ``_marked`` kept as ``value`` (``form`` of it when it is ``size`` bytes)."""
     value = bytes(value)
-    if len(value) == 32:
-        return value.hex()
-    return value[len(_LONG_MARK) if len(value) == 33 and value[1] == 0xFF else 1 :].decode()
+    if len(value) == size:
+        return form(value)
+    long = len(value) == size + 1 and value[1] == 0xFF
+    return value[len(_LONG_MARK) if long else len(_MARK) :].decode()
 
 
 _PLEACH_WHOLE = (
