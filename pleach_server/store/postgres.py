@@ -294,7 +294,7 @@ made longer again); any other body as it is (one too short for its form too). NU
 ``prev`` is needed and NULL."""
 _PLEACH_HEAD = (
     "CREATE FUNCTION {s}.pleach_head(code integer, more integer) RETURNS bytea "
-    "LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$ SELECT CASE "
+    "LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT CASE "
     "WHEN code NOT BETWEEN 144 AND 159 THEN set_byte('\\x00'::bytea, 0, 143 + more) "
     "WHEN code + more <= 159 THEN set_byte('\\x00'::bytea, 0, code + more) "
     "ELSE ''::bytea END $$"
@@ -304,7 +304,7 @@ as SQLite's lookup finds it: a byte that is no fixarray header reads as position
 header past 15 values as none)."""
 _PLEACH_CUT = (
     "CREATE FUNCTION {s}.pleach_cut(b bytea) RETURNS integer "
-    "LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$ SELECT octet_length(b) - 35 - CASE "
+    "LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT octet_length(b) - 35 - CASE "
     "WHEN substr(b, octet_length(b) - 35, 3) = '\\xc72002'::bytea "
     "AND substr(b, octet_length(b), 1) IN ('\\xc2'::bytea, '\\xc3'::bytea) THEN 1 "
     "ELSE 0 END $$"
@@ -1031,19 +1031,26 @@ def _delete_by_cursor(s: str, cursors: str) -> str:
     )
 
 
-def _whole_body(s: str, row: str, tenant: str, event: bool = False) -> str:
-    """SQL: the body of the records' (or, ``event``, the events') row ``row`` as its record
-    was written (``pleach_whole``: schema 15 keeps it without what its row holds);
-    ``tenant``: the parameter of ``_packed``. An event body without its ``prev_hash`` reads
-    the row hash of the row before it (one probe of ``events_place``, for those alone)."""
-    prev = "NULL::bytea"
-    if event:
-        prev = (
-            f"CASE WHEN substr({row}.body, 1, 2) = '\\xc110'::bytea THEN (SELECT p.row_hash "
-            f"FROM {s}.events AS p WHERE p.tid = {row}.tid AND p.session_id = {row}.session_id "
-            f"AND p.sequence_number = {row}.sequence_number - 1 LIMIT 1) END"
-        )
+def _whole_body(s: str, row: str, tenant: str, prev: str = "NULL::bytea") -> str:
+    """SQL: the body of the records' or the events' row ``row`` as its record was written
+    (``pleach_whole``: schema 15 keeps it without what its row holds); ``tenant``: the
+    parameter of ``_packed``; ``prev``: for an event, the row hash of the row before it
+    (``_row_before``). Each argument a column or a parameter, so that PostgreSQL inlines
+    the function into the statement (an argument holding a subquery kept it a call of its
+    own, about 0.1 ms a row)."""
     return f"{s}.pleach_whole({row}.body, {row}.id, {row}.session_id, {tenant}, {prev})"
+
+
+def _row_before(s: str, row: str) -> str:
+    """SQL: a join of the row hash of the events' row before ``row`` in its session
+    (``prev.row_hash``), for a body stored without its ``prev_hash`` alone (form 16): one
+    probe of ``events_place``."""
+    return (
+        f"LEFT JOIN LATERAL (SELECT p.row_hash FROM {s}.events AS p "
+        f"WHERE substr({row}.body, 1, 2) = '\\xc110'::bytea AND p.tid = {row}.tid "
+        f"AND p.session_id = {row}.session_id AND p.sequence_number = {row}.sequence_number - 1 "
+        "LIMIT 1) AS prev ON true"
+    )
 
 
 class _Sql:
@@ -1243,13 +1250,13 @@ class _Sql:
             "OR SUM(octet_length(body) + 16 * COALESCE(ids_count, 0)) OVER w <= $5) AS within "
             "FROM (SELECT p.cursor, p.tid, p.record_id, x.ids_count, CASE p.place "
             f"WHEN 0 THEN x.body "
-            f"WHEN 2 THEN (SELECT {_whole_body(s, 'e', '$6', True)} "
-            f"FROM {s}.events AS e WHERE e.ctid = p.row) "
+            f"WHEN 2 THEN (SELECT {_whole_body(s, 'e', '$6', 'prev.row_hash')} "
+            f"FROM {s}.events AS e {_row_before(s, 'e')} WHERE e.ctid = p.row) "
             f"ELSE (SELECT {_whole_body(s, 'r', '$6')} FROM {s}.records AS r "
             "WHERE r.ctid = p.row) END AS body "
             f"FROM ({_page(s)}) AS p LEFT JOIN LATERAL (SELECT x.body, x.ids_count "
             f"FROM {s}.sessions AS x WHERE p.place = 0 AND x.tid = p.tid "
-            "AND x.id = p.record_id LIMIT 1) AS x ON true) AS page "
+            "AND x.id = p.record_id LIMIT 1) AS x ON true OFFSET 0) AS page "
             "WINDOW w AS (ORDER BY cursor ROWS UNBOUNDED PRECEDING)) AS f ON true"
         )
         self.retain_cursor = (
