@@ -16,7 +16,7 @@ import pytest
 from pleach_server.store import ServerStore, SQLiteServerStore, Tenant
 from pleach_server.store import sqlite as server_sqlite
 from pleach_server.store.apply import StoreTx
-from pleach_server.store.base import APART, decode_session, feed_body, feed_change
+from pleach_server.store.base import APART, decode_session, feed_body, feed_change, packed_tenant
 from pleach_server.store.sqlite import SCHEMA_VERSION
 from shared import compact
 from shared.clock import HybridClock
@@ -1196,7 +1196,7 @@ async def test_whole_and_short_bodies_of_one_server_file_pull_alike(db_path: Pat
     async with SQLiteServerStore(db_path) as store:
         with sqlite3.connect(db_path) as conn:  # (the migration packed each tenant)
             packed = dict(conn.execute("SELECT user_id, packed FROM tenants"))
-        assert packed == {t.user_id: server_sqlite._packed(t) for t in (alice.tenant, bob.tenant)}
+        assert packed == {t.user_id: packed_tenant(t) for t in (alice.tenant, bob.tenant)}
         assert await _raw_bodies(store, alice.tenant) == before
         assert await _raw_bodies(store, bob.tenant) == theirs
         session = h.session

@@ -28,7 +28,7 @@ import pytest
 
 from pleach_server.store import ServerStore
 from pleach_server.store.apply import StoreTx
-from pleach_server.store.base import APART, PushResult, Tenant
+from pleach_server.store.base import APART, PushResult, Tenant, packed_tenant
 from pleach_server.store.postgres import (
     _HASH_SQL,
     ANALYZE_AT,
@@ -36,12 +36,10 @@ from pleach_server.store.postgres import (
     NOTIFY_CHANNEL,
     SCHEMA_VERSION,
     PostgresServerStore,
-    _packed,
     _pg_hash,
     _pg_hash_text,
     _pg_id,
     _pg_key,
-    _short,
     analyze_due,
     migrate,
     redact_dsn,
@@ -1841,7 +1839,7 @@ async def test_keys_are_converted_alike_in_python_and_in_sql(pg_schema: str) -> 
 
 
 async def test_bodies_and_row_hashes_are_kept_alike_in_python_and_in_sql(pg_schema: str) -> None:
-    """``_short`` keeps a message's, a checkpoint's and an event's body without its row's ids
+    """``compact.short_body`` keeps a message's, a checkpoint's and an event's body without its row's ids
     when both are UUIDs, and without its tenant, and ``prev_apart`` an event's without its
     prev_hash too; ``pleach_whole`` (every statement that reads a body) gives back its bytes
     exactly, given the row's keys, the tenant and the prev_hash; any other body (another
@@ -1877,7 +1875,7 @@ async def test_generated_bodies_are_put_together_alike_in_python_and_in_sql(
     pg_schema: str, seed: int
 ) -> None:
     """Over generated messages, checkpoints and events (texts of any length and script,
-    tenants by text or by UUIDs), every form a push keeps (``_short``, ``prev_apart``) is
+    tenants by text or by UUIDs), every form a push keeps (``short_body``, ``prev_apart``) is
     given back by ``pleach_whole`` byte for byte, as ``compact._whole`` gives it; and a body
     with any one byte changed or cut short reads in SQL as ``compact._whole`` reads it where
     it is a form the store writes, else as its bytes are (nothing errs)."""
@@ -1908,17 +1906,21 @@ async def test_generated_bodies_are_put_together_alike_in_python_and_in_sql(
         else:
             record = dev.message(session_id, text)
         body = compact.encode(record)
-        key, session_key, packed_tenant = _pg_key(record.id), _pg_key(session_id), _packed(tenant)
-        stored = _short(body, key, session_key, packed_tenant)
+        key, session_key, tenant_bytes = (
+            _pg_key(record.id),
+            _pg_key(session_id),
+            packed_tenant(tenant),
+        )
+        stored = compact.short_body(body, key, session_key, tenant_bytes)
         forms = [stored, compact.prev_apart(stored, prev)]
         assert forms[0][:2] == SHORT + b"\x00" and (kind != "event") == (forms[1] is forms[0])
         for form in forms:
-            rows.append((form, key, session_key, packed_tenant, prev))
+            rows.append((form, key, session_key, tenant_bytes, prev))
             expected.append(body)
             at = rng.randrange(len(form))
             for mutated in (form[:at], form[:at] + bytes((rng.randrange(256),)) + form[at + 1 :]):
                 ids = compact.packed(record.id), compact.packed(session_id)
-                whole = compact._whole(mutated, *ids, packed_tenant, b"", prev)
+                whole = compact._whole(mutated, *ids, tenant_bytes, b"", prev)
                 read = len(mutated) >= 4 and mutated[:1] == SHORT
                 read = read and (0x90 <= mutated[1] <= 0x9D or mutated[1] in (0, 16))
                 if (
@@ -1929,7 +1931,7 @@ async def test_generated_bodies_are_put_together_alike_in_python_and_in_sql(
                     < 4
                 ):
                     read = False  # (too short for its form: SQL reads it as it is)
-                rows.append((mutated, key, session_key, packed_tenant, prev))
+                rows.append((mutated, key, session_key, tenant_bytes, prev))
                 expected.append(whole if read and whole is not None else mutated)
     async with pg_store(pg_schema), admin() as conn:
         got = await conn.fetch(
@@ -1978,7 +1980,7 @@ async def _bodies_alike(s: str, tenant: Tenant) -> None:
         dev.message(session_id, id="message-as-text"),
         dev.artifact(session_id),
     ]
-    packed_tenant = _packed(tenant)
+    tenant_bytes = packed_tenant(tenant)
     shorter = []
     async with pg_store(s), admin() as conn:
         whole = f"SELECT {s}.pleach_whole($1, $2, $3, $4, $5)"
@@ -1986,9 +1988,9 @@ async def _bodies_alike(s: str, tenant: Tenant) -> None:
             body = compact.encode(record)
             session = kind_of(record).session_of(record)
             key, session_key = _pg_key(record.id), None if session is None else _pg_key(session)
-            short = _short(body, key, session_key, packed_tenant)
+            short = compact.short_body(body, key, session_key, tenant_bytes)
             shorter.append(len(body) - len(short))
-            args = (key, session_key, packed_tenant)
+            args = (key, session_key, tenant_bytes)
             assert bytes(await conn.fetchval(whole, short, *args, None)) == body
             assert bytes(await conn.fetchval(whole, body, *args, None)) == body
             if record is event:  # and without its prev_hash, given the row before's hash
@@ -1996,7 +1998,7 @@ async def _bodies_alike(s: str, tenant: Tenant) -> None:
                 assert len(apart) == len(short) - 35
                 given = bytes.fromhex(prev)
                 assert bytes(await conn.fetchval(whole, apart, *args, given)) == body
-    assert [n >= 35 + len(packed_tenant) - 2 for n in shorter] == [True] * 5 + [False] * 5
+    assert [n >= 35 + len(tenant_bytes) - 2 for n in shorter] == [True] * 5 + [False] * 5
 
 
 async def test_an_event_leaves_out_the_prev_hash_the_row_before_it_keeps(pg_schema: str) -> None:
@@ -2171,7 +2173,7 @@ async def as_schema_14(conn: Any, s: str, tenants: Iterable[Tenant]) -> None:
     was.)"""
     for tenant in tenants:
         t = f"(SELECT tid FROM {s}.tenants WHERE org_id = $2 AND user_id = $3)"
-        args = (_packed(tenant), tenant.org_id, tenant.user_id)
+        args = (packed_tenant(tenant), tenant.org_id, tenant.user_id)
         await conn.execute(
             f"UPDATE {s}.records SET body = {s}.pleach_whole(body, id, session_id, $1, NULL) "
             f"WHERE tid = {t}",

@@ -29,6 +29,14 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True):
     user_id: str
 
 
+def packed_tenant(tenant: Tenant) -> bytes:
+    """The tenant's org and user as a compact body holds them, one after the other: what a
+    store's short body of the tenant's rows leaves out (``compact.short_body``'s ``tenant``),
+    and what its reads are given to put back (the SQLite store keeps it in
+    ``tenants.packed``; the PostgreSQL store binds it)."""
+    return compact.packed(tenant.org_id) + compact.packed(tenant.user_id)
+
+
 class PushResult(msgspec.Struct, kw_only=True):
     """``cursors`` are the feed cursors this push wrote (empty when nothing was applied).
 

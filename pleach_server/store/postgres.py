@@ -90,7 +90,6 @@ from shared.clock import HybridClock
 from shared.compact import (
     KINDS,
     digest_bytes,
-    packed,
     prev_apart,
     short_body,
     uuid_bytes,
@@ -129,6 +128,7 @@ from .base import (
     decode_body,
     decode_stored,
     feed_page,
+    packed_tenant,
     session_row,
     stored_body,
     stored_session,
@@ -286,7 +286,7 @@ _PLEACH_WHOLE = (
     "ELSE b END $$"
 )
 """Migration 15: a stored body as its record was written (``_whole_body``), from what
-``_short`` left out: its row's ids (its key and its session's key, 16 bytes each), its
+``compact.short_body`` left out: its row's ids (its key and its session's key, 16 bytes each), its
 tenant (``t``: ``compact.packed`` of its org and its user) and, for an event, its
 ``prev_hash`` (``prev``: the 32 bytes the row before it in its session keeps as its row
 hash). Each form as ``compact.whole_body_sql`` reads it (ids as ext 1, the array's header
@@ -311,21 +311,6 @@ _PLEACH_CUT = (
 )
 """Migration 15: where an event body without its ``prev_hash`` had it (``compact.prev_apart``):
 the bytes before its row hash's ext (and the boolean after it, when the body ends so)."""
-
-
-def _short(body: bytes, key: bytes, session_key: bytes | None, tenant: bytes) -> bytes:
-    """A message's, a checkpoint's or an event's body as its row keeps it (schema 15):
-    without the ids its row holds when they are UUIDs, and without its tenant (``tenant``:
-    ``_packed``) when it is the row's (``compact.short_body`` with no stamp node: the
-    forms ``pleach_whole`` reads), else as it is."""
-    if session_key is None or len(key) != 16 or len(session_key) != 16:
-        return body
-    return short_body(body, key, session_key, tenant)
-
-
-def _packed(tenant: Tenant) -> bytes:
-    """The tenant's org and user as a body holds them (what ``_short`` leaves out)."""
-    return packed(tenant.org_id) + packed(tenant.user_id)
 
 
 _TENANT_TABLES = (
@@ -718,7 +703,7 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
     # cursor by a process of a build before 14 takes its entry's first. A chain's row hash
     # is its 32 bytes (``_pg_hash``), not 64 hex characters. A message's, a checkpoint's and
     # an event's body leaves out the ids its row holds and its tenant, and an event's its
-    # prev_hash where the row before it keeps that as its row hash (``_short``,
+    # prev_hash where the row before it keeps that as its row hash (``compact.short_body``,
     # ``compact.prev_apart``; ``pleach_whole`` puts them back as a statement reads the body).
     # ``lock_last_seq_load`` answers the row hashes as bytes. As in version 10, the
     # rewritten tables leave their old rows to ``VACUUM``; the rows written before keep their
@@ -1020,21 +1005,10 @@ def _page(s: str) -> str:
     )
 
 
-def _delete_by_cursor(s: str, cursors: str) -> str:
-    """SQL: delete the tenant's feed entries of the cursors ``x.cursor`` of ``cursors`` (a
-    ``FROM`` list), each found by a probe of the feed's key (``LIMIT 1``: a generic plan of
-    ``cursor = ANY(...)`` beside the tenant walked the tenant's whole feed)."""
-    return (
-        f"DELETE FROM {s}.feed WHERE ctid = ANY(ARRAY(SELECT f.ctid FROM {cursors} "
-        f"CROSS JOIN LATERAL (SELECT ctid FROM {s}.feed WHERE tid = {_tid(s)} "
-        "AND cursor = x.cursor LIMIT 1) AS f))"
-    )
-
-
 def _whole_body(s: str, row: str, tenant: str, prev: str = "NULL::bytea") -> str:
     """SQL: the body of the records' or the events' row ``row`` as its record was written
     (``pleach_whole``: schema 15 keeps it without what its row holds); ``tenant``: the
-    parameter of ``_packed``; ``prev``: for an event, the row hash of the row before it
+    parameter of ``packed_tenant``; ``prev``: for an event, the row hash of the row before it
     (``_row_before``). Each argument a column or a parameter, so that PostgreSQL inlines
     the function into the statement (an argument holding a subquery kept it a call of its
     own, about 0.1 ms a row)."""
@@ -1221,8 +1195,13 @@ class _Sql:
         )
         # A session written twice by one batch: its earlier entries of the batch, by their
         # cursors ($3), which this push's own feed rows took in this transaction: a probe of
-        # the feed's key (tenant, cursor) each (since version 15; ``_delete_by_cursor``).
-        self.drop_cursors = _delete_by_cursor(s, "unnest($3::bigint[]) AS x (cursor)")
+        # the feed's key (tenant, cursor) each (``LIMIT 1``: a generic plan of ``tid = ...
+        # AND cursor = ANY(...)`` filtered the tenant's whole feed, since version 15).
+        self.drop_cursors = (
+            f"DELETE FROM {s}.feed WHERE ctid = ANY(ARRAY(SELECT f.ctid FROM "
+            "unnest($3::bigint[]) AS x (cursor) CROSS JOIN LATERAL (SELECT ctid "
+            f"FROM {s}.feed WHERE tid = {_tid(s)} AND cursor = x.cursor LIMIT 1) AS f))"
+        )
         self.head = f"SELECT GREATEST({_max_cursor(s)}, {_floor(s)})"
         self.client_state = (
             "SELECT COALESCE((SELECT last_seq FROM "
@@ -1626,7 +1605,7 @@ class _PostgresTx:
         # (Every record, event and session of a push is the tenant's: apply_push refused any
         # other. The statement files them all under the tenant's number.)
         records: list[list[Any]] = [[], [], [], []]
-        packed_tenant = _packed(tenant)
+        tenant_bytes = packed_tenant(tenant)
         for r in writes.records:
             info = kind_of(r)
             if info.merge == "versioned" or info.server_placed:
@@ -1638,7 +1617,7 @@ class _PostgresTx:
                 _KIND_NUMBERS[info.name],
                 key,
                 session_key,
-                _short(writes.bodies.of(r), key, session_key, packed_tenant),
+                short_body(writes.bodies.of(r), key, session_key, tenant_bytes),
             )
             for column, value in zip(records, row, strict=True):
                 column.append(value)
@@ -1670,7 +1649,7 @@ class _PostgresTx:
                 drops[0].append(_pg_key(x.id))
                 drops[1].append(lay.drop_from)
         cursors: list[int] = []
-        event_columns, apart = _event_columns(events, writes, packed_tenant)
+        event_columns, apart = _event_columns(events, writes, tenant_bytes)
         if records[0] or events or sessions or feed or writes.last_seq is not None:
             checked: tuple[int, int, int] | tuple[()] = ()
             statement = sql.write
@@ -1749,7 +1728,7 @@ class _PostgresTx:
         ]
         deleted = [_pg_key(x.id) for x in sessions if x.deleted]
         cascade = [_KIND_NUMBERS[kind] for kind in CASCADE_KINDS]
-        rows = await conn.fetch(sql.cascade_candidates, *t, deleted, cascade, _packed(tenant))
+        rows = await conn.fetch(sql.cascade_candidates, *t, deleted, cascade, packed_tenant(tenant))
         candidates = [decode_stored(KINDS[kind], _pg_id(key), body) for kind, key, body in rows]
         doomed = content_to_delete(sessions, candidates)
         if doomed:
@@ -1762,17 +1741,17 @@ def _event_columns(
     events: Sequence[Event], writes: BatchWrites, tenant: bytes
 ) -> tuple[tuple[list[Any], ...], tuple[list[bytes | None], list[bytes | None]]]:
     """``_Sql.write``'s event columns ($7 to $11: keys, sequence numbers, row hashes as the
-    columns keep them, bodies as ``_short`` keeps them), and ($34, $35) each body without
-    its prev_hash too (``compact.prev_apart``; None: it keeps it) and that prev_hash, which
-    the row before it must keep as its row hash, None where that row is the event before it
-    in this batch (written by the same statement)."""
+    columns keep them, bodies as ``compact.short_body`` keeps them), and ($34, $35) each
+    body without its prev_hash too (``compact.prev_apart``; None: it keeps it) and that
+    prev_hash, which the row before it must keep as its row hash, None where that row is the
+    event before it in this batch (written by the same statement)."""
     ids, sessions = [_pg_key(e.id) for e in events], [_pg_key(e.session_id) for e in events]
     bodies: list[Any] = []
     apart: list[bytes | None] = []
     prevs: list[bytes | None] = []
     last: dict[str, tuple[int, str]] = {}  # each session's last event of the batch so far
     for e, key, session_key in zip(events, ids, sessions, strict=True):
-        stored = _short(writes.bodies.of(e), key, session_key, tenant)
+        stored = short_body(writes.bodies.of(e), key, session_key, tenant)
         prev = digest_bytes(e.prev_hash)
         kept = None if prev is None else prev_apart(stored, prev)
         bodies.append(stored)
@@ -2307,7 +2286,7 @@ class PostgresServerStore(AsyncResource):
                 cursor,
                 limit + 1,
                 budget,
-                _packed(tenant),
+                packed_tenant(tenant),
             ),
             transaction=False,
         )

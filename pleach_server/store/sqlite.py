@@ -100,6 +100,7 @@ from .base import (
     decode_stored,
     feed_page,
     joined_blocks,
+    packed_tenant,
     session_row,
     stored_body,
     stored_session,
@@ -168,7 +169,7 @@ async def _backfill_packed_tenants(conn: aiosqlite.Connection) -> None:
     rows = await _fetchall(conn, "SELECT tid, org_id, user_id FROM tenants")
     await conn.executemany(
         "UPDATE tenants SET packed = ? WHERE tid = ?",
-        [(_packed(Tenant(org_id=org, user_id=user)), tid) for tid, org, user in rows],
+        [(packed_tenant(Tenant(org_id=org, user_id=user)), tid) for tid, org, user in rows],
     )
 
 
@@ -854,13 +855,6 @@ def _stamp_node(client_id: str) -> bytes:
     return compact.stamp_node(client_id)
 
 
-def _packed(tenant: Tenant) -> bytes:
-    """The tenant's org and user as a compact body holds them, one after the other: what a
-    short body of its rows leaves out (``compact.short_body``'s ``tenant``), and what
-    ``tenants.packed`` keeps for the reads to put back (schema 12)."""
-    return compact.packed(tenant.org_id) + compact.packed(tenant.user_id)
-
-
 _TENANT = "(SELECT tid FROM tenants WHERE org_id = ? AND user_id = ?)"
 """The tenant's number (schema 8), for statements that take the tenant as ``?, ?``."""
 _TENANT_12 = "(SELECT tid FROM tenants WHERE org_id = ?1 AND user_id = ?2)"
@@ -1433,7 +1427,7 @@ class _SQLiteTx:
     async def write(self, tenant: Tenant, client_id: str, writes: BatchWrites) -> list[int]:
         t = (tenant.org_id, tenant.user_id)
         body = writes.bodies.of  # the feed refers to these rows: each body is stored once
-        short, packed = compact.short_body, _packed(tenant)  # (less what its row holds: 12)
+        short, packed = compact.short_body, packed_tenant(tenant)  # (less what its row holds: 12)
         node = _stamp_node(client_id)  # (and the pushing device's stamp node: 13)
         record_entries, event_entries = writes.entries()
         # An entry whose row this batch writes at its cursor names no id (schema 16: _own_row).
@@ -1840,7 +1834,7 @@ class SQLiteServerStore(AsyncResource):
         def read_first(raw: sqlite3.Connection) -> None:
             # Right after the BEGIN, in its hop: everything the rules will look up (the
             # keys are pure work on the changes, done here rather than in a hop of their own).
-            raw.execute(_ADD_TENANT_SQL, (tenant.org_id, tenant.user_id, _packed(tenant)))
+            raw.execute(_ADD_TENANT_SQL, (tenant.org_id, tenant.user_id, packed_tenant(tenant)))
             row = raw.execute(_LAST_SEQ_SQL, (tenant.org_id, tenant.user_id, client_id)).fetchone()
             last_seq = int(row[0]) if row is not None else 0
             keys = batch_keys(
