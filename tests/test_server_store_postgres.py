@@ -47,7 +47,7 @@ from pleach_server.store.postgres import (
 )
 from shared import compact
 from shared.clock import HybridClock
-from shared.compact import KINDS, SHORT
+from shared.compact import KINDS, SHORT, chain_digest
 from shared.errors import CursorTooOld, ErrorCode, InvalidState, StorageError, StorageUnavailable
 from shared.hashchain import chain_audit, event_digest, link, verify_chain
 from shared.ids import uuid7
@@ -1935,12 +1935,17 @@ async def test_generated_bodies_are_put_together_alike_in_python_and_in_sql(
                 expected.append(whole if read and whole is not None else mutated)
     async with pg_store(pg_schema), admin() as conn:
         got = await conn.fetch(
-            f"SELECT {pg_schema}.pleach_whole(b, k, sk, t, p) FROM unnest($1::bytea[], "
-            "$2::bytea[], $3::bytea[], $4::bytea[], $5::bytea[]) WITH ORDINALITY "
-            "AS u (b, k, sk, t, p, n) ORDER BY n",
+            f"SELECT {pg_schema}.pleach_whole(b, k, sk, t, p), {pg_schema}.pleach_digest(b) "
+            "FROM unnest($1::bytea[], $2::bytea[], $3::bytea[], $4::bytea[], $5::bytea[]) "
+            "WITH ORDINALITY AS u (b, k, sk, t, p, n) ORDER BY n",
             *(list(column) for column in zip(*rows, strict=True)),
         )
     assert [bytes(r[0]) for r in got] == expected
+    # The row hash an event's body ends with (version 16), read alike from every form and
+    # from every mutation of one: the store keeps none in the column where they agree.
+    digests = [r[1] and bytes(r[1]) for r in got]
+    assert digests == [chain_digest(row[0]) for row in rows]
+    assert sum(d is not None for d in digests) > len(rows) // 6  # (the events' forms)
 
 
 async def test_the_statements_that_read_bodies_inline_pleach_whole(pg_schema: str) -> None:
@@ -1956,7 +1961,7 @@ async def test_the_statements_that_read_bodies_inline_pleach_whole(pg_schema: st
         ):
             rows = await conn.fetch(f"EXPLAIN (VERBOSE, COSTS OFF) {query}", *args)
             plan = "\n".join(r[0] for r in rows)
-            for function in ("pleach_whole", "pleach_head", "pleach_cut"):
+            for function in ("pleach_whole", "pleach_head", "pleach_cut", "pleach_digest"):
                 assert function not in plan, plan
 
 
@@ -2062,7 +2067,7 @@ async def test_schema_14_migrates_to_short_bodies_and_row_hashes_as_bytes() -> N
             )
             assert bodies and all(bytes(b)[:1] != SHORT for (b,) in bodies)
         result = await migrate(PG_DSN, s)
-        assert (result.from_version, result.to_version) == (14, SCHEMA_VERSION) == (14, 15)
+        assert (result.from_version, result.to_version) == (14, SCHEMA_VERSION) == (14, 16)
         async with pg_store(s) as store:
             assert [(c.cursor, c.record) for c in await pull_all(store, alice.tenant)] == h.before
             assert [(c.cursor, c.record) for c in await pull_all(store, h.bob.tenant)] == h.theirs
@@ -2078,12 +2083,14 @@ async def test_schema_14_migrates_to_short_bodies_and_row_hashes_as_bytes() -> N
         assert verify_chain(sorted(audit_rows(feed), key=lambda r: r.sequence_number)).ok
         async with admin() as conn:
             rows = {
-                _pg_id(r[0]): (bytes(r[1]), bytes(r[2]))
+                _pg_id(r[0]): (bytes(r[1]), r[2] and bytes(r[2]))
                 for r in await conn.fetch(f"SELECT id, body, row_hash FROM {s}.events")
             }
             new = rows.pop(chain[1].id)
-            # (the row before it, written by schema 14, keeps its prev_hash: 16, tenant out)
-            assert new[0][:2] == SHORT + b"\x10" and new[1] == bytes.fromhex(chain[1].row_hash)
+            # (the row before it, written by schema 14, keeps its prev_hash: 16, tenant out;
+            # its row hash read from its body since version 16, the rows before keep theirs)
+            assert new[0][:2] == SHORT + b"\x10" and new[1] is None
+            assert chain_digest(new[0]) == bytes.fromhex(chain[1].row_hash)
             assert all(body[:1] != SHORT and len(digest) == 32 for body, digest in rows.values())
             key = await conn.fetchval(
                 "SELECT pg_get_indexdef(i.indexrelid) FROM pg_index AS i "
@@ -2098,6 +2105,54 @@ async def test_schema_14_migrates_to_short_bodies_and_row_hashes_as_bytes() -> N
             assert {r[0] for r in indexes} == {"feed_pkey", "feed_session"}
             kinds = await conn.fetch(f"SELECT DISTINCT kind FROM {s}.feed")
             assert [r[0] for r in kinds] == [KINDS.index("Session")]  # (records: their own)
+
+
+async def test_schema_15_migrates_to_row_hashes_read_from_bodies() -> None:
+    """Rows a schema 15 store wrote (every event's row hash in its column, the records keyed
+    kind first) read as before after migration 16: each tenant's pull gives the same records
+    under the same cursors, a session's events chain on from the row hash an old row keeps
+    in its column, an event written after keeps none there (its body ends with it), and the
+    records are keyed in id order."""
+    clock = HybridClock("server-x")
+    async with scratch_schema() as s:
+        async with pg_store(s) as store:
+            h = await placed_history(store, clock)
+        alice = h.alice
+        async with admin() as conn:
+            await as_schema_15(conn, s)
+            held = await conn.fetchval(f"SELECT count(*) FROM {s}.events WHERE row_hash IS NULL")
+            assert held == 0
+        result = await migrate(PG_DSN, s)
+        assert (result.from_version, result.to_version) == (15, SCHEMA_VERSION) == (15, 16)
+        async with pg_store(s) as store:
+            assert [(c.cursor, c.record) for c in await pull_all(store, alice.tenant)] == h.before
+            assert [(c.cursor, c.record) for c in await pull_all(store, h.bob.tenant)] == h.theirs
+            later = [alice.event(h.session.id), alice.event(h.session.id)]
+            pushed = await store.push(alice.tenant, alice.client_id, alice.changes(*later), clock)
+            assert statuses(pushed) == ["applied"] * 2
+            feed = await pull_all(store, alice.tenant)
+        chain = [c.record for c in feed if isinstance(c.record, Event)]
+        chain = [e for e in chain if e.session_id == h.session.id]
+        assert [e.sequence_number for e in chain] == [1, 2, 3]
+        assert all(b.prev_hash == a.row_hash for a, b in itertools.pairwise(chain))
+        async with admin() as conn:
+            kept = {
+                _pg_id(r[0]): r[1]
+                for r in await conn.fetch(
+                    f"SELECT id, row_hash FROM {s}.events WHERE tid = "
+                    f"(SELECT tid FROM {s}.tenants WHERE org_id = $1)",
+                    alice.tenant.org_id,
+                )
+            }
+            assert kept[chain[0].id] == bytes.fromhex(chain[0].row_hash)
+            assert kept[chain[1].id] is None and kept[chain[2].id] is None
+            key = await conn.fetchval(
+                "SELECT pg_get_indexdef(i.indexrelid) FROM pg_index AS i "
+                "JOIN pg_class AS c ON c.oid = i.indexrelid JOIN pg_namespace AS n "
+                "ON n.oid = c.relnamespace WHERE n.nspname = $1 AND c.relname = 'records_pkey'",
+                s,
+            )
+            assert key.endswith("(tid, id, kind)")
 
 
 def audit_rows(feed: list[Any]) -> list[AuditRow]:
@@ -2165,12 +2220,27 @@ async def test_schema_8_migrates_ids_to_keys_and_kinds_to_numbers() -> None:
         }
 
 
+async def as_schema_15(conn: Any, s: str) -> None:
+    """Take schema ``s`` back to what version 15 kept (migration 16 undone): every event's
+    row hash in its column, the records keyed kind first. (``lock_last_seq_load`` stays:
+    migration 16 makes it again whatever it was.)"""
+    await conn.execute(
+        f"UPDATE {s}.events SET row_hash = {s}.pleach_digest(body) WHERE row_hash IS NULL; "
+        f"ALTER TABLE {s}.events ALTER COLUMN row_hash SET NOT NULL; "
+        f"ALTER TABLE {s}.records DROP CONSTRAINT records_pkey, "
+        "ADD PRIMARY KEY (tid, kind, id); "
+        f"DROP FUNCTION {s}.pleach_digest; "
+        f"DELETE FROM {s}.schema_migrations WHERE version = 16"
+    )
+
+
 async def as_schema_14(conn: Any, s: str, tenants: Iterable[Tenant]) -> None:
-    """Take schema ``s`` back to what version 14 kept (migration 15 undone) for ``tenants``'
-    rows: whole bodies, row hashes as hex text, an entry in the feed for every record and
-    event (at the cursor it keeps), the feed keyed by cursor with its index by tenant.
-    (The functions stay: migration 15 makes ``lock_last_seq_load`` again whatever it
-    was.)"""
+    """Take schema ``s`` back to what version 14 kept (migrations 16 and 15 undone) for
+    ``tenants``' rows: whole bodies, row hashes as hex text, an entry in the feed for every
+    record and event (at the cursor it keeps), the feed keyed by cursor with its index by
+    tenant. (The functions stay: migration 15 makes ``lock_last_seq_load`` again whatever
+    it was.)"""
+    await as_schema_15(conn, s)
     for tenant in tenants:
         t = f"(SELECT tid FROM {s}.tenants WHERE org_id = $2 AND user_id = $3)"
         args = (packed_tenant(tenant), tenant.org_id, tenant.user_id)
