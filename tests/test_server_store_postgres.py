@@ -31,6 +31,7 @@ from pleach_server.store.apply import StoreTx
 from pleach_server.store.base import APART, PushResult, Tenant, packed_tenant
 from pleach_server.store.postgres import (
     _HASH_SQL,
+    _PLEACH_WHOLE,
     ANALYZE_AT,
     DEFAULT_KNOWN_BYTES,
     NOTIFY_CHANNEL,
@@ -338,6 +339,7 @@ async def test_migrate_creates_a_fresh_schema() -> None:
             "devices",
             "audit_places",
             "tenants",
+            "nodes",
         }
 
 
@@ -415,6 +417,8 @@ def explain_queries(store: PostgresServerStore) -> dict[str, tuple[str, tuple[An
                 [],  # the events'
                 [],  # the events' bodies without their prev_hash
                 [],  # and the prev_hash each left out
+                [],  # the records' stamp nodes' numbers
+                [],  # the events'
             ),
         ),
         "drop_cursors": (sql.drop_cursors, ("org-7", "user-7", [10, 20])),
@@ -1777,9 +1781,11 @@ async def test_a_push_is_two_statements_whatever_its_size(pg_schema: str) -> Non
     snapshot) and its write (``push_write``: the lock, the check that neither moved, the
     tables, the feed rows and the notice to the other processes, committed as one
     statement). Each is a round trip to the database; the head after the feed rows is their
-    last cursor, not another query. A push whose device's last_seq is not the one it expects
-    (a resend after a lost ack) runs locked: BEGIN, the lock with the last_seq and the
-    lookups, the lookups again (for the last_seq found), the write, COMMIT."""
+    last cursor, not another query. The first push of a device the process meets numbers
+    its stamp node first (``add_node``, one statement of its own, once). A push whose
+    device's last_seq is not the one it expects (a resend after a lost ack) runs locked:
+    BEGIN, the lock with the last_seq and the lookups, the lookups again (for the last_seq
+    found), the write, COMMIT."""
     clock = HybridClock("server-x")
     async with pg_store(pg_schema, pool_min=1, pool_max=1) as store:
         statements: list[str] = []
@@ -1796,7 +1802,8 @@ async def test_a_push_is_two_statements_whatever_its_size(pg_schema: str) -> Non
             assert {r.status for r in result.results} == {"applied"}
             assert result.head_cursor == max(r.cursor or 0 for r in result.results)
             runs.append(list(statements))
-        assert runs[1:] == [[store._sql.push_read, store._sql.push_write]] * 2
+        sql = store._sql
+        assert runs[1:] == [[sql.add_node, sql.push_read, sql.push_write]] * 2
         assert store.pushes == {"optimistic": 3}
         # The last device sends its first change again with a new one (its ack was lost):
         # its last_seq is past what the push expects, so it runs locked.
@@ -1874,24 +1881,26 @@ async def test_bodies_and_row_hashes_are_kept_alike_in_python_and_in_sql(pg_sche
 async def test_generated_bodies_are_put_together_alike_in_python_and_in_sql(
     pg_schema: str, seed: int
 ) -> None:
-    """Over generated messages, checkpoints and events (texts of any length and script,
-    tenants by text or by UUIDs), every form a push keeps (``short_body``, ``prev_apart``) is
-    given back by ``pleach_whole`` byte for byte, as ``compact._whole`` gives it; and a body
-    with any one byte changed or cut short reads in SQL as ``compact._whole`` reads it where
-    it is a form the store writes, else as its bytes are (nothing errs)."""
+    """Over generated messages, checkpoints, events and audit rows (texts of any length and
+    script, tenants and devices by text or by UUIDs), every form a push keeps
+    (``short_body`` with and without the device's stamp node, ``prev_apart``) is given back
+    by ``pleach_whole`` byte for byte, as ``compact._whole`` gives it; and a body with any
+    one byte changed or cut short reads in SQL as ``compact._whole`` reads it where it is a
+    form the store writes, else as its bytes are (nothing errs)."""
     rng = random.Random(seed)
-    rows: list[tuple[bytes, bytes, bytes, bytes, bytes | None]] = []
+    rows: list[tuple[bytes, bytes, bytes, bytes, bytes, bytes | None]] = []
     expected: list[bytes] = []
+    written = set()
     for _ in range(150):
         uuids = rng.random() < 0.5
         tenant = Tenant(
             org_id=uuid7() if uuids else "org-" + "ü" * rng.randrange(40),
             user_id=uuid7() if uuids else "user-" + "x" * rng.randrange(300),
         )
-        dev, session_id = Device(tenant), uuid7()
+        dev, session_id = Device(tenant, uuid7() if rng.random() < 0.5 else None), uuid7()
         text = "".join(rng.choice("ab é漢\n") for _ in range(rng.randrange(600)))
         prev = rng.randbytes(32)
-        kind = rng.choice(["message", "checkpoint", "event"])
+        kind = rng.choice(["message", "checkpoint", "event", "audit"])
         if kind == "event":
             placed = msgspec.structs.replace(
                 dev.event(session_id, text=text),
@@ -1903,6 +1912,8 @@ async def test_generated_bodies_are_put_together_alike_in_python_and_in_sql(
             )
         elif kind == "checkpoint":
             record = dev.checkpoint(session_id, appended=[uuid7() for _ in range(rng.randrange(9))])
+        elif kind == "audit":
+            record = dev.audit(session_id)
         else:
             record = dev.message(session_id, text)
         body = compact.encode(record)
@@ -1911,33 +1922,41 @@ async def test_generated_bodies_are_put_together_alike_in_python_and_in_sql(
             _pg_key(session_id),
             packed_tenant(tenant),
         )
+        node = compact.stamp_node(dev.client_id)
         stored = compact.short_body(body, key, session_key, tenant_bytes)
-        forms = [stored, compact.prev_apart(stored, prev)]
-        assert forms[0][:2] == SHORT + b"\x00" and (kind != "event") == (forms[1] is forms[0])
+        noded = compact.short_body(body, key, session_key, tenant_bytes, node)
+        forms = [stored, compact.prev_apart(stored, prev), noded, compact.prev_apart(noded, prev)]
+        if kind == "audit":
+            assert stored is body and noded[:2] == SHORT + b"\x02"
+            forms = [noded]
+        else:
+            assert forms[0][:2] == SHORT + b"\x00" and forms[2][:2] == SHORT + b"\x01"
+            assert (kind != "event") == (forms[1] is forms[0]) == (forms[3] is forms[2])
         for form in forms:
-            rows.append((form, key, session_key, tenant_bytes, prev))
+            written.add(form[:2])
+            rows.append((form, key, session_key, tenant_bytes, node, prev))
             expected.append(body)
             at = rng.randrange(len(form))
             for mutated in (form[:at], form[:at] + bytes((rng.randrange(256),)) + form[at + 1 :]):
                 ids = compact.packed(record.id), compact.packed(session_id)
-                whole = compact._whole(mutated, *ids, tenant_bytes, b"", prev)
+                whole = compact._whole(mutated, *ids, tenant_bytes, node, prev)
                 read = len(mutated) >= 4 and mutated[:1] == SHORT
-                read = read and (0x90 <= mutated[1] <= 0x9D or mutated[1] in (0, 16))
-                if (
-                    mutated[1:2] == b"\x10"
-                    and len(mutated)
-                    - 35
-                    - (mutated[-36:-33] == b"\xc7\x20\x02" and mutated[-1:] in (b"\xc2", b"\xc3"))
-                    < 4
-                ):
-                    read = False  # (too short for its form: SQL reads it as it is)
-                rows.append((mutated, key, session_key, tenant_bytes, prev))
+                read = read and (0x90 <= mutated[1] <= 0x9D or mutated[1] in (0, 1, 2, 16, 17))
+                if read and mutated[1] in (16, 17):
+                    tail = mutated[-36:-33] == b"\xc7\x20\x02" and mutated[-1:] in (
+                        b"\xc2",
+                        b"\xc3",
+                    )
+                    if len(mutated) - 35 - tail < (4 if mutated[1] == 16 else 17):
+                        read = False  # (too short for its form: SQL reads it as it is)
+                rows.append((mutated, key, session_key, tenant_bytes, node, prev))
                 expected.append(whole if read and whole is not None else mutated)
+    assert written == {SHORT + bytes((form,)) for form in (0, 1, 2, 16, 17)}
     async with pg_store(pg_schema), admin() as conn:
         got = await conn.fetch(
-            f"SELECT {pg_schema}.pleach_whole(b, k, sk, t, p), {pg_schema}.pleach_digest(b) "
-            "FROM unnest($1::bytea[], $2::bytea[], $3::bytea[], $4::bytea[], $5::bytea[]) "
-            "WITH ORDINALITY AS u (b, k, sk, t, p, n) ORDER BY n",
+            f"SELECT {pg_schema}.pleach_whole(b, k, sk, t, nd, p), {pg_schema}.pleach_digest(b) "
+            "FROM unnest($1::bytea[], $2::bytea[], $3::bytea[], $4::bytea[], $5::bytea[], "
+            "$6::bytea[]) WITH ORDINALITY AS u (b, k, sk, t, nd, p, n) ORDER BY n",
             *(list(column) for column in zip(*rows, strict=True)),
         )
     assert [bytes(r[0]) for r in got] == expected
@@ -1986,24 +2005,31 @@ async def _bodies_alike(s: str, tenant: Tenant) -> None:
         dev.artifact(session_id),
     ]
     tenant_bytes = packed_tenant(tenant)
-    shorter = []
+    node = compact.stamp_node(dev.client_id)
+    shorter, forms = [], []
     async with pg_store(s), admin() as conn:
-        whole = f"SELECT {s}.pleach_whole($1, $2, $3, $4, $5)"
+        whole = f"SELECT {s}.pleach_whole($1, $2, $3, $4, $5, $6)"
         for record in records:
             body = compact.encode(record)
             session = kind_of(record).session_of(record)
             key, session_key = _pg_key(record.id), None if session is None else _pg_key(session)
-            short = compact.short_body(body, key, session_key, tenant_bytes)
-            shorter.append(len(body) - len(short))
             args = (key, session_key, tenant_bytes)
-            assert bytes(await conn.fetchval(whole, short, *args, None)) == body
-            assert bytes(await conn.fetchval(whole, body, *args, None)) == body
+            short = compact.short_body(body, key, session_key, tenant_bytes)
+            # (and without the stamp node of the device that pushed it: version 16)
+            noded = compact.short_body(body, key, session_key, tenant_bytes, node)
+            shorter.append((len(body) - len(short), len(short) - len(noded)))
+            forms.append(noded[:2])
+            for stored in (short, noded, body):
+                assert bytes(await conn.fetchval(whole, stored, *args, node, None)) == body
             if record is event:  # and without its prev_hash, given the row before's hash
-                apart = compact.prev_apart(short, bytes.fromhex(prev))
-                assert len(apart) == len(short) - 35
                 given = bytes.fromhex(prev)
-                assert bytes(await conn.fetchval(whole, apart, *args, given)) == body
-    assert [n >= 35 + len(tenant_bytes) - 2 for n in shorter] == [True] * 5 + [False] * 5
+                for stored in (short, noded):
+                    apart = compact.prev_apart(stored, given)
+                    assert len(apart) == len(stored) - 35
+                    assert bytes(await conn.fetchval(whole, apart, *args, node, given)) == body
+    assert [n >= 35 + len(tenant_bytes) - 2 for n, _ in shorter] == [True] * 5 + [False] * 5
+    assert [n >= len(node) - 3 for _, n in shorter] == [True] * 6 + [False] * 4
+    assert forms == [SHORT + b"\x01"] * 5 + [SHORT + b"\x02"] + [f[:2] for f in forms[6:]]
 
 
 async def test_an_event_leaves_out_the_prev_hash_the_row_before_it_keeps(pg_schema: str) -> None:
@@ -2045,7 +2071,8 @@ async def test_an_event_leaves_out_the_prev_hash_the_row_before_it_keeps(pg_sche
                 dev.tenant.user_id,
             )
         ]
-    assert forms == [SHORT + b"\x00"] + [SHORT + b"\x10"] * 4
+    # (each also without the pushing device's stamp node: 1 and 17, since version 16)
+    assert forms == [SHORT + b"\x01"] + [SHORT + b"\x11"] * 4
 
 
 async def test_schema_14_migrates_to_short_bodies_and_row_hashes_as_bytes() -> None:
@@ -2087,9 +2114,10 @@ async def test_schema_14_migrates_to_short_bodies_and_row_hashes_as_bytes() -> N
                 for r in await conn.fetch(f"SELECT id, body, row_hash FROM {s}.events")
             }
             new = rows.pop(chain[1].id)
-            # (the row before it, written by schema 14, keeps its prev_hash: 16, tenant out;
-            # its row hash read from its body since version 16, the rows before keep theirs)
-            assert new[0][:2] == SHORT + b"\x10" and new[1] is None
+            # (the row before it, written by schema 14, keeps its prev_hash: 17, tenant and
+            # stamp node out; its row hash read from its body since version 16, the rows
+            # before keep theirs)
+            assert new[0][:2] == SHORT + b"\x11" and new[1] is None
             assert chain_digest(new[0]) == bytes.fromhex(chain[1].row_hash)
             assert all(body[:1] != SHORT and len(digest) == 32 for body, digest in rows.values())
             key = await conn.fetchval(
@@ -2119,7 +2147,7 @@ async def test_schema_15_migrates_to_row_hashes_read_from_bodies() -> None:
             h = await placed_history(store, clock)
         alice = h.alice
         async with admin() as conn:
-            await as_schema_15(conn, s)
+            await as_schema_15(conn, s, (alice.tenant, h.bob.tenant))
             held = await conn.fetchval(f"SELECT count(*) FROM {s}.events WHERE row_hash IS NULL")
             assert held == 0
         result = await migrate(PG_DSN, s)
@@ -2220,16 +2248,32 @@ async def test_schema_8_migrates_ids_to_keys_and_kinds_to_numbers() -> None:
         }
 
 
-async def as_schema_15(conn: Any, s: str) -> None:
-    """Take schema ``s`` back to what version 15 kept (migration 16 undone): every event's
-    row hash in its column, the records keyed kind first. (``lock_last_seq_load`` stays:
-    migration 16 makes it again whatever it was.)"""
+async def as_schema_15(conn: Any, s: str, tenants: Iterable[Tenant]) -> None:
+    """Take schema ``s`` back to what version 15 kept (migration 16 undone) for ``tenants``'
+    rows: every event's row hash in its column, the records keyed kind first, no body
+    without its stamp node (such a body whole again, as rows written before 15 are), no
+    ``nodes``. (``lock_last_seq_load`` stays: migration 16 makes it again whatever it
+    was.)"""
+    for tenant in tenants:
+        t = f"(SELECT tid FROM {s}.tenants WHERE org_id = $2 AND user_id = $3)"
+        args = (packed_tenant(tenant), tenant.org_id, tenant.user_id)
+        for table in ("records", "events"):
+            await conn.execute(
+                f"UPDATE {s}.{table} AS r SET body = {s}.pleach_whole(r.body, r.id, "
+                f"r.session_id, $1, (SELECT node FROM {s}.nodes WHERE n = r.device), NULL) "
+                f"WHERE r.tid = {t} AND r.device IS NOT NULL",
+                *args,
+            )
     await conn.execute(
         f"UPDATE {s}.events SET row_hash = {s}.pleach_digest(body) WHERE row_hash IS NULL; "
         f"ALTER TABLE {s}.events ALTER COLUMN row_hash SET NOT NULL; "
         f"ALTER TABLE {s}.records DROP CONSTRAINT records_pkey, "
         "ADD PRIMARY KEY (tid, kind, id); "
+        f"ALTER TABLE {s}.records DROP COLUMN device; "
+        f"ALTER TABLE {s}.events DROP COLUMN device; "
+        f"DROP TABLE {s}.nodes; "
         f"DROP FUNCTION {s}.pleach_digest; "
+        f"DROP FUNCTION {s}.pleach_whole; " + _PLEACH_WHOLE.format(s=s) + "; "
         f"DELETE FROM {s}.schema_migrations WHERE version = 16"
     )
 
@@ -2240,7 +2284,7 @@ async def as_schema_14(conn: Any, s: str, tenants: Iterable[Tenant]) -> None:
     record and event (at the cursor it keeps), the feed keyed by cursor with its index by
     tenant. (The functions stay: migration 15 makes ``lock_last_seq_load`` again whatever
     it was.)"""
-    await as_schema_15(conn, s)
+    await as_schema_15(conn, s, tenants)
     for tenant in tenants:
         t = f"(SELECT tid FROM {s}.tenants WHERE org_id = $2 AND user_id = $3)"
         args = (packed_tenant(tenant), tenant.org_id, tenant.user_id)

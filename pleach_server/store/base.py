@@ -8,6 +8,7 @@ monotonic ``cursor``. A pull never skips a change that commits later under a low
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Iterable, Sequence
 from types import TracebackType
 from typing import Final, NamedTuple, Protocol, Self, runtime_checkable
@@ -35,6 +36,16 @@ def packed_tenant(tenant: Tenant) -> bytes:
     and what its reads are given to put back (the SQLite store keeps it in
     ``tenants.packed``; the PostgreSQL store binds it)."""
     return compact.packed(tenant.org_id) + compact.packed(tenant.user_id)
+
+
+@functools.lru_cache(maxsize=1024)
+def device_node(client_id: str) -> bytes:
+    """``compact.stamp_node`` of a pushing device's id (kept for the devices seen lately): what
+    a store's short body of that device's own records leaves out of its stamp
+    (``compact.short_body``'s ``node``), and what its reads are given to put back (each
+    store numbers it in a table ``nodes``, and a row that left it out names its number);
+    ``b""`` for an id no stamp names so."""
+    return compact.stamp_node(client_id)
 
 
 class PushResult(msgspec.Struct, kw_only=True):

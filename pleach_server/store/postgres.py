@@ -89,6 +89,7 @@ import msgspec
 from shared.clock import HybridClock
 from shared.compact import (
     KINDS,
+    SHORT,
     chain_digest,
     digest_bytes,
     prev_apart,
@@ -128,6 +129,7 @@ from .base import (
     Tenant,
     decode_body,
     decode_stored,
+    device_node,
     feed_page,
     packed_tenant,
     session_row,
@@ -293,6 +295,40 @@ tenant (``t``: ``compact.packed`` of its org and its user) and, for an event, it
 hash). Each form as ``compact.whole_body_sql`` reads it (ids as ext 1, the array's header
 made longer again); any other body as it is (one too short for its form too). NULL where
 ``prev`` is needed and NULL."""
+_IDS_SQL: Final = "'\\xd801'::bytea || k || '\\xd801'::bytea || sk"
+_NODE_STAMP_SQL: Final = "substr(b, 5, 1) || substr(nd, 1, 3) || substr(b, 9, 9) || substr(nd, 4)"
+_PLEACH_WHOLE_16 = (
+    "CREATE FUNCTION {s}.pleach_whole(b bytea, k bytea, sk bytea, t bytea, nd bytea, "
+    "prev bytea) RETURNS bytea LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT CASE "
+    "WHEN octet_length(b) < 4 THEN b WHEN get_byte(b, 0) <> 193 THEN b "
+    "WHEN get_byte(b, 1) BETWEEN 144 AND 157 THEN "
+    f"{{s}}.pleach_head(get_byte(b, 1), 2) || substr(b, 3, 1) || {_IDS_SQL} || substr(b, 4) "
+    "WHEN get_byte(b, 1) = 0 THEN {s}.pleach_head(get_byte(b, 2), 4) "
+    f"|| substr(b, 4, 1) || {_IDS_SQL} || t || substr(b, 5) "
+    "WHEN get_byte(b, 1) = 1 THEN {s}.pleach_head(get_byte(b, 2), 4) "
+    f"|| substr(b, 4, 1) || {_IDS_SQL} || t || {_NODE_STAMP_SQL} || substr(b, 18) "
+    "WHEN get_byte(b, 1) = 2 THEN substr(b, 3, 4) || '\\xd801'::bytea || k || t "
+    "|| '\\xc0'::bytea || substr(nd, 1, 3) || substr(b, 10, 9) || substr(nd, 4) "
+    "|| '\\xd801'::bytea || sk || substr(b, 19) "
+    "WHEN get_byte(b, 1) = 16 AND {s}.pleach_cut(b) >= 4 THEN "
+    "{s}.pleach_head(get_byte(b, 2), 4) "
+    f"|| substr(b, 4, 1) || {_IDS_SQL} || t "
+    "|| substr(b, 5, {s}.pleach_cut(b) - 4) || '\\xc72002'::bytea || prev "
+    "|| substr(b, {s}.pleach_cut(b) + 1) "
+    "WHEN get_byte(b, 1) = 17 AND {s}.pleach_cut(b) >= 17 THEN "
+    "{s}.pleach_head(get_byte(b, 2), 4) "
+    f"|| substr(b, 4, 1) || {_IDS_SQL} || t || {_NODE_STAMP_SQL} "
+    "|| substr(b, 18, {s}.pleach_cut(b) - 17) || '\\xc72002'::bytea || prev "
+    "|| substr(b, {s}.pleach_cut(b) + 1) "
+    "ELSE b END $$"
+)
+"""Migration 16: ``_PLEACH_WHOLE`` given also the stamp node a body of the pushing device's
+own left out (``nd``: ``compact.stamp_node`` of its client id, which the row names by its
+number in ``nodes``): its forms 1 and 17 (a message's, a checkpoint's, an event's, as 0 and
+16 less the node) and 2 (an audit row's: its id, tenant, device, stamp node and session id
+left out). Each as ``compact._whole`` puts it together (its ``node`` then ``nd``); any other
+body as it is (one too short for its form too). NULL where ``nd`` or ``prev`` is needed and
+NULL."""
 _PLEACH_HEAD = (
     "CREATE FUNCTION {s}.pleach_head(code integer, more integer) RETURNS bytea "
     "LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT CASE "
@@ -325,6 +361,11 @@ _PLEACH_DIGEST = (
 event body ends with, whatever its form (NULL: a body that does not end so)."""
 
 
+_NODE_OUT_FORMS: Final = frozenset((SHORT + b"\x01", SHORT + b"\x02"))
+"""The heads of the bodies ``compact.short_body`` left the stamp node out of (forms 1 and 2;
+an event's without its prev_hash too, 17, is made of a 1): their rows name it (version 16)."""
+
+
 def _event_hash(s: str, row: str) -> str:
     """SQL: the row hash of the events' row ``row``: its column, or (since version 16, where
     the column is NULL) the digest its body ends with (``pleach_digest``)."""
@@ -342,7 +383,7 @@ _TENANT_TABLES = (
     "audit_places",
 )
 """Every table whose rows belonged to a tenant (``org_id``, ``user_id``) before version 10."""
-_ANALYZED_TABLES: Final = ("tenants", *_TENANT_TABLES, "session_ids")
+_ANALYZED_TABLES: Final = ("tenants", *_TENANT_TABLES, "session_ids", "nodes")
 """The tables the store analyzes itself while the database is young (``ANALYZE_AT``)."""
 _NUMBERED_TABLES = ("sessions", "records", "events", "feed", "audit_places")
 """The tables that name a tenant by its number (``tid``) since version 10."""
@@ -387,9 +428,9 @@ _WRITE_TYPES: Final = (
     "text, text, smallint[], bytea[], bytea[], bytea[], bytea[], bytea[], bigint[], bytea[], "
     "bytea[], bytea[], text[], bytea[], text, bigint, text[], bigint[], bytea[], bytea[], "
     "smallint[], bytea[], bytea[], text, text, integer[], bytea[], integer[], bytea[], "
-    "bytea[], integer[], bigint[], bigint[], bytea[], bytea[]"
+    "bytea[], integer[], bigint[], bigint[], bytea[], bytea[], integer[], integer[]"
 )
-"""The types of ``_Sql.write``'s parameters ($1 to $35), as its casts name them."""
+"""The types of ``_Sql.write``'s parameters ($1 to $37), as its casts name them."""
 
 CLAIMED_RECORD: Final = "PLR01"
 CLAIMED_EVENT: Final = "PLE01"
@@ -401,8 +442,8 @@ behind the head's argument). The statement is undone whole; the device retries."
 def _push_write_function(s: str, write: str) -> tuple[str, str]:
     """``push_write``: an optimistic push's write, in one statement that commits on its own.
 
-    Its parameters are ``write``'s (``_Sql.write``, $1 to $35), then the tenant's lock key
-    ($36), the device's ``last_seq`` and the tenant's head cursor the push read ($37, $38). It
+    Its parameters are ``write``'s (``_Sql.write``, $1 to $37), then the tenant's lock key
+    ($38), the device's ``last_seq`` and the tenant's head cursor the push read ($39, $40). It
     takes the tenant lock; if the two are still what the push read, it runs ``write`` (on a
     snapshot taken after the lock) and answers its row; else it answers no row and writes
     nothing. When a record or an event id it writes was found taken, it raises
@@ -419,10 +460,10 @@ def _push_write_function(s: str, write: str) -> tuple[str, str]:
             v_records bigint; v_events bigint; v_sessions bigint; v_clients bigint;
             v_places bigint; v_cursors bigint[]; v_notices bigint;
         BEGIN
-            PERFORM pg_advisory_xact_lock($36);
+            PERFORM pg_advisory_xact_lock($38);
             IF COALESCE((SELECT c.last_seq FROM {s}.clients AS c WHERE c.org_id = $1
-                    AND c.user_id = $2 AND c.client_id = $15), 0) <> $37
-                OR {head} <> $38 THEN
+                    AND c.user_id = $2 AND c.client_id = $15), 0) <> $39
+                OR {head} <> $40 THEN
                 RETURN;
             END IF;
             {write} INTO v_records, v_events, v_sessions, v_clients, v_places, v_cursors,
@@ -751,13 +792,23 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
     # kinds, and each page split there half full (0.26 MB of key for 4,000 records where
     # 0.18). An event's row hash is read from the end of its body, which holds it (NULL in
     # the column then: ``_event_hash``, ``pleach_digest``), 33 bytes a row fewer; rows
-    # written before keep theirs. ``lock_last_seq_load`` reads it so.
+    # written before keep theirs. ``lock_last_seq_load`` reads it so. The bodies of a
+    # device's own records leave out its stamp's node too (``compact.short_body``'s
+    # ``node``; an audit row's, its id, tenant, device, node and session id: about 80
+    # bytes), which the row names by its number in ``nodes`` (``device``; NULL where the
+    # body keeps it); ``pleach_whole`` is given it (``_PLEACH_WHOLE_16``).
     (
         "ALTER TABLE {s}.records DROP CONSTRAINT records_pkey, ADD PRIMARY KEY (tid, id, kind)",
         "ALTER TABLE {s}.events ALTER COLUMN row_hash DROP NOT NULL",
         _PLEACH_DIGEST,
         "DROP FUNCTION {s}.lock_last_seq_load",
         _lock_last_seq_load_step,
+        "CREATE TABLE {s}.nodes (n integer GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
+        "node bytea NOT NULL UNIQUE)",
+        "ALTER TABLE {s}.records ADD COLUMN device integer",
+        "ALTER TABLE {s}.events ADD COLUMN device integer",
+        "DROP FUNCTION {s}.pleach_whole(bytea, bytea, bytea, bytea, bytea)",
+        _PLEACH_WHOLE_16,
     ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
@@ -793,6 +844,8 @@ _DATABASE_ERRORS: tuple[type[BaseException], ...] = (
     *_TRANSIENT,
     asyncpg.PostgresError,
 )
+_NODES_KEPT: Final = 4096
+"""How many devices' stamp node numbers a process keeps (``PostgresServerStore._device_of``)."""
 DEFAULT_KNOWN_BYTES: Final = 16 << 20
 """``PostgresServerStore.known_bytes``: what a process keeps of tenants' rows."""
 _CLOSE_ERRORS: tuple[type[BaseException], ...] = (*_DATABASE_ERRORS, TimeoutError)
@@ -1040,20 +1093,31 @@ def _page(s: str) -> str:
 def _whole_body(s: str, row: str, tenant: str, prev: str = "NULL::bytea") -> str:
     """SQL: the body of the records' or the events' row ``row`` as its record was written
     (``pleach_whole``: schema 15 keeps it without what its row holds); ``tenant``: the
-    parameter of ``packed_tenant``; ``prev``: for an event, the row hash of the row before it
+    parameter of ``packed_tenant``; the stamp node of the row's device, joined as
+    ``{row}_node`` (``_node_of``); ``prev``: for an event, the row hash of the row before it
     (``_row_before``). Each argument a column or a parameter, so that PostgreSQL inlines
     the function into the statement (an argument holding a subquery kept it a call of its
     own, about 0.1 ms a row)."""
-    return f"{s}.pleach_whole({row}.body, {row}.id, {row}.session_id, {tenant}, {prev})"
+    return (
+        f"{s}.pleach_whole({row}.body, {row}.id, {row}.session_id, {tenant}, "
+        f"{row}_node.node, {prev})"
+    )
+
+
+def _node_of(s: str, row: str) -> str:
+    """SQL: a join of the stamp node the row ``row`` names (``{row}_node.node``; NULL: the
+    body keeps its own), for ``_whole_body``: one probe of ``nodes``' key."""
+    return f"LEFT JOIN {s}.nodes AS {row}_node ON {row}_node.n = {row}.device"
 
 
 def _row_before(s: str, row: str) -> str:
     """SQL: a join of the row hash of the events' row before ``row`` in its session
-    (``prev.row_hash``), for a body stored without its ``prev_hash`` alone (form 16): one
+    (``prev.row_hash``), for a body stored without its ``prev_hash`` (forms 16 and 17): one
     probe of ``events_place``."""
     return (
         f"LEFT JOIN LATERAL (SELECT {_event_hash(s, 'p')} AS row_hash FROM {s}.events AS p "
-        f"WHERE substr({row}.body, 1, 2) = '\\xc110'::bytea AND p.tid = {row}.tid "
+        f"WHERE substr({row}.body, 1, 2) IN ('\\xc110'::bytea, '\\xc111'::bytea) "
+        f"AND p.tid = {row}.tid "
         f"AND p.session_id = {row}.session_id AND p.sequence_number = {row}.sequence_number - 1 "
         "LIMIT 1) AS prev ON true"
     )
@@ -1153,26 +1217,29 @@ class _Sql:
             f"FROM (SELECT nextval(pg_get_serial_sequence('{s}.feed', 'cursor')) AS cursor "
             "FROM unnest($21::smallint[])) AS a), "
             # A record and an event keep their entry's cursor ($32, $33: the number of each
-            # one's entry among the feed rows).
+            # one's entry among the feed rows), and the number of the stamp node its body
+            # left out ($36, $37: ``nodes``; NULL: it keeps its own).
             "r AS ("
-            f"INSERT INTO {s}.records (tid, kind, id, session_id, body, cursor) "
-            "SELECT tt.tid, u.kind, u.id, u.session_id, u.body, cur.cursor "
+            f"INSERT INTO {s}.records (tid, kind, id, session_id, body, cursor, device) "
+            "SELECT tt.tid, u.kind, u.id, u.session_id, u.body, cur.cursor, u.device "
             "FROM tt, unnest($3::smallint[], $4::bytea[], $5::bytea[], $6::bytea[], "
-            "$32::bigint[]) AS u (kind, id, session_id, body, n) JOIN cur USING (n) "
+            "$32::bigint[], $36::integer[]) AS u (kind, id, session_id, body, n, device) "
+            "JOIN cur USING (n) "
             "ON CONFLICT (tid, kind, id) DO NOTHING RETURNING 1), "
             # An event's body without its prev_hash ($34; NULL: none) where the row before it
             # keeps that as its row hash: a row of this statement ($35 NULL), or one found
             # stored with it ($35); else its body as it is ($11).
             "e AS ("
             f"INSERT INTO {s}.events (tid, id, session_id, sequence_number, row_hash, body, "
-            "cursor) SELECT tt.tid, u.id, u.session_id, u.sequence_number, u.row_hash, "
+            "cursor, device) SELECT tt.tid, u.id, u.session_id, u.sequence_number, u.row_hash, "
             "CASE WHEN u.apart IS NULL THEN u.body WHEN u.prev IS NULL THEN u.apart "
             f"WHEN (SELECT {_event_hash(s, 'p')} FROM {s}.events AS p WHERE p.tid = tt.tid "
             "AND p.session_id = u.session_id AND p.sequence_number = u.sequence_number - 1 "
             "LIMIT 1) = u.prev THEN u.apart ELSE u.body END, "
-            "cur.cursor FROM tt, unnest($7::bytea[], $8::bytea[], $9::bigint[], $10::bytea[], "
-            "$11::bytea[], $33::bigint[], $34::bytea[], $35::bytea[]) AS u (id, session_id, "
-            "sequence_number, row_hash, body, n, apart, prev) JOIN cur USING (n) "
+            "cur.cursor, u.device FROM tt, unnest($7::bytea[], $8::bytea[], $9::bigint[], "
+            "$10::bytea[], $11::bytea[], $33::bigint[], $34::bytea[], $35::bytea[], "
+            "$37::integer[]) AS u (id, session_id, sequence_number, row_hash, body, n, apart, "
+            "prev, device) JOIN cur USING (n) "
             "ON CONFLICT DO NOTHING RETURNING 1), "
             "x AS ("
             f"INSERT INTO {s}.sessions (tid, id, updated_at, body, ids_count) "
@@ -1262,9 +1329,10 @@ class _Sql:
             "FROM (SELECT p.cursor, p.tid, p.record_id, x.ids_count, CASE p.place "
             f"WHEN 0 THEN x.body "
             f"WHEN 2 THEN (SELECT {_whole_body(s, 'e', '$6', 'prev.row_hash')} "
-            f"FROM {s}.events AS e {_row_before(s, 'e')} WHERE e.ctid = p.row) "
+            f"FROM {s}.events AS e {_node_of(s, 'e')} {_row_before(s, 'e')} "
+            "WHERE e.ctid = p.row) "
             f"ELSE (SELECT {_whole_body(s, 'r', '$6')} FROM {s}.records AS r "
-            "WHERE r.ctid = p.row) END AS body "
+            f"{_node_of(s, 'r')} WHERE r.ctid = p.row) END AS body "
             f"FROM ({_page(s)}) AS p LEFT JOIN LATERAL (SELECT x.body, x.ids_count "
             f"FROM {s}.sessions AS x WHERE p.place = 0 AND x.tid = p.tid "
             "AND x.id = p.record_id LIMIT 1) AS x ON true OFFSET 0) AS page "
@@ -1302,7 +1370,7 @@ class _Sql:
         )
         self.cascade_candidates = (
             f"SELECT r.kind, r.id, {_whole_body(s, 'r', '$5')} FROM {s}.records AS r "
-            f"WHERE r.tid = {_tid(s)} "
+            f"{_node_of(s, 'r')} WHERE r.tid = {_tid(s)} "
             "AND r.session_id = ANY($3::bytea[]) AND r.kind = ANY($4::smallint[])"
         )
         # Each record a probe of the records' key (LIMIT 1: no join the planner may turn
@@ -1318,6 +1386,13 @@ class _Sql:
             f"DELETE FROM {s}.records WHERE ctid = ANY(ARRAY(SELECT x.ctid FROM {doomed}))"
         )
         self.lock_tenant = "SELECT pg_advisory_xact_lock($1)"
+        # A device's stamp node's number (version 16), made the first time it is asked for;
+        # an update of a node found keeps the statement one that always answers its row,
+        # even beside another process adding it at once.
+        self.add_node = (
+            f"INSERT INTO {s}.nodes (node) VALUES ($1) "
+            "ON CONFLICT (node) DO UPDATE SET node = excluded.node RETURNING n"
+        )
         self.lock_tenant_last_seq = f"SELECT {s}.lock_tenant_last_seq($1, $2, $3, $4)"
         self.lock_last_seq_load = (
             f"SELECT * FROM {s}.lock_last_seq_load($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
@@ -1333,7 +1408,7 @@ class _Sql:
         self.push_write_function = _push_write_function(s, self.write)
         self.push_write = (
             f"SELECT * FROM {s}.{self.push_write_function[0]}("
-            + ", ".join(f"${n}" for n in range(1, 39))
+            + ", ".join(f"${n}" for n in range(1, 41))
             + ")"
         )
         # The store's own statistics of a young database (``ANALYZE_AT``).
@@ -1413,8 +1488,13 @@ class _PostgresTx:
         server_id: str,
         expected: tuple[int, BatchKeys] | None = None,
         layout: IdLayout = ID_LAYOUT,
+        device: tuple[bytes, int] | None = None,
     ) -> None:
         self._conn = conn
+        self._device: tuple[bytes, int | None] = device or (b"", None)
+        """The pushing device's stamp node and its number in ``nodes`` (``_node_number``),
+        which the bodies of its own records leave out and their rows name (version 16);
+        ``b""``: none (its bodies keep theirs)."""
         self._sql = sql
         self._layout = layout
         self._held_ids: dict[str, bytes] = {}
@@ -1637,7 +1717,9 @@ class _PostgresTx:
         # (Every record, event and session of a push is the tenant's: apply_push refused any
         # other. The statement files them all under the tenant's number.)
         records: list[list[Any]] = [[], [], [], []]
+        devices: list[int | None] = []
         tenant_bytes = packed_tenant(tenant)
+        node, node_number = self._device
         for r in writes.records:
             info = kind_of(r)
             if info.merge == "versioned" or info.server_placed:
@@ -1645,14 +1727,11 @@ class _PostgresTx:
             session_id = info.session_of(r)
             key = _pg_key(r.id)
             session_key = None if session_id is None else _pg_key(session_id)
-            row = (
-                _KIND_NUMBERS[info.name],
-                key,
-                session_key,
-                short_body(writes.bodies.of(r), key, session_key, tenant_bytes),
-            )
+            stored = short_body(writes.bodies.of(r), key, session_key, tenant_bytes, node)
+            row = (_KIND_NUMBERS[info.name], key, session_key, stored)
             for column, value in zip(records, row, strict=True):
                 column.append(value)
+            devices.append(node_number if stored[:2] in _NODE_OUT_FORMS else None)
         events, sessions, feed = writes.events, writes.sessions, writes.feed
         places: list[list[Any]] = [[], [], [], []]
         for r in writes.records:
@@ -1681,7 +1760,7 @@ class _PostgresTx:
                 drops[0].append(_pg_key(x.id))
                 drops[1].append(lay.drop_from)
         cursors: list[int] = []
-        event_columns, apart = _event_columns(events, writes, tenant_bytes)
+        event_columns, apart, event_devices = _event_columns(events, writes, tenant_bytes, node)
         if records[0] or events or sessions or feed or writes.last_seq is not None:
             checked: tuple[int, int, int] | tuple[()] = ()
             statement = sql.write
@@ -1716,6 +1795,8 @@ class _PostgresTx:
                 [i + 1 for i in record_entries],
                 [i + 1 for i in event_entries],
                 *apart,
+                devices,
+                [node_number if d else None for d in event_devices],
                 *checked,
             )
             if taken is None:
@@ -1770,21 +1851,22 @@ class _PostgresTx:
 
 
 def _event_columns(
-    events: Sequence[Event], writes: BatchWrites, tenant: bytes
-) -> tuple[tuple[list[Any], ...], tuple[list[bytes | None], list[bytes | None]]]:
+    events: Sequence[Event], writes: BatchWrites, tenant: bytes, node: bytes
+) -> tuple[tuple[list[Any], ...], tuple[list[bytes | None], list[bytes | None]], list[bool]]:
     """``_Sql.write``'s event columns ($7 to $11: keys, sequence numbers, row hashes as the
     column keeps them, None for one the body ends with, bodies as ``compact.short_body``
     keeps them), and ($34, $35) each
     body without its prev_hash too (``compact.prev_apart``; None: it keeps it) and that
     prev_hash, which the row before it must keep as its row hash, None where that row is the
-    event before it in this batch (written by the same statement)."""
+    event before it in this batch (written by the same statement); and whether each body left
+    out the stamp ``node`` (the pushing device's), which its row must name then."""
     ids, sessions = [_pg_key(e.id) for e in events], [_pg_key(e.session_id) for e in events]
     bodies: list[Any] = []
     apart: list[bytes | None] = []
     prevs: list[bytes | None] = []
     last: dict[str, tuple[int, str]] = {}  # each session's last event of the batch so far
     for e, key, session_key in zip(events, ids, sessions, strict=True):
-        stored = short_body(writes.bodies.of(e), key, session_key, tenant)
+        stored = short_body(writes.bodies.of(e), key, session_key, tenant, node)
         prev = digest_bytes(e.prev_hash)
         kept = None if prev is None else prev_apart(stored, prev)
         bodies.append(stored)
@@ -1796,7 +1878,7 @@ def _event_columns(
     hashes = [_pg_hash(e.row_hash) for e in events]
     held = [None if chain_digest(b) == h else h for b, h in zip(bodies, hashes, strict=True)]
     columns = (ids, sessions, [e.sequence_number for e in events], held, bodies)
-    return columns, (apart, prevs)
+    return columns, (apart, prevs), [b[:2] in _NODE_OUT_FORMS for b in bodies]
 
 
 async def _fetch_write(conn: Any, known: bool, statement: str, *args: Any) -> Any:
@@ -1975,6 +2057,9 @@ class PostgresServerStore(AsyncResource):
         first (a dict keeps its order of insertion: ``_remember`` puts a tenant last)."""
         self._known_sizes: dict[Tenant, int] = {}
         self._known_total = 0
+        self._nodes: dict[bytes, int] = {}
+        """The numbers ``nodes`` keeps the stamp nodes of the devices seen lately under
+        (``_device_of``; a node's row is never deleted, so a number stays right)."""
         self.optimistic = type(self)._wrap_tx is PostgresServerStore._wrap_tx
         """Push optimistically (``push``); a store whose ``_wrap_tx`` is hooked does not."""
         self.pushes: collections.Counter[str] = collections.Counter()
@@ -2199,9 +2284,17 @@ class PostgresServerStore(AsyncResource):
             changes, expected, tenant, client_id, aliases, audit=chains, skipped=frozenset(skipped)
         )
 
+        device = await self._device_of(client_id)
+
         def tx_on(conn: Any) -> _PostgresTx:
             return _PostgresTx(
-                conn, self._sql, self.schema, clock.client_id, (expected, keys), self._id_layout
+                conn,
+                self._sql,
+                self.schema,
+                clock.client_id,
+                (expected, keys),
+                self._id_layout,
+                device,
             )
 
         async def run(tx: _PostgresTx, wrap: Callable[[StoreTx], StoreTx] | None) -> PushResult:
@@ -2263,6 +2356,27 @@ class PostgresServerStore(AsyncResource):
         if result.cursors:
             self._analyze_when_young(min(result.cursors) - 1, max(result.cursors))
         return result
+
+    async def _device_of(self, client_id: str) -> tuple[bytes, int] | None:
+        """The pushing device's stamp node (``device_node``) and its number in ``nodes``,
+        numbered in a statement of its own the first time this process meets it (committed
+        then, whatever becomes of the push: a number a row names always has its node);
+        None for a device whose stamps name no node so."""
+        node = device_node(client_id)
+        if not node:
+            return None
+        number = self._nodes.get(node)
+        if number is None:
+            found = await self._run(
+                "cannot number a device's stamp node",
+                lambda conn: conn.fetchval(self._sql.add_node, node),
+                transaction=False,
+            )
+            number = int(found)
+            if len(self._nodes) >= _NODES_KEPT:
+                self._nodes.clear()
+            self._nodes[node] = number
+        return node, number
 
     def _analyze_when_young(self, before: int, head: int) -> None:
         """Analyze the tables in the background when a push took the feed past an

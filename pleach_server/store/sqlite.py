@@ -50,7 +50,6 @@ converts its keys in SQL and answers with the keys as it was given them.
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import operator
@@ -98,6 +97,7 @@ from .base import (
     Tenant,
     decode_body,
     decode_stored,
+    device_node,
     feed_page,
     joined_blocks,
     packed_tenant,
@@ -849,12 +849,6 @@ _WHOLE_EITHER = _whole_sql("r")
 reads no audit row."""
 
 
-@functools.lru_cache(maxsize=1024)
-def _stamp_node(client_id: str) -> bytes:
-    """``compact.stamp_node`` of a pushing device's id, kept for the devices seen lately."""
-    return compact.stamp_node(client_id)
-
-
 _TENANT = "(SELECT tid FROM tenants WHERE org_id = ? AND user_id = ?)"
 """The tenant's number (schema 8), for statements that take the tenant as ``?, ?``."""
 _TENANT_12 = "(SELECT tid FROM tenants WHERE org_id = ?1 AND user_id = ?2)"
@@ -1428,7 +1422,7 @@ class _SQLiteTx:
         t = (tenant.org_id, tenant.user_id)
         body = writes.bodies.of  # the feed refers to these rows: each body is stored once
         short, packed = compact.short_body, packed_tenant(tenant)  # (less what its row holds: 12)
-        node = _stamp_node(client_id)  # (and the pushing device's stamp node: 13)
+        node = device_node(client_id)  # (and the pushing device's stamp node: 13)
         record_entries, event_entries = writes.entries()
         # An entry whose row this batch writes at its cursor names no id (schema 16: _own_row).
         at_cursor = {*record_entries, *event_entries}

@@ -485,9 +485,12 @@ def server_file_problems(path: Path) -> list[str]:
 
 
 async def postgres_layout_problems(store: Any) -> list[str]:
-    """The same of a PostgreSQL store's schema (version 15): the feed holds sessions' entries
+    """The same of a PostgreSQL store's schema (version 16): the feed holds sessions' entries
     alone, each with its session's row (a record and an event are their own entries, at the
-    cursor each keeps), and no cursor of a tenant is in two places."""
+    cursor each keeps), no cursor of a tenant is in two places, and a row names the stamp
+    node of its device exactly where its body left it out (forms 1, 2 and 17), a node
+    ``nodes`` keeps, and keeps a row hash in its column exactly where its body does not end
+    with it."""
     s, session = store.schema, KINDS.index("Session")
     async with store._pool.acquire() as conn:
         astray = await conn.fetch(
@@ -506,6 +509,25 @@ async def postgres_layout_problems(store: Any) -> list[str]:
             "GROUP BY tid, cursor HAVING count(*) > 1 LIMIT 5"
         )
         problems += [f"cursor-twice: tenant {t} has cursor {c} twice" for t, c in twice]
+        for table in ("records", "events"):
+            unnamed = await conn.fetch(
+                f"SELECT r.cursor, r.device FROM {s}.{table} AS r WHERE (substr(r.body, 1, 2) "
+                "IN ('\\xc101'::bytea, '\\xc102'::bytea, '\\xc111'::bytea)) IS DISTINCT FROM "
+                f"(r.device IS NOT NULL AND EXISTS (SELECT 1 FROM {s}.nodes AS n "
+                "WHERE n.n = r.device)) LIMIT 5"
+            )
+            problems += [
+                f"node-unnamed: {table} row at {c} names node {d} where its body's form is "
+                "another's"
+                for c, d in unnamed
+            ]
+        hashed = await conn.fetch(
+            f"SELECT e.cursor FROM {s}.events AS e WHERE (e.row_hash IS NULL) IS DISTINCT FROM "
+            f"({s}.pleach_digest(e.body) IS NOT NULL) LIMIT 5"
+        )
+        problems += [
+            f"hash-unkept: event at {c} keeps its row hash twice or not at all" for (c,) in hashed
+        ]
     return problems
 
 
