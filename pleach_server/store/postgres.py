@@ -1492,7 +1492,7 @@ class _PostgresTx:
     ) -> None:
         self._conn = conn
         self._device: tuple[bytes, int | None] = device or (b"", None)
-        """The pushing device's stamp node and its number in ``nodes`` (``_node_number``),
+        """The pushing device's stamp node and its number in ``nodes`` (``_device_of``),
         which the bodies of its own records leave out and their rows name (version 16);
         ``b""``: none (its bodies keep theirs)."""
         self._sql = sql
