@@ -2120,13 +2120,7 @@ async def test_schema_14_migrates_to_short_bodies_and_row_hashes_as_bytes() -> N
             assert new[0][:2] == SHORT + b"\x11" and new[1] is None
             assert chain_digest(new[0]) == bytes.fromhex(chain[1].row_hash)
             assert all(body[:1] != SHORT and len(digest) == 32 for body, digest in rows.values())
-            key = await conn.fetchval(
-                "SELECT pg_get_indexdef(i.indexrelid) FROM pg_index AS i "
-                "JOIN pg_class AS c ON c.oid = i.indexrelid JOIN pg_namespace AS n "
-                "ON n.oid = c.relnamespace WHERE n.nspname = $1 AND c.relname = 'feed_pkey'",
-                s,
-            )
-            assert key.endswith("(tid, cursor)")
+            assert (await index_def(conn, s, "feed_pkey")).endswith("(tid, cursor)")
             indexes = await conn.fetch(
                 "SELECT indexname FROM pg_indexes WHERE schemaname = $1 AND tablename = 'feed'", s
             )
@@ -2174,13 +2168,19 @@ async def test_schema_15_migrates_to_row_hashes_read_from_bodies() -> None:
             }
             assert kept[chain[0].id] == bytes.fromhex(chain[0].row_hash)
             assert kept[chain[1].id] is None and kept[chain[2].id] is None
-            key = await conn.fetchval(
-                "SELECT pg_get_indexdef(i.indexrelid) FROM pg_index AS i "
-                "JOIN pg_class AS c ON c.oid = i.indexrelid JOIN pg_namespace AS n "
-                "ON n.oid = c.relnamespace WHERE n.nspname = $1 AND c.relname = 'records_pkey'",
-                s,
-            )
-            assert key.endswith("(tid, id, kind)")
+            assert (await index_def(conn, s, "records_pkey")).endswith("(tid, id, kind)")
+
+
+async def index_def(conn: Any, s: str, name: str) -> str:
+    """The definition of the index ``name`` of schema ``s``."""
+    found = await conn.fetchval(
+        "SELECT pg_get_indexdef(i.indexrelid) FROM pg_index AS i "
+        "JOIN pg_class AS c ON c.oid = i.indexrelid JOIN pg_namespace AS n "
+        "ON n.oid = c.relnamespace WHERE n.nspname = $1 AND c.relname = $2",
+        s,
+        name,
+    )
+    return str(found)
 
 
 def audit_rows(feed: list[Any]) -> list[AuditRow]:
