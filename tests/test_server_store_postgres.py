@@ -19,7 +19,7 @@ import itertools
 import json
 import os
 import random
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
@@ -68,6 +68,7 @@ from tests.server_store_conformance import (
     FaultyTx,
     InjectedFault,
     MakeStore,
+    PlacedHistory,
     ServerStoreConformance,
     ServerStoreConformanceInIdBlocks,
     StoredRows,
@@ -2084,11 +2085,9 @@ async def test_schema_14_migrates_to_short_bodies_and_row_hashes_as_bytes() -> N
     sessions' entries alone, keyed by tenant and cursor."""
     clock = HybridClock("server-x")
     async with scratch_schema() as s:
-        async with pg_store(s) as store:
-            h = await placed_history(store, clock)
+        h = await history_as_schema(s, clock, as_schema_14)
         alice = h.alice
         async with admin() as conn:
-            await as_schema_14(conn, s, (alice.tenant, h.bob.tenant))
             bodies = await conn.fetch(
                 f"SELECT body FROM {s}.records UNION ALL SELECT body FROM {s}.events"
             )
@@ -2096,8 +2095,7 @@ async def test_schema_14_migrates_to_short_bodies_and_row_hashes_as_bytes() -> N
         result = await migrate(PG_DSN, s)
         assert (result.from_version, result.to_version) == (14, SCHEMA_VERSION) == (14, 16)
         async with pg_store(s) as store:
-            assert [(c.cursor, c.record) for c in await pull_all(store, alice.tenant)] == h.before
-            assert [(c.cursor, c.record) for c in await pull_all(store, h.bob.tenant)] == h.theirs
+            await assert_pulled_as_placed(store, h)
             later = [alice.message(h.session.id), alice.event(h.session.id)]
             later.append(alice.audit(h.session.id))
             pushed = await store.push(alice.tenant, alice.client_id, alice.changes(*later), clock)
@@ -2137,18 +2135,15 @@ async def test_schema_15_migrates_to_row_hashes_read_from_bodies() -> None:
     records are keyed in id order."""
     clock = HybridClock("server-x")
     async with scratch_schema() as s:
-        async with pg_store(s) as store:
-            h = await placed_history(store, clock)
+        h = await history_as_schema(s, clock, as_schema_15)
         alice = h.alice
         async with admin() as conn:
-            await as_schema_15(conn, s, (alice.tenant, h.bob.tenant))
             held = await conn.fetchval(f"SELECT count(*) FROM {s}.events WHERE row_hash IS NULL")
             assert held == 0
         result = await migrate(PG_DSN, s)
         assert (result.from_version, result.to_version) == (15, SCHEMA_VERSION) == (15, 16)
         async with pg_store(s) as store:
-            assert [(c.cursor, c.record) for c in await pull_all(store, alice.tenant)] == h.before
-            assert [(c.cursor, c.record) for c in await pull_all(store, h.bob.tenant)] == h.theirs
+            await assert_pulled_as_placed(store, h)
             later = [alice.event(h.session.id), alice.event(h.session.id)]
             pushed = await store.push(alice.tenant, alice.client_id, alice.changes(*later), clock)
             assert statuses(pushed) == ["applied"] * 2
@@ -2169,6 +2164,24 @@ async def test_schema_15_migrates_to_row_hashes_read_from_bodies() -> None:
             assert kept[chain[0].id] == bytes.fromhex(chain[0].row_hash)
             assert kept[chain[1].id] is None and kept[chain[2].id] is None
             assert (await index_def(conn, s, "records_pkey")).endswith("(tid, id, kind)")
+
+
+async def history_as_schema(
+    s: str, clock: HybridClock, undo: Callable[[Any, str, Iterable[Tenant]], Awaitable[None]]
+) -> PlacedHistory:
+    """``placed_history`` written into schema ``s`` by this build, then taken back for its
+    two tenants to what an earlier version kept by ``undo`` (``as_schema_15``...)."""
+    async with pg_store(s) as store:
+        h = await placed_history(store, clock)
+    async with admin() as conn:
+        await undo(conn, s, (h.alice.tenant, h.bob.tenant))
+    return h
+
+
+async def assert_pulled_as_placed(store: PostgresServerStore, h: PlacedHistory) -> None:
+    """Each tenant of ``h`` pulls the records ``placed_history`` placed, under their cursors."""
+    assert [(c.cursor, c.record) for c in await pull_all(store, h.alice.tenant)] == h.before
+    assert [(c.cursor, c.record) for c in await pull_all(store, h.bob.tenant)] == h.theirs
 
 
 async def index_def(conn: Any, s: str, name: str) -> str:

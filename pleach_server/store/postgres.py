@@ -351,19 +351,23 @@ the bytes before its row hash's ext (and the boolean after it, when the body end
 _PLEACH_DIGEST = (
     "CREATE FUNCTION {s}.pleach_digest(b bytea) RETURNS bytea "
     "LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT CASE "
-    "WHEN substr(b, octet_length(b) - 35, 3) = '\\xc72002'::bytea "
-    "AND substr(b, octet_length(b), 1) IN ('\\xc2'::bytea, '\\xc3'::bytea) "
-    "THEN substr(b, octet_length(b) - 32, 32) "
-    "WHEN substr(b, octet_length(b) - 34, 3) = '\\xc72002'::bytea "
-    "THEN substr(b, octet_length(b) - 31, 32) END $$"
+    "WHEN substr(b, {s}.pleach_cut(b) + 1, 3) = '\\xc72002'::bytea "
+    "THEN substr(b, {s}.pleach_cut(b) + 4, 32) END $$"
 )
 """Migration 16: ``compact.chain_digest`` in SQL: the 32 bytes of the ``row_hash`` a stored
-event body ends with, whatever its form (NULL: a body that does not end so)."""
+event body ends with, whatever its form (NULL: a body that does not end so): the digest's
+ext is right after where ``pleach_cut`` puts a body's cut."""
 
 
 _NODE_OUT_FORMS: Final = frozenset((SHORT + b"\x01", SHORT + b"\x02"))
 """The heads of the bodies ``compact.short_body`` left the stamp node out of (forms 1 and 2;
 an event's without its prev_hash too, 17, is made of a 1): their rows name it (version 16)."""
+
+
+def _node_named(stored: bytes, number: int | None) -> int | None:
+    """The stamp node's number a row of the body ``stored`` names: ``number`` where the body
+    left its node out (``_NODE_OUT_FORMS``), else None."""
+    return number if stored[:2] in _NODE_OUT_FORMS else None
 
 
 def _event_hash(s: str, row: str) -> str:
@@ -1731,7 +1735,7 @@ class _PostgresTx:
             row = (_KIND_NUMBERS[info.name], key, session_key, stored)
             for column, value in zip(records, row, strict=True):
                 column.append(value)
-            devices.append(node_number if stored[:2] in _NODE_OUT_FORMS else None)
+            devices.append(_node_named(stored, node_number))
         events, sessions, feed = writes.events, writes.sessions, writes.feed
         places: list[list[Any]] = [[], [], [], []]
         for r in writes.records:
@@ -1760,7 +1764,9 @@ class _PostgresTx:
                 drops[0].append(_pg_key(x.id))
                 drops[1].append(lay.drop_from)
         cursors: list[int] = []
-        event_columns, apart, event_devices = _event_columns(events, writes, tenant_bytes, node)
+        event_columns, apart, event_nodes = _event_columns(
+            events, writes, tenant_bytes, self._device
+        )
         if records[0] or events or sessions or feed or writes.last_seq is not None:
             checked: tuple[int, int, int] | tuple[()] = ()
             statement = sql.write
@@ -1796,7 +1802,7 @@ class _PostgresTx:
                 [i + 1 for i in event_entries],
                 *apart,
                 devices,
-                [node_number if d else None for d in event_devices],
+                event_nodes,
                 *checked,
             )
             if taken is None:
@@ -1851,15 +1857,17 @@ class _PostgresTx:
 
 
 def _event_columns(
-    events: Sequence[Event], writes: BatchWrites, tenant: bytes, node: bytes
-) -> tuple[tuple[list[Any], ...], tuple[list[bytes | None], list[bytes | None]], list[bool]]:
+    events: Sequence[Event], writes: BatchWrites, tenant: bytes, device: tuple[bytes, int | None]
+) -> tuple[tuple[list[Any], ...], tuple[list[bytes | None], list[bytes | None]], list[Any]]:
     """``_Sql.write``'s event columns ($7 to $11: keys, sequence numbers, row hashes as the
     column keeps them, None for one the body ends with, bodies as ``compact.short_body``
-    keeps them), and ($34, $35) each
-    body without its prev_hash too (``compact.prev_apart``; None: it keeps it) and that
-    prev_hash, which the row before it must keep as its row hash, None where that row is the
-    event before it in this batch (written by the same statement); and whether each body left
-    out the stamp ``node`` (the pushing device's), which its row must name then."""
+    keeps them), and ($34, $35) each body without its prev_hash too (``compact.prev_apart``;
+    None: it keeps it) and that prev_hash, which the row before it must keep as its row hash,
+    None where that row is the event before it in this batch (written by the same
+    statement); and ($37) the number of
+    the pushing device's stamp node (``device``) for each body that left it out, which its
+    row names then (``_node_named``)."""
+    node, number = device
     ids, sessions = [_pg_key(e.id) for e in events], [_pg_key(e.session_id) for e in events]
     bodies: list[Any] = []
     apart: list[bytes | None] = []
@@ -1878,7 +1886,7 @@ def _event_columns(
     hashes = [_pg_hash(e.row_hash) for e in events]
     held = [None if chain_digest(b) == h else h for b, h in zip(bodies, hashes, strict=True)]
     columns = (ids, sessions, [e.sequence_number for e in events], held, bodies)
-    return columns, (apart, prevs), [b[:2] in _NODE_OUT_FORMS for b in bodies]
+    return columns, (apart, prevs), [_node_named(b, number) for b in bodies]
 
 
 async def _fetch_write(conn: Any, known: bool, statement: str, *args: Any) -> Any:
