@@ -1,9 +1,10 @@
 """``python -m bench.bench_conversation [--quick] [--turns N]``: one long conversation.
 
 The workload of docs/BENCHMARKS.md's storage and turn rows: one session of N turns (1,000 by
-default), each a 200-byte user text and an 800-byte assistant reply, a checkpoint per turn,
-one SQLite file. The floor, measured in the same run: plain ``sqlite3`` (WAL,
-``synchronous=NORMAL``) inserting the same two messages per turn in one transaction.
+default), each a 200-byte user text and an 800-byte assistant reply (real prose, different
+each turn: ``bench.peers.common``), a checkpoint per turn, one SQLite file. The floor,
+measured in the same run: plain ``sqlite3`` (WAL, ``synchronous=NORMAL``) inserting the same
+two messages per turn in one transaction.
 
 Figures: file bytes after N turns, unsynced and after a full sync to a real server (device
 file and the server's file; and the bytes of the same history on the PostgreSQL store, its
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import math
 import os
 import shutil
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.bench_local import Row, file_bytes, render
+from bench.peers.common import assistant_text, user_text
 from pleach_client.providers.base import ProviderRequest
 from pleach_client.providers.scripted import ScriptedProvider, ScriptedReply
 from pleach_client.runtime import SessionRuntime
@@ -47,20 +50,16 @@ from pleach_server.auth import issue_token
 from pleach_server.server import SyncServer
 from pleach_server.store import SQLiteServerStore, Tenant
 
-USER_BYTES = 200
-ASSISTANT_BYTES = 800
 CLIENT_ID = "bench-conversation-device"
 SECRET = b"bench-conversation-secret"
 TENANT = Tenant(org_id="default", user_id="anonymous")  # SessionRuntime's own defaults
 PG_DSN = os.environ.get("PLEACH_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 
 
-def user_text(i: int) -> str:
-    head = f"turn {i}: "
-    return head + "u" * (USER_BYTES - len(head))
-
-
-REPLY = ScriptedReply(text=" ".join(["assistant"] * 80)[:ASSISTANT_BYTES].ljust(ASSISTANT_BYTES))
+def replies() -> ScriptedProvider:
+    """A provider whose ``k``-th call replies turn ``k``'s assistant text (``assistant_text``)."""
+    calls = itertools.count()
+    return ScriptedProvider(default_reply=lambda _: ScriptedReply(text=assistant_text(next(calls))))
 
 
 def percentile(samples: Sequence[float], q: float) -> float:
@@ -75,7 +74,7 @@ async def pleach_run(path: Path, n: int, capture: list[Statements] | None = None
     """``n`` turns through ``SessionRuntime`` on ``path``; each turn's seconds. ``capture``:
     also collect each turn's commit as the statements and rows it ran (``own_rows_run``)."""
     out: list[float] = []
-    provider = ScriptedProvider(default_reply=REPLY)
+    provider = replies()
     with _capturing(capture):
         async with SessionRuntime(SQLiteAdapter(path), provider, client_id=CLIENT_ID) as rt:
             session_id = (await rt.create_session(title="bench")).id
@@ -133,7 +132,7 @@ async def own_rows_run(path: Path, turns: list[Statements]) -> list[float]:
     async with SQLiteAdapter(path):  # the schema, created by the store itself
         pass
     conn = sqlite3.connect(path, isolation_level=None)
-    provider = ScriptedProvider(default_reply=REPLY)
+    provider = replies()
     messages: list[dict[str, Any]] = []
     out: list[float] = []
     try:
@@ -154,7 +153,7 @@ async def own_rows_run(path: Path, turns: list[Statements]) -> list[float]:
             conn.execute("COMMIT")
             out.append(time.perf_counter() - started)
             messages.append(
-                {"role": "assistant", "content": [{"type": "text", "text": REPLY.text}]}
+                {"role": "assistant", "content": [{"type": "text", "text": assistant_text(i)}]}
             )
     finally:
         conn.close()
@@ -197,7 +196,7 @@ async def synced_bytes(device: Path, server_path: Path) -> tuple[int, int]:
         SQLiteServerStore(server_path) as store,
         SyncServer(store, port=0, secret=SECRET, rate_limit_per_s=None) as server,
     ):
-        provider = ScriptedProvider(default_reply=REPLY)
+        provider = replies()
         async with SessionRuntime(SQLiteAdapter(device), provider, client_id=CLIENT_ID) as rt:
             receipt = await rt.sync.sync_once(server.url, issue_token(SECRET, TENANT, 3600), 600)
             if receipt.pending_after:
@@ -225,7 +224,7 @@ async def postgres_bytes(device: Path, dsn: str) -> int | None:
             PostgresServerStore(dsn, schema=schema) as store,
             SyncServer(store, port=0, secret=SECRET, rate_limit_per_s=None) as server,
         ):
-            provider = ScriptedProvider(default_reply=REPLY)
+            provider = replies()
             async with SessionRuntime(SQLiteAdapter(device), provider, client_id=CLIENT_ID) as rt:
                 token = issue_token(SECRET, TENANT, 3600)
                 receipt = await rt.sync.sync_once(server.url, token, 600)
@@ -250,7 +249,7 @@ async def live_synced_bytes(device: Path, server_path: Path, n: int) -> tuple[in
         SQLiteServerStore(server_path) as store,
         SyncServer(store, port=0, secret=SECRET, rate_limit_per_s=None) as server,
     ):
-        provider = ScriptedProvider(default_reply=REPLY)
+        provider = replies()
         async with SessionRuntime(SQLiteAdapter(device), provider, client_id=CLIENT_ID) as rt:
             await rt.sync.connect(server.url, issue_token(SECRET, TENANT, 3600))
             session_id = (await rt.create_session(title="bench")).id
@@ -275,7 +274,6 @@ def raw_run(path: Path, n: int) -> list[float]:
             "role TEXT NOT NULL, content TEXT NOT NULL)"
         )
         session_id = str(uuid.uuid4())
-        reply = REPLY.text
         for i in range(n):
             started = time.perf_counter()
             conn.execute("BEGIN IMMEDIATE")
@@ -283,7 +281,7 @@ def raw_run(path: Path, n: int) -> list[float]:
                 "INSERT INTO messages VALUES (?, ?, ?, ?)",
                 [
                     (str(uuid.uuid4()), session_id, "user", user_text(i)),
-                    (str(uuid.uuid4()), session_id, "assistant", reply),
+                    (str(uuid.uuid4()), session_id, "assistant", assistant_text(i)),
                 ],
             )
             conn.execute("COMMIT")

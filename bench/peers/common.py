@@ -7,10 +7,12 @@ Standard library only: this module is imported from ``.venv`` (pleach, the floor
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import math
 import platform
+import re
 import sqlite3
 import statistics
 import sys
@@ -38,21 +40,30 @@ USER_BYTES = 200
 ASSISTANT_BYTES = 800
 MARKER = "BENCH-PEERS-JSON "  # the one stdout line the runner reads
 
-_WORDS = (
-    "plan tomorrow meeting notes budget review draft summary points agenda follow up with "
-    "the team about design choices schedule risks open questions owner date status next steps "
-    "device sync offline session checkpoint ledger audit turn reply model tool result"
-).split()
+_STRIDE = 7_919  # a prime: each turn's texts start far from the last turn's
+
+
+@functools.cache
+def _corpus() -> str:
+    """Real English prose, the same on every machine with the same Python: the reference
+    documentation's topics that ship with the standard library (``pydoc_data.topics``), its
+    whitespace made single spaces and non-ASCII characters left out. A workload of repeated
+    words would compress tenfold and flatter any store that compresses text; this prose
+    compresses about as chat text does (``deflate``: 1.5x at 200 bytes, 2.1x at 800)."""
+    from pydoc_data.topics import topics
+
+    text = re.sub(r"\s+", " ", " ".join(topics[key] for key in sorted(topics)))
+    return text.encode("ascii", "ignore").decode("ascii")
 
 
 def _text(label: str, i: int, size: int) -> str:
-    """ASCII words, different for each turn, exactly ``size`` bytes."""
-    out = f"turn {i} {label}:"
-    k = i * 7
-    while len(out) < size:
-        out += " " + _WORDS[k % len(_WORDS)]
-        k += 3
-    return out[:size]
+    """Turn ``i``'s text for ``label``: its head, then prose (``_corpus``), exactly ``size``
+    bytes of ASCII, different for each turn and label."""
+    head = f"turn {i} {label}: "
+    corpus = _corpus()
+    length = size - len(head)
+    start = (i * _STRIDE + len(label) * 104_729) * length % (len(corpus) - length)
+    return head + corpus[start : start + length]
 
 
 def user_text(i: int) -> str:
