@@ -13,7 +13,7 @@ expired token gets an HTTP 401 and no WebSocket. Each accepted connection is a
 ``Connection`` (see ``connection.py``); fan-out goes through one ``Hub`` per server and, across
 server processes, through a ``Notifier``.
 
-The server speaks protocol versions ``MIN_PROTOCOL..MAX_PROTOCOL`` (1 to 8, described in
+The server speaks protocol versions ``MIN_PROTOCOL..MAX_PROTOCOL`` (1 to 9, described in
 ``shared.messages``): each device's ``Hello`` gets the highest version both sides speak, and
 ``Welcome`` names it with the token's tenant.
 

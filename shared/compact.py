@@ -10,6 +10,11 @@ about 60 characters. This form keeps the same values in less than half the bytes
   as ext 4 (16 bytes each), 64-character lowercase hex
   digests as ext 2 (32 bytes), HLC stamps (``<13 digits>-<6 digits>-<node>``) as ext 3 (wall
   and counter as integers, the node as a UUID or text), wherever they occur in the record;
+- since protocol 9, a text of at least ``DEFLATE_MIN`` characters as ext 6, its UTF-8
+  deflated (raw ``zlib``, level 6), where that saves at least an eighth of its bytes and the
+  text is at most ``INFLATE_RATIO`` times the ext's bytes; ``inflated`` writes them out for
+  a peer before protocol 9, and an ext 6 that inflates past the ratio, or is not whole
+  deflate data, is refused like any other malformed ext;
 - since protocol 8 (``shared.messages``), a ``client_id`` equal to its record's stamp's node
   as nil (``implied_client``); an audit row's ``usage`` and ``outcome`` as arrays of their
   fields, trailing defaults left out (``_ARRAY_STRUCTS``); an event's ``type`` and payload
@@ -46,6 +51,7 @@ import re
 import struct
 import types
 import typing
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, Literal, TypeVar, Union, cast
 
@@ -73,6 +79,7 @@ __all__ = [
     "id_list_bytes",
     "id_list_texts",
     "implied_client",
+    "inflated",
     "is_compact",
     "packed",
     "prev_apart",
@@ -95,7 +102,16 @@ KINDS: Final[tuple[str, ...]] = (
 )
 """Kind index -> kind name. Append only: an index, once written, names its kind forever."""
 
-_EXT_UUID, _EXT_HEX, _EXT_HLC, _EXT_UUIDS = 1, 2, 3, 4
+_EXT_UUID, _EXT_HEX, _EXT_HLC, _EXT_UUIDS, _EXT_DEFLATED = 1, 2, 3, 4, 6
+DEFLATE_MIN: Final = 128
+"""The shortest text (in characters) a body writes deflated (protocol 9): shorter ones seldom
+save a tenth, and each costs a few microseconds both ways."""
+INFLATE_RATIO: Final = 16
+"""A deflated text is at most this many times its ext's bytes, whoever wrote it: ``encode``
+writes any text that deflates further as it is (real prose deflates 1.5-3x), and a decode
+refuses an ext 6 that would inflate past it, so a peer's body never holds more than 16 times
+its own bytes of text."""
+_DEFLATE_LEVEL: Final = 6
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
 _NODE_TEXT, _NODE_UUID = 0, 1
 _NODEFAULT: Final = object()
@@ -309,6 +325,14 @@ the cache is emptied, so a peer's long lists hold about 7 MB at most. The count 
 the GIL; threads decoding long lists at once may miscount it by a list until it is emptied."""
 _id_lists_held = 0
 _uuid_exts: dict[str, Ext] = {}  # encode: UUID text -> ext 1
+_deflated_exts: dict[str, Ext | None] = {}  # encode: long text -> ext 6, None: written as is
+_DEFLATED_KEPT_MAX: Final = 1 << 14
+"""Texts longer than this (characters) are deflated each time they are encoded, never kept."""
+_DEFLATED_BUDGET: Final = 1 << 20
+"""Characters of text kept in ``_deflated_exts`` at most (with their exts, about 2 MB): past
+it, the cache is emptied."""
+_deflated_held = 0
+_UNSEEN: Final = object()
 _node_tails: dict[str, bytes] = {}  # encode: HLC node text -> node kind byte + node
 _uuid_texts: dict[bytes, str] = {}  # decode: ext 1 bytes -> UUID text
 _node_texts: dict[bytes, str] = {}  # decode: node kind byte + node -> HLC node text
@@ -323,10 +347,11 @@ def _remember(cache: dict[_K, _V], key: _K, value: _V) -> _V:
 
 def _clear_caches() -> None:
     """Empties every cache (a benchmark starts each pass cold with it)."""
-    global _id_lists_held
+    global _id_lists_held, _deflated_held
     for cache in (_uuid_exts, _node_tails, _uuid_texts, _node_texts, _uuid_lists, _id_lists):
         cache.clear()
-    _id_lists_held = 0
+    _deflated_exts.clear()
+    _id_lists_held = _deflated_held = 0
 
 
 # -- encode --------------------------------------------------------------------------------
@@ -461,7 +486,12 @@ def _pack(value: Any) -> Any:
             if digest is not None:
                 return digest
         if size > 21 and value[13] == "-":  # not a UUID or digest: perhaps an HLC stamp
-            return _hlc(value) or value
+            ext = _hlc(value)
+            if ext is not None:
+                return ext
+        if size >= DEFLATE_MIN:
+            deflated = _deflated_exts.get(value, _UNSEEN)
+            return (_new_deflated(value) if deflated is _UNSEEN else deflated) or value
         return value
     if kind is dict:
         if not _STR.issuperset(map(type, value)):
@@ -473,6 +503,31 @@ def _pack(value: Any) -> Any:
         return value
     value = _builtins(value)  # a str, list or dict now, or a tuple: left as it is, as before
     return _pack(value) if type(value) in _WALKED else value
+
+
+def _new_deflated(value: str) -> Ext | None:
+    """``value`` as ext 6 when deflating its UTF-8 saves at least an eighth of its bytes and
+    stays within ``INFLATE_RATIO``, else None; kept in ``_deflated_exts`` when short enough
+    (a session's long texts are encoded again with each of its versions)."""
+    try:
+        raw = value.encode()
+    except UnicodeEncodeError:  # a lone surrogate: leave it to the encoder to refuse
+        return None
+    data = zlib.compress(raw, _DEFLATE_LEVEL, wbits=-15)
+    size = len(data)
+    ext = (
+        Ext(_EXT_DEFLATED, data)
+        if size * 8 <= len(raw) * 7 and len(raw) <= size * INFLATE_RATIO
+        else None
+    )
+    if len(value) <= _DEFLATED_KEPT_MAX:
+        global _deflated_held
+        if _deflated_held + len(value) > _DEFLATED_BUDGET:
+            _deflated_exts.clear()
+            _deflated_held = 0
+        _deflated_exts[value] = ext
+        _deflated_held += len(value)
+    return ext
 
 
 def _pack_list(value: list[Any]) -> Any:
@@ -676,7 +731,35 @@ def _unext(code: int, data: memoryview) -> Any:
         return _hlc_text(data.tobytes())
     if code == _EXT_UUIDS and len(data) % 16 == 0:
         return _uuid_list_texts(data) if len(data) < 16 * _ID_LISTS_MIN else _id_list(data)
+    if code == _EXT_DEFLATED:
+        return _inflate(data)
     raise _unknown_ext(code, data)
+
+
+def _inflate(data: bytes | memoryview) -> str:
+    """The text an ext 6 stands for. ``msgspec.DecodeError`` for bytes that are not one whole
+    raw deflate stream, that inflate past ``INFLATE_RATIO`` times their size (inflating stops
+    there: a peer's body costs at most that much memory), or whose text is not UTF-8."""
+    inflater = zlib.decompressobj(-15)
+    try:
+        # One byte past the ratio: a text of exactly the ratio still reaches its stream's end.
+        raw = inflater.decompress(data, INFLATE_RATIO * len(data) + 1)
+    except zlib.error as exc:
+        raise msgspec.DecodeError(f"malformed deflated text ({exc})") from None
+    if (
+        not inflater.eof
+        or inflater.unconsumed_tail
+        or inflater.unused_data
+        or len(raw) > INFLATE_RATIO * len(data)
+    ):
+        raise msgspec.DecodeError(
+            f"malformed deflated text ({len(data)} bytes: cut short, followed by more, or "
+            f"inflating past {INFLATE_RATIO} times its size)"
+        )
+    try:
+        return raw.decode()
+    except UnicodeDecodeError as exc:
+        raise msgspec.DecodeError(f"malformed deflated text ({exc})") from None
 
 
 def _new_uuid_text(key: bytes) -> str:
@@ -844,7 +927,7 @@ def _twin_annotation(annotation: Any) -> tuple[Any, str | None] | None:
 
 
 def _ext_text(ext: Ext) -> str:
-    """The text an ext 1, 2 or 3 stands for, as the ext hook gives it (and its errors, for
+    """The text an ext 1, 2, 3 or 5 stands for, as the ext hook gives it (and its errors, for
     malformed bytes); ``_NotText`` for an ext of any other code."""
     code = ext.code
     data: bytes = ext.data  # type: ignore[assignment]  # (bytes, as msgspec decodes an ext)
@@ -855,6 +938,8 @@ def _ext_text(ext: Ext) -> str:
         return data.hex()
     if code == _EXT_HLC and len(data) >= 10:
         return _hlc_text(data)
+    if code == _EXT_DEFLATED:
+        return _inflate(data)
     if code in (_EXT_HEX, _EXT_HLC):
         raise _unknown_ext(code, data)
     raise _NotText
@@ -1288,6 +1373,37 @@ def explicit(data: _B) -> _B | bytes:
     except (msgspec.DecodeError, msgspec.ValidationError, _NotText):
         return data
     return _ENCODER.encode(values) if changed else data
+
+
+_DEFLATED_HEAD: Final = re.compile(
+    rb"\xc7[\s\S]\x06|\xc8[\s\S]{2}\x06|\xc9[\s\S]{4}\x06|[\xd4-\xd8]\x06"
+)
+"""Bytes that may start an ext 6 (ext 8, 16, 32 or a fixext, then the code): a body without
+them holds no deflated text (a body with them may still hold none: the bytes can be text)."""
+
+
+def _inflated_or_kept(code: int, data: memoryview) -> Any:
+    return _inflate(data) if code == _EXT_DEFLATED else Ext(code, data.tobytes())
+
+
+_AS_WRITTEN: Final = msgspec.msgpack.Decoder(ext_hook=_inflated_or_kept)
+
+
+def inflated(data: _B) -> _B | bytes:
+    """``data`` as a peer before protocol 9 reads it: each deflated text (ext 6) written out
+    as its text, every other value as it was (its exts too). ``data`` itself when it holds
+    none, and when it does not decode (the receiver refuses it as it would have); it never
+    raises (it runs on a server's way out, over bytes another peer pushed). A record's text
+    is bounded in its whole form (``MAX_RECORD_BYTES``), so the body written out stays
+    within what the peer takes."""
+    if _DEFLATED_HEAD.search(data) is None:
+        return data
+    try:
+        values = _AS_WRITTEN.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        return data
+    written = _ENCODER.encode(values)
+    return data if written == bytes(data) else written
 
 
 def uuid_bytes(value: str) -> bytes | None:

@@ -80,6 +80,16 @@ highest both sides speak):
   wrote before, every other value's as it is), on each side's way out, so such a peer never
   reads any of these.
 
+- **9**: a record in a frame's ``bodies`` may hold a text of ``shared.compact.DEFLATE_MIN``
+  (128) characters or more deflated: ext 6, its UTF-8 as raw deflate (``zlib``, level 6),
+  where that saves at least an eighth of its bytes and the text is at most
+  ``shared.compact.INFLATE_RATIO`` (16) times the ext's bytes. A message of real prose is then
+  about half its bytes (800 bytes of text in about 400), on the wire and in every store,
+  which keep bodies as they came. A reader refuses an ext 6 that is not one whole deflate
+  stream, that inflates past the ratio (inflating stops there), or whose text is not UTF-8,
+  as any malformed record (3004). A body sent to a peer before version 9 has its texts
+  written out (``shared.compact.inflated``), on each side's way out.
+
 A version 1 peer reads version 2 frames unchanged (it ignores the new fields), which is why the
 server fills them whatever version it agreed.
 """
@@ -97,7 +107,7 @@ from .records import Change, FeedChange
 
 MIN_PROTOCOL = 1
 """The oldest protocol version this code speaks."""
-MAX_PROTOCOL = 8
+MAX_PROTOCOL = 9
 """The newest protocol version this code speaks."""
 PROTOCOL_VERSION = MAX_PROTOCOL
 """The newest version (a ``Hello`` naming only it negotiates exactly it)."""
@@ -114,6 +124,9 @@ IMPLIED_SINCE = 8
 """The version from which a body may leave its device implied by its stamp (nil
 ``client_id``), hold an audit row's usage and outcome as arrays and an event's words as
 indexes (``shared.compact.explicit`` writes the form before for a peer before it)."""
+DEFLATED_SINCE = 9
+"""The version from which a body may hold a long text deflated (ext 5; ``shared.compact``
+``inflated`` writes the texts out for a peer before it)."""
 MAX_SKIPPED = 10_000
 """The most ``skipped`` numbers one ``Push`` may name."""
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024

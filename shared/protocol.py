@@ -40,6 +40,7 @@ from .idrefs import ID_REFS_SINCE, IdLists
 from .messages import (
     COMPACT_SINCE,
     DEFAULT_MAX_FRAME_BYTES,
+    DEFLATED_SINCE,
     FRAME_TAGS,
     IMPLIED_SINCE,
     MAX_PROTOCOL,
@@ -378,6 +379,8 @@ class ServerProtocol(_Protocol):
             raise InvalidState(f"record bodies need protocol {COMPACT_SINCE}")
         if bodies and (self.version or 0) < IMPLIED_SINCE:
             bodies = _rebodied(bodies, compact.explicit)
+        if bodies and (self.version or 0) < DEFLATED_SINCE:
+            bodies = _rebodied(bodies, compact.inflated)
         if bodies and (self.version or 0) >= ID_REFS_SINCE:
             bodies = _rebodied(bodies, (self.sent_live_ids if live else self.sent_ids).shrink)
         self._send(
@@ -538,6 +541,8 @@ class ClientProtocol(_Protocol):
         if bodies is not None and (self.version or 0) >= COMPACT_SINCE:
             if (self.version or 0) < IMPLIED_SINCE:
                 bodies = [bytes(compact.explicit(body)) for body in bodies]
+            if (self.version or 0) < DEFLATED_SINCE:
+                bodies = [bytes(compact.inflated(body)) for body in bodies]
             if (self.version or 0) >= ID_REFS_SINCE:
                 bodies = [bytes(self.sent_ids.shrink(body)) for body in bodies]
             packed = change_bodies(changes, bodies)

@@ -10,6 +10,7 @@ import random
 import re
 import secrets
 import uuid
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,7 +59,13 @@ NEAR_MISSES = st.one_of(
     STAMPS.map(lambda s: s.replace("-", "+", 1)),
     st.text(max_size=70),
 )
-TEXT = st.one_of(UUIDS, HEX, STAMPS, NEAR_MISSES)
+PROSE_WORDS = "the a device turn of session sync offline message reply and to is".split()
+LONG = st.one_of(  # texts a body may write deflated (protocol 9), or may not
+    st.lists(st.sampled_from(PROSE_WORDS), min_size=20, max_size=300).map(" ".join),
+    st.text(min_size=compact.DEFLATE_MIN - 2, max_size=400),  # mostly too random to deflate
+    st.text(min_size=1, max_size=4).map(lambda t: t * 300),  # may inflate past the ratio
+)
+TEXT = st.one_of(UUIDS, HEX, STAMPS, NEAR_MISSES, LONG)
 JSON = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1), TEXT),
     lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(TEXT, inner, max_size=4)),
@@ -294,7 +301,18 @@ def _o_uuid_list(value: list[Any]) -> Ext | None:
     return Ext(4, data) if len(data) == 16 * count else None
 
 
-def _o_pack(value: Any) -> Any:
+def _o_deflated(value: str) -> Ext | None:
+    """Protocol 9: a text of 128 characters or more as ext 6 (its UTF-8, raw deflate, level
+    6) when that saves an eighth of its bytes and the text is at most 16 times the ext's."""
+    try:
+        raw = value.encode()
+    except UnicodeEncodeError:
+        return None
+    data = zlib.compress(raw, 6, wbits=-15)
+    return Ext(6, data) if 8 * len(data) <= 7 * len(raw) <= 7 * 16 * len(data) else None
+
+
+def _o_pack(value: Any, deflate: bool = True) -> Any:
     kind = type(value)
     if kind is str:
         size = len(value)
@@ -302,24 +320,27 @@ def _o_pack(value: Any) -> Any:
             return Ext(1, bytes.fromhex(value.replace("-", "")))
         if size == 64 and _O_HEX64.match(value):
             return Ext(2, bytes.fromhex(value))
-        if size > 21 and value[13] == "-":
-            return _o_hlc(value) or value
+        if size > 21 and value[13] == "-" and (stamp := _o_hlc(value)) is not None:
+            return stamp
+        if deflate and size >= 128:
+            return _o_deflated(value) or value
         return value
     if kind is list:
         if len(value) > 1:
             ids = _o_uuid_list(value)
             if ids is not None:
                 return ids
-        return [_o_pack(item) for item in value]
+        return [_o_pack(item, deflate) for item in value]
     if kind is dict:
-        return {key: _o_pack(item) for key, item in value.items()}
+        return {key: _o_pack(item, deflate) for key, item in value.items()}
     return value
 
 
-def old_encode(record: Record, implied: bool = True) -> bytes:
+def old_encode(record: Record, implied: bool = True, deflate: bool = True) -> bytes:
     """The plain spec of the compact form. ``implied`` (protocol 8): a ``client_id`` equal to
     its ``hlc``'s node (what follows the stamp's second dash) is nil; without it, the form
-    before protocol 8."""
+    before protocol 8. ``deflate`` (protocol 9): long texts deflated (``_o_deflated``);
+    without it, the form before protocol 9."""
     index = compact.KINDS.index(type(record).__name__)
     cls, names, defaults = _O_KINDS[index]
     fields = msgspec.to_builtins(record, builtin_types=(bytes,))
@@ -338,7 +359,7 @@ def old_encode(record: Record, implied: bool = True) -> bytes:
                 while items and items[-1] == tail[len(items) - 1]:
                     items.pop()
                 values[at] = items
-    packed = [index, *(_o_pack(v) for v in values[:end])]
+    packed = [index, *(_o_pack(v, deflate) for v in values[:end])]
     if implied and isinstance(record, Event):  # its type and payload keys as word indexes
         words = {word: i for i, word in enumerate(compact.WORDS)}
         at = names.index("type") + 1
@@ -376,6 +397,15 @@ def _o_unext(code: int, data: memoryview) -> Any:
         else:
             raise msgspec.DecodeError(f"malformed HLC stamp (node kind {data[9]})")
         return f"{wall:013d}-{counter:06d}-{node}"
+    if code == 6:
+        inflater = zlib.decompressobj(-15)
+        try:
+            raw = inflater.decompress(bytes(data))
+        except zlib.error as exc:
+            raise msgspec.DecodeError(str(exc)) from None
+        if not inflater.eof or inflater.unused_data or len(raw) > 16 * len(data):
+            raise msgspec.DecodeError("malformed deflated text")
+        return raw.decode()
     raise msgspec.DecodeError(f"unknown ext type {code} ({len(data)} bytes)")
 
 
@@ -450,6 +480,101 @@ def test_a_body_for_a_peer_before_protocol_8_names_its_device(record: Record) ->
     assert len(before) >= len(data) or type(record) is Event
     mapped = encode_record(record)
     assert compact.explicit(mapped) is mapped
+
+
+@settings(max_examples=400)
+@given(records())
+def test_a_body_for_a_peer_before_protocol_9_has_its_texts_written_out(record: Record) -> None:
+    # inflated gives the bytes of the form before protocol 9 (no ext 6), every other value as
+    # it was; after explicit, those of the form before protocol 8. A body without deflated
+    # text comes back as the very object.
+    data = compact.encode(record)
+    plain = old_encode(record, deflate=False)
+    assert compact.inflated(data) == plain
+    assert bytes(compact.inflated(msgspec.Raw(data))) == plain
+    assert compact.inflated(plain) is plain
+    assert compact.inflated(compact.explicit(data)) == old_encode(
+        record, implied=False, deflate=False
+    )
+    assert compact.decode(plain) == compact.decode(data) == record
+    mapped = encode_record(record)
+    assert compact.inflated(mapped) is mapped
+    assert (plain != data) is (len(plain) > len(data))  # deflated only where it saves bytes
+
+
+@settings(max_examples=600)
+@given(
+    st.binary(max_size=64)
+    | st.builds(
+        lambda a, b: a + b"\xc7\x03\x06" + b, st.binary(max_size=20), st.binary(max_size=20)
+    )
+)
+def test_a_body_for_a_peer_before_protocol_9_never_breaks_the_sender(data: bytes) -> None:
+    """``inflated`` runs on the server's way out to an older device, over bytes another peer
+    pushed: whatever they are, it gives bytes and never raises, and bytes that read as a
+    record read as the same record after it."""
+    out = compact.inflated(data)
+    assert isinstance(out, bytes)
+    assert out is data or _same(_result(compact.decode, out), _result(compact.decode, data))
+
+
+def _deflated_message(ext: Ext) -> bytes:
+    """A message's compact body whose text (in its content) is ``ext``."""
+    values = msgspec.msgpack.decode(compact.encode(make_message(content=[{"type": "text"}])))
+    values[-1 if type(values[-1]) is list else 8] = [{"type": "text", "text": ext}]
+    return msgspec.msgpack.encode(values)
+
+
+def test_real_prose_is_written_deflated_and_read_back() -> None:
+    from bench.peers.common import assistant_text
+
+    text = assistant_text(7)  # 800 bytes of the reference manual's prose
+    record = make_message(content=[{"type": "text", "text": text}])
+    data = compact.encode(record)
+    plain = compact.inflated(data)
+    assert len(plain) - len(data) > 300  # about half of the text's bytes
+    assert compact.decode(data) == record
+    # a text's deflated form is kept for its next encoding (a session's texts, each version)
+    assert compact.encode(record) == data
+    # a text that deflates past the ratio is written as it is; one that saves too little too
+    for same in ("=" * 4000, secrets.token_urlsafe(96)):  # random: 128 characters
+        record = make_message(content=[{"type": "text", "text": same}])
+        assert compact.encode(record) == compact.inflated(compact.encode(record))
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        zlib.compress(b"a" * 100_000, 9, wbits=-15),  # past the ratio: inflating stops there
+        zlib.compress(b"prose " * 40, 6, wbits=-15)[:-3],  # cut short
+        zlib.compress(b"prose " * 40, 6, wbits=-15) + b"more",  # followed by more
+        zlib.compress(b"\xff\xfe not UTF-8 " * 20, 6, wbits=-15),
+        b"\xff" * 40,  # no deflate stream
+        b"",
+    ],
+    ids=["past-ratio", "cut-short", "followed", "not-utf8", "garbage", "empty"],
+)
+def test_a_malformed_deflated_text_is_refused_by_every_read(data: bytes) -> None:
+    ext = Ext(6, data)
+    with pytest.raises(msgspec.DecodeError):
+        compact.decode(_deflated_message(ext))  # a text in JSON: the ext hook
+    record = make_message()
+    values = msgspec.msgpack.decode(compact.encode(record))
+    values[3] = ext  # the message's org_id, a str field: the twin's text
+    with pytest.raises(msgspec.DecodeError):
+        compact.decode(msgspec.msgpack.encode(values))
+    body = _deflated_message(ext)
+    assert compact.inflated(body) is body  # sent as it is, for the receiver to refuse
+
+
+def test_the_deflated_texts_kept_stay_within_their_budget() -> None:
+    compact._clear_caches()
+    words = PROSE_WORDS * 20
+    for n in range(3000):
+        text = f"{n} " + " ".join(words[n % 7 :])
+        compact.encode(make_message(content=[{"type": "text", "text": text}]))
+        assert compact._deflated_held <= compact._DEFLATED_BUDGET
+    assert 0 < len(compact._deflated_exts) < 3000
 
 
 def test_a_nil_device_with_a_stamp_that_names_none_is_refused() -> None:

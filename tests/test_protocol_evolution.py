@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from shared import compact
 from shared.errors import ErrorCode, InvalidState, MalformedFrame, ProtocolVersion
 from shared.messages import (
+    DEFLATED_SINCE,
     FRAME_TAGS,
     IMPLIED_SINCE,
     MAX_HEALTH_CONFLICTS,
@@ -113,13 +114,14 @@ def test_negotiate_picks_the_highest_common_version(
         (Hello(protocol=1, client_id="d"), 1),  # a version 1 device: only ``protocol``
         (Hello(protocol=2, client_id="d"), 2),
         (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=2), 2),
-        (Hello(protocol=1, client_id="d", max_protocol=9), 8),
+        (Hello(protocol=1, client_id="d", max_protocol=10), 9),
         (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=3), 3),
         (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=4), 4),
         (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=5), 5),
         (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=6), 6),
         (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=7), 7),
         (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=8), 8),
+        (Hello(protocol=1, client_id="d", min_protocol=1, max_protocol=9), 9),
         (Hello(protocol=2, client_id="d", min_protocol=1, max_protocol=1), 1),
     ],
 )
@@ -133,16 +135,19 @@ def test_server_agrees_the_highest_common_version(hello: Hello, version: int) ->
     assert isinstance(frame, Welcome) and frame.protocol == version
 
 
-def test_the_server_range_is_one_to_eight() -> None:
-    assert (MIN_PROTOCOL, MAX_PROTOCOL) == (1, 8)
-    assert ServerProtocol().supported == (1, 8)
+def test_the_server_range_is_one_to_nine() -> None:
+    assert (MIN_PROTOCOL, MAX_PROTOCOL) == (1, 9)
+    assert ServerProtocol().supported == (1, 9)
 
 
 @pytest.mark.parametrize(
     ("hello", "device_range"),
     [
-        (Hello(protocol=9, client_id="d", request_id=7), "9..9"),
-        (Hello(protocol=9, client_id="d", min_protocol=9, max_protocol=10, request_id=7), "9..10"),
+        (Hello(protocol=10, client_id="d", request_id=7), "10..10"),
+        (
+            Hello(protocol=10, client_id="d", min_protocol=10, max_protocol=11, request_id=7),
+            "10..11",
+        ),
         (Hello(protocol=0, client_id="d", request_id=7), "0..0"),
         (Hello(protocol=1, client_id="d", min_protocol=9, max_protocol=8, request_id=7), "9..8"),
     ],
@@ -155,7 +160,7 @@ def test_no_common_version_is_a_3003_naming_both_ranges(hello: Hello, device_ran
     assert err.code == ErrorCode.PROTOCOL_VERSION
     assert err.request_id == 7  # it answers the Hello
     assert f"device speaks {device_range}" in err.message
-    assert "server speaks 1..8" in err.message
+    assert "server speaks 1..9" in err.message
     assert server.state is State.CLOSING
     assert isinstance(server.close_reason, ProtocolVersion)
 
@@ -668,7 +673,9 @@ def connected_at(version: int) -> tuple[ClientProtocol, ServerProtocol]:
 
 @settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    st.lists(compact_records(), min_size=1, max_size=6), st.booleans(), st.sampled_from([6, 7, 8])
+    st.lists(compact_records(), min_size=1, max_size=6),
+    st.booleans(),
+    st.sampled_from([6, 7, 8, 9]),
 )
 def test_records_travel_as_their_bytes_both_ways(
     records: list[Record], map_form: bool, version: int
@@ -678,11 +685,13 @@ def test_records_travel_as_their_bytes_both_ways(
     beside it; a page served from those bytes reaches the device as the same records and
     bytes. The frame on the wire holds no map-form record the sender did not store so.
     Before version 8 a body goes with its device written out (``compact.explicit``), both
-    ways; from 8 as it is stored."""
+    ways; before 9 with its long texts written out (``compact.inflated``); from 9 as it is
+    stored."""
     client, server = connected_at(version)
     encode = encode_record if map_form else compact.encode
     stored = [encode(r) for r in records]
     bodies = stored if version >= IMPLIED_SINCE else [compact.explicit(b) for b in stored]
+    bodies = bodies if version >= DEFLATED_SINCE else [compact.inflated(b) for b in bodies]
     changes = [Change(client_seq=i + 1, record=r) for i, r in enumerate(records)]
     client.send_push(changes, bodies=stored)
     (data,) = client.data_to_send()

@@ -681,12 +681,12 @@ async def test_no_common_version_gets_3003_naming_both_ranges_then_1008(
     async with open_client(srv, dev.tenant) as client:
         await client.send(
             Hello(
-                protocol=9, client_id=dev.client_id, min_protocol=9, max_protocol=10, request_id=1
+                protocol=10, client_id=dev.client_id, min_protocol=10, max_protocol=11, request_id=1
             )
         )
         err = await client.error()
         assert (err.code, err.request_id) == (ErrorCode.PROTOCOL_VERSION, 1)
-        assert f"device speaks 9..10, server speaks 1..{MAX_PROTOCOL}" in err.message
+        assert f"device speaks 10..11, server speaks 1..{MAX_PROTOCOL}" in err.message
         closed = await client.closed()
         assert closed.rcvd is not None and closed.rcvd.code == 1008
 

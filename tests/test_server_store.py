@@ -273,7 +273,7 @@ async def test_schema_3_files_migrate_to_tenant_scoped_ids(db_path: Path) -> Non
         assert [r.status for r in theirs.results] == ["applied"]
         assert (await store.pull(alice.tenant, 0, 10)).changes == feed
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 23
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
@@ -486,7 +486,7 @@ async def test_schema_4_files_migrate_with_every_audit_row_placed(db_path: Path)
         )
         assert [r.status for r in after.results] == ["applied"]
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 23
         assert conn.execute("SELECT count(*) FROM audit_places").fetchone()[0] == 4
         # Migration 6 kept every record, now in a rowid table (bodies pack into its pages).
         assert conn.execute("SELECT count(*) FROM records").fetchone()[0] == 4
@@ -547,7 +547,7 @@ async def test_schema_6_files_migrate_to_a_feed_that_refers_to_its_records(db_pa
         later = await store.push(dev.tenant, dev.client_id, dev.changes(dev.message(v1.id)), clock)
         assert later.cursors == [6]  # not 5: that cursor was handed out before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 23
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         columns = [row[1] for row in conn.execute("PRAGMA table_info(feed)")]
         assert columns == ["tid", "cursor", "kind", "record_id"]  # (by tenant: schema 17)
@@ -661,7 +661,7 @@ async def test_schema_7_files_migrate_to_tenant_numbers_and_id_keys(db_path: Pat
         assert isinstance(last.record, Event)
         assert (last.record.sequence_number, last.record.prev_hash) == (2, event.row_hash)
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 23
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert conn.execute("SELECT count(*) FROM tenants").fetchone()[0] == 2
         kept = dict(
@@ -971,7 +971,7 @@ def _as_schema_10(db_path: Path) -> None:
         conn.execute("DROP INDEX feed_session")
         conn.execute("CREATE INDEX feed_record ON feed (tid, kind, record_id, cursor)")
         conn.execute("PRAGMA user_version = 10")
-        assert module.SCHEMA_VERSION == 22
+        assert module.SCHEMA_VERSION == 23
 
 
 async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: Path) -> None:
@@ -1053,7 +1053,7 @@ async def test_schema_10_files_migrate_to_rowids_that_are_feed_cursors(db_path: 
         (cursor,) = later.cursors
         assert cursor > max(at.values())
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 23
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         indexes = {row[1] for row in conn.execute("PRAGMA index_list(feed)")}
         assert indexes == {"sqlite_autoindex_feed_1", "feed_session"}  # (its key, schema 17)
@@ -1146,7 +1146,7 @@ async def test_a_server_file_leaves_out_the_node_of_the_device_that_pushed(
                 assert body == compact.encode(record) and change.record == record
         assert await _raw_bodies(store, h.alice.tenant) == before
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 23
         nodes = dict(conn.execute("SELECT node, n FROM nodes"))
         assert set(nodes) == {compact.stamp_node(phone.client_id)}  # (neither laptop nor odd)
         rows = {
@@ -1455,7 +1455,7 @@ async def test_a_schema_13_file_opens_with_its_messages_in_a_table_of_their_own(
         left = {c.record.id for c in await pull_all(store, alice.tenant)}
         assert not left & {r.id for r in h.content}
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 23
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert (
             conn.execute("SELECT count(*) FROM records WHERE kind = ?", (message,)).fetchone()[0]
@@ -1521,7 +1521,7 @@ async def test_an_event_is_stored_without_the_prev_hash_the_row_before_it_holds(
         assert [e.prev_hash for e in events[1:]] == [e.row_hash for e in events[:-1]]
         assert (await _raw_bodies(store, tenant))[: len(pulled)] == pulled
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 23
         # The one after the row of the map form keeps its prev_hash (that row's digest is not
         # at its end); the one after it leaves it out again.
         assert forms(conn)[:3] + forms(conn)[4:] == [b"\x01"] * 4 + [b"\x11"]
@@ -1581,7 +1581,7 @@ async def test_a_feed_entry_whose_row_is_at_its_cursor_names_no_id(db_path: Path
         assert compact.decode(pulled[-1][1]) == stray
         assert await _raw_bodies(store, h.bob.tenant) == theirs
         with sqlite3.connect(db_path) as conn:
-            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 23
             migrated = named(conn)
             assert {c for c, names in migrated.items() if names} == sessions_at(conn) | {stray_at}
             assert migrated.keys() == written.keys() | {stray_at}
@@ -1652,7 +1652,7 @@ async def test_the_feed_is_kept_by_tenant_and_cursor(db_path: Path) -> None:
         left = {c.record.id for c in await pull_all(store, alice.tenant)}
         assert not left & {r.id for r in h.content}
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 23
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         sql = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'feed'").fetchone()[0]
         assert sql.rstrip().endswith("WITHOUT ROWID")
@@ -1730,7 +1730,7 @@ async def test_a_long_sessions_ids_are_kept_in_blocks_a_page_holds(db_path: Path
     async with SQLiteServerStore(db_path) as store:
         assert await _raw_bodies(store, dev.tenant) == before
         with sqlite3.connect(db_path) as conn:
-            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 23
             cut = blocks(conn)
             assert overflow(conn) == 0
             held = sum(map(len, cut.values()))
@@ -1805,7 +1805,7 @@ async def test_an_event_names_its_sessions_chain_by_a_number(db_path: Path) -> N
             assert [e.prev_hash for e in log[1:]] == [e.row_hash for e in log[:-1]]
             assert {e.client_id for e in log} == {dev.client_id}  # (its tenant's own)
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 23
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         columns = [row[1] for row in conn.execute("PRAGMA table_info(events)")]
         assert columns == ["id", "chain", "sequence_number", "tid", "body", "device"]
@@ -1866,7 +1866,7 @@ async def test_a_record_names_its_session_by_its_number(db_path: Path) -> None:
         for dev in (alice, bob):
             assert await _raw_bodies(store, dev.tenant) == before[dev]
         with sqlite3.connect(db_path) as conn:
-            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 23
             assert conn.execute("SELECT count(*) FROM chains").fetchone()[0] == 2
             for table in ("records", "messages"):
                 columns = [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
@@ -1970,7 +1970,7 @@ async def test_an_audit_place_names_its_chain_by_a_number_and_its_row_by_its_row
         for dev in (alice, bob):
             assert await _raw_bodies(store, dev.tenant) == before[dev]
         with sqlite3.connect(db_path) as conn:
-            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 22
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 23
             assert conn.execute("SELECT count(*) FROM audit_chains").fetchone()[0] == 4
             # Every place names an audit row of its chain's tenant at that place.
             placed = conn.execute(

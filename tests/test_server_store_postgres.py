@@ -2093,7 +2093,7 @@ async def test_schema_14_migrates_to_short_bodies_and_row_hashes_as_bytes() -> N
             )
             assert bodies and all(bytes(b)[:1] != SHORT for (b,) in bodies)
         result = await migrate(PG_DSN, s)
-        assert (result.from_version, result.to_version) == (14, SCHEMA_VERSION) == (14, 16)
+        assert (result.from_version, result.to_version) == (14, SCHEMA_VERSION) == (14, 17)
         async with pg_store(s) as store:
             await assert_pulled_as_placed(store, h)
             later = [alice.message(h.session.id), alice.event(h.session.id)]
@@ -2141,7 +2141,7 @@ async def test_schema_15_migrates_to_row_hashes_read_from_bodies() -> None:
             held = await conn.fetchval(f"SELECT count(*) FROM {s}.events WHERE row_hash IS NULL")
             assert held == 0
         result = await migrate(PG_DSN, s)
-        assert (result.from_version, result.to_version) == (15, SCHEMA_VERSION) == (15, 16)
+        assert (result.from_version, result.to_version) == (15, SCHEMA_VERSION) == (15, 17)
         async with pg_store(s) as store:
             await assert_pulled_as_placed(store, h)
             later = [alice.event(h.session.id), alice.event(h.session.id)]
@@ -2287,7 +2287,7 @@ async def as_schema_15(conn: Any, s: str, tenants: Iterable[Tenant]) -> None:
         f"DROP TABLE {s}.nodes; "
         f"DROP FUNCTION {s}.pleach_digest; "
         f"DROP FUNCTION {s}.pleach_whole; " + _PLEACH_WHOLE.format(s=s) + "; "
-        f"DELETE FROM {s}.schema_migrations WHERE version = 16"
+        f"DELETE FROM {s}.schema_migrations WHERE version >= 16"
     )
 
 

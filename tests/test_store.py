@@ -1052,7 +1052,7 @@ async def test_a_schema_4_file_migrates_its_ids_to_keys(db_path: Path, tmp_path:
     assert conn.execute("SELECT count(*) FROM events").fetchone()[0] == 2
     conn.close()
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 12
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 13
         for record in history:
             assert await read_back(store, record) == record
         session = history[0]
@@ -1103,7 +1103,7 @@ async def test_a_schema_8_file_keeps_its_outbox_and_log_through_schema_9(db_path
     events = [r for r in history if type(r).__name__ == "Event"]
     later = make_event(session_id=events[0].session_id, sequence_number=2, type=events[0].type)
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 12
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 13
         assert await store.outbox_pending() == before
         assert await store.dead_letters() == letters
         assert await _session_queued(store, session.id)
@@ -1336,7 +1336,7 @@ async def _migrated_then_written(
 ) -> None:
     """A file just migrated to this schema: its outbox and records read as before, then
     ``later`` is committed beside them, and old and new read back alike, queued in order."""
-    assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 12
+    assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 13
     assert await store.outbox_pending() == before
     for record in history:
         assert await read_back(store, record) == record

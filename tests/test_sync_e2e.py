@@ -114,6 +114,20 @@ async def chat(rt: SessionRuntime, session_id: str, text: str) -> list[StreamEve
     return [e async for e in rt.execute_message(session_id, text)]
 
 
+PROSE = (
+    "A device that was offline for a week brings back a long conversation, and every word of "
+    "it must reach the other devices as it was written, whatever protocol each one speaks."
+)
+
+
+async def message_texts(rt: SessionRuntime, session_id: str) -> list[str]:
+    """The texts of the session's messages on ``rt``'s device, in order."""
+    row = await rt.store.get_session(session_id)
+    assert row is not None
+    messages = await rt.store.get_messages(row.state.message_ids)
+    return [str(block.get("text", "")) for m in messages for block in m.content]
+
+
 async def snapshot(rt: SessionRuntime, session_id: str) -> dict[str, Any]:
     row = await rt.store.get_session(session_id)
     assert row is not None
@@ -647,20 +661,26 @@ async def test_records_keep_their_bytes_from_device_to_server_to_device(cluster:
     (the map form) in the same account reads the same history and its turn reaches both.
     A device pinned to protocol 7 gets each body with its device written out (the bytes a
     build before protocol 8 wrote: ``compact.explicit``), and its own go as it stored them,
-    which every device reads alike."""
+    which every device reads alike. The messages are long prose, which protocol 9 writes
+    deflated: a device pinned to 8 gets them written out (``compact.inflated``), and so does
+    the one at 7; the texts read alike everywhere."""
     assert cluster.store is not None
-    laptop, phone, old, mid = [await cluster.device(n) for n in ("laptop", "phone", "old", "mid")]
+    names = ("laptop", "phone", "old", "mid", "eight")
+    laptop, phone, old, mid, eight = [await cluster.device(n) for n in names]
     old.sync.max_protocol = 5
     mid.sync.max_protocol = 7
+    eight.sync.max_protocol = 8
     session = await laptop.create_session()
-    await chat(laptop, session.id, "as its bytes")
-    await cluster.online(laptop, phone, old, mid)
-    assert (await laptop.sync.status()).protocol == MAX_PROTOCOL == 8
+    await chat(laptop, session.id, "as its bytes: " + PROSE)
+    await cluster.online(laptop, phone, old, mid, eight)
+    assert (await laptop.sync.status()).protocol == MAX_PROTOCOL == 9
     assert (await old.sync.status()).protocol == 5
     assert (await mid.sync.status()).protocol == 7
+    assert (await eight.sync.status()).protocol == 8
     laptop_bodies = _stored_bodies(cluster.tmp / "laptop.db", "messages")
     phone_bodies = _stored_bodies(cluster.tmp / "phone.db", "messages")
     mid_bodies = _stored_bodies(cluster.tmp / "mid.db", "messages")
+    eight_bodies = _stored_bodies(cluster.tmp / "eight.db", "messages")
     page = await cluster.store.pull(ALICE, 0, 1000, raw=True)
     server_bodies = {
         entry.record.id: bytes(body.body)
@@ -670,8 +690,12 @@ async def test_records_keep_their_bytes_from_device_to_server_to_device(cluster:
     for message_id, body in laptop_bodies.items():
         assert server_bodies[message_id] == body == phone_bodies[message_id]
         # The laptop's bodies leave its device implied by their stamps; protocol 7 names it.
-        assert mid_bodies[message_id] == compact.explicit(body) != body
+        assert mid_bodies[message_id] == compact.inflated(compact.explicit(body)) != body
         assert compact.decode(mid_bodies[message_id]) == compact.decode(body)
+        # Both of its texts are long enough to go deflated; protocol 8 has them written out.
+        assert eight_bodies[message_id] == compact.inflated(body)
+        assert len(eight_bodies[message_id]) > len(body)
+        assert compact.decode(eight_bodies[message_id]) == compact.decode(body)
     # So do its audit rows, whose usage and outcome go as arrays from protocol 8.
     laptop_audit = _stored_bodies(cluster.tmp / "laptop.db", "audit")
     mid_audit = _stored_bodies(cluster.tmp / "mid.db", "audit")
@@ -689,14 +713,19 @@ async def test_records_keep_their_bytes_from_device_to_server_to_device(cluster:
         assert mid_events[event_id] == compact.explicit(body) != body
         if compact.decode(body).type == "message.added":  # a payload key: a word, or its text
             assert b"message_id" in mid_events[event_id] and b"message_id" not in body
-    await chat(old, session.id, "from the old device")
-    await cluster.settle(old, mid, laptop, phone)
-    await chat(mid, session.id, "from the device at 7")
-    await cluster.settle(mid, old, laptop, phone)
+    await chat(old, session.id, "from the old device: " + PROSE)
+    await cluster.settle(old, mid, eight, laptop, phone)
+    await chat(mid, session.id, "from the device at 7: " + PROSE)
+    await cluster.settle(mid, old, eight, laptop, phone)
+    await chat(eight, session.id, "from the device at 8: " + PROSE)
+    await cluster.settle(eight, mid, old, laptop, phone)
     expected = await snapshot(old, session.id)
-    assert len(expected["messages"]) == 6
-    for device in (laptop, phone, mid):
+    assert len(expected["messages"]) == 8
+    texts = await message_texts(old, session.id)
+    assert sum(PROSE in text for text in texts) == 8  # each user text, and its echo
+    for device in (laptop, phone, mid, eight):
         assert await snapshot(device, session.id) == expected
+        assert await message_texts(device, session.id) == texts
     await old.sync.disconnect()
     assert (await old.sync.status()).protocol is None  # no connection open
 

@@ -211,6 +211,9 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     # 4: records in protocol 8's form (``shared.compact``), which a build before reads as
     # corrupt rows: no table changes, the version makes such a build refuse the schema whole.
     ("SELECT 1",),
+    # 5: records in protocol 9's form (``shared.compact``: a long text deflated): no table
+    # changes, the version makes a build before refuse the schema whole.
+    ("SELECT 1",),
 )
 SCHEMA_VERSION: Final = len(_MIGRATIONS)
 

@@ -775,6 +775,10 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
     # build before reads as corrupt rows. Rows written before keep their bodies; the first
     # row of a chain after them keeps its prev_hash, and the rows after that leave it out.
     ("ALTER TABLE records ADD COLUMN prev_row INTEGER",),
+    # 23: records pushed at protocol 9 are stored in its form, a long text deflated
+    # (``shared.compact``), which a build before reads as corrupt rows. No table changes: the
+    # version makes such a build refuse the file ("upgrade pleach").
+    ("SELECT 1",),
 )
 _PUT_HEALTH_SQL = (
     "INSERT INTO devices (org_id, user_id, client_id, seen_at, health) VALUES (?, ?, ?, ?, ?) "

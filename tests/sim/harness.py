@@ -55,6 +55,11 @@ SYNC_OP_TIMEOUT = 1.0  # the ``sync`` op lets sync run this long at most
 QUIESCE_TIMEOUT = 10.0  # per device per round
 QUIESCE_ROUNDS = 12
 STALE_TIMEOUT = 3.0  # a device behind the server with nothing arriving for this long is stuck
+PROSE = (
+    "The device kept every word while it was offline, and now each one goes to the server and "
+    "on to the other devices of the account, as it was written, whatever protocol they speak."
+)
+"""A long user text (over ``shared.compact.DEFLATE_MIN``) that deflates to about half."""
 
 
 # -- servers ---------------------------------------------------------------------------------
@@ -622,7 +627,9 @@ class World:
                 )
             else:
                 dev.replies.append(ScriptedReply(error="overloaded_error"))
-        text = f"u{index}"
+        # Every third turn's text is long prose, which a body holds deflated (protocol 9) and
+        # a device before 9 gets written out: the invariants read every text back as written.
+        text = f"u{index}" if index % 3 else f"u{index} {PROSE}"
         user_ids: list[str] = []
         async with aclosing(rt.execute_message(sid, text, abort=abort)) as events:
             async for event in events:

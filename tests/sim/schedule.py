@@ -137,13 +137,15 @@ class Schedule:
 
     def protocol_of(self, device: int) -> int | None:
         """The newest protocol version ``device`` offers (None: the newest this code speaks).
-        Every other eight seeds the last device stays before protocol 8 (at 7, or at 6 every
-        other time), so that a fleet of mixed versions meets every schedule's races: its
-        bodies travel in the form before 8 both ways (``shared.compact.explicit``), beside
-        devices that write their device implied and audit usage as arrays."""
+        Every other eight seeds the last device stays before protocol 9 (at 8 half the time,
+        at 7 or 6 a quarter each), so that a fleet of mixed versions meets every schedule's
+        races: its bodies travel with their long texts written out (before 9,
+        ``shared.compact.inflated``) and in the form before 8 (``shared.compact.explicit``)
+        both ways, beside devices that write texts deflated, their device implied and audit
+        usage as arrays."""
         if (self.seed // 8) % 2 == 0 or device != self.devices - 1:
             return None
-        return 7 if (self.seed // 16) % 2 == 0 else 6
+        return (8, 7, 8, 6)[(self.seed // 16) % 4]
 
     def batch_of(self, device: int) -> int | None:
         return self.batches[device] if device < len(self.batches) else None
