@@ -35,6 +35,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 from websockets.frames import CloseCode
 
+from shared import compact
 from shared.aio import reap
 from shared.clock import HybridClock
 from shared.errors import (
@@ -51,6 +52,7 @@ from shared.messages import (
     AS_PUSHED_SINCE,
     CHAINS_CHECKED_SINCE,
     COMPACT_SINCE,
+    DEFLATED_SINCE,
     MIN_PROTOCOL,
     SKIPPED_SINCE,
     ChangeResult,
@@ -314,6 +316,25 @@ def _shared_bucket(
             table.pop(next(iter(table)))
     table[key] = bucket  # most recently used last
     return bucket
+
+
+def written_out(
+    bodies: list[FeedBody], to_cursor: int, more: bool, budget: int
+) -> tuple[list[FeedBody], int, bool]:
+    """A pull page for a device before protocol 9: its bodies with their texts written out
+    (``compact.inflated``), cut after the last body that keeps them within ``budget`` bytes
+    (the first is kept whatever its size), its end and ``more`` moved to the cut. A page is
+    made to its budget in stored bytes, and a deflated text may hold up to 16 times its
+    bytes: written out whole, a page could pass the frame limit such a device reads."""
+    out: list[FeedBody] = []
+    total = 0
+    for item in bodies:
+        body = compact.inflated(item.body)
+        total += len(body)
+        if out and total > budget:
+            return out, out[-1].cursor, True
+        out.append(item if body is item.body else FeedBody(item.cursor, msgspec.Raw(body)))
+    return out, to_cursor, more
 
 
 class Connection:
@@ -666,15 +687,20 @@ class Connection:
                 page = await self.ctx.store.pull(
                     self.tenant, pull.cursor, limit, self.ctx.max_pull_bytes, raw=raw
                 )
-            size = len(page.bodies) if raw else len(page.changes)
-            span.set(**{"pleach.changes": size, "pleach.to_cursor": page.to_cursor})
+            bodies, to_cursor, more = page.bodies, page.to_cursor, page.more
+            if raw and (self.protocol.version or MIN_PROTOCOL) < DEFLATED_SINCE:
+                bodies, to_cursor, more = written_out(
+                    bodies, to_cursor, more, self.ctx.max_pull_bytes
+                )
+            size = len(bodies) if raw else len(page.changes)
+            span.set(**{"pleach.changes": size, "pleach.to_cursor": to_cursor})
         self.protocol.send_changes(
             pull.cursor,
-            page.to_cursor,
+            to_cursor,
             page.changes,
-            more=page.more,
+            more=more,
             request_id=pull.request_id,
-            bodies=page.bodies if raw else None,
+            bodies=bodies if raw else None,
         )
         self._take("changes")
 

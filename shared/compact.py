@@ -927,7 +927,7 @@ def _twin_annotation(annotation: Any) -> tuple[Any, str | None] | None:
 
 
 def _ext_text(ext: Ext) -> str:
-    """The text an ext 1, 2, 3 or 5 stands for, as the ext hook gives it (and its errors, for
+    """The text an ext 1, 2, 3 or 6 stands for, as the ext hook gives it (and its errors, for
     malformed bytes); ``_NotText`` for an ext of any other code."""
     code = ext.code
     data: bytes = ext.data  # type: ignore[assignment]  # (bytes, as msgspec decodes an ext)
@@ -1393,9 +1393,9 @@ def inflated(data: _B) -> _B | bytes:
     """``data`` as a peer before protocol 9 reads it: each deflated text (ext 6) written out
     as its text, every other value as it was (its exts too). ``data`` itself when it holds
     none, and when it does not decode (the receiver refuses it as it would have); it never
-    raises (it runs on a server's way out, over bytes another peer pushed). A record's text
-    is bounded in its whole form (``MAX_RECORD_BYTES``), so the body written out stays
-    within what the peer takes."""
+    raises (it runs on a server's way out, over bytes another peer pushed). Written out, a
+    body may be up to ``INFLATE_RATIO`` times its bytes: a server cuts a pull page for such a
+    peer to its byte budget as written out (``pleach_server.connection.written_out``)."""
     if _DEFLATED_HEAD.search(data) is None:
         return data
     try:

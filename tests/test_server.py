@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import sys
@@ -27,6 +28,7 @@ from pleach_server.connection import FLOOD_CLOSE_AFTER
 from pleach_server.server import SyncServer
 from pleach_server.store.base import PullResult, PushResult, Tenant
 from pleach_server.store.sqlite import SQLiteServerStore
+from shared import compact
 from shared.clock import HybridClock
 from shared.errors import ErrorCode
 from shared.messages import (
@@ -39,6 +41,7 @@ from shared.messages import (
     Push,
     PushAck,
     Welcome,
+    unpacked,
 )
 from shared.protocol import Answer, ClientEvent, ClientProtocol, Live
 from shared.records import Change
@@ -1215,3 +1218,57 @@ async def test_a_live_page_reaches_each_device_in_the_form_it_reads(srv: SyncSer
         assert (marker.from_cursor, marker.to_cursor, marker.changes) == (9, 9, [])
         ack = await old.push(old_dev.changes(old_dev.session()))
         assert [r.status for r in ack.results] == ["applied"]
+
+
+# -- protocol 9: long texts deflated -----------------------------------------------------------
+
+
+def _log_text(seed: int) -> str:
+    """A tool's log of 2,000 short lines: about 48 KB that deflate about 12 times."""
+    rng = random.Random(seed)
+    return "\n".join(" ".join(rng.choice(("ok", "warn")) for _ in range(6)) for _ in range(2000))
+
+
+async def test_a_device_before_protocol_9_gets_texts_written_out_in_pages_within_the_budget(
+    make_server: ServerFactory,
+) -> None:
+    """Six messages of 48 KB logs, stored deflated in about 4 KB each: a device at protocol 9
+    pulls them in one page of their stored bytes; one at 8 gets each text written out, in
+    pages cut to the server's byte budget (one message a page here), never one frame of
+    their 290 KB; both read the same records."""
+    budget = 64 * 1024
+    srv = await make_server(max_pull_bytes=budget)
+    dev = Device(new_tenant())
+    session = dev.session()
+    messages = [dev.message(session.id, _log_text(i)) for i in range(6)]
+    async with open_client(srv, dev.tenant) as client:
+        await client.hello(dev.client_id)
+        ack = await client.push(dev.changes(session, *messages))
+        assert {r.status for r in ack.results} == {"applied"}
+    stored = [compact.encode(m) for m in messages]
+    assert sum(map(len, stored)) < budget // 2  # deflated: the whole history in one page
+    written = [bytes(compact.inflated(b)) for b in stored]
+    assert all(len(w) > 10 * len(b) for w, b in zip(written, stored, strict=True))
+    pages: dict[int, list[int]] = {}
+    for protocol in (9, 8):
+        async with open_client(srv, dev.tenant, max_size=None) as client:
+            welcome = await client.hello(f"{dev.client_id}-{protocol}", protocol=protocol)
+            assert welcome.protocol == protocol
+            cursor, records, bodies, frames = 0, [], [], []
+            while True:
+                await client.send(Pull(cursor=cursor, limit=100))
+                data = await client.ws.recv()
+                assert isinstance(data, bytes)
+                page = unpacked(client.codec.decode(data))
+                assert isinstance(page, Changes)
+                frames.append(len(data))
+                records.extend(c.record for c in page.changes)
+                bodies.extend(bytes(b.body) for b in page.bodies)
+                cursor = page.to_cursor
+                if not page.more:
+                    break
+            pages[protocol] = frames
+            assert records[0] == session and records[1:] == messages
+            assert bodies[1:] == (stored if protocol == 9 else written)
+    assert len(pages[9]) == 1 and pages[9][0] < budget
+    assert len(pages[8]) == 6 and max(pages[8]) < budget  # one message a page
