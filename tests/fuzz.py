@@ -26,6 +26,7 @@ import random
 import sys
 import tempfile
 import time
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +102,7 @@ def _seeds(dev: Device) -> list[dict[str, Any]]:
     records = [
         session,
         dev.message(session.id),
+        dev.message(session.id, _PROSE),  # protocol 9: its text deflated (ext 6)
         dev.checkpoint(session.id),
         dev.event(session.id),
         dev.audit(session.id),
@@ -114,6 +116,7 @@ def _seeds(dev: Device) -> list[dict[str, Any]]:
         Hello(protocol=1, client_id=dev.client_id, min_protocol=1, max_protocol=6, request_id=1),
         Hello(protocol=1, client_id=dev.client_id, min_protocol=1, max_protocol=7, request_id=1),
         Hello(protocol=1, client_id=dev.client_id, min_protocol=1, max_protocol=8, request_id=1),
+        Hello(protocol=1, client_id=dev.client_id, min_protocol=1, max_protocol=9, request_id=1),
     ]
     # Protocol 6: the records as their compact bytes, inline (each one msgpack value).
     bodies = [
@@ -140,8 +143,25 @@ def _seeds(dev: Device) -> list[dict[str, Any]]:
     return [msgspec.to_builtins(f) for f in frames] + [pushed, *long_pushes]
 
 
+_PROSE = " ".join(
+    "a long text that the codec keeps deflated where it saves an eighth of its bytes".split() * 4
+)
+
+
+def _deflated(rng: random.Random) -> msgspec.msgpack.Ext:
+    """An ext 6 (a deflated text): whole, cut short, past the inflate ratio, or junk."""
+    choice = rng.randrange(4)
+    if choice == 0:
+        return msgspec.msgpack.Ext(6, zlib.compress(_PROSE.encode(), 6, wbits=-15))
+    if choice == 1:
+        return msgspec.msgpack.Ext(6, zlib.compress(_PROSE.encode(), 6, wbits=-15)[:-5])
+    if choice == 2:
+        return msgspec.msgpack.Ext(6, zlib.compress(b"x" * 1_000_000, 9, wbits=-15))
+    return msgspec.msgpack.Ext(6, rng.randbytes(rng.randrange(60)))
+
+
 def _weird(rng: random.Random, depth: int = 0) -> Any:
-    choice = rng.randrange(14)
+    choice = rng.randrange(15)
     if choice == 0:
         return rng.choice([0, -1, 2**63 - 1, -(2**63), 2**64 - 1, 1 << 40])
     if choice == 1:
@@ -171,6 +191,8 @@ def _weird(rng: random.Random, depth: int = 0) -> Any:
         return "é" * rng.randrange(1, 50)
     if choice == 12:
         return rng.randrange(-5, 5)
+    if choice == 13:
+        return _deflated(rng)
     return "push"
 
 
