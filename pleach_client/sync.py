@@ -26,7 +26,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.extensions.permessage_deflate import ClientPerMessageDeflateFactory
 
 from shared.aio import reap
-from shared.compact import Bodies
+from shared.compact import Bodies, inflated
 from shared.errors import (
     ErrorCode,
     Forbidden,
@@ -42,6 +42,7 @@ from shared.messages import (
     AS_PUSHED_SINCE,
     COMPACT_SINCE,
     DEFAULT_MAX_FRAME_BYTES,
+    DEFLATED_SINCE,
     MAX_HEALTH_CONFLICTS,
     MAX_HEALTH_TEXT,
     MAX_PROTOCOL,
@@ -1109,7 +1110,11 @@ class SyncFacet:
         """Send a push of the longest prefix of ``entries`` that fits a frame, unanswered."""
         version = link.protocol.version or 0
         changes, skipped, bodies = _push_of(
-            entries, self.max_frame_bytes // 2, version >= SKIPPED_SINCE, version >= COMPACT_SINCE
+            entries,
+            self.max_frame_bytes // 2,
+            version >= SKIPPED_SINCE,
+            version >= COMPACT_SINCE,
+            deflated=version >= DEFLATED_SINCE,
         )
         request_id, answer = await link.send(
             lambda: link.protocol.send_push(changes, trace=trace, skipped=skipped, bodies=bodies)
@@ -1543,13 +1548,20 @@ _BODY_OVERHEAD = 10
 
 
 def _push_of(
-    entries: list[OutboxEntry], budget: int, skipping: bool, as_bodies: bool = False
+    entries: list[OutboxEntry],
+    budget: int,
+    skipping: bool,
+    as_bodies: bool = False,
+    *,
+    deflated: bool = True,
 ) -> tuple[list[Change], list[int], list[bytes] | None]:
     """A push of the longest prefix of ``entries`` whose frame stays within ``budget`` bytes
     of changes (the first always, so a push frame stays under the server's frame limit
     however large the records): its changes, its ``skipped`` numbers, and, with
     ``as_bodies`` (the server speaks protocol 6) when every entry holds its stored bytes, the
-    bytes of each change's record (None otherwise). Sizes are counted in the form sent.
+    bytes of each change's record (None otherwise). Sizes are counted in the form sent:
+    without ``deflated`` (a server before protocol 9), a body with its texts written out
+    (``compact.inflated``, which the push then sends), which may be many times its bytes.
 
     With ``skipping`` (the server speaks protocol 4), an entry whose record is sent again
     later is skipped: a session queued once per turn refers to its one stored row (one object,
@@ -1568,7 +1580,8 @@ def _push_of(
             continue
         counted.add(id(entry.record))
         if as_bodies:
-            total += len(entry.body) + _BODY_OVERHEAD
+            body = entry.body if deflated else inflated(entry.body)
+            total += len(body) + _BODY_OVERHEAD
         else:
             total += len(
                 _CHANGE_ENCODER.encode(Change(client_seq=entry.client_seq, record=entry.record))

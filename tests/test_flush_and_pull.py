@@ -648,6 +648,35 @@ async def test_a_flush_at_protocol_6_sends_the_outbox_as_its_stored_bytes(tmp_pa
         assert cut_bodies is not None and 0 < len(cut) + len(cut_skipped) < len(entries)
 
 
+async def test_a_push_to_a_server_before_protocol_9_is_cut_by_its_texts_written_out(
+    tmp_path: Path,
+) -> None:
+    """Long texts are stored deflated (protocol 9); a server before it gets them written out
+    (``compact.inflated``), so ``_push_of`` counts them so: a budget that holds every stored
+    body holds only some of them written out, and the push it cuts fits the budget as sent."""
+    from pleach_client.sync import _push_of
+    from shared import compact
+
+    rng = random.Random(3)  # a tool's log: about 10 KB that deflate about 11 times
+    log = "\n".join(" ".join(rng.choice(("ok", "warn")) for _ in range(6)) for _ in range(400))
+    async with SessionRuntime(SQLiteAdapter(tmp_path / "d.db"), ScriptedProvider()) as rt:
+        session = await rt.create_session(title="t")
+        for i in range(4):
+            async for _ in rt.execute_message(session.id, f"turn {i}: {log}"):
+                pass
+        entries = await rt.store.outbox_pending(1000)
+        stored = sum(len(e.body) + 10 for e in entries)
+        written = sum(len(compact.inflated(e.body)) + 10 for e in entries)
+        assert written > 3 * stored
+        whole, _, _ = _push_of(entries, stored, False, True)
+        assert len(whole) == len(entries)  # the stored bytes: all of it
+        cut, _, bodies = _push_of(entries, stored, False, True, deflated=False)
+        assert bodies is not None and 0 < len(cut) < len(entries)
+        sent = [compact.inflated(b) for b in bodies]
+        assert sum(len(b) + 10 for b in sent[:-1]) <= stored
+        assert [compact.decode(b) for b in sent] == [c.record for c in cut]
+
+
 async def test_the_sync_loop_waits_on_one_event_for_any_work(tmp_path: Path) -> None:
     """A local commit wakes the loop's one wait (``_wait_for_work``) at once and is taken
     once; with nothing to do, the wait ends at its timeout and says so. A live page and the
