@@ -87,8 +87,9 @@ highest both sides speak):
   about half its bytes (800 bytes of text in about 400), on the wire and in every store,
   which keep bodies as they came. A reader refuses an ext 6 that is not one whole deflate
   stream, that inflates past the ratio (inflating stops there), or whose text is not UTF-8,
-  as any malformed record (3004). A body sent to a peer before version 9 has its texts
-  written out (``shared.compact.inflated``), on each side's way out.
+  as any malformed record (3004), and a server refuses so a pushed record over
+  ``MAX_RECORD_BYTES`` with its texts written out. A body sent to a peer before version 9
+  has its texts written out (``shared.compact.inflated``), on each side's way out.
 
 A version 1 peer reads version 2 frames unchanged (it ignores the new fields), which is why the
 server fills them whatever version it agreed.

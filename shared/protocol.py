@@ -24,7 +24,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import msgspec
 
@@ -44,6 +44,7 @@ from .messages import (
     FRAME_TAGS,
     IMPLIED_SINCE,
     MAX_PROTOCOL,
+    MAX_RECORD_BYTES,
     MIN_PROTOCOL,
     SKIPPED_SINCE,
     ChangeBody,
@@ -110,6 +111,25 @@ def _rebodied(bodies: list[_Bodied], change: Callable[[Any], Any]) -> list[_Bodi
         else msgspec.structs.replace(b, body=msgspec.Raw(body))
         for b in bodies
     ]
+
+
+_WRITTEN_OUT_AT: Final = MAX_RECORD_BYTES // compact.INFLATE_RATIO
+"""A body of fewer bytes than this holds at most ``MAX_RECORD_BYTES`` written out."""
+
+
+def _check_written_out(bodies: list[ChangeBody]) -> None:
+    """``msgspec.DecodeError`` for a pushed record over ``MAX_RECORD_BYTES`` with its texts
+    written out (``compact.inflated``): a device refuses to write one (in the map form, which
+    is larger), and a server that stored one could not send it to a device before protocol 9
+    in any frame it reads. Only a body of ``_WRITTEN_OUT_AT`` bytes or more can be one."""
+    for item in bodies:
+        if len(item.body) >= _WRITTEN_OUT_AT:
+            size = len(compact.inflated(item.body))
+            if size > MAX_RECORD_BYTES:
+                raise msgspec.DecodeError(
+                    f"record {item.client_seq} is {size:,} bytes with its texts written out, "
+                    f"over the {MAX_RECORD_BYTES:,}-byte limit for a record"
+                )
 
 
 class _Protocol:
@@ -234,6 +254,8 @@ class _Protocol:
         non-fatal 3004 answering its request) when a record does not decode, or when the
         frame also carries ``changes``."""
         try:
+            if isinstance(frame, Push):
+                _check_written_out(frame.bodies)
             return unpacked(frame)
         except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is one
             self._refuse_unpacked(frame, MalformedFrame(f"mistyped record in frame: {exc}"))

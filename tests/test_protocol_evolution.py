@@ -6,6 +6,7 @@ Sans-I/O: no event loop, bytes in and out of ``ServerProtocol`` / ``ClientProtoc
 from __future__ import annotations
 
 import logging
+import random
 import typing
 
 import msgspec
@@ -22,6 +23,7 @@ from shared.messages import (
     MAX_HEALTH_CONFLICTS,
     MAX_HEALTH_TEXT,
     MAX_PROTOCOL,
+    MAX_RECORD_BYTES,
     MIN_PROTOCOL,
     ChangeBody,
     ChangeResult,
@@ -755,6 +757,34 @@ def test_a_record_that_does_not_decode_is_a_3004_and_the_connection_goes_on(body
     client.receive_data(msgspec.msgpack.encode({**page, "live": True}))
     (notice,) = client.take_events()
     assert isinstance(notice, Notice) and notice.frame.code == ErrorCode.MALFORMED_FRAME
+
+
+def test_a_pushed_record_over_the_limit_written_out_is_a_3004_and_the_next_push_goes_on() -> None:
+    """A record whose texts, written out, pass ``MAX_RECORD_BYTES`` (a device never writes
+    one: it measures the map form, larger still) is refused as a malformed frame, and a
+    record just within the limit written out is taken: a server never stores a record it
+    could not send to a device before protocol 9."""
+    rng = random.Random(5)
+    log = "\n".join(" ".join(rng.choice(("ok", "warn")) for _ in range(6)) for _ in range(99_000))
+    assert len(log) > MAX_RECORD_BYTES
+    over, under = (
+        make_message(content=[{"type": "text", "text": log}]),
+        make_message(content=[{"type": "text", "text": log[: MAX_RECORD_BYTES // 2]}]),
+    )
+    bodies = [compact.encode(over), compact.encode(under)]
+    assert len(bodies[0]) < MAX_RECORD_BYTES // 8  # deflated: a frame carries it easily
+    client, server = connected_at(9)
+    for seq, (record, body) in enumerate(zip((over, under), bodies, strict=True), start=1):
+        request_id = client.send_push([Change(client_seq=seq, record=record)], bodies=[body])
+        for data in client.data_to_send():
+            server.receive_data(data)
+        if record is over:
+            err = only_error(server)
+            assert (err.code, err.request_id) == (ErrorCode.MALFORMED_FRAME, request_id)
+            assert "written out" in err.message and server.state is State.OPEN
+        else:
+            (push,) = server.events_received()
+            assert isinstance(push, Push) and push.changes[0].record == under
 
 
 def test_a_frame_with_records_and_bodies_is_refused() -> None:
