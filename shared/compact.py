@@ -10,7 +10,8 @@ about 60 characters. This form keeps the same values in less than half the bytes
   as ext 4 (16 bytes each), 64-character lowercase hex
   digests as ext 2 (32 bytes), HLC stamps (``<13 digits>-<6 digits>-<node>``) as ext 3 (wall
   and counter as integers, the node as a UUID or text), wherever they occur in the record;
-- since protocol 9, a text of at least ``DEFLATE_MIN`` characters as ext 6, its UTF-8
+- since protocol 9, a text of at least ``DEFLATE_MIN`` characters inside a list or a map (a
+  message's blocks, an event's payload; never a record's own field) as ext 6, its UTF-8
   deflated (raw ``zlib``, level 6), where that saves at least an eighth of its bytes and the
   text is at most ``INFLATE_RATIO`` times the ext's bytes; ``inflated`` writes them out for
   a peer before protocol 9, and an ext 6 that inflates past the ratio, or is not whole
@@ -486,23 +487,36 @@ def _pack(value: Any) -> Any:
             if digest is not None:
                 return digest
         if size > 21 and value[13] == "-":  # not a UUID or digest: perhaps an HLC stamp
-            ext = _hlc(value)
-            if ext is not None:
-                return ext
-        if size >= DEFLATE_MIN:
-            deflated = _deflated_exts.get(value, _UNSEEN)
-            return (_new_deflated(value) if deflated is _UNSEEN else deflated) or value
+            return _hlc(value) or value
         return value
     if kind is dict:
         if not _STR.issuperset(map(type, value)):
             value = _builtins(value)  # other keys (to_builtins converts some): as it has them
-        return {key: _pack(item) for key, item in value.items()}
+        return {
+            key: _pack(item)
+            if item.__class__ is not str or len(item) < DEFLATE_MIN
+            else _pack_long(item)
+            for key, item in value.items()
+        }
     if kind is list:
         return _pack_list(value)
     if kind in _PLAIN:
         return value
     value = _builtins(value)  # a str, list or dict now, or a tuple: left as it is, as before
     return _pack(value) if type(value) in _WALKED else value
+
+
+def _pack_long(value: str) -> Any:
+    """A text of ``DEFLATE_MIN`` characters or more inside a list or a map (a message's
+    blocks, an event's payload, a session's state): an HLC stamp as ext 3, else deflated
+    (protocol 9) where that pays, else as it is. A record's own fields (its ids, tenant,
+    device, stamp, title) are never deflated: their packed bytes are compared (``packed``),
+    and deflated bytes may differ from one zlib to another."""
+    packed = _pack(value)
+    if packed is not value:
+        return packed
+    deflated = _deflated_exts.get(value, _UNSEEN)
+    return (_new_deflated(value) if deflated is _UNSEEN else deflated) or value
 
 
 def _new_deflated(value: str) -> Ext | None:
@@ -539,7 +553,10 @@ def _pack_list(value: list[Any]) -> Any:
         # UUID objects, enums...: converted, the ids among them may make one ext after all.
         # Once: to_builtins gives builtins only.
         return _pack_list(_builtins(value))
-    return [_pack(item) for item in value]
+    return [
+        _pack(item) if item.__class__ is not str or len(item) < DEFLATE_MIN else _pack_long(item)
+        for item in value
+    ]
 
 
 def encode(record: Record) -> bytes:

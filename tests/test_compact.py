@@ -312,7 +312,8 @@ def _o_deflated(value: str) -> Ext | None:
     return Ext(6, data) if 8 * len(data) <= 7 * len(raw) <= 7 * 16 * len(data) else None
 
 
-def _o_pack(value: Any, deflate: bool = True) -> Any:
+def _o_pack(value: Any, deflate: bool = True, nested: bool = False) -> Any:
+    """``nested``: ``value`` is inside a list or a map, where a long text deflates."""
     kind = type(value)
     if kind is str:
         size = len(value)
@@ -322,7 +323,7 @@ def _o_pack(value: Any, deflate: bool = True) -> Any:
             return Ext(2, bytes.fromhex(value))
         if size > 21 and value[13] == "-" and (stamp := _o_hlc(value)) is not None:
             return stamp
-        if deflate and size >= 128:
+        if deflate and nested and size >= 128:
             return _o_deflated(value) or value
         return value
     if kind is list:
@@ -330,9 +331,9 @@ def _o_pack(value: Any, deflate: bool = True) -> Any:
             ids = _o_uuid_list(value)
             if ids is not None:
                 return ids
-        return [_o_pack(item, deflate) for item in value]
+        return [_o_pack(item, deflate, True) for item in value]
     if kind is dict:
-        return {key: _o_pack(item, deflate) for key, item in value.items()}
+        return {key: _o_pack(item, deflate, True) for key, item in value.items()}
     return value
 
 
