@@ -81,9 +81,10 @@ highest both sides speak):
   reads any of these.
 
 - **9**: a record in a frame's ``bodies`` may hold a text of ``shared.compact.DEFLATE_MIN``
-  (128) characters or more inside a list or a map (never a record's own field) deflated: ext 6, its UTF-8 as raw deflate (``zlib``, level 6),
-  where that saves at least an eighth of its bytes and the text is at most
-  ``shared.compact.INFLATE_RATIO`` (16) times the ext's bytes. A message of real prose is then
+  (128) characters or more inside a list or a map (never a record's own field) deflated:
+  ext 6, its UTF-8 as raw deflate (``zlib``, level 6), where that saves at least an eighth
+  of its bytes and the text is at most ``shared.compact.INFLATE_RATIO`` (16) times the
+  ext's bytes. A message of real prose is then
   about half its bytes (800 bytes of text in about 400), on the wire and in every store,
   which keep bodies as they came. A reader refuses an ext 6 that is not one whole deflate
   stream, that inflates past the ratio (inflating stops there), or whose text is not UTF-8,
