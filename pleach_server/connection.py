@@ -731,12 +731,18 @@ class Connection:
         """Queue a live page in the form this device reads: its stored bytes (protocol 6),
         or its records (decoded here when the hub holds only bytes). A page whose bytes do
         not decode goes as an empty marker at its end: the device pulls, and the pull
-        answers with the store's error."""
+        answers with the store's error. So does a page that a device before protocol 9
+        would get past the pull budget with its texts written out (``written_out`` would
+        cut it): the device pulls it in pages cut to the budget."""
         start, end = frame.from_cursor, frame.to_cursor
         if self._speaks_bodies and (frame.bodies or not frame.changes):
-            self.protocol.send_changes(
-                start, end, [], more=frame.more, live=True, bodies=frame.bodies
-            )
+            bodies = frame.bodies
+            if bodies and (self.protocol.version or MIN_PROTOCOL) < DEFLATED_SINCE:
+                bodies, _, cut = written_out(bodies, end, False, self.ctx.max_pull_bytes)
+                if cut:
+                    self.protocol.send_changes(end, end, [], more=frame.more, live=True)
+                    return
+            self.protocol.send_changes(start, end, [], more=frame.more, live=True, bodies=bodies)
             return
         try:
             changes = frame.changes or feed_changes(frame.bodies)

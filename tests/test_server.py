@@ -1272,3 +1272,46 @@ async def test_a_device_before_protocol_9_gets_texts_written_out_in_pages_within
             assert bodies[1:] == (stored if protocol == 9 else written)
     assert len(pages[9]) == 1 and pages[9][0] < budget
     assert len(pages[8]) == 6 and max(pages[8]) < budget  # one message a page
+
+
+async def test_a_live_page_past_the_budget_written_out_reaches_a_device_before_9_as_a_marker(
+    make_server: ServerFactory,
+) -> None:
+    """A push of six 48 KB logs (24 KB stored) goes live to a device at protocol 9 as it is;
+    a device at 8, for which it would be 290 KB written out, gets an empty marker at its end
+    instead, and pulls the records in pages cut to the budget. A small page goes to it live,
+    written out."""
+    budget = 64 * 1024
+    srv = await make_server(max_pull_bytes=budget)
+    dev = Device(new_tenant())
+    session = dev.session()
+    messages = [dev.message(session.id, _log_text(i)) for i in range(6)]
+    small = dev.message(session.id, "a short reply " * 20)
+    async with (
+        open_client(srv, dev.tenant, max_size=None) as nine,
+        open_client(srv, dev.tenant, max_size=None) as eight,
+        open_client(srv, dev.tenant) as pusher,
+    ):
+        await nine.hello(f"{dev.client_id}-9", protocol=9)
+        await eight.hello(f"{dev.client_id}-8", protocol=8)
+        await pusher.hello(dev.client_id)
+        ack = await pusher.push(dev.changes(session, *messages))
+        assert {r.status for r in ack.results} == {"applied"}
+        whole = await nine.live_frame()
+        assert [c.record for c in whole.changes] == [session, *messages]
+        marker = await eight.live_frame()
+        assert marker.changes == [] and marker.bodies == []
+        assert marker.from_cursor == marker.to_cursor == whole.to_cursor
+        got, cursor, pages = [], 0, 0
+        while True:
+            page = await eight.pull(cursor, limit=100)
+            got.extend(c.record for c in page.changes)
+            cursor, pages = page.to_cursor, pages + 1
+            if not page.more:
+                break
+        assert got == [session, *messages] and pages == 6
+        ack = await pusher.push(dev.changes(small))
+        assert {r.status for r in ack.results} == {"applied"}
+        live = await eight.live_frame()
+        assert [c.record for c in live.changes] == [small]
+        assert bytes(live.bodies[0].body) == compact.inflated(compact.encode(small))
