@@ -1561,7 +1561,8 @@ def _push_of(
     ``as_bodies`` (the server speaks protocol 6) when every entry holds its stored bytes, the
     bytes of each change's record (None otherwise). Sizes are counted in the form sent:
     without ``deflated`` (a server before protocol 9), a body with its texts written out
-    (``compact.inflated``, which the push then sends), which may be many times its bytes.
+    (``compact.inflated``, once a record), which may be many times its bytes, and the bodies
+    given are those (``send_push`` finds nothing more to write out).
 
     With ``skipping`` (the server speaks protocol 4), an entry whose record is sent again
     later is skipped: a session queued once per turn refers to its one stored row (one object,
@@ -1575,13 +1576,20 @@ def _push_of(
     total = 0
     end = len(entries)
     counted: set[int] = set()
+    sent: dict[int, bytes] = {}  # a record's body as it goes, by the record
+
+    def body_sent(entry: OutboxEntry) -> bytes:
+        body = sent.get(id(entry.record))
+        if body is None:
+            body = sent[id(entry.record)] = entry.body if deflated else inflated(entry.body)
+        return body
+
     for count, entry in enumerate(entries):
         if skipping and (entry.again_later or id(entry.record) in counted):
             continue
         counted.add(id(entry.record))
         if as_bodies:
-            body = entry.body if deflated else inflated(entry.body)
-            total += len(body) + _BODY_OVERHEAD
+            total += len(body_sent(entry)) + _BODY_OVERHEAD
         else:
             total += len(
                 _CHANGE_ENCODER.encode(Change(client_seq=entry.client_seq, record=entry.record))
@@ -1591,7 +1599,7 @@ def _push_of(
             break
     prefix = entries[:end]
     plain = [Change(client_seq=e.client_seq, record=e.record) for e in prefix]
-    body_of = {id(e.record): e.body for e in prefix} if as_bodies else {}
+    body_of = {id(e.record): body_sent(e) for e in prefix} if as_bodies else {}
 
     def bodies(changes: list[Change]) -> list[bytes] | None:
         return [body_of[id(c.record)] for c in changes] if as_bodies else None

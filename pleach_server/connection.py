@@ -688,7 +688,7 @@ class Connection:
                     self.tenant, pull.cursor, limit, self.ctx.max_pull_bytes, raw=raw
                 )
             bodies, to_cursor, more = page.bodies, page.to_cursor, page.more
-            if raw and (self.protocol.version or MIN_PROTOCOL) < DEFLATED_SINCE:
+            if raw and self._writes_texts_out:
                 bodies, to_cursor, more = written_out(
                     bodies, to_cursor, more, self.ctx.max_pull_bytes
                 )
@@ -708,6 +708,12 @@ class Connection:
     def _speaks_bodies(self) -> bool:
         """Whether the device takes records as their stored bytes (protocol 6)."""
         return (self.protocol.version or MIN_PROTOCOL) >= COMPACT_SINCE
+
+    @property
+    def _writes_texts_out(self) -> bool:
+        """Whether the device takes bodies with their texts written out (before protocol 9):
+        a page for it is measured so (``written_out``)."""
+        return (self.protocol.version or MIN_PROTOCOL) < DEFLATED_SINCE
 
     # -- writer ------------------------------------------------------------------------
 
@@ -737,7 +743,7 @@ class Connection:
         start, end = frame.from_cursor, frame.to_cursor
         if self._speaks_bodies and (frame.bodies or not frame.changes):
             bodies = frame.bodies
-            if bodies and (self.protocol.version or MIN_PROTOCOL) < DEFLATED_SINCE:
+            if bodies and self._writes_texts_out:
                 bodies, _, cut = written_out(bodies, end, False, self.ctx.max_pull_bytes)
                 if cut:
                     self.protocol.send_changes(end, end, [], more=frame.more, live=True)

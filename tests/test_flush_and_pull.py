@@ -27,7 +27,7 @@ import pytest
 from pleach_client.link import Link
 from pleach_client.providers.scripted import ScriptedProvider
 from pleach_client.runtime import SessionRuntime
-from pleach_client.store.base import WriteBatch
+from pleach_client.store.base import OutboxEntry, WriteBatch
 from pleach_client.store.sqlite import SQLiteAdapter
 from pleach_server.auth import issue_token
 from pleach_server.server import SyncServer
@@ -628,24 +628,29 @@ async def test_a_flush_at_protocol_6_sends_the_outbox_as_its_stored_bytes(tmp_pa
     from pleach_client.sync import _push_of
     from shared import compact
 
-    async with SessionRuntime(SQLiteAdapter(tmp_path / "d.db"), ScriptedProvider()) as rt:
+    entries = await outbox_after_turns(tmp_path / "d.db", [f"turn {i}" for i in range(3)])
+    assert all(compact.is_compact(e.body) for e in entries)
+    changes, skipped, bodies = _push_of(entries, 1 << 30, True, True)
+    assert bodies is not None and len(bodies) == len(changes) and skipped
+    for change, body in zip(changes, bodies, strict=True):
+        (entry,) = [e for e in entries if e.client_seq == change.client_seq]
+        assert body is entry.body and compact.decode(body) == change.record
+    plain, plain_skipped, none = _push_of(entries, 1 << 30, True, False)
+    assert none is None and plain == changes and plain_skipped == skipped
+    # A budget that holds the first few records' bytes and not the rest cuts there.
+    first = sum(len(e.body) + 10 for e in entries[:3] if not e.again_later)
+    cut, cut_skipped, cut_bodies = _push_of(entries, first, True, True)
+    assert cut_bodies is not None and 0 < len(cut) + len(cut_skipped) < len(entries)
+
+
+async def outbox_after_turns(path: Path, texts: list[str]) -> list[OutboxEntry]:
+    """The outbox of a new device file at ``path`` after one session's turns of ``texts``."""
+    async with SessionRuntime(SQLiteAdapter(path), ScriptedProvider()) as rt:
         session = await rt.create_session(title="t")
-        for i in range(3):
-            async for _ in rt.execute_message(session.id, f"turn {i}"):
+        for text in texts:
+            async for _ in rt.execute_message(session.id, text):
                 pass
-        entries = await rt.store.outbox_pending(1000)
-        assert all(compact.is_compact(e.body) for e in entries)
-        changes, skipped, bodies = _push_of(entries, 1 << 30, True, True)
-        assert bodies is not None and len(bodies) == len(changes) and skipped
-        for change, body in zip(changes, bodies, strict=True):
-            (entry,) = [e for e in entries if e.client_seq == change.client_seq]
-            assert body is entry.body and compact.decode(body) == change.record
-        plain, plain_skipped, none = _push_of(entries, 1 << 30, True, False)
-        assert none is None and plain == changes and plain_skipped == skipped
-        # A budget that holds the first few records' bytes and not the rest cuts there.
-        first = sum(len(e.body) + 10 for e in entries[:3] if not e.again_later)
-        cut, cut_skipped, cut_bodies = _push_of(entries, first, True, True)
-        assert cut_bodies is not None and 0 < len(cut) + len(cut_skipped) < len(entries)
+        return await rt.store.outbox_pending(1000)
 
 
 async def test_a_push_to_a_server_before_protocol_9_is_cut_by_its_texts_written_out(
@@ -659,22 +664,18 @@ async def test_a_push_to_a_server_before_protocol_9_is_cut_by_its_texts_written_
 
     rng = random.Random(3)  # a tool's log: about 10 KB that deflate about 11 times
     log = "\n".join(" ".join(rng.choice(("ok", "warn")) for _ in range(6)) for _ in range(400))
-    async with SessionRuntime(SQLiteAdapter(tmp_path / "d.db"), ScriptedProvider()) as rt:
-        session = await rt.create_session(title="t")
-        for i in range(4):
-            async for _ in rt.execute_message(session.id, f"turn {i}: {log}"):
-                pass
-        entries = await rt.store.outbox_pending(1000)
-        stored = sum(len(e.body) + 10 for e in entries)
-        written = sum(len(compact.inflated(e.body)) + 10 for e in entries)
-        assert written > 3 * stored
-        whole, _, _ = _push_of(entries, stored, False, True)
-        assert len(whole) == len(entries)  # the stored bytes: all of it
-        cut, _, bodies = _push_of(entries, stored, False, True, deflated=False)
-        assert bodies is not None and 0 < len(cut) < len(entries)
-        sent = [compact.inflated(b) for b in bodies]
-        assert sum(len(b) + 10 for b in sent[:-1]) <= stored
-        assert [compact.decode(b) for b in sent] == [c.record for c in cut]
+    entries = await outbox_after_turns(tmp_path / "d.db", [f"turn {i}: {log}" for i in range(4)])
+    stored = sum(len(e.body) + 10 for e in entries)
+    written = sum(len(compact.inflated(e.body)) + 10 for e in entries)
+    assert written > 3 * stored
+    whole, _, _ = _push_of(entries, stored, False, True)
+    assert len(whole) == len(entries)  # the stored bytes: all of it
+    cut, _, bodies = _push_of(entries, stored, False, True, deflated=False)
+    assert bodies is not None and 0 < len(cut) < len(entries)
+    assert all(compact.inflated(b) is b for b in bodies)  # given written out already
+    sent = [compact.inflated(b) for b in bodies]
+    assert sum(len(b) + 10 for b in sent[:-1]) <= stored
+    assert [compact.decode(b) for b in sent] == [c.record for c in cut]
 
 
 async def test_the_sync_loop_waits_on_one_event_for_any_work(tmp_path: Path) -> None:
