@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import itertools
 import random
 import re
 import sqlite3
@@ -1052,7 +1053,7 @@ async def test_a_schema_4_file_migrates_its_ids_to_keys(db_path: Path, tmp_path:
     assert conn.execute("SELECT count(*) FROM events").fetchone()[0] == 2
     conn.close()
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 13
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 14
         for record in history:
             assert await read_back(store, record) == record
         session = history[0]
@@ -1103,7 +1104,7 @@ async def test_a_schema_8_file_keeps_its_outbox_and_log_through_schema_9(db_path
     events = [r for r in history if type(r).__name__ == "Event"]
     later = make_event(session_id=events[0].session_id, sequence_number=2, type=events[0].type)
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 13
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 14
         assert await store.outbox_pending() == before
         assert await store.dead_letters() == letters
         assert await _session_queued(store, session.id)
@@ -1235,7 +1236,7 @@ async def test_a_record_that_came_as_bytes_is_stored_as_those_bytes(tmp_path: Pa
             ("messages", pulled[0], sent[0]),
             ("checkpoints", pulled[1], sent[1]),
         ]:
-            whole = sqlite_module._whole_body(numbered=table in sqlite_module._NUMBERED)
+            whole = sqlite_module._whole_row(table)
             query = f"SELECT {whole} FROM {table} WHERE id = ?"
             assert conn.execute(query, (key(record.id),)).fetchone()[0] == body
     finally:
@@ -1336,7 +1337,7 @@ async def _migrated_then_written(
 ) -> None:
     """A file just migrated to this schema: its outbox and records read as before, then
     ``later`` is committed beside them, and old and new read back alike, queued in order."""
-    assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 13
+    assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 14
     assert await store.outbox_pending() == before
     for record in history:
         assert await read_back(store, record) == record
@@ -2508,3 +2509,103 @@ async def test_a_transcript_read_through_the_store_takes_the_span(db_path: Path)
 
         await store.transact(plan)
         assert read == messages
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(st.sampled_from(["turn", "other", "push", "pull", "echo"]), st.integers(1, 4)),
+        min_size=1,
+        max_size=14,
+    )
+)
+def test_a_placed_event_leaves_out_the_prev_hash_the_placed_row_before_it_holds(
+    steps: list[tuple[str, int]],
+) -> None:
+    """Schema 14, over generated histories of one session: the device's turns chain
+    provisional events on its log, another device's events and its own reach the server,
+    which places them, and the device takes them back by pages (``syncplan.rebase``: placed
+    events written, its provisional tail moved after them) or, when its own land in place, by
+    marking them placed (a push's echo). After each step every event reads back as last
+    written (by session, by id, and as plain SQL reads the row), the log verifies, and a body
+    leaves out its prev_hash exactly when the event is placed and so is the row before it."""
+    from pleach_client.syncplan import rebase
+    from shared.hashchain import chain_event, verify_chain
+
+    session = make_session()
+
+    async def run() -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "d.db"
+            server: list[Event] = []  # (the server's log: placed events)
+            pushed = 0  # (how many of the device's own events the server has)
+            own: list[str] = []  # (the device's own events' ids, in order)
+            async with SQLiteAdapter(path) as store:
+                await store.set_meta("client_id", CLIENT)
+                await commit(store, session)
+                for kind, count in steps:
+                    log = await store.list_events(session.id)
+                    placed = [e for e in log if e.canonical]
+                    head = (len(placed), placed[-1].row_hash if placed else "")
+                    tail = [e for e in log if not e.canonical]
+                    if kind == "turn":
+                        seq, prev = (log[-1].sequence_number, log[-1].row_hash) if log else (0, "")
+                        made = []
+                        for _ in range(count):
+                            seq += 1
+                            event = chain_event(make_event(session_id=session.id), prev, seq)
+                            made.append(event)
+                            prev = event.row_hash
+                        own.extend(e.id for e in made)
+                        await commit(store, *made)
+                    elif kind == "other":
+                        for _ in range(count):
+                            prev = server[-1].row_hash if server else ""
+                            event = make_event(session_id=session.id, client_id="dev-b")
+                            event = chain_event(event, prev, len(server) + 1)
+                            server.append(msgspec.structs.replace(event, canonical=True))
+                    elif kind == "push":
+                        mine = {e.id: e for e in tail}
+                        for event_id in own[pushed:]:
+                            prev = server[-1].row_hash if server else ""
+                            event = chain_event(mine[event_id], prev, len(server) + 1)
+                            server.append(msgspec.structs.replace(event, canonical=True))
+                        pushed = len(own)
+                    elif kind == "echo" and pushed < len(own) and len(server) == len(placed):
+                        # (its own land in place: the server took them where they are)
+                        landing = tail[: len(own) - pushed]
+                        server.extend(msgspec.structs.replace(e, canonical=True) for e in landing)
+                        pushed = len(own)
+                        marked = WriteBatch(
+                            records=[], outbox=False, canonical=[e.id for e in landing]
+                        )
+                        await store.commit(marked)
+                    elif kind == "pull" and len(server) > len(placed):
+                        incoming = server[len(placed) : len(placed) + count]
+                        out = rebase(
+                            session.id,
+                            incoming,
+                            known_head=head,
+                            verified=[],
+                            tail=tail,
+                            genesis=head[1],
+                        ).out
+                        await store.commit(WriteBatch(records=out, outbox=False))
+                    log = await store.list_events(session.id)
+                    assert verify_chain(log).ok
+                    assert [e.sequence_number for e in log] == list(range(1, len(log) + 1))
+                    for event in log:
+                        assert await store.get_event(event.id) == event
+                    conn = raw(path)
+                    try:
+                        whole = sqlite_module._whole_row("events")
+                        rows = dict(conn.execute(f"SELECT id, {whole} FROM events"))
+                        forms = dict(conn.execute("SELECT id, substr(body, 2, 1) FROM events"))
+                    finally:
+                        conn.close()
+                    for before, event in itertools.pairwise([None, *log]):
+                        assert rows[key(event.id)] == compact.encode(event)
+                        apart = event.canonical and before is not None and before.canonical
+                        assert (forms[key(event.id)] >= b"\x10") is apart, (before, event)
+
+    asyncio.run(run())

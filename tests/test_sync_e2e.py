@@ -647,9 +647,9 @@ def _stored_bodies(path: Path, table: str) -> dict[str, bytes]:
     import sqlite3
     import uuid
 
-    from pleach_client.store.sqlite import _NUMBERED, _whole_body
+    from pleach_client.store.sqlite import _whole_row
 
-    whole = _whole_body(numbered=table in _NUMBERED)  # (a session by its number: schema 12)
+    whole = _whole_row(table)  # (a session by its number: schema 12; an event's prev_hash: 14)
     with sqlite3.connect(path) as conn:
         rows = conn.execute(f"SELECT id, {whole} FROM {table}").fetchall()
     return {str(uuid.UUID(bytes=key)) if len(key) == 16 else key: body for key, body in rows}

@@ -333,6 +333,11 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     # build before reads as corrupt rows. No table changes: such a build refuses the file
     # whole ("upgrade pleach").
     ("SELECT 1",),
+    # 14: a placed event's body without the prev_hash the placed row before it holds
+    # (``compact.placed_apart``; ``_PUT_EVENT`` and ``_mark_canonical`` decide it, every read
+    # puts it back: ``_PLACED_BEFORE``), which a build before reads as corrupt rows. No table
+    # changes: such a build refuses the file whole.
+    ("SELECT 1",),
 )
 SCHEMA_VERSION: Final = len(_MIGRATIONS)
 
@@ -487,12 +492,28 @@ _PUT_CHECKPOINT = (
     "INSERT INTO checkpoints (id, session_n, hlc, parent_id, body) "
     f"VALUES (?1, {_SESSION_N.format('?2')}, ?3, ?4, ?5) ON CONFLICT (id) DO NOTHING"
 )
+_PLACED_BEFORE: Final = (
+    "(SELECT " + compact.chain_digest_sql("p.body") + " FROM events AS p "
+    "WHERE p.session_n = {session} AND p.sequence_number = {number} - 1 "
+    "AND substr(p.body, -1) = X'c3' LIMIT 1)"
+)
+"""SQL: the ``row_hash`` of the placed event before the one in session ``{session}`` at
+``{number}`` (schema 14), read from the end of its body (``compact.chain_digest_sql``); NULL
+when that row is not there or not placed. A placed event is never moved nor rewritten, and
+its place is the server's, so one placed row is at each place and every read finds the same
+(a provisional event may be at that number too while a rebase moves the tail: it is not
+read)."""
 _PUT_EVENT = (
     "INSERT INTO events (id, session_n, sequence_number, type, body) "
-    f"VALUES (?1, {_SESSION_N.format('?2')}, ?3, ?4, ?5) "
+    f"VALUES (?1, {_SESSION_N.format('?2')}, ?3, ?4, CASE WHEN ?6 IS NOT NULL AND "
+    + _PLACED_BEFORE.format(session=_SESSION_N.format("?2"), number="?3")
+    + " = ?7 THEN ?6 ELSE ?5 END) "
     "ON CONFLICT (id) DO UPDATE SET session_n = excluded.session_n, "
     "sequence_number = excluded.sequence_number, type = excluded.type, body = excluded.body"
 )
+"""An event's row. ``?6``: its body without its prev_hash (``compact.placed_apart``, ``?7``
+that digest), stored where the placed row before it holds that digest as it is stored now
+(this batch's events go in in chain order), else NULL and ``?5``, its short body, is."""
 _PUT_AUDIT = (
     "INSERT INTO audit (id, client_n, session_n, sequence_number, subject_key, body) "
     f"VALUES (?1, {_CLIENT_N.format('?2')}, {_SESSION_N.format('?3')}, ?4, ?5, ?6) "
@@ -546,16 +567,27 @@ _SHORT_TABLES: Final = ("messages", "checkpoints", "events", "audit")
 _FILE_TENANT = "SELECT packed, node FROM tenant WHERE one = 1"
 
 
-def _whole_body(table: str = "", *, numbered: bool = False) -> str:
+def _whole_body(table: str = "", *, numbered: bool = False, chained: bool = False) -> str:
     """SQL: a stored body of messages, checkpoints, events or audit rows (``table``: its alias,
     if any) as the record was written (``compact.whole_body_sql`` over the row's columns).
     ``numbered``: a row of events, checkpoints or audit rows, which names its session by
-    number (schema 12), its id read back from ``session_keys``."""
+    number (schema 12), its id read back from ``session_keys``. ``chained``: a row of events
+    (``table`` then its alias, or ``events``), whose body may leave out the prev_hash the
+    placed row before it holds (schema 14: ``_PLACED_BEFORE``, read for such a body alone)."""
     at = f"{table}." if table else ""
     tenant = "(SELECT packed FROM tenant WHERE one = 1)"  # (one row: read once a statement)
     node = "(SELECT node FROM tenant WHERE one = 1)"
     session = _SESSION_OF.format(f"{at}session_n") if numbered else f"{at}session_id"
-    return compact.whole_body_sql(f"{at}body", f"{at}id", session, tenant, node)
+    prev = "NULL"
+    if chained:
+        row = table or "events"
+        prev = _PLACED_BEFORE.format(session=f"{row}.session_n", number=f"{row}.sequence_number")
+    return compact.whole_body_sql(f"{at}body", f"{at}id", session, tenant, node, prev)
+
+
+def _whole_row(table: str, alias: str = "") -> str:
+    """``_whole_body`` of a row of ``table`` (under ``alias``, if any), as its table keeps it."""
+    return _whole_body(alias, numbered=table in _NUMBERED, chained=table == "events")
 
 
 _SESSION_OF: Final = "(SELECT id FROM session_keys WHERE n = {})"
@@ -563,7 +595,9 @@ _SESSION_OF: Final = "(SELECT id FROM session_keys WHERE n = {})"
 _WHOLE: Final = _whole_body()
 """SQL: a row's body as its record was written (``_whole_body``)."""
 _WHOLE_N: Final = _whole_body(numbered=True)
-"""SQL: ``_WHOLE`` of a row of events, checkpoints or audit rows (``_NUMBERED``)."""
+"""SQL: ``_WHOLE`` of a row of checkpoints or audit rows (``_NUMBERED``)."""
+_WHOLE_E: Final = _whole_body(numbered=True, chained=True)
+"""SQL: ``_WHOLE`` of a row of events (``_NUMBERED``, and ``chained``)."""
 _NUMBERED: Final = ("checkpoints", "events", "audit")
 """The tables whose rows name their session by number (schema 12)."""
 
@@ -580,9 +614,7 @@ _OUTBOX_TABLES: Final[dict[str, str]] = {
 _OUTBOX_BODY = (
     "COALESCE(o.body, "
     + ", ".join(
-        _whole_body(f"t{i}", numbered=table in _NUMBERED)
-        if table in _SHORT_TABLES
-        else f"t{i}.body"
+        _whole_row(table, f"t{i}") if table in _SHORT_TABLES else f"t{i}.body"
         for i, table in enumerate(_OUTBOX_TABLES.values())
     )
     + ")"
@@ -629,10 +661,10 @@ QUERIES: Final[dict[str, str]] = {
         f"WHERE session_n = {_SESSION_N.format('?1')} "
         "AND (parent_id = ?2 OR parent_id IS NULL) ORDER BY hlc, id"
     ),
-    "get_event": "SELECT id, " + _WHOLE_N + " FROM events WHERE id = ?",
+    "get_event": "SELECT id, " + _WHOLE_E + " FROM events WHERE id = ?",
     # ?2: the last sequence number looked at (``_LAST_SEQUENCE``: the whole log).
     "event_head": (
-        "SELECT id, " + _WHOLE_N + " FROM events "
+        "SELECT id, " + _WHOLE_E + " FROM events "
         f"WHERE session_n = {_SESSION_N.format('?1')} AND sequence_number <= ?2 "
         "ORDER BY sequence_number DESC, id DESC LIMIT 1"
     ),
@@ -640,7 +672,7 @@ QUERIES: Final[dict[str, str]] = {
     "hydration_key": (
         "SELECT (SELECT count(*) FROM events "
         f"WHERE session_n = {_SESSION_N.format('?1')} AND sequence_number <= ?2), "
-        "id, " + _WHOLE_N + " FROM events "
+        "id, " + _WHOLE_E + " FROM events "
         f"WHERE session_n = {_SESSION_N.format('?1')} AND sequence_number <= ?2 "
         "ORDER BY sequence_number DESC, id DESC LIMIT 1"
     ),
@@ -649,13 +681,13 @@ QUERIES: Final[dict[str, str]] = {
         "WHERE session_id = ?"
     ),
     "list_events": (  # LIMIT -1: all of them
-        "SELECT id, " + _WHOLE_N + " FROM events "
+        "SELECT id, " + _WHOLE_E + " FROM events "
         f"WHERE session_n = {_SESSION_N.format('?1')} AND sequence_number >= ?2 "
         "ORDER BY sequence_number, id LIMIT ?3"
     ),
     # ?3: a JSON array of types; a row without its type (written before schema 3) is read.
     "list_events_of_types": (
-        "SELECT id, " + _WHOLE_N + " FROM events "
+        "SELECT id, " + _WHOLE_E + " FROM events "
         f"WHERE session_n = {_SESSION_N.format('?1')} AND sequence_number >= ?2 "
         "AND (type IS NULL OR type IN (SELECT value FROM json_each(?3))) "
         "ORDER BY sequence_number, id"
@@ -1532,7 +1564,16 @@ def _short_rows(
     at = _SESSION_AT.get(sql)
     if at is None:
         return rows
+    if sql is _PUT_EVENT:
+        return [_event_row(row, _short(row[-1], row[0], row[1], tenant, node)) for row in rows]
     return [(*row[:-1], _short(row[-1], row[0], row[at], tenant, node)) for row in rows]
+
+
+def _event_row(row: tuple[Any, ...], short: bytes) -> tuple[Any, ...]:
+    """``_PUT_EVENT``'s row: ``row`` with its short body, then that body without its prev_hash
+    and the digest left out (``compact.placed_apart``: a placed event's), or two NULLs."""
+    apart = compact.placed_apart(short)
+    return (*row[:-1], short, *(apart or (None, None)))
 
 
 _SET_TENANT: Final = (
@@ -1540,6 +1581,18 @@ _SET_TENANT: Final = (
     "ON CONFLICT (one) DO UPDATE SET node = excluded.node WHERE node IS NULL"
 )
 """The file's tenant, or its node when it has its tenant (never changed once set)."""
+
+
+_PLACE: Final = operator.itemgetter(3, 4)
+"""A row of ``_mark_canonical``'s read: its session's number and its sequence number."""
+_MARK_PLACED: Final = (
+    "UPDATE events SET body = CASE WHEN ?2 IS NOT NULL AND "
+    + _PLACED_BEFORE.format(session="?5", number="?6")
+    + " = ?3 THEN ?2 ELSE ?1 END WHERE id = ?4"
+)
+"""An event marked placed: its short body (``?1``), or that body without its prev_hash
+(``?2``, ``compact.placed_apart``, ``?3`` the digest) where the placed row before it holds it
+(``_PUT_EVENT``'s rule)."""
 
 
 def _mark_canonical(
@@ -1550,20 +1603,23 @@ def _mark_canonical(
     rows = _select_in(
         raw,
         "SELECT id, "
-        + _WHOLE_N
+        + _WHOLE_E
         + ", "
         + _SESSION_OF.format("session_n")
-        + " FROM events WHERE id IN ({keys})",
+        + ", session_n, sequence_number FROM events WHERE id IN ({keys})",
         _keys(event_ids),
     )
     updates = []
-    for event_id, body, session_key in rows:
+    for event_id, body, session_key, session_n, number in sorted(rows, key=_PLACE):
         marked = marked_canonical(
             body, partial(_decode, _EVENT, "events", event_id, body), compact.encode
         )
         if marked != body:
-            updates.append((_short(marked, event_id, session_key, tenant, node), event_id))
-    raw.executemany("UPDATE events SET body = ? WHERE id = ?", updates)
+            short = _short(marked, event_id, session_key, tenant, node)
+            apart, prev = compact.placed_apart(short) or (None, None)
+            updates.append((short, apart, prev, event_id, session_n, number))
+    # (in chain order: the row before may be one this marks)
+    raw.executemany(_MARK_PLACED, updates)
 
 
 def _renumber_outbox(raw: sqlite3.Connection) -> None:
