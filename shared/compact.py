@@ -73,6 +73,7 @@ __all__ = [
     "decode_short",
     "digest_bytes",
     "encode",
+    "event_apart",
     "event_payload",
     "event_place",
     "event_type",
@@ -83,7 +84,6 @@ __all__ = [
     "inflated",
     "is_compact",
     "packed",
-    "placed_apart",
     "prev_apart",
     "short_body",
     "stamp_node",
@@ -1684,16 +1684,17 @@ def prev_apart(short: bytes, prev: bytes) -> bytes:
     return b"".join((SHORT, form, memoryview(short)[2:prev_at], memoryview(short)[row_at:]))
 
 
-def placed_apart(short: bytes) -> tuple[bytes, bytes] | None:
-    """A placed (``canonical``) event's short body (``short_body``'s form 0 or 1) without
-    its ``prev_hash`` (``prev_apart``: form 16 or 17), beside the 32 bytes left out; None for
-    any other body (provisional, another form, the first of a chain, whose ``prev_hash`` is
-    empty). A device keeps that form only where the placed row before it in its session
-    holds those bytes as its ``row_hash``: a placed event is never moved nor rewritten, so
-    the row before it is found again by every read. Pure."""
-    if short[-1:] != b"\xc3" or _digest_tail(short) != 1:
+def event_apart(short: bytes) -> tuple[bytes, bytes] | None:
+    """An event's short body (``short_body``'s form 0 or 1) without its ``prev_hash``
+    (``prev_apart``: form 16 or 17), beside the 32 bytes left out; None for any other body
+    (another form, the first of a chain, whose ``prev_hash`` is empty). A device keeps that
+    form only where the row before it in its session holds those bytes as its ``row_hash``
+    as it is stored (the row a read finds there again: a row whose hash changes moves, and
+    so does every row after it). Pure."""
+    tail = _digest_tail(short)
+    if tail is None:
         return None
-    row_at = len(short) - 36
+    row_at = len(short) - tail - 35
     prev = short[row_at - 32 : row_at]
     apart = prev_apart(short, prev)
     return None if apart is short else (apart, prev)

@@ -1240,8 +1240,8 @@ def test_an_event_body_without_its_prev_hash_is_given_back_byte_for_byte(
     ``row_hash``; ``whole_body_sql`` given that digest (as the row before it holds it:
     ``chain_digest_sql`` of that row's body, whatever its form) gives back the very bytes,
     and the Python mirror the same. Whatever the digests are (a digest, text, empty), whether
-    the event is canonical, and whatever digest is given. ``placed_apart`` gives the same
-    body, and the digest, for a canonical event with both digests, and nothing else."""
+    the event is canonical, and whatever digest is given. ``event_apart`` gives the same
+    body, and the digest, for an event with both digests, and nothing else."""
     import sqlite3
 
     from shared.compact import (
@@ -1276,12 +1276,12 @@ def test_an_event_body_without_its_prev_hash_is_given_back_byte_for_byte(
     if left_out:
         assert len(apart) == len(stored) - 35
         assert apart[:2] == compact.SHORT + (b"\x11" if with_node else b"\x10")
-    # A device leaves it out of a placed event's body alone, whatever it is offered.
-    placed = compact.placed_apart(stored)
-    if canonical and own is not None and row == "digest":
-        assert placed == (prev_apart(stored, own), own) and placed[0] != stored
+    # A device leaves out the digest the body holds, whatever it is offered.
+    held = compact.event_apart(stored)
+    if own is not None and row == "digest":
+        assert held == (prev_apart(stored, own), own) and held[0] != stored
     else:
-        assert placed is None
+        assert held is None
     # The digest the row after it finds here, whichever form this row is stored in.
     mine = compact.digest_bytes(made.row_hash) if row == "digest" else None
     for form in (body, stored, apart):

@@ -2519,7 +2519,7 @@ async def test_a_transcript_read_through_the_store_takes_the_span(db_path: Path)
         max_size=14,
     )
 )
-def test_a_placed_event_leaves_out_the_prev_hash_the_placed_row_before_it_holds(
+def test_an_event_leaves_out_the_prev_hash_the_row_before_it_holds(
     steps: list[tuple[str, int]],
 ) -> None:
     """Schema 14, over generated histories of one session: the device's turns chain
@@ -2527,8 +2527,10 @@ def test_a_placed_event_leaves_out_the_prev_hash_the_placed_row_before_it_holds(
     which places them, and the device takes them back by pages (``syncplan.rebase``: placed
     events written, its provisional tail moved after them) or, when its own land in place, by
     marking them placed (a push's echo). After each step every event reads back as last
-    written (by session, by id, and as plain SQL reads the row), the log verifies, and a body
-    leaves out its prev_hash exactly when the event is placed and so is the row before it."""
+    written (by session, by id, as plain SQL reads the row, and in the outbox's bytes), the
+    log verifies, and every body but the first leaves out its prev_hash: a rebase that moves
+    the provisional tail writes each of its rows again, and a placed event and a provisional
+    one that share a place while it does are told apart."""
     from pleach_client.syncplan import rebase
     from shared.hashchain import chain_event, verify_chain
 
@@ -2596,6 +2598,16 @@ def test_a_placed_event_leaves_out_the_prev_hash_the_placed_row_before_it_holds(
                     assert [e.sequence_number for e in log] == list(range(1, len(log) + 1))
                     for event in log:
                         assert await store.get_event(event.id) == event
+                    queued = {
+                        e.record.id: bytes(b)
+                        for e, b in zip(
+                            await store.outbox_pending(), await _outbox_bodies(store), strict=True
+                        )
+                        if isinstance(e.record, Event)
+                    }
+                    assert queued == {
+                        e.id: compact.encode(e) for e in log if e.id in queued
+                    } and set(queued) == set(own)
                     conn = raw(path)
                     try:
                         whole = sqlite_module._whole_row("events")
@@ -2605,7 +2617,7 @@ def test_a_placed_event_leaves_out_the_prev_hash_the_placed_row_before_it_holds(
                         conn.close()
                     for before, event in itertools.pairwise([None, *log]):
                         assert rows[key(event.id)] == compact.encode(event)
-                        apart = event.canonical and before is not None and before.canonical
+                        apart = before is not None  # (the first holds no digest to leave out)
                         assert (forms[key(event.id)] >= b"\x10") is apart, (before, event)
 
     asyncio.run(run())

@@ -333,9 +333,9 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     # build before reads as corrupt rows. No table changes: such a build refuses the file
     # whole ("upgrade pleach").
     ("SELECT 1",),
-    # 14: a placed event's body without the prev_hash the placed row before it holds
-    # (``compact.placed_apart``; ``_PUT_EVENT`` and ``_mark_canonical`` decide it, every read
-    # puts it back: ``_PLACED_BEFORE``), which a build before reads as corrupt rows. No table
+    # 14: an event's body without the prev_hash the row before it in its log holds
+    # (``compact.event_apart``; ``_PUT_EVENT`` and ``_mark_canonical`` decide it, every read
+    # puts it back: ``_ROW_BEFORE``), which a build before reads as corrupt rows. No table
     # changes: such a build refuses the file whole.
     ("SELECT 1",),
 )
@@ -492,27 +492,30 @@ _PUT_CHECKPOINT = (
     "INSERT INTO checkpoints (id, session_n, hlc, parent_id, body) "
     f"VALUES (?1, {_SESSION_N.format('?2')}, ?3, ?4, ?5) ON CONFLICT (id) DO NOTHING"
 )
-_PLACED_BEFORE: Final = (
+_BEFORE: Final = (
     "(SELECT " + compact.chain_digest_sql("p.body") + " FROM events AS p "
-    "WHERE p.session_n = {session} AND p.sequence_number = {number} - 1 "
-    "AND substr(p.body, -1) = X'c3' LIMIT 1)"
+    "WHERE p.session_n = {session} AND p.sequence_number = {number} - 1"
 )
-"""SQL: the ``row_hash`` of the placed event before the one in session ``{session}`` at
-``{number}`` (schema 14), read from the end of its body (``compact.chain_digest_sql``); NULL
-when that row is not there or not placed. A placed event is never moved nor rewritten, and
-its place is the server's, so one placed row is at each place and every read finds the same
-(a provisional event may be at that number too while a rebase moves the tail: it is not
-read)."""
+_ROW_BEFORE: Final = (
+    f"COALESCE({_BEFORE} AND substr(p.body, -1) = X'c3' LIMIT 1), {_BEFORE} LIMIT 1))"
+)
+"""SQL: the ``row_hash`` of the event before the one in session ``{session}`` at ``{number}``
+(schema 14), read from the end of its body (``compact.chain_digest_sql``); NULL when no row
+is there. One row is at each place of a log at rest; while a rebase moves the provisional
+tail, a placed event and a provisional one may share a place, and the placed one is read (a
+placed event is never moved: a provisional one then is about to be, and the rows after it
+with it). An event whose row before changes its hash is always written again with it
+(``syncplan.rebase``), so what a read finds here is what the write found."""
 _PUT_EVENT = (
     "INSERT INTO events (id, session_n, sequence_number, type, body) "
     f"VALUES (?1, {_SESSION_N.format('?2')}, ?3, ?4, CASE WHEN ?6 IS NOT NULL AND "
-    + _PLACED_BEFORE.format(session=_SESSION_N.format("?2"), number="?3")
+    + _ROW_BEFORE.format(session=_SESSION_N.format("?2"), number="?3")
     + " = ?7 THEN ?6 ELSE ?5 END) "
     "ON CONFLICT (id) DO UPDATE SET session_n = excluded.session_n, "
     "sequence_number = excluded.sequence_number, type = excluded.type, body = excluded.body"
 )
-"""An event's row. ``?6``: its body without its prev_hash (``compact.placed_apart``, ``?7``
-that digest), stored where the placed row before it holds that digest as it is stored now
+"""An event's row. ``?6``: its body without its prev_hash (``compact.event_apart``, ``?7``
+that digest), stored where the row before it holds that digest as it is stored now
 (this batch's events go in in chain order), else NULL and ``?5``, its short body, is."""
 _PUT_AUDIT = (
     "INSERT INTO audit (id, client_n, session_n, sequence_number, subject_key, body) "
@@ -573,7 +576,7 @@ def _whole_body(table: str = "", *, numbered: bool = False, chained: bool = Fals
     ``numbered``: a row of events, checkpoints or audit rows, which names its session by
     number (schema 12), its id read back from ``session_keys``. ``chained``: a row of events
     (``table`` then its alias, or ``events``), whose body may leave out the prev_hash the
-    placed row before it holds (schema 14: ``_PLACED_BEFORE``, read for such a body alone)."""
+    row before it holds (schema 14: ``_ROW_BEFORE``, read for such a body alone)."""
     at = f"{table}." if table else ""
     tenant = "(SELECT packed FROM tenant WHERE one = 1)"  # (one row: read once a statement)
     node = "(SELECT node FROM tenant WHERE one = 1)"
@@ -581,7 +584,7 @@ def _whole_body(table: str = "", *, numbered: bool = False, chained: bool = Fals
     prev = "NULL"
     if chained:
         row = table or "events"
-        prev = _PLACED_BEFORE.format(session=f"{row}.session_n", number=f"{row}.sequence_number")
+        prev = _ROW_BEFORE.format(session=f"{row}.session_n", number=f"{row}.sequence_number")
     return compact.whole_body_sql(f"{at}body", f"{at}id", session, tenant, node, prev)
 
 
@@ -1571,8 +1574,8 @@ def _short_rows(
 
 def _event_row(row: tuple[Any, ...], short: bytes) -> tuple[Any, ...]:
     """``_PUT_EVENT``'s row: ``row`` with its short body, then that body without its prev_hash
-    and the digest left out (``compact.placed_apart``: a placed event's), or two NULLs."""
-    apart = compact.placed_apart(short)
+    and the digest left out (``compact.event_apart``), or two NULLs."""
+    apart = compact.event_apart(short)
     return (*row[:-1], short, *(apart or (None, None)))
 
 
@@ -1587,11 +1590,11 @@ _PLACE: Final = operator.itemgetter(3, 4)
 """A row of ``_mark_canonical``'s read: its session's number and its sequence number."""
 _MARK_PLACED: Final = (
     "UPDATE events SET body = CASE WHEN ?2 IS NOT NULL AND "
-    + _PLACED_BEFORE.format(session="?5", number="?6")
+    + _ROW_BEFORE.format(session="?5", number="?6")
     + " = ?3 THEN ?2 ELSE ?1 END WHERE id = ?4"
 )
 """An event marked placed: its short body (``?1``), or that body without its prev_hash
-(``?2``, ``compact.placed_apart``, ``?3`` the digest) where the placed row before it holds it
+(``?2``, ``compact.event_apart``, ``?3`` the digest) where the row before it holds it
 (``_PUT_EVENT``'s rule)."""
 
 
@@ -1616,7 +1619,7 @@ def _mark_canonical(
         )
         if marked != body:
             short = _short(marked, event_id, session_key, tenant, node)
-            apart, prev = compact.placed_apart(short) or (None, None)
+            apart, prev = compact.event_apart(short) or (None, None)
             updates.append((short, apart, prev, event_id, session_n, number))
     # (in chain order: the row before may be one this marks)
     raw.executemany(_MARK_PLACED, updates)
