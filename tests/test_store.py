@@ -31,8 +31,9 @@ from pleach_client.store.base import InPlace, Plan, Rerunnable, WriteBatch  # no
 from pleach_client.store.sqlite import QUERIES, SCHEMA_VERSION  # noqa: E402
 from shared import compact  # noqa: E402
 from shared.errors import InvalidState, StorageError  # noqa: E402
+from shared.hashchain import chain_event  # noqa: E402
 from shared.ids import uuid7  # noqa: E402
-from shared.records import AuditRow, Event, Record, SessionState, encode_record  # noqa: E402
+from shared.records import AuditRow, Checkpoint, Event, Record, SessionState, encode_record  # noqa: E402
 from tests.factories import (  # noqa: E402
     CLIENT,
     count_hops,
@@ -966,10 +967,41 @@ _TABLES_11: Final = """
 """
 
 
+def _as_schema_13(conn: sqlite3.Connection) -> None:
+    """A file written by this store as schema 13 kept it (a file of schema 14 or 15 made so):
+    its checkpoints keyed by session, stamp and id, the stamp's text beside the body, and its
+    events' bodies with their prev_hash (whole: a build before reads those as they are)."""
+    if _version_of(conn) < 14:
+        return
+    whole = sqlite_module._whole_row("events")
+    conn.execute(f"UPDATE events SET body = {whole}")
+    if _version_of(conn) >= 15:
+        rows = conn.execute(
+            f"SELECT id, session_n, parent_id, {sqlite_module._whole_row('checkpoints')} "
+            "FROM checkpoints"
+        ).fetchall()
+        conn.executescript(
+            """DROP TABLE checkpoints;
+            CREATE TABLE checkpoints (
+                id TEXT NOT NULL UNIQUE,
+                session_n INTEGER NOT NULL,
+                hlc TEXT NOT NULL,
+                parent_id TEXT,
+                body BLOB NOT NULL,
+                PRIMARY KEY (session_n, hlc, id)) WITHOUT ROWID;"""
+        )
+        conn.executemany(
+            "INSERT INTO checkpoints (id, session_n, hlc, parent_id, body) VALUES (?, ?, ?, ?, ?)",
+            [(r[0], r[1], compact.decode(bytes(r[3])).hlc, r[2], r[3]) for r in rows],
+        )
+    conn.execute("PRAGMA user_version = 13")
+
+
 def _as_schema_11(conn: sqlite3.Connection) -> None:
     """A file written by this store as schema 11 kept it (a file of schema 12 made so; any
     other left as it is): events and checkpoints in tables by rowid, each naming its
     session by its key, with an index by session; no ``session_keys``."""
+    _as_schema_13(conn)
     if _version_of(conn) >= 12:
         conn.executescript(_TABLES_11)
 
@@ -1053,7 +1085,7 @@ async def test_a_schema_4_file_migrates_its_ids_to_keys(db_path: Path, tmp_path:
     assert conn.execute("SELECT count(*) FROM events").fetchone()[0] == 2
     conn.close()
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 14
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 15
         for record in history:
             assert await read_back(store, record) == record
         session = history[0]
@@ -1104,7 +1136,7 @@ async def test_a_schema_8_file_keeps_its_outbox_and_log_through_schema_9(db_path
     events = [r for r in history if type(r).__name__ == "Event"]
     later = make_event(session_id=events[0].session_id, sequence_number=2, type=events[0].type)
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 14
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 15
         assert await store.outbox_pending() == before
         assert await store.dead_letters() == letters
         assert await _session_queued(store, session.id)
@@ -1337,7 +1369,7 @@ async def _migrated_then_written(
 ) -> None:
     """A file just migrated to this schema: its outbox and records read as before, then
     ``later`` is committed beside them, and old and new read back alike, queued in order."""
-    assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 14
+    assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 15
     assert await store.outbox_pending() == before
     for record in history:
         assert await read_back(store, record) == record
@@ -2621,3 +2653,55 @@ def test_an_event_leaves_out_the_prev_hash_the_row_before_it_holds(
                         assert (forms[key(event.id)] >= b"\x10") is apart, (before, event)
 
     asyncio.run(run())
+
+
+async def test_a_schema_13_file_keeps_its_checkpoints_in_order_of_stamp_at_15(
+    db_path: Path,
+) -> None:
+    """Schema 15: checkpoints are kept by session and id, with no stamp text beside them, and
+    read in order of stamp, then id, as before: those of another device whose stamps come
+    before ids made later, a child of a root, a checkpoint whose id is no UUID. A file
+    written as schema 13 kept them (by stamp, the text beside the body) opens at 15 and
+    reads the same, and so do the checkpoints written after; its events' whole bodies too."""
+    session = make_session()
+    root = make_checkpoint(session_id=session.id, hlc="1796644976000-000002-dev-b")
+    made = [
+        root,
+        make_checkpoint(session_id=session.id, hlc="1796644976000-000001-dev-b"),
+        make_checkpoint(session_id=session.id, hlc="1796644976000-000001-dev-a"),
+        make_checkpoint(session_id=session.id, parent_id=root.id, hlc="1796644975999-000009-z"),
+        make_checkpoint(session_id=session.id, parent_id=root.id, id="CHECKPOINT-BY-HAND"),
+        make_checkpoint(session_id=make_session().id),
+    ]
+    chained = [make_event(session_id=session.id, sequence_number=1)]
+    for n in (2, 3):
+        chained.append(chain_event(make_event(session_id=session.id), chained[-1].row_hash, n))
+
+    def in_order(rows: list[Checkpoint]) -> list[Checkpoint]:
+        return sorted(rows, key=lambda c: (c.hlc, c.id))
+
+    ours = in_order([c for c in made if c.session_id == session.id])
+    children = [c for c in ours if c.parent_id == root.id]
+    async with SQLiteAdapter(db_path) as store:
+        await store.set_meta("client_id", CLIENT)
+        await commit(store, session, *made, *chained)
+        assert await store.list_checkpoints(session.id) == ours
+        assert await store.child_checkpoints(session.id, root.id) == children
+    conn = raw(db_path)
+    try:
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(checkpoints)")}
+        assert columns == {"id", "session_n", "parent_id", "body"}
+        _as_schema_13(conn)
+        conn.commit()
+        assert "hlc" in {row[1] for row in conn.execute("PRAGMA table_info(checkpoints)")}
+    finally:
+        conn.close()
+    later = make_checkpoint(session_id=session.id, hlc="1796644975000-000000-dev-c")
+    async with SQLiteAdapter(db_path) as store:
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 15
+        assert await store.list_checkpoints(session.id) == ours
+        await commit(store, later)
+        assert await store.list_checkpoints(session.id) == in_order([*ours, later])
+        assert await store.child_checkpoints(session.id, root.id) == children
+        assert await store.get_checkpoint(later.id) == later
+        assert await store.list_events(session.id) == chained

@@ -338,6 +338,21 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     # puts it back: ``_ROW_BEFORE``), which a build before reads as corrupt rows. No table
     # changes: such a build refuses the file whole.
     ("SELECT 1",),
+    # 15: checkpoints keyed by their session and id, without their stamp's text (``hlc``,
+    # 46 bytes and more, which the key and the id's index each held): a session's are read
+    # by their number and put in order of stamp and id as they are decoded (``_in_order``).
+    (
+        """CREATE TABLE checkpoints_15 (
+            id TEXT NOT NULL UNIQUE,
+            session_n INTEGER NOT NULL,
+            parent_id TEXT,
+            body BLOB NOT NULL,
+            PRIMARY KEY (session_n, id)) WITHOUT ROWID""",
+        "INSERT INTO checkpoints_15 (id, session_n, parent_id, body) "
+        "SELECT id, session_n, parent_id, body FROM checkpoints ORDER BY session_n, id",
+        "DROP TABLE checkpoints",
+        "ALTER TABLE checkpoints_15 RENAME TO checkpoints",
+    ),
 )
 SCHEMA_VERSION: Final = len(_MIGRATIONS)
 
@@ -489,8 +504,8 @@ _CLIENT_N: Final = "(SELECT n FROM client_keys WHERE id = {})"
 so; ``_NUMBER_CLIENT`` gives it one as its first audit row is written)."""
 _NUMBER_CLIENT = "INSERT INTO client_keys (id) VALUES (?) ON CONFLICT (id) DO NOTHING"
 _PUT_CHECKPOINT = (
-    "INSERT INTO checkpoints (id, session_n, hlc, parent_id, body) "
-    f"VALUES (?1, {_SESSION_N.format('?2')}, ?3, ?4, ?5) ON CONFLICT (id) DO NOTHING"
+    "INSERT INTO checkpoints (id, session_n, parent_id, body) "
+    f"VALUES (?1, {_SESSION_N.format('?2')}, ?3, ?4) ON CONFLICT (id) DO NOTHING"
 )
 _BEFORE: Final = (
     "(SELECT " + compact.chain_digest_sql("p.body") + " FROM events AS p "
@@ -654,15 +669,15 @@ QUERIES: Final[dict[str, str]] = {
         "(SELECT rowid FROM messages WHERE id = ?2)"
     ),
     "message_range": "SELECT id, body, session_id FROM messages WHERE rowid BETWEEN ?1 AND ?2",
+    # (In order of id; ``_in_order`` puts them in order of stamp and id: schema 15.)
     "list_checkpoints": (
-        "SELECT id, " + _WHOLE_N + " FROM checkpoints "
-        f"WHERE session_n = {_SESSION_N.format('?1')} ORDER BY hlc, id"
+        "SELECT id, " + _WHOLE_N + f" FROM checkpoints WHERE session_n = {_SESSION_N.format('?1')}"
     ),
     # A row written before schema 4 has no parent_id (NULL): it is read, and its body tells.
     "child_checkpoints": (
         "SELECT id, " + _WHOLE_N + " FROM checkpoints "
         f"WHERE session_n = {_SESSION_N.format('?1')} "
-        "AND (parent_id = ?2 OR parent_id IS NULL) ORDER BY hlc, id"
+        "AND (parent_id = ?2 OR parent_id IS NULL)"
     ),
     "get_event": "SELECT id, " + _WHOLE_E + " FROM events WHERE id = ?",
     # ?2: the last sequence number looked at (``_LAST_SEQUENCE``: the whole log).
@@ -1047,6 +1062,15 @@ def _entries_of(rows: Sequence[Any]) -> tuple[list[tuple[Any, ...]], dict[bytes,
     return out, dict(whole.values())
 
 
+def _in_order(checkpoints: list[Checkpoint]) -> list[Checkpoint]:
+    """``checkpoints`` oldest first: by stamp, then id (schema 15 keeps no stamp beside a
+    row; they are read in order of id, which for a device's own is nearly this order)."""
+    return sorted(checkpoints, key=_STAMP_AND_ID)
+
+
+_STAMP_AND_ID: Final = operator.attrgetter("hlc", "id")
+
+
 def _outbox_entries(rows: Sequence[Any]) -> list[OutboxEntry]:
     """``outbox_pending``'s rows as entries (``_entries_of``, then ``outbox_entries``)."""
     entries, built = _entries_of(rows)
@@ -1121,7 +1145,7 @@ def _encode_batch(
             case Checkpoint():
                 sql, key = _PUT_CHECKPOINT, _key(record.id)
                 parent = _key(record.parent_id or "")
-                row = (key, _key(record.session_id), record.hlc, parent, body)
+                row = (key, _key(record.session_id), parent, body)
             case Event():
                 sql, key = _PUT_EVENT, _key(record.id)
                 session_key = _key(record.session_id)
@@ -1696,7 +1720,7 @@ class _Reader:
 
     async def list_checkpoints(self, session_id: str) -> list[Checkpoint]:
         rows = await _fetch(self._conn, QUERIES["list_checkpoints"], (_key(session_id),))
-        return [_decode(_CHECKPOINT, "checkpoints", row_id, body) for row_id, body in rows]
+        return _in_order([_decode(_CHECKPOINT, "checkpoints", key, body) for key, body in rows])
 
     async def missing_messages(self, message_ids: list[str]) -> list[str]:
         if not message_ids:
@@ -2204,15 +2228,17 @@ class SQLiteAdapter(AsyncResource):
     async def list_checkpoints(self, session_id: str) -> list[Checkpoint]:
         """Checkpoints of a session, oldest first (by hlc, then id)."""
         key = _key(session_id)
-        return await self._many(_CHECKPOINT, "checkpoints", "list_checkpoints", (key,))
+        return _in_order(await self._many(_CHECKPOINT, "checkpoints", "list_checkpoints", (key,)))
 
     async def child_checkpoints(self, session_id: str, parent_id: str) -> list[Checkpoint]:
         """The session's checkpoints whose parent is ``parent_id``, oldest first."""
         async with self._reading("read checkpoints") as conn:
             keys = (_key(session_id), _key(parent_id))
             rows = await _fetch(conn, QUERIES["child_checkpoints"], keys)
-        return decode_children(
-            rows, parent_id, lambda key, body: _decode(_CHECKPOINT, "checkpoints", key, body)
+        return _in_order(
+            decode_children(
+                rows, parent_id, lambda key, body: _decode(_CHECKPOINT, "checkpoints", key, body)
+            )
         )
 
     async def list_events(
