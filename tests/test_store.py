@@ -696,7 +696,9 @@ async def test_a_checkpoint_keeps_its_parent_beside_its_body(db_path: Path) -> N
 
 
 async def test_no_query_reads_the_stamp_columns_of_messages_and_events(db_path: Path) -> None:
-    """Schema 4 writes '' there: the stamp is in the body, and the bytes went to nothing."""
+    """Schema 4 wrote '' there: the stamp is in the body, and the bytes went to nothing; since
+    schema 12 events have no such column, since 16 messages neither, and since 15 no
+    checkpoint has one (its stamp is read from its body)."""
     message = make_message(session_id="s-1")
     event = make_event(session_id="s-1", sequence_number=1)
     async with SQLiteAdapter(db_path) as store:
@@ -704,13 +706,15 @@ async def test_no_query_reads_the_stamp_columns_of_messages_and_events(db_path: 
         assert await store.get_messages([message.id]) == [message]
         assert await store.list_events("s-1") == [event]
     conn = raw(db_path)
-    try:  # (and since schema 12 events have no such column)
-        assert conn.execute("SELECT hlc FROM messages").fetchall() == [("",)]
-        assert "hlc" not in {row[1] for row in conn.execute("PRAGMA table_info(events)")}
+    try:
+        for table in ("messages", "events", "checkpoints"):
+            assert "hlc" not in {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
     finally:
         conn.close()
     for name, sql in QUERIES.items():
-        assert "hlc" not in sql or ("messages" not in sql and "events" not in sql), name
+        assert "hlc" not in sql or not {"messages", "events", "checkpoints"} & set(sql.split()), (
+            name
+        )
 
 
 async def _session_queued(store: SQLiteAdapter, session_id: str) -> bool:
@@ -968,11 +972,23 @@ _TABLES_11: Final = """
 
 
 def _as_schema_13(conn: sqlite3.Connection) -> None:
-    """A file written by this store as schema 13 kept it (a file of schema 14 or 15 made so):
-    its checkpoints keyed by session, stamp and id, the stamp's text beside the body, and its
-    events' bodies with their prev_hash (whole: a build before reads those as they are)."""
+    """A file written by this store as schema 13 kept it (a file of schema 14 to 16 made so):
+    its messages naming their session by its key, beside an empty stamp; its checkpoints
+    keyed by session, stamp and id, the stamp's text beside the body; and its events' bodies
+    with their prev_hash (whole: a build before reads those as they are)."""
     if _version_of(conn) < 14:
         return
+    if _version_of(conn) >= 16:
+        conn.executescript(
+            """CREATE TABLE messages_15 (
+                id TEXT PRIMARY KEY NOT NULL, session_id TEXT NOT NULL, hlc TEXT NOT NULL,
+                body BLOB NOT NULL);
+            INSERT INTO messages_15 (rowid, id, session_id, hlc, body)
+                SELECT m.rowid, m.id, k.id, '', m.body FROM messages m
+                JOIN session_keys k ON k.n = m.session_n ORDER BY m.rowid;
+            DROP TABLE messages;
+            ALTER TABLE messages_15 RENAME TO messages;"""
+        )
     whole = sqlite_module._whole_row("events")
     conn.execute(f"UPDATE events SET body = {whole}")
     if _version_of(conn) >= 15:
@@ -1085,7 +1101,7 @@ async def test_a_schema_4_file_migrates_its_ids_to_keys(db_path: Path, tmp_path:
     assert conn.execute("SELECT count(*) FROM events").fetchone()[0] == 2
     conn.close()
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 15
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 16
         for record in history:
             assert await read_back(store, record) == record
         session = history[0]
@@ -1136,7 +1152,7 @@ async def test_a_schema_8_file_keeps_its_outbox_and_log_through_schema_9(db_path
     events = [r for r in history if type(r).__name__ == "Event"]
     later = make_event(session_id=events[0].session_id, sequence_number=2, type=events[0].type)
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 15
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 16
         assert await store.outbox_pending() == before
         assert await store.dead_letters() == letters
         assert await _session_queued(store, session.id)
@@ -1369,7 +1385,7 @@ async def _migrated_then_written(
 ) -> None:
     """A file just migrated to this schema: its outbox and records read as before, then
     ``later`` is committed beside them, and old and new read back alike, queued in order."""
-    assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 15
+    assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 16
     assert await store.outbox_pending() == before
     for record in history:
         assert await read_back(store, record) == record
@@ -2445,8 +2461,8 @@ def _messages_table(rows: list[Any]) -> sqlite3.Connection:
     conn.execute(sqlite_module._PUT_META, ("client_id", CLIENT))  # (the stamps' node left out)
     groups, _ = sqlite_module._encode_batch(rows)
     (written,) = sqlite_module._shortened(conn, groups)
-    for sql, values in written.items():
-        conn.executemany(sql, values)
+    for sql, values in [*sqlite_module._numbers_for(list(written.items())), *written.items()]:
+        conn.executemany(sql, values)  # (the sessions numbered first, as a commit does)
     conn.commit()
     return conn
 
@@ -2661,8 +2677,10 @@ async def test_a_schema_13_file_keeps_its_checkpoints_in_order_of_stamp_at_15(
     """Schema 15: checkpoints are kept by session and id, with no stamp text beside them, and
     read in order of stamp, then id, as before: those of another device whose stamps come
     before ids made later, a child of a root, a checkpoint whose id is no UUID. A file
-    written as schema 13 kept them (by stamp, the text beside the body) opens at 15 and
-    reads the same, and so do the checkpoints written after; its events' whole bodies too."""
+    written as schema 13 kept them (by stamp, the text beside the body) opens at 16 and
+    reads the same, and so do the checkpoints written after; its events' whole bodies too,
+    and its messages (schema 16: by their session's number), a transcript read as a span
+    of rowids as before."""
     session = make_session()
     root = make_checkpoint(session_id=session.id, hlc="1796644976000-000002-dev-b")
     made = [
@@ -2682,9 +2700,11 @@ async def test_a_schema_13_file_keeps_its_checkpoints_in_order_of_stamp_at_15(
 
     ours = in_order([c for c in made if c.session_id == session.id])
     children = [c for c in ours if c.parent_id == root.id]
+    span = sqlite_module.SPAN_MIN_KEYS
+    said = [make_message(session_id=s) for s in [session.id] * span + [made[-1].session_id]]
     async with SQLiteAdapter(db_path) as store:
         await store.set_meta("client_id", CLIENT)
-        await commit(store, session, *made, *chained)
+        await commit(store, session, *made, *chained, *said)
         assert await store.list_checkpoints(session.id) == ours
         assert await store.child_checkpoints(session.id, root.id) == children
     conn = raw(db_path)
@@ -2698,10 +2718,12 @@ async def test_a_schema_13_file_keeps_its_checkpoints_in_order_of_stamp_at_15(
         conn.close()
     later = make_checkpoint(session_id=session.id, hlc="1796644975000-000000-dev-c")
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 15
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 16
         assert await store.list_checkpoints(session.id) == ours
         await commit(store, later)
         assert await store.list_checkpoints(session.id) == in_order([*ours, later])
         assert await store.child_checkpoints(session.id, root.id) == children
         assert await store.get_checkpoint(later.id) == later
         assert await store.list_events(session.id) == chained
+        assert await store.get_messages([m.id for m in said]) == said
+        assert await store.get_messages([m.id for m in said[:span]]) == said[:span]

@@ -353,6 +353,22 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         "DROP TABLE checkpoints",
         "ALTER TABLE checkpoints_15 RENAME TO checkpoints",
     ),
+    # 16: messages name their session by its number, as events, checkpoints and audit rows
+    # do (16 bytes of each row), and keep no ``hlc`` ('' since schema 4). Each keeps its
+    # rowid: a transcript is read as a span of them (``message_span``).
+    (
+        "INSERT INTO session_keys (id) SELECT DISTINCT session_id FROM messages WHERE true "
+        "ON CONFLICT (id) DO NOTHING",
+        """CREATE TABLE messages_16 (
+            id TEXT PRIMARY KEY NOT NULL,
+            session_n INTEGER NOT NULL,
+            body BLOB NOT NULL)""",
+        "INSERT INTO messages_16 (rowid, id, session_n, body) "
+        "SELECT m.rowid, m.id, k.n, m.body FROM messages m "
+        "JOIN session_keys k ON k.id = m.session_id ORDER BY m.rowid",
+        "DROP TABLE messages",
+        "ALTER TABLE messages_16 RENAME TO messages",
+    ),
 )
 SCHEMA_VERSION: Final = len(_MIGRATIONS)
 
@@ -490,15 +506,15 @@ _PUT_ID_BLOCK = (
     "ON CONFLICT (session_id, part) DO UPDATE SET ids = excluded.ids"
 )
 _DROP_ID_BLOCKS = "DELETE FROM session_ids WHERE session_id = ? AND part >= ?"
-_PUT_MESSAGE = (
-    "INSERT INTO messages (id, session_id, hlc, body) VALUES (?, ?, '', ?) "
-    "ON CONFLICT (id) DO NOTHING"
-)
 _SESSION_N: Final = "(SELECT n FROM session_keys WHERE id = {})"
 """SQL: the number of the session whose key is ``{}`` (schema 12: events, checkpoints and audit
 rows name their session so; ``_NUMBER_SESSION`` gives it one as the first of them is
 written)."""
 _NUMBER_SESSION = "INSERT INTO session_keys (id) VALUES (?) ON CONFLICT (id) DO NOTHING"
+_PUT_MESSAGE = (
+    f"INSERT INTO messages (id, session_n, body) VALUES (?1, {_SESSION_N.format('?2')}, ?3) "
+    "ON CONFLICT (id) DO NOTHING"
+)
 _CLIENT_N: Final = "(SELECT n FROM client_keys WHERE id = {})"
 """SQL: the number of the device whose key is ``{}`` (schema 12: an audit row names its device
 so; ``_NUMBER_CLIENT`` gives it one as its first audit row is written)."""
@@ -540,9 +556,10 @@ _PUT_AUDIT = (
 _SESSION_AT: Final = {_PUT_MESSAGE: 1, _PUT_CHECKPOINT: 1, _PUT_EVENT: 1, _PUT_AUDIT: 2}
 """The inserts whose bodies are written short (``_shortened``: each row begins with its key and
 ends with its body) and where their session's key is in the row."""
-_IN_SESSION: Final = {sql: at for sql, at in _SESSION_AT.items() if sql is not _PUT_MESSAGE}
+_IN_SESSION: Final = _SESSION_AT
 """The inserts whose rows name their session by its number (``_NUMBER_SESSION`` first), and
-where the session's key is in the row (audit rows: their device's at 1, ``_NUMBER_CLIENT``)."""
+where the session's key is in the row (audit rows: their device's at 1, ``_NUMBER_CLIENT``):
+each of them (messages since schema 16)."""
 _PUT_ARTIFACT = (
     "INSERT INTO artifact_updates (id, artifact_id, session_id, hlc, body) "
     "VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING"
@@ -616,8 +633,10 @@ _WHOLE_N: Final = _whole_body(numbered=True)
 """SQL: ``_WHOLE`` of a row of checkpoints or audit rows (``_NUMBERED``)."""
 _WHOLE_E: Final = _whole_body(numbered=True, chained=True)
 """SQL: ``_WHOLE`` of a row of events (``_NUMBERED``, and ``chained``)."""
-_NUMBERED: Final = ("checkpoints", "events", "audit")
-"""The tables whose rows name their session by number (schema 12)."""
+_NUMBERED: Final = ("messages", "checkpoints", "events", "audit")
+"""The tables whose rows name their session by number (schema 12; messages, 16)."""
+_MESSAGE_SESSION: Final = _SESSION_OF.format("session_n")
+"""SQL: a message row's session key (schema 16)."""
 
 # The outbox refers to every record by kind and id (``body`` is NULL); the flush reads the
 # record where it is stored. Rows written before that rule still carry a copy (``body``).
@@ -658,7 +677,7 @@ QUERIES: Final[dict[str, str]] = {
     # {keys}: a list of bound keys (``_select_in``: any number of ids in one round trip).
     # (A transcript's bodies as stored, beside their session's key: ``_messages_in_order``
     # reads a short one as it is, ``compact.decode_short``.)
-    "get_messages": "SELECT id, body, session_id FROM messages WHERE id IN ({keys})",
+    "get_messages": f"SELECT id, body, {_MESSAGE_SESSION} FROM messages WHERE id IN ({{keys}})",
     "audit_rows": "SELECT id, " + _WHOLE_N + " FROM audit WHERE id IN ({keys})",
     "get_checkpoint": "SELECT id, " + _WHOLE_N + " FROM checkpoints WHERE id = ?",
     "held_messages": "SELECT id FROM messages WHERE id IN ({keys})",
@@ -668,7 +687,9 @@ QUERIES: Final[dict[str, str]] = {
         "SELECT (SELECT rowid FROM messages WHERE id = ?1), "
         "(SELECT rowid FROM messages WHERE id = ?2)"
     ),
-    "message_range": "SELECT id, body, session_id FROM messages WHERE rowid BETWEEN ?1 AND ?2",
+    "message_range": (
+        f"SELECT id, body, {_MESSAGE_SESSION} FROM messages WHERE rowid BETWEEN ?1 AND ?2"
+    ),
     # (In order of id; ``_in_order`` puts them in order of stamp and id: schema 15.)
     "list_checkpoints": (
         "SELECT id, " + _WHOLE_N + f" FROM checkpoints WHERE session_n = {_SESSION_N.format('?1')}"
@@ -1385,12 +1406,12 @@ _PURGE_SESSION = (
     f"UPDATE outbox SET kind = {_SESSION_KIND}, record_id = ?1, body = NULL WHERE kind IN "
     f"({_KIND_CODE['Message']}, {_KIND_CODE['Checkpoint']}, {_KIND_CODE['ArtifactUpdate']}) "
     "AND record_id IN ("
-    f"SELECT id FROM messages WHERE session_id = ?1 AND id {_KEEP} "
+    f"SELECT id FROM messages WHERE session_n = {_SESSION_N.format('?1')} AND id {_KEEP} "
     f"UNION ALL SELECT id FROM checkpoints WHERE session_n = {_SESSION_N.format('?1')} "
     f"AND id {_KEEP} "
     "UNION ALL SELECT id FROM artifact_updates WHERE session_id = ?1 "
     f"AND artifact_id {_KEEP})",
-    f"DELETE FROM messages WHERE session_id = ?1 AND id {_KEEP}",
+    f"DELETE FROM messages WHERE session_n = {_SESSION_N.format('?1')} AND id {_KEEP}",
     f"DELETE FROM checkpoints WHERE session_n = {_SESSION_N.format('?1')} AND id {_KEEP}",
     f"DELETE FROM artifact_updates WHERE session_id = ?1 AND artifact_id {_KEEP}",
 )
