@@ -236,14 +236,16 @@ def raw_resume(path: Path, session_id: str) -> float:
         session = "session_id = ?"
         if numbered.fetchone() is not None:
             session = "session_n = (SELECT n FROM session_keys WHERE id = ?)"
-        conn.execute(
-            f"SELECT id, body FROM checkpoints WHERE {session} ORDER BY hlc, id", (key,)
-        ).fetchall()
+        # (schema 15: a checkpoint keeps no stamp beside its body; its reader orders them)
+        conn.execute(f"SELECT id, body FROM checkpoints WHERE {session}", (key,)).fetchall()
         conn.execute(
             f"SELECT id, body FROM events WHERE {session} ORDER BY sequence_number, id",
             (key,),
         ).fetchall()
-        conn.execute("SELECT id, body FROM messages WHERE session_id = ?", (key,)).fetchall()
+        # (schema 16: messages name their session by its number too)
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(messages)")}
+        by = session if "session_n" in columns else "session_id = ?"
+        conn.execute(f"SELECT id, body FROM messages WHERE {by}", (key,)).fetchall()
         seconds = time.perf_counter() - started
         if not rows:
             raise RuntimeError(f"the floor found no session row for {session_id}")

@@ -523,24 +523,39 @@ _PUT_CHECKPOINT = (
     "INSERT INTO checkpoints (id, session_n, parent_id, body) "
     f"VALUES (?1, {_SESSION_N.format('?2')}, ?3, ?4) ON CONFLICT (id) DO NOTHING"
 )
-_BEFORE: Final = (
-    "(SELECT " + compact.chain_digest_sql("p.body") + " FROM events AS p "
-    "WHERE p.session_n = {session} AND p.sequence_number = {number} - 1"
-)
 _ROW_BEFORE: Final = (
-    f"COALESCE({_BEFORE} AND substr(p.body, -1) = X'c3' LIMIT 1), {_BEFORE} LIMIT 1))"
+    "(SELECT " + compact.chain_digest_sql("p.body") + " FROM events AS p "
+    "WHERE p.session_n = {session} AND p.sequence_number = {number} - 1 "
+    "AND (substr(p.body, -1) = X'c3' OR NOT {placed}) LIMIT 1)"
 )
 """SQL: the ``row_hash`` of the event before the one in session ``{session}`` at ``{number}``
 (schema 14), read from the end of its body (``compact.chain_digest_sql``); NULL when no row
-is there. One row is at each place of a log at rest; while a rebase moves the provisional
-tail, a placed event and a provisional one may share a place, and the placed one is read (a
-placed event is never moved: a provisional one then is about to be, and the rows after it
-with it). An event whose row before changes its hash is always written again with it
-(``syncplan.rebase``), so what a read finds here is what the write found."""
+is there. ``{placed}``: whether that event is placed (its body ends ``canonical``), and then
+the row before is a placed one. One row is at each place of a log at rest. While a rebase
+moves the provisional tail, a placed event and a provisional one may share a place as it
+writes: a placed event is never moved, and finds the placed row; a provisional one written
+then may find the other, whose digest is not its ``prev_hash``, and keeps it. An event whose
+row before changes its hash is always written again with it (``syncplan.rebase``), so what
+a read finds here is what the write found."""
+_ROW_BEFORE_WRITTEN: Final = (
+    "COALESCE("
+    + _ROW_BEFORE.format(session="{session}", number="{number}", placed="true")
+    + ", "
+    + _ROW_BEFORE.format(session="{session}", number="{number}", placed="{placed}")
+    + ")"
+)
+"""SQL: ``_ROW_BEFORE`` as an event is written: a placed row there first, where a rebase
+moving the tail may leave a provisional one beside it as it writes (one probe more, as
+the row is written, so that a provisional event written after a placed one keeps its
+``prev_hash`` out too)."""
+_PLACED: Final = "substr({}, -1) = X'c3'"
+"""SQL: whether the event body in ``{}`` is a placed event's (it ends ``canonical``: true)."""
 _PUT_EVENT = (
     "INSERT INTO events (id, session_n, sequence_number, type, body) "
     f"VALUES (?1, {_SESSION_N.format('?2')}, ?3, ?4, CASE WHEN ?6 IS NOT NULL AND "
-    + _ROW_BEFORE.format(session=_SESSION_N.format("?2"), number="?3")
+    + _ROW_BEFORE_WRITTEN.format(
+        session=_SESSION_N.format("?2"), number="?3", placed=_PLACED.format("?6")
+    )
     + " = ?7 THEN ?6 ELSE ?5 END) "
     "ON CONFLICT (id) DO UPDATE SET session_n = excluded.session_n, "
     "sequence_number = excluded.sequence_number, type = excluded.type, body = excluded.body"
@@ -616,7 +631,11 @@ def _whole_body(table: str = "", *, numbered: bool = False, chained: bool = Fals
     prev = "NULL"
     if chained:
         row = table or "events"
-        prev = _ROW_BEFORE.format(session=f"{row}.session_n", number=f"{row}.sequence_number")
+        prev = _ROW_BEFORE.format(
+            session=f"{row}.session_n",
+            number=f"{row}.sequence_number",
+            placed=_PLACED.format(f"{row}.body"),
+        )
     return compact.whole_body_sql(f"{at}body", f"{at}id", session, tenant, node, prev)
 
 
@@ -1635,7 +1654,7 @@ _PLACE: Final = operator.itemgetter(3, 4)
 """A row of ``_mark_canonical``'s read: its session's number and its sequence number."""
 _MARK_PLACED: Final = (
     "UPDATE events SET body = CASE WHEN ?2 IS NOT NULL AND "
-    + _ROW_BEFORE.format(session="?5", number="?6")
+    + _ROW_BEFORE.format(session="?5", number="?6", placed="true")
     + " = ?3 THEN ?2 ELSE ?1 END WHERE id = ?4"
 )
 """An event marked placed: its short body (``?1``), or that body without its prev_hash
