@@ -49,9 +49,13 @@ def _bodies(path: Path) -> dict[str, list[bytes]]:
     short = getattr(store_module, "_SHORT_TABLES", ())
     numbered = getattr(store_module, "_NUMBERED", ())  # (schema 12: a session by its number)
 
+    whole_row = getattr(store_module, "_whole_row", None)  # (schema 14: an event's prev_hash)
+
     def read(table: str) -> str:
         if table not in short:
             return "body"
+        if whole_row is not None:
+            return str(whole_row(table))
         return whole(numbered=True) if table in numbered else whole()
 
     with sqlite3.connect(path) as db:
