@@ -485,6 +485,50 @@ async def _selected(
     return rows
 
 
+def _select_events(
+    raw: sqlite3.Connection,
+    session_key: str | bytes,
+    start: int,
+    limit: int = -1,
+    types: str | None = None,
+) -> list[tuple[Any, bytes | None]]:
+    """A session's events from sequence number ``start`` (``limit`` of them, -1 all; those
+    of ``types``, ``_type_keys``, and those that keep no type, when given), in order, as
+    ``(id, body)`` with each body whole as it was written (``compact._whole``, as
+    ``whole_body_sql`` puts it together, in Python, for a span of rows: a body that leaves
+    out its prev_hash, schema 14, takes the digest of the row read before it, at the number
+    before; the span starts a row early so that its first has one). A body whose row before
+    is not there is put together by SQL (``get_event``, which looks it up)."""
+    first = max(start - 1, 0)
+    rows = raw.execute(
+        QUERIES["event_rows"], (session_key, first, -1 if limit < 0 else limit + start - first)
+    ).fetchall()
+    wanted = None if types is None else set(msgspec.json.decode(types))
+    tenant, node = _tenant_of(raw)
+    packed_session = _packed_key(session_key)
+    out: list[tuple[Any, bytes | None]] = []
+    before: tuple[int, bytes | None] = (-2, None)
+    for key, number, kind, body in rows:
+        if number >= start and (wanted is None or kind is None or kind in wanted):
+            whole: bytes | None = body
+            if body[:1] == compact.SHORT:
+                prev = before[1] if before[0] == number - 1 else None
+                whole = compact._whole(body, _packed_key(key), packed_session, tenant, node, prev)
+                if whole is None:
+                    found = raw.execute(QUERIES["get_event"], (key,)).fetchall()
+                    whole = found[0][1] if found else None
+            out.append((key, whole))
+        before = (number, compact.chain_digest(body))
+    return out[:limit] if limit >= 0 else out
+
+
+def _packed_key(key: str | bytes) -> bytes:
+    """A row's key as ``compact`` packs the id it holds: a UUID's 16 bytes as ext 1."""
+    if isinstance(key, bytes):
+        return b"\xd8\x01" + key
+    return compact.packed(key)
+
+
 async def _fetch_in(
     conn: aiosqlite.Connection | sqlite3.Connection, sql: str, keys: Sequence[object]
 ) -> list[Any]:
@@ -738,17 +782,12 @@ QUERIES: Final[dict[str, str]] = {
         "SELECT events, sequence_number, row_hash, version, body FROM hydrations "
         "WHERE session_id = ?"
     ),
-    "list_events": (  # LIMIT -1: all of them
-        "SELECT id, " + _WHOLE_E + " FROM events "
+    # A session's events as they are stored, from ?2 (the row before the first wanted: each
+    # lends its digest to the next, ``_select_events``); LIMIT -1: all of them.
+    "event_rows": (
+        "SELECT id, sequence_number, type, body FROM events "
         f"WHERE session_n = {_SESSION_N.format('?1')} AND sequence_number >= ?2 "
         "ORDER BY sequence_number, id LIMIT ?3"
-    ),
-    # ?3: a JSON array of types; a row without its type (written before schema 3) is read.
-    "list_events_of_types": (
-        "SELECT id, " + _WHOLE_E + " FROM events "
-        f"WHERE session_n = {_SESSION_N.format('?1')} AND sequence_number >= ?2 "
-        "AND (type IS NULL OR type IN (SELECT value FROM json_each(?3))) "
-        "ORDER BY sequence_number, id"
     ),
     # (Each as the rows are kept; ``list_audit`` orders them by their ids' text.)
     "list_audit": ("SELECT id, " + _WHOLE_N + " FROM audit ORDER BY client_n, sequence_number, id"),
@@ -1141,7 +1180,7 @@ def _type_key(event_type: str) -> str:
 
 
 def _type_keys(types: Collection[str]) -> str:
-    """``list_events_of_types``' ``?3``: a JSON array of each type as a row may keep it, its
+    """``_select_events``' ``types``: a JSON array of each type as a row may keep it, its
     key (rows since schema 9) and its text (rows before)."""
     texts = sorted(types)
     keys = [_TYPE_KEYS[text] for text in texts if text in _TYPE_KEYS]
@@ -1735,20 +1774,24 @@ class _Reader:
     async def list_events(
         self, session_id: str, *, from_sequence: int = 0, limit: int | None = None
     ) -> list[Event]:
-        rows = await _fetch(
+        rows = await _selected(
             self._conn,
-            QUERIES["list_events"],
-            (_key(session_id), from_sequence, -1 if limit is None else limit),
+            _select_events,
+            _key(session_id),
+            from_sequence,
+            -1 if limit is None else limit,
         )
         return [_decode(_EVENT, "events", row_id, body) for row_id, body in rows]
 
     async def event_places(
         self, session_id: str, *, from_sequence: int = 0, limit: int | None = None
     ) -> list[EventPlace]:
-        rows = await _fetch(
+        rows = await _selected(
             self._conn,
-            QUERIES["list_events"],
-            (_key(session_id), from_sequence, -1 if limit is None else limit),
+            _select_events,
+            _key(session_id),
+            from_sequence,
+            -1 if limit is None else limit,
         )
         return [
             event_place_of(body, partial(_decode, _EVENT, "events", row_id, body))
@@ -2287,13 +2330,9 @@ class SQLiteAdapter(AsyncResource):
         """Events with ``sequence_number >= from_sequence``, by sequence number, then id;
         only those of ``types`` when given."""
         async with self._reading("read events") as conn:
-            if types is None:
-                params = (_key(session_id), from_sequence, -1)
-                rows = await _fetch(conn, QUERIES["list_events"], params)
-            else:
-                wanted = _type_keys(types)
-                query = QUERIES["list_events_of_types"]
-                rows = await _fetch(conn, query, (_key(session_id), from_sequence, wanted))
+            wanted = None if types is None else _type_keys(types)
+            key = _key(session_id)
+            rows = await _selected(conn, _select_events, key, from_sequence, -1, wanted)
         return decode_events(rows, types, lambda key, body: _decode(_EVENT, "events", key, body))
 
     async def event_payloads(
@@ -2313,8 +2352,8 @@ class SQLiteAdapter(AsyncResource):
     ) -> tuple[list[tuple[str, dict[str, Any]]], list[Event]]:
         async with self._reading("read events") as conn:
             wanted = _type_keys({*tallied, *whole})
-            query = QUERIES["list_events_of_types"]
-            rows = await _fetch(conn, query, (_key(session_id), from_sequence, wanted))
+            key = _key(session_id)
+            rows = await _selected(conn, _select_events, key, from_sequence, -1, wanted)
         return decode_log(
             rows, tallied, whole, lambda key, body: _decode(_EVENT, "events", key, body)
         )
