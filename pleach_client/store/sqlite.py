@@ -507,18 +507,18 @@ def _select_events(
     tenant, node = _tenant_of(raw)
     packed_session = _packed_key(session_key)
     out: list[tuple[Any, bytes | None]] = []
-    before: tuple[int, bytes | None] = (-2, None)
+    before: tuple[int, bytes] = (-2, b"")  # (the row read before: its digest read if needed)
     for key, number, kind, body in rows:
         if number >= start and (wanted is None or kind is None or kind in wanted):
             whole: bytes | None = body
             if body[:1] == compact.SHORT:
-                prev = before[1] if before[0] == number - 1 else None
+                prev = compact.chain_digest(before[1]) if before[0] == number - 1 else None
                 whole = compact._whole(body, _packed_key(key), packed_session, tenant, node, prev)
                 if whole is None:
                     found = raw.execute(QUERIES["get_event"], (key,)).fetchall()
                     whole = found[0][1] if found else None
             out.append((key, whole))
-        before = (number, compact.chain_digest(body))
+        before = (number, body)
     return out[:limit] if limit >= 0 else out
 
 
