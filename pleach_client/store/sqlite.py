@@ -495,31 +495,50 @@ def _select_events(
     """A session's events from sequence number ``start`` (``limit`` of them, -1 all; those
     of ``types``, ``_type_keys``, and those that keep no type, when given), in order, as
     ``(id, body)`` with each body whole as it was written (``compact._whole``, as
-    ``whole_body_sql`` puts it together, in Python, for a span of rows: a body that leaves
-    out its prev_hash, schema 14, takes the digest of the row read before it, at the number
-    before; the span starts a row early so that its first has one). A body whose row before
-    is not there is put together by SQL (``get_event``, which looks it up)."""
+    ``whole_body_sql`` puts it together, in Python). Of a span, a body that leaves out its
+    prev_hash (schema 14) takes the digest of the row read before it, at the number before
+    (``_row_before``; the span starts a row early so that its first has one), and a body
+    whose row before is not there is put together by SQL (``get_event``); of some types,
+    SQL looks up the row before of such a body alone (``_PREV_OF_ROW``)."""
+    tenant, node = _tenant_of(raw)
+    packed_session = _packed_key(session_key)
+    out: list[tuple[Any, bytes | None]] = []
+    if types is not None:  # (few rows of many: each looks up its row before, if it must)
+        typed = raw.execute(QUERIES["event_rows_of_types"], (session_key, start, types))
+        for key, body, prev in typed.fetchall():
+            whole: bytes | None = body
+            if body[:1] == compact.SHORT:
+                whole = compact._whole(body, _packed_key(key), packed_session, tenant, node, prev)
+            out.append((key, whole))
+        return out
     first = max(start - 1, 0)
     rows = raw.execute(
         QUERIES["event_rows"], (session_key, first, -1 if limit < 0 else limit + start - first)
     ).fetchall()
-    wanted = None if types is None else set(msgspec.json.decode(types))
-    tenant, node = _tenant_of(raw)
-    packed_session = _packed_key(session_key)
-    out: list[tuple[Any, bytes | None]] = []
-    before: tuple[int, bytes] = (-2, b"")  # (the row read before: its digest read if needed)
-    for key, number, kind, body in rows:
-        if number >= start and (wanted is None or kind is None or kind in wanted):
-            whole: bytes | None = body
+    at, before = -2, list[bytes]()  # (the rows at the number read before: one, at rest)
+    held: list[bytes] = []
+    for key, number, _, body in rows:
+        if number != at:
+            at, before, held = number, held if at == number - 1 else [], []
+        held.append(body)
+        if number >= start:
+            whole = body
             if body[:1] == compact.SHORT:
-                prev = compact.chain_digest(before[1]) if before[0] == number - 1 else None
+                prev = compact.chain_digest(_row_before(before, body)) if before else None
                 whole = compact._whole(body, _packed_key(key), packed_session, tenant, node, prev)
                 if whole is None:
                     found = raw.execute(QUERIES["get_event"], (key,)).fetchall()
                     whole = found[0][1] if found else None
             out.append((key, whole))
-        before = (number, body)
     return out[:limit] if limit >= 0 else out
+
+
+def _row_before(rows: list[bytes], body: bytes) -> bytes:
+    """Of the stored bodies at the place before ``body``'s (in order of id), the one
+    ``_ROW_BEFORE`` reads: a placed one for a placed event, else the first."""
+    if len(rows) > 1 and body[-1:] == b"\xc3":
+        return next((row for row in rows if row[-1:] == b"\xc3"), b"")
+    return rows[0]
 
 
 def _packed_key(key: str | bytes) -> bytes:
@@ -698,6 +717,10 @@ _WHOLE_E: Final = _whole_body(numbered=True, chained=True)
 """SQL: ``_WHOLE`` of a row of events (``_NUMBERED``, and ``chained``)."""
 _NUMBERED: Final = ("messages", "checkpoints", "events", "audit")
 """The tables whose rows name their session by number (schema 12; messages, 16)."""
+_PREV_OF_ROW: Final = _ROW_BEFORE.format(
+    session="events.session_n", number="events.sequence_number", placed=_PLACED.format("body")
+)
+"""SQL: ``_ROW_BEFORE`` of a row of ``events`` (read where its body left its prev_hash out)."""
 _MESSAGE_SESSION: Final = _SESSION_OF.format("session_n")
 """SQL: a message row's session key (schema 16)."""
 
@@ -781,6 +804,16 @@ QUERIES: Final[dict[str, str]] = {
     "kept_hydration": (
         "SELECT events, sequence_number, row_hash, version, body FROM hydrations "
         "WHERE session_id = ?"
+    ),
+    # A session's events of some types (?3: a JSON array, ``_type_keys``; a row without its
+    # type, written before schema 3, is read) as they are stored, from ?2, each beside the
+    # digest of the row before it where its body left that out (``_select_events``).
+    "event_rows_of_types": (
+        "SELECT id, body, CASE WHEN substr(body, 2, 1) IN "
+        f"(X'10', X'11') THEN {_PREV_OF_ROW} END FROM events "
+        f"WHERE session_n = {_SESSION_N.format('?1')} AND sequence_number >= ?2 "
+        "AND (type IS NULL OR type IN (SELECT value FROM json_each(?3))) "
+        "ORDER BY sequence_number, id"
     ),
     # A session's events as they are stored, from ?2 (the row before the first wanted: each
     # lends its digest to the next, ``_select_events``); LIMIT -1: all of them.
