@@ -44,15 +44,13 @@ from pleach_client.store.sqlite import (
     _PUT_ID_BLOCK,
     _PUT_META,
     _PUT_SESSION,
-    _SESSION_AT,
     SQLiteAdapter,
     _encode_batch,
     _numbers_for,
-    _short_rows,
+    _shortened,
     create_schema,
     id_blocks,
 )
-from shared import compact
 from shared.messages import FrameCodec, Push
 from shared.records import Change, Record, Session, encode_record
 
@@ -240,29 +238,24 @@ async def memory_run(count: int) -> list[float]:
 RawTurn = tuple[dict[str, list[tuple[Any, ...]]], list[tuple[Any, ...]], list[tuple[str, str]]]
 
 
-def raw_rows(batches: Sequence[WriteBatch], node: bytes = b"") -> list[RawTurn]:
+def raw_rows(batches: Sequence[WriteBatch], client_id: str | None = None) -> list[RawTurn]:
     """The rows each batch puts in each table, as ``SQLiteAdapter.commit`` would write them
-    (same statements, same bytes, outbox and meta rows included): the bodies short, as a
-    file whose tenant is its first record's and whose device's stamp node is ``node`` keeps
-    them (``_short_rows``). Not timed."""
+    (same statements, same bytes, outbox and meta rows included): the bodies short, as the
+    store's ``_shortened`` writes them in a file of device ``client_id`` (a scratch file in
+    memory keeps the tenant and node it takes, as the store's does). Not timed."""
     out: list[RawTurn] = []
     seq = 0
     now = time.time()
     held: dict[Any, bytes] = {}
-    tenant: bytes | None = None
+    scratch = sqlite3.connect(":memory:")
+    create_schema(scratch)
+    if client_id is not None:
+        scratch.execute(_PUT_META, ("client_id", client_id))
     for batch in batches:
         groups, outbox = _encode_batch(batch.records)
         if _PUT_SESSION in groups:
             groups = {**groups, **_session_rows(groups.pop(_PUT_SESSION), held)}
-        if tenant is None:
-            bodies = (
-                compact.short_body(row[-1], row[0], row[1])
-                for sql, rows in groups.items()
-                if _SESSION_AT.get(sql) == 1
-                for row in rows
-            )
-            tenant = next(filter(None, map(compact.body_tenant, bodies)), None)
-        groups = {sql: _short_rows(sql, rows, tenant or b"", node) for sql, rows in groups.items()}
+        (groups,) = _shortened(scratch, groups)
         # (schema 12: the sessions' and devices' numbers first, as the store writes them)
         groups = {**dict(_numbers_for(list(groups.items()))), **groups}
         enqueue = []
@@ -270,6 +263,7 @@ def raw_rows(batches: Sequence[WriteBatch], node: bytes = b"") -> list[RawTurn]:
             seq += 1
             enqueue.append((seq, record_id, kind, body, now))
         out.append((groups, enqueue, list(batch.meta.items())))
+    scratch.close()
     return out
 
 
@@ -377,7 +371,7 @@ async def _run(quick: bool) -> list[Row]:
         memory = await memory_run(half)
 
         first = run.batches[:half]
-        rows = raw_rows(first, compact.stamp_node(CLIENT_ID))
+        rows = raw_rows(first, CLIENT_ID)
         replays = [raw_replay(root / f"raw-{i}.db", rows) for i in range(3)]
         raw_total = statistics.median(sum(r) for r in replays)
         raw_median = statistics.median(statistics.median(r) for r in replays)

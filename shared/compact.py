@@ -1959,24 +1959,6 @@ def _whole(
         if prev is None:
             return None
         cut = len(data) - 35 - (_digest_tail(data) == 1)  # (as SQL's ``_tail_sql``)
-        if data[1] == _PREV_APART + 1 and cut >= 17:  # (the usual form: in one join)
-            ids = record_id + session_id
-            return b"".join(
-                (
-                    _head(data[2], 4),
-                    data[3:4],
-                    ids,
-                    tenant,
-                    data[4:5],
-                    node[:3],
-                    data[8:17],
-                    node[3:],
-                    data[17:cut],
-                    _DIGEST_HEAD,
-                    prev,
-                    data[cut:],
-                )
-            )
         at = 4 if data[1] == _PREV_APART else 17
         if cut < at:
             return None

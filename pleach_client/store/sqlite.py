@@ -494,51 +494,22 @@ def _select_events(
 ) -> list[tuple[Any, bytes | None]]:
     """A session's events from sequence number ``start`` (``limit`` of them, -1 all; those
     of ``types``, ``_type_keys``, and those that keep no type, when given), in order, as
-    ``(id, body)`` with each body whole as it was written (``compact._whole``, as
-    ``whole_body_sql`` puts it together, in Python). Of a span, a body that leaves out its
-    prev_hash (schema 14) takes the digest of the row read before it, at the number before
-    (``_row_before``; the span starts a row early so that its first has one), and a body
-    whose row before is not there is put together by SQL (``get_event``); of some types,
-    SQL looks up the row before of such a body alone (``_PREV_OF_ROW``)."""
+    ``(id, body)`` with each body whole as it was written: SQL reads the digest of the row
+    before a body that left its prev_hash out (schema 14, ``_ROW_BEFORE``), and Python puts
+    it together (``compact._whole``, held to ``whole_body_sql``'s bytes by the generated
+    tests; SQL's expression costs more than the look-up)."""
+    if types is None:
+        rows = raw.execute(QUERIES["event_rows"], (session_key, start, limit))
+    else:
+        rows = raw.execute(QUERIES["event_rows_of_types"], (session_key, start, types))
     tenant, node = _tenant_of(raw)
     packed_session = _packed_key(session_key)
-    out: list[tuple[Any, bytes | None]] = []
-    if types is not None:  # (few rows of many: each looks up its row before, if it must)
-        typed = raw.execute(QUERIES["event_rows_of_types"], (session_key, start, types))
-        for key, body, prev in typed.fetchall():
-            whole: bytes | None = body
-            if body[:1] == compact.SHORT:
-                whole = compact._whole(body, _packed_key(key), packed_session, tenant, node, prev)
-            out.append((key, whole))
-        return out
-    first = max(start - 1, 0)
-    rows = raw.execute(
-        QUERIES["event_rows"], (session_key, first, -1 if limit < 0 else limit + start - first)
-    ).fetchall()
-    at, before = -2, list[bytes]()  # (the rows at the number read before: one, at rest)
-    held: list[bytes] = []
-    for key, number, _, body in rows:
-        if number != at:
-            at, before, held = number, held if at == number - 1 else [], []
-        held.append(body)
-        if number >= start:
-            whole = body
-            if body[:1] == compact.SHORT:
-                prev = compact.chain_digest(_row_before(before, body)) if before else None
-                whole = compact._whole(body, _packed_key(key), packed_session, tenant, node, prev)
-                if whole is None:
-                    found = raw.execute(QUERIES["get_event"], (key,)).fetchall()
-                    whole = found[0][1] if found else None
-            out.append((key, whole))
-    return out[:limit] if limit >= 0 else out
-
-
-def _row_before(rows: list[bytes], body: bytes) -> bytes:
-    """Of the stored bodies at the place before ``body``'s (in order of id), the one
-    ``_ROW_BEFORE`` reads: a placed one for a placed event, else the first."""
-    if len(rows) > 1 and body[-1:] == b"\xc3":
-        return next((row for row in rows if row[-1:] == b"\xc3"), b"")
-    return rows[0]
+    return [
+        (key, body)
+        if body[:1] != compact.SHORT
+        else (key, compact._whole(body, _packed_key(key), packed_session, tenant, node, prev))
+        for key, body, prev in rows.fetchall()
+    ]
 
 
 def _packed_key(key: str | bytes) -> bytes:
@@ -633,11 +604,9 @@ _PUT_AUDIT = (
 )
 _SESSION_AT: Final = {_PUT_MESSAGE: 1, _PUT_CHECKPOINT: 1, _PUT_EVENT: 1, _PUT_AUDIT: 2}
 """The inserts whose bodies are written short (``_shortened``: each row begins with its key and
-ends with its body) and where their session's key is in the row."""
-_IN_SESSION: Final = _SESSION_AT
-"""The inserts whose rows name their session by its number (``_NUMBER_SESSION`` first), and
-where the session's key is in the row (audit rows: their device's at 1, ``_NUMBER_CLIENT``):
-each of them (messages since schema 16)."""
+ends with its body), and whose rows name their session by its number (``_NUMBER_SESSION``
+first; messages since schema 16): where their session's key is in the row (audit rows: their
+device's at 1, ``_NUMBER_CLIENT``)."""
 _PUT_ARTIFACT = (
     "INSERT INTO artifact_updates (id, artifact_id, session_id, hlc, body) "
     "VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING"
@@ -717,10 +686,15 @@ _WHOLE_E: Final = _whole_body(numbered=True, chained=True)
 """SQL: ``_WHOLE`` of a row of events (``_NUMBERED``, and ``chained``)."""
 _NUMBERED: Final = ("messages", "checkpoints", "events", "audit")
 """The tables whose rows name their session by number (schema 12; messages, 16)."""
-_PREV_OF_ROW: Final = _ROW_BEFORE.format(
-    session="events.session_n", number="events.sequence_number", placed=_PLACED.format("body")
+_PREV_WHERE_LEFT_OUT: Final = (
+    "CASE WHEN substr(body, 2, 1) IN (X'10', X'11') THEN "
+    + _ROW_BEFORE.format(
+        session="events.session_n", number="events.sequence_number", placed=_PLACED.format("body")
+    )
+    + " END"
 )
-"""SQL: ``_ROW_BEFORE`` of a row of ``events`` (read where its body left its prev_hash out)."""
+"""SQL: ``_ROW_BEFORE`` of a row of ``events`` whose body left its prev_hash out (forms 16
+and 17, ``compact.prev_apart``), else NULL."""
 _MESSAGE_SESSION: Final = _SESSION_OF.format("session_n")
 """SQL: a message row's session key (schema 16)."""
 
@@ -805,22 +779,20 @@ QUERIES: Final[dict[str, str]] = {
         "SELECT events, sequence_number, row_hash, version, body FROM hydrations "
         "WHERE session_id = ?"
     ),
-    # A session's events of some types (?3: a JSON array, ``_type_keys``; a row without its
-    # type, written before schema 3, is read) as they are stored, from ?2, each beside the
-    # digest of the row before it where its body left that out (``_select_events``).
+    # A session's events from ?2 as they are stored, each beside the digest of the row before
+    # it where its body left that out (``_select_events`` puts them together); LIMIT -1: all
+    # of them. Of some types (?3: a JSON array, ``_type_keys``; a row without its type,
+    # written before schema 3, is read): ``event_rows_of_types``.
+    "event_rows": (
+        f"SELECT id, body, {_PREV_WHERE_LEFT_OUT} FROM events "
+        f"WHERE session_n = {_SESSION_N.format('?1')} AND sequence_number >= ?2 "
+        "ORDER BY sequence_number, id LIMIT ?3"
+    ),
     "event_rows_of_types": (
-        "SELECT id, body, CASE WHEN substr(body, 2, 1) IN "
-        f"(X'10', X'11') THEN {_PREV_OF_ROW} END FROM events "
+        f"SELECT id, body, {_PREV_WHERE_LEFT_OUT} FROM events "
         f"WHERE session_n = {_SESSION_N.format('?1')} AND sequence_number >= ?2 "
         "AND (type IS NULL OR type IN (SELECT value FROM json_each(?3))) "
         "ORDER BY sequence_number, id"
-    ),
-    # A session's events as they are stored, from ?2 (the row before the first wanted: each
-    # lends its digest to the next, ``_select_events``); LIMIT -1: all of them.
-    "event_rows": (
-        "SELECT id, sequence_number, type, body FROM events "
-        f"WHERE session_n = {_SESSION_N.format('?1')} AND sequence_number >= ?2 "
-        "ORDER BY sequence_number, id LIMIT ?3"
     ),
     # (Each as the rows are kept; ``list_audit`` orders them by their ids' text.)
     "list_audit": ("SELECT id, " + _WHOLE_N + " FROM audit ORDER BY client_n, sequence_number, id"),
@@ -1633,7 +1605,7 @@ def _numbers_for(
     sessions: dict[Any, None] = {}
     clients: dict[Any, None] = {}
     for sql, rows in written:
-        at = _IN_SESSION.get(sql)
+        at = _SESSION_AT.get(sql)
         if at is not None:
             sessions.update(dict.fromkeys(row[at] for row in rows))
         if sql is _PUT_AUDIT:
