@@ -22,7 +22,7 @@ from shared import compact
 from shared.clock import HybridClock
 from shared.compact import uuid_bytes, uuid_text
 from shared.errors import CursorTooOld, ErrorCode, InvalidState, StorageError, StorageUnavailable
-from shared.idrefs import ID_LAYOUT
+from shared.idrefs import ID_LAYOUT, rechunked
 from shared.ids import uuid7
 from shared.records import AuditRow, Event, Session, encode_record
 from tests.factories import count_hops
@@ -825,7 +825,7 @@ def _as_schema_17(conn: sqlite3.Connection, block: int = ID_LAYOUT.block) -> Non
         [
             (tid, key, part, ids)
             for (tid, key), blocks in sessions.items()
-            for part, ids in server_sqlite._rechunked(blocks, block)
+            for part, ids in rechunked(blocks, block)
         ],
     )
     conn.execute("PRAGMA user_version = 17")

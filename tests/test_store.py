@@ -29,7 +29,7 @@ from pleach_client.store import MemoryAdapter, SQLiteAdapter, StorageAdapter  # 
 from pleach_client.store import sqlite as sqlite_module  # noqa: E402
 from pleach_client.store.base import InPlace, Plan, Rerunnable, WriteBatch  # noqa: E402
 from pleach_client.store.sqlite import QUERIES, SCHEMA_VERSION  # noqa: E402
-from shared import compact  # noqa: E402
+from shared import compact, idrefs  # noqa: E402
 from shared.errors import InvalidState, StorageError  # noqa: E402
 from shared.hashchain import chain_event  # noqa: E402
 from shared.ids import uuid7  # noqa: E402
@@ -597,16 +597,38 @@ async def test_a_drained_outbox_gives_its_pages_back(
         assert await store.integrity_check() == []
 
 
+async def test_a_sync_that_empties_the_outbox_leaves_no_more_than_a_few_free_pages(
+    db_path: Path,
+) -> None:
+    """Under ``RECLAIM_PAGES`` free pages a removal keeps them for the next commits to reuse,
+    unless it empties the outbox: then past ``DRAINED_RECLAIM_PAGES`` they go back, so a
+    device that has synced is no larger than its records."""
+    session = make_session()
+    messages = [make_message(session_id=session.id) for _ in range(2000)]
+    async with SQLiteAdapter(db_path) as store:
+        receipt = await commit(store, session, *messages)
+        conn = raw(db_path)
+        try:
+            half = len(receipt.client_seqs) // 2
+            await store.outbox_remove(receipt.client_seqs[:half])
+            kept = conn.execute("PRAGMA freelist_count").fetchone()[0]
+            assert sqlite_module.DRAINED_RECLAIM_PAGES <= kept < sqlite_module.RECLAIM_PAGES
+            await store.outbox_remove(receipt.client_seqs[half:])
+            assert conn.execute("PRAGMA freelist_count").fetchone()[0] == 0
+        finally:
+            conn.close()
+        assert await store.outbox_count() == 0
+        assert await store.get_messages([m.id for m in messages]) == messages
+        assert await store.integrity_check() == []
+
+
 async def test_a_file_made_before_incremental_vacuum_keeps_its_mode(
     db_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(sqlite_module, "RECLAIM_PAGES", 8)
     conn = raw(db_path)
     try:  # as earlier versions made it: auto_vacuum NONE
-        for step in sqlite_module._MIGRATIONS:
-            for statement in step:
-                conn.execute(statement)
-        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        sqlite_module.create_schema(conn)
         conn.commit()
     finally:
         conn.close()
@@ -971,11 +993,32 @@ _TABLES_11: Final = """
 """
 
 
+def _as_schema_16(conn: sqlite3.Connection) -> None:
+    """A file written by this store as schema 16 kept it (a file of schema 17 made so): its
+    sessions' id blocks of 128 ids (``ID_LAYOUT``)."""
+    if _version_of(conn) < 17:
+        return
+    blocks: dict[Any, list[tuple[int, bytes]]] = {}
+    for session, part, ids in conn.execute("SELECT session_id, part, ids FROM session_ids"):
+        blocks.setdefault(session, []).append((part, ids))
+    conn.execute("DELETE FROM session_ids")
+    conn.executemany(
+        "INSERT INTO session_ids (session_id, part, ids) VALUES (?, ?, ?)",
+        [
+            (session, part, ids)
+            for session, held in blocks.items()
+            for part, ids in idrefs.rechunked(held, idrefs.ID_LAYOUT.block)
+        ],
+    )
+    conn.execute("PRAGMA user_version = 16")
+
+
 def _as_schema_13(conn: sqlite3.Connection) -> None:
-    """A file written by this store as schema 13 kept it (a file of schema 14 to 16 made so):
+    """A file written by this store as schema 13 kept it (a file of schema 14 to 17 made so):
     its messages naming their session by its key, beside an empty stamp; its checkpoints
     keyed by session, stamp and id, the stamp's text beside the body; and its events' bodies
     with their prev_hash (whole: a build before reads those as they are)."""
+    _as_schema_16(conn)
     if _version_of(conn) < 14:
         return
     if _version_of(conn) >= 16:
@@ -1101,7 +1144,7 @@ async def test_a_schema_4_file_migrates_its_ids_to_keys(db_path: Path, tmp_path:
     assert conn.execute("SELECT count(*) FROM events").fetchone()[0] == 2
     conn.close()
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 16
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 17
         for record in history:
             assert await read_back(store, record) == record
         session = history[0]
@@ -1152,7 +1195,7 @@ async def test_a_schema_8_file_keeps_its_outbox_and_log_through_schema_9(db_path
     events = [r for r in history if type(r).__name__ == "Event"]
     later = make_event(session_id=events[0].session_id, sequence_number=2, type=events[0].type)
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 16
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 17
         assert await store.outbox_pending() == before
         assert await store.dead_letters() == letters
         assert await _session_queued(store, session.id)
@@ -1385,7 +1428,7 @@ async def _migrated_then_written(
 ) -> None:
     """A file just migrated to this schema: its outbox and records read as before, then
     ``later`` is committed beside them, and old and new read back alike, queued in order."""
-    assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 16
+    assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 17
     assert await store.outbox_pending() == before
     for record in history:
         assert await read_back(store, record) == record
@@ -2241,7 +2284,7 @@ async def test_a_long_sessions_ids_live_in_blocks_and_a_turn_rewrites_one(db_pat
     async with SQLiteAdapter(db_path) as store:
         await commit(store, session, short)
         assert _row_ids(db_path, session.id) == (300, 0)
-        assert _blocks(db_path, session.id) == [(0, 128), (1, 128), (2, 44)]
+        assert _blocks(db_path, session.id) == [(0, 124), (1, 124), (2, 52)]
         assert _row_ids(db_path, short.id) == (None, 5) and _blocks(db_path, short.id) == []
         longer = msgspec.structs.replace(
             session,
@@ -2255,7 +2298,7 @@ async def test_a_long_sessions_ids_live_in_blocks_and_a_turn_rewrites_one(db_pat
         assert (await store.get_session(session.id)) == longer
         listed = {s.id: s for s in await store.list_sessions()}
         assert listed == {session.id: longer, short.id: short}
-    assert _blocks(db_path, session.id) == [(0, 128), (1, 128), (2, 46)]
+    assert _blocks(db_path, session.id) == [(0, 124), (1, 124), (2, 54)]
     statements = [sql for batch in written for (sql,) in batch]
     block_writes = [sql for sql in statements if "INTO session_ids" in sql]
     assert len(block_writes) == 1, statements  # the last block, not the 302 ids
@@ -2389,6 +2432,55 @@ async def _edits_read_back(ops: list[Any], shared: bool) -> None:
                 assert [part for part, _ in blocks] == list(range(len(blocks)))
 
 
+async def test_a_schema_16_file_cuts_its_id_blocks_two_to_a_page_at_17(db_path: Path) -> None:
+    """Schema 17: a long session's ids in blocks of 124 (``SQLITE_ID_LAYOUT``), two rows to a
+    4 KiB page, where blocks of 128 took a page each. A schema 16 file's blocks are cut again
+    as it opens: its sessions read the same, from this process's cache and from the file, a
+    turn then writes the one block it appends to, and a session whose blocks are not all
+    there stays as it was (a corrupt row, before and after)."""
+    long = make_session(state=SessionState(message_ids=[uuid7() for _ in range(2_000)]))
+    cut = make_session(state=SessionState(message_ids=[uuid7() for _ in range(300)]))
+    short = make_session(state=SessionState(message_ids=[uuid7() for _ in range(5)]))
+    async with SQLiteAdapter(db_path) as store:
+        await commit(store, long, cut, short)
+    conn = raw(db_path)
+    try:
+        _as_schema_16(conn)
+        conn.execute("DELETE FROM session_ids WHERE session_id = ? AND part = 1", (key(cut.id),))
+        conn.commit()
+        assert _blocks(db_path, long.id) == [(p, 128) for p in range(15)] + [(15, 80)]
+        pages_before = conn.execute(
+            "SELECT count(*) FROM dbstat WHERE name = 'session_ids'"
+        ).fetchone()[0]
+    finally:
+        conn.close()
+    for cached in (True, False):
+        if not cached:
+            sqlite_module._id_blocks.clear()  # (as another process: it reads the blocks)
+        path = db_path.with_name(f"copy-{cached}.db")
+        path.write_bytes(db_path.read_bytes())
+        async with SQLiteAdapter(path) as store:
+            assert (await store.settings())["schema_version"] == 17
+            assert _blocks(path, long.id) == [(p, 124) for p in range(16)] + [(16, 16)]
+            assert await store.get_session(long.id) == long
+            assert await store.get_session(short.id) == short
+            assert _blocks(path, cut.id) == [(0, 128), (2, 44)]
+            with pytest.raises(StorageError, match="corrupt row in sessions"):
+                await store.get_session(cut.id)
+            longer = msgspec.structs.replace(
+                long, state=SessionState(message_ids=[*long.state.message_ids, uuid7()])
+            )
+            await commit(store, longer)
+            assert await store.get_session(long.id) == longer
+            assert _blocks(path, long.id)[-1] == (16, 17)
+        conn = raw(path)
+        try:
+            pages = conn.execute("SELECT count(*) FROM dbstat WHERE name = 'session_ids'")
+            assert pages.fetchone()[0] < pages_before * 2 / 3
+        finally:
+            conn.close()
+
+
 async def test_a_missing_or_cut_block_is_a_corrupt_row_and_the_next_version_mends_it(
     db_path: Path,
 ) -> None:
@@ -2398,7 +2490,7 @@ async def test_a_missing_or_cut_block_is_a_corrupt_row_and_the_next_version_mend
         conn = raw(db_path)
         conn.execute("DELETE FROM session_ids WHERE part = 1")
         conn.close()
-        with pytest.raises(StorageError, match=r"corrupt row in sessions.*id blocks hold 172"):
+        with pytest.raises(StorageError, match=r"corrupt row in sessions.*id blocks hold 176"):
             await store.get_session(session.id)
         sqlite_module._id_blocks.clear()  # (as another process: it reads the blocks)
         newer = msgspec.structs.replace(
@@ -2406,7 +2498,7 @@ async def test_a_missing_or_cut_block_is_a_corrupt_row_and_the_next_version_mend
         )
         await commit(store, newer)
         assert await store.get_session(session.id) == newer
-        assert _blocks(db_path, session.id) == [(0, 128), (1, 128), (2, 45)]
+        assert _blocks(db_path, session.id) == [(0, 124), (1, 124), (2, 53)]
         conn = raw(db_path)
         conn.execute("UPDATE session_ids SET ids = x'00' WHERE part = 2")
         conn.close()
@@ -2718,7 +2810,7 @@ async def test_a_schema_13_file_keeps_its_checkpoints_in_order_of_stamp_at_15(
         conn.close()
     later = make_checkpoint(session_id=session.id, hlc="1796644975000-000000-dev-c")
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 16
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 17
         assert await store.list_checkpoints(session.id) == ours
         await commit(store, later)
         assert await store.list_checkpoints(session.id) == in_order([*ours, later])

@@ -11,9 +11,10 @@ transaction, by ``open()``; re-opening is a no-op, and a file written by a newer
 refused without being touched.
 
 A new file is created with ``auto_vacuum = INCREMENTAL``: the outbox's rows go once the server
-has them, and when a removal leaves at least ``RECLAIM_PAGES`` free pages the file gives them
-back (``PRAGMA incremental_vacuum``), so a device that synced a long offline stretch does not
-keep its high-water size. Files created before keep their mode (changing it needs a VACUUM).
+has them, and when a removal leaves at least ``RECLAIM_PAGES`` free pages (or empties the
+outbox and leaves ``DRAINED_RECLAIM_PAGES``) the file gives them back (``PRAGMA
+incremental_vacuum``), so a device that synced a long offline stretch does not keep its
+high-water size. Files created before keep their mode (changing it needs a VACUUM).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import msgspec
 from shared import compact
 from shared.aio import Every
 from shared.errors import InvalidState, StorageError
-from shared.idrefs import ID_LAYOUT, IdLayout, id_blocks
+from shared.idrefs import ID_LAYOUT, SQLITE_ID_LAYOUT, IdLayout, id_blocks, rechunked
 from shared.records import (
     ArtifactUpdate,
     AuditRow,
@@ -75,6 +76,7 @@ from .base import (
 __all__ = [
     "ID_LAYOUT",
     "SCHEMA_VERSION",
+    "SQLITE_ID_LAYOUT",
     "IdLayout",
     "SQLiteAdapter",
     "Synchronous",
@@ -95,8 +97,38 @@ _KIND_CASE: Final = (
 _KIND_CODE: Final = {name: code for code, name in enumerate(compact.KINDS)}
 _SESSION_KIND: Final = _KIND_CODE["Session"]
 
+_Step = str | Callable[[sqlite3.Connection], None]
+"""A migration's statement, or (schema 17 on) a function of the connection, run in its
+transaction, for what SQL alone does not say plainly."""
+
+
+def _run_step(raw: sqlite3.Connection, statement: _Step) -> None:
+    """One statement of a migration (``_Step``)."""
+    if isinstance(statement, str):
+        raw.execute(statement)
+    else:
+        statement(raw)
+
+
+def _rechunk_id_blocks(raw: sqlite3.Connection) -> None:
+    """Schema 17: every session's id blocks cut again into ``SQLITE_ID_LAYOUT``'s. The ids
+    they hold are the same bytes, so a session's ``ids_mark`` (and a process's
+    ``_id_blocks`` entry under it) still stands; a session whose blocks are not all there,
+    or not all bytes, keeps them as they are (its reads fail alike before and after)."""
+    sessions: dict[object, list[tuple[int, Any]]] = {}
+    for key, part, ids in raw.execute("SELECT session_id, part, ids FROM session_ids"):
+        sessions.setdefault(key, []).append((part, ids))
+    rows = []
+    for key, blocks in sessions.items():
+        if all(isinstance(part, int) and isinstance(ids, bytes) for part, ids in blocks):
+            blocks = rechunked(blocks, SQLITE_ID_LAYOUT.block)
+        rows += [(key, part, ids) for part, ids in blocks]
+    raw.execute("DELETE FROM session_ids")
+    raw.executemany(_PUT_ID_BLOCK, rows)
+
+
 # One tuple of statements per schema version; append, never edit a released step.
-_MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
+_MIGRATIONS: Final[tuple[tuple[_Step, ...], ...]] = (
     (  # 1: the initial schema
         """CREATE TABLE sessions (
             id TEXT PRIMARY KEY NOT NULL,
@@ -369,6 +401,9 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         "DROP TABLE messages",
         "ALTER TABLE messages_16 RENAME TO messages",
     ),
+    # 17: a long session's message ids in blocks of 124 (``SQLITE_ID_LAYOUT``: two to a
+    # page) where 128 (one to a page, half of it unused).
+    (_rechunk_id_blocks,),
 )
 SCHEMA_VERSION: Final = len(_MIGRATIONS)
 
@@ -406,7 +441,7 @@ def create_schema(raw: sqlite3.Connection) -> None:
     raw.create_function("pleach_key", 1, _sql_key, deterministic=True)
     for step in _MIGRATIONS:
         for statement in step:
-            raw.execute(statement)
+            _run_step(raw, statement)
     raw.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
 
@@ -1193,7 +1228,9 @@ def _type_keys(types: Collection[str]) -> str:
 
 
 def _encode_batch(
-    records: Sequence[Record], bodies: compact.Bodies | None = None, layout: IdLayout = ID_LAYOUT
+    records: Sequence[Record],
+    bodies: compact.Bodies | None = None,
+    layout: IdLayout = SQLITE_ID_LAYOUT,
 ) -> tuple[dict[str, list[tuple[Any, ...]]], _OutboxRows]:
     """Rows per insert statement (in order of first appearance) and the outbox rows.
     ``bodies``: bytes some records arrived in (``WriteBatch.bodies``), stored as they are;
@@ -1352,7 +1389,7 @@ def _prepare_now(raw: sqlite3.Connection, path: str, synchronous: str, busy_ms: 
 def _migrate_now(raw: sqlite3.Connection, path: str) -> None:
     for step in _MIGRATIONS[_check_version(raw, path) :]:
         for statement in step:
-            raw.execute(statement)
+            _run_step(raw, statement)
     raw.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
 
@@ -1432,14 +1469,23 @@ RECLAIM_PAGES: Final = 64
 The outbox of a 1,000-turn conversation is about 150 pages since schema 4 (its record index
 holds the session rows only), under the 256 pages this was: a full sync then gave nothing
 back."""
+DRAINED_RECLAIM_PAGES: Final = 8
+"""Free pages (32 KiB) after which a removal that empties the outbox gives them back: a device
+that has synced keeps no more than that unused. A full sync of a 1,000-turn conversation left
+25 free pages (100 KB, 4% of the file) under ``RECLAIM_PAGES``. Not every removal's few pages:
+a device online empties its outbox at each turn, whose next commit reuses them."""
 
 
 def _delete_queued_and_reclaim(raw: sqlite3.Connection, client_seqs: list[int]) -> int:
-    """Remove the entries (one transaction); then, past ``RECLAIM_PAGES`` free pages, give
-    them back in a transaction of its own (best effort: the removal stands whatever happens
-    to it). Returns the pages given back."""
+    """Remove the entries (one transaction); then, past ``RECLAIM_PAGES`` free pages, or
+    ``DRAINED_RECLAIM_PAGES`` when the outbox is now empty, give them back in a transaction of
+    its own (best effort: the removal stands whatever happens to it). Returns the pages
+    given back."""
     _atomically(raw, _delete_queued, client_seqs)
-    if _free_pages(raw) < RECLAIM_PAGES:
+    free = _free_pages(raw)
+    if free < DRAINED_RECLAIM_PAGES:
+        return 0
+    if free < RECLAIM_PAGES and raw.execute("SELECT 1 FROM outbox LIMIT 1").fetchone():
         return 0
     return _reclaim(raw)
 
@@ -1905,7 +1951,7 @@ class SQLiteAdapter(AsyncResource):
         """The WAL held more than half of ``AUTOCHECKPOINT_PAGES`` at the last side checkpoint:
         batches go to the connection's thread, whose commits run SQLite's own checkpoint and
         then start the WAL over, never on the caller's (see ``_checkpoint``)."""
-        self._id_layout = ID_LAYOUT  # (where sessions keep their message ids: ``IdLayout``)
+        self._id_layout = SQLITE_ID_LAYOUT  # (where sessions keep their message ids)
         self._lock_reads = False
         """The lock is held for a read (``_reading``), not a write: a read in place
         (``_read_now``) need not wait for it."""

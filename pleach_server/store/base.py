@@ -336,15 +336,6 @@ def session_row(body: bytes, stored: bytes | None, layout: IdLayout = ID_LAYOUT)
     return SessionRow(APART + rest, len(data) // 16, puts, parts if drop else None, data)
 
 
-def joined_blocks(blocks: Iterable[tuple[int, bytes]]) -> bytes | None:
-    """The ids of a session's blocks ``(part, ids)`` (in any order) joined; None when their
-    parts are not 0, 1, 2... (a block is missing)."""
-    ordered = sorted(blocks)
-    if [part for part, _ in ordered] != list(range(len(ordered))):
-        return None
-    return b"".join(bytes(ids) for _, ids in ordered)
-
-
 def stored_session(session_id: str, body: bytes, count: int | None, ids: bytes | None) -> Session:
     """A stored session row, its message ids from its blocks (``ids``, joined) when ``count``
     says it has them; ``StorageError`` when it is corrupt."""

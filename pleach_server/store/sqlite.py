@@ -66,7 +66,7 @@ from shared.aio import Every
 from shared.clock import HybridClock
 from shared.compact import KINDS
 from shared.errors import CursorTooOld, InvalidState, StorageError, StorageUnavailable
-from shared.idrefs import ID_LAYOUT, IdLayout, id_blocks
+from shared.idrefs import SQLITE_ID_LAYOUT, IdLayout, joined_blocks, rechunked
 from shared.records import (
     CASCADE_KINDS,
     AuditRow,
@@ -99,7 +99,6 @@ from .base import (
     decode_stored,
     device_node,
     feed_page,
-    joined_blocks,
     packed_tenant,
     session_row,
     stored_body,
@@ -209,23 +208,6 @@ _EVENTS_COLUMNS: Final = """(
     UNIQUE (tid, session_id, sequence_number)
 )"""
 
-SQLITE_ID_LAYOUT: Final = IdLayout(inline=ID_LAYOUT.inline, block=124)
-"""Where this store keeps a long session's message ids (schema 18): blocks of 124 ids (1,984
-bytes), two to a page of ``session_ids`` (a rowid table, which keeps a row of up to 4 KB
-within its page); a block of 128 (2 KB) went past what a page of the ``WITHOUT ROWID`` table
-it was kept in holds of a row, and its last 1.5 KB took a page of its own (58% of the table
-unused). Not smaller blocks: a push reads all of a session's (``_SESSIONS_SQL``), and blocks
-of 60 made a turn of a 20,000-id session read twice the rows. One layout for a file's life:
-a block's size is not stored."""
-
-
-def _rechunked(blocks: list[tuple[int, bytes]], block: int) -> list[tuple[int, bytes]]:
-    """A session's blocks ``(part, ids)`` cut again into blocks of ``block`` ids (its ids
-    joined in part order); the blocks as they are when a part is missing (a row left so by a
-    fault: every read of it fails alike, before and after)."""
-    ids = joined_blocks(blocks)
-    return blocks if ids is None else id_blocks(ids, b"", block)
-
 
 async def _rechunk_id_blocks(conn: aiosqlite.Connection) -> None:
     """Migration 18: ``session_ids`` made again as a rowid table, every session's id blocks
@@ -249,7 +231,7 @@ async def _rechunk_id_blocks(conn: aiosqlite.Connection) -> None:
         [
             (tid, key, part, ids)
             for (tid, key), blocks in sessions.items()
-            for part, ids in _rechunked(blocks, SQLITE_ID_LAYOUT.block)
+            for part, ids in rechunked(blocks, SQLITE_ID_LAYOUT.block)
         ],
     )
 
