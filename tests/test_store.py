@@ -995,9 +995,16 @@ _TABLES_11: Final = """
 
 def _as_schema_16(conn: sqlite3.Connection) -> None:
     """A file written by this store as schema 16 kept it (a file of schema 17 made so): its
-    sessions' id blocks of 128 ids (``ID_LAYOUT``)."""
+    sessions' id blocks of 128 ids (``ID_LAYOUT``), its audit rows' indexes holding their
+    device, place and id."""
     if _version_of(conn) < 17:
         return
+    conn.executescript(
+        """DROP INDEX ix_audit_client;
+        DROP INDEX ix_audit_session;
+        CREATE INDEX ix_audit_client ON audit (client_n, sequence_number, id);
+        CREATE INDEX ix_audit_session ON audit (session_n, client_n, sequence_number, id);"""
+    )
     blocks: dict[Any, list[tuple[int, bytes]]] = {}
     for session, part, ids in conn.execute("SELECT session_id, part, ids FROM session_ids"):
         blocks.setdefault(session, []).append((part, ids))
@@ -2432,17 +2439,40 @@ async def _edits_read_back(ops: list[Any], shared: bool) -> None:
                 assert [part for part, _ in blocks] == list(range(len(blocks)))
 
 
+def _index_columns(path: Path, index: str) -> list[str]:
+    conn = raw(path)
+    try:
+        return [row[2] for row in conn.execute(f"PRAGMA index_info({index})")]
+    finally:
+        conn.close()
+
+
 async def test_a_schema_16_file_cuts_its_id_blocks_two_to_a_page_at_17(db_path: Path) -> None:
     """Schema 17: a long session's ids in blocks of 124 (``SQLITE_ID_LAYOUT``), two rows to a
     4 KiB page, where blocks of 128 took a page each. A schema 16 file's blocks are cut again
     as it opens: its sessions read the same, from this process's cache and from the file, a
     turn then writes the one block it appends to, and a session whose blocks are not all
-    there stays as it was (a corrupt row, before and after)."""
+    there stays as it was (a corrupt row, before and after). Its audit rows' indexes hold
+    less, and its rows list as before, those written after too."""
     long = make_session(state=SessionState(message_ids=[uuid7() for _ in range(2_000)]))
     cut = make_session(state=SessionState(message_ids=[uuid7() for _ in range(300)]))
     short = make_session(state=SessionState(message_ids=[uuid7() for _ in range(5)]))
+    rows = [
+        make_audit(client_id=client, session_id=session.id, sequence_number=n)
+        for n in (3, 1, 2)
+        for client, session in (("dev-b", long), ("dev-a", long), ("dev-a", short))
+    ]
     async with SQLiteAdapter(db_path) as store:
-        await commit(store, long, cut, short)
+        await commit(store, long, cut, short, *rows)
+        listed = {
+            "all": await store.list_audit(),
+            "long": await store.list_audit(session_id=long.id),
+            "a": await store.list_audit(client_id="dev-a"),
+            "both": await store.list_audit(session_id=long.id, client_id="dev-a"),
+        }
+    assert [(r.client_id, r.sequence_number) for r in listed["both"]] == [
+        ("dev-a", n) for n in (1, 2, 3)
+    ]
     conn = raw(db_path)
     try:
         _as_schema_16(conn)
@@ -2461,6 +2491,12 @@ async def test_a_schema_16_file_cuts_its_id_blocks_two_to_a_page_at_17(db_path: 
         path.write_bytes(db_path.read_bytes())
         async with SQLiteAdapter(path) as store:
             assert (await store.settings())["schema_version"] == 17
+            assert _index_columns(path, "ix_audit_client") == ["client_n", "sequence_number"]
+            assert _index_columns(path, "ix_audit_session") == ["session_n"]
+            assert await store.list_audit() == listed["all"]
+            assert await store.list_audit(session_id=long.id) == listed["long"]
+            assert await store.list_audit(client_id="dev-a") == listed["a"]
+            assert await store.list_audit(session_id=long.id, client_id="dev-a") == listed["both"]
             assert _blocks(path, long.id) == [(p, 124) for p in range(16)] + [(16, 16)]
             assert await store.get_session(long.id) == long
             assert await store.get_session(short.id) == short
