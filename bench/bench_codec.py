@@ -58,7 +58,10 @@ def _bodies(path: Path) -> dict[str, list[bytes]]:
             return str(whole_row(table))
         return whole(numbered=True) if table in numbered else whole()
 
+    functions = getattr(store_module, "sql_functions", None)  # (schema 17: audit digests)
     with sqlite3.connect(path) as db:
+        if functions is not None:
+            functions(db)
         return {t: [row[0] for row in db.execute(f"SELECT {read(t)} FROM {t}")] for t in TABLES}
 
 

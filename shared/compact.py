@@ -1744,6 +1744,70 @@ def audit_digest_sql(body: str) -> str:
     )
 
 
+_DIGEST_EXT: Final = 35
+"""The bytes of a digest as ``encode`` writes it: ``_DIGEST_HEAD`` and its 32 bytes."""
+_NIL_BYTE: Final = 0xC0
+_EMPTY_TEXT: Final = 0xA0
+
+
+def _audit_tail(body: bytes, ext: int) -> int | None:
+    """Where the ``payload_digest`` of an audit body (whole, or short: both end alike) is,
+    when the body ends ``[payload_digest, prev_hash, row_hash, false, identity_digest]``,
+    each digest ``ext`` bytes long (35, as ``encode`` writes one; 1, a nil), the row hash a
+    digest and the prev_hash one or empty (a chain's first row); else None."""
+    n = len(body)
+    row = n - ext - 1 - _DIGEST_EXT
+    if row < 1 or body[row + _DIGEST_EXT] != 0xC2 or body[row : row + 3] != _DIGEST_HEAD:
+        return None
+    if body[row - 1] == _EMPTY_TEXT:
+        at = row - 1 - ext
+    elif body[row - _DIGEST_EXT : row - 32] == _DIGEST_HEAD:
+        at = row - _DIGEST_EXT - ext
+    else:
+        return None
+    return at if at >= 1 else None
+
+
+def audit_digests_apart(body: bytes) -> tuple[bytes, bytes, bytes] | None:
+    """An audit row's stored body (whole, or short) with a nil where each of its
+    ``payload_digest`` and ``identity_digest`` was (70 bytes fewer, 68 once the nils are
+    counted: a str field is never nil, so no body ``encode`` writes ends so), beside the 32
+    bytes of each; None for a body that does not end as ``_audit_tail`` says, a redacted
+    row's included (its identity digest is no longer what its fields give). A device keeps
+    that form only where the row's content gives those very digests
+    (``shared.hashchain.audit_digest``): ``audit_digests_put`` puts them back, byte for byte.
+    Pure."""
+    at = _audit_tail(body, _DIGEST_EXT)
+    if at is None or body[at : at + 3] != _DIGEST_HEAD or body[-_DIGEST_EXT:-32] != _DIGEST_HEAD:
+        return None
+    payload, identity = body[at + 3 : at + _DIGEST_EXT], body[-32:]
+    nil = bytes((_NIL_BYTE,))
+    apart = b"".join((body[:at], nil, body[at + _DIGEST_EXT : -_DIGEST_EXT], nil))
+    return apart, payload, identity
+
+
+def audit_digests_left_out(body: bytes) -> int | None:
+    """Where the nil that stands for the ``payload_digest`` of a body ``audit_digests_apart``
+    gave is; None for any other body. Pure."""
+    if body[-1:] != b"\xc0":
+        return None
+    at = _audit_tail(body, 1)
+    return at if at is not None and body[at] == _NIL_BYTE else None
+
+
+def audit_placeholders(body: bytes, at: int) -> bytes:
+    """A body ``audit_digests_apart`` gave (its payload's nil at ``at``) with an empty text in
+    place of each nil: it decodes as its row, the two digests empty. Pure."""
+    empty = bytes((_EMPTY_TEXT,))
+    return b"".join((body[:at], empty, body[at + 1 : -1], empty))
+
+
+def audit_digests_put(body: bytes, at: int, payload: bytes, identity: bytes) -> bytes:
+    """A body ``audit_digests_apart`` gave (its payload's nil at ``at``) with the digests
+    ``payload`` and ``identity`` (32 bytes each) where its nils are. Pure."""
+    return b"".join((body[:at], _DIGEST_HEAD, payload, body[at + 1 : -1], _DIGEST_HEAD, identity))
+
+
 def body_tenant(short: bytes) -> bytes | None:
     """The packed org and user a ``short_body`` that leaves out only the ids starts its fields
     with (what ``short_body`` given them would leave out), or None when it is not such a

@@ -1501,3 +1501,72 @@ def test_a_short_body_read_as_it_is_reads_as_the_whole_one(
             lambda: compact.decode_short(mutated, made.id, made.session_id, tenant, node)
         )
         assert short == outcome(lambda: compact.decode(whole))
+
+
+@settings(max_examples=300)
+@given(
+    prev=st.sampled_from(["digest", "empty", "text"]),
+    payload=st.sampled_from(["digest", "empty", "text"]),
+    identity=st.sampled_from(["digest", "empty", "text"]),
+    row=st.sampled_from(["digest", "text"]),
+    redacted=st.booleans(),
+    detail=st.dictionaries(TEXT, JSON, max_size=3),
+    request_id=st.none() | TEXT,
+    short=st.booleans(),
+)
+def test_an_audit_body_leaves_out_its_content_digests_and_takes_them_back_exactly(
+    prev: str,
+    payload: str,
+    identity: str,
+    row: str,
+    redacted: bool,
+    detail: Any,
+    request_id: str | None,
+    short: bool,
+) -> None:
+    """``audit_digests_apart`` puts a nil where each of an audit body's ``payload_digest`` and
+    ``identity_digest`` was (68 bytes fewer) exactly when both are digests, its row hash a
+    digest, its prev_hash one or empty, and the row not redacted; the body then decodes,
+    each nil an empty text (``audit_placeholders``), as its row with those two empty, and
+    ``audit_digests_put`` gives back the very bytes. No body ``encode`` writes, of any
+    other row, reads as one left so (``audit_digests_left_out``). Whole or short."""
+    values = {"digest": secrets.token_hex(32), "empty": "", "text": "not-a-digest"}
+    made = make_audit(
+        prev_hash=values[prev],
+        payload_digest=values[payload],
+        identity_digest=values[identity],
+        row_hash=values[row],
+        redacted=redacted,
+        detail=detail,
+        request_id=request_id,
+        sequence_number=7,
+    )
+    body = compact.encode(made)
+    if short:
+        key, session = compact.uuid_bytes(made.id), compact.uuid_bytes(made.session_id)
+        tenant = compact.packed(made.org_id) + compact.packed(made.user_id)
+        body = compact.short_body(body, key, session, tenant, compact.stamp_node(made.client_id))
+    assert compact.audit_digests_left_out(body) is None
+    apart = compact.audit_digests_apart(body)
+    eligible = (payload, identity, row) == ("digest",) * 3 and prev != "text" and not redacted
+    assert (apart is not None) is eligible
+    if apart is None:
+        return
+    left, payload_bytes, identity_bytes = apart
+    assert len(left) == len(body) - 68
+    assert payload_bytes.hex() == made.payload_digest
+    assert identity_bytes.hex() == made.identity_digest
+    at = compact.audit_digests_left_out(left)
+    assert at is not None and left[at] == 0xC0
+    assert compact.audit_digests_put(left, at, payload_bytes, identity_bytes) == body
+    if not short:
+        empty = msgspec.structs.replace(made, payload_digest="", identity_digest="")
+        assert compact.decode(compact.audit_placeholders(left, at)) == empty
+
+
+@settings(max_examples=200)
+@given(records())
+def test_no_other_body_reads_as_an_audit_body_without_its_digests(record: Record) -> None:
+    """A body of any record (an audit row's too: its fields are never nil) is never taken
+    for one ``audit_digests_apart`` gave."""
+    assert compact.audit_digests_left_out(compact.encode(record)) is None

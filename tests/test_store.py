@@ -7,8 +7,10 @@ import asyncio
 import contextlib
 import gc
 import itertools
+import operator
 import random
 import re
+import secrets
 import sqlite3
 import tempfile
 from collections import Counter
@@ -29,9 +31,13 @@ from pleach_client.store import MemoryAdapter, SQLiteAdapter, StorageAdapter  # 
 from pleach_client.store import sqlite as sqlite_module  # noqa: E402
 from pleach_client.store.base import InPlace, Plan, Rerunnable, WriteBatch  # noqa: E402
 from pleach_client.store.sqlite import QUERIES, SCHEMA_VERSION  # noqa: E402
-from shared import compact, idrefs  # noqa: E402
+from shared import (  # noqa: E402
+    compact,
+    hashchain,
+    idrefs,
+)
 from shared.errors import InvalidState, StorageError  # noqa: E402
-from shared.hashchain import chain_event  # noqa: E402
+from shared.hashchain import chain_audit, chain_event  # noqa: E402
 from shared.ids import uuid7  # noqa: E402
 from shared.records import AuditRow, Checkpoint, Event, Record, SessionState, encode_record  # noqa: E402
 from tests.factories import (  # noqa: E402
@@ -100,7 +106,7 @@ def raw(path: Path) -> sqlite3.Connection:
     """A plain sqlite3 connection in autocommit mode, to inspect or damage a file; it reads
     ids as the store keeps them (``pleach_key``, as the store's own connection does)."""
     conn = sqlite3.connect(path, isolation_level=None)
-    conn.create_function("pleach_key", 1, sqlite_module._sql_key, deterministic=True)
+    sqlite_module.sql_functions(conn)
     return conn
 
 
@@ -996,9 +1002,16 @@ _TABLES_11: Final = """
 def _as_schema_16(conn: sqlite3.Connection) -> None:
     """A file written by this store as schema 16 kept it (a file of schema 17 made so): its
     sessions' id blocks of 128 ids (``ID_LAYOUT``), its audit rows' indexes holding their
-    device, place and id."""
+    device, place and id, and their bodies their content digests."""
     if _version_of(conn) < 17:
         return
+    whole = sqlite_module._whole_row("audit")
+    for row_id, body, made in conn.execute(f"SELECT id, body, {whole} FROM audit").fetchall():
+        at = compact.audit_digests_left_out(body)
+        if at is not None:
+            _, payload, identity = compact.audit_digests_apart(made) or (b"", b"", b"")
+            body = compact.audit_digests_put(body, at, payload, identity)
+            conn.execute("UPDATE audit SET body = ? WHERE id = ?", (body, row_id))
     conn.executescript(
         """DROP INDEX ix_audit_client;
         DROP INDEX ix_audit_session;
@@ -2439,6 +2452,63 @@ async def _edits_read_back(ops: list[Any], shared: bool) -> None:
                 assert [part for part, _ in blocks] == list(range(len(blocks)))
 
 
+def _audit_chain(client: str, n: int, **fields: Any) -> list[AuditRow]:
+    rows: list[AuditRow] = []
+    for number in range(1, n + 1):
+        made = make_audit(client_id=client, **fields)
+        rows.append(chain_audit(made, rows[-1].row_hash if rows else "", number))
+    return rows
+
+
+async def test_an_audit_row_leaves_out_the_digests_its_content_gives(db_path: Path) -> None:
+    """Schema 17: an audit row's body keeps neither its payload digest nor its identity
+    digest where its content gives those very ones (68 bytes fewer): this device's rows and
+    another's, a chain's first row too. A redacted row, one whose digest its content does not
+    give (as a hostile device may send), and one never chained keep theirs. Every read, the
+    outbox's push included, gives the bytes written; a row changed in the file reads with
+    the digests its content now gives, which no longer link: the chain names it. A redacted
+    row is written whole, and its chain still verifies."""
+    own = _audit_chain(CLIENT, 3, subject_key="alice")
+    peer = _audit_chain("dev-peer", 2)
+    redacted = msgspec.structs.replace(
+        _audit_chain("dev-r", 1)[0], subject_key=None, request_id=None, redacted=True
+    )
+    poisoned = msgspec.structs.replace(
+        _audit_chain("dev-p", 1)[0], payload_digest=secrets.token_hex(32)
+    )
+    rows = [*own, *peer, redacted, poisoned, make_audit(client_id="dev-u")]
+    async with SQLiteAdapter(db_path) as store:
+        await store.set_meta("client_id", CLIENT)
+        await commit(store, *rows)
+        by_id = operator.attrgetter("id")
+        assert sorted(await store.list_audit(), key=by_id) == sorted(rows, key=by_id)
+        pushed = {e.record.id: e.body for e in await store.outbox_pending()}
+        assert pushed == {r.id: compact.encode(r) for r in rows}
+    conn = raw(db_path)
+    try:
+        stored = {unkey(k): bytes(b) for k, b in conn.execute("SELECT id, body FROM audit")}
+        left_out = {i for i, body in stored.items() if compact.audit_digests_left_out(body)}
+        assert left_out == {r.id for r in own + peer}
+        # (the model's text in the second row of ours: "scripted-1" made "scripted-2")
+        body = stored[own[1].id]
+        changed = body.replace(b"scripted-1", b"scripted-2")
+        assert changed != body
+        conn.execute("UPDATE audit SET body = ? WHERE id = ?", (changed, key(own[1].id)))
+    finally:
+        conn.close()
+    async with SQLiteAdapter(db_path) as store:
+        chain = await store.list_audit(client_id=CLIENT)
+        assert chain[1].model == "scripted-2" and hashchain.audit_content_ok(chain[1])
+        found = hashchain.verify_chain(chain)
+        assert (found.first_bad_index, found.reason) == (1, "row_hash mismatch")
+        assert hashchain.verify_chain(await store.list_audit(client_id="dev-peer")).ok
+        assert await store.gdpr_soft_delete("alice") == 3
+        after = await store.list_audit(client_id=CLIENT)
+        assert [r.redacted for r in after] == [True] * 3
+        assert hashchain.verify_chain([after[0]]).ok
+        assert [r.identity_digest for r in after] == [r.identity_digest for r in own]
+
+
 def _index_columns(path: Path, index: str) -> list[str]:
     conn = raw(path)
     try:
@@ -2457,8 +2527,8 @@ async def test_a_schema_16_file_cuts_its_id_blocks_two_to_a_page_at_17(db_path: 
     long = make_session(state=SessionState(message_ids=[uuid7() for _ in range(2_000)]))
     cut = make_session(state=SessionState(message_ids=[uuid7() for _ in range(300)]))
     short = make_session(state=SessionState(message_ids=[uuid7() for _ in range(5)]))
-    rows = [
-        make_audit(client_id=client, session_id=session.id, sequence_number=n)
+    rows = [  # (each chained alone: its digests left out, schema 17)
+        chain_audit(make_audit(client_id=client, session_id=session.id), "", n)
         for n in (3, 1, 2)
         for client, session in (("dev-b", long), ("dev-a", long), ("dev-a", short))
     ]
@@ -2479,6 +2549,8 @@ async def test_a_schema_16_file_cuts_its_id_blocks_two_to_a_page_at_17(db_path: 
         conn.execute("DELETE FROM session_ids WHERE session_id = ? AND part = 1", (key(cut.id),))
         conn.commit()
         assert _blocks(db_path, long.id) == [(p, 128) for p in range(15)] + [(15, 80)]
+        bodies = [bytes(b) for (b,) in conn.execute("SELECT body FROM audit")]
+        assert not any(compact.audit_digests_left_out(b) for b in bodies)
         pages_before = conn.execute(
             "SELECT count(*) FROM dbstat WHERE name = 'session_ids'"
         ).fetchone()[0]

@@ -39,6 +39,7 @@ import msgspec
 from shared import compact
 from shared.aio import Every
 from shared.errors import InvalidState, StorageError
+from shared.hashchain import audit_digest, audit_identity_digest
 from shared.idrefs import ID_LAYOUT, SQLITE_ID_LAYOUT, IdLayout, id_blocks, rechunked
 from shared.records import (
     ArtifactUpdate,
@@ -82,6 +83,7 @@ __all__ = [
     "Synchronous",
     "create_schema",
     "id_blocks",
+    "sql_functions",
 ]
 
 log = logging.getLogger("pleach.store")
@@ -406,6 +408,9 @@ _MIGRATIONS: Final[tuple[tuple[_Step, ...], ...]] = (
     # place, and by session alone, without the id (and the device and place) each entry
     # held: ``list_audit`` puts them in order (a session's rows, by rowid, are its devices'
     # runs as they were written, which its sort merges). 26 and 22 bytes fewer an entry.
+    # An audit row's body leaves out the two digests its content gives (``_audit_apart``;
+    # every read puts them back: ``_AUDIT_WHOLE``), which a build before reads as corrupt
+    # rows: the version makes it refuse the file whole.
     (
         _rechunk_id_blocks,
         "DROP INDEX ix_audit_client",
@@ -443,11 +448,60 @@ def _id(key: object) -> str:
     return str(key)
 
 
+def _audit_whole(body: object) -> str | bytes | int | float | None:
+    """``pleach_audit(body)`` in SQL: a whole audit body that left out its content digests
+    (schema 17: ``compact.audit_digests_apart``) with them put back, as its row's content
+    gives them (``shared.hashchain``), byte for byte what was written; any other value as
+    it is (a body that does not decode is read, and named corrupt, by its reader)."""
+    if type(body) is not bytes:
+        return body if isinstance(body, str | int | float) else None
+    at = compact.audit_digests_left_out(body)
+    if at is None:
+        return body
+    try:
+        row = compact.decode(compact.audit_placeholders(body, at))
+    except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError):
+        return body
+    if not isinstance(row, AuditRow):
+        return body
+    payload = compact.digest_bytes(audit_digest(row))
+    identity = compact.digest_bytes(audit_identity_digest(row))
+    if payload is None or identity is None:
+        return body
+    return compact.audit_digests_put(body, at, payload, identity)
+
+
+def _audit_apart(whole: bytes, short: bytes) -> bytes:
+    """An audit row's short body without its content digests (schema 17:
+    ``compact.audit_digests_apart``) where its content (``whole``, the row as written)
+    gives those very digests, so that ``_audit_whole`` puts them back; else ``short``."""
+    apart = compact.audit_digests_apart(short)
+    if apart is None:
+        return short
+    body, payload, identity = apart
+    try:
+        row = compact.decode(whole)
+    except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError):
+        return short
+    if not isinstance(row, AuditRow) or row.redacted:
+        return short
+    if compact.digest_bytes(audit_identity_digest(row)) != identity:
+        return short
+    return body if compact.digest_bytes(audit_digest(row)) == payload else short
+
+
+def sql_functions(raw: sqlite3.Connection) -> None:
+    """The SQL functions every connection to a device file reads it with: ``pleach_key``
+    (``_sql_key``) and ``pleach_audit`` (``_audit_whole``)."""
+    raw.create_function("pleach_key", 1, _sql_key, deterministic=True)
+    raw.create_function("pleach_audit", 1, _audit_whole, deterministic=True)
+
+
 def create_schema(raw: sqlite3.Connection) -> None:
     """The device schema, as ``open()`` migrates a new file to it, on a plain ``sqlite3``
-    connection (for a tool or a baseline that writes the rows directly); ``pleach_key`` is
-    registered on it."""
-    raw.create_function("pleach_key", 1, _sql_key, deterministic=True)
+    connection (for a tool or a baseline that writes the rows directly); its functions
+    (``sql_functions``) are registered on it."""
+    sql_functions(raw)
     for step in _MIGRATIONS:
         for statement in step:
             _run_step(raw, statement)
@@ -716,8 +770,15 @@ def _whole_body(table: str = "", *, numbered: bool = False, chained: bool = Fals
 
 
 def _whole_row(table: str, alias: str = "") -> str:
-    """``_whole_body`` of a row of ``table`` (under ``alias``, if any), as its table keeps it."""
-    return _whole_body(alias, numbered=table in _NUMBERED, chained=table == "events")
+    """``_whole_body`` of a row of ``table`` (under ``alias``, if any), as its table keeps it
+    (an audit row's digests put back: ``_AUDIT_WHOLE``)."""
+    whole = _whole_body(alias, numbered=table in _NUMBERED, chained=table == "events")
+    return _AUDIT_WHOLE.format(whole) if table == "audit" else whole
+
+
+_AUDIT_WHOLE: Final = "pleach_audit({})"
+"""SQL: the whole audit body in ``{}`` with its content digests where it left them out
+(schema 17: ``_audit_whole``, a function of each connection, ``sql_functions``)."""
 
 
 _SESSION_OF: Final = "(SELECT id FROM session_keys WHERE n = {})"
@@ -725,11 +786,13 @@ _SESSION_OF: Final = "(SELECT id FROM session_keys WHERE n = {})"
 _WHOLE: Final = _whole_body()
 """SQL: a row's body as its record was written (``_whole_body``)."""
 _WHOLE_N: Final = _whole_body(numbered=True)
-"""SQL: ``_WHOLE`` of a row of checkpoints or audit rows (``_NUMBERED``)."""
+"""SQL: ``_WHOLE`` of a row of checkpoints (``_NUMBERED``)."""
 _WHOLE_E: Final = _whole_body(numbered=True, chained=True)
 """SQL: ``_WHOLE`` of a row of events (``_NUMBERED``, and ``chained``)."""
 _NUMBERED: Final = ("messages", "checkpoints", "events", "audit")
 """The tables whose rows name their session by number (schema 12; messages, 16)."""
+_WHOLE_A: Final = _whole_row("audit")
+"""SQL: ``_WHOLE`` of a row of audit rows (``_NUMBERED``, and its digests: ``_AUDIT_WHOLE``)."""
 _PREV_WHERE_LEFT_OUT: Final = (
     "CASE WHEN substr(body, 2, 1) IN (X'10', X'11') THEN "
     + _ROW_BEFORE.format(
@@ -782,7 +845,7 @@ QUERIES: Final[dict[str, str]] = {
     # (A transcript's bodies as stored, beside their session's key: ``_messages_in_order``
     # reads a short one as it is, ``compact.decode_short``.)
     "get_messages": f"SELECT id, body, {_MESSAGE_SESSION} FROM messages WHERE id IN ({{keys}})",
-    "audit_rows": "SELECT id, " + _WHOLE_N + " FROM audit WHERE id IN ({keys})",
+    "audit_rows": "SELECT id, " + _WHOLE_A + " FROM audit WHERE id IN ({keys})",
     "get_checkpoint": "SELECT id, " + _WHOLE_N + " FROM checkpoints WHERE id = ?",
     "held_messages": "SELECT id FROM messages WHERE id IN ({keys})",
     # A long transcript's rows as one span of the table (``_select_messages``): the rowids
@@ -840,19 +903,19 @@ QUERIES: Final[dict[str, str]] = {
     ),
     # (Each as its index keeps the rows, a run of each device's in order: ``list_audit``
     # puts them in order of device, place and id's text. A session's, schema 17: by rowid.)
-    "list_audit": ("SELECT id, " + _WHOLE_N + " FROM audit ORDER BY client_n, sequence_number"),
+    "list_audit": ("SELECT id, " + _WHOLE_A + " FROM audit ORDER BY client_n, sequence_number"),
     "list_audit_session": (
-        "SELECT id, " + _WHOLE_N + f" FROM audit WHERE session_n = {_SESSION_N.format('?1')}"
+        "SELECT id, " + _WHOLE_A + f" FROM audit WHERE session_n = {_SESSION_N.format('?1')}"
     ),
     "list_audit_client": (
-        "SELECT id, " + _WHOLE_N + " FROM audit "
+        "SELECT id, " + _WHOLE_A + " FROM audit "
         f"WHERE client_n = {_CLIENT_N.format('?1')} ORDER BY sequence_number"
     ),
     "list_audit_both": (
-        "SELECT id, " + _WHOLE_N + " FROM audit "
+        "SELECT id, " + _WHOLE_A + " FROM audit "
         f"WHERE session_n = {_SESSION_N.format('?1')} AND client_n = {_CLIENT_N.format('?2')}"
     ),
-    "audit_subject": "SELECT id, " + _WHOLE_N + " FROM audit WHERE subject_key = ?",
+    "audit_subject": "SELECT id, " + _WHOLE_A + " FROM audit WHERE subject_key = ?",
     "list_artifact_updates": (
         "SELECT id, body FROM artifact_updates WHERE artifact_id = ? ORDER BY hlc, id"
     ),
@@ -1376,7 +1439,7 @@ def _prepare_now(raw: sqlite3.Connection, path: str, synchronous: str, busy_ms: 
     """A connection made ready, on its own thread: ``pleach_key``, the file checked
     (``_check_version``), WAL and ``synchronous``, migrations applied under the write lock.
     Whether the file reclaims freed pages (``auto_vacuum`` incremental)."""
-    raw.create_function("pleach_key", 1, _sql_key, deterministic=True)
+    sql_functions(raw)
     # Refuse a newer file before changing anything in it (even its journal mode).
     if _check_version(raw, path) == 0:
         # A new file: before the first table, and before WAL mode writes the header.
@@ -1731,6 +1794,11 @@ def _short_rows(
         return rows
     if sql is _PUT_EVENT:
         return [_event_row(row, _short(row[-1], row[0], row[1], tenant, node)) for row in rows]
+    if sql is _PUT_AUDIT:
+        return [
+            (*row[:-1], _audit_apart(row[-1], _short(row[-1], row[0], row[at], tenant, node)))
+            for row in rows
+        ]
     return [(*row[:-1], _short(row[-1], row[0], row[at], tenant, node)) for row in rows]
 
 
@@ -2627,7 +2695,7 @@ def _local_connection(path: str, synchronous: Synchronous) -> sqlite3.Connection
     for longer than its own statements."""
     conn = sqlite3.connect(path, timeout=0, isolation_level=None)
     try:
-        conn.create_function("pleach_key", 1, _sql_key, deterministic=True)  # (as the store's)
+        sql_functions(conn)  # (as the store's)
         conn.execute(f"PRAGMA synchronous = {synchronous}")
         conn.execute("PRAGMA wal_autocheckpoint = 0")
     except BaseException:
