@@ -607,8 +607,8 @@ async def test_a_sync_that_empties_the_outbox_leaves_no_more_than_a_few_free_pag
     db_path: Path,
 ) -> None:
     """Under ``RECLAIM_PAGES`` free pages a removal keeps them for the next commits to reuse,
-    unless it empties the outbox: then past ``DRAINED_RECLAIM_PAGES`` they go back, so a
-    device that has synced is no larger than its records."""
+    unless it empties the outbox: then they go back (``DRAINED_RECLAIM_PAGES``), so a device
+    that has synced is no larger than its records."""
     session = make_session()
     messages = [make_message(session_id=session.id) for _ in range(2000)]
     async with SQLiteAdapter(db_path) as store:
