@@ -647,10 +647,11 @@ def _stored_bodies(path: Path, table: str) -> dict[str, bytes]:
     import sqlite3
     import uuid
 
-    from pleach_client.store.sqlite import _whole_row
+    from pleach_client.store.sqlite import _whole_row, sql_functions
 
     whole = _whole_row(table)  # (a session by its number: schema 12; an event's prev_hash: 14)
     with sqlite3.connect(path) as conn:
+        sql_functions(conn)  # (an audit row's digests: schema 17)
         rows = conn.execute(f"SELECT id, {whole} FROM {table}").fetchall()
     return {str(uuid.UUID(bytes=key)) if len(key) == 16 else key: body for key, body in rows}
 
