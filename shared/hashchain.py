@@ -102,6 +102,13 @@ def audit_digest(row: AuditRow) -> str:
     return hashlib.sha256((audit_core_digest(row) + identity).encode()).hexdigest()
 
 
+def audit_digests(row: AuditRow) -> tuple[str, str]:
+    """The payload digest and the identity digest an unredacted row's content gives
+    (``audit_digest`` and ``audit_identity_digest``, the identity's computed once)."""
+    identity = audit_identity_digest(row)
+    return hashlib.sha256((audit_core_digest(row) + identity).encode()).hexdigest(), identity
+
+
 def audit_content_ok(row: AuditRow) -> bool:
     """The row's content (and, unless redacted, its identity digest) match its payload digest."""
     if not row.redacted and row.identity_digest != audit_identity_digest(row):

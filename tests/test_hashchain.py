@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from shared.hashchain import (
     GENESIS,
     audit_digest,
+    audit_digests,
     chain_audit,
     chain_event,
     event_digest,
@@ -354,3 +355,23 @@ def test_audit_proof_fails_for_an_altered_row() -> None:
         )
         assert not verify_proof(proof, altered)
         assert not verify_proof(proof, msgspec.structs.replace(row, cost_usd=99.0))
+
+
+@settings(max_examples=50)
+@given(
+    detail=st.dictionaries(st.text(max_size=8), st.text(max_size=20), max_size=3),
+    subject=st.none() | st.text(max_size=12),
+    request_id=st.none() | st.text(max_size=12),
+)
+def test_audit_digests_are_what_a_chained_row_holds(
+    detail: dict[str, Any], subject: str | None, request_id: str | None
+) -> None:
+    """``audit_digests``: the two digests ``chain_audit`` gives a row, from its content."""
+    made = make_audit(detail=detail, subject_key=subject, request_id=request_id)
+    row = chain_audit(made, "", 1)
+    assert audit_digests(row) == (row.payload_digest, row.identity_digest)
+    assert audit_digests(msgspec.structs.replace(row, payload_digest="", identity_digest="")) == (
+        row.payload_digest,
+        row.identity_digest,
+    )
+    assert audit_digests(msgspec.structs.replace(row, model="other"))[0] != row.payload_digest

@@ -39,7 +39,7 @@ import msgspec
 from shared import compact
 from shared.aio import Every
 from shared.errors import InvalidState, StorageError
-from shared.hashchain import audit_digest, audit_identity_digest
+from shared.hashchain import audit_digests
 from shared.idrefs import ID_LAYOUT, SQLITE_ID_LAYOUT, IdLayout, id_blocks, rechunked
 from shared.records import (
     ArtifactUpdate,
@@ -464,8 +464,7 @@ def _audit_whole(body: object) -> str | bytes | int | float | None:
         return body
     if not isinstance(row, AuditRow):
         return body
-    payload = compact.digest_bytes(audit_digest(row))
-    identity = compact.digest_bytes(audit_identity_digest(row))
+    payload, identity = map(compact.digest_bytes, audit_digests(row))
     if payload is None or identity is None:
         return body
     return compact.audit_digests_put(body, at, payload, identity)
@@ -485,9 +484,8 @@ def _audit_apart(whole: bytes, short: bytes) -> bytes:
         return short
     if not isinstance(row, AuditRow) or row.redacted:
         return short
-    if compact.digest_bytes(audit_identity_digest(row)) != identity:
-        return short
-    return body if compact.digest_bytes(audit_digest(row)) == payload else short
+    given = tuple(map(compact.digest_bytes, audit_digests(row)))
+    return body if given == (payload, identity) else short
 
 
 def sql_functions(raw: sqlite3.Connection) -> None:
