@@ -1434,9 +1434,9 @@ async def _immediate(
 
 
 def _prepare_now(raw: sqlite3.Connection, path: str, synchronous: str, busy_ms: int) -> bool:
-    """A connection made ready, on its own thread: ``pleach_key``, the file checked
-    (``_check_version``), WAL and ``synchronous``, migrations applied under the write lock.
-    Whether the file reclaims freed pages (``auto_vacuum`` incremental)."""
+    """A connection made ready, on its own thread: its SQL functions (``sql_functions``), the
+    file checked (``_check_version``), WAL and ``synchronous``, migrations applied under the
+    write lock. Whether the file reclaims freed pages (``auto_vacuum`` incremental)."""
     sql_functions(raw)
     # Refuse a newer file before changing anything in it (even its journal mode).
     if _check_version(raw, path) == 0:
