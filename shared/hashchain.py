@@ -96,17 +96,21 @@ def audit_core_digest(row: AuditRow) -> str:
     return _sha(_body(row, _AUDIT_CHAIN_FIELDS | set(AUDIT_IDENTIFYING_FIELDS)))
 
 
+def _payload_digest(row: AuditRow, identity: str) -> str:
+    return hashlib.sha256((audit_core_digest(row) + identity).encode()).hexdigest()
+
+
 def audit_digest(row: AuditRow) -> str:
     """The payload digest the row's content gives (the stored identity digest if redacted)."""
     identity = row.identity_digest if row.redacted else audit_identity_digest(row)
-    return hashlib.sha256((audit_core_digest(row) + identity).encode()).hexdigest()
+    return _payload_digest(row, identity)
 
 
 def audit_digests(row: AuditRow) -> tuple[str, str]:
     """The payload digest and the identity digest an unredacted row's content gives
     (``audit_digest`` and ``audit_identity_digest``, the identity's computed once)."""
     identity = audit_identity_digest(row)
-    return hashlib.sha256((audit_core_digest(row) + identity).encode()).hexdigest(), identity
+    return _payload_digest(row, identity), identity
 
 
 def audit_content_ok(row: AuditRow) -> bool:

@@ -470,22 +470,20 @@ def _audit_whole(body: object) -> str | bytes | int | float | None:
     return compact.audit_digests_put(body, at, payload, identity)
 
 
-def _audit_apart(whole: bytes, short: bytes) -> bytes:
-    """An audit row's short body without its content digests (schema 17:
-    ``compact.audit_digests_apart``) where its content (``whole``, the row as written)
-    gives those very digests, so that ``_audit_whole`` puts them back; else ``short``."""
-    apart = compact.audit_digests_apart(short)
+def _audit_apart(row: AuditRow, body: bytes) -> bytes:
+    """``body``, the compact body of ``row``, without its content digests (schema 17:
+    ``compact.audit_digests_apart``) where the row holds those its content gives
+    (``audit_digests``), so that ``_audit_whole`` puts them back; else ``body``. Decided on
+    the record at hand as its row is made: no decode of the bytes just encoded (or of those
+    a pull brought). Its row's short form keeps the same tail (``_shortened``)."""
+    apart = None if row.redacted else compact.audit_digests_apart(body)
     if apart is None:
-        return short
-    body, payload, identity = apart
-    try:
-        row = compact.decode(whole)
-    except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError):
-        return short
-    if not isinstance(row, AuditRow) or row.redacted:
-        return short
-    given = tuple(map(compact.digest_bytes, audit_digests(row)))
-    return body if given == (payload, identity) else short
+        return body
+    left, payload, identity = apart
+    held = (row.payload_digest, row.identity_digest)
+    if (payload.hex(), identity.hex()) != held:  # (bytes that are not this row's: kept)
+        return body
+    return left if audit_digests(row) == held else body
 
 
 def sql_functions(raw: sqlite3.Connection) -> None:
@@ -1348,7 +1346,7 @@ def _encode_batch(
                     _key(record.session_id),
                     record.sequence_number,
                     record.subject_key,
-                    body,
+                    _audit_apart(record, body),
                 )
             case ArtifactUpdate():
                 sql, key = _PUT_ARTIFACT, _key(record.id)
@@ -1792,11 +1790,6 @@ def _short_rows(
         return rows
     if sql is _PUT_EVENT:
         return [_event_row(row, _short(row[-1], row[0], row[1], tenant, node)) for row in rows]
-    if sql is _PUT_AUDIT:
-        return [
-            (*row[:-1], _audit_apart(row[-1], _short(row[-1], row[0], row[at], tenant, node)))
-            for row in rows
-        ]
     return [(*row[:-1], _short(row[-1], row[0], row[at], tenant, node)) for row in rows]
 
 
