@@ -25,11 +25,14 @@ from typing import Any
 import asyncpg  # type: ignore[import-untyped]
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pleach_server.store import ServerStore
 from pleach_server.store.apply import StoreTx
-from pleach_server.store.base import APART, PushResult, Tenant, packed_tenant
+from pleach_server.store.base import APART, PushResult, Tenant, decode_body, packed_tenant
 from pleach_server.store.postgres import (
+    _FILLED_INDEXES,
     _HASH_SQL,
     _PLEACH_WHOLE,
     ANALYZE_AT,
@@ -37,6 +40,7 @@ from pleach_server.store.postgres import (
     NOTIFY_CHANNEL,
     SCHEMA_VERSION,
     PostgresServerStore,
+    _audit_tails,
     _pg_hash,
     _pg_hash_text,
     _pg_id,
@@ -73,6 +77,7 @@ from tests.server_store_conformance import (
     ServerStoreConformanceInIdBlocks,
     StoredRows,
     TxWrapper,
+    codes,
     placed_history,
     pull_all,
     statuses,
@@ -338,7 +343,7 @@ async def test_migrate_creates_a_fresh_schema() -> None:
             "clients",
             "meta",
             "devices",
-            "audit_places",
+            "audit_tails",
             "tenants",
             "nodes",
         }
@@ -492,16 +497,16 @@ async def test_per_tenant_queries_are_index_scans() -> None:
                 SELECT 'org-' || i, 'user-' || i, 0 FROM generate_series(1, 500) AS i"""
             )
             await conn.execute(
-                f"""INSERT INTO {s}.audit_places
+                f"""INSERT INTO {s}.audit_tails
                     (tid, client_id, sequence_number, row_hash, id)
-                SELECT {tid(s, "'org-1'", "'user-1'")}, 'dev-' || (i % 50), i, 'h',
-                       {s}.pleach_key('audit-' || i)
+                SELECT {tid(s, "'org-' || (i % 500)", "'user-' || (i % 500)")}, 'dev-' || i,
+                       i, 'h', {s}.pleach_key('audit-' || i)
                 FROM generate_series(1, 20000) AS i"""
             )
             await conn.execute(
                 f"ANALYZE {s}.feed, {s}.clients, {s}.sessions, {s}.session_ids, {s}.events, "
                 f"{s}.records, "
-                f"{s}.meta, {s}.audit_places, {s}.tenants"
+                f"{s}.meta, {s}.audit_tails, {s}.tenants"
             )
             report = []
             for name, (query, args) in explain_queries(store).items():
@@ -623,10 +628,10 @@ async def test_plans_do_not_depend_on_a_tenants_size() -> None:
                     "{s}.pleach_key('event-' || i), {s}.pleach_key('session-7'), i, TID, 'h', '', "
                     "200000 + i",
                 ),
-                (
-                    "audit_places",
+                (  # (a chain's last place: the row of each of the tenant's devices)
+                    "audit_tails",
                     "tid, client_id, sequence_number, row_hash, id",
-                    "TID, 'dev-7', i, 'h', {s}.pleach_key('audit-' || i)",
+                    "TID, 'dev-' || i, i, 'h', {s}.pleach_key('audit-' || i)",
                 ),
             ):
                 for number, numbers in (
@@ -649,7 +654,7 @@ async def test_plans_do_not_depend_on_a_tenants_size() -> None:
             )
             await conn.execute(
                 f"ANALYZE {s}.feed, {s}.clients, {s}.sessions, {s}.events, "
-                f"{s}.records, {s}.audit_places, {s}.tenants"
+                f"{s}.records, {s}.audit_tails, {s}.tenants"
             )
             # A key of each tenant: its newest rows (the small tenant's are spread out).
             keys = {small: ("message-9007", "event-9007"), big: ("message-29000", "event-29000")}
@@ -2093,7 +2098,7 @@ async def test_schema_14_migrates_to_short_bodies_and_row_hashes_as_bytes() -> N
             )
             assert bodies and all(bytes(b)[:1] != SHORT for (b,) in bodies)
         result = await migrate(PG_DSN, s)
-        assert (result.from_version, result.to_version) == (14, SCHEMA_VERSION) == (14, 17)
+        assert (result.from_version, result.to_version) == (14, SCHEMA_VERSION) == (14, 18)
         async with pg_store(s) as store:
             await assert_pulled_as_placed(store, h)
             later = [alice.message(h.session.id), alice.event(h.session.id)]
@@ -2118,7 +2123,9 @@ async def test_schema_14_migrates_to_short_bodies_and_row_hashes_as_bytes() -> N
             assert new[0][:2] == SHORT + b"\x11" and new[1] is None
             assert chain_digest(new[0]) == bytes.fromhex(chain[1].row_hash)
             assert all(body[:1] != SHORT and len(digest) == 32 for body, digest in rows.values())
-            assert (await index_def(conn, s, "feed_pkey")).endswith("(tid, cursor)")
+            assert (await index_def(conn, s, "feed_pkey")).endswith(
+                "(tid, cursor) WITH (fillfactor='100')"
+            )
             indexes = await conn.fetch(
                 "SELECT indexname FROM pg_indexes WHERE schemaname = $1 AND tablename = 'feed'", s
             )
@@ -2141,7 +2148,7 @@ async def test_schema_15_migrates_to_row_hashes_read_from_bodies() -> None:
             held = await conn.fetchval(f"SELECT count(*) FROM {s}.events WHERE row_hash IS NULL")
             assert held == 0
         result = await migrate(PG_DSN, s)
-        assert (result.from_version, result.to_version) == (15, SCHEMA_VERSION) == (15, 17)
+        assert (result.from_version, result.to_version) == (15, SCHEMA_VERSION) == (15, 18)
         async with pg_store(s) as store:
             await assert_pulled_as_placed(store, h)
             later = [alice.event(h.session.id), alice.event(h.session.id)]
@@ -2163,7 +2170,114 @@ async def test_schema_15_migrates_to_row_hashes_read_from_bodies() -> None:
             }
             assert kept[chain[0].id] == bytes.fromhex(chain[0].row_hash)
             assert kept[chain[1].id] is None and kept[chain[2].id] is None
-            assert (await index_def(conn, s, "records_pkey")).endswith("(tid, id, kind)")
+            assert (await index_def(conn, s, "records_pkey")).endswith(
+                "(tid, id, kind) WITH (fillfactor='100')"
+            )
+
+
+async def test_schema_17_migrates_to_each_audit_chains_last_place_alone() -> None:
+    """Audit places a schema 17 store kept (one a row) become one a chain after migration
+    18, its last: a row at the next place of each device's chain applies, one that leaves a
+    hole is refused with the chain's last place; of two rows at that place (which a device
+    of protocol 2 or earlier leaves) the one of the greater id is the tail, before the
+    migration and after; each tenant's pull gives the same records under the same cursors;
+    the indexes whose keys go in in order fill their pages whole."""
+    clock = HybridClock("server-x")
+    async with scratch_schema() as s:
+        async with pg_store(s) as store:
+            h = await placed_history(store, clock)
+            alice, bob = h.alice, h.bob
+            other = Device(alice.tenant)
+            for dev, count in ((alice, 2), (other, 1), (bob, 2)):
+                rows = [dev.audit(h.session.id) for _ in range(count)]
+                pushed = await store.push(dev.tenant, dev.client_id, dev.changes(*rows), clock)
+                assert statuses(pushed) == ["applied"] * count
+            place, prev = alice.audit_head
+            last = alice.audit(h.session.id)
+            twin = chain_audit(alice.audit(h.session.id), prev, place + 1)
+            pushed = await store.push(alice.tenant, alice.client_id, alice.changes(last), clock)
+            unchecked = await store.push(
+                alice.tenant, alice.client_id, alice.changes(twin), clock, chains=False
+            )
+            assert statuses(pushed) == statuses(unchecked) == ["applied"]
+            tail = max(last, twin, key=lambda r: _pg_key(r.id))
+            alice.audit_head = (tail.sequence_number, tail.row_hash)
+            assert await tail_of(store, alice) == alice.audit_head
+            before = [await pull_all(store, d.tenant) for d in (alice, bob)]
+        async with admin() as conn:
+            await as_schema_17(conn, s, (alice.tenant, bob.tenant))
+            places = await conn.fetchval(f"SELECT count(*) FROM {s}.audit_places")
+            assert places == 3 + 1 + 2 + 1 + 1  # (the history's row, and the twin)
+        result = await migrate(PG_DSN, s)
+        assert (result.from_version, result.to_version) == (17, SCHEMA_VERSION) == (17, 18)
+        async with pg_store(s) as store:
+            assert [await pull_all(store, d.tenant) for d in (alice, bob)] == before
+            hole = chain_audit(alice.audit(h.session.id), "f" * 64, place + 3)
+            refused = await store.push(alice.tenant, alice.client_id, alice.changes(hole), clock)
+            assert codes(refused) == [ErrorCode.CHAIN_BROKEN]
+            assert (refused.results[0].chain_sequence, refused.results[0].chain_hash) == (
+                tail.sequence_number,
+                tail.row_hash,
+            )
+            alice.next_seq -= 1
+            alice.audit_head = (tail.sequence_number, tail.row_hash)
+            for dev in (alice, other, bob):
+                pushed = await store.push(
+                    dev.tenant, dev.client_id, dev.changes(dev.audit(h.session.id)), clock
+                )
+                assert statuses(pushed) == ["applied"], dev.client_id
+                assert await tail_of(store, dev) == dev.audit_head
+        async with admin() as conn:
+            assert await conn.fetchval(f"SELECT count(*) FROM {s}.audit_tails") == 3
+            for index in _FILLED_INDEXES:
+                assert "fillfactor=100" in await index_options(conn, s, index), index
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["dev-a", "dev-b", "dev-c"]), st.integers(1, 6)),
+        max_size=12,
+    )
+)
+def test_a_batch_moves_each_audit_chain_to_its_greatest_place(places: list[Any]) -> None:
+    """``_audit_tails`` gives one row a device: of the batch's rows of its chain, the one at
+    the greatest place, and of two there the greater id (as ``audit_tails`` orders them)."""
+    dev = Device(new_tenant())
+    rows = [
+        msgspec.structs.replace(dev.audit("s"), client_id=client, sequence_number=number)
+        for client, number in places
+    ]
+    devices, numbers, digests, ids = _audit_tails(rows)
+    assert len(set(devices)) == len(devices) == len({r.client_id for r in rows})
+    for client, number, digest, key in zip(devices, numbers, digests, ids, strict=True):
+        best = max((r for r in rows if r.client_id == client), key=lambda r: (
+            r.sequence_number, _pg_key(r.id)
+        ))  # fmt: skip
+        assert (number, key, digest) == (
+            best.sequence_number, _pg_key(best.id), _pg_hash(best.row_hash)
+        )  # fmt: skip
+
+
+async def tail_of(store: PostgresServerStore, dev: Device) -> tuple[int, str]:
+    """The last place of ``dev``'s audit chain, as a push reads it (``_Sql.audit_tail``)."""
+    async with admin() as conn:
+        found = await conn.fetchrow(
+            store._sql.audit_tail, dev.tenant.org_id, dev.tenant.user_id, dev.client_id
+        )
+    assert found is not None
+    return int(found[0]), _pg_hash_text(bytes(found[1]))
+
+
+async def index_options(conn: Any, s: str, name: str) -> str:
+    """The storage options of the index ``name`` of schema ``s``, as text."""
+    found = await conn.fetchval(
+        "SELECT c.reloptions::text FROM pg_class AS c JOIN pg_namespace AS n "
+        "ON n.oid = c.relnamespace WHERE n.nspname = $1 AND c.relname = $2",
+        s,
+        name,
+    )
+    return str(found)
 
 
 async def history_as_schema(
@@ -2248,7 +2362,7 @@ async def test_schema_8_migrates_ids_to_keys_and_kinds_to_numbers() -> None:
                 s,
             )
         assert {(r[0], r[1]): r[2] for r in types} == {
-            ("audit_places", "id"): "bytea",
+            ("audit_tails", "id"): "bytea",
             ("events", "id"): "bytea",
             ("events", "session_id"): "bytea",
             ("feed", "kind"): "smallint",
@@ -2261,12 +2375,50 @@ async def test_schema_8_migrates_ids_to_keys_and_kinds_to_numbers() -> None:
         }
 
 
+async def as_schema_17(conn: Any, s: str, tenants: Iterable[Tenant]) -> None:
+    """Take schema ``s`` back to what version 17 kept (migration 18 undone) for ``tenants``'
+    rows: every audit row's place in ``audit_places`` (read from the rows' bodies), no
+    ``audit_tails``, the indexes at the fill PostgreSQL gives by default. (The functions
+    stay: migration 18 makes ``lock_last_seq_load`` again whatever it was.)"""
+    await conn.execute(
+        f"CREATE TABLE {s}.audit_places (client_id text NOT NULL, sequence_number bigint "
+        "NOT NULL, row_hash bytea NOT NULL, id bytea NOT NULL, tid integer NOT NULL, "
+        "PRIMARY KEY (tid, client_id, sequence_number, id))"
+    )
+    for tenant in tenants:
+        rows = await conn.fetch(
+            f"SELECT r.tid, {s}.pleach_whole(r.body, r.id, r.session_id, $1, "
+            f"(SELECT node FROM {s}.nodes WHERE n = r.device), NULL) FROM {s}.records AS r "
+            f"WHERE r.tid = (SELECT tid FROM {s}.tenants WHERE org_id = $2 AND user_id = $3) "
+            "AND r.kind = $4",
+            packed_tenant(tenant),
+            tenant.org_id,
+            tenant.user_id,
+            KINDS.index("AuditRow"),
+        )
+        for number, body in rows:
+            row = decode_body(bytes(body))
+            assert isinstance(row, AuditRow)
+            await conn.execute(
+                f"INSERT INTO {s}.audit_places (client_id, sequence_number, row_hash, id, tid) "
+                "VALUES ($1, $2, $3, $4, $5)",
+                row.client_id, row.sequence_number, _pg_hash(row.row_hash), _pg_key(row.id),
+                number,
+            )  # fmt: skip
+    await conn.execute(
+        f"DROP TABLE {s}.audit_tails; "
+        + "".join(f"ALTER INDEX {s}.{index} RESET (fillfactor); " for index in _FILLED_INDEXES)
+        + f"DELETE FROM {s}.schema_migrations WHERE version >= 18"
+    )
+
+
 async def as_schema_15(conn: Any, s: str, tenants: Iterable[Tenant]) -> None:
     """Take schema ``s`` back to what version 15 kept (migration 16 undone) for ``tenants``'
     rows: every event's row hash in its column, the records keyed kind first, no body
     without its stamp node (such a body whole again, as rows written before 15 are), no
     ``nodes``. (``lock_last_seq_load`` stays: migration 16 makes it again whatever it
     was.)"""
+    await as_schema_17(conn, s, tenants)
     for tenant in tenants:
         t = f"(SELECT tid FROM {s}.tenants WHERE org_id = $2 AND user_id = $3)"
         args = (packed_tenant(tenant), tenant.org_id, tenant.user_id)
