@@ -32,7 +32,6 @@ from pleach_server.store import ServerStore
 from pleach_server.store.apply import StoreTx
 from pleach_server.store.base import APART, PushResult, Tenant, decode_body, packed_tenant
 from pleach_server.store.postgres import (
-    _FILLED_INDEXES,
     _HASH_SQL,
     _PLEACH_WHOLE,
     ANALYZE_AT,
@@ -346,6 +345,7 @@ async def test_migrate_creates_a_fresh_schema() -> None:
             "audit_tails",
             "tenants",
             "nodes",
+            "chains",
         }
 
 
@@ -478,18 +478,27 @@ async def test_per_tenant_queries_are_index_scans() -> None:
                        {s}.pleach_key('session-' || i), p, '\\x00'::bytea
                 FROM generate_series(1, 5000) AS i, generate_series(0, 2) AS p"""
             )
+            await conn.execute(  # (the sessions of org-1's events and records)
+                f"""INSERT INTO {s}.chains (tid, session_id)
+                SELECT {tid(s, "'org-1'", "'user-1'")}, {s}.pleach_key('session-' || i)
+                FROM generate_series(0, 4999) AS i"""
+            )
+            org_1 = tid(s, "'org-1'", "'user-1'")
+            chain = (
+                f"(SELECT n FROM {s}.chains WHERE tid = {org_1} "
+                f"AND session_id = {s}.pleach_key('session-' || (i % 5000)))"
+            )
             await conn.execute(
                 f"""INSERT INTO {s}.events
-                    (id, session_id, sequence_number, tid, row_hash, body, cursor)
-                SELECT {s}.pleach_key('event-' || i), {s}.pleach_key('session-' || (i % 5000)),
+                    (id, chain, sequence_number, tid, row_hash, body, cursor)
+                SELECT {s}.pleach_key('event-' || i), {chain},
                        i, {tid(s, "'org-1'", "'user-1'")}, 'h', '', 100000 + i
                 FROM generate_series(1, 20000) AS i"""
             )
             await conn.execute(
-                f"""INSERT INTO {s}.records (kind, id, tid, session_id, body, cursor)
+                f"""INSERT INTO {s}.records (kind, id, tid, chain, body, cursor)
                 SELECT {s}.pleach_kind('Message'), {s}.pleach_key('message-' || i),
-                       {tid(s, "'org-1'", "'user-1'")}, {s}.pleach_key('session-' || (i % 5000)),
-                       '', 200000 + i
+                       {tid(s, "'org-1'", "'user-1'")}, {chain}, '', 200000 + i
                 FROM generate_series(1, 20000) AS i"""
             )
             await conn.execute(
@@ -610,6 +619,14 @@ async def test_plans_do_not_depend_on_a_tenants_size() -> None:
                 SELECT 'org-' || i, 'user-' || i FROM generate_series(0, 1999) AS i
                 UNION ALL SELECT 'org-big', 'user-big'"""
             )
+            await conn.execute(  # (each tenant's session-7, which its events are filed under)
+                f"INSERT INTO {s}.chains (tid, session_id) "
+                f"SELECT tid, {s}.pleach_key('session-7') FROM {s}.tenants"
+            )
+            chain_7 = (
+                "(SELECT n FROM {s}.chains WHERE tid = TID "
+                "AND session_id = {s}.pleach_key('session-7'))"
+            )
             for table, columns, select in (
                 (  # (sessions' entries; a record and an event are their own, at their cursor)
                     "feed",
@@ -618,15 +635,14 @@ async def test_plans_do_not_depend_on_a_tenants_size() -> None:
                 ),
                 (
                     "records",
-                    "kind, id, tid, session_id, body, cursor",
+                    "kind, id, tid, chain, body, cursor",
                     "{s}.pleach_kind('Message'), {s}.pleach_key('message-' || i), TID, "
-                    "{s}.pleach_key('session-7'), '', 100000 + i",
+                    f"{chain_7}, '', 100000 + i",
                 ),
                 (
                     "events",
-                    "id, session_id, sequence_number, tid, row_hash, body, cursor",
-                    "{s}.pleach_key('event-' || i), {s}.pleach_key('session-7'), i, TID, 'h', '', "
-                    "200000 + i",
+                    "id, chain, sequence_number, tid, row_hash, body, cursor",
+                    f"{{s}}.pleach_key('event-' || i), {chain_7}, i, TID, 'h', '', 200000 + i",
                 ),
                 (  # (a chain's last place: the row of each of the tenant's devices)
                     "audit_tails",
@@ -808,12 +824,20 @@ async def _open_then_commit_later(
 
     clock = HybridClock(f"server-{uuid7()}")
     async with store_of(wrap) as store, admin() as conn:
-        # The tenant has written before: a tenant's first push makes its number, and two
+        # The tenant has written before, in this session: a tenant's first push makes its
+        # number, and the first push filed under a session its chain's (``chains``), so two
         # first pushes of one tenant would wait on each other's row even without the lock.
         await conn.execute(
             f"INSERT INTO {store.schema}.tenants (org_id, user_id) VALUES ($1, $2)",
             tenant.org_id,
             tenant.user_id,
+        )
+        await conn.execute(
+            f"INSERT INTO {store.schema}.chains (tid, session_id) SELECT tid, $3 "
+            f"FROM {store.schema}.tenants WHERE org_id = $1 AND user_id = $2",
+            tenant.org_id,
+            tenant.user_id,
+            _pg_key(session_id),
         )
         push_a = asyncio.create_task(
             store.push(tenant, a.client_id, a.changes(a.message(session_id)), clock)
@@ -990,8 +1014,9 @@ async def _bare_row(conn: Any, schema: str, tenant: Tenant, record: Message) -> 
     """A row of ``records`` under ``record``'s id with no feed entry and a one-byte body (which
     no build writes): a write's check of the ids it takes for new, shown."""
     await conn.execute(
-        f"INSERT INTO {schema}.records (tid, kind, id, session_id, body) SELECT tid, $3, $4, "
-        f"$5, '\\x00' FROM {schema}.tenants WHERE org_id = $1 AND user_id = $2",
+        f"INSERT INTO {schema}.records (tid, kind, id, chain, body) SELECT t.tid, $3, $4, "
+        f"(SELECT c.n FROM {schema}.chains AS c WHERE c.tid = t.tid AND c.session_id = $5), "
+        f"'\\x00' FROM {schema}.tenants AS t WHERE t.org_id = $1 AND t.user_id = $2",
         tenant.org_id,
         tenant.user_id,
         KINDS.index(record_kind(record)),
@@ -2123,9 +2148,7 @@ async def test_schema_14_migrates_to_short_bodies_and_row_hashes_as_bytes() -> N
             assert new[0][:2] == SHORT + b"\x11" and new[1] is None
             assert chain_digest(new[0]) == bytes.fromhex(chain[1].row_hash)
             assert all(body[:1] != SHORT and len(digest) == 32 for body, digest in rows.values())
-            assert (await index_def(conn, s, "feed_pkey")).endswith(
-                "(tid, cursor) WITH (fillfactor='100')"
-            )
+            assert (await index_def(conn, s, "feed_pkey")).endswith("(tid, cursor)")
             indexes = await conn.fetch(
                 "SELECT indexname FROM pg_indexes WHERE schemaname = $1 AND tablename = 'feed'", s
             )
@@ -2170,18 +2193,17 @@ async def test_schema_15_migrates_to_row_hashes_read_from_bodies() -> None:
             }
             assert kept[chain[0].id] == bytes.fromhex(chain[0].row_hash)
             assert kept[chain[1].id] is None and kept[chain[2].id] is None
-            assert (await index_def(conn, s, "records_pkey")).endswith(
-                "(tid, id, kind) WITH (fillfactor='100')"
-            )
+            assert (await index_def(conn, s, "records_pkey")).endswith("(tid, id, kind)")
 
 
-async def test_schema_17_migrates_to_each_audit_chains_last_place_alone() -> None:
+async def test_schema_17_migrates_to_audit_tails_and_session_chains() -> None:
     """Audit places a schema 17 store kept (one a row) become one a chain after migration
     18, its last: a row at the next place of each device's chain applies, one that leaves a
     hole is refused with the chain's last place; of two rows at that place (which a device
     of protocol 2 or earlier leaves) the one of the greater id is the tail, before the
-    migration and after; each tenant's pull gives the same records under the same cursors;
-    the indexes whose keys go in in order fill their pages whole."""
+    migration and after. Events and records named their session by its id; after it, by its
+    number in ``chains``: each tenant's pull gives the same records under the same cursors,
+    and the rows written after go on in the same chains."""
     clock = HybridClock("server-x")
     async with scratch_schema() as s:
         async with pg_store(s) as store:
@@ -2229,8 +2251,11 @@ async def test_schema_17_migrates_to_each_audit_chains_last_place_alone() -> Non
                 assert await tail_of(store, dev) == dev.audit_head
         async with admin() as conn:
             assert await conn.fetchval(f"SELECT count(*) FROM {s}.audit_tails") == 3
-            for index in _FILLED_INDEXES:
-                assert "fillfactor=100" in await index_options(conn, s, index), index
+            assert await conn.fetchval(f"SELECT count(*) FROM {s}.chains") == 3
+            assert await index_def(conn, s, "events_place") == (
+                f"CREATE UNIQUE INDEX events_place ON {s}.events USING btree "
+                "(chain, sequence_number)"
+            )
 
 
 @settings(max_examples=200, deadline=None)
@@ -2267,17 +2292,6 @@ async def tail_of(store: PostgresServerStore, dev: Device) -> tuple[int, str]:
         )
     assert found is not None
     return int(found[0]), _pg_hash_text(bytes(found[1]))
-
-
-async def index_options(conn: Any, s: str, name: str) -> str:
-    """The storage options of the index ``name`` of schema ``s``, as text."""
-    found = await conn.fetchval(
-        "SELECT c.reloptions::text FROM pg_class AS c JOIN pg_namespace AS n "
-        "ON n.oid = c.relnamespace WHERE n.nspname = $1 AND c.relname = $2",
-        s,
-        name,
-    )
-    return str(found)
 
 
 async def history_as_schema(
@@ -2363,13 +2377,12 @@ async def test_schema_8_migrates_ids_to_keys_and_kinds_to_numbers() -> None:
             )
         assert {(r[0], r[1]): r[2] for r in types} == {
             ("audit_tails", "id"): "bytea",
+            ("chains", "session_id"): "bytea",
             ("events", "id"): "bytea",
-            ("events", "session_id"): "bytea",
             ("feed", "kind"): "smallint",
             ("feed", "record_id"): "bytea",
             ("records", "id"): "bytea",
             ("records", "kind"): "smallint",
-            ("records", "session_id"): "bytea",
             ("sessions", "id"): "bytea",
             ("session_ids", "id"): "bytea",
         }
@@ -2378,8 +2391,10 @@ async def test_schema_8_migrates_ids_to_keys_and_kinds_to_numbers() -> None:
 async def as_schema_17(conn: Any, s: str, tenants: Iterable[Tenant]) -> None:
     """Take schema ``s`` back to what version 17 kept (migration 18 undone) for ``tenants``'
     rows: every audit row's place in ``audit_places`` (read from the rows' bodies), no
-    ``audit_tails``, the indexes at the fill PostgreSQL gives by default. (The functions
-    stay: migration 18 makes ``lock_last_seq_load`` again whatever it was.)"""
+    ``audit_tails``; events and records with their session's id (``events_place`` and
+    ``records_tenant`` by it), no ``chains``. (The columns' order differs from a schema
+    made at 17; the functions stay: migration 18 makes ``lock_last_seq_load`` again
+    whatever it was.)"""
     await conn.execute(
         f"CREATE TABLE {s}.audit_places (client_id text NOT NULL, sequence_number bigint "
         "NOT NULL, row_hash bytea NOT NULL, id bytea NOT NULL, tid integer NOT NULL, "
@@ -2387,7 +2402,8 @@ async def as_schema_17(conn: Any, s: str, tenants: Iterable[Tenant]) -> None:
     )
     for tenant in tenants:
         rows = await conn.fetch(
-            f"SELECT r.tid, {s}.pleach_whole(r.body, r.id, r.session_id, $1, "
+            f"SELECT r.tid, {s}.pleach_whole(r.body, r.id, "
+            f"(SELECT session_id FROM {s}.chains WHERE n = r.chain), $1, "
             f"(SELECT node FROM {s}.nodes WHERE n = r.device), NULL) FROM {s}.records AS r "
             f"WHERE r.tid = (SELECT tid FROM {s}.tenants WHERE org_id = $2 AND user_id = $3) "
             "AND r.kind = $4",
@@ -2407,8 +2423,19 @@ async def as_schema_17(conn: Any, s: str, tenants: Iterable[Tenant]) -> None:
             )  # fmt: skip
     await conn.execute(
         f"DROP TABLE {s}.audit_tails; "
-        + "".join(f"ALTER INDEX {s}.{index} RESET (fillfactor); " for index in _FILLED_INDEXES)
-        + f"DELETE FROM {s}.schema_migrations WHERE version >= 18"
+        + "".join(
+            f"ALTER TABLE {s}.{table} ADD COLUMN session_id bytea; "
+            f"UPDATE {s}.{table} AS r SET session_id = c.session_id FROM {s}.chains AS c "
+            "WHERE c.n = r.chain; "
+            for table in ("events", "records")
+        )
+        + f"ALTER TABLE {s}.events ALTER COLUMN session_id SET NOT NULL, "
+        "DROP CONSTRAINT events_place, "
+        "ADD CONSTRAINT events_place UNIQUE (tid, session_id, sequence_number), "
+        "DROP COLUMN chain; "
+        f"ALTER TABLE {s}.records DROP COLUMN chain; "
+        f"CREATE INDEX records_tenant ON {s}.records (tid, session_id); "
+        f"DROP TABLE {s}.chains; " + f"DELETE FROM {s}.schema_migrations WHERE version >= 18"
     )
 
 

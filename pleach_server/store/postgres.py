@@ -412,22 +412,13 @@ _ANALYZED_TABLES: Final = (
     "tenants",
     *(table for table in _TENANT_TABLES if table != "audit_places"),
     "audit_tails",
+    "chains",
     "session_ids",
     "nodes",
 )
 """The tables the store analyzes itself while the database is young (``ANALYZE_AT``)."""
 _NUMBERED_TABLES = ("sessions", "records", "events", "feed", "audit_places")
 """The tables that name a tenant by its number (``tid``) since version 10."""
-
-_FILLED_INDEXES: Final = (
-    "records_pkey",
-    "records_cursor",
-    "events_pkey",
-    "events_place",
-    "events_cursor",
-    "feed_pkey",
-)
-"""The indexes whose keys go in in order, kept with their pages filled whole (version 18)."""
 
 Step = str | Callable[[Any, str], Awaitable[None]]
 """A migration step: a statement, or a function run on the connection and schema (a backfill)."""
@@ -856,16 +847,19 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
     # changes: the version makes such a process refuse to start on the schema ("upgrade
     # pleach"); one still running serves the rows' bytes as they are (docs/POSTGRES.md).
     ("SELECT 1",),
-    # 18: a push reads one place of a device's audit chain, its last, to take a row only at
-    # the next one; ``audit_places`` kept every row's (its tenant, its device's id as text,
-    # its place, id and row hash: 0.27 MB of 3.96 with its key at 1,000 turns). It keeps the
-    # last alone now (``audit_tails``, one row a tenant's device, moved on by each push that
-    # adds to its chain), the tail ``_audit_tail`` read before: the greatest place, and of
-    # two rows there, which only a device of protocol 2 or earlier leaves, the greater id.
-    # The indexes whose keys go in in order (a cursor, a UUIDv7 id, a chain's next place)
-    # fill their pages whole (``fillfactor`` 100 where 90: the rows are never updated, and a
-    # page split at the right end leaves the page before full); a page filled before is kept
-    # as it is until ``REINDEX``.
+    # 18: fewer rows and fewer bytes a row.
+    # - A push reads one place of a device's audit chain, its last, to take a row only at
+    #   the next one; ``audit_places`` kept every row's (its tenant, its device's id as
+    #   text, its place, id and row hash: 0.27 MB of 3.96 with its key at 1,000 turns). It
+    #   keeps the last alone now (``audit_tails``, one row a tenant's device, moved on by
+    #   each push that adds to its chain), the tail ``_audit_tail`` read before: the
+    #   greatest place, and of two rows there, which only a device of protocol 2 or earlier
+    #   leaves, the greater id.
+    # - An event and a record name their session by its number in ``chains`` (4 bytes where
+    #   17, in the row and in ``events_place``), as the SQLite store does. ``events`` and
+    #   ``records`` are made anew: besides, each row of theirs kept a NULL for every column
+    #   dropped before (the tenant's text ids, version 10; the session id now), which made
+    #   its header 8 bytes longer; their columns go in the order that leaves no padding.
     (
         "CREATE TABLE {s}.audit_tails (tid integer NOT NULL, client_id text NOT NULL, "
         "sequence_number bigint NOT NULL, row_hash bytea NOT NULL, id bytea NOT NULL, "
@@ -874,10 +868,37 @@ _MIGRATIONS: tuple[tuple[Step, ...], ...] = (
         "SELECT DISTINCT ON (tid, client_id) tid, client_id, sequence_number, row_hash, id "
         "FROM {s}.audit_places ORDER BY tid, client_id, sequence_number DESC, id DESC",
         "DROP TABLE {s}.audit_places",
-        *(f"ALTER INDEX {{s}}.{index} SET (fillfactor = 100)" for index in _FILLED_INDEXES),
+        "CREATE TABLE {s}.chains (n integer GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
+        "tid integer NOT NULL, session_id bytea NOT NULL, UNIQUE (tid, session_id))",
+        "INSERT INTO {s}.chains (tid, session_id) SELECT tid, session_id FROM {s}.events "
+        "UNION SELECT tid, session_id FROM {s}.records WHERE session_id IS NOT NULL "
+        "ORDER BY 1, 2",
+        "CREATE TABLE {s}.events_18 (tid integer NOT NULL, chain integer NOT NULL, "
+        "sequence_number bigint NOT NULL, cursor bigint, device integer, id bytea NOT NULL, "
+        "row_hash bytea, body bytea NOT NULL)",
+        "INSERT INTO {s}.events_18 (tid, chain, sequence_number, cursor, device, id, "
+        "row_hash, body) SELECT e.tid, c.n, e.sequence_number, e.cursor, e.device, e.id, "
+        "e.row_hash, e.body FROM {s}.events AS e JOIN {s}.chains AS c ON c.tid = e.tid "
+        "AND c.session_id = e.session_id ORDER BY e.cursor",
+        "DROP TABLE {s}.events",
+        "ALTER TABLE {s}.events_18 RENAME TO events",
+        "ALTER TABLE {s}.events ADD PRIMARY KEY (tid, id), "
+        "ADD CONSTRAINT events_place UNIQUE (chain, sequence_number)",
+        "CREATE INDEX events_cursor ON {s}.events (tid, cursor) WHERE cursor IS NOT NULL",
+        "CREATE TABLE {s}.records_18 (tid integer NOT NULL, chain integer, cursor bigint, "
+        "device integer, kind smallint NOT NULL, id bytea NOT NULL, body bytea NOT NULL)",
+        "INSERT INTO {s}.records_18 (tid, chain, cursor, device, kind, id, body) "
+        "SELECT r.tid, c.n, r.cursor, r.device, r.kind, r.id, r.body FROM {s}.records AS r "
+        "LEFT JOIN {s}.chains AS c ON c.tid = r.tid AND c.session_id = r.session_id "
+        "ORDER BY r.cursor",
+        "DROP TABLE {s}.records",
+        "ALTER TABLE {s}.records_18 RENAME TO records",
+        "ALTER TABLE {s}.records ADD PRIMARY KEY (tid, id, kind)",
+        "CREATE INDEX records_cursor ON {s}.records (tid, cursor) WHERE cursor IS NOT NULL",
+        "CREATE INDEX records_chain ON {s}.records (chain)",
         "DROP FUNCTION {s}.lock_last_seq_load",
         _lock_last_seq_load_step,
-        "ANALYZE {s}.audit_tails",
+        "ANALYZE {s}.audit_tails, {s}.chains, {s}.events, {s}.records",
     ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
@@ -1052,7 +1073,8 @@ its names."""
 
 
 def _session_owner(s: str, key: str, tid: str | None = None) -> str:
-    """A session id is held by its row, else by any event, else by any record filed under it.
+    """A session id is held by its row, else by its chain (``chains``: an event or a record
+    was filed under it, since version 18).
     ``key``: the id's key (``_pg_key``), as in every lookup below (a lookup converts its ids
     in Python: the planner does not read a key computed in SQL through an index). Each
     answers a row when the tenant holds the id. ``tid``: the tenant's number as the
@@ -1060,8 +1082,7 @@ def _session_owner(s: str, key: str, tid: str | None = None) -> str:
     t = tid or _tid(s)
     return (
         f"SELECT 1 FROM {s}.sessions WHERE tid = {t} AND id = {key} "
-        f"UNION ALL (SELECT 1 FROM {s}.events WHERE tid = {t} AND session_id = {key} LIMIT 1) "
-        f"UNION ALL (SELECT 1 FROM {s}.records WHERE tid = {t} AND session_id = {key} LIMIT 1) "
+        f"UNION ALL SELECT 1 FROM {s}.chains WHERE tid = {t} AND session_id = {key} "
         "LIMIT 1"
     )
 
@@ -1089,10 +1110,12 @@ def _session_ids(s: str, key: str, tid: str) -> str:
 
 
 def _last_event(s: str, key: str, tid: str | None = None) -> str:
+    """The last event of session ``key``'s chain (its number in ``chains``, since version
+    18): one probe of ``chains``' key, then of ``events_place`` backwards."""
     return (
         f"SELECT l.sequence_number, {_event_hash(s, 'l')} AS row_hash FROM {s}.events AS l "
-        f"WHERE l.tid = {tid or _tid(s)} AND l.session_id = {key} "
-        "ORDER BY l.sequence_number DESC LIMIT 1"
+        f"WHERE l.chain = (SELECT c.n FROM {s}.chains AS c WHERE c.tid = {tid or _tid(s)} "
+        f"AND c.session_id = {key}) ORDER BY l.sequence_number DESC LIMIT 1"
     )
 
 
@@ -1164,21 +1187,27 @@ def _page(s: str) -> str:
 def _whole_body(s: str, row: str, tenant: str, prev: str = "NULL::bytea") -> str:
     """SQL: the body of the records' or the events' row ``row`` as its record was written
     (``pleach_whole``: schema 15 keeps it without what its row holds); ``tenant``: the
-    parameter of ``packed_tenant``; the stamp node of the row's device, joined as
-    ``{row}_node`` (``_node_of``); ``prev``: for an event, the row hash of the row before it
+    parameter of ``packed_tenant``; the stamp node of the row's device and its session's id,
+    joined as ``{row}_node`` and ``{row}_chain`` (``_node_of``); ``prev``: for an event,
+    the row hash of the row before it
     (``_row_before``). Each argument a column or a parameter, so that PostgreSQL inlines
     the function into the statement (an argument holding a subquery kept it a call of its
     own, about 0.1 ms a row)."""
     return (
-        f"{s}.pleach_whole({row}.body, {row}.id, {row}.session_id, {tenant}, "
+        f"{s}.pleach_whole({row}.body, {row}.id, {row}_chain.session_id, {tenant}, "
         f"{row}_node.node, {prev})"
     )
 
 
 def _node_of(s: str, row: str) -> str:
-    """SQL: a join of the stamp node the row ``row`` names (``{row}_node.node``; NULL: the
-    body keeps its own), for ``_whole_body``: one probe of ``nodes``' key."""
-    return f"LEFT JOIN {s}.nodes AS {row}_node ON {row}_node.n = {row}.device"
+    """SQL: the joins of the stamp node the row ``row`` names (``{row}_node.node``; NULL:
+    the body keeps its own) and of its session's id (``{row}_chain.session_id``: the row
+    names its chain, since version 18), for ``_whole_body``: one probe of ``nodes``' key
+    and one of ``chains``'."""
+    return (
+        f"LEFT JOIN {s}.nodes AS {row}_node ON {row}_node.n = {row}.device "
+        f"LEFT JOIN {s}.chains AS {row}_chain ON {row}_chain.n = {row}.chain"
+    )
 
 
 def _row_before(s: str, row: str) -> str:
@@ -1188,8 +1217,7 @@ def _row_before(s: str, row: str) -> str:
     return (
         f"LEFT JOIN LATERAL (SELECT {_event_hash(s, 'p')} AS row_hash FROM {s}.events AS p "
         f"WHERE substr({row}.body, 1, 2) IN ('\\xc110'::bytea, '\\xc111'::bytea) "
-        f"AND p.tid = {row}.tid "
-        f"AND p.session_id = {row}.session_id AND p.sequence_number = {row}.sequence_number - 1 "
+        f"AND p.chain = {row}.chain AND p.sequence_number = {row}.sequence_number - 1 "
         "LIMIT 1) AS prev ON true"
     )
 
@@ -1290,28 +1318,41 @@ class _Sql:
             # A record and an event keep their entry's cursor ($32, $33: the number of each
             # one's entry among the feed rows), and the number of the stamp node its body
             # left out ($36, $37: ``nodes``; NULL: it keeps its own).
+            # The chains of the sessions the records ($5) and events ($8) are filed under
+            # (since version 18 a row names its session by its number in ``chains``): those
+            # found (``known``), and those made here (``made``; only for a session that has
+            # none: a conflict would take a number of the sequence, at each push).
+            "sk AS MATERIALIZED (SELECT k.session_key, c.n FROM tt CROSS JOIN (SELECT DISTINCT x "
+            "AS session_key FROM unnest($5::bytea[] || $8::bytea[]) AS x WHERE x IS NOT NULL) "
+            f"AS k LEFT JOIN LATERAL (SELECT c.n FROM {s}.chains AS c WHERE c.tid = tt.tid "
+            "AND c.session_id = k.session_key LIMIT 1) AS c ON true), "
+            f"made AS (INSERT INTO {s}.chains (tid, session_id) SELECT tt.tid, sk.session_key "
+            "FROM tt, sk WHERE sk.n IS NULL ON CONFLICT DO NOTHING "
+            "RETURNING n AS chain, session_id AS session_key), "
+            "ch AS (SELECT sk.n AS chain, sk.session_key FROM sk WHERE sk.n IS NOT NULL "
+            "UNION ALL SELECT chain, session_key FROM made), "
             "r AS ("
-            f"INSERT INTO {s}.records (tid, kind, id, session_id, body, cursor, device) "
-            "SELECT tt.tid, u.kind, u.id, u.session_id, u.body, cur.cursor, u.device "
+            f"INSERT INTO {s}.records (tid, kind, id, chain, body, cursor, device) "
+            "SELECT tt.tid, u.kind, u.id, ch.chain, u.body, cur.cursor, u.device "
             "FROM tt, unnest($3::smallint[], $4::bytea[], $5::bytea[], $6::bytea[], "
             "$32::bigint[], $36::integer[]) AS u (kind, id, session_id, body, n, device) "
-            "JOIN cur USING (n) "
-            "ON CONFLICT (tid, kind, id) DO NOTHING RETURNING 1), "
+            "JOIN cur USING (n) LEFT JOIN ch ON ch.session_key = u.session_id "
+            "ORDER BY cur.cursor ON CONFLICT (tid, id, kind) DO NOTHING RETURNING 1), "
             # An event's body without its prev_hash ($34; NULL: none) where the row before it
             # keeps that as its row hash: a row of this statement ($35 NULL), or one found
             # stored with it ($35); else its body as it is ($11).
             "e AS ("
-            f"INSERT INTO {s}.events (tid, id, session_id, sequence_number, row_hash, body, "
-            "cursor, device) SELECT tt.tid, u.id, u.session_id, u.sequence_number, u.row_hash, "
+            f"INSERT INTO {s}.events (tid, id, chain, sequence_number, row_hash, body, "
+            "cursor, device) SELECT tt.tid, u.id, ch.chain, u.sequence_number, u.row_hash, "
             "CASE WHEN u.apart IS NULL THEN u.body WHEN u.prev IS NULL THEN u.apart "
-            f"WHEN (SELECT {_event_hash(s, 'p')} FROM {s}.events AS p WHERE p.tid = tt.tid "
-            "AND p.session_id = u.session_id AND p.sequence_number = u.sequence_number - 1 "
+            f"WHEN (SELECT {_event_hash(s, 'p')} FROM {s}.events AS p WHERE p.chain = ch.chain "
+            "AND p.sequence_number = u.sequence_number - 1 "
             "LIMIT 1) = u.prev THEN u.apart ELSE u.body END, "
             "cur.cursor, u.device FROM tt, unnest($7::bytea[], $8::bytea[], $9::bigint[], "
             "$10::bytea[], $11::bytea[], $33::bigint[], $34::bytea[], $35::bytea[], "
             "$37::integer[]) AS u (id, session_id, sequence_number, row_hash, body, n, apart, "
-            "prev, device) JOIN cur USING (n) "
-            "ON CONFLICT DO NOTHING RETURNING 1), "
+            "prev, device) JOIN cur USING (n) JOIN ch ON ch.session_key = u.session_id "
+            "ORDER BY cur.cursor ON CONFLICT DO NOTHING RETURNING 1), "
             "x AS ("
             f"INSERT INTO {s}.sessions (tid, id, updated_at, body, ids_count) "
             "SELECT tt.tid, u.* FROM tt, unnest($12::bytea[], $13::text[], $14::bytea[], "
@@ -1449,7 +1490,8 @@ class _Sql:
         self.cascade_candidates = (
             f"SELECT r.kind, r.id, {_whole_body(s, 'r', '$5')} FROM {s}.records AS r "
             f"{_node_of(s, 'r')} WHERE r.tid = {_tid(s)} "
-            "AND r.session_id = ANY($3::bytea[]) AND r.kind = ANY($4::smallint[])"
+            f"AND r.chain = ANY(ARRAY(SELECT c.n FROM {s}.chains AS c WHERE c.tid = {_tid(s)} "
+            "AND c.session_id = ANY($3::bytea[]))) AND r.kind = ANY($4::smallint[])"
         )
         # Each record a probe of the records' key (LIMIT 1: no join the planner may turn
         # into a walk along the tenant's records, as a generic plan of one did).

@@ -485,12 +485,13 @@ def server_file_problems(path: Path) -> list[str]:
 
 
 async def postgres_layout_problems(store: Any) -> list[str]:
-    """The same of a PostgreSQL store's schema (version 16): the feed holds sessions' entries
+    """The same of a PostgreSQL store's schema (version 18): the feed holds sessions' entries
     alone, each with its session's row (a record and an event are their own entries, at the
     cursor each keeps), no cursor of a tenant is in two places, and a row names the stamp
     node of its device exactly where its body left it out (forms 1, 2 and 17), a node
     ``nodes`` keeps, and keeps a row hash in its column exactly where its body does not end
-    with it."""
+    with it; a row's chain is a session of its tenant, and an audit chain's last place an
+    audit row its tenant holds."""
     s, session = store.schema, KINDS.index("Session")
     async with store._pool.acquire() as conn:
         astray = await conn.fetch(
@@ -527,6 +528,29 @@ async def postgres_layout_problems(store: Any) -> list[str]:
         )
         problems += [
             f"hash-unkept: event at {c} keeps its row hash twice or not at all" for (c,) in hashed
+        ]
+        # Every event's and record's chain (version 18) is a row of ``chains`` of the row's
+        # own tenant: a body read back whole names that session.
+        for table in ("records", "events"):
+            astray = await conn.fetch(
+                f"SELECT r.cursor FROM {s}.{table} AS r WHERE r.chain IS NOT NULL AND NOT "
+                f"EXISTS (SELECT 1 FROM {s}.chains AS c WHERE c.n = r.chain AND c.tid = r.tid) "
+                "LIMIT 5"
+            )
+            problems += [
+                f"session-astray: {table} row at {c} names no session of its tenant"
+                for (c,) in astray
+            ]
+        # Every audit chain's last place (version 18) is an audit row its tenant holds.
+        tails = await conn.fetch(
+            f"SELECT t.client_id, t.sequence_number FROM {s}.audit_tails AS t WHERE NOT EXISTS ("
+            f"SELECT 1 FROM {s}.records AS r WHERE r.tid = t.tid AND r.id = t.id "
+            "AND r.kind = $1) LIMIT 5",
+            KINDS.index("AuditRow"),
+        )
+        problems += [
+            f"tail-astray: the last place ({n}) of audit chain {c} names no audit row"
+            for c, n in tails
         ]
     return problems
 
