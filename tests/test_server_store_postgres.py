@@ -59,6 +59,7 @@ from shared.records import (
     CASCADE_KINDS,
     AuditRow,
     Change,
+    Checkpoint,
     Event,
     Message,
     Record,
@@ -2194,6 +2195,51 @@ async def test_schema_15_migrates_to_row_hashes_read_from_bodies() -> None:
             assert kept[chain[0].id] == bytes.fromhex(chain[0].row_hash)
             assert kept[chain[1].id] is None and kept[chain[2].id] is None
             assert (await index_def(conn, s, "records_pkey")).endswith("(tid, id, kind)")
+
+
+async def test_a_session_is_numbered_once_by_the_push_that_first_files_under_it(
+    pg_schema: str,
+) -> None:
+    """A session's chain (schema 18) is made by the push that files its first record or event
+    under it, whichever comes first, and found by every push after, which takes no number of
+    the sequence; its rows read back whole, and its events chain on."""
+    dev = Device(new_tenant())
+    clock = HybridClock(f"server-{uuid7()}")
+    first, second = dev.session(), dev.session()
+    async with pg_store(pg_schema) as store, admin() as conn:
+        s = pg_schema
+
+        async def numbers() -> tuple[int, int]:
+            made = await conn.fetchval(f"SELECT count(*) FROM {s}.chains")
+            taken = await conn.fetchval(f"SELECT last_value FROM {s}.chains_n_seq WHERE is_called")
+            return int(made), int(taken or 0)
+
+        pushes = [
+            [first, dev.message(first.id)],  # (a record first)
+            [dev.event(first.id), dev.event(first.id), dev.audit(first.id)],
+            [second, dev.event(second.id), dev.message(second.id)],  # (an event first)
+            [dev.message(first.id), dev.event(second.id), dev.checkpoint(second.id)],
+        ]
+        seen = []
+        for records in pushes:
+            pushed = await store.push(dev.tenant, dev.client_id, dev.changes(*records), clock)
+            assert statuses(pushed) == ["applied"] * len(records)
+            seen.append(await numbers())
+        assert seen == [(1, 1), (1, 1), (2, 2), (2, 2)]
+        feed = await pull_all(store, dev.tenant)
+    assert sorted(c.record.id for c in feed) == sorted(r.id for p in pushes for r in p)
+    kept = (Message, Checkpoint, AuditRow)  # (an event is placed by the server)
+    assert {c.record.id: c.record for c in feed if isinstance(c.record, kept)} == {
+        r.id: r for p in pushes for r in p if isinstance(r, kept)
+    }
+    for session in (first, second):
+        chain = [
+            c.record
+            for c in feed
+            if isinstance(c.record, Event) and c.record.session_id == session.id
+        ]
+        assert [e.sequence_number for e in chain] == list(range(1, len(chain) + 1))
+        assert all(b.prev_hash == a.row_hash for a, b in itertools.pairwise(chain))
 
 
 async def test_schema_17_migrates_to_audit_tails_and_session_chains() -> None:

@@ -1315,13 +1315,11 @@ class _Sql:
             "cur AS MATERIALIZED (SELECT a.cursor, row_number() OVER (ORDER BY a.cursor) AS n "
             f"FROM (SELECT nextval(pg_get_serial_sequence('{s}.feed', 'cursor')) AS cursor "
             "FROM unnest($21::smallint[])) AS a), "
-            # A record and an event keep their entry's cursor ($32, $33: the number of each
-            # one's entry among the feed rows), and the number of the stamp node its body
-            # left out ($36, $37: ``nodes``; NULL: it keeps its own).
             # The chains of the sessions the records ($5) and events ($8) are filed under
             # (since version 18 a row names its session by its number in ``chains``): those
-            # found (``known``), and those made here (``made``; only for a session that has
-            # none: a conflict would take a number of the sequence, at each push).
+            # found (``sk``, with NULL for a session that has none), those made here
+            # (``made``, for those alone: an insert that meets a conflict would take a number
+            # of the sequence, at every push), and the two (``ch``).
             "sk AS MATERIALIZED (SELECT k.session_key, c.n FROM tt CROSS JOIN (SELECT DISTINCT x "
             "AS session_key FROM unnest($5::bytea[] || $8::bytea[]) AS x WHERE x IS NOT NULL) "
             f"AS k LEFT JOIN LATERAL (SELECT c.n FROM {s}.chains AS c WHERE c.tid = tt.tid "
@@ -1331,6 +1329,10 @@ class _Sql:
             "RETURNING n AS chain, session_id AS session_key), "
             "ch AS (SELECT sk.n AS chain, sk.session_key FROM sk WHERE sk.n IS NOT NULL "
             "UNION ALL SELECT chain, session_key FROM made), "
+            # A record and an event keep their entry's cursor ($32, $33: the number of each
+            # one's entry among the feed rows), its session's chain (``ch``), and the number
+            # of the stamp node its body left out ($36, $37: ``nodes``; NULL: it keeps its
+            # own); each table's rows go in in cursor order (their keys' pages fill in turn).
             "r AS ("
             f"INSERT INTO {s}.records (tid, kind, id, chain, body, cursor, device) "
             "SELECT tt.tid, u.kind, u.id, ch.chain, u.body, cur.cursor, u.device "
