@@ -2242,6 +2242,36 @@ async def test_a_session_is_numbered_once_by_the_push_that_first_files_under_it(
         assert all(b.prev_hash == a.row_hash for a, b in itertools.pairwise(chain))
 
 
+async def test_the_layout_check_finds_a_chain_astray_and_a_tail_astray(pg_schema: str) -> None:
+    """The simulation's check of a PostgreSQL store's layout (``postgres_layout_problems``)
+    finds nothing in a store this build wrote, then, each made by hand, a record whose chain
+    is another tenant's session (a body read back whole would name it) and an audit chain's
+    last place that names no audit row (a push would chain on from a row that is not there)."""
+    from tests.sim.invariants import postgres_layout_problems
+
+    clock = HybridClock(f"server-{uuid7()}")
+    async with pg_store(pg_schema) as store, admin() as conn:
+        h = await placed_history(store, clock)
+        bob = h.bob
+        pushed = await store.push(
+            bob.tenant, bob.client_id, bob.changes(bob.message(h.session.id)), clock
+        )
+        assert statuses(pushed) == ["applied"]
+        assert await postgres_layout_problems(store) == []
+        s = pg_schema
+        alice_tid = f"(SELECT tid FROM {s}.tenants WHERE org_id = $1 AND user_id = $2)"
+        await conn.execute(
+            f"UPDATE {s}.records SET chain = (SELECT c.n FROM {s}.chains AS c "
+            f"WHERE c.tid <> {alice_tid} LIMIT 1) WHERE ctid = (SELECT ctid FROM {s}.records "
+            f"WHERE tid = {alice_tid} AND chain IS NOT NULL LIMIT 1)",
+            h.alice.tenant.org_id,
+            h.alice.tenant.user_id,
+        )
+        await conn.execute(f"UPDATE {s}.audit_tails SET id = '\\x00'::bytea")
+        found = await postgres_layout_problems(store)
+    assert sorted(p.split(" ")[0] for p in found) == ["session-astray:", "tail-astray:"], found
+
+
 async def test_schema_17_migrates_to_audit_tails_and_session_chains() -> None:
     """Audit places a schema 17 store kept (one a row) become one a chain after migration
     18, its last: a row at the next place of each device's chain applies, one that leaves a
