@@ -2197,17 +2197,14 @@ async def test_schema_15_migrates_to_row_hashes_read_from_bodies() -> None:
             assert (await index_def(conn, s, "records_pkey")).endswith("(tid, id, kind)")
 
 
-async def test_a_session_is_numbered_once_by_the_push_that_first_files_under_it(
-    pg_schema: str,
-) -> None:
+async def test_a_session_is_numbered_once_by_the_push_that_first_files_under_it() -> None:
     """A session's chain (schema 18) is made by the push that files its first record or event
     under it, whichever comes first, and found by every push after, which takes no number of
     the sequence; its rows read back whole, and its events chain on."""
     dev = Device(new_tenant())
     clock = HybridClock(f"server-{uuid7()}")
     first, second = dev.session(), dev.session()
-    async with pg_store(pg_schema) as store, admin() as conn:
-        s = pg_schema
+    async with scratch_schema() as s, pg_store(s) as store, admin() as conn:
 
         async def numbers() -> tuple[int, int]:
             made = await conn.fetchval(f"SELECT count(*) FROM {s}.chains")
@@ -2242,7 +2239,7 @@ async def test_a_session_is_numbered_once_by_the_push_that_first_files_under_it(
         assert all(b.prev_hash == a.row_hash for a, b in itertools.pairwise(chain))
 
 
-async def test_the_layout_check_finds_a_chain_astray_and_a_tail_astray(pg_schema: str) -> None:
+async def test_the_layout_check_finds_a_chain_astray_and_a_tail_astray() -> None:
     """The simulation's check of a PostgreSQL store's layout (``postgres_layout_problems``)
     finds nothing in a store this build wrote, then, each made by hand, a record whose chain
     is another tenant's session (a body read back whole would name it) and an audit chain's
@@ -2250,7 +2247,7 @@ async def test_the_layout_check_finds_a_chain_astray_and_a_tail_astray(pg_schema
     from tests.sim.invariants import postgres_layout_problems
 
     clock = HybridClock(f"server-{uuid7()}")
-    async with pg_store(pg_schema) as store, admin() as conn:
+    async with scratch_schema() as s, pg_store(s) as store, admin() as conn:
         h = await placed_history(store, clock)
         bob = h.bob
         pushed = await store.push(
@@ -2258,7 +2255,6 @@ async def test_the_layout_check_finds_a_chain_astray_and_a_tail_astray(pg_schema
         )
         assert statuses(pushed) == ["applied"]
         assert await postgres_layout_problems(store) == []
-        s = pg_schema
         alice_tid = f"(SELECT tid FROM {s}.tenants WHERE org_id = $1 AND user_id = $2)"
         await conn.execute(
             f"UPDATE {s}.records SET chain = (SELECT c.n FROM {s}.chains AS c "
