@@ -1747,6 +1747,7 @@ def audit_digest_sql(body: str) -> str:
 _DIGEST_EXT: Final = 35
 """The bytes of a digest as ``encode`` writes it: ``_DIGEST_HEAD`` and its 32 bytes."""
 _NIL_BYTE: Final = 0xC0
+_FALSE_BYTE: Final = 0xC2
 _EMPTY_TEXT: Final = 0xA0
 
 
@@ -1757,7 +1758,7 @@ def _audit_tail(body: bytes, ext: int) -> int | None:
     digest and the prev_hash one or empty (a chain's first row); else None."""
     n = len(body)
     row = n - ext - 1 - _DIGEST_EXT
-    if row < 1 or body[row + _DIGEST_EXT] != 0xC2 or body[row : row + 3] != _DIGEST_HEAD:
+    if row < 1 or body[row + _DIGEST_EXT] != _FALSE_BYTE or body[row : row + 3] != _DIGEST_HEAD:
         return None
     if body[row - 1] == _EMPTY_TEXT:
         at = row - 1 - ext
@@ -1789,7 +1790,7 @@ def audit_digests_apart(body: bytes) -> tuple[bytes, bytes, bytes] | None:
 def audit_digests_left_out(body: bytes) -> int | None:
     """Where the nil that stands for the ``payload_digest`` of a body ``audit_digests_apart``
     gave is; None for any other body. Pure."""
-    if body[-1:] != b"\xc0":
+    if not body or body[-1] != _NIL_BYTE:
         return None
     at = _audit_tail(body, 1)
     return at if at is not None and body[at] == _NIL_BYTE else None
