@@ -19,6 +19,12 @@ statements (the rows and bytes its commit wrote, captured as it ran: messages, e
 checkpoint, audit row, session row, outbox rows and sync keys) on the same schema, in one
 transaction. What a turn costs beyond that is the runtime's own work. The device file's bytes
 are also printed by table (SQLite's ``dbstat``), indexes with their table.
+
+Each store's bytes are also given beyond what it weighs empty (``empty_bytes``: the schema
+alone, made by the store itself, in the same run), beside the floor's beyond its own empty
+file: what each turn of history costs, the fixed cost of a schema's tables and indexes (a
+page or two each, about 0.45 MB of PostgreSQL's) taken out. Beside the totals, not instead
+of them: the targets are the totals.
 """
 
 from __future__ import annotations
@@ -204,11 +210,30 @@ async def synced_bytes(device: Path, server_path: Path) -> tuple[int, int]:
     return _closed_bytes(device), _closed_bytes(server_path)
 
 
-async def postgres_bytes(device: Path, dsn: str) -> int | None:
+async def empty_bytes(root: Path, dsn: str | None) -> tuple[int, int, int, int | None]:
+    """What each store weighs with nothing in it, made by the store itself: the device's
+    file, the floor's (its table alone), the SQLite server's file, and the PostgreSQL store's
+    schema (None when PostgreSQL does not answer at ``dsn``, or ``dsn`` is None)."""
+    async with SQLiteAdapter(root / "empty-device.db"):
+        pass
+    raw_run(root / "empty-raw.db", 0)
+    async with SQLiteServerStore(root / "empty-server.db"):
+        pass
+    pg = None if dsn is None else await postgres_bytes(None, dsn)
+    return (
+        _closed_bytes(root / "empty-device.db"),
+        file_bytes(root / "empty-raw.db"),
+        _closed_bytes(root / "empty-server.db"),
+        pg,
+    )
+
+
+async def postgres_bytes(device: Path | None, dsn: str) -> int | None:
     """Sync the device file at ``device`` to a real server on the PostgreSQL store, in a
     schema of its own (dropped after); the bytes of that schema's tables then, with their
     indexes and TOAST (``pg_total_relation_size``). None, and why printed, when PostgreSQL
-    does not answer at ``dsn``."""
+    does not answer at ``dsn``. ``device`` None: the schema's bytes as the store makes it,
+    with nothing synced."""
     import asyncpg  # type: ignore[import-untyped]
 
     from pleach_server.store.postgres import PostgresServerStore
@@ -224,12 +249,17 @@ async def postgres_bytes(device: Path, dsn: str) -> int | None:
             PostgresServerStore(dsn, schema=schema) as store,
             SyncServer(store, port=0, secret=SECRET, rate_limit_per_s=None) as server,
         ):
-            provider = replies()
-            async with SessionRuntime(SQLiteAdapter(device), provider, client_id=CLIENT_ID) as rt:
-                token = issue_token(SECRET, TENANT, 3600)
-                receipt = await rt.sync.sync_once(server.url, token, 600)
-                if receipt.pending_after:
-                    raise RuntimeError(f"the sync left {receipt.pending_after} change(s) queued")
+            if device is not None:
+                provider = replies()
+                async with SessionRuntime(
+                    SQLiteAdapter(device), provider, client_id=CLIENT_ID
+                ) as rt:
+                    token = issue_token(SECRET, TENANT, 3600)
+                    receipt = await rt.sync.sync_once(server.url, token, 600)
+                    if receipt.pending_after:
+                        raise RuntimeError(
+                            f"the sync left {receipt.pending_after} change(s) queued"
+                        )
         size = await conn.fetchval(
             "SELECT COALESCE(SUM(pg_total_relation_size(c.oid)), 0) FROM pg_class AS c "
             "JOIN pg_namespace AS n ON n.oid = c.relnamespace "
@@ -291,6 +321,15 @@ def raw_run(path: Path, n: int) -> list[float]:
     return out
 
 
+def beyond_empty(floor: int, *stores: tuple[str, int]) -> list[Row]:
+    """Rows of each store's bytes beyond its empty schema, beside the floor's beyond its
+    empty file (``floor``)."""
+    return [
+        Row(f"  {name}, beyond its empty schema", value, "bytes", "raw, beyond empty", floor)
+        for name, value in stores
+    ]
+
+
 def windows(seconds: Sequence[float]) -> tuple[float, float, float]:
     """p50 of turns 51-150, p50 and p99 of the last 100 turns."""
     early = seconds[50:150] or seconds
@@ -320,6 +359,9 @@ async def _run(n: int) -> list[Row]:
         live_device, live_server = await live_synced_bytes(
             root / "live-device.db", root / "live-server.db", n
         )
+        empty_device, empty_raw, empty_server, empty_pg = await empty_bytes(
+            root, None if pg_bytes is None else PG_DSN
+        )
     o_early, o_late, o_p99 = windows(ours)
     r_early, r_late, r_p99 = windows(raw)
     w_early, w_late, _ = windows(own)
@@ -336,6 +378,17 @@ async def _run(n: int) -> list[Row]:
         ),
         Row("  device bytes, synced turn by turn", live_device, "bytes", "raw sqlite3", raw_bytes),
         Row("  server bytes, synced turn by turn", live_server, "bytes", "raw sqlite3", raw_bytes),
+        *beyond_empty(
+            raw_bytes - empty_raw,
+            ("device, unsynced", ours_bytes - empty_device),
+            ("device, synced", device_synced - empty_device),
+            ("SQLite server", server_bytes - empty_server),
+            *(
+                []
+                if pg_bytes is None or empty_pg is None
+                else [("PostgreSQL store", pg_bytes - empty_pg)]
+            ),
+        ),
         Row("turn p50, turns 51-150", o_early * 1e6, "us", "raw sqlite3", r_early * 1e6),
         Row(f"turn p50, turns {last}", o_late * 1e6, "us", "raw sqlite3", r_late * 1e6),
         Row(f"turn p50, turns {last} vs 51-150", o_late * 1e6, "us", "turns 51-150", o_early * 1e6),
