@@ -13,11 +13,12 @@ the device stays connected and each turn syncs as it is written (what a device o
 every turn pushes the session's new version); turn p50 over turns 51-150 and over the last
 100; p99 over the last 100. Each beside its floor, as a ratio.
 
-A turn is also set beside the floor of its own work (``own_rows_run``): the provider's stream
-of the same reply consumed by a bare loop, then plain ``sqlite3`` running the turn's own
+A turn is also set beside the floor of its own work (``OwnWork``): the provider's stream of
+the same reply consumed by a bare loop, then plain ``sqlite3`` running the turn's own
 statements (the rows and bytes its commit wrote, captured as it ran: messages, events,
 checkpoint, audit row, session row, outbox rows and sync keys) on the same schema, in one
-transaction. What a turn costs beyond that is the runtime's own work. The device file's bytes
+transaction, each floor turn run right after the turn it mirrors. What a turn costs beyond
+that is the runtime's own work. The device file's bytes
 are also printed by table (SQLite's ``dbstat``), indexes with their table.
 
 Each store's bytes are also given beyond what it weighs empty (``empty_bytes``: the schema
@@ -41,7 +42,7 @@ import statistics
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +77,16 @@ def percentile(samples: Sequence[float], q: float) -> float:
 Statements = list[tuple[str, list[tuple[Any, ...]]]]
 
 
-async def pleach_run(path: Path, n: int, capture: list[Statements] | None = None) -> list[float]:
+async def pleach_run(
+    path: Path,
+    n: int,
+    capture: list[Statements] | None = None,
+    after_turn: Callable[[int], Awaitable[None]] | None = None,
+) -> list[float]:
     """``n`` turns through ``SessionRuntime`` on ``path``; each turn's seconds. ``capture``:
-    also collect each turn's commit as the statements and rows it ran (``own_rows_run``)."""
+    also collect each turn's commit as the statements and rows it ran (``OwnWork``).
+    ``after_turn(i)``: awaited after turn ``i``, outside its time (``OwnWork.turn`` of that
+    turn's statements: the floor measured beside it, turn by turn)."""
     out: list[float] = []
     provider = replies()
     with _capturing(capture):
@@ -91,6 +99,8 @@ async def pleach_run(path: Path, n: int, capture: list[Statements] | None = None
                 async for _ in rt.execute_message(session_id, user_text(i)):
                     pass
                 out.append(time.perf_counter() - started)
+                if after_turn is not None:
+                    await after_turn(i)
     return out
 
 
@@ -130,40 +140,64 @@ def _capturing(capture: list[Statements] | None) -> Iterator[None]:
         sqlite_store._write_batch_now = writer  # type: ignore[assignment]
 
 
-async def own_rows_run(path: Path, turns: list[Statements]) -> list[float]:
-    """The floor of each turn's own work: the provider's stream of the same reply consumed
-    by a bare loop (the request as the turn sent it: the conversation so far), then the
-    turn's captured statements run by plain ``sqlite3`` on a new file of the device's schema,
-    in one ``BEGIN IMMEDIATE`` transaction (WAL, ``synchronous=NORMAL``, as the store)."""
-    async with SQLiteAdapter(path):  # the schema, created by the store itself
-        pass
-    conn = sqlite3.connect(path, isolation_level=None)
-    provider = replies()
-    messages: list[dict[str, Any]] = []
-    out: list[float] = []
-    try:
+class OwnWork:
+    """The floor of a turn's own work, a turn at a time: the provider's stream of the same
+    reply consumed by a bare loop (the request as the turn sent it: the conversation so far),
+    then the turn's captured statements run by plain ``sqlite3`` on a file of the device's
+    schema, in one ``BEGIN IMMEDIATE`` transaction (WAL, ``synchronous=NORMAL``, as the
+    store). ``turn(i, statements)`` runs turn ``i`` (turns go in order) and gives its seconds.
+
+    ``_run`` runs each floor turn right after the runtime's turn it mirrors (``pleach_run``'s
+    ``after_turn``), so that the two see the same moment of a shared machine: run one after
+    the other, each 1,000 turns long, the ratio moved between 1.6x and 3.1x from one run to
+    the next with the machine's load, and turn by turn it held within 0.1x."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+        self._provider = replies()
+        self._messages: list[dict[str, Any]] = []
+
+    @classmethod
+    async def open(cls, path: Path) -> OwnWork:
+        async with SQLiteAdapter(path):  # the schema, created by the store itself
+            pass
+        conn = sqlite3.connect(path, isolation_level=None)
         conn.execute("PRAGMA synchronous = NORMAL")
-        for i, statements in enumerate(turns):
-            messages.append({"role": "user", "content": [{"type": "text", "text": user_text(i)}]})
-            request = ProviderRequest(model="bench", messages=list(messages))
-            started = time.perf_counter()
-            async for _ in provider.stream(request):
-                pass
-            conn.execute("BEGIN IMMEDIATE")
-            for sql, rows in statements:
-                if sql.startswith("SELECT"):  # (the outbox's last number)
-                    for params in rows:
-                        conn.execute(sql, params).fetchall()
-                elif sql != "COMMIT":
-                    conn.executemany(sql, rows)
-            conn.execute("COMMIT")
-            out.append(time.perf_counter() - started)
-            messages.append(
-                {"role": "assistant", "content": [{"type": "text", "text": assistant_text(i)}]}
-            )
+        return cls(conn)
+
+    def close(self) -> None:
+        self._conn.close()
+
+    async def turn(self, i: int, statements: Statements) -> float:
+        conn, messages = self._conn, self._messages
+        messages.append({"role": "user", "content": [{"type": "text", "text": user_text(i)}]})
+        request = ProviderRequest(model="bench", messages=list(messages))
+        started = time.perf_counter()
+        async for _ in self._provider.stream(request):
+            pass
+        conn.execute("BEGIN IMMEDIATE")
+        for sql, rows in statements:
+            if sql.startswith("SELECT"):  # (the outbox's last number)
+                for params in rows:
+                    conn.execute(sql, params).fetchall()
+            elif sql != "COMMIT":
+                conn.executemany(sql, rows)
+        conn.execute("COMMIT")
+        seconds = time.perf_counter() - started
+        messages.append(
+            {"role": "assistant", "content": [{"type": "text", "text": assistant_text(i)}]}
+        )
+        return seconds
+
+
+async def own_rows_run(path: Path, turns: list[Statements]) -> list[float]:
+    """``OwnWork`` of each of ``turns`` in order, on a new file at ``path``: each one's
+    seconds (``bench_instructions`` counts the floor's instructions so, in a run of its own)."""
+    floor = await OwnWork.open(path)
+    try:
+        return [await floor.turn(i, statements) for i, statements in enumerate(turns)]
     finally:
-        conn.close()
-    return out
+        floor.close()
 
 
 def bytes_by_table(path: Path) -> str:
@@ -343,9 +377,17 @@ async def _run(n: int) -> list[Row]:
         await pleach_run(root / "warm.db", 5)
         raw_run(root / "warm-raw.db", 5)
         statements: list[Statements] = []
-        ours = await pleach_run(root / "device.db", n, statements)
+        own: list[float] = []
+        floor = await OwnWork.open(root / "own-rows.db")
+
+        async def beside(i: int) -> None:
+            own.append(await floor.turn(i, statements[i]))
+
+        try:
+            ours = await pleach_run(root / "device.db", n, statements, beside)
+        finally:
+            floor.close()
         raw = raw_run(root / "raw.db", n)
-        own = await own_rows_run(root / "own-rows.db", statements)
         ours_bytes = file_bytes(root / "device.db")
         raw_bytes = file_bytes(root / "raw.db")
         # (closed: a connection left open keeps the file from being cut to its pages as the
