@@ -18,14 +18,14 @@ the same reply consumed by a bare loop, then plain ``sqlite3`` running the turn'
 statements (the rows and bytes its commit wrote, captured as it ran: messages, events,
 checkpoint, audit row, session row, outbox rows and sync keys) on the same schema, in one
 transaction, each floor turn run right after the turn it mirrors. What a turn costs beyond
-that is the runtime's own work. The device file's bytes
-are also printed by table (SQLite's ``dbstat``), indexes with their table.
+that is the runtime's own work. The device file's bytes are also printed by table (SQLite's
+``dbstat``), indexes with their table.
 
 Each store's bytes are also given beyond what it weighs empty (``empty_bytes``: the schema
 alone, made by the store itself, in the same run), beside the floor's beyond its own empty
 file: what each turn of history costs, the fixed cost of a schema's tables and indexes (a
-page or two each, about 0.45 MB of PostgreSQL's) taken out. Beside the totals, not instead
-of them: the targets are the totals.
+page or two each: 0.30 MB of PostgreSQL's, 0.17 MB of the device's file) taken out. Beside
+the totals, not instead of them: the targets are the totals.
 """
 
 from __future__ import annotations
