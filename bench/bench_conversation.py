@@ -382,6 +382,8 @@ async def _run(n: int) -> list[Row]:
         floor = await OwnWork.open(root / "own-rows.db")
 
         async def beside(i: int) -> None:
+            if len(statements) != i + 1:  # (the floor replays one commit a turn)
+                raise RuntimeError(f"{len(statements)} commits captured after {i + 1} turns")
             own.append(await floor.turn(i, statements[i]))
 
         try:
