@@ -280,15 +280,12 @@ async def postgres_bytes(device: Path | None, dsn: str) -> int | None:
         print(f"- PostgreSQL server bytes skipped: {dsn} does not answer ({exc})")
         return None
     try:
-        async with (
-            PostgresServerStore(dsn, schema=schema) as store,
-            SyncServer(store, port=0, secret=SECRET, rate_limit_per_s=None) as server,
-        ):
-            if device is not None:
-                provider = replies()
-                async with SessionRuntime(
-                    SQLiteAdapter(device), provider, client_id=CLIENT_ID
-                ) as rt:
+        async with PostgresServerStore(dsn, schema=schema) as store:
+            if device is not None:  # (None: the schema as the store makes it, nothing synced)
+                async with (
+                    SyncServer(store, port=0, secret=SECRET, rate_limit_per_s=None) as server,
+                    SessionRuntime(SQLiteAdapter(device), replies(), client_id=CLIENT_ID) as rt,
+                ):
                     token = issue_token(SECRET, TENANT, 3600)
                     receipt = await rt.sync.sync_once(server.url, token, 600)
                     if receipt.pending_after:
