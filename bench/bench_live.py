@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import math
 import os
 import random
@@ -62,6 +63,8 @@ from pleach_client.runtime import SessionRuntime
 from pleach_client.store.sqlite import SQLiteAdapter
 from pleach_client.stream import StreamEventBase
 from pleach_server.auth import issue_token
+from pleach_server.gcpauses import GcPauses
+from pleach_server.gcpauses import pauses as gc_pauses
 from pleach_server.store import SQLiteServerStore, Tenant
 from shared.ids import uuid7
 from shared.messages import FrameCodec, Push
@@ -325,6 +328,48 @@ class LiveResult:
     pushes: float  # push batches the server handled during the window
     health_reports: float = 0.0  # device health reports the server wrote during the window
     health_writes: float = 0.0  # the store transactions they took
+    server_gc: GcWindow | None = None  # pleach-server's collector pauses during the window
+    client_gc: GcWindow | None = None  # this (client) process's
+
+
+@dataclass
+class GcWindow:
+    """A process's garbage collector pauses during the window (``pleach_server.gcpauses``):
+    collections and seconds paused, all generations and the full ones (generation 2)."""
+
+    collections: float
+    seconds: float
+    full: float
+    full_seconds: float
+    frozen: float  # objects set aside from every collection at start-up (gc.freeze)
+
+    @classmethod
+    def of_metrics(cls, m0: dict[str, float], m1: dict[str, float]) -> GcWindow:
+        def grew(name: str) -> float:
+            return m1.get(name, 0.0) - m0.get(name, 0.0)
+
+        counts = [grew(f'pleach_gc_pause_seconds_count{{generation="{g}"}}') for g in range(3)]
+        sums = [grew(f'pleach_gc_pause_seconds_sum{{generation="{g}"}}') for g in range(3)]
+        frozen = m1.get("pleach_gc_frozen_objects", 0.0)
+        return cls(sum(counts), sum(sums), counts[2], sums[2], frozen)
+
+    @classmethod
+    def of_record(cls, before: tuple[list[int], list[float]], record: GcPauses) -> GcWindow:
+        counts = [sum(now) - was for now, was in zip(record.counts, before[0], strict=True)]
+        sums = [now - was for now, was in zip(record.sums, before[1], strict=True)]
+        return cls(sum(counts), sum(sums), counts[2], sums[2], gc.get_freeze_count())
+
+    def note(self, window: float) -> str:
+        mean = self.full_seconds / self.full * 1e3 if self.full else 0.0
+        return (
+            f"{self.collections:.0f} pauses, {self.seconds * 1e3:.0f} ms in all "
+            f"({self.seconds / window * 100:.1f}% of the window); {self.full:.0f} full, "
+            f"{mean:.1f} ms each on average; {self.frozen:.0f} start-up objects frozen"
+        )
+
+
+def gc_snapshot(record: GcPauses) -> tuple[list[int], list[float]]:
+    return [sum(c) for c in record.counts], list(record.sums)
 
 
 async def live(
@@ -362,6 +407,8 @@ async def live(
 
             await paced(interval, start, stop_at, random.Random(master.random()), act)
 
+        client_gc = gc_pauses()
+
         async def measure_cpu() -> tuple[float, float, float, dict[str, float], dict[str, float]]:
             await asyncio.sleep(max(0.0, warm_end - time.perf_counter()))
             before = (
@@ -370,7 +417,9 @@ async def live(
                 postgres_cpu_seconds() if with_pg else 0.0,
                 await scrape_metrics(server_url),
             )
+            gc_before.append(gc_snapshot(client_gc))
             await asyncio.sleep(max(0.0, stop_at - time.perf_counter()))
+            gc_window.append(GcWindow.of_record(gc_before[0], client_gc))
             return (
                 time.process_time() - before[0],
                 proc_cpu_seconds(server_pid) - before[1],
@@ -379,6 +428,8 @@ async def live(
                 await scrape_metrics(server_url),
             )
 
+        gc_before: list[tuple[list[int], list[float]]] = []
+        gc_window: list[GcWindow] = []
         cpu_task = asyncio.create_task(measure_cpu())
         await asyncio.gather(*(write(d) for d in devices))
         client_cpu, server_cpu, pg_cpu, m0, m1 = await cpu_task
@@ -426,6 +477,8 @@ async def live(
         pushes,
         grew("pleach_health_reports_written_total"),
         grew("pleach_health_writes_total"),
+        GcWindow.of_metrics(m0, m1),
+        gc_window[0],
     )
 
 
@@ -580,6 +633,17 @@ class Config:
     dsn: str
 
 
+def gc_note(label: str, r: LiveResult) -> str:
+    """The collectors' pauses during the window: nothing else runs in a process meanwhile, so
+    a change under way then waits for them (``pleach_server.gcpauses``)."""
+    assert r.server_gc is not None and r.client_gc is not None
+    return (
+        f"{label}: garbage collector during the window: pleach-server "
+        f"{r.server_gc.note(r.window)}; the client process (the 100 devices in one process, "
+        f"where each device has a process of its own in use) {r.client_gc.note(r.window)}"
+    )
+
+
 def live_rows(label: str, r: LiveResult, relay: RelayResult, durable: RelayResult) -> list[Row]:
     window = r.window
     return [
@@ -711,6 +775,7 @@ async def _run(quick: bool, cfg: Config) -> tuple[list[Row], list[str]]:
                 + (f"; {logged} frames committed, one transaction each" if r is durable else "")
             )
         rows += live_rows("SQLite", sqlite, relay, durable)
+        notes.append(gc_note("SQLite", sqlite))
 
         if setting is None:
             notes.append(f"PostgreSQL half skipped: {cfg.dsn} does not answer ({why})")
@@ -725,6 +790,7 @@ async def _run(quick: bool, cfg: Config) -> tuple[list[Row], list[str]]:
             finally:
                 await drop_schema(cfg.dsn, schema)
             rows += live_rows("PostgreSQL", pg, relay, durable)
+            notes.append(gc_note("PostgreSQL", pg))
         rows += relay_rows(relay, durable)
     return rows, notes
 

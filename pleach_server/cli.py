@@ -22,6 +22,10 @@ flags are ``--schema`` (``PLEACH_PG_SCHEMA``, ``pleach``), ``--pool-size``
 from its own pushes, so that a tenant's next push skips its read; 0 keeps nothing).
 ``migrate`` applies schema migrations and exits (``serve`` also applies them at start).
 
+``serve`` sets what start-up made aside from the garbage collector (``gc.freeze``, see
+``pleach_server.gcpauses``): a full collection, during which no device is served, then walks
+what the connections hold, not the program. ``PLEACH_GC_FREEZE=0`` leaves that out.
+
 SIGTERM and SIGINT stop it gracefully (exit 0). Errors print one line to stderr and exit
 non-zero.
 """
@@ -44,6 +48,7 @@ from shared.ids import uuid7
 from shared.messages import DEFAULT_MAX_FRAME_BYTES
 
 from .auth import SECRET_ENV, issue_token, load_or_create_secret
+from .gcpauses import freeze_startup
 from .notify import Notifier
 from .server import SYNC_PATH, SyncServer
 from .store.base import ServerStore, Tenant
@@ -436,6 +441,12 @@ def _run_server(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise CliError(str(exc)) from exc
+    if env.get("PLEACH_GC_FREEZE", "1").strip().lower() not in ("0", "false", "no", "off"):
+        # What start-up made is set aside from every collection (``gcpauses``): a full
+        # collection then walks what the connections hold, not the program. Before the store
+        # opens and the loop starts: what is frozen lives as long as the process anyway.
+        frozen = freeze_startup()
+        logger.debug("%d start-up objects set aside from the garbage collector", frozen)
     asyncio.run(_serve(server, store, data))
     return 0
 

@@ -59,6 +59,8 @@ from shared.tracing import Spans
 
 from .auth import parse_bearer, verify_token_expiry
 from .connection import Connection, ConnectionContext
+from .gcpauses import GcCollector
+from .gcpauses import pauses as gc_pauses
 from .health import DEFAULT_FLUSH_AFTER_S, HealthReports
 from .hub import DEFAULT_QUEUE_SIZE, Hub
 from .notify import LocalNotifier, Notifier
@@ -165,6 +167,7 @@ class SyncMetrics:
         )
         r.register(_HubCollector(hub))
         r.register(_HealthCollector(health))
+        r.register(GcCollector(gc_pauses()))  # (the process's collector: nothing else runs)
         # Rates over the last minute, for the /status page.
         self.push_rate = RateWindow()
         self.fanout_rate = RateWindow()

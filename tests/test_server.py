@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import random
 import signal
@@ -25,6 +26,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from pleach_server.auth import issue_token
 from pleach_server.connection import FLOOD_CLOSE_AFTER
+from pleach_server.gcpauses import GcPauses
 from pleach_server.server import SyncServer
 from pleach_server.store.base import PullResult, PushResult, Tenant
 from pleach_server.store.sqlite import SQLiteServerStore
@@ -1045,6 +1047,45 @@ async def test_health_reports_are_written_at_shutdown(
     ]
 
 
+def _samples(body: bytes) -> dict[str, float]:
+    out = {}
+    for line in body.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def test_gc_pauses_are_kept_by_generation_and_bucket() -> None:
+    record = GcPauses()
+    record.install()
+    try:
+        before = [sum(c) for c in record.counts]
+        gc.collect(0)
+        gc.collect(2)
+        after = [sum(c) for c in record.counts]
+    finally:
+        record.uninstall()
+    assert after[0] >= before[0] + 1 and after[2] >= before[2] + 1
+    assert record.sums[2] > 0 and 0 < record.longest[2] <= record.sums[2]
+    gc.collect(2)  # (uninstalled: no longer counted)
+    assert [sum(c) for c in record.counts] == after
+
+
+async def test_metrics_give_the_collectors_pauses(srv: SyncServer) -> None:
+    _, _, body = await http_get(srv.port, "/metrics")
+    before = _samples(body)
+    gc.collect()
+    _, _, body = await http_get(srv.port, "/metrics")
+    after = _samples(body)
+    count = 'pleach_gc_pause_seconds_count{generation="2"}'
+    assert after[count] >= before[count] + 1
+    assert after['pleach_gc_pause_seconds_bucket{generation="2",le="+Inf"}'] == after[count]
+    assert after['pleach_gc_pause_seconds_sum{generation="2"}'] > 0
+    assert after['pleach_gc_pause_longest_seconds{generation="2"}'] > 0
+    assert "pleach_gc_frozen_objects" in after
+
+
 async def test_metrics_behind_a_token_when_one_is_set(make_server: ServerFactory) -> None:
     srv = await make_server(metrics_token="m3trics")
     status, _, _ = await http_get(srv.port, "/metrics")
@@ -1147,6 +1188,44 @@ async def test_pleach_server_subprocess(tmp_path: Path) -> None:
             await client.hello(dev.client_id)
             ack = await client.push(dev.changes(dev.session()))
             assert ack.results[0].status == "applied"
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(TIMEOUT * 3):
+            _, err = await proc.communicate()
+        assert proc.returncode == 0, err
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.communicate()
+
+
+@pytest.mark.parametrize("freeze", ["", "0"])
+async def test_pleach_server_sets_start_up_aside_from_the_collector(
+    tmp_path: Path, freeze: str
+) -> None:
+    """The command freezes what start-up made (``gcpauses.freeze_startup``), which its
+    ``/metrics`` count; ``PLEACH_GC_FREEZE=0`` leaves it out."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PLEACH_") and k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(ROOT)
+    if freeze:
+        env["PLEACH_GC_FREEZE"] = freeze
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pleach_server.cli", "--port", "0",
+        "--db", str(tmp_path / "gc.db"), "--log-level", "warning",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        async with asyncio.timeout(TIMEOUT * 3):
+            line = (await proc.stdout.readline()).decode()
+        assert line.startswith("pleach-server listening on ws://127.0.0.1:"), line
+        port = int(line.split()[-1].rsplit(":", 1)[1].split("/")[0])
+        status, _, body = await http_get(port, "/metrics")
+        assert status == 200
+        frozen = _samples(body)["pleach_gc_frozen_objects"]
+        if freeze == "0":
+            assert frozen == 0
+        else:
+            assert frozen > 10_000  # the program: modules, classes, functions
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(TIMEOUT * 3):
             _, err = await proc.communicate()
