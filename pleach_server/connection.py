@@ -28,7 +28,7 @@ import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 from websockets.asyncio.server import ServerConnection
@@ -78,6 +78,9 @@ if TYPE_CHECKING:
 __all__ = ["Connection", "ConnectionContext", "InFlight", "TokenBucket"]
 
 logger = logging.getLogger("pleach_server.connection")
+_HEALTH_CODEC: Final = msgspec.msgpack.Encoder()
+"""Encodes a device's health report for its row (shared: an encoder keeps no state between
+calls, and each connection's own was one more object for the collector to walk)."""
 
 FLOOD_CLOSE_AFTER = 100
 HEALTH_MIN_INTERVAL_S = 0.5
@@ -381,12 +384,12 @@ class Connection:
         )
         self._refused_in_a_row = 0
         self._health_at = float("-inf")
-        self._health_codec = msgspec.msgpack.Encoder()
         # Encoded frames waiting to be written, with their type for metrics. Reader and
         # writer both append; whoever holds the send lock writes them all, in order.
         self._outbox: deque[tuple[str, bytes]] = deque()
         self._send_lock = asyncio.Lock()
         self._writer: asyncio.Task[None] | None = None
+        self._expiring: asyncio.Task[None] | None = None  # (the close, once the token expired)
         self._internal_error = False
 
     def __repr__(self) -> str:
@@ -397,8 +400,13 @@ class Connection:
     async def run(self) -> None:
         metrics = self.ctx.metrics
         metrics.connections.inc()
-        expiry = (
-            asyncio.create_task(self._expire(self.expires), name="pleach-token-expiry")
+        # The token's expiry as a timer, not a task waiting: no task, coroutines and future
+        # held for the connection's life (a full collection of the server walks each; see
+        # ``pleach_server.gcpauses``). The close runs as a task once it fires.
+        timer = (
+            asyncio.get_running_loop().call_later(
+                max(0.0, self.expires - time.time()), self._token_expired
+            )
             if self.expires is not None
             else None
         )
@@ -410,15 +418,20 @@ class Connection:
             logger.exception("%r failed", self)
             await self._abort(CloseCode.INTERNAL_ERROR, "internal server error")
         finally:
-            if expiry is not None:
-                await reap(expiry)
+            if timer is not None:
+                timer.cancel()
+            expiring, self._expiring = self._expiring, None
+            if expiring is not None:
+                await reap(expiring)
             await self._stop_writer()
             metrics.connections.dec()
 
-    async def _expire(self, expires: float) -> None:
+    def _token_expired(self) -> None:
+        self._expiring = asyncio.create_task(self._expire(), name="pleach-token-expiry")
+
+    async def _expire(self) -> None:
         """When the token expires, so does the connection: an ``Error`` 3001 (the device asks
         for a new token), then a close. An open connection is not a way around expiry."""
-        await asyncio.sleep(max(0.0, expires - time.time()))
         self.protocol.fail(Unauthorized("token expired: reconnect with a new token"))
         self._take("error")
         with contextlib.suppress(ConnectionClosed):
@@ -651,7 +664,7 @@ class Connection:
         self._health_at = now
         # The version this connection agreed, never the device's word for it.
         health = msgspec.structs.replace(health, protocol=self.protocol.version or 0)
-        body = self._health_codec.encode(health)
+        body = _HEALTH_CODEC.encode(health)
         self.ctx.health.put(DeviceHealth.of(self.tenant, self.client_id, body, time.time()))
 
     def _count_results(self, results: list[ChangeResult]) -> None:
