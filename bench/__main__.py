@@ -4,7 +4,8 @@ Runs ``bench_local`` (device turns, storage, codec), ``bench_conversation`` (one
 conversation against plain sqlite3), ``bench_sync`` (sync throughput, live fan-out),
 ``bench_live`` (live latency with 100 devices writing, SQLite and PostgreSQL servers),
 ``bench_long_session`` (a turn's push and pull on the server as a session grows),
-``bench_server_mem`` (server memory per idle connection), ``bench_catchup`` (a new device
+``bench_server_mem`` (server memory per idle connection), ``bench_gc`` (a full garbage
+collection's pause in a server process), ``bench_catchup`` (a new device
 catching up, resume of a long session), ``bench_codec`` (the storage codec per record) and
 ``bench_push`` (server push throughput, SQLite vs
 PostgreSQL) when it is importable and its PostgreSQL is reachable; otherwise it says why it
@@ -36,6 +37,7 @@ from bench import (
     bench_catchup,
     bench_codec,
     bench_conversation,
+    bench_gc,
     bench_live,
     bench_local,
     bench_long_session,
@@ -52,6 +54,7 @@ SECTIONS: list[tuple[str, Any]] = [
     ("bench_sync", bench_sync),
     ("bench_live", bench_live),
     ("bench_server_mem", bench_server_mem),
+    ("bench_gc", bench_gc),
     ("bench_catchup", bench_catchup),
     ("bench_codec", bench_codec),
     ("bench_startup", bench_startup),
