@@ -3,22 +3,24 @@ and what start-up made, set aside from it (``freeze_startup``).
 
 While CPython's collector runs, nothing else in the process does: every device's push, pull
 and live frame waits. A collection of the oldest generation walks every object the collector
-tracks, and the time it takes grows with them: in a ``pleach-server`` process, about 29,500
-objects of start-up (modules, classes, functions) and about 127 more for each idle device
-connection (websockets' and asyncio's per-connection objects, the connection's own). Walking
-them took 8 ms with one connection, 11-12 ms with 100 and 57-97 ms with 1,000, and under the
-live load of ``bench/bench_live.py`` (100 devices) such a collection came every few seconds
-and paused the server 27-50 ms: the worst of the changes measured then waited for it.
+tracks, and the time it takes grows with them: in a ``pleach-server`` process, about 29,000
+objects of start-up (modules, classes, functions: many references each) and about 115 more
+for each idle device connection (websockets' and asyncio's per-connection objects, the
+connection's own). Under the live load of ``bench/bench_live.py`` (100 devices writing), a
+server that set nothing aside made such a collection every few seconds, each pausing it
+15-50 ms: the worst of the changes measured then waited for it.
 
 ``freeze_startup`` moves what start-up made into the collector's permanent generation
 (``gc.freeze``), which no collection walks: a process's full collection then walks what its
-connections and work hold, not the program (with 100 idle connections, 3-4 ms where 11-12).
-Objects frozen are still freed when their last reference goes (reference counting); only a
-cycle among them would never be reclaimed, which is why it is done once, before the store or
-any connection exists: what is frozen then (the program, its configuration) lives as long as
-the process anyway. The ``pleach-server`` command does it (``PLEACH_GC_FREEZE=0``: not); an
-application that runs ``SyncServer`` in its own process may call it the same way, once its
-imports are done.
+connections and work hold, not the program. ``bench/bench_gc.py`` times it in two server
+processes taking turns, one with start-up set aside: with 100 idle connections a full
+collection took 0.21-0.25x the other's time (1.0-1.5 ms against 4.2-6.3), with 1,000 0.51-0.78x
+(18-92 ms against 36-117: that walk moves with the machine's caches). Objects frozen are still
+freed when their last reference goes (reference counting); only a cycle among them would never
+be reclaimed, which is why it is done once, before the store or any connection exists: what is
+frozen then (the program, its configuration) lives as long as the process anyway. The
+``pleach-server`` command does it (``PLEACH_GC_FREEZE=0``: not); an application that runs
+``SyncServer`` in its own process may call it the same way, once its imports are done.
 
 ``GcPauses`` keeps each collection's pause, by generation, in the buckets of a histogram; a
 server's ``/metrics`` gives them as ``pleach_gc_pause_seconds`` (one process-wide record,
