@@ -1165,17 +1165,9 @@ async def test_pleach_server_subprocess(tmp_path: Path) -> None:
     assert token.count(".") == 1
     assert (tmp_path / "cli.db.secret").exists()
 
-    proc = await asyncio.create_subprocess_exec(
-        *base, "--port", "0", "--db", str(db), "--log-level", "warning",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        async with asyncio.timeout(TIMEOUT * 3):
-            line = (await proc.stdout.readline()).decode()
-        assert line.startswith("pleach-server listening on ws://127.0.0.1:"), line
-        url = line.split()[-1]
+    async with pleach_server_process(env, "--db", str(db)) as (proc, url):
         assert url.endswith("/sync")
+        assert proc.stdout is not None
         async with asyncio.timeout(TIMEOUT):
             data_line = (await proc.stdout.readline()).decode()
         assert str(db) in data_line
@@ -1188,6 +1180,24 @@ async def test_pleach_server_subprocess(tmp_path: Path) -> None:
             await client.hello(dev.client_id)
             ack = await client.push(dev.changes(dev.session()))
             assert ack.results[0].status == "applied"
+
+
+@contextlib.asynccontextmanager
+async def pleach_server_process(
+    env: dict[str, str], *args: str
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
+    """``pleach-server --port 0 <args>`` as a subprocess, until its address line; then the
+    process and its ``/sync`` URL. On leaving: SIGTERM, and it must exit 0."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pleach_server.cli", "--port", "0", "--log-level", "warning",
+        *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        async with asyncio.timeout(TIMEOUT * 3):
+            line = (await proc.stdout.readline()).decode()
+        assert line.startswith("pleach-server listening on ws://127.0.0.1:"), line
+        yield proc, line.split()[-1]
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(TIMEOUT * 3):
             _, err = await proc.communicate()
@@ -1208,32 +1218,15 @@ async def test_pleach_server_sets_start_up_aside_from_the_collector(
     env["PYTHONPATH"] = str(ROOT)
     if freeze:
         env["PLEACH_GC_FREEZE"] = freeze
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "pleach_server.cli", "--port", "0",
-        "--db", str(tmp_path / "gc.db"), "--log-level", "warning",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        async with asyncio.timeout(TIMEOUT * 3):
-            line = (await proc.stdout.readline()).decode()
-        assert line.startswith("pleach-server listening on ws://127.0.0.1:"), line
-        port = int(line.split()[-1].rsplit(":", 1)[1].split("/")[0])
+    async with pleach_server_process(env, "--db", str(tmp_path / "gc.db")) as (_, url):
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
         status, _, body = await http_get(port, "/metrics")
-        assert status == 200
-        frozen = _samples(body)["pleach_gc_frozen_objects"]
-        if freeze == "0":
-            assert frozen == 0
-        else:
-            assert frozen > 10_000  # the program: modules, classes, functions
-        proc.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(TIMEOUT * 3):
-            _, err = await proc.communicate()
-        assert proc.returncode == 0, err
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.communicate()
+    assert status == 200
+    frozen = _samples(body)["pleach_gc_frozen_objects"]
+    if freeze == "0":
+        assert frozen == 0
+    else:
+        assert frozen > 10_000  # the program: modules, classes, functions
 
 
 async def test_cli_errors_are_one_line(tmp_path: Path) -> None:
