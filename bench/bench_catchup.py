@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sqlite3
 import statistics
 import sys
@@ -46,7 +45,7 @@ import uuid
 from pathlib import Path
 
 from bench import bench_push
-from bench.bench_local import RecordingAdapter, Row, raw_rows, render
+from bench.bench_local import RecordingAdapter, Row, raw_rows, report
 from pleach_client.providers.scripted import ScriptedProvider, ScriptedReply
 from pleach_client.runtime import SessionRuntime
 from pleach_client.store.base import WriteBatch
@@ -357,10 +356,7 @@ def run(
     long_turns = long_turns or (250 if quick else 2500)
     started = time.perf_counter()
     rows, notes = asyncio.run(_run(history, long_turns, RESUME_REPS))
-    print(render("bench_catchup: a new device catching up, a session resumed", rows))
-    for note in notes:
-        print(f"- {note}")
-    print(f"({time.perf_counter() - started:.1f}s, {os.cpu_count()} cpus)")
+    report("bench_catchup: a new device catching up, a session resumed", rows, notes, started)
     return rows
 
 

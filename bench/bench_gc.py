@@ -186,14 +186,11 @@ async def _run(counts: list[int]) -> tuple[list[Row], list[str]]:
 
 def run(quick: bool = False) -> list[Row]:
     """Measure, print the table, return the rows."""
-    from bench.bench_local import render
+    from bench.bench_local import report
 
     started = time.perf_counter()
     rows, notes = asyncio.run(_run([100] if quick else [100, 1000]))
-    print(render("bench_gc: the garbage collector's pause in a server process", rows))
-    for note in notes:
-        print(f"- {note}")
-    print(f"({time.perf_counter() - started:.1f}s, {os.cpu_count()} cpus)")
+    report("bench_gc: the garbage collector's pause in a server process", rows, notes, started)
     return rows
 
 

@@ -129,6 +129,15 @@ def render(title: str, rows: Sequence[Row]) -> str:
     return "\n".join(out)
 
 
+def report(title: str, rows: Sequence[Row], notes: Sequence[str], started: float) -> None:
+    """Print ``rows`` under ``title`` (``render``), each note as a line of its own, then the
+    seconds since ``started`` (``time.perf_counter``) and the machine's cores."""
+    print(render(title, rows))
+    for note in notes:
+        print(f"- {note}")
+    print(f"({time.perf_counter() - started:.1f}s, {os.cpu_count()} cpus)")
+
+
 def p95(samples: Sequence[float]) -> float:
     """Nearest-rank 95th percentile."""
     ordered = sorted(samples)

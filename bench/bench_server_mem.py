@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import resource
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from pathlib import Path
 from websockets.asyncio.client import ClientConnection, connect
 
 from bench.bench_live import TIMEOUT, helper, rss_kib, scrape_metrics
-from bench.bench_local import Row, render
+from bench.bench_local import Row, report
 from bench.bench_push import SECRET as SERVER_SECRET
 from bench.bench_push import servers
 from pleach_server.auth import issue_token
@@ -231,10 +230,7 @@ def run(quick: bool = False, connections: int | None = None) -> list[Row]:
     count = connections or (200 if quick else 1000)
     started = time.perf_counter()
     rows, notes = asyncio.run(_run(count))
-    print(render("bench_server_mem: server memory per idle connection", rows))
-    for note in notes:
-        print(f"- {note}")
-    print(f"({time.perf_counter() - started:.1f}s, {os.cpu_count()} cpus)")
+    report("bench_server_mem: server memory per idle connection", rows, notes, started)
     return rows
 
 
