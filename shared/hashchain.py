@@ -15,8 +15,8 @@ outcome...) stays covered: altering it is detected, redacted or not.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
-from typing import Any, Final
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Final, TypeVar
 
 import msgspec
 
@@ -34,66 +34,84 @@ AUDIT_IDENTIFYING_FIELDS = ("subject_key", "request_id", "detail")
 Chained = Event | AuditRow
 
 
-def _body(row: msgspec.Struct, skip: frozenset[str]) -> dict[str, object]:
-    # asdict is shallow (as getattr per field would be) and runs in C; the encoder sorts the
-    # keys, so the bytes do not depend on the dict's order.
-    body = msgspec.structs.asdict(row)
-    for field in skip:
-        del body[field]
-    return body
+_Row = TypeVar("_Row", bound=msgspec.Struct)
 
 
-_EVENT_CONTENT: Final = tuple(sorted(set(Event.__struct_fields__) - _EVENT_CHAIN_FIELDS))
-"""The fields an event's digest covers, in the order its canonical encoding sorts them."""
+def _content(kind: type[msgspec.Struct], skip: Iterable[str]) -> tuple[str, ...]:
+    """The fields of ``kind`` but ``skip``, in the order a canonical map sorts its keys."""
+    return tuple(sorted(set(kind.__struct_fields__).difference(skip)))
 
 
-def _content_pairs() -> Callable[[Event], tuple[object, ...]]:
-    """A function giving an event's content as its keys and values in turn, in key order: a
-    tuple display of them, made once from ``_EVENT_CONTENT``."""
-    items = "".join(f"{name!r}, e.{name}, " for name in _EVENT_CONTENT)
+def _content_pairs(kind: type[_Row], fields: Sequence[str]) -> Callable[[_Row], tuple[object, ...]]:
+    """A function giving a ``kind`` row's ``fields`` as their names and values in turn: a
+    tuple display of them, made once, so a call builds one tuple (no dict made, none sorted).
+    Values go in as they are: the encoder writes a nested Struct or dict the same in a tuple
+    as in a dict (``test_hashchain`` holds every digest to the dict's bytes)."""
+    items = "".join(f"{name!r}, r.{name}, " for name in fields)
     scope: dict[str, Any] = {}
-    exec(f"def pairs(e):\n    return ({items})\n", scope)
-    pairs: Callable[[Event], tuple[object, ...]] = scope["pairs"]
+    exec(f"def pairs(r):\n    return ({items})\n", scope)
+    pairs: Callable[[_Row], tuple[object, ...]] = scope["pairs"]
     return pairs
 
 
-_EVENT_PAIRS: Final = _content_pairs()
-
-
-def _heads() -> tuple[bytes, int]:
-    """The head of the content's map, and the length of the head of the array of its keys
-    and values: each encoded with 0 for every value, less the pairs both end with."""
-    pairs = sum(len(_CANONICAL.encode(name)) + 1 for name in _EVENT_CONTENT)  # (0: one byte)
-    as_map = _CANONICAL.encode(dict.fromkeys(_EVENT_CONTENT, 0))
-    as_array = _CANONICAL.encode([x for name in _EVENT_CONTENT for x in (name, 0)])
+def _heads(fields: Sequence[str]) -> tuple[bytes, int]:
+    """The head of the map of ``fields``, and the length of the head of the array of their
+    names and values: each encoded with 0 for every value, less the pairs both end with. The
+    count decides both (a fixmap up to 15 keys, then a map 16; a fixarray up to 15 items,
+    then an array 16), so they are computed, not written down."""
+    pairs = sum(len(_CANONICAL.encode(name)) + 1 for name in fields)  # (0: one byte)
+    as_map = _CANONICAL.encode(dict.fromkeys(fields, 0))
+    as_array = _CANONICAL.encode([x for name in fields for x in (name, 0)])
     return as_map[:-pairs], len(as_array) - pairs
 
 
-_CONTENT_HEAD, _PAIRS_HEAD = _heads()
+# Each digest below is the sha256 of some of a row's fields as canonical msgpack: a map, its
+# keys sorted. Those bytes are the map's head, then each key and its value in key order: the
+# very bytes an array of those keys and values holds after its own head. So a digest encodes
+# the row's ``..._PAIRS`` (an array) and hashes the map's ``..._HEAD`` then that array's bytes
+# past its own head (``..._SKIP`` bytes long): the bytes a dict of the fields encodes to, with
+# no dict made and none sorted.
+
+_EVENT_CONTENT: Final = _content(Event, _EVENT_CHAIN_FIELDS)
+"""The fields an event's digest covers, in the order its canonical encoding sorts them."""
+_EVENT_PAIRS: Final = _content_pairs(Event, _EVENT_CONTENT)
+_EVENT_HEAD, _EVENT_SKIP = _heads(_EVENT_CONTENT)
+
+_AUDIT_IDENTITY: Final = tuple(sorted(AUDIT_IDENTIFYING_FIELDS))
+"""The fields an audit row's identity digest covers, sorted."""
+_IDENTITY_PAIRS: Final = _content_pairs(AuditRow, _AUDIT_IDENTITY)
+_IDENTITY_HEAD, _IDENTITY_SKIP = _heads(_AUDIT_IDENTITY)
+
+_AUDIT_CORE: Final = _content(AuditRow, _AUDIT_CHAIN_FIELDS | set(AUDIT_IDENTIFYING_FIELDS))
+"""The fields an audit row's core digest covers (neither identifying nor the chain's), sorted:
+more than 15, so a map 16's head (``_heads`` computes it from the count)."""
+_CORE_PAIRS: Final = _content_pairs(AuditRow, _AUDIT_CORE)
+_CORE_HEAD, _CORE_SKIP = _heads(_AUDIT_CORE)
 
 
 def event_digest(event: Event) -> str:
     """The sha256 of the event's content (every field but the chain's) as canonical msgpack:
-    a map, its keys sorted. That map is its head, then each key and its value in key order,
-    the very bytes an array of those keys and values holds after its own head: encoded so
-    (``_EVENT_PAIRS``), with no dict made and none sorted (a third less time than
-    ``_body``'s dict; ``test_hashchain`` holds it to the dict's bytes over generated events)."""
+    a map, its keys sorted. Encoded as its keys and values in turn (``_EVENT_PAIRS``) after
+    the map's head: the bytes of ``asdict`` less the chain's fields, in a third less time."""
     pairs = _CANONICAL.encode(_EVENT_PAIRS(event))
-    return hashlib.sha256(_CONTENT_HEAD + pairs[_PAIRS_HEAD:]).hexdigest()
-
-
-def _sha(value: object) -> str:
-    return hashlib.sha256(_CANONICAL.encode(value)).hexdigest()
+    return hashlib.sha256(_EVENT_HEAD + pairs[_EVENT_SKIP:]).hexdigest()
 
 
 def audit_identity_digest(row: AuditRow) -> str:
-    """Digest of the identifying fields, as they are now."""
-    return _sha({f: getattr(row, f) for f in AUDIT_IDENTIFYING_FIELDS})
+    """The sha256 of the row's identifying fields, as they are now, as canonical msgpack: a
+    map, its keys sorted. Encoded as ``event_digest`` is (``_IDENTITY_PAIRS``): the bytes of
+    a dict of them, in about a quarter less time."""
+    pairs = _CANONICAL.encode(_IDENTITY_PAIRS(row))
+    return hashlib.sha256(_IDENTITY_HEAD + pairs[_IDENTITY_SKIP:]).hexdigest()
 
 
 def audit_core_digest(row: AuditRow) -> str:
-    """Digest of every field that is neither identifying nor part of the chain."""
-    return _sha(_body(row, _AUDIT_CHAIN_FIELDS | set(AUDIT_IDENTIFYING_FIELDS)))
+    """The sha256 of every field that is neither identifying nor the chain's, as canonical
+    msgpack: a map, its keys sorted (nested ``outcome`` and ``usage`` as the encoder writes
+    them anywhere). Encoded as ``event_digest`` is (``_CORE_PAIRS``): the bytes of ``asdict``
+    less the other fields, in about 40% less time."""
+    pairs = _CANONICAL.encode(_CORE_PAIRS(row))
+    return hashlib.sha256(_CORE_HEAD + pairs[_CORE_SKIP:]).hexdigest()
 
 
 def _payload_digest(row: AuditRow, identity: str) -> str:

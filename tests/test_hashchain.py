@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import msgspec
@@ -10,9 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.hashchain import (
+    _CANONICAL,
     GENESIS,
+    _content,
+    _content_pairs,
+    _heads,
+    audit_core_digest,
     audit_digest,
     audit_digests,
+    audit_identity_digest,
     chain_audit,
     chain_event,
     event_digest,
@@ -375,3 +382,135 @@ def test_audit_digests_are_what_a_chained_row_holds(
         row.identity_digest,
     )
     assert audit_digests(msgspec.structs.replace(row, model="other"))[0] != row.payload_digest
+
+
+# -- the digests as they were defined: dicts, sorted by the encoder ----------------------
+# The digests are persisted in hash chains, so these are their definition: each test below
+# holds ``shared.hashchain`` (no dict made, nothing sorted) to these bytes.
+
+_DETERMINISTIC = msgspec.msgpack.Encoder(order="deterministic")
+_AUDIT_CHAIN = ("prev_hash", "row_hash", "payload_digest", "redacted", "identity_digest")
+_IDENTIFYING = ("subject_key", "request_id", "detail")
+
+
+def _defined_sha(value: object) -> str:
+    return hashlib.sha256(_DETERMINISTIC.encode(value)).hexdigest()
+
+
+def defined_identity_digest(row: AuditRow) -> str:
+    return _defined_sha({f: getattr(row, f) for f in _IDENTIFYING})
+
+
+def defined_core_digest(row: AuditRow) -> str:
+    body = msgspec.structs.asdict(row)
+    for field in _AUDIT_CHAIN + _IDENTIFYING:
+        del body[field]
+    return _defined_sha(body)
+
+
+def defined_payload_digest(row: AuditRow, identity: str) -> str:
+    return hashlib.sha256((defined_core_digest(row) + identity).encode()).hexdigest()
+
+
+def defined_audit_digest(row: AuditRow) -> str:
+    identity = row.identity_digest if row.redacted else defined_identity_digest(row)
+    return defined_payload_digest(row, identity)
+
+
+_TEXT = st.text() | st.text(min_size=200, max_size=2000)  # any script, some long
+_MAYBE_TEXT = st.none() | _TEXT
+_INT = st.integers(-(2**63), 2**64 - 1)
+_FLOAT = st.floats()  # nan and infinities too
+_OUTCOME = st.builds(
+    Outcome,
+    status=st.sampled_from(["ok", "user-aborted", "provider-error", "tool-error"]),
+    code=_MAYBE_TEXT,
+    message=_MAYBE_TEXT,
+)
+_USAGE = st.just(Usage()) | st.builds(
+    Usage,
+    input_tokens=_INT,
+    output_tokens=_INT,
+    cache_creation_input_tokens=_INT,
+    cache_read_input_tokens=_INT,
+    output_estimated=st.booleans(),
+)
+_AUDIT_ROW = st.builds(
+    AuditRow,
+    id=_TEXT,
+    org_id=_TEXT,
+    user_id=_TEXT,
+    client_id=_TEXT,
+    hlc=_TEXT,
+    session_id=_TEXT,
+    turn_id=_TEXT,
+    stage_id=_TEXT,
+    seq_within_turn=_INT,
+    provider=_TEXT,
+    model=_TEXT,
+    outcome=_OUTCOME,
+    usage=_USAGE,
+    parent_turn_id=_MAYBE_TEXT,
+    subagent_depth=_INT,
+    request_id=_MAYBE_TEXT,
+    latency_ms=_FLOAT,
+    cost_usd=st.none() | _FLOAT,
+    subject_key=_MAYBE_TEXT,
+    detail=st.dictionaries(_TEXT, _JSON, max_size=6),
+    sequence_number=_INT,
+    payload_digest=_TEXT,
+    prev_hash=_TEXT,
+    row_hash=_TEXT,
+    redacted=st.booleans(),
+    identity_digest=_TEXT,
+)
+
+
+@settings(max_examples=400)
+@given(row=_AUDIT_ROW)
+def test_audit_digests_are_the_sha256_of_their_fields_as_sorted_maps(row: AuditRow) -> None:
+    """The audit digests encode a row's fields as keys and values in turn (no dict made):
+    over generated rows (any text or None in any field, nested ``Outcome`` and ``Usage`` of
+    any value, any JSON detail, nan and infinite floats, redacted or not, any chain fields),
+    each is the sha256 of the dict of its fields encoded with the keys sorted, as defined."""
+    identity = defined_identity_digest(row)
+    assert audit_identity_digest(row) == identity
+    assert audit_core_digest(row) == defined_core_digest(row)
+    assert audit_digest(row) == defined_audit_digest(row)
+    assert audit_digests(row) == (defined_payload_digest(row, identity), identity)
+
+
+@settings(max_examples=100)
+@given(row=_AUDIT_ROW, redacted=st.booleans())
+def test_a_chained_or_redacted_row_digests_as_defined(row: AuditRow, redacted: bool) -> None:
+    """A row as ``chain_audit`` places it, then redacted or not, digests as defined; its
+    chain's fields are outside both digests, and the core's fields inside the core's."""
+    chained = chain_audit(row, "", 1)
+    placed = redact(chained) if redacted else chained
+    assert placed.payload_digest == defined_audit_digest(placed) == audit_digest(placed)
+    assert audit_identity_digest(placed) == defined_identity_digest(placed)
+    assert audit_core_digest(placed) == defined_core_digest(placed)
+    moved = msgspec.structs.replace(
+        placed, prev_hash="x", row_hash="y", payload_digest="z", sequence_number=2
+    )
+    assert audit_identity_digest(moved) == audit_identity_digest(placed)
+    assert audit_core_digest(moved) != audit_core_digest(placed)  # sequence_number is core
+    assert audit_core_digest(
+        msgspec.structs.replace(placed, usage=tampered(placed.usage))
+    ) != audit_core_digest(placed)
+
+
+@pytest.mark.parametrize("count", [1, 3, 7, 8, 9, 15, 16, 17, 18, 40])
+def test_a_map_head_is_right_for_any_field_count(count: int) -> None:
+    """``_heads`` computes the map's head (a fixmap up to 15 keys, then a map 16) and the
+    array's (a fixarray up to 15 items, then an array 16) from the count: at each side of
+    both bounds, the spliced bytes are those of the sorted map."""
+    kind = msgspec.defstruct(
+        f"Fields{count}", [(f"f{i}", Any) for i in reversed(range(count))], kw_only=True
+    )
+    row = kind(**{f"f{i}": [i, "v" * i, {"k": None}] for i in range(count)})
+    fields = _content(kind, ())
+    head, skip = _heads(fields)
+    pairs = _CANONICAL.encode(_content_pairs(kind, fields)(row))
+    assert head + pairs[skip:] == _DETERMINISTIC.encode(msgspec.structs.asdict(row))
+    assert len(head) == (1 if count <= 15 else 3)
