@@ -912,7 +912,53 @@ class _NotText(Exception):
 _TEXT: Final = "text"
 _TEXTS: Final = "texts"
 _KEYS: Final = "keys"
+_STRUCT: Final = "struct"
 _TWIN_PLAIN: Final = frozenset({int, bool, float, bytes, type(None), Any})
+
+
+def _array_twin(cls: type[msgspec.Struct]) -> type[msgspec.Struct]:
+    """The twin of a Struct a body writes as an array (``_ARRAY_STRUCTS``): array-like, with
+    its fields' own types and defaults, no more values than it has fields (as the typed path,
+    which reads a longer array as no record). A text in it that was packed as an ext is
+    refused: the typed path reads it."""
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
+    for f in msgspec.structs.fields(cls):
+        if f.default_factory is not msgspec.NODEFAULT:
+            fields.append((f.name, f.type, msgspec.field(default_factory=f.default_factory)))
+        elif f.default is not msgspec.NODEFAULT:
+            fields.append((f.name, f.type, msgspec.field(default=f.default)))
+        else:
+            fields.append((f.name, f.type))
+    return msgspec.defstruct(
+        f"{cls.__name__}Twin", fields, array_like=True, forbid_unknown_fields=True, gc=False
+    )
+
+
+def _from_array_twin(cls: type[msgspec.Struct]) -> Callable[[Any], Any]:
+    """A function giving the ``cls`` its array twin read (its fields' values, checked by the
+    decode), or the value as it is when it is one already (a field's default)."""
+    names = [f.name for f in msgspec.structs.fields(cls)]
+    source = (
+        "def struct(v):\n"
+        "    if v.__class__ is cls: return v\n"
+        "    if v.__class__ is dict: return as_struct(v)\n"
+        f"    return cls({', '.join(f'{n}=v.{n}' for n in names)})\n"
+    )
+
+    def as_struct(value: dict[str, Any]) -> Any:
+        try:
+            return msgspec.convert(value, cls)
+        except msgspec.ValidationError:
+            raise _NotText from None  # (the twin refuses the body: the typed path says why)
+
+    scope: dict[str, Any] = {"cls": cls, "as_struct": as_struct}
+    exec(compile(source, f"<compact twin of {cls.__name__}>", "exec"), scope)
+    made: Callable[[Any], Any] = scope["struct"]
+    return made
+
+
+_ARRAY_TWINS: Final = {cls: _array_twin(cls) for cls in _ARRAY_STRUCTS}
+_FROM_ARRAY_TWINS: Final = {cls: _from_array_twin(cls) for cls in _ARRAY_STRUCTS}
 
 
 def _twin_annotation(annotation: Any) -> tuple[Any, str | None] | None:
@@ -922,6 +968,10 @@ def _twin_annotation(annotation: Any) -> tuple[Any, str | None] | None:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if annotation is str:
         return Union[str, Ext], _TEXT  # noqa: UP007 (a runtime type)
+    if annotation in _ARRAY_TWINS:  # (an audit row's outcome and usage)
+        # The array, or the map a body before protocol 8 wrote (and one still writes for a
+        # field left UNSET): read whole, then converted as the typed path converts it.
+        return Union[_ARRAY_TWINS[annotation], dict[str, Any]], _STRUCT  # noqa: UP007
     if annotation == list[str]:
         return Union[list[Union[str, Ext]], Ext], _TEXTS  # noqa: UP007
     if annotation in _TWIN_PLAIN or origin is Literal:
@@ -938,9 +988,10 @@ def _twin_annotation(annotation: Any) -> tuple[Any, str | None] | None:
         return annotation, None  # JSON (Any) or plain values: exts in it meet the hook
     if origin is list and _twin_annotation(args[0]) == (args[0], None):
         return annotation, None
-    # Anything else has no twin, a Struct in the record included: read natively from its
-    # map, a Struct skips the keys it does not know without reading them (text that is no
-    # UTF-8, a malformed ext), where the typed path refuses them.
+    # Anything else has no twin, a Struct in the record written as a map included: read
+    # natively from its map, a Struct skips the keys it does not know without reading them
+    # (text that is no UTF-8, a malformed ext), where the typed path refuses them. (A Struct
+    # written as an array has a twin of its own, above; its map form is read as a dict.)
     return None
 
 
@@ -1038,6 +1089,7 @@ def _twin(
     saves. Its source is kept as ``make.source``."""
     hints = typing.get_type_hints(kind.cls)
     fields: list[tuple[str, Any, Any]] = []
+    structs: dict[str, Callable[[Any], Any]] = {}
     tail = ", tail" if node else ""
     lines = ["def make(t" + "".join(f", g{at}" for at in range(given)) + tail + "):"]
     arguments = []
@@ -1081,6 +1133,9 @@ def _twin(
             if kind.words is not None and at == kind.words[0]:
                 word = f"words(v{at}) or word(v{at})"  # (``word`` refuses what has none)
                 lines.append(f"    elif v{at}.__class__ is int: v{at} = {word}")
+        elif fix == _STRUCT:  # its array twin, checked by the decode, as the Struct
+            lines.append(f"    v{at} = struct{at}(v{at})")
+            structs[f"struct{at}"] = _FROM_ARRAY_TWINS[hints[f.name]]
         else:
             lines.append(f"    if v{at} is not None: v{at} = texts(v{at})")
         arguments.append(f"{f.name}=v{at}")
@@ -1109,6 +1164,7 @@ def _twin(
         "words": _WORD_OF.get,
         "keys": _keys_read,
         "cls": kind.cls,
+        **structs,
     }
     exec(compile(source, f"<compact twin of {kind.cls.__name__}>", "exec"), scope)
     make = scope["make"]
@@ -1120,8 +1176,8 @@ _TWIN_OF: Final = {kind.index: _twin(kind) for kind in _BY_INDEX}
 _TWINS: Final = {twin[0]: twin[1] for twin in _TWIN_OF.values() if twin is not None}
 """Each twin's ``make``."""
 _TWIN_KINDS: Final = frozenset(index for index, twin in _TWIN_OF.items() if twin is not None)
-"""The kind indexes that have a twin: every kind but ``Session`` and ``AuditRow``, which hold
-Structs (a session's state, a call's outcome and usage)."""
+"""The kind indexes that have a twin: every kind but ``Session``, whose state is a Struct
+written as a map (an audit row's outcome and usage are arrays, which their own twins read)."""
 _TWIN_DECODER: Final = msgspec.msgpack.Decoder(
     Union[tuple(_TWINS)],  # noqa: UP007
     ext_hook=_unext,
