@@ -13,7 +13,10 @@ Every figure is printed beside a baseline measured in the same run on the same m
 - ``fan-out``: devices A and B connected live; A commits a turn (t0: commit returned), its sync
   loop pushes it, the server fans it out, B applies it (t1: B's ``sync.applied`` for the
   session, checked against B's store). Baseline: a raw ``websockets`` relay that forwards
-  A's message (one turn's encoded ``Push``) to B. Medians and p95 over the rounds. Then the
+  A's message (one turn's encoded ``Push``) to B. Medians and p95 over the rounds, and when
+  each step of the way began or was done (``Hops``: A's outbox read begun and done, A's push
+  sent, the server's push begun and done, B's apply begun), as the median time after the
+  commit. Then the
   same at turn 1,000 of a session (300 with ``--quick``), against a relay of that turn's
   ``Push`` as A sends it at protocol 7 on a connection that carried the turns before: the
   session's row names every message id, and the frame carries only the new ones, with a
@@ -35,7 +38,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import ServerConnection, serve
@@ -305,9 +308,56 @@ async def throughput_apart(tmp: Path, k: int, reps: int) -> list[Row]:
 # -- (b) live fan-out latency ------------------------------------------------------------------
 
 
+HOPS: Final = (
+    ("A's outbox read begun", "read>"),
+    ("A's outbox read done", "read"),
+    ("A's push sent", "sent"),
+    ("the server's push begun", "pushed>"),
+    ("the server's push done", "pushed"),
+    ("B's apply begun", "applied>"),
+)
+"""The steps of a change's way from A's commit to B's apply that ``Hops`` times: each one's
+name in the table and its mark. (B's apply ends with the round: its ``sync.applied``.)"""
+
+
+class Hops:
+    """When each step of a change's way from A's commit to B's apply began or ended, as seconds
+    after the commit: the step's method wrapped on its instance (A's outbox read, A's push
+    frame sent, the server's ``store.push``, B's page applied), each mark kept with its time;
+    a round keeps the first of each mark between its commit and B's apply (``of_round``)."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[str, float]] = []
+
+    def wrap(self, obj: Any, name: str, mark: str, *, begun: bool = False) -> None:
+        """``obj.name`` (an async method) marks ``mark`` as it returns, and ``mark`` with ``>``
+        as it is called too when ``begun``."""
+        method: Callable[..., Awaitable[Any]] = getattr(obj, name)
+        marks = self.marks
+
+        async def marked(*args: Any, **kwargs: Any) -> Any:
+            if begun:
+                marks.append((mark + ">", time.perf_counter()))
+            result = await method(*args, **kwargs)
+            marks.append((mark, time.perf_counter()))
+            return result
+
+        setattr(obj, name, marked)
+
+    def of_round(self, t0: float, t1: float) -> dict[str, float]:
+        """Each mark's first time in ``[t0, t1]``, as seconds after ``t0``; the marks are
+        forgotten."""
+        first: dict[str, float] = {}
+        for mark, at in self.marks:
+            if t0 <= at <= t1 and mark not in first:
+                first[mark] = at - t0
+        self.marks.clear()
+        return first
+
+
 async def fanout(
     server: SyncServer, tmp: Path, rounds: int, prefill: int = 0
-) -> tuple[list[float], float, bytes, bytes]:
+) -> tuple[list[float], float, bytes, bytes, dict[str, list[float]]]:
     """A commits a turn, B applies it: seconds per round (after one warm-up round), the mean
     seconds the server spent in ``store.push`` per round, and one turn's encoded ``Push``
     as A sends it (the baseline's payload: at protocol 7, on a connection that carried the
@@ -349,6 +399,12 @@ async def fanout(
         # other task can run (so before A's sync loop can start the push).
         a.events.on("checkpoint.created", on_commit)
         b.events.on("sync.applied", on_applied)
+        hops = Hops()
+        hops.wrap(a.store, "outbox_pending", "read", begun=True)
+        hops.wrap(a.sync, "_send_push", "sent")
+        hops.wrap(server.store, "push", "pushed", begun=True)
+        hops.wrap(b.sync, "_apply", "applied", begun=True)
+        steps: dict[str, list[float]] = {mark: [] for _, mark in HOPS}
         out: list[float] = []
         in_store = 0.0
         for r in range(rounds + 1):
@@ -376,12 +432,17 @@ async def fanout(
                         t1 = applied[checked]
                         break
                     checked = seen
+            marks = hops.of_round(committed[0], t1)
             if r > 0:
                 out.append(t1 - committed[0])
+                for mark, at in marks.items():
+                    if mark in steps:
+                        steps[mark].append(at)
             for rt in (a, b):  # quiet before the next round
                 assert await rt.sync.wait_until_synced(TIMEOUT), await rt.sync.status()
         in_store = (push_seconds(server) - in_store) / rounds
-    return out, in_store, payload, map_payload
+        del server.store.push  # (the store's own method again, for what runs after)
+    return out, in_store, payload, map_payload, steps
 
 
 async def relay_latency(payload: bytes, rounds: int) -> list[float]:
@@ -432,8 +493,8 @@ async def _run(quick: bool) -> list[Row]:
         ):
             rows = await throughput(server, root, k, reps)
             rows += await throughput_apart(root, k, reps)
-            latencies, in_store, payload, map_payload = await fanout(server, root, rounds)
-            late, late_store, late_payload, _ = await fanout(
+            latencies, in_store, payload, map_payload, steps = await fanout(server, root, rounds)
+            late, late_store, late_payload, _, late_steps = await fanout(
                 server, root, rounds, prefill=long_session
             )
         baseline = await relay_latency(payload, rounds)
@@ -463,6 +524,7 @@ async def _run(quick: bool) -> list[Row]:
             p95(baseline) * 1e3,
         ),
         Row("  of which the server's store.push, mean", in_store * 1e3, "ms"),
+        *hop_rows(steps, "after the commit, median"),
         Row(
             f"fan-out at turn {long_session:,} of a session, median of {rounds} "
             f"({len(late_payload) / 1024:.1f} KiB)",
@@ -485,7 +547,28 @@ async def _run(quick: bool) -> list[Row]:
             "turn 1",
             in_store * 1e3,
         ),
+        *hop_rows(late_steps, f"at turn {long_session:,}, after the commit", steps),
     ]
+    return rows
+
+
+def hop_rows(
+    steps: dict[str, list[float]], when: str, before: dict[str, list[float]] | None = None
+) -> list[Row]:
+    """A row for each step ``Hops`` timed: the median of its rounds, in ms after A's commit
+    (beside the same step of ``before``'s rounds, turn 1's, when given). A step no round
+    reached (a page a pull applied, say) has no row."""
+    rows = []
+    for name, mark in HOPS:
+        if not steps[mark]:
+            continue
+        value = statistics.median(steps[mark]) * 1e3
+        then = before[mark] if before is not None else []
+        label = f"    {name}, {when}"
+        if then:
+            rows.append(Row(label, value, "ms", "turn 1", statistics.median(then) * 1e3))
+        else:
+            rows.append(Row(label, value, "ms"))
     return rows
 
 
