@@ -2311,6 +2311,39 @@ async def test_a_long_sessions_ids_live_in_blocks_and_a_turn_rewrites_one(db_pat
         assert queued[-1] == longer  # a push sends the whole row, its ids joined
 
 
+async def test_an_outbox_read_holds_a_long_sessions_blocks_once_however_often_it_is_queued(
+    db_path: Path,
+) -> None:
+    """A long session queued at each of ten turns: the flush's read of the outbox gives one
+    row an entry and the session's blocks once (joined to each entry, they came back ten
+    times), and each entry's session is the whole row as stored, its ids from those blocks."""
+    ids = [uuid7() for _ in range(300)]
+    session = make_session(state=SessionState(message_ids=ids))
+    async with SQLiteAdapter(db_path) as store:
+        for _ in range(10):
+            ids = [*ids, uuid7(), uuid7()]
+            session = msgspec.structs.replace(session, state=SessionState(message_ids=ids))
+            await commit(store, session)
+        stored = await store.get_session(session.id)
+        pending = await store.outbox_pending()
+    assert stored == session
+    assert [e.record for e in pending] == [session] * 10
+    assert [e.again_later for e in pending] == [True] * 9 + [False]
+    conn = raw(db_path)
+    try:
+        sqlite_module.sql_functions(conn)
+        rows, blocks = sqlite_module._outbox_read(conn, 0, -1)
+        assert not conn.in_transaction  # (its read transaction ended)
+    finally:
+        conn.close()
+    assert len(rows) == 10
+    assert sorted((part, len(ids_) // 16) for _, part, ids_ in blocks) == [
+        (0, 124),
+        (1, 124),
+        (2, 72),
+    ]
+
+
 async def test_two_stores_of_one_process_each_write_a_long_session_without_reading_its_blocks(
     tmp_path: Path,
 ) -> None:
