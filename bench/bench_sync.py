@@ -10,6 +10,9 @@ Every figure is printed beside a baseline measured in the same run on the same m
   the server and the echo each in a process of their own (``pleach-server`` on a SQLite file,
   ``bench.ws_baselines echo``), as a user meets them: the server's work no longer shares the
   device's core and GIL, so what the two sides do at once shows.
+  Then the same K turns queued in a session already 2,000 turns long (600 with
+  ``--quick``) and synced: its row, queued at each turn, names every message id, and the
+  flush reads the row's id blocks back; beside the new session's rate.
 - ``fan-out``: devices A and B connected live; A commits a turn (t0: commit returned), its sync
   loop pushes it, the server fans it out, B applies it (t1: B's ``sync.applied`` for the
   session, checked against B's store). Baseline: a raw ``websockets`` relay that forwards
@@ -198,6 +201,29 @@ async def sync_round(server: SyncServer, tmp: Path, label: str, k: int) -> SyncR
 async def _echo(ws: ServerConnection) -> None:
     async for message in ws:
         await ws.send(message)
+
+
+async def long_session_flushes(
+    server: SyncServer, tmp: Path, prefill: int, k: int, reps: int
+) -> list[float]:
+    """Changes a second of ``reps`` full syncs of ``k`` turns queued offline in a session of
+    ``prefill`` turns already synced (the same device; the session ``k`` turns longer each
+    time): a long session's row is queued at each turn, and a flush reads the row's id blocks
+    back (once a batch), where a new session's row holds its few ids."""
+    tenant = new_tenant("long-flush")
+    token = issue_token(SECRET, tenant, 3600)
+    rates: list[float] = []
+    async with device(tmp / "long-flush.db", tenant, "dev-long-flush") as rt:
+        session_id = (await rt.create_session(title="long")).id
+        await turns(rt, session_id, 0, prefill)
+        await rt.sync.sync_once(server.url, token, timeout=TIMEOUT)
+        for rep in range(reps):
+            await turns(rt, session_id, prefill + rep * k, k)
+            started = time.perf_counter()
+            receipt = await rt.sync.sync_once(server.url, token, timeout=TIMEOUT)
+            rates.append(receipt.flushed / (time.perf_counter() - started))
+            assert receipt.outcome == "all-flushed", receipt
+    return rates
 
 
 async def echo_round(url: str, payloads: list[bytes]) -> float:
@@ -492,6 +518,17 @@ async def _run(quick: bool) -> list[Row]:
             SyncServer(store, port=0, secret=SECRET) as server,
         ):
             rows = await throughput(server, root, k, reps)
+            at = long_session * 2
+            rates = await long_session_flushes(server, root, at, k, reps)
+            rows.append(
+                Row(
+                    f"  the same {k} turns queued in a session at turn {at:,} (median of {reps})",
+                    statistics.median(rates),
+                    "changes/s",
+                    "the same in a new session",
+                    rows[0].value,
+                )
+            )
             rows += await throughput_apart(root, k, reps)
             latencies, in_store, payload, map_payload, steps = await fanout(server, root, rounds)
             late, late_store, late_payload, _, late_steps = await fanout(
