@@ -136,18 +136,35 @@ class SyncRound:
     """The same changes as protocol 5 frames (records, not their stored bytes)."""
 
 
-def _time_method(obj: Any, name: str, into: dict[str, float]) -> None:
-    """Wrap ``obj.name`` (an async method) on the instance to add its seconds to ``into``."""
+def _around(
+    obj: Any,
+    name: str,
+    returned: Callable[[float, float], None],
+    called: Callable[[float], None] | None = None,
+) -> None:
+    """Wrap ``obj.name`` (an async method) on the instance: ``called(start)`` as it is called,
+    when given, and ``returned(start, end)`` as it returns or raises."""
     method: Callable[..., Awaitable[Any]] = getattr(obj, name)
 
-    async def timed(*args: Any, **kwargs: Any) -> Any:
+    async def wrapped(*args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
+        if called is not None:
+            called(started)
         try:
             return await method(*args, **kwargs)
         finally:
-            into[name] = into.get(name, 0.0) + time.perf_counter() - started
+            returned(started, time.perf_counter())
 
-    setattr(obj, name, timed)
+    setattr(obj, name, wrapped)
+
+
+def _time_method(obj: Any, name: str, into: dict[str, float]) -> None:
+    """Wrap ``obj.name`` (an async method) on the instance to add its seconds to ``into``."""
+
+    def add(started: float, ended: float) -> None:
+        into[name] = into.get(name, 0.0) + ended - started
+
+    _around(obj, name, add)
 
 
 async def offline_turns(rt: SessionRuntime, label: str, k: int) -> tuple[int, list[bytes]]:
@@ -357,18 +374,14 @@ class Hops:
 
     def wrap(self, obj: Any, name: str, mark: str, *, begun: bool = False) -> None:
         """``obj.name`` (an async method) marks ``mark`` as it returns, and ``mark`` with ``>``
-        as it is called too when ``begun``."""
-        method: Callable[..., Awaitable[Any]] = getattr(obj, name)
+        as it is called too when ``begun`` (``_around``)."""
         marks = self.marks
-
-        async def marked(*args: Any, **kwargs: Any) -> Any:
-            if begun:
-                marks.append((mark + ">", time.perf_counter()))
-            result = await method(*args, **kwargs)
-            marks.append((mark, time.perf_counter()))
-            return result
-
-        setattr(obj, name, marked)
+        _around(
+            obj,
+            name,
+            lambda _, ended: marks.append((mark, ended)),
+            (lambda started: marks.append((mark + ">", started))) if begun else None,
+        )
 
     def of_round(self, t0: float, t1: float) -> dict[str, float]:
         """Each mark's first time in ``[t0, t1]``, as seconds after ``t0``; the marks are

@@ -916,19 +916,19 @@ _STRUCT: Final = "struct"
 _TWIN_PLAIN: Final = frozenset({int, bool, float, bytes, type(None), Any})
 
 
+def _default_of(f: msgspec.structs.FieldInfo) -> Any:
+    """A twin's field's default, as its record's (none when it has none)."""
+    if f.default_factory is not msgspec.NODEFAULT:
+        return msgspec.field(default_factory=f.default_factory)
+    return msgspec.field(default=f.default)  # (NODEFAULT: no default)
+
+
 def _array_twin(cls: type[msgspec.Struct]) -> type[msgspec.Struct]:
     """The twin of a Struct a body writes as an array (``_ARRAY_STRUCTS``): array-like, with
     its fields' own types and defaults, no more values than it has fields (as the typed path,
     which reads a longer array as no record). A text in it that was packed as an ext is
     refused: the typed path reads it."""
-    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
-    for f in msgspec.structs.fields(cls):
-        if f.default_factory is not msgspec.NODEFAULT:
-            fields.append((f.name, f.type, msgspec.field(default_factory=f.default_factory)))
-        elif f.default is not msgspec.NODEFAULT:
-            fields.append((f.name, f.type, msgspec.field(default=f.default)))
-        else:
-            fields.append((f.name, f.type))
+    fields = [(f.name, f.type, _default_of(f)) for f in msgspec.structs.fields(cls)]
     return msgspec.defstruct(
         f"{cls.__name__}Twin", fields, array_like=True, forbid_unknown_fields=True, gc=False
     )
@@ -1106,11 +1106,7 @@ def _twin(
         if kind.words is not None and at in kind.words:  # an index in ``WORDS``
             annotation = annotation | int if at == kind.words[0] else dict[str | int, Any]
             fix = fix or _KEYS
-        if f.default_factory is not msgspec.NODEFAULT:
-            default = msgspec.field(default_factory=f.default_factory)
-        else:
-            default = msgspec.field(default=f.default)
-        fields.append((f.name, annotation, default))
+        fields.append((f.name, annotation, _default_of(f)))
         if fix is None:
             arguments.append(f"{f.name}=t.{f.name}")
             continue

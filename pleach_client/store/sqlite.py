@@ -922,8 +922,8 @@ QUERIES: Final[dict[str, str]] = {
         "SELECT id, body FROM artifact_updates WHERE artifact_id = ? ORDER BY hlc, id"
     ),
     "get_meta": "SELECT value FROM sync_state WHERE key = ?",
-    # A session's row with its id blocks (``_entries_of`` joins them and puts the rows in
-    # client_seq order), all in one read.
+    # The queued rows in client_seq order, each with its record's whole body (a long session's
+    # without its ids: ``_outbox_read`` reads its blocks beside them, ``_entries_of`` joins them).
     "outbox_pending": (
         f"SELECT o.client_seq, {_OUTBOX_BODY}, "
         "o.attempts, o.created_at, o.last_error_code, o.last_error_message, "
@@ -1252,7 +1252,7 @@ def _outbox_read(raw: sqlite3.Connection, after: int, limit: int) -> tuple[list[
 
 
 def _entries_of(
-    rows: Sequence[Any], blocks: Sequence[Any] = ()
+    rows: Sequence[Any], blocks: Sequence[Any]
 ) -> tuple[list[tuple[Any, ...]], dict[bytes, Record]]:
     """``_outbox_read``'s rows (in client_seq order) and blocks as ``outbox_entries`` takes
     them: a long session's row, with its blocks, as the whole body it stands for (what a push
@@ -1287,7 +1287,7 @@ def _in_order(checkpoints: list[Checkpoint]) -> list[Checkpoint]:
 _STAMP_AND_ID: Final = operator.attrgetter("hlc", "id")
 
 
-def _outbox_entries(rows: Sequence[Any], blocks: Sequence[Any] = ()) -> list[OutboxEntry]:
+def _outbox_entries(rows: Sequence[Any], blocks: Sequence[Any]) -> list[OutboxEntry]:
     """``_outbox_read``'s rows and blocks as entries (``_entries_of``, then
     ``outbox_entries``)."""
     entries, built = _entries_of(rows, blocks)
