@@ -49,7 +49,7 @@ from bench.bench_local import RecordingAdapter, Row, raw_rows, report
 from pleach_client.providers.scripted import ScriptedProvider, ScriptedReply
 from pleach_client.runtime import SessionRuntime
 from pleach_client.store.base import WriteBatch
-from pleach_client.store.sqlite import _ENQUEUE, _PUT_META, SQLiteAdapter, create_schema
+from pleach_client.store.sqlite import _PUT_META, SQLiteAdapter, create_schema
 from pleach_client.sync import _push_of
 from pleach_server.auth import issue_token
 from pleach_server.server import SyncServer
@@ -167,7 +167,8 @@ def raw_bulk(path: Path, batches: list[WriteBatch]) -> float:
         for groups, enqueue, meta in rows:
             for sql, params in groups.items():
                 conn.executemany(sql, params)
-            conn.executemany(_ENQUEUE, enqueue)
+            for sql, params in enqueue:
+                conn.executemany(sql, params)
             conn.executemany(_PUT_META, meta)
         conn.execute("COMMIT")
         return time.perf_counter() - started

@@ -40,13 +40,13 @@ from pleach_client.runtime import SessionRuntime
 from pleach_client.store.base import CommitReceipt, Plan, StorageAdapter, TxReader, WriteBatch
 from pleach_client.store.memory import MemoryAdapter
 from pleach_client.store.sqlite import (
-    _ENQUEUE,
     _PUT_ID_BLOCK,
     _PUT_META,
     _PUT_SESSION,
     SQLiteAdapter,
     _encode_batch,
     _numbers_for,
+    _queued_rows,
     _shortened,
     create_schema,
     id_blocks,
@@ -244,7 +244,12 @@ async def memory_run(count: int) -> list[float]:
         return await turns(rt, session_id, 0, count)
 
 
-RawTurn = tuple[dict[str, list[tuple[Any, ...]]], list[tuple[Any, ...]], list[tuple[str, str]]]
+RawTurn = tuple[
+    dict[str, list[tuple[Any, ...]]],
+    list[tuple[str, list[tuple[Any, ...]]]],
+    list[tuple[str, str]],
+]
+"""A turn's rows: per insert statement, the outbox's statements (``_queued_rows``), meta."""
 
 
 def raw_rows(batches: Sequence[WriteBatch], client_id: str | None = None) -> list[RawTurn]:
@@ -254,7 +259,7 @@ def raw_rows(batches: Sequence[WriteBatch], client_id: str | None = None) -> lis
     memory keeps the tenant and node it takes, as the store's does). Not timed."""
     out: list[RawTurn] = []
     seq = 0
-    now = time.time()
+    now = int(time.time() * 1000)
     held: dict[Any, bytes] = {}
     scratch = sqlite3.connect(":memory:")
     create_schema(scratch)
@@ -267,10 +272,8 @@ def raw_rows(batches: Sequence[WriteBatch], client_id: str | None = None) -> lis
         (groups,) = _shortened(scratch, groups)
         # (schema 12: the sessions' and devices' numbers first, as the store writes them)
         groups = {**dict(_numbers_for(list(groups.items()))), **groups}
-        enqueue = []
-        for record_id, kind, body in outbox:
-            seq += 1
-            enqueue.append((seq, record_id, kind, body, now))
+        enqueue = _queued_rows(seq + 1, outbox, now)
+        seq += len(outbox)
         out.append((groups, enqueue, list(batch.meta.items())))
     scratch.close()
     return out
@@ -305,7 +308,8 @@ def raw_replay(path: Path, rows: Sequence[RawTurn]) -> list[float]:
             conn.execute("BEGIN IMMEDIATE")
             for sql, params in groups.items():
                 conn.executemany(sql, params)
-            conn.executemany(_ENQUEUE, enqueue)
+            for sql, params in enqueue:
+                conn.executemany(sql, params)
             conn.executemany(_PUT_META, meta)
             conn.execute("COMMIT")
             out.append(time.perf_counter() - started)

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 pytest.register_assert_rewrite("tests.store_conformance")
 
 from pleach_client.store import MemoryAdapter, SQLiteAdapter, StorageAdapter  # noqa: E402
+from pleach_client.store import queued  # noqa: E402
 from pleach_client.store import sqlite as sqlite_module  # noqa: E402
 from pleach_client.store.base import InPlace, Plan, Rerunnable, WriteBatch  # noqa: E402
 from pleach_client.store.sqlite import QUERIES, SCHEMA_VERSION  # noqa: E402
@@ -346,7 +347,7 @@ async def test_corrupt_rows_raise_storage_error_naming_table_and_id(db_path: Pat
         (key(message.id),),
     )
     conn.execute("UPDATE sessions SET body = x'c1ff00' WHERE id = ?", (key(session.id),))
-    conn.execute("UPDATE outbox SET body = x'c1'")
+    conn.execute("UPDATE outbox SET refs = x'c1'")
     conn.execute("UPDATE dead_letters SET body = 'text, not msgpack'")
     conn.close()
     async with SQLiteAdapter(db_path) as store:
@@ -388,9 +389,10 @@ async def test_commit_is_one_transaction(sqlite_store: SQLiteAdapter) -> None:
     assert verbs.count("BEGIN") == 1
     assert verbs.count("COMMIT") == 1
     assert "ROLLBACK" not in verbs
-    # 71 records, 71 outbox rows, one meta key and the session's number (its first events),
-    # all in that one transaction.
-    assert conn.total_changes - before == 71 + 71 + 1 + 1
+    # 71 records; their outbox in two rows (64 entries a row at most), the session's entry
+    # indexed and the sequence moved past them; one meta key and the session's number (its
+    # first events): all in that one transaction.
+    assert conn.total_changes - before == 71 + 2 + 1 + 1 + 1 + 1
 
 
 class _CountingConnection:
@@ -553,11 +555,16 @@ async def test_outbox_refers_to_records_instead_of_copying_them(db_path: Path) -
     assert [e.client_seq for e in pending] == receipt.client_seqs
     conn = raw(db_path)
     try:
-        copies = conn.execute("SELECT count(*) FROM outbox WHERE body IS NOT NULL").fetchone()[0]
-        rows = conn.execute("SELECT count(*) FROM outbox").fetchone()[0]
+        rows = conn.execute("SELECT client_seq, refs, live FROM outbox").fetchall()
     finally:
         conn.close()
-    assert (copies, rows) == (0, len(records))
+    # One row for the commit (schema 18), its entries each a kind and a key, no copy.
+    ((first, refs, live),) = rows
+    entries = queued.unpack(refs)
+    assert (first, live) == (receipt.client_seqs[0], len(records))
+    assert [(e.kind, e.body) for e in entries if e is not None] == [
+        (compact.KINDS.index(type(r).__name__), None) for r in records
+    ]
 
 
 async def test_outbox_rows_with_a_copy_from_older_files_still_flush(db_path: Path) -> None:
@@ -565,8 +572,9 @@ async def test_outbox_rows_with_a_copy_from_older_files_still_flush(db_path: Pat
     async with SQLiteAdapter(db_path) as store:
         await commit(store, message)
     conn = raw(db_path)
-    try:  # a row as older versions wrote it: a copy of the record in ``body``
-        conn.execute("UPDATE outbox SET body = ?", (encode_record(message),))
+    try:  # an entry with a copy of its record, as older versions wrote them
+        entry = queued.Queued(1, key(message.id), encode_record(message))
+        conn.execute("UPDATE outbox SET refs = ?", (queued.pack([entry]),))
         conn.execute("DELETE FROM messages")
         conn.commit()
     finally:
@@ -746,17 +754,17 @@ async def test_only_session_rows_of_the_outbox_are_indexed_by_record(db_path: Pa
         assert await _session_queued(store, "s-1")
         assert not await _session_queued(store, message.id)  # a message is no session
         assert not await _session_queued(store, "s-2")
+        await store.outbox_remove([1])  # (the session's entry acknowledged)
+        assert not await _session_queued(store, "s-1")
+        await commit(store, session)
     conn = raw(db_path)
     try:
-        indexed = conn.execute(
-            "SELECT count(*) FROM outbox INDEXED BY ix_outbox_session "
-            "WHERE kind = 0 AND record_id IS NOT NULL"
-        ).fetchone()[0]
+        indexed = conn.execute("SELECT session_id, client_seq, ref FROM outbox_sessions").fetchall()
         names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
     finally:
         conn.close()
-    assert indexed == 1
-    assert "ix_outbox_record" not in names
+    assert indexed == [(key("s-1"), 3, 1)]
+    assert not {"ix_outbox_record", "ix_outbox_session"} & names
 
 
 async def test_a_schema_3_file_migrates_to_4_with_nothing_lost(db_path: Path) -> None:
@@ -982,10 +990,66 @@ _TABLES_11: Final = """
 """
 
 
+_OUTBOX_17: Final = """
+    DROP TABLE outbox;
+    DROP TABLE outbox_sessions;
+    DROP TABLE outbox_tries;
+    CREATE TABLE outbox (
+        client_seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        record_id TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        body BLOB,
+        attempts INTEGER NOT NULL DEFAULT 0,
+        created_at REAL NOT NULL,
+        last_error_code INTEGER,
+        last_error_message TEXT);
+    CREATE INDEX ix_outbox_session ON outbox (record_id) WHERE kind = 0;
+"""
+
+
+def _as_schema_17(conn: sqlite3.Connection) -> None:
+    """A file written by this store as schema 17 kept it (a file of schema 18 made so): an
+    outbox row an entry, each with its key, its kind (its index as text), its own copy of a
+    body if it has one, its attempts, time and last error, and an index of its sessions'."""
+    if _version_of(conn) < 18:
+        return
+    rows = conn.execute("SELECT client_seq, refs, created_at FROM outbox ORDER BY 1").fetchall()
+    tries = {
+        row[0]: row[1:]
+        for row in conn.execute(
+            "SELECT client_seq, attempts, last_error_code, last_error_message FROM outbox_tries"
+        )
+    }
+    last = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'outbox'").fetchone()
+    conn.executescript(_OUTBOX_17)
+    for first, refs, created_at in rows:
+        for at, entry in enumerate(queued.unpack(refs)):
+            if entry is not None:
+                attempts, code, message = tries.get(first + at, (0, None, None))
+                conn.execute(
+                    "INSERT INTO outbox VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        first + at,
+                        entry.key,
+                        entry.kind,
+                        entry.body,
+                        attempts,
+                        created_at,
+                        code,
+                        message,
+                    ),
+                )
+    conn.execute("DELETE FROM sqlite_sequence WHERE name = 'outbox'")
+    if last is not None:
+        conn.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('outbox', ?)", (last[0],))
+    conn.execute("PRAGMA user_version = 17")
+
+
 def _as_schema_16(conn: sqlite3.Connection) -> None:
     """A file written by this store as schema 16 kept it (a file of schema 17 made so): its
     sessions' id blocks of 128 ids (``ID_LAYOUT``), its audit rows' indexes holding their
     device, place and id, and their bodies their content digests."""
+    _as_schema_17(conn)
     if _version_of(conn) < 17:
         return
     whole = sqlite_module._whole_row("audit")
@@ -1147,7 +1211,7 @@ async def test_a_schema_4_file_migrates_its_ids_to_keys(db_path: Path, tmp_path:
     assert conn.execute("SELECT count(*) FROM events").fetchone()[0] == 2
     conn.close()
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 17
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 18
         for record in history:
             assert await read_back(store, record) == record
         session = history[0]
@@ -1198,7 +1262,7 @@ async def test_a_schema_8_file_keeps_its_outbox_and_log_through_schema_9(db_path
     events = [r for r in history if type(r).__name__ == "Event"]
     later = make_event(session_id=events[0].session_id, sequence_number=2, type=events[0].type)
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 17
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 18
         assert await store.outbox_pending() == before
         assert await store.dead_letters() == letters
         assert await _session_queued(store, session.id)
@@ -1214,8 +1278,13 @@ async def test_a_schema_8_file_keeps_its_outbox_and_log_through_schema_9(db_path
         assert await store.integrity_check() == []
     conn = raw(db_path)
     try:
-        kinds = {k for (k,) in conn.execute("SELECT kind FROM outbox")}
-        assert kinds <= {str(code) for code in range(len(compact.KINDS))}
+        kinds = {
+            entry.kind
+            for (refs,) in conn.execute("SELECT refs FROM outbox")
+            for entry in queued.unpack(refs)
+            if entry is not None
+        }
+        assert kinds <= set(range(len(compact.KINDS)))
         times = [t for (t,) in conn.execute("SELECT created_at FROM outbox")]
         assert all(t == int(t) and t > 10**12 for t in times)  # milliseconds
     finally:
@@ -1431,7 +1500,7 @@ async def _migrated_then_written(
 ) -> None:
     """A file just migrated to this schema: its outbox and records read as before, then
     ``later`` is committed beside them, and old and new read back alike, queued in order."""
-    assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 17
+    assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 18
     assert await store.outbox_pending() == before
     for record in history:
         assert await read_back(store, record) == record
@@ -1764,8 +1833,9 @@ def _free_pages(conn: sqlite3.Connection) -> int:
 
 
 async def _outbox_bodies(store: SQLiteAdapter) -> list[bytes]:
-    """The bodies the flush reads for the whole outbox (``outbox_pending``'s query)."""
-    rows = await store._conn.execute_fetchall(QUERIES["outbox_pending"], (0, -1))  # type: ignore[union-attr]
+    """The bodies the flush reads for the whole outbox (``_outbox_read``'s)."""
+    assert store._conn is not None
+    rows, _ = await sqlite_module._selected(store._conn, sqlite_module._outbox_read, 0, -1)
     return [row[1] for row in rows if row[1] is not None]
 
 
@@ -1978,8 +2048,10 @@ def _dump(path: Path) -> dict[str, list[tuple[Any, ...]]]:
         for table in ("sessions", "messages", "checkpoints", "events", "audit", "sync_state"):
             out[table] = sorted(conn.execute(f"SELECT * FROM {table}").fetchall(), key=repr)
         out["outbox"] = conn.execute(
-            "SELECT client_seq, record_id, kind, body, attempts FROM outbox ORDER BY client_seq"
+            "SELECT client_seq, refs, live FROM outbox ORDER BY client_seq"
         ).fetchall()
+        for table in ("outbox_sessions", "outbox_tries"):
+            out[table] = conn.execute(f"SELECT * FROM {table} ORDER BY client_seq").fetchall()
         return out
     finally:
         conn.close()
@@ -2578,7 +2650,7 @@ async def test_a_schema_16_file_cuts_its_id_blocks_two_to_a_page_at_17(db_path: 
         path = db_path.with_name(f"copy-{cached}.db")
         path.write_bytes(db_path.read_bytes())
         async with SQLiteAdapter(path) as store:
-            assert (await store.settings())["schema_version"] == 17
+            assert (await store.settings())["schema_version"] == SCHEMA_VERSION
             assert _index_columns(path, "ix_audit_client") == ["client_n", "sequence_number"]
             assert _index_columns(path, "ix_audit_session") == ["session_n"]
             assert await store.list_audit() == listed["all"]
@@ -2934,7 +3006,7 @@ async def test_a_schema_13_file_keeps_its_checkpoints_in_order_of_stamp_at_15(
         conn.close()
     later = make_checkpoint(session_id=session.id, hlc="1796644975000-000000-dev-c")
     async with SQLiteAdapter(db_path) as store:
-        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 17
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 18
         assert await store.list_checkpoints(session.id) == ours
         await commit(store, later)
         assert await store.list_checkpoints(session.id) == in_order([*ours, later])
@@ -2943,3 +3015,59 @@ async def test_a_schema_13_file_keeps_its_checkpoints_in_order_of_stamp_at_15(
         assert await store.list_events(session.id) == chained
         assert await store.get_messages([m.id for m in said]) == said
         assert await store.get_messages([m.id for m in said[:span]]) == said[:span]
+
+
+# -- schema 18: the outbox a row a commit ---------------------------------------------------
+
+
+async def test_a_schema_17_file_keeps_every_queued_entry_at_18(db_path: Path) -> None:
+    """Schema 18 keeps a commit's outbox entries in one row (``queued``). A file of schema 17
+    (a row an entry) opens with every entry as it was: its number, record, attempts, last
+    error and time, a session's version queued again later, a dead letter queued again with
+    its own copy, the gaps acknowledgements left; the numbers go on after the largest ever
+    handed out, and a commit after it takes one row."""
+    history = _a_history()
+    session = history[0]
+    async with SQLiteAdapter(db_path) as store:
+        first = await commit(store, *history)
+        again = await commit(store, session, make_message(session_id=session.id))
+        await store.outbox_mark_attempt(first.client_seqs[1:3], 3001, "slow down")
+        await store.outbox_mark_attempt(first.client_seqs[2:3], None, "timed out")
+        await store.outbox_dead_letter(first.client_seqs[3], 3007, "invalid")
+        await store.outbox_remove([first.client_seqs[4], again.client_seqs[-1]])
+        letter = (await store.dead_letters())[0]
+        retried = await store.retry_dead_letter(letter.client_seq)
+        dropped = await commit(store, make_message(session_id=session.id))
+        await store.outbox_remove(dropped.client_seqs)  # (the largest number: gone)
+        before = await store.outbox_pending()
+        last = await store.last_client_seq()
+    assert retried is not None and last == dropped.client_seqs[-1]
+    tried = {e.client_seq: (e.attempts, e.last_error_code, e.last_error_message) for e in before}
+    assert tried[first.client_seqs[1]] == (1, 3001, "slow down")
+    assert tried[first.client_seqs[2]] == (2, None, "timed out")
+    assert [e.again_later for e in before if e.record == session] == [True, False]
+    assert before[-1].client_seq == retried and before[-1].record == letter.record
+    conn = raw(db_path)
+    try:
+        _as_schema_17(conn)
+        conn.commit()
+        assert conn.execute("SELECT count(*) FROM outbox").fetchone()[0] == len(before)
+    finally:
+        conn.close()
+    async with SQLiteAdapter(db_path) as store:
+        assert (await store.settings())["schema_version"] == SCHEMA_VERSION == 18
+        assert await store.outbox_pending() == before
+        assert await store.outbox_count() == len(before)
+        assert await store.last_client_seq() == last
+        assert await _session_queued(store, session.id)
+        later = await commit(store, make_message(session_id=session.id))
+        assert later.client_seqs == [last + 1]
+        assert [e.client_seq for e in await store.outbox_pending(2, after=retried)] == [last + 1]
+        assert await store.integrity_check() == []
+    conn = raw(db_path)
+    try:
+        rows = conn.execute("SELECT client_seq, live FROM outbox ORDER BY 1").fetchall()
+    finally:
+        conn.close()
+    # The runs of one commit, one time, consecutive numbers: a row each (the gaps cut them).
+    assert len(rows) < len(before) and sum(live for _, live in rows) == len(before) + 1

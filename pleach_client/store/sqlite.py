@@ -52,6 +52,7 @@ from shared.records import (
 )
 from shared.resource import AsyncResource
 
+from . import queued
 from .base import (
     CommitReceipt,
     DeadLetter,
@@ -127,6 +128,48 @@ def _rechunk_id_blocks(raw: sqlite3.Connection) -> None:
         rows += [(key, part, ids) for part, ids in blocks]
     raw.execute("DELETE FROM session_ids")
     raw.executemany(_PUT_ID_BLOCK, rows)
+
+
+def _outbox_by_commit(raw: sqlite3.Connection) -> None:
+    """Schema 18: the outbox as a row a commit (``queued``). Each run of rows queued by one
+    commit (consecutive numbers, one ``created_at``) becomes one row of at most
+    ``queued.ROW_ENTRIES`` entries, each row's own copy of a body kept in its entry; the
+    numbers, the sequence after them and every attempt and error stay as they were."""
+    old = raw.execute(
+        "SELECT client_seq, record_id, kind, body, attempts, created_at, last_error_code, "
+        "last_error_message FROM outbox ORDER BY client_seq"
+    ).fetchall()
+    last = raw.execute(_LAST_SEQ).fetchone()
+    raw.execute("DROP TABLE outbox")  # (its index with it)
+    for statement in _OUTBOX_TABLES_18:
+        raw.execute(statement)
+    runs: list[tuple[int, int, list[queued.Queued]]] = []
+    for seq, record_id, kind, body, attempts, created_at, code, message in old:
+        entry = queued.Queued(_kind_code(kind), record_id, None if body is None else bytes(body))
+        run = runs[-1] if runs else None
+        if (
+            run is None
+            or run[0] + len(run[2]) != seq
+            or run[1] != created_at
+            or len(run[2]) >= queued.ROW_ENTRIES
+        ):
+            runs.append((seq, created_at, [entry]))
+        else:
+            run[2].append(entry)
+        if attempts or code is not None or message is not None:
+            raw.execute(_TRIED, (seq, attempts, code, message))
+    for first, created_at, entries in runs:
+        _put_queued(raw, first, entries, int(created_at))
+    raw.execute("DELETE FROM sqlite_sequence WHERE name = 'outbox'")
+    if last is not None:
+        raw.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('outbox', ?)", (last[0],))
+
+
+def _kind_code(kind: object) -> int:
+    """An outbox row's kind before schema 18 (its index in ``compact.KINDS`` as the column's
+    text, schema 9, or the kind's name before) as the index."""
+    text = str(kind)
+    return int(text) if text.isdigit() else _KIND_CODE[text]
 
 
 # One tuple of statements per schema version; append, never edit a released step.
@@ -418,6 +461,13 @@ _MIGRATIONS: Final[tuple[tuple[_Step, ...], ...]] = (
         "CREATE INDEX ix_audit_client ON audit (client_n, sequence_number)",
         "CREATE INDEX ix_audit_session ON audit (session_n)",
     ),
+    # 18: the outbox a row a commit (``queued``: its entries' kinds and keys in one blob,
+    # numbered from the row's key), where it was a row an entry, each with its key, kind,
+    # time and counts (about 37 bytes, nine a turn). The sessions queued by reference are
+    # indexed beside it (``outbox_sessions``: whether a session is queued, and whether an
+    # entry's version is queued again later), an entry's failed attempts too
+    # (``outbox_tries``: only those that failed).
+    (_outbox_by_commit,),
 )
 SCHEMA_VERSION: Final = len(_MIGRATIONS)
 
@@ -529,11 +579,18 @@ def _select_in(raw: sqlite3.Connection, sql: str, keys: Sequence[object]) -> lis
         chunk = list(keys[at : at + size])
         fit = next(n for n in _IN_SIZES if n >= len(chunk))
         chunk += chunk[-1:] * (fit - len(chunk))
-        rows += raw.execute(sql.format(keys=_MARKS[fit]), chunk).fetchall()
+        statement = _IN_TEXTS.get((sql, fit))
+        if statement is None:
+            statement = _IN_TEXTS[sql, fit] = sql.format(keys=_MARKS[fit])
+        rows += raw.execute(statement, chunk).fetchall()
     return rows
 
 
 _MARKS: Final = {n: ", ".join("?" * n) for n in _IN_SIZES}
+_IN_TEXTS: dict[tuple[str, int], str] = {}
+"""Each ``_select_in`` statement's text for each of ``_IN_SIZES``, made once: the texts that
+put a body together are kilobytes long, and ``str.format`` read all of it at each call (about
+10 µs a statement)."""
 
 SPAN_MIN_KEYS: Final = 256
 """Messages asked for at once from which ``_select_messages`` tries their span of the table."""
@@ -711,20 +768,43 @@ _PUT_ARTIFACT = (
     "INSERT INTO artifact_updates (id, artifact_id, session_id, hlc, body) "
     "VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING"
 )
-_PURGE_CHECKPOINTS = (
-    f"UPDATE outbox SET kind = {_SESSION_KIND}, record_id = ?1, body = NULL "
-    f"WHERE kind = {_KIND_CODE['Checkpoint']} AND record_id IN "
-    f"(SELECT id FROM checkpoints WHERE session_n = {_SESSION_N.format('?1')})",
-    f"DELETE FROM checkpoints WHERE session_n = {_SESSION_N.format('?1')}",
-)
+_PURGED_CHECKPOINTS = f"SELECT id FROM checkpoints WHERE session_n = {_SESSION_N.format('?1')}"
+"""The checkpoints a purge of session ?1's checkpoints removes (their queued entries go as
+references to the session's row: ``_queued_as_session``)."""
+_PURGE_CHECKPOINTS = (f"DELETE FROM checkpoints WHERE session_n = {_SESSION_N.format('?1')}",)
 _PUT_META = (
     "INSERT INTO sync_state (key, value) VALUES (?, ?) "
     "ON CONFLICT (key) DO UPDATE SET value = excluded.value"
 )
 _LAST_SEQ = "SELECT seq FROM sqlite_sequence WHERE name = 'outbox'"
-_ENQUEUE = (
-    "INSERT INTO outbox (client_seq, record_id, kind, body, attempts, created_at) "
-    "VALUES (?, ?, ?, ?, 0, ?)"
+_OUTBOX_TABLES_18: Final = (
+    # AUTOINCREMENT: sqlite_sequence remembers the largest client_seq ever handed out (the
+    # last entry of the last row, ``_put_queued``), so a number is never handed out twice.
+    """CREATE TABLE outbox (
+        client_seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        refs BLOB NOT NULL,
+        live INTEGER NOT NULL,
+        created_at INTEGER NOT NULL)""",
+    """CREATE TABLE outbox_sessions (
+        session_id TEXT NOT NULL,
+        client_seq INTEGER NOT NULL,
+        ref INTEGER NOT NULL,
+        PRIMARY KEY (session_id, client_seq)) WITHOUT ROWID""",
+    """CREATE TABLE outbox_tries (
+        client_seq INTEGER PRIMARY KEY,
+        attempts INTEGER NOT NULL,
+        last_error_code INTEGER,
+        last_error_message TEXT)""",
+)
+"""Schema 18's outbox (``queued``): a row a commit; the sessions it queues (``ref``: 1 when
+the entry refers to the session's row, 0 when it carries its own copy); the failed attempts
+of an entry."""
+_ENQUEUE = "INSERT INTO outbox (client_seq, refs, live, created_at) VALUES (?, ?, ?, ?)"
+_QUEUE_SESSION = "INSERT INTO outbox_sessions (session_id, client_seq, ref) VALUES (?, ?, ?)"
+_SEQUENCE_AT = "UPDATE sqlite_sequence SET seq = max(seq, ?) WHERE name = 'outbox'"
+_TRIED = (
+    "INSERT INTO outbox_tries (client_seq, attempts, last_error_code, last_error_message) "
+    "VALUES (?, ?, ?, ?)"
 )
 _REDACT_AUDIT = "UPDATE audit SET subject_key = NULL, body = ? WHERE id = ?"
 _LAST_SEQUENCE: Final = 2**63 - 1
@@ -806,30 +886,6 @@ _PREV_WHERE_LEFT_OUT: Final = (
 and 17, ``compact.prev_apart``), else NULL."""
 _MESSAGE_SESSION: Final = _SESSION_OF.format("session_n")
 """SQL: a message row's session key (schema 16)."""
-
-# The outbox refers to every record by kind and id (``body`` is NULL); the flush reads the
-# record where it is stored. Rows written before that rule still carry a copy (``body``).
-_OUTBOX_TABLES: Final[dict[str, str]] = {
-    "Session": "sessions",
-    "Message": "messages",
-    "Checkpoint": "checkpoints",
-    "Event": "events",
-    "AuditRow": "audit",
-    "ArtifactUpdate": "artifact_updates",
-}
-_OUTBOX_BODY = (
-    "COALESCE(o.body, "
-    + ", ".join(
-        _whole_row(table, f"t{i}") if table in _SHORT_TABLES else f"t{i}.body"
-        for i, table in enumerate(_OUTBOX_TABLES.values())
-    )
-    + ")"
-)
-_OUTBOX_JOINS = " ".join(
-    f"LEFT JOIN {table} t{i} ON o.body IS NULL AND o.kind = {_KIND_CODE[kind]} "
-    f"AND t{i}.id = o.record_id"
-    for i, (kind, table) in enumerate(_OUTBOX_TABLES.items())
-)
 
 # Every read, named so the tests can check each one's query plan uses an index.
 # A session row with its id blocks (schema 7), one row a block, in one statement (one read
@@ -922,31 +978,80 @@ QUERIES: Final[dict[str, str]] = {
         "SELECT id, body FROM artifact_updates WHERE artifact_id = ? ORDER BY hlc, id"
     ),
     "get_meta": "SELECT value FROM sync_state WHERE key = ?",
-    # The queued rows in client_seq order, each with its record's whole body (a long session's
-    # without its ids: ``_outbox_read`` reads its blocks beside them, ``_entries_of`` joins them).
-    "outbox_pending": (
-        f"SELECT o.client_seq, {_OUTBOX_BODY}, "
-        "o.attempts, o.created_at, o.last_error_code, o.last_error_message, "
-        f"o.body IS NULL AND o.kind = {_SESSION_KIND} AND EXISTS (SELECT 1 FROM outbox l "
-        f"WHERE l.kind = {_SESSION_KIND} AND l.record_id = o.record_id AND l.body IS NULL "
-        "AND l.client_seq > o.client_seq), t0.ids_count, t0.id AS session_key "
-        f"FROM outbox o {_OUTBOX_JOINS} WHERE o.client_seq > ? ORDER BY o.client_seq LIMIT ?"
+    # The outbox rows that may hold entries after ?1: from the one holding ?1 on (schema 18:
+    # a row a commit, keyed by its first number; ``_queued_after``).
+    "outbox_rows": (
+        "SELECT client_seq, refs, created_at FROM outbox WHERE client_seq >= "
+        "coalesce((SELECT max(client_seq) FROM outbox WHERE client_seq <= ?1), ?1) "
+        "ORDER BY client_seq"
+    ),
+    # The outbox rows that may hold numbers ?1 to ?2 (``_delete_queued``).
+    "outbox_rows_between": (
+        "SELECT client_seq, refs FROM outbox WHERE client_seq BETWEEN "
+        "coalesce((SELECT max(client_seq) FROM outbox WHERE client_seq <= ?1), ?1) AND ?2 "
+        "ORDER BY client_seq"
+    ),
+    # The records an outbox read refers to, by kind, each as (its kind, its key, its body
+    # whole, and two values more): a session's with its ids count (its blocks:
+    # ``outbox_id_blocks``) and the last number under which it is queued by reference
+    # (``again_later``); and the failed attempts of the entries numbered ?1 to ?2, each as
+    # (-1, its number, its last error's message, its attempts, its last error's code). One
+    # statement of them all (``_queued_records``).
+    "queued_sessions": (
+        f"SELECT {_SESSION_KIND}, id, body, ids_count, (SELECT l.client_seq "
+        "FROM outbox_sessions l WHERE l.session_id = sessions.id AND l.ref = 1 "
+        "ORDER BY l.client_seq DESC LIMIT 1) FROM sessions WHERE id IN ({keys})"
+    ),
+    "queued_messages": (
+        f"SELECT {_KIND_CODE['Message']}, id, {_WHOLE_N}, NULL, NULL FROM messages "
+        "WHERE id IN ({keys})"
+    ),
+    "queued_checkpoints": (
+        f"SELECT {_KIND_CODE['Checkpoint']}, id, {_WHOLE_N}, NULL, NULL FROM checkpoints "
+        "WHERE id IN ({keys})"
+    ),
+    "queued_events": (
+        f"SELECT {_KIND_CODE['Event']}, id, {_WHOLE_E}, NULL, NULL FROM events "
+        "WHERE id IN ({keys})"
+    ),
+    "queued_audit": (
+        f"SELECT {_KIND_CODE['AuditRow']}, id, {_WHOLE_A}, NULL, NULL FROM audit "
+        "WHERE id IN ({keys})"
+    ),
+    "queued_artifacts": (
+        f"SELECT {_KIND_CODE['ArtifactUpdate']}, id, body, NULL, NULL FROM artifact_updates "
+        "WHERE id IN ({keys})"
+    ),
+    "outbox_tries": (
+        "SELECT -1, client_seq, last_error_message, attempts, last_error_code "
+        "FROM outbox_tries WHERE client_seq BETWEEN ? AND ?"
     ),
     # The id blocks of the long sessions an outbox read holds, each session's once, however
     # many of its numbers the read holds (``_outbox_read``).
     "outbox_id_blocks": (
         "SELECT session_id, part, ids FROM session_ids WHERE session_id IN ({keys})"
     ),
-    "outbox_count": "SELECT count(*) FROM outbox",
-    "session_queued": (
-        f"SELECT 1 FROM outbox WHERE kind = {_SESSION_KIND} AND record_id = ? LIMIT 1"
-    ),
+    "outbox_count": "SELECT coalesce(sum(live), 0) FROM outbox",
+    "session_queued": "SELECT 1 FROM outbox_sessions WHERE session_id = ? LIMIT 1",
     "dead_letters": (
         "SELECT client_seq, body, code, message, attempts, failed_at "
         "FROM dead_letters ORDER BY client_seq"
     ),
     "dead_letter_count": "SELECT count(*) FROM dead_letters",
 }
+
+_QUEUED_BODIES: Final = {
+    _KIND_CODE["Session"]: QUERIES["queued_sessions"],
+    _KIND_CODE["Message"]: QUERIES["queued_messages"],
+    _KIND_CODE["Checkpoint"]: QUERIES["queued_checkpoints"],
+    _KIND_CODE["Event"]: QUERIES["queued_events"],
+    _KIND_CODE["AuditRow"]: QUERIES["queued_audit"],
+    _KIND_CODE["ArtifactUpdate"]: QUERIES["queued_artifacts"],
+}
+"""The read of the records an outbox read refers to, by kind (``_queued_records``)."""
+_UNION_TEXTS: dict[tuple[tuple[str, int], ...], str] = {}
+"""``_queued_records``' statements, by their parts (a query and its ``IN`` list's size),
+each text made once."""
 
 _T = TypeVar("_T")
 
@@ -1232,23 +1337,126 @@ _THIRD: Final = operator.itemgetter(2)
 
 
 def _outbox_read(raw: sqlite3.Connection, after: int, limit: int) -> tuple[list[Any], list[Any]]:
-    """``outbox_pending``'s rows after ``after`` (``limit`` of them, -1 for all), in client_seq
-    order, and the id blocks of the long sessions among them (``outbox_id_blocks``), each
-    session's once, in one snapshot: in a read transaction of its own when the connection is in
-    none, so that a row's count and its blocks agree. (Joined to each row, a session's blocks
-    came back once for each of its numbers: in a full sync of a session of 5,000 turns, a
-    batch of 200 entries was 2,040 rows.)"""
+    """The queued entries after ``after`` (``limit`` of them, -1 for all), in client_seq
+    order, as rows ``(client_seq, body, attempts, created_at, code, message, again_later,
+    ids_count, session_key)`` with each record's body whole (a long session's without its
+    ids: ``ids_count`` says how many its blocks hold), and the id blocks of the long sessions
+    among them (``outbox_id_blocks``), each session's once, in one snapshot: in a read
+    transaction of its own when the connection is in none, so that an entry, its record and
+    a session's count and blocks agree. The records are read by kind, a statement a kind
+    (``_QUEUED_BODIES``); an entry whose record is not there has no body (its decode names it
+    corrupt)."""
     own = not raw.in_transaction
     if own:
         raw.execute("BEGIN")
     try:
-        rows: list[Any] = raw.execute(QUERIES["outbox_pending"], (after, limit)).fetchall()
-        keys = list(dict.fromkeys(row[8] for row in rows if row[7] is not None))
-        blocks = _select_in(raw, QUERIES["outbox_id_blocks"], keys) if keys else []
+        entries = _queued_after(raw, after, limit)
+        keys: dict[int, dict[object, None]] = {}
+        for _, entry, _ in entries:
+            if entry.body is None:
+                keys.setdefault(entry.kind, {})[entry.key] = None
+        span = (entries[0][0], entries[-1][0]) if entries else (1, 0)
+        found, tries = _queued_records(raw, {k: list(v) for k, v in keys.items()}, span)
+        rows: list[Any] = []
+        for seq, entry, created_at in entries:
+            attempts, code, message = tries.get(seq, _UNTRIED)
+            if entry.body is not None:
+                rows.append((seq, entry.body, attempts, created_at, code, message, 0, None, None))
+                continue
+            record = found.get((entry.kind, entry.key))
+            body = None if record is None else record[0]
+            count = key = None
+            later = 0
+            if entry.kind == _SESSION_KIND and record is not None:
+                later = int(record[2] is not None and seq < record[2])
+                if record[1] is not None:
+                    count, key = record[1], entry.key
+            rows.append((seq, body, attempts, created_at, code, message, later, count, key))
+        held = list(dict.fromkeys(row[8] for row in rows if row[7] is not None))
+        blocks = _select_in(raw, QUERIES["outbox_id_blocks"], held) if held else []
     finally:
         if own and raw.in_transaction:
             raw.execute("COMMIT")  # (a read: nothing written)
     return rows, blocks
+
+
+_UNTRIED: Final = (0, None, None)
+"""An entry's attempts, last error code and message while none failed (``outbox_tries``)."""
+
+
+def _queued_records(
+    raw: sqlite3.Connection, keys: dict[int, list[object]], span: tuple[int, int]
+) -> tuple[dict[tuple[int, object], tuple[Any, ...]], dict[int, tuple[Any, ...]]]:
+    """The records of ``keys`` (their keys by kind), each ``(body, a, b)`` under its kind
+    and key (``_QUEUED_BODIES``: a session's ids count and last number queued by reference,
+    else NULLs), and the failed attempts of the entries numbered within ``span``, each
+    ``(attempts, code, message)`` under its number. In one statement (``UNION ALL``) when
+    no kind has more keys than one ``IN`` list binds (a turn's nine in one: a statement a
+    kind cost about 5 µs each), else a statement a list."""
+    rows: list[Any]
+    tries_sql = QUERIES["outbox_tries"]
+    if all(len(wanted) <= _IN_SIZES[-1] for wanted in keys.values()):
+        parts: list[tuple[str, int]] = []
+        params: list[object] = []
+        for kind, wanted in keys.items():
+            sql = _QUEUED_BODIES.get(kind)
+            if sql is not None and wanted:
+                fit = next(n for n in _IN_SIZES if n >= len(wanted))
+                parts.append((sql, fit))
+                params += wanted + wanted[-1:] * (fit - len(wanted))
+        shape = (*parts, (tries_sql, 0))
+        text = _UNION_TEXTS.get(shape)
+        if text is None:
+            text = _UNION_TEXTS[shape] = " UNION ALL ".join(
+                [sql.format(keys=_MARKS[fit]) for sql, fit in parts] + [tries_sql]
+            )
+        rows = raw.execute(text, [*params, *span]).fetchall()
+    else:
+        rows = [
+            row
+            for kind, wanted in keys.items()
+            if (sql := _QUEUED_BODIES.get(kind)) is not None
+            for row in _select_in(raw, sql, wanted)
+        ]
+        rows += raw.execute(tries_sql, span).fetchall()
+    found: dict[tuple[int, object], tuple[Any, ...]] = {}
+    tries: dict[int, tuple[Any, ...]] = {}
+    for tag, key, body, a, b in rows:
+        if tag < 0:
+            tries[key] = (a, b, body)
+        else:
+            found[tag, key] = (body, a, b)
+    return found, tries
+
+
+def _queued_after(
+    raw: sqlite3.Connection, after: int, limit: int
+) -> list[tuple[int, queued.Queued, int]]:
+    """The queued entries after ``after`` (``limit`` of them, -1 for all), in order: each its
+    number, itself and its row's ``created_at``. Reads rows until it has enough."""
+    out: list[tuple[int, queued.Queued, int]] = []
+    cursor = raw.execute(QUERIES["outbox_rows"], (after,))
+    try:
+        while limit < 0 or len(out) < limit:
+            rows = cursor.fetchmany(16)
+            if not rows:
+                break
+            for first, refs, created_at in rows:
+                for at, entry in enumerate(_unpacked(first, refs)):
+                    if entry is not None and first + at > after:
+                        out.append((first + at, entry, created_at))
+    finally:
+        cursor.close()
+    return out if limit < 0 else out[:limit]
+
+
+def _unpacked(first: int, refs: object) -> list[queued.Entry]:
+    """``queued.unpack`` of the outbox row numbered ``first``; ``StorageError`` naming it
+    when its bytes are not an outbox row's."""
+    try:
+        return queued.unpack(refs)  # type: ignore[arg-type]  # (checked there)
+    except ValueError as exc:
+        raise StorageError(f"corrupt row in outbox (id {first}): {exc}") from exc
 
 
 def _entries_of(
@@ -1296,9 +1504,45 @@ def _outbox_entries(rows: Sequence[Any], blocks: Sequence[Any]) -> list[OutboxEn
     )
 
 
-_OutboxRows = list[tuple[str | bytes, int, bytes | None]]
-"""Outbox rows to enqueue: the record's key, its kind's index in ``compact.KINDS``, a body
-(None: the row refers to its record)."""
+_OutboxRows = list[queued.Queued]
+"""Outbox entries to queue: each record's kind (its index in ``compact.KINDS``), its key and
+no body (the entry refers to its record)."""
+
+
+def _put_queued(
+    raw: sqlite3.Connection, first: int, entries: Sequence[queued.Queued], created_at: int
+) -> None:
+    """``entries`` queued under ``first``, ``first + 1``, ...: ``_queued_rows`` written."""
+    for sql, rows in _queued_rows(first, entries, created_at):
+        raw.executemany(sql, rows)
+
+
+def _queued_rows(
+    first: int, entries: Sequence[queued.Queued], created_at: int
+) -> list[tuple[str, list[tuple[Any, ...]]]]:
+    """The statements, each with its rows, that queue ``entries`` under ``first``,
+    ``first + 1``, ... (schema 18): their outbox rows (``queued.rows_of``), the sessions
+    among them (``outbox_sessions``) and the sequence past the last of them. (A benchmark's
+    floor writes them too.)"""
+    if not entries:
+        return []
+    out: list[tuple[str, list[tuple[Any, ...]]]] = [
+        (
+            _ENQUEUE,
+            [
+                (start, queued.pack(part), len(part), created_at)
+                for start, part in queued.rows_of(first, entries)
+            ],
+        )
+    ]
+    sessions = [
+        (entry.key, first + at, int(entry.body is None))
+        for at, entry in enumerate(entries)
+        if entry.kind == _SESSION_KIND
+    ]
+    if sessions:
+        out.append((_QUEUE_SESSION, sessions))
+    return [*out, (_SEQUENCE_AT, [(first + len(entries) - 1,)])]
 
 
 def _now_ms() -> int:
@@ -1386,7 +1630,7 @@ def _encode_batch(
             case _:
                 raise StorageError(f"commit failed: not a record: {type(record).__name__}")
         groups.setdefault(sql, []).append(row)
-        outbox.append((key, _KIND_CODE[type(record).__name__], None))
+        outbox.append(queued.Queued(_KIND_CODE[type(record).__name__], key))
     return groups, outbox
 
 
@@ -1537,7 +1781,37 @@ async def _in_one_hop(
 
 
 def _delete_queued(raw: sqlite3.Connection, client_seqs: list[int]) -> None:
-    raw.executemany("DELETE FROM outbox WHERE client_seq = ?", [(seq,) for seq in client_seqs])
+    """The entries numbered ``client_seqs`` gone from the outbox (``queued.gone``): a row none
+    of whose entries is left removed, another rewritten with its gaps; their sessions'
+    index rows and failed attempts with them. Unknown numbers are ignored."""
+    if not client_seqs:
+        return
+    numbers = set(client_seqs)
+    rows = raw.execute(QUERIES["outbox_rows_between"], (min(numbers), max(numbers))).fetchall()
+    removed: list[tuple[int]] = []
+    rewritten: list[tuple[bytes, int, int]] = []
+    sessions: list[tuple[object, int]] = []
+    for first, refs in rows:
+        entries = _unpacked(first, refs)
+        left = queued.gone(first, entries, numbers)
+        if left == entries:
+            continue
+        sessions += [
+            (entry.key, first + at)
+            for at, entry in enumerate(entries)
+            if entry is not None and entry.kind == _SESSION_KIND and left[at] is None
+        ]
+        count = queued.live(left)
+        if count:
+            rewritten.append((queued.pack(left), count, first))
+        else:
+            removed.append((first,))
+    raw.executemany("DELETE FROM outbox WHERE client_seq = ?", removed)
+    raw.executemany("UPDATE outbox SET refs = ?, live = ? WHERE client_seq = ?", rewritten)
+    raw.executemany("DELETE FROM outbox_sessions WHERE session_id = ? AND client_seq = ?", sessions)
+    raw.executemany(
+        "DELETE FROM outbox_tries WHERE client_seq = ?", [(seq,) for seq in sorted(numbers)]
+    )
 
 
 CHECKPOINT_EVERY: Final = 8
@@ -1606,22 +1880,52 @@ def _reclaim(raw: sqlite3.Connection) -> int:
 
 # ?1: the session id; ?2: a JSON array of ids to keep (what a live fork refers to).
 _KEEP = "NOT IN (SELECT pleach_key(value) FROM json_each(?2))"
-# Queued rows of purged contents are not removed (client_seq must stay gap-free: the server
-# refuses a gap) but turned into references to the deleted session's row: they send its
-# tombstone, and the contents never leave the device.
+# Queued entries of purged contents are not removed (client_seq must stay gap-free: the
+# server refuses a gap) but turned into references to the deleted session's row
+# (``_queued_as_session``): they send its tombstone, and the contents never leave the device.
+_PURGED = (
+    f"SELECT {_KIND_CODE['Message']}, id FROM messages "
+    f"WHERE session_n = {_SESSION_N.format('?1')} AND id {_KEEP} "
+    f"UNION ALL SELECT {_KIND_CODE['Checkpoint']}, id FROM checkpoints "
+    f"WHERE session_n = {_SESSION_N.format('?1')} AND id {_KEEP} "
+    f"UNION ALL SELECT {_KIND_CODE['ArtifactUpdate']}, id FROM artifact_updates "
+    f"WHERE session_id = ?1 AND artifact_id {_KEEP}"
+)
+"""The records a purge of session ?1 removes, each its kind and key (?2: those it keeps)."""
 _PURGE_SESSION = (
-    f"UPDATE outbox SET kind = {_SESSION_KIND}, record_id = ?1, body = NULL WHERE kind IN "
-    f"({_KIND_CODE['Message']}, {_KIND_CODE['Checkpoint']}, {_KIND_CODE['ArtifactUpdate']}) "
-    "AND record_id IN ("
-    f"SELECT id FROM messages WHERE session_n = {_SESSION_N.format('?1')} AND id {_KEEP} "
-    f"UNION ALL SELECT id FROM checkpoints WHERE session_n = {_SESSION_N.format('?1')} "
-    f"AND id {_KEEP} "
-    "UNION ALL SELECT id FROM artifact_updates WHERE session_id = ?1 "
-    f"AND artifact_id {_KEEP})",
     f"DELETE FROM messages WHERE session_n = {_SESSION_N.format('?1')} AND id {_KEEP}",
     f"DELETE FROM checkpoints WHERE session_n = {_SESSION_N.format('?1')} AND id {_KEEP}",
     f"DELETE FROM artifact_updates WHERE session_id = ?1 AND artifact_id {_KEEP}",
 )
+
+
+def _queued_as_session(
+    raw: sqlite3.Connection, session_key: object, purged: Collection[tuple[int, object]]
+) -> None:
+    """Every queued entry of a record of ``purged`` (kind and key), referring or carrying its
+    copy, turned into a reference to session ``session_key``'s row (indexed as such in
+    ``outbox_sessions``): rows rewritten in place, numbers kept."""
+    if not purged or raw.execute("SELECT 1 FROM outbox LIMIT 1").fetchone() is None:
+        return
+    wanted = set(purged)
+    updates: list[tuple[bytes, int]] = []
+    sessions: list[tuple[object, int, int]] = []
+    for first, refs in raw.execute("SELECT client_seq, refs FROM outbox").fetchall():
+        entries = _unpacked(first, refs)
+        changed = False
+        for at, entry in enumerate(entries):
+            if entry is not None and (entry.kind, entry.key) in wanted:
+                entries[at] = queued.Queued(_SESSION_KIND, cast(Any, session_key))
+                sessions.append((session_key, first + at, 1))
+                changed = True
+        if changed:
+            updates.append((queued.pack(entries), first))
+    raw.executemany("UPDATE outbox SET refs = ? WHERE client_seq = ?", updates)
+    raw.executemany(
+        "INSERT INTO outbox_sessions (session_id, client_seq, ref) VALUES (?, ?, ?) "
+        "ON CONFLICT (session_id, client_seq) DO UPDATE SET ref = 1",
+        sessions,
+    )
 
 
 async def _write_batch(
@@ -1690,8 +1994,11 @@ def _write_batch_now(
     groups, queued_groups = _shortened(raw, groups, queued_groups)
     keep = msgspec.json.encode(batch.purge_keep).decode()
     for session_id in batch.purge_sessions:
+        session_key = _key(session_id)
+        purged = raw.execute(_PURGED, (session_key, keep)).fetchall()
+        _queued_as_session(raw, session_key, [(int(kind), key) for kind, key in purged])
         for statement in _PURGE_SESSION:
-            raw.execute(statement, (_key(session_id), keep))
+            raw.execute(statement, (session_key, keep))
     written = [*groups.items(), *queued_groups.items()]
     for sql, rows in _numbers_for(written):  # (before the rows that name them)
         raw.executemany(sql, rows)
@@ -1702,6 +2009,10 @@ def _write_batch_now(
             raw.executemany(sql, rows)
     if batch.purge_checkpoints_for:
         purge = [(_key(session_id),) for session_id in batch.purge_checkpoints_for]
+        for (session_key,) in purge:
+            purged = raw.execute(_PURGED_CHECKPOINTS, (session_key,)).fetchall()
+            checkpoint = _KIND_CODE["Checkpoint"]
+            _queued_as_session(raw, session_key, [(checkpoint, key) for (key,) in purged])
         for statement in _PURGE_CHECKPOINTS:
             raw.executemany(statement, purge)
     if batch.rechained_audit:
@@ -1725,14 +2036,7 @@ def _write_batch_now(
         row = raw.execute(_LAST_SEQ).fetchone()
         first = (int(row[0]) if row is not None else 0) + 1
         seqs = list(range(first, first + len(to_queue)))
-        now = _now_ms()
-        raw.executemany(
-            _ENQUEUE,
-            [
-                (seq, record_id, kind, body, now)
-                for seq, (record_id, kind, body) in zip(seqs, to_queue, strict=True)
-            ],
-        )
+        _put_queued(raw, first, to_queue, _now_ms())
     if batch.meta:
         raw.executemany(_PUT_META, list(batch.meta.items()))
     if commit:
@@ -1878,17 +2182,33 @@ def _mark_canonical(
 
 
 def _renumber_outbox(raw: sqlite3.Connection) -> None:
-    """Queued rows get client_seq 1..n in order, and the sequence restarts after them."""
-    seqs = [int(row[0]) for row in raw.execute("SELECT client_seq FROM outbox ORDER BY 1")]
-    # Through negative numbers, so no two rows ever hold one key.
-    raw.execute("UPDATE outbox SET client_seq = -client_seq")
-    raw.executemany(
-        "UPDATE outbox SET client_seq = ? WHERE client_seq = ?",
-        [(new, -old) for new, old in enumerate(seqs, start=1)],
+    """Queued entries get client_seq 1..n in order (``queued.renumbered``), with their
+    sessions' index rows and failed attempts, and the sequence restarts after them."""
+    rows = raw.execute("SELECT client_seq, refs, created_at FROM outbox ORDER BY 1").fetchall()
+    new_rows, moved = queued.renumbered(
+        (first, _unpacked(first, refs), created_at) for first, refs, created_at in rows
     )
+    sessions = raw.execute("SELECT session_id, client_seq, ref FROM outbox_sessions").fetchall()
+    tries = raw.execute(
+        "SELECT client_seq, attempts, last_error_code, last_error_message FROM outbox_tries"
+    ).fetchall()
+    for table in ("outbox", "outbox_sessions", "outbox_tries"):
+        raw.execute(f"DELETE FROM {table}")
+    raw.executemany(
+        _ENQUEUE,
+        [
+            (first, queued.pack(entries), queued.live(entries), created_at)
+            for first, entries, created_at in new_rows
+        ],
+    )
+    raw.executemany(
+        _QUEUE_SESSION,
+        [(key, moved[seq], ref) for key, seq, ref in sessions if seq in moved],
+    )
+    raw.executemany(_TRIED, [(moved[row[0]], *row[1:]) for row in tries if row[0] in moved])
     raw.execute("DELETE FROM sqlite_sequence WHERE name = 'outbox'")
-    if seqs:
-        raw.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('outbox', ?)", (len(seqs),))
+    if moved:
+        raw.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('outbox', ?)", (len(moved),))
 
 
 class _Reader:
@@ -2644,28 +2964,13 @@ class SQLiteAdapter(AsyncResource):
         if not client_seqs:
             return
         async with self._transaction("outbox mark attempt") as conn:
-            await conn.executemany(
-                "UPDATE outbox SET attempts = attempts + 1, last_error_code = ?, "
-                "last_error_message = ? WHERE client_seq = ?",
-                [(code, message, seq) for seq in dict.fromkeys(client_seqs)],
-            )
+            await _selected(conn, _mark_attempt, client_seqs, code, message)
 
     async def outbox_dead_letter(self, client_seq: int, code: int, message: str) -> None:
         """Move one entry to dead_letters, keeping its attempts count (count the rejecting
         attempt with ``outbox_mark_attempt`` first if it should show); unknown seq: no-op."""
         async with self._transaction("outbox dead letter") as conn:
-            # The body as a push sends it (a long session's with its blocks: ``_entries_of``).
-            rows, _ = _entries_of(*await _selected(conn, _outbox_read, client_seq - 1, 1))
-            body = rows[0][1] if rows and rows[0][0] == client_seq else None
-            await conn.execute(
-                "INSERT INTO dead_letters "
-                "(client_seq, record_id, kind, body, code, message, attempts, failed_at) "
-                f"SELECT o.client_seq, o.record_id, o.kind, COALESCE(?, {_OUTBOX_BODY}), "
-                f"?, ?, o.attempts, ? FROM outbox o {_OUTBOX_JOINS} "
-                "WHERE o.client_seq = ?",
-                (body, code, message, time.time(), client_seq),
-            )
-            await conn.execute("DELETE FROM outbox WHERE client_seq = ?", (client_seq,))
+            await _selected(conn, _dead_letter, client_seq, code, message, time.time())
 
     async def dead_letters(self) -> list[DeadLetter]:
         """Dead letters by client_seq."""
@@ -2690,15 +2995,7 @@ class SQLiteAdapter(AsyncResource):
         """Re-enqueue a dead letter under a new client_seq (returned, with attempts reset);
         None if unknown."""
         async with self._transaction("retry dead letter") as conn:
-            seq = await _last_seq(conn) + 1
-            cursor = await conn.execute(
-                "INSERT INTO outbox (client_seq, record_id, kind, body, attempts, created_at) "
-                "SELECT ?, record_id, kind, body, 0, ? FROM dead_letters WHERE client_seq = ?",
-                (seq, _now_ms(), client_seq),
-            )
-            if cursor.rowcount == 0:
-                return None
-            await conn.execute("DELETE FROM dead_letters WHERE client_seq = ?", (client_seq,))
+            seq: int | None = await _selected(conn, _retry_dead_letter, client_seq)
         return seq
 
     async def discard_dead_letter(self, client_seq: int) -> bool:
@@ -2708,6 +3005,74 @@ class SQLiteAdapter(AsyncResource):
                 "DELETE FROM dead_letters WHERE client_seq = ?", (client_seq,)
             )
             return cursor.rowcount > 0
+
+
+def _mark_attempt(
+    raw: sqlite3.Connection, client_seqs: list[int], code: int | None, message: str | None
+) -> None:
+    """``outbox_mark_attempt`` in the open transaction: one more failed attempt, with its
+    error, for each queued entry of ``client_seqs`` (``outbox_tries``); others are ignored."""
+    numbers = set(client_seqs)
+    held = [
+        (seq,)
+        for first, refs in raw.execute(
+            QUERIES["outbox_rows_between"], (min(numbers), max(numbers))
+        ).fetchall()
+        for at, entry in enumerate(_unpacked(first, refs))
+        if entry is not None and (seq := first + at) in numbers
+    ]
+    raw.executemany(
+        "INSERT INTO outbox_tries (client_seq, attempts, last_error_code, last_error_message) "
+        "VALUES (?1, 1, ?2, ?3) ON CONFLICT (client_seq) DO UPDATE SET "
+        "attempts = attempts + 1, last_error_code = ?2, last_error_message = ?3",
+        [(seq, code, message) for (seq,) in held],
+    )
+
+
+def _dead_letter(
+    raw: sqlite3.Connection, client_seq: int, code: int, message: str, failed_at: float
+) -> None:
+    """``outbox_dead_letter`` in the open transaction: the entry with the body a push sends
+    (a long session's with its blocks: ``_entries_of``) and its attempts into
+    ``dead_letters``, and gone from the outbox; an unknown number does nothing."""
+    found = _queued_after(raw, client_seq - 1, 1)
+    if not found or found[0][0] != client_seq:
+        return
+    _, entry, _ = found[0]
+    rows, _ = _entries_of(*_outbox_read(raw, client_seq - 1, 1))
+    attempts = rows[0][2] if rows else 0
+    raw.execute(
+        "INSERT INTO dead_letters "
+        "(client_seq, record_id, kind, body, code, message, attempts, failed_at) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            client_seq,
+            entry.key,
+            entry.kind,
+            rows[0][1] if rows else None,
+            code,
+            message,
+            attempts,
+            failed_at,
+        ),
+    )
+    _delete_queued(raw, [client_seq])
+
+
+def _retry_dead_letter(raw: sqlite3.Connection, client_seq: int) -> int | None:
+    """``retry_dead_letter`` in the open transaction: the dead letter queued again, its own
+    copy of the body in its entry, under the next number (returned); None if unknown."""
+    row = raw.execute(
+        "SELECT record_id, kind, body FROM dead_letters WHERE client_seq = ?", (client_seq,)
+    ).fetchone()
+    if row is None:
+        return None
+    record_id, kind, body = row
+    last = raw.execute(_LAST_SEQ).fetchone()
+    seq = (int(last[0]) if last is not None else 0) + 1
+    _put_queued(raw, seq, [queued.Queued(_kind_code(kind), record_id, bytes(body))], _now_ms())
+    raw.execute("DELETE FROM dead_letters WHERE client_seq = ?", (client_seq,))
+    return seq
 
 
 def _rollback_now(raw: sqlite3.Connection, cause: BaseException) -> None:
