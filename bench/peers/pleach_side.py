@@ -125,7 +125,7 @@ async def sync_figures(root: Path, rounds: int, k: int, reps: int) -> dict[str, 
         # live: bench_sync's fan-out (A's commit -> B's sync.applied), then its raw relay of
         # one turn's encoded Push
         try:
-            latencies, in_store, payload, _ = await bench_sync.fanout(server, root, rounds)
+            latencies, in_store, payload, _, _ = await bench_sync.fanout(server, root, rounds)
             relay = await bench_sync.relay_latency(payload, rounds)
             out["live"] = {
                 "rounds": rounds,
