@@ -40,7 +40,7 @@ def tampered(value: Any) -> Any:
     if isinstance(value, bool):
         return not value
     if isinstance(value, int):
-        return value + 1
+        return value + 1 if value < 2**64 - 1 else value - 1  # (within msgpack's integers)
     if isinstance(value, float):
         return value + 1.5
     if isinstance(value, str):
@@ -48,7 +48,7 @@ def tampered(value: Any) -> Any:
     if isinstance(value, dict):
         return {**value, "tampered": True}
     if isinstance(value, Usage):
-        return msgspec.structs.replace(value, output_tokens=value.output_tokens + 1)
+        return msgspec.structs.replace(value, output_tokens=tampered(value.output_tokens))
     if isinstance(value, Outcome):
         return msgspec.structs.replace(value, status="provider-error")
     if value is None:
