@@ -4,12 +4,20 @@ every queued entry, in order."""
 
 from __future__ import annotations
 
+import random
+from pathlib import Path
+from typing import Any
+
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pleach_client.store import queued
+from pleach_client.store import MemoryAdapter, SQLiteAdapter, queued
+from pleach_client.store.base import OutboxEntry, WriteBatch
 from pleach_client.store.queued import Queued
+from shared.records import Record
+from tests.factories import make_checkpoint, make_event, make_message, make_session
 
 keys = st.one_of(st.binary(min_size=16, max_size=16), st.text(max_size=40))
 entries = st.builds(
@@ -115,3 +123,121 @@ def test_gaps_and_renumbering_keep_every_queued_entry_in_order(
     ]
     assert moved == {old: new for new, (old, _, _) in enumerate(held, start=1)}
     assert all(1 <= len(part) <= queued.ROW_ENTRIES for _, part, _ in out)
+
+
+# -- a device file's outbox beside the in-memory store's, over generated histories ----------
+
+
+async def _same_outbox(sqlite: SQLiteAdapter, memory: MemoryAdapter, step: str) -> list[int]:
+    """The two stores' outboxes agree entry by entry (number, record, attempts, last error,
+    queued again later), and so do their counts, sequences and dead letters; the numbers
+    queued."""
+
+    def seen(entries: list[OutboxEntry]) -> list[tuple[object, ...]]:
+        return [
+            (
+                e.client_seq,
+                e.record,
+                e.attempts,
+                e.last_error_code,
+                e.last_error_message,
+                e.again_later,
+            )
+            for e in entries
+        ]
+
+    ours, theirs = await sqlite.outbox_pending(10**6), await memory.outbox_pending(10**6)
+    if seen(ours) != seen(theirs):
+        short = [
+            [(s[0], type(s[1]).__name__, getattr(s[1], "title", ""), *s[2:]) for s in seen(x)]
+            for x in (ours, theirs)
+        ]
+        assert short[0] == short[1], step
+    assert seen(ours) == seen(theirs), step
+    for after, limit in ((0, 3), (len(ours) // 2, 7)):
+        if ours:
+            at = ours[min(after, len(ours) - 1)].client_seq
+            got = await sqlite.outbox_pending(limit, after=at)
+            assert seen(got) == seen(await memory.outbox_pending(limit, after=at)), step
+    assert await sqlite.outbox_count() == await memory.outbox_count() == len(ours), step
+    assert await sqlite.last_client_seq() == await memory.last_client_seq(), step
+    letters = [(d.client_seq, d.record, d.code, d.attempts) for d in await sqlite.dead_letters()]
+    assert letters == [
+        (d.client_seq, d.record, d.code, d.attempts) for d in await memory.dead_letters()
+    ], step
+    return [e.client_seq for e in ours]
+
+
+def _some(rng: random.Random, numbers: list[int]) -> list[int]:
+    """Some of ``numbers`` (a run, or any few), and a number no entry holds."""
+    if not numbers:
+        return [rng.randint(1, 500)]
+    if rng.random() < 0.5:
+        start = rng.randrange(len(numbers))
+        picked = numbers[start : start + rng.randint(1, 80)]
+    else:
+        picked = rng.sample(numbers, rng.randint(1, min(len(numbers), 12)))
+    return [*picked, max(numbers) + rng.randint(1, 100)]
+
+
+@pytest.mark.parametrize("seed", range(24))
+async def test_a_device_files_outbox_keeps_every_entry_as_the_memory_store_does(
+    tmp_path: Path, seed: int
+) -> None:
+    """Commits of any size (rows of ``ROW_ENTRIES`` and more), a session queued again and
+    again, acknowledgements of runs and of scattered entries, failed attempts, dead letters
+    and their retries, a renumbering, a purge of checkpoints: after every step the file's
+    outbox (a row a commit) holds what the in-memory store's (a row an entry) holds."""
+    rng = random.Random(seed)
+    sessions = [make_session(title=f"s{n}") for n in range(2)]
+    async with SQLiteAdapter(tmp_path / "device.db") as sqlite, MemoryAdapter() as memory:
+        stores = (sqlite, memory)
+        numbers: list[int] = []
+        for step in range(30):
+            action = rng.choice(
+                ["commit", "commit", "commit", "remove", "remove", "attempt", "dead", "retry"]
+                + ["renumber", "purge"] * (step > 10)
+            )
+            label = f"seed {seed} step {step}: {action}"
+            if action in ("commit", "renumber", "purge"):
+                session = rng.choice(sessions)
+                session = msgspec.structs.replace(session, title=f"{session.title}+")
+                sessions = [session if s.id == session.id else s for s in sessions]
+                records: list[Record] = []
+                # (a purge's batch writes the session's new version alone: no checkpoint it
+                # would delete as it writes it)
+                for _ in range(0 if action == "purge" else rng.choice((1, 2, 9, 40, 70, 130))):
+                    kind = rng.random()
+                    if kind < 0.6:
+                        records.append(make_message(session_id=session.id))
+                    elif kind < 0.8:
+                        records.append(make_checkpoint(session_id=session.id))
+                    else:
+                        records.append(make_event(session_id=session.id))
+                records.insert(rng.randrange(len(records) + 1), session)
+                batch: dict[str, Any] = {}
+                if action == "renumber":
+                    batch["renumber_outbox"] = True
+                if action == "purge":
+                    batch["purge_checkpoints_for"] = [session.id]
+                for store in stores:
+                    await store.commit(WriteBatch(records=list(records), **batch))
+            elif action == "remove":
+                picked = _some(rng, numbers)
+                for store in stores:
+                    await store.outbox_remove(picked)
+            elif action == "attempt":
+                picked = _some(rng, numbers)
+                code = rng.choice((None, 3001, 4003))
+                for store in stores:
+                    await store.outbox_mark_attempt(picked, code, f"try {step}")
+            elif action == "dead":
+                seq = rng.choice(numbers) if numbers else 7
+                for store in stores:
+                    await store.outbox_dead_letter(seq, 3007, "invalid")
+            else:
+                letters = await memory.dead_letters()
+                seq = rng.choice(letters).client_seq if letters else 9
+                assert await sqlite.retry_dead_letter(seq) == await memory.retry_dead_letter(seq)
+            numbers = await _same_outbox(sqlite, memory, label)
+        assert await sqlite.integrity_check() == []

@@ -27,8 +27,12 @@ from hypothesis import strategies as st
 # The suite lives outside a test module: ask pytest to rewrite its asserts too.
 pytest.register_assert_rewrite("tests.store_conformance")
 
-from pleach_client.store import MemoryAdapter, SQLiteAdapter, StorageAdapter  # noqa: E402
-from pleach_client.store import queued  # noqa: E402
+from pleach_client.store import (  # noqa: E402
+    MemoryAdapter,
+    SQLiteAdapter,
+    StorageAdapter,
+    queued,
+)
 from pleach_client.store import sqlite as sqlite_module  # noqa: E402
 from pleach_client.store.base import InPlace, Plan, Rerunnable, WriteBatch  # noqa: E402
 from pleach_client.store.sqlite import QUERIES, SCHEMA_VERSION  # noqa: E402

@@ -112,6 +112,7 @@ class _DeadRow:
     message: str
     attempts: int
     failed_at: float
+    ref: tuple[str, str] | None = None  # the record it was queued for (a purge's: ``_unqueue``)
 
 
 class _Index:
@@ -304,6 +305,7 @@ class MemoryAdapter(AsyncResource):
         for outbox_row in self._outbox.values():
             if outbox_row.ref in refs:
                 outbox_row.ref = ("Session", session_id)
+                outbox_row.body = None  # (a dead letter queued again carried its copy)
 
     def _put(self, record: Record, body: bytes) -> None:
         match record:
@@ -587,7 +589,9 @@ class MemoryAdapter(AsyncResource):
         row = self._outbox.pop(client_seq, None)
         if row is not None:
             body = self._body_of(row)
-            self._dead[client_seq] = _DeadRow(body, code, message, row.attempts, time.time())
+            self._dead[client_seq] = _DeadRow(
+                body, code, message, row.attempts, time.time(), row.ref
+            )
 
     async def dead_letters(self) -> list[DeadLetter]:
         """Dead letters by client_seq."""
@@ -616,7 +620,9 @@ class MemoryAdapter(AsyncResource):
         if row is None:
             return None
         self._last_seq += 1
-        self._outbox[self._last_seq] = _OutboxRow(body=row.body, attempts=0, created_at=time.time())
+        self._outbox[self._last_seq] = _OutboxRow(
+            body=row.body, attempts=0, created_at=time.time(), ref=row.ref
+        )
         return self._last_seq
 
     async def discard_dead_letter(self, client_seq: int) -> bool:
