@@ -5,6 +5,7 @@ every queued entry, in order."""
 from __future__ import annotations
 
 import random
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,17 @@ from hypothesis import strategies as st
 from pleach_client.store import MemoryAdapter, SQLiteAdapter, queued
 from pleach_client.store.base import OutboxEntry, WriteBatch
 from pleach_client.store.queued import Queued
+from shared.ids import uuid7
 from shared.records import Record
 from tests.factories import make_checkpoint, make_event, make_message, make_session
 
-keys = st.one_of(st.binary(min_size=16, max_size=16), st.text(max_size=40))
+keys = st.one_of(
+    st.binary(min_size=16, max_size=16),
+    # (keys of two byte values: many share their first bytes with the one before, as the
+    # UUIDv7s of a commit do)
+    st.lists(st.integers(0, 1), min_size=16, max_size=16).map(bytes),
+    st.text(max_size=40),
+)
 entries = st.builds(
     Queued,
     kind=st.integers(min_value=0, max_value=14),
@@ -58,6 +66,15 @@ def test_a_row_cut_anywhere_is_refused_or_a_shorter_row(row: list[queued.Entry],
     assert short == row[: len(short)]
 
 
+def test_a_turns_keys_take_about_seven_bytes_each() -> None:
+    """A turn's ids, UUIDv7s made one after another (``uuid7``), share their first bytes:
+    packed, nine entries take well under their 144 bytes of keys."""
+    made = [Queued(1, uuid.UUID(uuid7()).bytes) for _ in range(9)]
+    packed = queued.pack(made)
+    assert queued.unpack(packed) == made
+    assert len(packed) < 9 * (2 + 9)
+
+
 def test_what_is_no_row_is_refused() -> None:
     for data in (
         b"\x0f",  # (a kind out of range)
@@ -66,6 +83,8 @@ def test_what_is_no_row_is_refused() -> None:
         b"\x00\x05ab",
         b"\x00\x02\xff\xfe",  # (a key that is not UTF-8)
         b"\x00\x80\x00",  # (a length written two ways)
+        b"\x10\x00" + bytes(16) + b"\x10\x03" + bytes(13),  # (shares less than it does)
+        b"\x10\x00" + bytes(16) + b"\x10\x11",  # (shares more than 16 bytes)
     ):
         with pytest.raises(ValueError):
             queued.unpack(data)
