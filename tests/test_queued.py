@@ -147,7 +147,9 @@ def test_gaps_and_renumbering_keep_every_queued_entry_in_order(
 # -- a device file's outbox beside the in-memory store's, over generated histories ----------
 
 
-async def _same_outbox(sqlite: SQLiteAdapter, memory: MemoryAdapter, step: str) -> list[int]:
+async def _same_outbox(
+    sqlite: SQLiteAdapter, memory: MemoryAdapter, step: str, sessions: list[str]
+) -> list[int]:
     """The two stores' outboxes agree entry by entry (number, record, attempts, last error,
     queued again later), and so do their counts, sequences and dead letters; the numbers
     queued."""
@@ -180,11 +182,24 @@ async def _same_outbox(sqlite: SQLiteAdapter, memory: MemoryAdapter, step: str) 
             assert seen(got) == seen(await memory.outbox_pending(limit, after=at)), step
     assert await sqlite.outbox_count() == await memory.outbox_count() == len(ours), step
     assert await sqlite.last_client_seq() == await memory.last_client_seq(), step
+    for session in [*sessions, "no-such-session"]:
+        assert await _queued(sqlite, session) == await _queued(memory, session), step
     letters = [(d.client_seq, d.record, d.code, d.attempts) for d in await sqlite.dead_letters()]
     assert letters == [
         (d.client_seq, d.record, d.code, d.attempts) for d in await memory.dead_letters()
     ], step
     return [e.client_seq for e in ours]
+
+
+async def _queued(store: SQLiteAdapter | MemoryAdapter, session_id: str) -> bool:
+    """``TxReader.session_queued``: whether a version of the session is queued."""
+    found: list[bool] = []
+
+    async def plan(tx: Any) -> None:
+        found.append(await tx.session_queued(session_id))
+
+    await store.transact(plan)
+    return found[0]
 
 
 def _some(rng: random.Random, numbers: list[int]) -> list[int]:
@@ -258,5 +273,5 @@ async def test_a_device_files_outbox_keeps_every_entry_as_the_memory_store_does(
                 letters = await memory.dead_letters()
                 seq = rng.choice(letters).client_seq if letters else 9
                 assert await sqlite.retry_dead_letter(seq) == await memory.retry_dead_letter(seq)
-            numbers = await _same_outbox(sqlite, memory, label)
+            numbers = await _same_outbox(sqlite, memory, label, [s.id for s in sessions])
         assert await sqlite.integrity_check() == []

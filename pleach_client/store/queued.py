@@ -41,6 +41,7 @@ __all__ = [
     "pack",
     "renumbered",
     "rows_of",
+    "sessions_of",
     "unpack",
 ]
 
@@ -227,3 +228,20 @@ def renumbered(
             out += [(start, part, value) for start, part in rows_of(number, kept)]
             number += len(kept)
     return out, moved
+
+
+def sessions_of(
+    rows: Iterable[tuple[int, Sequence[Entry]]], kind: int
+) -> dict[str | bytes, tuple[int, int | None]]:
+    """The records of ``kind`` (the sessions') that ``rows`` (each its first number and its
+    entries) queue: for each key, how many of its entries are queued, and the last number
+    under which it is queued by reference (None: none is)."""
+    out: dict[str | bytes, tuple[int, int | None]] = {}
+    for first, entries in rows:
+        for at, entry in enumerate(entries):
+            if entry is not None and entry.kind == kind:
+                count, last = out.get(entry.key, (0, None))
+                if entry.body is None and (last is None or first + at > last):
+                    last = first + at
+                out[entry.key] = (count + 1, last)
+    return out

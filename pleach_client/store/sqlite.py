@@ -786,21 +786,26 @@ _OUTBOX_TABLES_18: Final = (
         live INTEGER NOT NULL,
         created_at INTEGER NOT NULL)""",
     """CREATE TABLE outbox_sessions (
-        session_id TEXT NOT NULL,
-        client_seq INTEGER NOT NULL,
-        ref INTEGER NOT NULL,
-        PRIMARY KEY (session_id, client_seq)) WITHOUT ROWID""",
+        session_id TEXT PRIMARY KEY NOT NULL,
+        entries INTEGER NOT NULL,
+        last_ref INTEGER) WITHOUT ROWID""",
     """CREATE TABLE outbox_tries (
         client_seq INTEGER PRIMARY KEY,
         attempts INTEGER NOT NULL,
         last_error_code INTEGER,
         last_error_message TEXT)""",
 )
-"""Schema 18's outbox (``queued``): a row a commit; the sessions it queues (``ref``: 1 when
-the entry refers to the session's row, 0 when it carries its own copy); the failed attempts
-of an entry."""
+"""Schema 18's outbox (``queued``): a row a commit; a row a session queued (``sessions_of``:
+its entries queued, and the last number under which it is queued by reference, which makes
+every entry of it before that one ``again_later``); the failed attempts of an entry."""
 _ENQUEUE = "INSERT INTO outbox (client_seq, refs, live, created_at) VALUES (?, ?, ?, ?)"
-_QUEUE_SESSION = "INSERT INTO outbox_sessions (session_id, client_seq, ref) VALUES (?, ?, ?)"
+_QUEUE_SESSION = (
+    "INSERT INTO outbox_sessions (session_id, entries, last_ref) VALUES (?1, ?2, ?3) "
+    "ON CONFLICT (session_id) DO UPDATE SET entries = entries + ?2, last_ref = CASE "
+    "WHEN ?3 IS NULL THEN last_ref WHEN last_ref IS NULL THEN ?3 ELSE max(last_ref, ?3) END"
+)
+"""A session's entries queued (``queued.sessions_of``'s count and last number), added to
+those it has."""
 _SEQUENCE_AT = "UPDATE sqlite_sequence SET seq = max(seq, ?) WHERE name = 'outbox'"
 _TRIED = (
     "INSERT INTO outbox_tries (client_seq, attempts, last_error_code, last_error_message) "
@@ -998,9 +1003,9 @@ QUERIES: Final[dict[str, str]] = {
     # (-1, its number, its last error's message, its attempts, its last error's code). One
     # statement of them all (``_queued_records``).
     "queued_sessions": (
-        f"SELECT {_SESSION_KIND}, id, body, ids_count, (SELECT l.client_seq "
-        "FROM outbox_sessions l WHERE l.session_id = sessions.id AND l.ref = 1 "
-        "ORDER BY l.client_seq DESC LIMIT 1) FROM sessions WHERE id IN ({keys})"
+        f"SELECT {_SESSION_KIND}, id, body, ids_count, (SELECT l.last_ref "
+        "FROM outbox_sessions l WHERE l.session_id = sessions.id) "
+        "FROM sessions WHERE id IN ({keys})"
     ),
     "queued_messages": (
         f"SELECT {_KIND_CODE['Message']}, id, {_WHOLE_N}, NULL, NULL FROM messages "
@@ -1032,7 +1037,10 @@ QUERIES: Final[dict[str, str]] = {
         "SELECT session_id, part, ids FROM session_ids WHERE session_id IN ({keys})"
     ),
     "outbox_count": "SELECT coalesce(sum(live), 0) FROM outbox",
-    "session_queued": "SELECT 1 FROM outbox_sessions WHERE session_id = ? LIMIT 1",
+    "session_queued": "SELECT 1 FROM outbox_sessions WHERE session_id = ?",
+    "outbox_sessions_of": (
+        "SELECT session_id, entries, last_ref FROM outbox_sessions WHERE session_id IN ({keys})"
+    ),
     "dead_letters": (
         "SELECT client_seq, body, code, message, attempts, failed_at "
         "FROM dead_letters ORDER BY client_seq"
@@ -1535,13 +1543,9 @@ def _queued_rows(
             ],
         )
     ]
-    sessions = [
-        (entry.key, first + at, int(entry.body is None))
-        for at, entry in enumerate(entries)
-        if entry.kind == _SESSION_KIND
-    ]
+    sessions = queued.sessions_of([(first, entries)], _SESSION_KIND)
     if sessions:
-        out.append((_QUEUE_SESSION, sessions))
+        out.append((_QUEUE_SESSION, [(key, *held) for key, held in sessions.items()]))
     return [*out, (_SEQUENCE_AT, [(first + len(entries) - 1,)])]
 
 
@@ -1790,17 +1794,14 @@ def _delete_queued(raw: sqlite3.Connection, client_seqs: list[int]) -> None:
     rows = raw.execute(QUERIES["outbox_rows_between"], (min(numbers), max(numbers))).fetchall()
     removed: list[tuple[int]] = []
     rewritten: list[tuple[bytes, int, int]] = []
-    sessions: list[tuple[object, int]] = []
+    went: list[tuple[int, list[queued.Entry]]] = []  # the entries removed, in their rows
     for first, refs in rows:
         entries = _unpacked(first, refs)
         left = queued.gone(first, entries, numbers)
         if left == entries:
             continue
-        sessions += [
-            (entry.key, first + at)
-            for at, entry in enumerate(entries)
-            if entry is not None and entry.kind == _SESSION_KIND and left[at] is None
-        ]
+        pairs = zip(entries, left, strict=True)
+        went.append((first, [entry if kept is None else None for entry, kept in pairs]))
         count = queued.live(left)
         if count:
             rewritten.append((queued.pack(left), count, first))
@@ -1808,10 +1809,44 @@ def _delete_queued(raw: sqlite3.Connection, client_seqs: list[int]) -> None:
             removed.append((first,))
     raw.executemany("DELETE FROM outbox WHERE client_seq = ?", removed)
     raw.executemany("UPDATE outbox SET refs = ?, live = ? WHERE client_seq = ?", rewritten)
-    raw.executemany("DELETE FROM outbox_sessions WHERE session_id = ? AND client_seq = ?", sessions)
     raw.executemany(
         "DELETE FROM outbox_tries WHERE client_seq = ?", [(seq,) for seq in sorted(numbers)]
     )
+    _sessions_gone(raw, queued.sessions_of(went, _SESSION_KIND), numbers)
+
+
+def _sessions_gone(
+    raw: sqlite3.Connection, went: dict[str | bytes, tuple[int, int | None]], numbers: set[int]
+) -> None:
+    """``outbox_sessions`` after the entries ``went`` (``queued.sessions_of`` of them) left
+    the outbox: each session's count taken down, its row removed at none, and its last
+    number by reference found again (one read of the outbox) when it was one of
+    ``numbers``, the numbers removed."""
+    if not went:
+        return
+    raw.executemany(
+        "UPDATE outbox_sessions SET entries = entries - ? WHERE session_id = ?",
+        [(count, key) for key, (count, _) in went.items()],
+    )
+    raw.execute("DELETE FROM outbox_sessions WHERE entries <= 0")
+    stale = [
+        key
+        for key, _, last in _select_in(raw, QUERIES["outbox_sessions_of"], list(went))
+        if last in numbers
+    ]
+    if stale:
+        held = _outbox_sessions(raw)
+        raw.executemany(
+            "UPDATE outbox_sessions SET last_ref = ? WHERE session_id = ?",
+            [(held.get(key, (0, None))[1], key) for key in stale],
+        )
+
+
+def _outbox_sessions(raw: sqlite3.Connection) -> dict[str | bytes, tuple[int, int | None]]:
+    """``queued.sessions_of`` the whole outbox (one read of it)."""
+    rows = raw.execute("SELECT client_seq, refs FROM outbox ORDER BY 1").fetchall()
+    held = ((first, _unpacked(first, refs)) for first, refs in rows)
+    return queued.sessions_of(held, _SESSION_KIND)
 
 
 CHECKPOINT_EVERY: Final = 8
@@ -1909,23 +1944,19 @@ def _queued_as_session(
         return
     wanted = set(purged)
     updates: list[tuple[bytes, int]] = []
-    sessions: list[tuple[object, int, int]] = []
+    turned: list[tuple[int, list[queued.Entry]]] = []  # the entries turned, in their rows
     for first, refs in raw.execute("SELECT client_seq, refs FROM outbox").fetchall():
         entries = _unpacked(first, refs)
-        changed = False
+        now: list[queued.Entry] = [None] * len(entries)
         for at, entry in enumerate(entries):
             if entry is not None and (entry.kind, entry.key) in wanted:
-                entries[at] = queued.Queued(_SESSION_KIND, cast(Any, session_key))
-                sessions.append((session_key, first + at, 1))
-                changed = True
-        if changed:
+                entries[at] = now[at] = queued.Queued(_SESSION_KIND, cast(Any, session_key))
+        if any(now):
             updates.append((queued.pack(entries), first))
+            turned.append((first, now))
     raw.executemany("UPDATE outbox SET refs = ? WHERE client_seq = ?", updates)
-    raw.executemany(
-        "INSERT INTO outbox_sessions (session_id, client_seq, ref) VALUES (?, ?, ?) "
-        "ON CONFLICT (session_id, client_seq) DO UPDATE SET ref = 1",
-        sessions,
-    )
+    sessions = queued.sessions_of(turned, _SESSION_KIND)
+    raw.executemany(_QUEUE_SESSION, [(key, *held) for key, held in sessions.items()])
 
 
 async def _write_batch(
@@ -2188,7 +2219,6 @@ def _renumber_outbox(raw: sqlite3.Connection) -> None:
     new_rows, moved = queued.renumbered(
         (first, _unpacked(first, refs), created_at) for first, refs, created_at in rows
     )
-    sessions = raw.execute("SELECT session_id, client_seq, ref FROM outbox_sessions").fetchall()
     tries = raw.execute(
         "SELECT client_seq, attempts, last_error_code, last_error_message FROM outbox_tries"
     ).fetchall()
@@ -2201,10 +2231,8 @@ def _renumber_outbox(raw: sqlite3.Connection) -> None:
             for first, entries, created_at in new_rows
         ],
     )
-    raw.executemany(
-        _QUEUE_SESSION,
-        [(key, moved[seq], ref) for key, seq, ref in sessions if seq in moved],
-    )
+    sessions = queued.sessions_of([(first, part) for first, part, _ in new_rows], _SESSION_KIND)
+    raw.executemany(_QUEUE_SESSION, [(key, *held) for key, held in sessions.items()])
     raw.executemany(_TRIED, [(moved[row[0]], *row[1:]) for row in tries if row[0] in moved])
     raw.execute("DELETE FROM sqlite_sequence WHERE name = 'outbox'")
     if moved:
