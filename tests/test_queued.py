@@ -275,3 +275,31 @@ async def test_a_device_files_outbox_keeps_every_entry_as_the_memory_store_does(
                 assert await sqlite.retry_dead_letter(seq) == await memory.retry_dead_letter(seq)
             numbers = await _same_outbox(sqlite, memory, label, [s.id for s in sessions])
         assert await sqlite.integrity_check() == []
+
+
+@given(
+    st.dictionaries(
+        st.integers(0, queued.ROW_ENTRIES - 1),
+        st.tuples(
+            st.integers(1, 2**31),
+            st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
+            st.one_of(st.none(), st.text(max_size=60)),
+        ),
+        max_size=10,
+    )
+)
+@settings(max_examples=200)
+def test_a_rows_failed_attempts_read_back_as_written(tries: dict[int, queued.Tried]) -> None:
+    data = queued.tried(tries)
+    assert (data is None) == (not tries)
+    assert queued.tries_of(data) == tries
+
+
+@given(st.binary(max_size=80))
+@settings(max_examples=300)
+def test_other_bytes_are_no_failed_attempts(data: bytes) -> None:
+    try:
+        tries = queued.tries_of(data)
+    except ValueError:
+        return
+    assert all(isinstance(held[0], int) for held in tries.values())

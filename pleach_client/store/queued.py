@@ -29,19 +29,24 @@ write (a corrupt row), never anything else.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Final, NamedTuple, TypeVar
+
+import msgspec
 
 __all__ = [
     "GONE",
     "ROW_ENTRIES",
     "Queued",
+    "Tried",
     "gone",
     "live",
     "pack",
     "renumbered",
     "rows_of",
     "sessions_of",
+    "tried",
+    "tries_of",
     "unpack",
 ]
 
@@ -245,3 +250,30 @@ def sessions_of(
                     last = first + at
                 out[entry.key] = (count + 1, last)
     return out
+
+
+Tried = tuple[int, int | None, str | None]
+"""An entry's failed attempts: how many, and the last one's error code and message."""
+_TRIES: Final = msgspec.msgpack.Decoder(list[tuple[int, int, int | None, str | None]])
+_TRIES_OUT: Final = msgspec.msgpack.Encoder()
+
+
+def tried(tries: Mapping[int, Tried]) -> bytes | None:
+    """A row's ``tried`` (schema 18): the failed attempts of its entries, each under its
+    place in the row (``tries_of`` reversed); None when none failed."""
+    if not tries:
+        return None
+    return _TRIES_OUT.encode([(at, *tries[at]) for at in sorted(tries)])
+
+
+def tries_of(data: bytes | None) -> dict[int, Tried]:
+    """The failed attempts a row's ``tried`` holds, by place in the row (``tried``
+    reversed); ``ValueError`` for bytes it did not write."""
+    if data is None:
+        return {}
+    try:
+        return {
+            at: (attempts, code, message) for at, attempts, code, message in _TRIES.decode(data)
+        }
+    except (msgspec.DecodeError, TypeError) as exc:
+        raise ValueError(f"an outbox row's tried is not one: {exc}") from exc

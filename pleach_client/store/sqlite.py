@@ -144,6 +144,7 @@ def _outbox_by_commit(raw: sqlite3.Connection) -> None:
     for statement in _OUTBOX_TABLES_18:
         raw.execute(statement)
     runs: list[tuple[int, int, list[queued.Queued]]] = []
+    tries: dict[int, queued.Tried] = {}
     for seq, record_id, kind, body, attempts, created_at, code, message in old:
         entry = queued.Queued(_kind_code(kind), record_id, None if body is None else bytes(body))
         run = runs[-1] if runs else None
@@ -157,9 +158,13 @@ def _outbox_by_commit(raw: sqlite3.Connection) -> None:
         else:
             run[2].append(entry)
         if attempts or code is not None or message is not None:
-            raw.execute(_TRIED, (seq, attempts, code, message))
+            tries[seq] = (attempts, code, message)
     for first, created_at, entries in runs:
         _put_queued(raw, first, entries, int(created_at))
+        held = {n - first: tries[n] for n in range(first, first + len(entries)) if n in tries}
+        if held:  # (a run is one row: at most ``ROW_ENTRIES``)
+            update = "UPDATE outbox SET tried = ? WHERE client_seq = ?"
+            raw.execute(update, (queued.tried(held), first))
     raw.execute("DELETE FROM sqlite_sequence WHERE name = 'outbox'")
     if last is not None:
         raw.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('outbox', ?)", (last[0],))
@@ -463,11 +468,20 @@ _MIGRATIONS: Final[tuple[tuple[_Step, ...], ...]] = (
     ),
     # 18: the outbox a row a commit (``queued``: its entries' kinds and keys in one blob,
     # numbered from the row's key), where it was a row an entry, each with its key, kind,
-    # time and counts (about 37 bytes, nine a turn). The sessions queued by reference are
-    # indexed beside it (``outbox_sessions``: whether a session is queued, and whether an
-    # entry's version is queued again later), an entry's failed attempts too
-    # (``outbox_tries``: only those that failed).
-    (_outbox_by_commit,),
+    # time and counts (about 37 bytes, nine a turn); an entry's failed attempts in its row
+    # (``tried``, NULL while none failed). The sessions queued are counted beside it
+    # (``outbox_sessions``: whether a session is queued, and whether an entry's version is
+    # queued again later). ``sync_state`` keyed by its key alone (``WITHOUT ROWID``: one
+    # page fewer in every file).
+    (
+        _outbox_by_commit,
+        """CREATE TABLE sync_state_18 (
+            key TEXT PRIMARY KEY NOT NULL,
+            value TEXT NOT NULL) WITHOUT ROWID""",
+        "INSERT INTO sync_state_18 (key, value) SELECT key, value FROM sync_state",
+        "DROP TABLE sync_state",
+        "ALTER TABLE sync_state_18 RENAME TO sync_state",
+    ),
 )
 SCHEMA_VERSION: Final = len(_MIGRATIONS)
 
@@ -784,20 +798,16 @@ _OUTBOX_TABLES_18: Final = (
         client_seq INTEGER PRIMARY KEY AUTOINCREMENT,
         refs BLOB NOT NULL,
         live INTEGER NOT NULL,
-        created_at INTEGER NOT NULL)""",
+        created_at INTEGER NOT NULL,
+        tried BLOB)""",
     """CREATE TABLE outbox_sessions (
         session_id TEXT PRIMARY KEY NOT NULL,
         entries INTEGER NOT NULL,
         last_ref INTEGER) WITHOUT ROWID""",
-    """CREATE TABLE outbox_tries (
-        client_seq INTEGER PRIMARY KEY,
-        attempts INTEGER NOT NULL,
-        last_error_code INTEGER,
-        last_error_message TEXT)""",
 )
 """Schema 18's outbox (``queued``): a row a commit; a row a session queued (``sessions_of``:
 its entries queued, and the last number under which it is queued by reference, which makes
-every entry of it before that one ``again_later``); the failed attempts of an entry."""
+every entry of it before that one ``again_later``)."""
 _ENQUEUE = "INSERT INTO outbox (client_seq, refs, live, created_at) VALUES (?, ?, ?, ?)"
 _QUEUE_SESSION = (
     "INSERT INTO outbox_sessions (session_id, entries, last_ref) VALUES (?1, ?2, ?3) "
@@ -807,10 +817,6 @@ _QUEUE_SESSION = (
 """A session's entries queued (``queued.sessions_of``'s count and last number), added to
 those it has."""
 _SEQUENCE_AT = "UPDATE sqlite_sequence SET seq = max(seq, ?) WHERE name = 'outbox'"
-_TRIED = (
-    "INSERT INTO outbox_tries (client_seq, attempts, last_error_code, last_error_message) "
-    "VALUES (?, ?, ?, ?)"
-)
 _REDACT_AUDIT = "UPDATE audit SET subject_key = NULL, body = ? WHERE id = ?"
 _LAST_SEQUENCE: Final = 2**63 - 1
 """Above every sequence number: ``event_head`` and ``hydration_key`` of the whole log."""
@@ -986,22 +992,20 @@ QUERIES: Final[dict[str, str]] = {
     # The outbox rows that may hold entries after ?1: from the one holding ?1 on (schema 18:
     # a row a commit, keyed by its first number; ``_queued_after``).
     "outbox_rows": (
-        "SELECT client_seq, refs, created_at FROM outbox WHERE client_seq >= "
+        "SELECT client_seq, refs, created_at, tried FROM outbox WHERE client_seq >= "
         "coalesce((SELECT max(client_seq) FROM outbox WHERE client_seq <= ?1), ?1) "
         "ORDER BY client_seq"
     ),
     # The outbox rows that may hold numbers ?1 to ?2 (``_delete_queued``).
     "outbox_rows_between": (
-        "SELECT client_seq, refs FROM outbox WHERE client_seq BETWEEN "
+        "SELECT client_seq, refs, tried FROM outbox WHERE client_seq BETWEEN "
         "coalesce((SELECT max(client_seq) FROM outbox WHERE client_seq <= ?1), ?1) AND ?2 "
         "ORDER BY client_seq"
     ),
     # The records an outbox read refers to, by kind, each as (its kind, its key, its body
     # whole, and two values more): a session's with its ids count (its blocks:
     # ``outbox_id_blocks``) and the last number under which it is queued by reference
-    # (``again_later``); and the failed attempts of the entries numbered ?1 to ?2, each as
-    # (-1, its number, its last error's message, its attempts, its last error's code). One
-    # statement of them all (``_queued_records``).
+    # (``again_later``). One statement of them all (``_queued_records``).
     "queued_sessions": (
         f"SELECT {_SESSION_KIND}, id, body, ids_count, (SELECT l.last_ref "
         "FROM outbox_sessions l WHERE l.session_id = sessions.id) "
@@ -1026,10 +1030,6 @@ QUERIES: Final[dict[str, str]] = {
     "queued_artifacts": (
         f"SELECT {_KIND_CODE['ArtifactUpdate']}, id, body, NULL, NULL FROM artifact_updates "
         "WHERE id IN ({keys})"
-    ),
-    "outbox_tries": (
-        "SELECT -1, client_seq, last_error_message, attempts, last_error_code "
-        "FROM outbox_tries WHERE client_seq BETWEEN ? AND ?"
     ),
     # The id blocks of the long sessions an outbox read holds, each session's once, however
     # many of its numbers the read holds (``_outbox_read``).
@@ -1360,14 +1360,12 @@ def _outbox_read(raw: sqlite3.Connection, after: int, limit: int) -> tuple[list[
     try:
         entries = _queued_after(raw, after, limit)
         keys: dict[int, dict[object, None]] = {}
-        for _, entry, _ in entries:
+        for _, entry, _, _ in entries:
             if entry.body is None:
                 keys.setdefault(entry.kind, {})[entry.key] = None
-        span = (entries[0][0], entries[-1][0]) if entries else (1, 0)
-        found, tries = _queued_records(raw, {k: list(v) for k, v in keys.items()}, span)
+        found = _queued_records(raw, {kind: list(held) for kind, held in keys.items()})
         rows: list[Any] = []
-        for seq, entry, created_at in entries:
-            attempts, code, message = tries.get(seq, _UNTRIED)
+        for seq, entry, created_at, (attempts, code, message) in entries:
             if entry.body is not None:
                 rows.append((seq, entry.body, attempts, created_at, code, message, 0, None, None))
                 continue
@@ -1389,20 +1387,18 @@ def _outbox_read(raw: sqlite3.Connection, after: int, limit: int) -> tuple[list[
 
 
 _UNTRIED: Final = (0, None, None)
-"""An entry's attempts, last error code and message while none failed (``outbox_tries``)."""
+"""An entry's attempts, last error code and message while none failed (``queued.Tried``)."""
 
 
 def _queued_records(
-    raw: sqlite3.Connection, keys: dict[int, list[object]], span: tuple[int, int]
-) -> tuple[dict[tuple[int, object], tuple[Any, ...]], dict[int, tuple[Any, ...]]]:
+    raw: sqlite3.Connection, keys: dict[int, list[object]]
+) -> dict[tuple[int, object], tuple[Any, ...]]:
     """The records of ``keys`` (their keys by kind), each ``(body, a, b)`` under its kind
     and key (``_QUEUED_BODIES``: a session's ids count and last number queued by reference,
-    else NULLs), and the failed attempts of the entries numbered within ``span``, each
-    ``(attempts, code, message)`` under its number. In one statement (``UNION ALL``) when
-    no kind has more keys than one ``IN`` list binds (a turn's nine in one: a statement a
-    kind cost about 5 µs each), else a statement a list."""
-    rows: list[Any]
-    tries_sql = QUERIES["outbox_tries"]
+    else NULLs). In one statement (``UNION ALL``) when no kind has more keys than one ``IN``
+    list binds (a turn's nine in one: a statement a kind cost about 5 µs each), else a
+    statement a list."""
+    rows: list[Any] = []
     if all(len(wanted) <= _IN_SIZES[-1] for wanted in keys.values()):
         parts: list[tuple[str, int]] = []
         params: list[object] = []
@@ -1412,13 +1408,14 @@ def _queued_records(
                 fit = next(n for n in _IN_SIZES if n >= len(wanted))
                 parts.append((sql, fit))
                 params += wanted + wanted[-1:] * (fit - len(wanted))
-        shape = (*parts, (tries_sql, 0))
+        shape = tuple(parts)
         text = _UNION_TEXTS.get(shape)
         if text is None:
             text = _UNION_TEXTS[shape] = " UNION ALL ".join(
-                [sql.format(keys=_MARKS[fit]) for sql, fit in parts] + [tries_sql]
+                sql.format(keys=_MARKS[fit]) for sql, fit in parts
             )
-        rows = raw.execute(text, [*params, *span]).fetchall()
+        if parts:
+            rows = raw.execute(text, params).fetchall()
     else:
         rows = [
             row
@@ -1426,36 +1423,39 @@ def _queued_records(
             if (sql := _QUEUED_BODIES.get(kind)) is not None
             for row in _select_in(raw, sql, wanted)
         ]
-        rows += raw.execute(tries_sql, span).fetchall()
-    found: dict[tuple[int, object], tuple[Any, ...]] = {}
-    tries: dict[int, tuple[Any, ...]] = {}
-    for tag, key, body, a, b in rows:
-        if tag < 0:
-            tries[key] = (a, b, body)
-        else:
-            found[tag, key] = (body, a, b)
-    return found, tries
+    return {(tag, key): (body, a, b) for tag, key, body, a, b in rows}
 
 
 def _queued_after(
     raw: sqlite3.Connection, after: int, limit: int
-) -> list[tuple[int, queued.Queued, int]]:
+) -> list[tuple[int, queued.Queued, int, queued.Tried]]:
     """The queued entries after ``after`` (``limit`` of them, -1 for all), in order: each its
-    number, itself and its row's ``created_at``. Reads rows until it has enough."""
-    out: list[tuple[int, queued.Queued, int]] = []
+    number, itself, its row's ``created_at`` and its failed attempts. Reads rows until it
+    has enough."""
+    out: list[tuple[int, queued.Queued, int, queued.Tried]] = []
     cursor = raw.execute(QUERIES["outbox_rows"], (after,))
     try:
         while limit < 0 or len(out) < limit:
             rows = cursor.fetchmany(16)
             if not rows:
                 break
-            for first, refs, created_at in rows:
+            for first, refs, created_at, tried in rows:
+                tries = _tries(first, tried)
                 for at, entry in enumerate(_unpacked(first, refs)):
                     if entry is not None and first + at > after:
-                        out.append((first + at, entry, created_at))
+                        out.append((first + at, entry, created_at, tries.get(at, _UNTRIED)))
     finally:
         cursor.close()
     return out if limit < 0 else out[:limit]
+
+
+def _tries(first: int, tried: object) -> dict[int, queued.Tried]:
+    """``queued.tries_of`` of the outbox row numbered ``first``; ``StorageError`` naming it
+    when its bytes are not a ``tried``."""
+    try:
+        return queued.tries_of(tried)  # type: ignore[arg-type]  # (checked there)
+    except ValueError as exc:
+        raise StorageError(f"corrupt row in outbox (id {first}): {exc}") from exc
 
 
 def _unpacked(first: int, refs: object) -> list[queued.Entry]:
@@ -1716,7 +1716,8 @@ def _prepare_now(raw: sqlite3.Connection, path: str, synchronous: str, busy_ms: 
     write lock. Whether the file reclaims freed pages (``auto_vacuum`` incremental)."""
     sql_functions(raw)
     # Refuse a newer file before changing anything in it (even its journal mode).
-    if _check_version(raw, path) == 0:
+    new = _check_version(raw, path) == 0
+    if new:
         # A new file: before the first table, and before WAL mode writes the header.
         raw.execute("PRAGMA auto_vacuum = INCREMENTAL")
     raw.execute(f"PRAGMA busy_timeout = {int(busy_ms)}")
@@ -1727,8 +1728,10 @@ def _prepare_now(raw: sqlite3.Connection, path: str, synchronous: str, busy_ms: 
     if migrated:  # (read again under the write lock: another process may have migrated)
         _atomically(raw, _migrate_now, path)
     reclaims = int(raw.execute("PRAGMA auto_vacuum").fetchone()[0]) == 2
-    if migrated and reclaims and _free_pages(raw) >= RECLAIM_PAGES:
-        _reclaim(raw)  # (a step that copied tables, as 12 did, freed the old ones' pages)
+    if migrated and reclaims and _free_pages(raw) >= (1 if new else RECLAIM_PAGES):
+        # (a step that copied tables, as 12 and 18 did, freed the old ones' pages: a new
+        # file, made by every step, keeps none of them)
+        _reclaim(raw)
     return reclaims
 
 
@@ -1793,9 +1796,9 @@ def _delete_queued(raw: sqlite3.Connection, client_seqs: list[int]) -> None:
     numbers = set(client_seqs)
     rows = raw.execute(QUERIES["outbox_rows_between"], (min(numbers), max(numbers))).fetchall()
     removed: list[tuple[int]] = []
-    rewritten: list[tuple[bytes, int, int]] = []
+    rewritten: list[tuple[bytes, int, bytes | None, int]] = []
     went: list[tuple[int, list[queued.Entry]]] = []  # the entries removed, in their rows
-    for first, refs in rows:
+    for first, refs, tried in rows:
         entries = _unpacked(first, refs)
         left = queued.gone(first, entries, numbers)
         if left == entries:
@@ -1804,13 +1807,13 @@ def _delete_queued(raw: sqlite3.Connection, client_seqs: list[int]) -> None:
         went.append((first, [entry if kept is None else None for entry, kept in pairs]))
         count = queued.live(left)
         if count:
-            rewritten.append((queued.pack(left), count, first))
+            tries = {at: t for at, t in _tries(first, tried).items() if left[at] is not None}
+            rewritten.append((queued.pack(left), count, queued.tried(tries), first))
         else:
             removed.append((first,))
     raw.executemany("DELETE FROM outbox WHERE client_seq = ?", removed)
-    raw.executemany("UPDATE outbox SET refs = ?, live = ? WHERE client_seq = ?", rewritten)
     raw.executemany(
-        "DELETE FROM outbox_tries WHERE client_seq = ?", [(seq,) for seq in sorted(numbers)]
+        "UPDATE outbox SET refs = ?, live = ?, tried = ? WHERE client_seq = ?", rewritten
     )
     _sessions_gone(raw, queued.sessions_of(went, _SESSION_KIND), numbers)
 
@@ -2215,25 +2218,37 @@ def _mark_canonical(
 def _renumber_outbox(raw: sqlite3.Connection) -> None:
     """Queued entries get client_seq 1..n in order (``queued.renumbered``), with their
     sessions' index rows and failed attempts, and the sequence restarts after them."""
-    rows = raw.execute("SELECT client_seq, refs, created_at FROM outbox ORDER BY 1").fetchall()
-    new_rows, moved = queued.renumbered(
-        (first, _unpacked(first, refs), created_at) for first, refs, created_at in rows
-    )
-    tries = raw.execute(
-        "SELECT client_seq, attempts, last_error_code, last_error_message FROM outbox_tries"
+    rows = raw.execute(
+        "SELECT client_seq, refs, created_at, tried FROM outbox ORDER BY 1"
     ).fetchall()
-    for table in ("outbox", "outbox_sessions", "outbox_tries"):
+    new_rows, moved = queued.renumbered(
+        (first, _unpacked(first, refs), created_at) for first, refs, created_at, _ in rows
+    )
+    tries = {  # each failed entry's attempts under its new number
+        moved[first + at]: held
+        for first, _, _, tried in rows
+        for at, held in _tries(first, tried).items()
+        if first + at in moved
+    }
+    for table in ("outbox", "outbox_sessions"):
         raw.execute(f"DELETE FROM {table}")
     raw.executemany(
-        _ENQUEUE,
+        "INSERT INTO outbox (client_seq, refs, live, created_at, tried) VALUES (?, ?, ?, ?, ?)",
         [
-            (first, queued.pack(entries), queued.live(entries), created_at)
-            for first, entries, created_at in new_rows
+            (
+                first,
+                queued.pack(part),
+                queued.live(part),
+                created_at,
+                queued.tried(
+                    {at: tries[n] for at in range(len(part)) if (n := first + at) in tries}
+                ),
+            )
+            for first, part, created_at in new_rows
         ],
     )
     sessions = queued.sessions_of([(first, part) for first, part, _ in new_rows], _SESSION_KIND)
     raw.executemany(_QUEUE_SESSION, [(key, *held) for key, held in sessions.items()])
-    raw.executemany(_TRIED, [(moved[row[0]], *row[1:]) for row in tries if row[0] in moved])
     raw.execute("DELETE FROM sqlite_sequence WHERE name = 'outbox'")
     if moved:
         raw.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('outbox', ?)", (len(moved),))
@@ -3039,22 +3054,21 @@ def _mark_attempt(
     raw: sqlite3.Connection, client_seqs: list[int], code: int | None, message: str | None
 ) -> None:
     """``outbox_mark_attempt`` in the open transaction: one more failed attempt, with its
-    error, for each queued entry of ``client_seqs`` (``outbox_tries``); others are ignored."""
+    error, for each queued entry of ``client_seqs`` (its row's ``tried``); others are
+    ignored."""
     numbers = set(client_seqs)
-    held = [
-        (seq,)
-        for first, refs in raw.execute(
-            QUERIES["outbox_rows_between"], (min(numbers), max(numbers))
-        ).fetchall()
-        for at, entry in enumerate(_unpacked(first, refs))
-        if entry is not None and (seq := first + at) in numbers
-    ]
-    raw.executemany(
-        "INSERT INTO outbox_tries (client_seq, attempts, last_error_code, last_error_message) "
-        "VALUES (?1, 1, ?2, ?3) ON CONFLICT (client_seq) DO UPDATE SET "
-        "attempts = attempts + 1, last_error_code = ?2, last_error_message = ?3",
-        [(seq, code, message) for (seq,) in held],
-    )
+    updates: list[tuple[bytes | None, int]] = []
+    rows = raw.execute(QUERIES["outbox_rows_between"], (min(numbers), max(numbers))).fetchall()
+    for first, refs, tried in rows:
+        tries = _tries(first, tried)
+        changed = False
+        for at, entry in enumerate(_unpacked(first, refs)):
+            if entry is not None and first + at in numbers:
+                tries[at] = (tries.get(at, _UNTRIED)[0] + 1, code, message)
+                changed = True
+        if changed:
+            updates.append((queued.tried(tries), first))
+    raw.executemany("UPDATE outbox SET tried = ? WHERE client_seq = ?", updates)
 
 
 def _dead_letter(
@@ -3066,7 +3080,7 @@ def _dead_letter(
     found = _queued_after(raw, client_seq - 1, 1)
     if not found or found[0][0] != client_seq:
         return
-    _, entry, _ = found[0]
+    _, entry, _, _ = found[0]
     rows, _ = _entries_of(*_outbox_read(raw, client_seq - 1, 1))
     attempts = rows[0][2] if rows else 0
     raw.execute(
