@@ -256,7 +256,9 @@ def raw_rows(batches: Sequence[WriteBatch], client_id: str | None = None) -> lis
     """The rows each batch puts in each table, as ``SQLiteAdapter.commit`` would write them
     (same statements, same bytes, outbox and meta rows included): the bodies short, as the
     store's ``_shortened`` writes them in a file of device ``client_id`` (a scratch file in
-    memory keeps the tenant and node it takes, as the store's does). Not timed."""
+    memory keeps the tenant and node it takes, as the store's does). A batch's records are
+    queued only as the store queues them: unless ``outbox`` is off (a pull's page), and its
+    ``queued`` records always. Not timed."""
     out: list[RawTurn] = []
     seq = 0
     now = int(time.time() * 1000)
@@ -266,7 +268,9 @@ def raw_rows(batches: Sequence[WriteBatch], client_id: str | None = None) -> lis
     if client_id is not None:
         scratch.execute(_PUT_META, ("client_id", client_id))
     for batch in batches:
-        groups, outbox = _encode_batch(batch.records)
+        groups, outbox = _encode_batch([*batch.records, *batch.queued])
+        if not batch.outbox:  # (a pull's page: its records are not queued, its own are)
+            outbox = outbox[len(batch.records) :]
         if _PUT_SESSION in groups:
             groups = {**groups, **_session_rows(groups.pop(_PUT_SESSION), held)}
         (groups,) = _shortened(scratch, groups)
