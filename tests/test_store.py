@@ -1003,17 +1003,11 @@ _OUTBOX_17: Final = """
     INSERT INTO sync_state_17 (key, value) SELECT key, value FROM sync_state;
     DROP TABLE sync_state;
     ALTER TABLE sync_state_17 RENAME TO sync_state;
-    CREATE TABLE outbox (
-        client_seq INTEGER PRIMARY KEY AUTOINCREMENT,
-        record_id TEXT NOT NULL,
-        kind TEXT NOT NULL,
-        body BLOB,
-        attempts INTEGER NOT NULL DEFAULT 0,
-        created_at REAL NOT NULL,
-        last_error_code INTEGER,
-        last_error_message TEXT);
+    {outbox};
     CREATE INDEX ix_outbox_session ON outbox (record_id) WHERE kind = 0;
-"""
+""".format(  # (the outbox as schema 1 made it, and 9 indexed it)
+    outbox=next(step for step in sqlite_module._MIGRATIONS[0] if "TABLE outbox" in str(step))
+)
 
 
 def _as_schema_17(conn: sqlite3.Connection) -> None:
@@ -3095,3 +3089,22 @@ async def test_a_schema_17_file_keeps_every_queued_entry_at_18(db_path: Path) ->
         conn.close()
     # The runs of one commit, one time, consecutive numbers: a row each (the gaps cut them).
     assert len(rows) < len(before) and sum(live for _, live in rows) == len(before) + 1
+
+
+async def test_a_schema_17_files_corrupt_outbox_row_still_opens_at_18(db_path: Path) -> None:
+    """A row of a schema 17 outbox with a kind or a key no build writes still migrates: the
+    file opens, and the flush's read names the corrupt entry, as it did before."""
+    async with SQLiteAdapter(db_path) as store:
+        await commit(store, make_message())
+    conn = raw(db_path)
+    try:
+        _as_schema_17(conn)
+        conn.execute("UPDATE outbox SET kind = 'Nonsense', record_id = x'0102'")
+        conn.commit()
+    finally:
+        conn.close()
+    async with SQLiteAdapter(db_path) as store:
+        assert await store.outbox_count() == 1
+        with pytest.raises(StorageError, match=r"corrupt row in outbox \(id 1\)"):
+            await store.outbox_pending()
+        assert await store.integrity_check() == []

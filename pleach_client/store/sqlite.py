@@ -146,7 +146,10 @@ def _outbox_by_commit(raw: sqlite3.Connection) -> None:
     runs: list[tuple[int, int, list[queued.Queued]]] = []
     tries: dict[int, queued.Tried] = {}
     for seq, record_id, kind, body, attempts, created_at, code, message in old:
-        entry = queued.Queued(_kind_code(kind), record_id, None if body is None else bytes(body))
+        if not (isinstance(record_id, str) or _is_uuid_key(record_id)):
+            record_id = repr(record_id)  # (no record has that key: its entry reads as corrupt)
+        copy = body if isinstance(body, bytes) or body is None else str(body).encode()
+        entry = queued.Queued(_kind_code(kind), record_id, copy)
         run = runs[-1] if runs else None
         if (
             run is None
@@ -172,9 +175,20 @@ def _outbox_by_commit(raw: sqlite3.Connection) -> None:
 
 def _kind_code(kind: object) -> int:
     """An outbox row's kind before schema 18 (its index in ``compact.KINDS`` as the column's
-    text, schema 9, or the kind's name before) as the index."""
+    text, schema 9, or the kind's name before) as the index; a kind that is neither (a
+    corrupt row) as ``_NO_KIND``, whose entry reads as no record (its flush names it)."""
     text = str(kind)
-    return int(text) if text.isdigit() else _KIND_CODE[text]
+    if text.isdigit():
+        return int(text) if int(text) < _NO_KIND else _NO_KIND
+    return _KIND_CODE.get(text, _NO_KIND)
+
+
+_NO_KIND: Final = 14
+"""The kind of an entry whose row named none this build knows (the last ``queued`` keeps)."""
+
+
+def _is_uuid_key(key: object) -> bool:
+    return isinstance(key, bytes) and len(key) == 16
 
 
 # One tuple of statements per schema version; append, never edit a released step.
@@ -1351,9 +1365,9 @@ def _outbox_read(raw: sqlite3.Connection, after: int, limit: int) -> tuple[list[
     ids: ``ids_count`` says how many its blocks hold), and the id blocks of the long sessions
     among them (``outbox_id_blocks``), each session's once, in one snapshot: in a read
     transaction of its own when the connection is in none, so that an entry, its record and
-    a session's count and blocks agree. The records are read by kind, a statement a kind
-    (``_QUEUED_BODIES``); an entry whose record is not there has no body (its decode names it
-    corrupt)."""
+    a session's count and blocks agree. The records are read in one statement
+    (``_queued_records``); an entry whose record is not there has no body (its decode names
+    it corrupt)."""
     own = not raw.in_transaction
     if own:
         raw.execute("BEGIN")
@@ -1399,6 +1413,8 @@ def _queued_records(
     list binds (a turn's nine in one: a statement a kind cost about 5 µs each), else a
     statement a list."""
     rows: list[Any] = []
+    if not keys:
+        return {}
     if all(len(wanted) <= _IN_SIZES[-1] for wanted in keys.values()):
         parts: list[tuple[str, int]] = []
         params: list[object] = []
@@ -1414,8 +1430,7 @@ def _queued_records(
             text = _UNION_TEXTS[shape] = " UNION ALL ".join(
                 sql.format(keys=_MARKS[fit]) for sql, fit in parts
             )
-        if parts:
-            rows = raw.execute(text, params).fetchall()
+        rows = raw.execute(text, params).fetchall() if parts else []
     else:
         rows = [
             row
