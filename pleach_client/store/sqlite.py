@@ -607,16 +607,21 @@ def _select_in(raw: sqlite3.Connection, sql: str, keys: Sequence[object]) -> lis
         chunk = list(keys[at : at + size])
         fit = next(n for n in _IN_SIZES if n >= len(chunk))
         chunk += chunk[-1:] * (fit - len(chunk))
-        statement = _IN_TEXTS.get((sql, fit))
-        if statement is None:
-            statement = _IN_TEXTS[sql, fit] = sql.format(keys=_MARKS[fit])
-        rows += raw.execute(statement, chunk).fetchall()
+        rows += raw.execute(_in_text(sql, fit), chunk).fetchall()
     return rows
+
+
+def _in_text(sql: str, fit: int) -> str:
+    """``sql`` with its ``{keys}`` a list of ``fit`` marks, made once (``_IN_TEXTS``)."""
+    text = _IN_TEXTS.get((sql, fit))
+    if text is None:
+        text = _IN_TEXTS[sql, fit] = sql.format(keys=_MARKS[fit])
+    return text
 
 
 _MARKS: Final = {n: ", ".join("?" * n) for n in _IN_SIZES}
 _IN_TEXTS: dict[tuple[str, int], str] = {}
-"""Each ``_select_in`` statement's text for each of ``_IN_SIZES``, made once: the texts that
+"""Each ``_select_in`` statement's text for each of ``_IN_SIZES`` (``_in_text``): the texts that
 put a body together are kilobytes long, and ``str.format`` read all of it at each call (about
 10 µs a statement)."""
 
@@ -1428,7 +1433,7 @@ def _queued_records(
         text = _UNION_TEXTS.get(shape)
         if text is None:
             text = _UNION_TEXTS[shape] = " UNION ALL ".join(
-                sql.format(keys=_MARKS[fit]) for sql, fit in parts
+                _in_text(sql, fit) for sql, fit in parts
             )
         rows = raw.execute(text, params).fetchall() if parts else []
     else:
@@ -1809,12 +1814,10 @@ def _delete_queued(raw: sqlite3.Connection, client_seqs: list[int]) -> None:
     if not client_seqs:
         return
     numbers = set(client_seqs)
-    rows = raw.execute(QUERIES["outbox_rows_between"], (min(numbers), max(numbers))).fetchall()
     removed: list[tuple[int]] = []
     rewritten: list[tuple[bytes, int, bytes | None, int]] = []
     went: list[tuple[int, list[queued.Entry]]] = []  # the entries removed, in their rows
-    for first, refs, tried in rows:
-        entries = _unpacked(first, refs)
+    for first, entries, tries in _rows_holding(raw, numbers):
         left = queued.gone(first, entries, numbers)
         if left == entries:
             continue
@@ -1822,8 +1825,8 @@ def _delete_queued(raw: sqlite3.Connection, client_seqs: list[int]) -> None:
         went.append((first, [entry if kept is None else None for entry, kept in pairs]))
         count = queued.live(left)
         if count:
-            tries = {at: t for at, t in _tries(first, tried).items() if left[at] is not None}
-            rewritten.append((queued.pack(left), count, queued.tried(tries), first))
+            kept = {at: held for at, held in tries.items() if left[at] is not None}
+            rewritten.append((queued.pack(left), count, queued.tried(kept), first))
         else:
             removed.append((first,))
     raw.executemany("DELETE FROM outbox WHERE client_seq = ?", removed)
@@ -1831,6 +1834,17 @@ def _delete_queued(raw: sqlite3.Connection, client_seqs: list[int]) -> None:
         "UPDATE outbox SET refs = ?, live = ?, tried = ? WHERE client_seq = ?", rewritten
     )
     _sessions_gone(raw, queued.sessions_of(went, _SESSION_KIND), numbers)
+
+
+def _rows_holding(
+    raw: sqlite3.Connection, numbers: Collection[int]
+) -> list[tuple[int, list[queued.Entry], dict[int, queued.Tried]]]:
+    """The outbox rows that may hold the entries numbered ``numbers`` (those from the row
+    holding the least to the greatest): each its first number, its entries and its failed
+    attempts (``_delete_queued``, ``_mark_attempt``)."""
+    span = (min(numbers), max(numbers))
+    rows = raw.execute(QUERIES["outbox_rows_between"], span).fetchall()
+    return [(first, _unpacked(first, refs), _tries(first, tried)) for first, refs, tried in rows]
 
 
 def _sessions_gone(
@@ -1952,22 +1966,21 @@ _PURGE_SESSION = (
 )
 
 
-def _queued_as_session(
-    raw: sqlite3.Connection, session_key: object, purged: Collection[tuple[int, object]]
-) -> None:
-    """Every queued entry of a record of ``purged`` (kind and key), referring or carrying its
-    copy, turned into a reference to session ``session_key``'s row (indexed as such in
-    ``outbox_sessions``): rows rewritten in place, numbers kept."""
-    if not purged or raw.execute("SELECT 1 FROM outbox LIMIT 1").fetchone() is None:
+def _queued_as_session(raw: sqlite3.Connection, wanted: dict[tuple[int, object], object]) -> None:
+    """Every queued entry of a record of ``wanted`` (its kind and key, each to the key of the
+    session purged of it), referring or carrying its copy, turned into a reference to that
+    session's row (counted as such in ``outbox_sessions``): rows rewritten in place, numbers
+    kept; one read of the outbox for all of a batch's purges."""
+    if not wanted or raw.execute("SELECT 1 FROM outbox LIMIT 1").fetchone() is None:
         return
-    wanted = set(purged)
     updates: list[tuple[bytes, int]] = []
     turned: list[tuple[int, list[queued.Entry]]] = []  # the entries turned, in their rows
     for first, refs in raw.execute("SELECT client_seq, refs FROM outbox").fetchall():
         entries = _unpacked(first, refs)
         now: list[queued.Entry] = [None] * len(entries)
         for at, entry in enumerate(entries):
-            if entry is not None and (entry.kind, entry.key) in wanted:
+            session_key = None if entry is None else wanted.get((entry.kind, entry.key))
+            if session_key is not None:
                 entries[at] = now[at] = queued.Queued(_SESSION_KIND, cast(Any, session_key))
         if any(now):
             updates.append((queued.pack(entries), first))
@@ -2042,10 +2055,16 @@ def _write_batch_now(
     """``_write_batch``'s statements, run on the connection's own thread."""
     groups, queued_groups = _shortened(raw, groups, queued_groups)
     keep = msgspec.json.encode(batch.purge_keep).decode()
-    for session_id in batch.purge_sessions:
-        session_key = _key(session_id)
-        purged = raw.execute(_PURGED, (session_key, keep)).fetchall()
-        _queued_as_session(raw, session_key, [(int(kind), key) for kind, key in purged])
+    purged_sessions = [_key(session_id) for session_id in batch.purge_sessions]
+    _queued_as_session(
+        raw,
+        {
+            (int(kind), key): session_key
+            for session_key in purged_sessions
+            for kind, key in raw.execute(_PURGED, (session_key, keep)).fetchall()
+        },
+    )
+    for session_key in purged_sessions:
         for statement in _PURGE_SESSION:
             raw.execute(statement, (session_key, keep))
     written = [*groups.items(), *queued_groups.items()]
@@ -2058,10 +2077,15 @@ def _write_batch_now(
             raw.executemany(sql, rows)
     if batch.purge_checkpoints_for:
         purge = [(_key(session_id),) for session_id in batch.purge_checkpoints_for]
-        for (session_key,) in purge:
-            purged = raw.execute(_PURGED_CHECKPOINTS, (session_key,)).fetchall()
-            checkpoint = _KIND_CODE["Checkpoint"]
-            _queued_as_session(raw, session_key, [(checkpoint, key) for (key,) in purged])
+        checkpoint = _KIND_CODE["Checkpoint"]
+        _queued_as_session(
+            raw,
+            {
+                (checkpoint, key): session_key
+                for (session_key,) in purge
+                for (key,) in raw.execute(_PURGED_CHECKPOINTS, (session_key,)).fetchall()
+            },
+        )
         for statement in _PURGE_CHECKPOINTS:
             raw.executemany(statement, purge)
     if batch.rechained_audit:
@@ -3073,11 +3097,9 @@ def _mark_attempt(
     ignored."""
     numbers = set(client_seqs)
     updates: list[tuple[bytes | None, int]] = []
-    rows = raw.execute(QUERIES["outbox_rows_between"], (min(numbers), max(numbers))).fetchall()
-    for first, refs, tried in rows:
-        tries = _tries(first, tried)
+    for first, entries, tries in _rows_holding(raw, numbers):
         changed = False
-        for at, entry in enumerate(_unpacked(first, refs)):
+        for at, entry in enumerate(entries):
             if entry is not None and first + at in numbers:
                 tries[at] = (tries.get(at, _UNTRIED)[0] + 1, code, message)
                 changed = True
